@@ -1,0 +1,42 @@
+# stallfree: the two commands are `make demo` and `make test`.
+SHELL := /bin/bash
+BAZEL ?= bazel
+NVCC := /usr/local/cuda/bin/nvcc
+APT_PACKAGES := bazel-bootstrap g++ protobuf-compiler protobuf-compiler-grpc libprotobuf-dev \
+  libgrpc++-dev libabsl-dev libtbb-dev libgloo-dev libopenblas-dev libgtest-dev libgmock-dev \
+  libbenchmark-dev
+
+.PHONY: deps build test demo bench gpu-check clean
+
+deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q "install ok installed" || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:" $$missing; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	else echo "deps: all packages present"; fi
+
+build: deps
+	$(BAZEL) build //:stallfreed //:stallfreectl //...
+
+test: deps
+	$(BAZEL) test //...
+	@if [ -x $(NVCC) ]; then \
+	  echo "nvcc found: building and linking the --config=cuda configuration"; \
+	  $(BAZEL) build --config=cuda //... //kernels:optimizer_cuda //tests/kernels:adamw_cuda_test && \
+	  ./bazel-bin/tests/kernels/adamw_cuda_test; \
+	else echo "nvcc not found: skipping the CUDA configuration"; fi
+
+demo: deps
+	$(BAZEL) build //:stallfreed //:stallfreectl //trainer:synthetic_trainer
+	./trainer/demo.sh
+
+bench: deps
+	$(BAZEL) run //bench:transport_bench
+
+gpu-check: deps
+	$(BAZEL) build --config=cuda //tests/kernels:adamw_cuda_test
+	./bazel-bin/tests/kernels/adamw_cuda_test
+
+clean:
+	$(BAZEL) clean

@@ -1,0 +1,233 @@
+#include "client/client.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "client/host_register.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "common/unix_socket.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace stallfree {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+Client::Client(std::string path, std::shared_ptr<grpc::Channel> channel)
+    : socket_path_(std::move(path)), channel_(std::move(channel)),
+      stub_(v1::Offload::NewStub(channel_)) {}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socket_path,
+                                                        int timeout_ms) {
+  const std::string hint = absl::StrCat("no stallfreed is listening on ", socket_path,
+                                        "; start one with: stallfreed --socket ", socket_path);
+  struct stat st;
+  if (stat(socket_path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
+    return absl::UnavailableError(hint);
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(1 << 30);
+  auto channel = grpc::CreateCustomChannel("unix:" + socket_path,
+                                           grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() +
+                                 std::chrono::milliseconds(timeout_ms))) {
+    return absl::UnavailableError(hint);
+  }
+  return std::unique_ptr<Client>(new Client(socket_path, std::move(channel)));
+}
+
+absl::StatusOr<std::string> Client::Health() {
+  auto stub = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  RETURN_IF_ERROR(FromGrpc(stub->Check(&ctx, req, &resp)));
+  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
+}
+
+absl::StatusOr<v1::Stats> Client::GetStats() {
+  grpc::ClientContext ctx;
+  v1::GetStatsResponse resp;
+  RETURN_IF_ERROR(FromGrpc(stub_->GetStats(&ctx, v1::GetStatsRequest(), &resp)));
+  return resp.stats();
+}
+
+absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions() {
+  grpc::ClientContext ctx;
+  v1::ListSessionsResponse resp;
+  RETURN_IF_ERROR(FromGrpc(stub_->ListSessions(&ctx, v1::ListSessionsRequest(), &resp)));
+  return std::vector<v1::SessionInfo>(resp.sessions().begin(), resp.sessions().end());
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& name, int rank) {
+  grpc::ClientContext ctx;
+  v1::OpenSessionRequest req;
+  req.set_name(name);
+  req.set_rank(rank);
+  req.set_pid(getpid());
+  v1::OpenSessionResponse resp;
+  RETURN_IF_ERROR(FromGrpc(stub_->OpenSession(&ctx, req, &resp)));
+  return std::unique_ptr<Session>(new Session(this, resp.session(), resp.fd_socket()));
+}
+
+Session::Session(Client* client, v1::SessionRef ref, std::string fd_socket)
+    : client_(client), ref_(std::move(ref)), fd_socket_(std::move(fd_socket)) {}
+
+Session::~Session() { Close().IgnoreError(); }
+
+absl::Status Session::Close() {
+  if (closed_) return absl::OkStatus();
+  closed_ = true;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::CloseSessionRequest req;
+  *req.mutable_session() = ref_;
+  v1::CloseSessionResponse resp;
+  absl::Status st = FromGrpc(client_->stub()->CloseSession(&ctx, req, &resp));
+  if (host_registered_) HostUnregister(region_->data(), region_->size());
+  region_.reset();
+  if (conn_ >= 0) close(conn_);
+  conn_ = -1;
+  return st;
+}
+
+absl::Status Session::Attach() {
+  ASSIGN_OR_RETURN(int conn, ConnectUnix(fd_socket_));
+  conn_ = conn;
+  RETURN_IF_ERROR(SendWithFd(conn_, absl::StrCat(ref_.session_id(), " ", ref_.token(), "\n"), -1));
+  std::string reply;
+  int fd = -1;
+  RETURN_IF_ERROR(RecvWithFd(conn_, 512, &reply, &fd));
+  if (reply.rfind("OK ", 0) != 0 || fd < 0) {
+    if (fd >= 0) close(fd);
+    while (!reply.empty() && reply.back() == '\n') reply.pop_back();
+    return absl::PermissionDeniedError(
+        absl::StrCat("the daemon refused the region of session ", ref_.session_id(), ": ", reply));
+  }
+  uint64_t size = 0;
+  std::istringstream(reply.substr(3)) >> size;
+  if (size != layout_.region_bytes()) {
+    close(fd);
+    return absl::InternalError(absl::StrCat("region is ", size, " bytes, layout says ",
+                                            layout_.region_bytes()));
+  }
+  ASSIGN_OR_RETURN(region_, MappedRegion::MapFd(fd, size));
+  std::string err;
+  host_registered_ = HostRegister(region_->data(), region_->size(), &err);
+  if (!err.empty()) SF_LOG(kWarning, "region of session %d: %s", ref_.session_id(), err);
+  return absl::OkStatus();
+}
+
+absl::Status Session::RegisterParams(const std::vector<ParamSpec>& params) {
+  grpc::ClientContext ctx;
+  v1::RegisterParamsRequest req;
+  *req.mutable_session() = ref_;
+  for (const ParamSpec& p : params) {
+    v1::ParamSpec* s = req.add_params();
+    s->set_name(p.name);
+    for (int64_t d : p.shape) s->add_shape(d);
+    s->set_grad_dtype(p.grad_dtype);
+  }
+  v1::RegisterParamsResponse resp;
+  RETURN_IF_ERROR(FromGrpc(client_->stub()->RegisterParams(&ctx, req, &resp)));
+  layout_ = resp.layout();
+  for (const v1::ParamLayout& p : layout_.params()) params_[p.name()] = p;
+  return Attach();
+}
+
+absl::StatusOr<const v1::ParamLayout*> Session::Param(const std::string& name) const {
+  auto it = params_.find(name);
+  if (it == params_.end()) return absl::NotFoundError(absl::StrCat("no parameter '", name, "'"));
+  return &it->second;
+}
+
+void* Session::GradSlot(uint32_t slot, const std::string& name) const {
+  const v1::ParamLayout& p = params_.at(name);
+  return region_->data() + layout_.grad_slot_offset() + slot * layout_.grad_slot_bytes() +
+         p.grad_offset();
+}
+float* Session::StagingFp32(const std::string& name) const {
+  return reinterpret_cast<float*>(region_->data() + layout_.staging_offset() +
+                                  params_.at(name).staging_offset());
+}
+const float* Session::ParamsFp32(uint32_t slot, const std::string& name) const {
+  return reinterpret_cast<const float*>(region_->data() + layout_.param_slot_offset() +
+                                        slot * layout_.param_slot_bytes() +
+                                        params_.at(name).param_offset_fp32());
+}
+const uint16_t* Session::ParamsBf16(uint32_t slot, const std::string& name) const {
+  return reinterpret_cast<const uint16_t*>(region_->data() + layout_.param_slot_offset() +
+                                           slot * layout_.param_slot_bytes() +
+                                           params_.at(name).param_offset_bf16());
+}
+
+absl::Status Session::LoadParams() {
+  grpc::ClientContext ctx;
+  v1::LoadParamsRequest req;
+  *req.mutable_session() = ref_;
+  v1::LoadParamsResponse resp;
+  return FromGrpc(client_->stub()->LoadParams(&ctx, req, &resp));
+}
+
+absl::StatusOr<v1::PushGradientsResponse> Session::Push(const v1::PushGradientsRequest& request) {
+  grpc::ClientContext ctx;
+  v1::PushGradientsRequest req = request;
+  *req.mutable_session() = ref_;
+  v1::PushGradientsResponse resp;
+  RETURN_IF_ERROR(FromGrpc(client_->stub()->PushGradients(&ctx, req, &resp)));
+  return resp;
+}
+
+absl::StatusOr<v1::PushGradientsResponse> Session::Push(int64_t step, uint32_t slot, float scale) {
+  v1::PushGradientsRequest req;
+  req.set_step(step);
+  req.set_slot(slot);
+  req.set_scale(scale);
+  return Push(req);
+}
+
+std::future<absl::StatusOr<v1::PushGradientsResponse>> Session::PushAsync(int64_t step,
+                                                                          uint32_t slot,
+                                                                          float scale) {
+  return std::async(std::launch::async, [this, step, slot, scale] { return Push(step, slot, scale); });
+}
+
+absl::Status Session::Update(int64_t step, const v1::AdamWHyper& hyper, uint32_t param_slot,
+                             v1::DType out_dtype) {
+  grpc::ClientContext ctx;
+  v1::UpdateRequest req;
+  *req.mutable_session() = ref_;
+  req.set_step(step);
+  *req.mutable_hyper() = hyper;
+  req.set_param_slot(param_slot);
+  req.set_out_dtype(out_dtype);
+  v1::UpdateResponse resp;
+  return FromGrpc(client_->stub()->Update(&ctx, req, &resp));
+}
+
+absl::StatusOr<v1::WaitUpdateResponse> Session::WaitUpdate(int64_t min_version,
+                                                           uint32_t timeout_ms) {
+  grpc::ClientContext ctx;
+  v1::WaitUpdateRequest req;
+  *req.mutable_session() = ref_;
+  req.set_min_version(min_version);
+  req.set_timeout_ms(timeout_ms);
+  v1::WaitUpdateResponse resp;
+  RETURN_IF_ERROR(FromGrpc(client_->stub()->WaitUpdate(&ctx, req, &resp)));
+  return resp;
+}
+
+std::future<absl::StatusOr<v1::WaitUpdateResponse>> Session::WaitUpdateAsync(int64_t min_version) {
+  return std::async(std::launch::async, [this, min_version] { return WaitUpdate(min_version); });
+}
+
+}  // namespace stallfree

@@ -1,0 +1,120 @@
+// stallfree::Client: the library trainers link to offload optimizer work to stallfreed.
+//
+//   ASSIGN_OR_RETURN(auto client, Client::Connect("/run/stallfree/stallfreed.sock"));
+//   ASSIGN_OR_RETURN(auto session, client->OpenSession("gpt", /*rank=*/0));
+//   RETURN_IF_ERROR(session->RegisterParams({{"w", {1024, 1024}, v1::DTYPE_FP32}}));
+//   memcpy(session->StagingFp32("w"), init, bytes);  RETURN_IF_ERROR(session->LoadParams());
+//   memcpy(session->GradSlot(0, "w"), grad, bytes);  RETURN_IF_ERROR(session->Push(1, 0).status());
+//   RETURN_IF_ERROR(session->Update(1, hyper, /*param_slot=*/0));
+//   auto ready = session->WaitUpdateAsync(1);   // std::future; overlap compute here
+//   const float* w = session->ParamsFp32(ready.get()->param_slot(), "w");
+//
+// Ownership: a Client owns its gRPC channel; a Session owns its mapping of the region and the
+// fd connection that keeps the session alive (closing it, or the process dying, ends the
+// session in the daemon). A Session must not outlive its Client.
+// Thread safety: Client is thread safe. Session's RPC methods are thread safe; the region's
+// bytes are shared memory, so the caller must not write a slot while a Push of it is in flight
+// nor read a parameter slot while an Update into it runs (the double buffers exist for this).
+#pragma once
+
+#include <future>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "common/region.h"
+#include "stallfree/v1/offload.grpc.pb.h"
+
+namespace stallfree {
+
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  v1::DType grad_dtype = v1::DTYPE_FP32;
+};
+
+absl::Status FromGrpc(const grpc::Status& s);
+
+class Session;
+
+class Client {
+ public:
+  // Connects to the daemon's gRPC socket; fails with UNAVAILABLE naming the socket (and how to
+  // start a daemon) if none answers within `timeout_ms`.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& socket_path,
+                                                         int timeout_ms = 3000);
+
+  absl::StatusOr<std::unique_ptr<Session>> OpenSession(const std::string& name, int rank);
+  // grpc.health.v1 status of the daemon: "SERVING" when all is well.
+  absl::StatusOr<std::string> Health();
+  absl::StatusOr<v1::Stats> GetStats();
+  absl::StatusOr<std::vector<v1::SessionInfo>> ListSessions();
+
+  v1::Offload::Stub* stub() { return stub_.get(); }
+  const std::string& socket_path() const { return socket_path_; }
+
+ private:
+  Client(std::string path, std::shared_ptr<grpc::Channel> channel);
+  std::string socket_path_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Offload::Stub> stub_;
+};
+
+class Session {
+ public:
+  ~Session();  // Closes the session (best effort) and unmaps the region.
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  // Registers parameters, then receives the region's fd, maps it (and, in CUDA builds,
+  // registers it with cudaHostRegister). Call once.
+  absl::Status RegisterParams(const std::vector<ParamSpec>& params);
+
+  const v1::RegionLayout& layout() const { return layout_; }
+  absl::StatusOr<const v1::ParamLayout*> Param(const std::string& name) const;
+  uint8_t* region() const { return region_ ? region_->data() : nullptr; }
+  // Where parameter `name`'s gradient goes in gradient slot `slot` (0 or 1).
+  void* GradSlot(uint32_t slot, const std::string& name) const;
+  // Where parameter `name`'s initial fp32 values go before LoadParams.
+  float* StagingFp32(const std::string& name) const;
+  // Parameter `name` in parameter slot `slot`, as written by an Update.
+  const float* ParamsFp32(uint32_t slot, const std::string& name) const;
+  const uint16_t* ParamsBf16(uint32_t slot, const std::string& name) const;
+
+  absl::Status LoadParams();
+  // Accumulates every parameter's gradient in `slot` (the whole of each parameter).
+  absl::StatusOr<v1::PushGradientsResponse> Push(int64_t step, uint32_t slot, float scale = 1.0f);
+  // The general form: explicit ranges.
+  absl::StatusOr<v1::PushGradientsResponse> Push(const v1::PushGradientsRequest& request);
+  std::future<absl::StatusOr<v1::PushGradientsResponse>> PushAsync(int64_t step, uint32_t slot,
+                                                                   float scale = 1.0f);
+  // Starts AdamW; returns when the daemon accepted it (not when it finished).
+  absl::Status Update(int64_t step, const v1::AdamWHyper& hyper, uint32_t param_slot,
+                      v1::DType out_dtype = v1::DTYPE_FP32);
+  absl::StatusOr<v1::WaitUpdateResponse> WaitUpdate(int64_t min_version, uint32_t timeout_ms = 0);
+  std::future<absl::StatusOr<v1::WaitUpdateResponse>> WaitUpdateAsync(int64_t min_version);
+  absl::Status Close();
+
+  const v1::SessionRef& ref() const { return ref_; }
+
+ private:
+  friend class Client;
+  Session(Client* client, v1::SessionRef ref, std::string fd_socket);
+  absl::Status Attach();
+
+  Client* client_;
+  v1::SessionRef ref_;
+  std::string fd_socket_;
+  int conn_ = -1;
+  bool closed_ = false;
+  bool host_registered_ = false;
+  v1::RegionLayout layout_;
+  std::map<std::string, v1::ParamLayout> params_;
+  std::unique_ptr<MappedRegion> region_;
+};
+
+}  // namespace stallfree

@@ -1,0 +1,129 @@
+// stallfreectl: admin CLI for stallfreed (health, stats, sessions).
+#include <cstdio>
+#include <string>
+
+#include <google/protobuf/util/json_util.h>
+
+#include "absl/strings/str_format.h"
+#include "client/client.h"
+#include "common/flags.h"
+
+namespace {
+
+std::string DefaultSocket() {
+  const char* xdg = getenv("XDG_RUNTIME_DIR");
+  if (xdg != nullptr && *xdg != '\0') return std::string(xdg) + "/stallfree/stallfreed.sock";
+  return "/run/stallfree/stallfreed.sock";
+}
+
+std::string Json(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.add_whitespace = true;
+  opts.always_print_primitive_fields = true;
+  opts.preserve_proto_field_names = true;
+  if (!google::protobuf::util::MessageToJsonString(m, &out, opts).ok()) out = "{}";
+  out += "\n";
+  return out;
+}
+
+std::string Bytes(uint64_t b) {
+  if (b >= (uint64_t{1} << 30)) return absl::StrFormat("%.2f GiB", b / 1073741824.0);
+  if (b >= (uint64_t{1} << 20)) return absl::StrFormat("%.1f MiB", b / 1048576.0);
+  return absl::StrFormat("%d B", b);
+}
+
+int Run(int argc, char** argv) {
+  using namespace stallfree;
+  std::string socket = DefaultSocket();
+  std::string output = "table";
+  FlagSet flags("stallfreectl",
+                "admin CLI for stallfreed.\n\nUsage: stallfreectl [flags] health|stats|sessions");
+  flags.AddString("socket", &socket, "the daemon's gRPC unix socket");
+  flags.AddString("o", &output, "output format: table or json");
+  absl::StatusOr<bool> help = flags.Parse(argc, argv);
+  if (!help.ok()) {
+    fprintf(stderr, "stallfreectl: %s\n", std::string(help.status().message()).c_str());
+    return 2;
+  }
+  if (*help) {
+    printf("%s", flags.Help().c_str());
+    return 0;
+  }
+  if (flags.positional().size() != 1 || (output != "table" && output != "json")) {
+    fprintf(stderr, "%s", flags.Help().c_str());
+    return 2;
+  }
+  const std::string cmd = flags.positional()[0];
+  if (cmd != "health" && cmd != "stats" && cmd != "sessions") {
+    fprintf(stderr, "stallfreectl: unknown command '%s' (health, stats, sessions)\n", cmd.c_str());
+    return 2;
+  }
+  auto client = Client::Connect(socket);
+  if (!client.ok()) {
+    fprintf(stderr, "stallfreectl: %s\n", std::string(client.status().message()).c_str());
+    return 1;
+  }
+  if (cmd == "health") {
+    auto h = (*client)->Health();
+    if (!h.ok()) {
+      fprintf(stderr, "stallfreectl: health: %s\n", h.status().ToString().c_str());
+      return 1;
+    }
+    if (output == "json") printf("{\"status\": \"%s\", \"socket\": \"%s\"}\n", h->c_str(), socket.c_str());
+    else printf("%s  %s\n", h->c_str(), socket.c_str());
+    return *h == "SERVING" ? 0 : 1;
+  }
+  if (cmd == "stats") {
+    auto s = (*client)->GetStats();
+    if (!s.ok()) {
+      fprintf(stderr, "stallfreectl: stats: %s\n", s.status().ToString().c_str());
+      return 1;
+    }
+    if (output == "json") {
+      printf("%s", Json(*s).c_str());
+      return 0;
+    }
+    const v1::Stats& st = *s;
+    printf("%-22s %s\n", "version", st.version().c_str());
+    printf("%-22s %.1f s\n", "uptime", st.uptime_seconds());
+    printf("%-22s %d\n", "worker_threads", st.worker_threads());
+    printf("%-22s %ld (opened %ld, closed %ld, reclaimed %ld)\n", "sessions", (long)st.sessions(),
+           (long)st.sessions_opened(), (long)st.sessions_closed(), (long)st.sessions_reclaimed());
+    printf("%-22s %ld (%ld elements, %s fp32)\n", "params", (long)st.params(),
+           (long)st.param_elements(), Bytes(st.param_bytes()).c_str());
+    printf("%-22s %s of %s%s\n", "pinned", Bytes(st.pinned_bytes()).c_str(),
+           st.pinned_budget_bytes() ? Bytes(st.pinned_budget_bytes()).c_str() : "unlimited",
+           st.mlock_enabled() ? "" : " (mlock off)");
+    printf("%-22s %ld (%.3f s accumulating)\n", "pushes", (long)st.pushes(), st.accumulate_seconds());
+    printf("%-22s %ld (%.3f s in AdamW)\n", "updates", (long)st.updates(), st.update_seconds());
+    printf("%-22s %s in, %s out\n", "bytes moved", Bytes(st.bytes_in()).c_str(),
+           Bytes(st.bytes_out()).c_str());
+    printf("%-22s %ld\n", "rejected requests", (long)st.rejected_requests());
+    return 0;
+  }
+  auto list = (*client)->ListSessions();
+  if (!list.ok()) {
+    fprintf(stderr, "stallfreectl: sessions: %s\n", list.status().ToString().c_str());
+    return 1;
+  }
+  if (output == "json") {
+    v1::ListSessionsResponse resp;
+    for (auto& s : *list) *resp.add_sessions() = s;
+    printf("%s", Json(resp).c_str());
+    return 0;
+  }
+  printf("%-6s %-16s %-5s %-8s %-6s %-8s %-12s %-10s %-8s %-8s %-8s\n", "ID", "NAME", "RANK", "PID",
+         "UID", "PARAMS", "ELEMENTS", "PINNED", "STEP", "PUSHES", "UPDATES");
+  for (const auto& s : *list) {
+    printf("%-6lu %-16s %-5d %-8ld %-6u %-8ld %-12ld %-10s %-8ld %-8ld %-8ld\n",
+           (unsigned long)s.session_id(), s.name().c_str(), s.rank(), (long)s.pid(), s.uid(),
+           (long)s.params(), (long)s.param_elements(), Bytes(s.pinned_bytes()).c_str(),
+           (long)s.last_step(), (long)s.pushes(), (long)s.updates());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return Run(argc, argv); }

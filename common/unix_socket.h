@@ -1,0 +1,29 @@
+// Unix-domain socket helpers: listen/connect, peer credentials, and fd passing (SCM_RIGHTS).
+// All functions return errors naming the call, the path or fd, and errno.
+#pragma once
+
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace stallfree {
+
+// Creates a listening SOCK_STREAM socket at `path` (an existing stale socket file is removed),
+// with permissions `mode`. Returns the fd (CLOEXEC).
+absl::StatusOr<int> ListenUnix(const std::string& path, int mode = 0666);
+// Connects to `path`. Returns the fd (CLOEXEC).
+absl::StatusOr<int> ConnectUnix(const std::string& path);
+// SO_PEERCRED of a connected socket.
+absl::StatusOr<struct ucred> PeerCredentials(int sock);
+// Sends `message` and, if fd >= 0, the descriptor as SCM_RIGHTS ancillary data.
+absl::Status SendWithFd(int sock, const std::string& message, int fd);
+// Receives up to `max_bytes` of message and at most one descriptor (-1 if none was sent).
+absl::Status RecvWithFd(int sock, size_t max_bytes, std::string* message, int* fd);
+// Reads one '\n'-terminated line (without the newline), at most max_bytes.
+absl::StatusOr<std::string> ReadLine(int sock, size_t max_bytes);
+
+}  // namespace stallfree

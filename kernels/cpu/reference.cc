@@ -1,0 +1,65 @@
+// Scalar reference implementations: the oracle for every fast backend.
+#include <cmath>
+
+#include "common/bf16.h"
+#include "kernels/optimizer.h"
+
+namespace stallfree {
+namespace kernels {
+namespace {
+
+inline float LoadGrad(const void* grad, GradType type, int64_t i) {
+  if (type == GradType::kBf16) return stallfree::Bf16ToFloat(static_cast<const uint16_t*>(grad)[i]);
+  return static_cast<const float*>(grad)[i];
+}
+
+class ScalarKernel final : public OptimizerKernel {
+ public:
+  const char* name() const override { return "scalar-reference"; }
+
+  void Accumulate(float* acc, const void* grad, GradType type, float scale,
+                  int64_t n) const override {
+    for (int64_t i = 0; i < n; ++i) acc[i] += scale * LoadGrad(grad, type, i);
+  }
+
+  void AdamW(const AdamWConfig& c, float* param, float* m, float* v, const void* grad,
+             GradType type, int64_t n, uint16_t* bf16_out) const override {
+    const double t = static_cast<double>(c.step);
+    const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(c.beta1), t));
+    const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(c.beta2), t));
+    const float step_size = c.lr / bc1;
+    const float bc2_sqrt = std::sqrt(bc2);
+    const float decay = 1.0f - c.lr * c.weight_decay;
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = c.grad_scale * LoadGrad(grad, type, i);
+      float p = param[i] * decay;
+      const float mi = c.beta1 * m[i] + (1.0f - c.beta1) * g;
+      const float vi = c.beta2 * v[i] + (1.0f - c.beta2) * g * g;
+      const float denom = std::sqrt(vi) / bc2_sqrt + c.eps;
+      p -= step_size * (mi / denom);
+      m[i] = mi;
+      v[i] = vi;
+      param[i] = p;
+      if (bf16_out != nullptr) bf16_out[i] = stallfree::FloatToBf16(p);
+    }
+  }
+
+  void FloatToBf16(const float* src, uint16_t* dst, int64_t n) const override {
+    for (int64_t i = 0; i < n; ++i) dst[i] = stallfree::FloatToBf16(src[i]);
+  }
+  void Bf16ToFloat(const uint16_t* src, float* dst, int64_t n) const override {
+    for (int64_t i = 0; i < n; ++i) dst[i] = stallfree::Bf16ToFloat(src[i]);
+  }
+};
+
+}  // namespace
+
+const OptimizerKernel& ReferenceKernel() {
+  static const ScalarKernel* kernel = new ScalarKernel();
+  return *kernel;
+}
+
+const OptimizerKernel& DefaultCpuKernel() { return ReferenceKernel(); }
+
+}  // namespace kernels
+}  // namespace stallfree

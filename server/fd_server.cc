@@ -1,0 +1,126 @@
+#include "server/fd_server.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "common/unix_socket.h"
+
+namespace stallfree {
+
+FdServer::~FdServer() { Stop(); }
+
+absl::Status FdServer::Start(const std::string& path) {
+  path_ = path;
+  ASSIGN_OR_RETURN(listen_fd_, ListenUnix(path, 0666));
+  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (epoll_fd_ < 0) return ErrnoStatus("epoll_create1", path);
+  wake_fd_ = eventfd(0, EFD_CLOEXEC);
+  if (wake_fd_ < 0) return ErrnoStatus("eventfd", path);
+  for (int fd : {listen_fd_, wake_fd_}) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0)
+      return ErrnoStatus("epoll_ctl(ADD)", absl::StrCat("fd ", fd));
+  }
+  thread_ = std::thread([this] { Loop(); });
+  return absl::OkStatus();
+}
+
+void FdServer::Stop() {
+  if (!thread_.joinable()) return;
+  stop_.store(true);
+  uint64_t one = 1;
+  ssize_t ignored = write(wake_fd_, &one, sizeof one);
+  (void)ignored;
+  thread_.join();
+  for (auto& [fd, id] : attached_) close(fd);
+  attached_.clear();
+  close(listen_fd_);
+  close(epoll_fd_);
+  close(wake_fd_);
+  unlink(path_.c_str());
+}
+
+void FdServer::Handshake(int conn) {
+  // A short receive timeout so a silent peer cannot stall the loop.
+  timeval tv{2, 0};
+  setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  auto reply_error = [&](const absl::Status& st) {
+    SF_LOG(kWarning, "fd socket: refused: %s", st.ToString());
+    SendWithFd(conn, absl::StrCat("ERR ", absl::StatusCodeToString(st.code()), " ", st.message(), "\n"), -1)
+        .IgnoreError();
+    close(conn);
+  };
+  absl::StatusOr<struct ucred> cred = PeerCredentials(conn);
+  if (!cred.ok()) return reply_error(cred.status());
+  absl::StatusOr<std::string> line = ReadLine(conn, 256);
+  if (!line.ok()) return reply_error(line.status());
+  std::istringstream in(*line);
+  uint64_t id = 0;
+  std::string token;
+  if (!(in >> id >> token)) {
+    return reply_error(absl::InvalidArgumentError("expected '<session_id> <token>'"));
+  }
+  auto fd = sessions_->Attach(id, token, cred->uid, cred->pid);
+  if (!fd.ok()) return reply_error(fd.status());
+  absl::Status st = SendWithFd(conn, absl::StrCat("OK ", fd->second, "\n"), fd->first);
+  if (!st.ok()) {
+    close(conn);
+    sessions_->OnConnectionClosed(id);
+    return;
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLHUP;
+  ev.data.fd = conn;
+  if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, conn, &ev) != 0) {
+    ErrnoStatus("epoll_ctl(ADD)", absl::StrCat("connection of session ", id)).IgnoreError();
+    close(conn);
+    sessions_->OnConnectionClosed(id);
+    return;
+  }
+  attached_[conn] = id;
+}
+
+void FdServer::Loop() {
+  epoll_event events[64];
+  while (!stop_.load()) {
+    int n = epoll_wait(epoll_fd_, events, 64, 500);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      ErrnoStatus("epoll_wait", path_).IgnoreError();
+      return;
+    }
+    for (int i = 0; i < n; ++i) {
+      int fd = events[i].data.fd;
+      if (fd == wake_fd_) continue;
+      if (fd == listen_fd_) {
+        int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (conn < 0) {
+          ErrnoStatus("accept4", path_).IgnoreError();
+          continue;
+        }
+        Handshake(conn);
+        continue;
+      }
+      // An attached connection: any readable event is EOF or garbage; either ends the session.
+      char buf[64];
+      ssize_t r = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+      if (r > 0 && !(events[i].events & (EPOLLHUP | EPOLLRDHUP))) continue;
+      auto it = attached_.find(fd);
+      uint64_t id = it == attached_.end() ? 0 : it->second;
+      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
+      close(fd);
+      if (it != attached_.end()) attached_.erase(it);
+      if (id != 0) sessions_->OnConnectionClosed(id);
+    }
+  }
+}
+
+}  // namespace stallfree

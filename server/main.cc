@@ -1,0 +1,142 @@
+// stallfreed: the per-node offload daemon.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <tbb/task_arena.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/flags.h"
+#include "common/log.h"
+#include "server/fd_server.h"
+#include "server/offload_service.h"
+#include "server/session_manager.h"
+
+namespace {
+
+std::string DefaultSocketDir() {
+  const char* xdg = getenv("XDG_RUNTIME_DIR");
+  if (xdg != nullptr && *xdg != '\0') return absl::StrCat(xdg, "/stallfree");
+  return "/run/stallfree";
+}
+
+int Run(int argc, char** argv) {
+  using namespace stallfree;
+  std::string socket = DefaultSocketDir() + "/stallfreed.sock";
+  std::string fd_socket;
+  int64_t threads = 0;
+  int64_t pinned_mib = 0;
+  std::string pin = "best-effort";
+  std::string log_level = "info";
+  FlagSet flags("stallfreed",
+                "the stallfree offload daemon: owns pinned host memory and applies AdamW to the "
+                "gradients trainers push through shared memory.");
+  flags.AddString("socket", &socket,
+                  "gRPC unix socket path ($XDG_RUNTIME_DIR/stallfree/ or /run/stallfree/)");
+  flags.AddString("fd_socket", &fd_socket, "fd hand-off socket path (default: <socket>.fd)");
+  flags.AddInt("threads", &threads, "optimizer worker threads (0: all cores)");
+  flags.AddInt("pinned_mib", &pinned_mib,
+               "pinned-memory budget in MiB for all sessions' regions and state (0: unlimited)");
+  flags.AddString("pin", &pin,
+                  "mlock policy: require (fail if mlock fails), best-effort (warn), off");
+  flags.AddString("log_level", &log_level, "debug, info, warning or error");
+  absl::StatusOr<bool> help = flags.Parse(argc, argv);
+  if (!help.ok()) {
+    fprintf(stderr, "stallfreed: %s\n", std::string(help.status().message()).c_str());
+    return 2;
+  }
+  if (*help) {
+    printf("%s", flags.Help().c_str());
+    return 0;
+  }
+  LogLevel level;
+  if (!ParseLogLevel(log_level, &level)) {
+    fprintf(stderr, "stallfreed: --log_level: '%s' is not debug, info, warning or error\n",
+            log_level.c_str());
+    return 2;
+  }
+  SetLogLevel(level);
+  DaemonOptions opts;
+  if (pin == "require") opts.pin = PinPolicy::kRequire;
+  else if (pin == "best-effort") opts.pin = PinPolicy::kBestEffort;
+  else if (pin == "off") opts.pin = PinPolicy::kOff;
+  else {
+    fprintf(stderr, "stallfreed: --pin: '%s' is not require, best-effort or off\n", pin.c_str());
+    return 2;
+  }
+  if (threads < 0 || pinned_mib < 0) {
+    fprintf(stderr, "stallfreed: --threads and --pinned_mib must be >= 0\n");
+    return 2;
+  }
+  if (fd_socket.empty()) fd_socket = socket + ".fd";
+  std::string dir = socket.substr(0, socket.rfind('/'));
+  if (!dir.empty() && mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    SF_LOG(kError, "mkdir(%s) failed: %s (errno %d)", dir, strerror(errno), errno);
+    return 1;
+  }
+  opts.fd_socket_path = fd_socket;
+  opts.pinned_budget_bytes = static_cast<uint64_t>(pinned_mib) << 20;
+  opts.worker_threads =
+      threads > 0 ? static_cast<int>(threads) : tbb::this_task_arena::max_concurrency();
+
+  // SIGTERM/SIGINT are taken by a dedicated thread with sigwait.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  tbb::task_arena arena(opts.worker_threads);
+  SessionManager sessions(opts, &arena);
+  FdServer fd_server(&sessions);
+  absl::Status st = fd_server.Start(fd_socket);
+  if (!st.ok()) {
+    SF_LOG(kError, "cannot serve the fd socket %s: %s", fd_socket, st.ToString());
+    return 1;
+  }
+  OffloadService service(&sessions);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(1 << 30);
+  builder.SetMaxSendMessageSize(64 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) {
+    SF_LOG(kError, "cannot listen on unix:%s (is another stallfreed running?)", socket);
+    return 1;
+  }
+  chmod(socket.c_str(), 0666);
+  SF_LOG(kInfo, "stallfreed serving on unix:%s (fd socket %s), %d worker threads, budget %d MiB, pin %s",
+         socket, fd_socket, opts.worker_threads, pinned_mib, pin);
+
+  std::atomic<bool> stop{false};
+  std::thread housekeeping([&] {
+    while (!stop.load()) {
+      sessions.Housekeeping();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  SF_LOG(kInfo, "signal %d: no new requests; finishing running updates", sig);
+  sessions.Drain();  // new requests get UNAVAILABLE; queued and running work completes.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  stop.store(true);
+  housekeeping.join();
+  fd_server.Stop();
+  unlink(socket.c_str());
+  SF_LOG(kInfo, "stallfreed stopped");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return Run(argc, argv); }

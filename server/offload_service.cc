@@ -1,0 +1,112 @@
+#include "server/offload_service.h"
+
+namespace stallfree {
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+namespace {
+std::function<void(absl::Status)> Finisher(grpc::ServerUnaryReactor* r) {
+  return [r](absl::Status s) { r->Finish(ToGrpc(s)); };
+}
+}  // namespace
+
+grpc::ServerUnaryReactor* OffloadService::OpenSession(grpc::CallbackServerContext* ctx,
+                                                      const v1::OpenSessionRequest* req,
+                                                      v1::OpenSessionResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  auto out = sessions_->Open(*req);
+  if (out.ok()) *resp = std::move(*out);
+  r->Finish(ToGrpc(out.status()));
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::CloseSession(grpc::CallbackServerContext* ctx,
+                                                       const v1::CloseSessionRequest* req,
+                                                       v1::CloseSessionResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  auto out = sessions_->Close(req->session());
+  if (out.ok()) resp->set_freed_bytes(*out);
+  r->Finish(ToGrpc(out.status()));
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::RegisterParams(grpc::CallbackServerContext* ctx,
+                                                         const v1::RegisterParamsRequest* req,
+                                                         v1::RegisterParamsResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->RegisterParams(*req, resp, Finisher(r));
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::LoadParams(grpc::CallbackServerContext* ctx,
+                                                     const v1::LoadParamsRequest* req,
+                                                     v1::LoadParamsResponse*) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->LoadParams(*req, Finisher(r));
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::PushGradients(grpc::CallbackServerContext* ctx,
+                                                        const v1::PushGradientsRequest* req,
+                                                        v1::PushGradientsResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->PushGradients(*req, resp, Finisher(r));
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::PushGradientsInline(
+    grpc::CallbackServerContext* ctx, const v1::PushGradientsInlineRequest* req,
+    v1::PushGradientsResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->PushGradientsInline(*req, resp, Finisher(r));
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::Update(grpc::CallbackServerContext* ctx,
+                                                 const v1::UpdateRequest* req,
+                                                 v1::UpdateResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  absl::Status st = sessions_->Update(*req);
+  if (st.ok()) resp->set_version(req->step());
+  r->Finish(ToGrpc(st));
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::WaitUpdate(grpc::CallbackServerContext* ctx,
+                                                     const v1::WaitUpdateRequest* req,
+                                                     v1::WaitUpdateResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->WaitUpdate(*req, [r, resp](absl::StatusOr<WaitResult> res) {
+    if (res.ok()) {
+      resp->set_version(res->version);
+      resp->set_param_slot(res->slot);
+      resp->set_dtype(res->dtype);
+      resp->set_update_seconds(res->update_seconds);
+    }
+    r->Finish(ToGrpc(res.status()));
+  });
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::GetStats(grpc::CallbackServerContext* ctx,
+                                                   const v1::GetStatsRequest*,
+                                                   v1::GetStatsResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  *resp->mutable_stats() = sessions_->GetStats();
+  r->Finish(grpc::Status::OK);
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::ListSessions(grpc::CallbackServerContext* ctx,
+                                                       const v1::ListSessionsRequest*,
+                                                       v1::ListSessionsResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  for (auto& s : sessions_->ListSessions()) *resp->add_sessions() = std::move(s);
+  r->Finish(grpc::Status::OK);
+  return r;
+}
+
+}  // namespace stallfree

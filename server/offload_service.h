@@ -1,0 +1,51 @@
+// OffloadService: the gRPC edge of stallfreed. Callback handlers validate through the
+// SessionManager and finish their reactor when the work completes; none blocks a gRPC thread.
+// absl::Status becomes grpc::Status here and nowhere else.
+#pragma once
+
+#include "server/session_manager.h"
+#include "stallfree/v1/offload.grpc.pb.h"
+
+namespace stallfree {
+
+grpc::Status ToGrpc(const absl::Status& s);
+
+class OffloadService final : public v1::Offload::CallbackService {
+ public:
+  explicit OffloadService(SessionManager* sessions) : sessions_(sessions) {}
+
+  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
+                                        const v1::OpenSessionRequest* req,
+                                        v1::OpenSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
+                                         const v1::CloseSessionRequest* req,
+                                         v1::CloseSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* RegisterParams(grpc::CallbackServerContext* ctx,
+                                           const v1::RegisterParamsRequest* req,
+                                           v1::RegisterParamsResponse* resp) override;
+  grpc::ServerUnaryReactor* LoadParams(grpc::CallbackServerContext* ctx,
+                                       const v1::LoadParamsRequest* req,
+                                       v1::LoadParamsResponse* resp) override;
+  grpc::ServerUnaryReactor* PushGradients(grpc::CallbackServerContext* ctx,
+                                          const v1::PushGradientsRequest* req,
+                                          v1::PushGradientsResponse* resp) override;
+  grpc::ServerUnaryReactor* PushGradientsInline(grpc::CallbackServerContext* ctx,
+                                                const v1::PushGradientsInlineRequest* req,
+                                                v1::PushGradientsResponse* resp) override;
+  grpc::ServerUnaryReactor* Update(grpc::CallbackServerContext* ctx, const v1::UpdateRequest* req,
+                                   v1::UpdateResponse* resp) override;
+  grpc::ServerUnaryReactor* WaitUpdate(grpc::CallbackServerContext* ctx,
+                                       const v1::WaitUpdateRequest* req,
+                                       v1::WaitUpdateResponse* resp) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
+                                     const v1::GetStatsRequest* req,
+                                     v1::GetStatsResponse* resp) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
+                                         const v1::ListSessionsRequest* req,
+                                         v1::ListSessionsResponse* resp) override;
+
+ private:
+  SessionManager* sessions_;
+};
+
+}  // namespace stallfree

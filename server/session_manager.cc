@@ -1,0 +1,849 @@
+#include "server/session_manager.h"
+
+#include <signal.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/bounds.h"
+#include "common/log.h"
+#include "common/status.h"
+
+namespace stallfree {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kPage = 4096;
+constexpr uint64_t kElemAlign = 16;  // 64 bytes of fp32.
+constexpr int64_t kMaxNumel = int64_t{1} << 40;
+constexpr int64_t kChunk = int64_t{1} << 16;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+int64_t Nanos(Clock::duration d) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
+}
+
+uint64_t ElementBytes(v1::DType t) { return t == v1::DTYPE_BF16 ? 2 : 4; }
+kernels::GradType ToGradType(v1::DType t) {
+  return t == v1::DTYPE_BF16 ? kernels::GradType::kBf16 : kernels::GradType::kFp32;
+}
+
+// Runs fn(begin, end) over [0, n) in chunks, in parallel on the current arena.
+template <typename Fn>
+void ParallelChunks(int64_t n, Fn fn) {
+  if (n <= kChunk) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, kChunk),
+                    [&](const tbb::blocked_range<int64_t>& r) { fn(r.begin(), r.end()); });
+}
+
+std::string NewToken() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof bytes) {
+    ssize_t n = getrandom(bytes + got, sizeof bytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      // getrandom cannot fail once the pool is initialised; fall back to /dev/urandom.
+      std::ifstream f("/dev/urandom", std::ios::binary);
+      f.read(reinterpret_cast<char*>(bytes), sizeof bytes);
+      break;
+    }
+    got += static_cast<size_t>(n);
+  }
+  static const char* hex = "0123456789abcdef";
+  std::string token;
+  for (unsigned char b : bytes) {
+    token.push_back(hex[b >> 4]);
+    token.push_back(hex[b & 15]);
+  }
+  return token;
+}
+
+// Owner uid and liveness of a process, from /proc. Zombies count as gone.
+bool ProcessAlive(pid_t pid) {
+  std::ifstream f(absl::StrCat("/proc/", pid, "/stat"));
+  if (!f) return false;
+  std::string line;
+  std::getline(f, line);
+  size_t close_paren = line.rfind(')');
+  if (close_paren == std::string::npos || close_paren + 2 >= line.size()) return false;
+  char state = line[close_paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+absl::StatusOr<uid_t> ProcessUid(pid_t pid) {
+  std::ifstream f(absl::StrCat("/proc/", pid, "/status"));
+  if (!f) return absl::InvalidArgumentError(absl::StrCat("pid: no process ", pid, " is visible to the daemon"));
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("Uid:", 0) == 0) {
+      std::istringstream in(line.substr(4));
+      long uid = -1;
+      in >> uid;
+      if (uid >= 0) return static_cast<uid_t>(uid);
+    }
+  }
+  return absl::InternalError(absl::StrCat("no Uid line in /proc/", pid, "/status"));
+}
+
+}  // namespace
+
+struct ParamInfo {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  v1::DType grad_dtype = v1::DTYPE_FP32;
+  uint64_t elem_offset = 0;  // into every fp32 array and the fp32 parameter slot.
+  uint64_t grad_offset = 0;  // bytes into each gradient slot.
+};
+
+struct Waiter {
+  int64_t min_version;
+  Clock::time_point deadline;
+  std::function<void(absl::StatusOr<WaitResult>)> done;
+};
+
+class Session {
+ public:
+  Session(uint64_t id, std::string token, const v1::OpenSessionRequest& req, uid_t uid,
+          tbb::task_arena* arena, std::atomic<uint64_t>* reserved, DaemonCounters* counters)
+      : id(id), token(std::move(token)), name(req.name()), rank(req.rank()),
+        pid(static_cast<pid_t>(req.pid())), uid(uid), created(Clock::now()),
+        strand(std::make_shared<Strand>(arena)), reserved_(reserved), counters_(counters) {}
+
+  ~Session() {
+    if (reserved_bytes > 0) reserved_->fetch_sub(reserved_bytes);
+    if (pinned_bytes > 0) counters_->pinned_bytes.fetch_sub(pinned_bytes);
+  }
+
+  uint8_t* GradSlot(uint32_t s) const {
+    return region->data() + layout.grad_slot_offset() + s * layout.grad_slot_bytes();
+  }
+  uint8_t* ParamSlot(uint32_t s) const {
+    return region->data() + layout.param_slot_offset() + s * layout.param_slot_bytes();
+  }
+  float* Staging() const { return reinterpret_cast<float*>(region->data() + layout.staging_offset()); }
+
+  const uint64_t id;
+  const std::string token;
+  const std::string name;
+  const int32_t rank;
+  const pid_t pid;
+  const uid_t uid;
+  const Clock::time_point created;
+  const std::shared_ptr<Strand> strand;
+
+  std::mutex mu;  // guards everything below.
+  bool registering = false;
+  bool registered = false;
+  bool attached = false;
+  bool closed = false;
+  bool update_running = false;
+  bool updated_once = false;
+  int64_t last_step = 0;
+  int64_t version = 0;
+  uint32_t ready_slot = 0;
+  v1::DType ready_dtype = v1::DTYPE_FP32;
+  double last_update_seconds = 0;
+  int64_t pushes = 0, updates = 0, pushes_since_update = 0;
+  std::vector<ParamInfo> params;
+  std::map<std::string, size_t> index;
+  uint64_t total_elems = 0;
+  v1::RegionLayout layout;
+  std::vector<Waiter> waiters;
+  uint64_t reserved_bytes = 0;
+  uint64_t pinned_bytes = 0;
+
+  // Set once by the registration task, then immutable until destruction.
+  std::unique_ptr<MappedRegion> region;
+  std::unique_ptr<MappedRegion> state;
+  float* master = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  float* acc = nullptr;
+
+ private:
+  std::atomic<uint64_t>* reserved_;
+  DaemonCounters* counters_;
+};
+
+SessionManager::SessionManager(DaemonOptions options, tbb::task_arena* arena)
+    : options_(std::move(options)), arena_(arena), start_(Clock::now()) {}
+
+SessionManager::~SessionManager() { Drain(); }
+
+void SessionManager::Reject(const absl::Status& s) {
+  counters_.rejected.fetch_add(1);
+  SF_LOG(kDebug, "rejected request: %s", s.ToString());
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Find(const v1::SessionRef& ref) {
+  if (draining_.load()) return absl::UnavailableError("stallfreed is shutting down");
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(ref.session_id());
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("session.session_id: no session ", ref.session_id()));
+  }
+  if (it->second->token != ref.token()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("session.token: wrong token for session ", ref.session_id()));
+  }
+  return it->second;
+}
+
+absl::StatusOr<v1::OpenSessionResponse> SessionManager::Open(const v1::OpenSessionRequest& req) {
+  absl::Status bad;
+  if (draining_.load()) bad = absl::UnavailableError("stallfreed is shutting down");
+  else if (req.pid() <= 0 || req.pid() > INT32_MAX)
+    bad = absl::InvalidArgumentError(absl::StrCat("pid: ", req.pid(), " is not a process id"));
+  else if (req.name().size() > 256)
+    bad = absl::InvalidArgumentError("name: longer than 256 bytes");
+  if (!bad.ok()) {
+    Reject(bad);
+    return bad;
+  }
+  absl::StatusOr<uid_t> uid = ProcessUid(static_cast<pid_t>(req.pid()));
+  if (!uid.ok()) {
+    Reject(uid.status());
+    return uid.status();
+  }
+  v1::OpenSessionResponse resp;
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t id = next_id_++;
+  auto session = std::make_shared<Session>(id, NewToken(), req, *uid, arena_, &reserved_bytes_,
+                                           &counters_);
+  sessions_[id] = session;
+  counters_.sessions_opened.fetch_add(1);
+  resp.mutable_session()->set_session_id(id);
+  resp.mutable_session()->set_token(session->token);
+  resp.set_fd_socket(options_.fd_socket_path);
+  SF_LOG(kInfo, "session %d opened: name '%s' rank %d pid %d uid %d", id, req.name(), req.rank(),
+         req.pid(), *uid);
+  return resp;
+}
+
+absl::StatusOr<uint64_t> SessionManager::Close(const v1::SessionRef& ref) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(ref));
+  std::vector<Waiter> waiters;
+  uint64_t bytes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sessions_.erase(s->id);
+  }
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->closed = true;
+    waiters.swap(s->waiters);
+    bytes = s->reserved_bytes;
+  }
+  for (Waiter& w : waiters) w.done(absl::AbortedError("session closed while waiting"));
+  counters_.sessions_closed.fetch_add(1);
+  SF_LOG(kInfo, "session %d closed by its client; %d bytes freed", s->id, bytes);
+  // Queued work keeps the session alive until it has run; the memory goes with the last task.
+  return bytes;
+}
+
+void SessionManager::Reclaim(uint64_t id, const std::string& why) {
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) return;
+    s = it->second;
+    sessions_.erase(it);
+  }
+  std::vector<Waiter> waiters;
+  uint64_t bytes;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->closed = true;
+    waiters.swap(s->waiters);
+    bytes = s->reserved_bytes;
+  }
+  for (Waiter& w : waiters) w.done(absl::AbortedError("session reclaimed"));
+  counters_.sessions_reclaimed.fetch_add(1);
+  SF_LOG(kWarning, "session %d ('%s', pid %d) reclaimed: %s; %d bytes freed", id, s->name,
+         s->pid, why, bytes);
+}
+
+void SessionManager::RegisterParams(const v1::RegisterParamsRequest& req,
+                                    v1::RegisterParamsResponse* resp,
+                                    std::function<void(absl::Status)> done) {
+  auto fail = [&](absl::Status st) {
+    Reject(st);
+    done(st);
+  };
+  absl::StatusOr<std::shared_ptr<Session>> found = Find(req.session());
+  if (!found.ok()) return fail(found.status());
+  std::shared_ptr<Session> s = *found;
+
+  // Validate and lay out without touching any memory.
+  if (req.params_size() == 0) return fail(absl::InvalidArgumentError("params: empty"));
+  std::vector<ParamInfo> params;
+  std::map<std::string, size_t> index;
+  uint64_t elems = 0, grad_bytes = 0;
+  for (int i = 0; i < req.params_size(); ++i) {
+    const v1::ParamSpec& p = req.params(i);
+    const std::string field = absl::StrCat("params[", i, "]");
+    if (p.name().empty() || p.name().size() > 1024)
+      return fail(absl::InvalidArgumentError(field + ".name: empty or longer than 1024 bytes"));
+    if (index.count(p.name()))
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat(field, ".name: duplicate parameter '", p.name(), "'")));
+    if (p.shape_size() == 0 || p.shape_size() > 8)
+      return fail(absl::InvalidArgumentError(field + ".shape: needs 1 to 8 dimensions"));
+    int64_t numel = 1;
+    for (int d = 0; d < p.shape_size(); ++d) {
+      if (p.shape(d) < 1 || p.shape(d) > kMaxNumel || numel > kMaxNumel / p.shape(d))
+        return fail(absl::InvalidArgumentError(absl::StrCat(
+            field, ".shape[", d, "]: ", p.shape(d),
+            " is not a dimension >= 1, or the parameter exceeds 2^40 elements")));
+      numel *= p.shape(d);
+    }
+    if (p.grad_dtype() != v1::DTYPE_FP32 && p.grad_dtype() != v1::DTYPE_BF16)
+      return fail(absl::InvalidArgumentError(field + ".grad_dtype: must be FP32 or BF16"));
+    ParamInfo info;
+    info.name = p.name();
+    info.shape.assign(p.shape().begin(), p.shape().end());
+    info.numel = numel;
+    info.grad_dtype = p.grad_dtype();
+    info.elem_offset = elems;
+    info.grad_offset = grad_bytes;
+    uint64_t padded;
+    if (!AlignUp(static_cast<uint64_t>(numel), kElemAlign, &padded) ||
+        !AddOverflow(elems, padded, &elems) ||
+        !AddOverflow(grad_bytes, padded * ElementBytes(p.grad_dtype()), &grad_bytes) ||
+        elems > (uint64_t{1} << 44))
+      return fail(absl::InvalidArgumentError("params: total size overflows"));
+    index[info.name] = params.size();
+    params.push_back(std::move(info));
+  }
+  v1::RegionLayout layout;
+  uint64_t gslot, pslot, region_bytes, state_bytes;
+  AlignUp(grad_bytes, kPage, &gslot);
+  AlignUp(elems * 4, kPage, &pslot);
+  region_bytes = 2 * gslot + 3 * pslot;
+  state_bytes = 4 * elems * 4;
+  layout.set_region_bytes(region_bytes);
+  layout.set_grad_slot_offset(0);
+  layout.set_grad_slot_bytes(gslot);
+  layout.set_param_slot_offset(2 * gslot);
+  layout.set_param_slot_bytes(pslot);
+  layout.set_staging_offset(2 * gslot + 2 * pslot);
+  layout.set_staging_bytes(pslot);
+  for (const ParamInfo& p : params) {
+    v1::ParamLayout* pl = layout.add_params();
+    pl->set_name(p.name);
+    pl->set_numel(p.numel);
+    pl->set_grad_offset(p.grad_offset);
+    pl->set_param_offset_fp32(p.elem_offset * 4);
+    pl->set_param_offset_bf16(p.elem_offset * 2);
+    pl->set_staging_offset(p.elem_offset * 4);
+  }
+  const uint64_t need = region_bytes + state_bytes;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (s->registered || s->registering)
+      return fail(absl::FailedPreconditionError(
+          absl::StrCat("session ", s->id, " already registered its parameters")));
+    uint64_t before = reserved_bytes_.fetch_add(need);
+    if (options_.pinned_budget_bytes > 0 && before + need > options_.pinned_budget_bytes) {
+      reserved_bytes_.fetch_sub(need);
+      return fail(absl::ResourceExhaustedError(absl::StrCat(
+          "params: the session needs ", need, " bytes of pinned memory, but only ",
+          options_.pinned_budget_bytes - std::min(before, options_.pinned_budget_bytes),
+          " of the daemon's budget of ", options_.pinned_budget_bytes, " bytes are free")));
+    }
+    s->registering = true;
+    s->reserved_bytes = need;
+  }
+  PinPolicy pin = options_.pin;
+  s->strand->Post([this, s, resp, done, params = std::move(params), index = std::move(index),
+                   layout, elems, pin, state_bytes]() mutable {
+    auto region = MappedRegion::CreateMemfd(absl::StrCat("stallfree-session-", s->id),
+                                            layout.region_bytes(), pin);
+    absl::StatusOr<std::unique_ptr<MappedRegion>> state =
+        region.ok() ? MappedRegion::CreateAnonymous(absl::StrCat("session ", s->id, " state"),
+                                                    state_bytes, pin)
+                    : region.status();
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->registering = false;
+    if (!region.ok() || !state.ok()) {
+      reserved_bytes_.fetch_sub(s->reserved_bytes);
+      s->reserved_bytes = 0;
+      absl::Status st = region.ok() ? state.status() : region.status();
+      Reject(st);
+      done(st);
+      return;
+    }
+    s->region = std::move(*region);
+    s->state = std::move(*state);
+    float* base = reinterpret_cast<float*>(s->state->data());
+    s->master = base;
+    s->m = base + elems;
+    s->v = base + 2 * elems;
+    s->acc = base + 3 * elems;
+    s->params = std::move(params);
+    s->index = std::move(index);
+    s->total_elems = elems;
+    s->layout = layout;
+    s->registered = true;
+    s->pinned_bytes = s->region->size() + s->state->size();
+    counters_.pinned_bytes.fetch_add(s->pinned_bytes);
+    *resp->mutable_layout() = layout;
+    SF_LOG(kInfo, "session %d registered %d parameters, %d elements; region %d bytes%s", s->id,
+           s->params.size(), elems, layout.region_bytes(),
+           s->region->locked() ? " (mlocked)" : " (not mlocked)");
+    done(absl::OkStatus());
+  });
+}
+
+void SessionManager::LoadParams(const v1::LoadParamsRequest& req,
+                                std::function<void(absl::Status)> done) {
+  auto fail = [&](absl::Status st) {
+    Reject(st);
+    done(st);
+  };
+  absl::StatusOr<std::shared_ptr<Session>> found = Find(req.session());
+  if (!found.ok()) return fail(found.status());
+  std::shared_ptr<Session> s = *found;
+  std::vector<size_t> which;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (!s->registered)
+      return fail(absl::FailedPreconditionError("LoadParams before RegisterParams"));
+    if (s->updated_once || s->update_running)
+      return fail(absl::FailedPreconditionError(
+          "LoadParams after the first Update would discard optimizer state"));
+    if (req.names_size() == 0) {
+      for (size_t i = 0; i < s->params.size(); ++i) which.push_back(i);
+    }
+    for (int i = 0; i < req.names_size(); ++i) {
+      auto it = s->index.find(req.names(i));
+      if (it == s->index.end())
+        return fail(absl::NotFoundError(
+            absl::StrCat("names[", i, "]: no parameter '", req.names(i), "'")));
+      which.push_back(it->second);
+    }
+  }
+  s->strand->Post([s, which, done] {
+    for (size_t i : which) {
+      const ParamInfo& p = s->params[i];
+      const uint64_t e = p.elem_offset;
+      const float* src = s->Staging() + e;
+      ParallelChunks(p.numel, [&](int64_t b, int64_t end) {
+        memcpy(s->master + e + b, src + b, (end - b) * sizeof(float));
+        memset(s->m + e + b, 0, (end - b) * sizeof(float));
+        memset(s->v + e + b, 0, (end - b) * sizeof(float));
+        memset(s->acc + e + b, 0, (end - b) * sizeof(float));
+      });
+    }
+    done(absl::OkStatus());
+  });
+}
+
+namespace {
+struct AccumulateJob {
+  float* acc;
+  const uint8_t* src;
+  kernels::GradType type;
+  int64_t count;
+};
+}  // namespace
+
+void SessionManager::PushGradients(const v1::PushGradientsRequest& req,
+                                   v1::PushGradientsResponse* resp,
+                                   std::function<void(absl::Status)> done) {
+  auto fail = [&](absl::Status st) {
+    Reject(st);
+    done(st);
+  };
+  absl::StatusOr<std::shared_ptr<Session>> found = Find(req.session());
+  if (!found.ok()) return fail(found.status());
+  std::shared_ptr<Session> s = *found;
+  if (req.slot() > 1)
+    return fail(absl::InvalidArgumentError(absl::StrCat("slot: ", req.slot(), " is not 0 or 1")));
+  std::vector<AccumulateJob> jobs;
+  uint64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (!s->registered)
+      return fail(absl::FailedPreconditionError("PushGradients before RegisterParams"));
+    const uint64_t slot_bytes = s->layout.grad_slot_bytes();
+    uint8_t* slot = s->GradSlot(req.slot());
+    if (req.ranges_size() == 0) {
+      for (const ParamInfo& p : s->params) {
+        jobs.push_back({s->acc + p.elem_offset, slot + p.grad_offset, ToGradType(p.grad_dtype),
+                        p.numel});
+        bytes += p.numel * ElementBytes(p.grad_dtype);
+      }
+    }
+    for (int i = 0; i < req.ranges_size(); ++i) {
+      const v1::GradRange& r = req.ranges(i);
+      const std::string field = absl::StrCat("ranges[", i, "]");
+      auto it = s->index.find(r.param());
+      if (it == s->index.end())
+        return fail(absl::NotFoundError(
+            absl::StrCat(field, ".param: no parameter '", r.param(), "'")));
+      const ParamInfo& p = s->params[it->second];
+      if (r.dtype() != v1::DTYPE_UNSPECIFIED && r.dtype() != p.grad_dtype)
+        return fail(absl::FailedPreconditionError(absl::StrCat(
+            field, ".dtype: ", v1::DType_Name(r.dtype()), " but '", p.name, "' was registered with ",
+            v1::DType_Name(p.grad_dtype))));
+      const uint64_t esize = ElementBytes(p.grad_dtype);
+      absl::Status st = CheckRange(r.offset(), r.length(), slot_bytes, field + ".offset/length");
+      if (!st.ok()) return fail(st);
+      if (r.offset() % esize != 0 || r.length() % esize != 0)
+        return fail(absl::InvalidArgumentError(absl::StrCat(
+            field, ".offset/length: not a multiple of the ", esize, "-byte element")));
+      const uint64_t count = r.length() / esize;
+      st = CheckRange(r.first_element(), count, static_cast<uint64_t>(p.numel),
+                      field + ".first_element");
+      if (!st.ok())
+        return fail(absl::InvalidArgumentError(absl::StrCat(
+            field, ".first_element: elements [", r.first_element(), ", +", count,
+            ") are outside parameter '", p.name, "' of ", p.numel, " elements")));
+      jobs.push_back({s->acc + p.elem_offset + r.first_element(), slot + r.offset(),
+                      ToGradType(p.grad_dtype), static_cast<int64_t>(count)});
+      bytes += r.length();
+    }
+  }
+  const float scale = req.scale() == 0.0f ? 1.0f : req.scale();
+  s->strand->Post([this, s, jobs = std::move(jobs), scale, bytes, resp, done] {
+    const auto t0 = Clock::now();
+    const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
+    for (const AccumulateJob& j : jobs) {
+      const uint64_t esize = j.type == kernels::GradType::kBf16 ? 2 : 4;
+      ParallelChunks(j.count, [&](int64_t b, int64_t e) {
+        k.Accumulate(j.acc + b, j.src + b * esize, j.type, scale, e - b);
+      });
+    }
+    counters_.accumulate_ns.fetch_add(Nanos(Clock::now() - t0));
+    counters_.pushes.fetch_add(1);
+    counters_.bytes_in.fetch_add(bytes);
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->pushes++;
+      s->pushes_since_update++;
+      resp->set_accumulated_pushes(s->pushes_since_update);
+    }
+    resp->set_bytes(bytes);
+    done(absl::OkStatus());
+  });
+}
+
+void SessionManager::PushGradientsInline(const v1::PushGradientsInlineRequest& req,
+                                         v1::PushGradientsResponse* resp,
+                                         std::function<void(absl::Status)> done) {
+  auto fail = [&](absl::Status st) {
+    Reject(st);
+    done(st);
+  };
+  absl::StatusOr<std::shared_ptr<Session>> found = Find(req.session());
+  if (!found.ok()) return fail(found.status());
+  std::shared_ptr<Session> s = *found;
+  AccumulateJob job;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (!s->registered)
+      return fail(absl::FailedPreconditionError("PushGradientsInline before RegisterParams"));
+    auto it = s->index.find(req.param());
+    if (it == s->index.end())
+      return fail(absl::NotFoundError(absl::StrCat("param: no parameter '", req.param(), "'")));
+    const ParamInfo& p = s->params[it->second];
+    const uint64_t esize = ElementBytes(p.grad_dtype);
+    if (req.data().size() % esize != 0 || req.data().size() / esize > static_cast<uint64_t>(p.numel))
+      return fail(absl::InvalidArgumentError(absl::StrCat(
+          "data: ", req.data().size(), " bytes is not a whole number of elements within '",
+          p.name, "'")));
+    job = {s->acc + p.elem_offset, reinterpret_cast<const uint8_t*>(req.data().data()),
+           ToGradType(p.grad_dtype), static_cast<int64_t>(req.data().size() / esize)};
+  }
+  const float scale = req.scale() == 0.0f ? 1.0f : req.scale();
+  // `req` outlives done(): gRPC keeps the request until the reactor finishes.
+  s->strand->Post([this, s, job, scale, resp, done, bytes = req.data().size()] {
+    const auto t0 = Clock::now();
+    const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
+    const uint64_t esize = job.type == kernels::GradType::kBf16 ? 2 : 4;
+    ParallelChunks(job.count, [&](int64_t b, int64_t e) {
+      k.Accumulate(job.acc + b, job.src + b * esize, job.type, scale, e - b);
+    });
+    counters_.accumulate_ns.fetch_add(Nanos(Clock::now() - t0));
+    counters_.pushes.fetch_add(1);
+    counters_.bytes_in.fetch_add(bytes);
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->pushes++;
+      s->pushes_since_update++;
+      resp->set_accumulated_pushes(s->pushes_since_update);
+    }
+    resp->set_bytes(bytes);
+    done(absl::OkStatus());
+  });
+}
+
+absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
+  auto fail = [&](absl::Status st) {
+    Reject(st);
+    return st;
+  };
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(req.session()));
+  const v1::AdamWHyper& h = req.hyper();
+  if (!(h.lr() >= 0.0f) || !std::isfinite(h.lr()))
+    return fail(absl::InvalidArgumentError("hyper.lr: must be finite and >= 0"));
+  if (!(h.beta1() >= 0.0f && h.beta1() < 1.0f))
+    return fail(absl::InvalidArgumentError("hyper.beta1: must be in [0, 1)"));
+  if (!(h.beta2() >= 0.0f && h.beta2() < 1.0f))
+    return fail(absl::InvalidArgumentError("hyper.beta2: must be in [0, 1)"));
+  if (!(h.eps() > 0.0f) || !std::isfinite(h.eps()))
+    return fail(absl::InvalidArgumentError("hyper.eps: must be finite and > 0"));
+  if (!(h.weight_decay() >= 0.0f) || !std::isfinite(h.weight_decay()))
+    return fail(absl::InvalidArgumentError("hyper.weight_decay: must be finite and >= 0"));
+  if (req.param_slot() > 1)
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("param_slot: ", req.param_slot(), " is not 0 or 1")));
+  if (req.out_dtype() != v1::DTYPE_UNSPECIFIED && req.out_dtype() != v1::DTYPE_FP32 &&
+      req.out_dtype() != v1::DTYPE_BF16)
+    return fail(absl::InvalidArgumentError("out_dtype: must be FP32 or BF16"));
+  if (req.step() < 1)
+    return fail(absl::InvalidArgumentError(absl::StrCat("step: ", req.step(), " is not >= 1")));
+  const v1::DType out = req.out_dtype() == v1::DTYPE_BF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (!s->registered) return fail(absl::FailedPreconditionError("Update before RegisterParams"));
+    if (s->update_running)
+      return fail(absl::AbortedError(absl::StrCat(
+          "step: the update of step ", s->last_step, " is still running for session ", s->id)));
+    if (req.step() <= s->last_step)
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "step: ", req.step(), " is not after the last update's step ", s->last_step)));
+    s->update_running = true;
+    s->last_step = req.step();
+  }
+  kernels::AdamWConfig cfg;
+  cfg.lr = h.lr();
+  cfg.beta1 = h.beta1();
+  cfg.beta2 = h.beta2();
+  cfg.eps = h.eps();
+  cfg.weight_decay = h.weight_decay();
+  cfg.step = req.step();
+  const uint32_t slot = req.param_slot();
+  s->strand->Post([this, s, cfg, slot, out] {
+    const auto t0 = Clock::now();
+    const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
+    uint8_t* dst = s->ParamSlot(slot);
+    float* out32 = reinterpret_cast<float*>(dst);
+    uint16_t* out16 = reinterpret_cast<uint16_t*>(dst);
+    ParallelChunks(static_cast<int64_t>(s->total_elems), [&](int64_t b, int64_t e) {
+      const int64_t n = e - b;
+      k.AdamW(cfg, s->master + b, s->m + b, s->v + b, s->acc + b, kernels::GradType::kFp32, n,
+              out == v1::DTYPE_BF16 ? out16 + b : nullptr);
+      if (out == v1::DTYPE_FP32) memcpy(out32 + b, s->master + b, n * sizeof(float));
+      memset(s->acc + b, 0, n * sizeof(float));
+    });
+    const double secs = Seconds(Clock::now() - t0);
+    counters_.update_ns.fetch_add(static_cast<int64_t>(secs * 1e9));
+    counters_.updates.fetch_add(1);
+    counters_.bytes_out.fetch_add(s->total_elems * (out == v1::DTYPE_BF16 ? 2 : 4));
+    std::vector<Waiter> ready;
+    WaitResult result;
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->update_running = false;
+      s->updated_once = true;
+      s->version = cfg.step;
+      s->ready_slot = slot;
+      s->ready_dtype = out;
+      s->last_update_seconds = secs;
+      s->updates++;
+      s->pushes_since_update = 0;
+      result = {s->version, slot, out, secs};
+      for (auto it = s->waiters.begin(); it != s->waiters.end();) {
+        if (it->min_version <= s->version) {
+          ready.push_back(std::move(*it));
+          it = s->waiters.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    SF_LOG(kDebug, "session %d: update of step %d done in %.3f s", s->id, cfg.step, secs);
+    for (Waiter& w : ready) w.done(result);
+  });
+  return absl::OkStatus();
+}
+
+void SessionManager::WaitUpdate(const v1::WaitUpdateRequest& req,
+                                std::function<void(absl::StatusOr<WaitResult>)> done) {
+  absl::StatusOr<std::shared_ptr<Session>> found = Find(req.session());
+  if (!found.ok()) {
+    Reject(found.status());
+    return done(found.status());
+  }
+  std::shared_ptr<Session> s = *found;
+  const uint32_t timeout_ms = req.timeout_ms() == 0 ? 60000 : req.timeout_ms();
+  std::unique_lock<std::mutex> lock(s->mu);
+  if (s->version >= req.min_version() && s->version > 0 && !s->update_running) {
+    WaitResult r{s->version, s->ready_slot, s->ready_dtype, s->last_update_seconds};
+    lock.unlock();
+    return done(r);
+  }
+  if (!s->update_running && s->last_step < req.min_version()) {
+    lock.unlock();
+    absl::Status st = absl::FailedPreconditionError(absl::StrCat(
+        "min_version: ", req.min_version(), " was never requested by an Update (last step ",
+        s->last_step, ")"));
+    Reject(st);
+    return done(st);
+  }
+  s->waiters.push_back(
+      Waiter{req.min_version(), Clock::now() + std::chrono::milliseconds(timeout_ms), std::move(done)});
+}
+
+absl::StatusOr<std::pair<int, uint64_t>> SessionManager::Attach(uint64_t session_id,
+                                                                const std::string& token,
+                                                                uid_t peer_uid, pid_t peer_pid) {
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end())
+      return absl::NotFoundError(absl::StrCat("no session ", session_id));
+    s = it->second;
+  }
+  if (s->token != token)
+    return absl::PermissionDeniedError(absl::StrCat("wrong token for session ", session_id));
+  if (peer_uid != 0 && peer_uid != s->uid)
+    return absl::PermissionDeniedError(absl::StrCat(
+        "uid ", peer_uid, " (pid ", peer_pid, ") may not attach to session ", session_id,
+        " of uid ", s->uid));
+  std::lock_guard<std::mutex> lock(s->mu);
+  if (!s->registered)
+    return absl::FailedPreconditionError("attach after RegisterParams: the region is not laid out");
+  if (s->attached)
+    return absl::FailedPreconditionError(absl::StrCat("session ", session_id, " is already attached"));
+  s->attached = true;
+  SF_LOG(kInfo, "session %d attached by pid %d uid %d", session_id, peer_pid, peer_uid);
+  return std::make_pair(s->region->fd(), s->region->size());
+}
+
+void SessionManager::OnConnectionClosed(uint64_t session_id) {
+  Reclaim(session_id, "its fd socket closed (client exited)");
+}
+
+void SessionManager::Housekeeping() {
+  std::vector<std::pair<uint64_t, pid_t>> check;
+  std::vector<std::function<void()>> expired;
+  const auto now = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, s] : sessions_) {
+      check.emplace_back(id, s->pid);
+      std::lock_guard<std::mutex> slock(s->mu);
+      for (auto it = s->waiters.begin(); it != s->waiters.end();) {
+        if (it->deadline <= now) {
+          auto done = std::move(it->done);
+          int64_t want = it->min_version;
+          expired.push_back([done, want] {
+            done(absl::DeadlineExceededError(
+                absl::StrCat("min_version: version ", want, " not ready before timeout_ms")));
+          });
+          it = s->waiters.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+  }
+  for (auto& f : expired) f();
+  for (auto& [id, pid] : check) {
+    if (!ProcessAlive(pid)) Reclaim(id, absl::StrCat("process ", pid, " is gone"));
+  }
+}
+
+void SessionManager::Drain() {
+  draining_.store(true);
+  std::vector<std::shared_ptr<Session>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, s] : sessions_) all.push_back(s);
+  }
+  for (auto& s : all) s->strand->WaitIdle();
+}
+
+std::vector<v1::SessionInfo> SessionManager::ListSessions() {
+  std::vector<std::shared_ptr<Session>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, s] : sessions_) all.push_back(s);
+  }
+  std::vector<v1::SessionInfo> out;
+  const auto now = Clock::now();
+  for (auto& s : all) {
+    v1::SessionInfo info;
+    std::lock_guard<std::mutex> lock(s->mu);
+    info.set_session_id(s->id);
+    info.set_name(s->name);
+    info.set_rank(s->rank);
+    info.set_pid(s->pid);
+    info.set_uid(s->uid);
+    info.set_attached(s->attached);
+    info.set_params(static_cast<int64_t>(s->params.size()));
+    int64_t elems = 0;
+    for (const ParamInfo& p : s->params) elems += p.numel;
+    info.set_param_elements(elems);
+    info.set_region_bytes(s->registered ? s->layout.region_bytes() : 0);
+    info.set_pinned_bytes(s->pinned_bytes);
+    info.set_last_step(s->last_step);
+    info.set_version(s->version);
+    info.set_pushes(s->pushes);
+    info.set_updates(s->updates);
+    info.set_update_running(s->update_running);
+    info.set_age_seconds(Seconds(now - s->created));
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+v1::Stats SessionManager::GetStats() {
+  v1::Stats st;
+  std::vector<v1::SessionInfo> sessions = ListSessions();
+  st.set_sessions(static_cast<int64_t>(sessions.size()));
+  int64_t params = 0, elems = 0;
+  for (const auto& s : sessions) {
+    params += s.params();
+    elems += s.param_elements();
+  }
+  st.set_sessions_opened(counters_.sessions_opened.load());
+  st.set_sessions_closed(counters_.sessions_closed.load());
+  st.set_sessions_reclaimed(counters_.sessions_reclaimed.load());
+  st.set_params(params);
+  st.set_param_elements(elems);
+  st.set_param_bytes(static_cast<uint64_t>(elems) * 4);
+  st.set_pinned_bytes(counters_.pinned_bytes.load());
+  st.set_pinned_budget_bytes(options_.pinned_budget_bytes);
+  st.set_pushes(counters_.pushes.load());
+  st.set_updates(counters_.updates.load());
+  st.set_accumulate_seconds(counters_.accumulate_ns.load() * 1e-9);
+  st.set_update_seconds(counters_.update_ns.load() * 1e-9);
+  st.set_bytes_in(counters_.bytes_in.load());
+  st.set_bytes_out(counters_.bytes_out.load());
+  st.set_rejected_requests(counters_.rejected.load());
+  st.set_worker_threads(options_.worker_threads);
+  st.set_uptime_seconds(Seconds(Clock::now() - start_));
+  st.set_version("stallfreed 0.1.0");
+  st.set_mlock_enabled(options_.pin != PinPolicy::kOff);
+  return st;
+}
+
+}  // namespace stallfree

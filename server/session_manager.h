@@ -1,0 +1,128 @@
+// SessionManager: the daemon's sessions, their regions and optimizer state, and the work on them.
+//
+// Each session owns a memfd region (two gradient slots, two parameter slots, a staging area) and
+// pinned fp32 state (master, m, v, accumulator), all laid out flat: parameter i occupies
+// elements [e_i, e_i + numel_i) of every fp32 array, e_i a multiple of 16.
+//
+// Every operation validates its request completely before it touches memory, then runs the
+// work on the session's Strand inside the oneTBB arena and reports through `done`. No method
+// blocks on optimizer work; `done` runs on an arena thread (or inline for errors).
+// Thread safe.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <tbb/task_arena.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/region.h"
+#include "kernels/optimizer.h"
+#include "server/strand.h"
+#include "stallfree/v1/offload.pb.h"
+
+namespace stallfree {
+
+struct DaemonOptions {
+  std::string fd_socket_path;
+  uint64_t pinned_budget_bytes = 0;
+  PinPolicy pin = PinPolicy::kBestEffort;
+  int worker_threads = 0;
+};
+
+// Daemon-wide counters, read by GetStats.
+struct DaemonCounters {
+  std::atomic<int64_t> sessions_opened{0};
+  std::atomic<int64_t> sessions_closed{0};
+  std::atomic<int64_t> sessions_reclaimed{0};
+  std::atomic<uint64_t> pinned_bytes{0};
+  std::atomic<int64_t> pushes{0};
+  std::atomic<int64_t> updates{0};
+  std::atomic<int64_t> accumulate_ns{0};
+  std::atomic<int64_t> update_ns{0};
+  std::atomic<uint64_t> bytes_in{0};
+  std::atomic<uint64_t> bytes_out{0};
+  std::atomic<int64_t> rejected{0};
+};
+
+struct WaitResult {
+  int64_t version = 0;
+  uint32_t slot = 0;
+  v1::DType dtype = v1::DTYPE_FP32;
+  double update_seconds = 0;
+};
+
+class Session;
+
+class SessionManager {
+ public:
+  SessionManager(DaemonOptions options, tbb::task_arena* arena);
+  ~SessionManager();
+  SessionManager(const SessionManager&) = delete;
+  SessionManager& operator=(const SessionManager&) = delete;
+
+  absl::StatusOr<v1::OpenSessionResponse> Open(const v1::OpenSessionRequest& request);
+  // Closes after the session's queued work finishes; the region is freed then.
+  absl::StatusOr<uint64_t> Close(const v1::SessionRef& ref);
+
+  void RegisterParams(const v1::RegisterParamsRequest& request, v1::RegisterParamsResponse* response,
+                      std::function<void(absl::Status)> done);
+  void LoadParams(const v1::LoadParamsRequest& request, std::function<void(absl::Status)> done);
+  void PushGradients(const v1::PushGradientsRequest& request, v1::PushGradientsResponse* response,
+                     std::function<void(absl::Status)> done);
+  void PushGradientsInline(const v1::PushGradientsInlineRequest& request,
+                           v1::PushGradientsResponse* response,
+                           std::function<void(absl::Status)> done);
+  // Validates and starts the update; returns at once. The result is observed by WaitUpdate.
+  absl::Status Update(const v1::UpdateRequest& request);
+  // Calls done once the version is ready, the timeout passes, or the session goes away.
+  void WaitUpdate(const v1::WaitUpdateRequest& request,
+                  std::function<void(absl::StatusOr<WaitResult>)> done);
+
+  v1::Stats GetStats();
+  std::vector<v1::SessionInfo> ListSessions();
+
+  // The fd hand-off: checks the token and the peer's uid, returns the memfd (still owned by the
+  // session) and its size. On success the connection `sock` becomes the session's liveness
+  // channel: OnConnectionClosed(session_id) must be called when it closes.
+  absl::StatusOr<std::pair<int, uint64_t>> Attach(uint64_t session_id, const std::string& token,
+                                                  uid_t peer_uid, pid_t peer_pid);
+  void OnConnectionClosed(uint64_t session_id);
+
+  // Reclaims sessions whose opener process is gone and expires WaitUpdate timeouts.
+  // Called periodically by the daemon's housekeeping thread.
+  void Housekeeping();
+
+  // Refuses new work (UNAVAILABLE) and waits for all queued and running work to finish.
+  void Drain();
+
+  DaemonCounters& counters() { return counters_; }
+
+ private:
+  absl::StatusOr<std::shared_ptr<Session>> Find(const v1::SessionRef& ref);
+  void Reclaim(uint64_t id, const std::string& why);
+  void Reject(const absl::Status& s);
+
+  const DaemonOptions options_;
+  tbb::task_arena* arena_;
+  DaemonCounters counters_;
+  std::chrono::steady_clock::time_point start_;
+  std::atomic<bool> draining_{false};
+  std::atomic<uint64_t> reserved_bytes_{0};
+
+  std::mutex mu_;
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, std::shared_ptr<Session>> sessions_;
+};
+
+}  // namespace stallfree
