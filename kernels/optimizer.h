@@ -20,11 +20,13 @@ namespace kernels {
 enum class GradType { kFp32, kBf16 };
 
 struct AdamWConfig {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
+  // Hyper-parameters in double, as users write them (0.9, 0.999): the kernels derive the fp32
+  // constants (beta, 1 - beta, lr * wd) from the double values, as PyTorch does.
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
   int64_t step = 1;        // t, >= 1.
   float grad_scale = 1.0f;  // multiplies the gradient (e.g. 1/accumulation count, unscaling).
 };

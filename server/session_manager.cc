@@ -599,15 +599,15 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
   };
   ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(req.session()));
   const v1::AdamWHyper& h = req.hyper();
-  if (!(h.lr() >= 0.0f) || !std::isfinite(h.lr()))
+  if (!(h.lr() >= 0.0) || !std::isfinite(h.lr()))
     return fail(absl::InvalidArgumentError("hyper.lr: must be finite and >= 0"));
-  if (!(h.beta1() >= 0.0f && h.beta1() < 1.0f))
+  if (!(h.beta1() >= 0.0 && h.beta1() < 1.0))
     return fail(absl::InvalidArgumentError("hyper.beta1: must be in [0, 1)"));
-  if (!(h.beta2() >= 0.0f && h.beta2() < 1.0f))
+  if (!(h.beta2() >= 0.0 && h.beta2() < 1.0))
     return fail(absl::InvalidArgumentError("hyper.beta2: must be in [0, 1)"));
-  if (!(h.eps() > 0.0f) || !std::isfinite(h.eps()))
+  if (!(h.eps() > 0.0) || !std::isfinite(h.eps()))
     return fail(absl::InvalidArgumentError("hyper.eps: must be finite and > 0"));
-  if (!(h.weight_decay() >= 0.0f) || !std::isfinite(h.weight_decay()))
+  if (!(h.weight_decay() >= 0.0) || !std::isfinite(h.weight_decay()))
     return fail(absl::InvalidArgumentError("hyper.weight_decay: must be finite and >= 0"));
   if (req.param_slot() > 1)
     return fail(absl::InvalidArgumentError(

@@ -25,17 +25,20 @@ class ScalarKernel final : public OptimizerKernel {
   void AdamW(const AdamWConfig& c, float* param, float* m, float* v, const void* grad,
              GradType type, int64_t n, uint16_t* bf16_out) const override {
     const double t = static_cast<double>(c.step);
-    const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(c.beta1), t));
-    const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(c.beta2), t));
-    const float step_size = c.lr / bc1;
-    const float bc2_sqrt = std::sqrt(bc2);
-    const float decay = 1.0f - c.lr * c.weight_decay;
+    const double bc1 = 1.0 - std::pow(c.beta1, t);
+    const double bc2 = 1.0 - std::pow(c.beta2, t);
+    const float step_size = static_cast<float>(c.lr / bc1);
+    const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    const float decay = static_cast<float>(1.0 - c.lr * c.weight_decay);
+    const float b1 = static_cast<float>(c.beta1), omb1 = static_cast<float>(1.0 - c.beta1);
+    const float b2 = static_cast<float>(c.beta2), omb2 = static_cast<float>(1.0 - c.beta2);
+    const float eps = static_cast<float>(c.eps);
     for (int64_t i = 0; i < n; ++i) {
       const float g = c.grad_scale * LoadGrad(grad, type, i);
       float p = param[i] * decay;
-      const float mi = c.beta1 * m[i] + (1.0f - c.beta1) * g;
-      const float vi = c.beta2 * v[i] + (1.0f - c.beta2) * g * g;
-      const float denom = std::sqrt(vi) / bc2_sqrt + c.eps;
+      const float mi = b1 * m[i] + omb1 * g;
+      const float vi = b2 * v[i] + omb2 * g * g;
+      const float denom = std::sqrt(vi) / bc2_sqrt + eps;
       p -= step_size * (mi / denom);
       m[i] = mi;
       v[i] = vi;

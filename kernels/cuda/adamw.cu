@@ -20,7 +20,7 @@ __device__ __forceinline__ float LoadGrad(const void* g, bool bf16, int64_t i) {
   return static_cast<const float*>(g)[i];
 }
 
-__global__ void AdamWKernel(float lr, float b1, float b2, float eps, float decay, float step_size,
+__global__ void AdamWKernel(float b1, float omb1, float b2, float omb2, float eps, float decay, float step_size,
                             float bc2_sqrt, float scale, float* __restrict__ p,
                             float* __restrict__ m, float* __restrict__ v,
                             const void* __restrict__ g, bool bf16, int64_t n,
@@ -29,8 +29,8 @@ __global__ void AdamWKernel(float lr, float b1, float b2, float eps, float decay
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float gi = scale * LoadGrad(g, bf16, i);
     float pi = p[i] * decay;
-    const float mi = b1 * m[i] + (1.0f - b1) * gi;
-    const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+    const float mi = b1 * m[i] + omb1 * gi;
+    const float vi = b2 * v[i] + omb2 * gi * gi;
     // IEEE sqrt and division, as the CPU oracle, so results agree to rounding.
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
     pi = __fsub_rn(pi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
@@ -61,13 +61,15 @@ std::string LaunchAdamW(const AdamWConfig& c, float* param, float* m, float* v, 
                         GradType type, int64_t n, uint16_t* bf16_out, void* stream) {
   if (n <= 0) return "";
   const double t = static_cast<double>(c.step);
-  const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(c.beta1), t));
-  const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(c.beta2), t));
+  const double bc1 = 1.0 - std::pow(c.beta1, t);
+  const double bc2 = 1.0 - std::pow(c.beta2, t);
   const int threads = 256;
   int64_t blocks = (n + threads - 1) / threads;
   if (blocks > 65536) blocks = 65536;
   AdamWKernel<<<static_cast<unsigned>(blocks), threads, 0, static_cast<cudaStream_t>(stream)>>>(
-      c.lr, c.beta1, c.beta2, c.eps, 1.0f - c.lr * c.weight_decay, c.lr / bc1, std::sqrt(bc2),
+      (float)c.beta1, (float)(1.0 - c.beta1), (float)c.beta2, (float)(1.0 - c.beta2),
+      (float)c.eps, (float)(1.0 - c.lr * c.weight_decay), (float)(c.lr / bc1),
+      (float)std::sqrt(bc2),
       c.grad_scale, param, m, v, grad, type == GradType::kBf16, n,
       reinterpret_cast<__nv_bfloat16*>(bf16_out));
   cudaError_t e = cudaGetLastError();
