@@ -128,7 +128,7 @@ int Run(int argc, char** argv) {
   sigwait(&sigs, &sig);
   SF_LOG(kInfo, "signal %d: no new requests; finishing running updates", sig);
   sessions.Drain();  // new requests get UNAVAILABLE; queued and running work completes.
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   stop.store(true);
   housekeeping.join();
   fd_server.Stop();

@@ -1,0 +1,439 @@
+// Integration tests against a real stallfreed process on a temporary unix socket.
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "client/client.h"
+#include "common/bf16.h"
+#include "common/unix_socket.h"
+#include "kernels/optimizer.h"
+
+namespace stallfree {
+namespace {
+
+using Code = absl::StatusCode;
+
+// One daemon per test, on its own socket under /tmp (unix socket paths are short).
+class Daemon {
+ public:
+  explicit Daemon(std::vector<std::string> extra = {}) {
+    char tmpl[] = "/tmp/stallfree-test-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    chmod(dir_.c_str(), 0755);  // other uids must reach the fd socket to be refused by it.
+    socket_ = dir_ + "/d.sock";
+    log_ = dir_ + "/daemon.log";
+    std::vector<std::string> args = {"server/stallfreed", "--socket", socket_, "--log_level",
+                                     "debug"};
+    for (auto& e : extra) args.push_back(e);
+    pid_ = fork();
+    if (pid_ == 0) {
+      int fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 2);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    for (int i = 0; i < 200; ++i) {
+      struct stat st;
+      if (stat(socket_.c_str(), &st) == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+  }
+  ~Daemon() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    std::string cmd = "rm -rf " + dir_;
+    if (system(cmd.c_str()) != 0) perror("rm");
+  }
+  // SIGTERM and wait; returns the exit status.
+  int Terminate() {
+    kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return status;
+  }
+  std::string Log() const {
+    std::string cmd = "cat " + log_;
+    std::string out;
+    FILE* f = popen(cmd.c_str(), "r");
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, n);
+    pclose(f);
+    return out;
+  }
+  const std::string& socket() const { return socket_; }
+  pid_t pid() const { return pid_; }
+
+ private:
+  std::string dir_, socket_, log_;
+  pid_t pid_ = -1;
+};
+
+v1::AdamWHyper Hyper() {
+  v1::AdamWHyper h;
+  h.set_lr(1e-2);
+  h.set_beta1(0.9);
+  h.set_beta2(0.999);
+  h.set_eps(1e-8);
+  h.set_weight_decay(0.05);
+  return h;
+}
+
+kernels::AdamWConfig Config(const v1::AdamWHyper& h, int64_t step) {
+  kernels::AdamWConfig c;
+  c.lr = h.lr();
+  c.beta1 = h.beta1();
+  c.beta2 = h.beta2();
+  c.eps = h.eps();
+  c.weight_decay = h.weight_decay();
+  c.step = step;
+  return c;
+}
+
+// Trains two parameters (fp32 and bf16 gradients) through the daemon for several steps, two
+// pushes per update, and compares with the reference kernel run locally on the same data.
+void TrainAndCompare(const std::string& socket, int seed) {
+  auto client = Client::Connect(socket);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto session = (*client)->OpenSession("t" + std::to_string(seed), seed);
+  ASSERT_TRUE(session.ok()) << session.status();
+  Session& s = **session;
+  const int64_t nw = 64 * 33, nb = 100;
+  ASSERT_TRUE(s.RegisterParams({{"w", {64, 33}, v1::DTYPE_FP32}, {"b", {nb}, v1::DTYPE_BF16}}).ok());
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> w(nw), b(nb);
+  for (auto& x : w) x = normal(rng);
+  for (auto& x : b) x = normal(rng);
+  memcpy(s.StagingFp32("w"), w.data(), nw * 4);
+  memcpy(s.StagingFp32("b"), b.data(), nb * 4);
+  ASSERT_TRUE(s.LoadParams().ok());
+  std::vector<float> mw(nw, 0), vw(nw, 0), mb(nb, 0), vb(nb, 0);
+  const auto& k = kernels::ReferenceKernel();
+  const v1::AdamWHyper h = Hyper();
+  for (int64_t step = 1; step <= 5; ++step) {
+    std::vector<float> accw(nw, 0), accb(nb, 0);
+    for (uint32_t slot = 0; slot < 2; ++slot) {
+      std::vector<float> gw(nw);
+      std::vector<uint16_t> gb(nb);
+      for (auto& x : gw) x = normal(rng);
+      for (auto& x : gb) x = FloatToBf16(normal(rng));
+      memcpy(s.GradSlot(slot, "w"), gw.data(), nw * 4);
+      memcpy(s.GradSlot(slot, "b"), gb.data(), nb * 2);
+      auto pushed = s.Push(step, slot, 0.5f);
+      ASSERT_TRUE(pushed.ok()) << pushed.status();
+      EXPECT_EQ(pushed->accumulated_pushes(), slot + 1);
+      k.Accumulate(accw.data(), gw.data(), kernels::GradType::kFp32, 0.5f, nw);
+      k.Accumulate(accb.data(), gb.data(), kernels::GradType::kBf16, 0.5f, nb);
+    }
+    const uint32_t pslot = step % 2;
+    const v1::DType out = step == 5 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+    ASSERT_TRUE(s.Update(step, h, pslot, out).ok());
+    auto fut = s.WaitUpdateAsync(step);
+    k.AdamW(Config(h, step), w.data(), mw.data(), vw.data(), accw.data(), kernels::GradType::kFp32,
+            nw, nullptr);
+    k.AdamW(Config(h, step), b.data(), mb.data(), vb.data(), accb.data(), kernels::GradType::kFp32,
+            nb, nullptr);
+    auto ready = fut.get();
+    ASSERT_TRUE(ready.ok()) << ready.status();
+    EXPECT_EQ(ready->version(), step);
+    EXPECT_EQ(ready->param_slot(), pslot);
+    // Same kernel, same order of operations: bit for bit.
+    if (out == v1::DTYPE_FP32) {
+      ASSERT_EQ(0, memcmp(s.ParamsFp32(pslot, "w"), w.data(), nw * 4)) << "step " << step;
+      ASSERT_EQ(0, memcmp(s.ParamsFp32(pslot, "b"), b.data(), nb * 4)) << "step " << step;
+    } else {
+      for (int64_t i = 0; i < nw; ++i) ASSERT_EQ(s.ParamsBf16(pslot, "w")[i], FloatToBf16(w[i]));
+      for (int64_t i = 0; i < nb; ++i) ASSERT_EQ(s.ParamsBf16(pslot, "b")[i], FloatToBf16(b[i]));
+    }
+  }
+  EXPECT_TRUE(s.Close().ok());
+}
+
+TEST(Daemon, TwoClientsAtOnceMatchReferenceAdamW) {
+  Daemon d;
+  std::thread a([&] { TrainAndCompare(d.socket(), 1); });
+  std::thread b([&] { TrainAndCompare(d.socket(), 2); });
+  a.join();
+  b.join();
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok());
+  auto stats = (*client)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->sessions_opened(), 2);
+  EXPECT_EQ(stats->sessions_closed(), 2);
+  EXPECT_EQ(stats->updates(), 10);
+  EXPECT_EQ(stats->pushes(), 20);
+  EXPECT_EQ(stats->sessions(), 0);
+}
+
+TEST(Daemon, ConnectWithoutDaemonNamesTheSocket) {
+  auto client = Client::Connect("/tmp/stallfree-no-such-dir/d.sock", 200);
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), Code::kUnavailable);
+  EXPECT_NE(client.status().message().find("/tmp/stallfree-no-such-dir/d.sock"),
+            absl::string_view::npos);
+  EXPECT_NE(client.status().message().find("stallfreed --socket"), absl::string_view::npos);
+}
+
+TEST(Daemon, BadRequestsGetTheirCodesAndTheDaemonKeepsServing) {
+  Daemon d({"--pinned_mib", "512"});
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok());
+  v1::Offload::Stub* stub = (*client)->stub();
+  auto session = (*client)->OpenSession("bad", 0);
+  ASSERT_TRUE(session.ok());
+  Session& s = **session;
+  const v1::SessionRef ref = s.ref();
+
+  // Before registration.
+  {
+    v1::PushGradientsRequest r;
+    *r.mutable_session() = ref;
+    EXPECT_EQ(s.Push(r).status().code(), Code::kFailedPrecondition);
+  }
+  // RegisterParams validation.
+  auto reg = [&](std::vector<int64_t> shape, v1::DType t, const std::string& name = "x") {
+    v1::RegisterParamsRequest r;
+    *r.mutable_session() = ref;
+    auto* p = r.add_params();
+    p->set_name(name);
+    for (auto x : shape) p->add_shape(x);
+    p->set_grad_dtype(t);
+    grpc::ClientContext ctx;
+    v1::RegisterParamsResponse resp;
+    return FromGrpc(stub->RegisterParams(&ctx, r, &resp));
+  };
+  EXPECT_EQ(reg({0, 4}, v1::DTYPE_FP32).code(), Code::kInvalidArgument);
+  EXPECT_EQ(reg({-3}, v1::DTYPE_FP32).code(), Code::kInvalidArgument);
+  EXPECT_EQ(reg({1 << 30, 1 << 30}, v1::DTYPE_FP32).code(), Code::kInvalidArgument);
+  EXPECT_EQ(reg({16}, v1::DTYPE_UNSPECIFIED).code(), Code::kInvalidArgument);
+  EXPECT_EQ(reg({16}, v1::DTYPE_FP32, "").code(), Code::kInvalidArgument);
+  absl::Status budget = reg({int64_t{1} << 27}, v1::DTYPE_FP32);  // 128M elements: > 512 MiB.
+  EXPECT_EQ(budget.code(), Code::kResourceExhausted) << budget;
+  EXPECT_NE(budget.message().find("budget"), absl::string_view::npos);
+
+  const int64_t big = int64_t{8} << 20;  // 8M elements: the update takes a while on 2 cores.
+  ASSERT_TRUE(s.RegisterParams({{"w", {big}, v1::DTYPE_FP32}, {"h", {256}, v1::DTYPE_BF16}}).ok());
+  EXPECT_EQ(reg({16}, v1::DTYPE_FP32, "again").code(), Code::kFailedPrecondition);
+
+  auto push = [&](v1::GradRange range, uint32_t slot = 0) {
+    v1::PushGradientsRequest r;
+    r.set_step(1);
+    r.set_slot(slot);
+    *r.add_ranges() = range;
+    return s.Push(r).status();
+  };
+  auto range = [](std::string p, uint64_t off, uint64_t len, uint64_t first = 0,
+                  v1::DType t = v1::DTYPE_UNSPECIFIED) {
+    v1::GradRange g;
+    g.set_param(p);
+    g.set_offset(off);
+    g.set_length(len);
+    g.set_first_element(first);
+    g.set_dtype(t);
+    return g;
+  };
+  const uint64_t slot_bytes = s.layout().grad_slot_bytes();
+  const uint64_t max = std::numeric_limits<uint64_t>::max();
+  absl::Status st;
+  EXPECT_EQ(push(range("w", 0, 64), 2).code(), Code::kInvalidArgument);                 // slot
+  EXPECT_EQ(push(range("nope", 0, 64)).code(), Code::kNotFound);                       // param
+  st = push(range("w", 64, max - 10));                                                  // overflow
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("ranges[0].offset/length"), absl::string_view::npos) << st;
+  EXPECT_EQ(push(range("w", slot_bytes - 4, 8)).code(), Code::kInvalidArgument);       // past end
+  EXPECT_EQ(push(range("w", max, 4)).code(), Code::kInvalidArgument);                  // offset
+  EXPECT_EQ(push(range("w", 0, 6)).code(), Code::kInvalidArgument);                    // partial
+  EXPECT_EQ(push(range("w", 2, 4)).code(), Code::kInvalidArgument);                    // misaligned
+  EXPECT_EQ(push(range("h", 0, 64, 0, v1::DTYPE_FP32)).code(), Code::kFailedPrecondition);  // dtype
+  EXPECT_EQ(push(range("h", 0, 64, 250)).code(), Code::kInvalidArgument);              // shape
+  EXPECT_EQ(push(range("h", 0, 64, max)).code(), Code::kInvalidArgument);              // overflow
+  {
+    v1::PushGradientsRequest r;
+    *r.mutable_session() = ref;
+    r.mutable_session()->set_token("0000");
+    grpc::ClientContext ctx;
+    v1::PushGradientsResponse resp;
+    EXPECT_EQ(FromGrpc(stub->PushGradients(&ctx, r, &resp)).code(), Code::kPermissionDenied);
+    r.mutable_session()->set_session_id(999);
+    grpc::ClientContext ctx2;
+    EXPECT_EQ(FromGrpc(stub->PushGradients(&ctx2, r, &resp)).code(), Code::kNotFound);
+  }
+  // Update validation.
+  v1::AdamWHyper h = Hyper();
+  v1::AdamWHyper bad = h;
+  bad.set_beta1(1.0);
+  EXPECT_EQ(s.Update(1, bad, 0).code(), Code::kInvalidArgument);
+  bad = h;
+  bad.set_eps(0);
+  EXPECT_EQ(s.Update(1, bad, 0).code(), Code::kInvalidArgument);
+  EXPECT_EQ(s.Update(0, h, 0).code(), Code::kInvalidArgument);
+  EXPECT_EQ(s.Update(1, h, 3).code(), Code::kInvalidArgument);
+  ASSERT_TRUE(s.Update(5, h, 0).ok());
+  st = s.Update(6, h, 1);  // the 8M-element update of step 5 is still running.
+  EXPECT_EQ(st.code(), Code::kAborted) << st;
+  ASSERT_TRUE(s.WaitUpdate(5).ok());
+  EXPECT_EQ(s.Update(4, h, 1).code(), Code::kFailedPrecondition);  // step goes backwards.
+  EXPECT_EQ(s.Update(5, h, 1).code(), Code::kFailedPrecondition);
+  EXPECT_EQ(s.LoadParams().code(), Code::kFailedPrecondition);     // would discard state.
+  EXPECT_EQ(s.WaitUpdate(9, 100).status().code(), Code::kFailedPrecondition);
+
+  // The daemon still serves good requests on the same session.
+  EXPECT_TRUE(push(range("h", 0, 512)).ok());
+  EXPECT_TRUE(s.Update(6, h, 1).ok());
+  auto ready = s.WaitUpdate(6);
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  EXPECT_EQ(ready->version(), 6);
+  auto stats = (*client)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_GE(stats->rejected_requests(), 20);
+}
+
+TEST(Daemon, KilledClientIsReclaimedWhileOthersGoOn) {
+  Daemon d;
+  int out[2];
+  ASSERT_EQ(pipe(out), 0);
+  pid_t child = fork();
+  if (child == 0) {
+    dup2(out[1], 1);
+    execl("tests/server/session_holder", "session_holder", d.socket().c_str(), "4194304",
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(out[1]);
+  char buf[64] = {0};
+  ASSERT_GT(read(out[0], buf, sizeof buf - 1), 0);
+  ASSERT_EQ(std::string(buf).rfind("ready", 0), 0u) << buf;
+
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok());
+  auto session = (*client)->OpenSession("survivor", 1);
+  ASSERT_TRUE(session.ok());
+  ASSERT_TRUE((*session)->RegisterParams({{"w", {1000}, v1::DTYPE_FP32}}).ok());
+  auto before = (*client)->GetStats();
+  ASSERT_TRUE(before.ok());
+  EXPECT_EQ(before->sessions(), 2);
+  EXPECT_GT(before->pinned_bytes(), uint64_t{4194304} * 4 * 5);
+
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  v1::Stats after;
+  for (int i = 0; i < 100; ++i) {
+    auto s = (*client)->GetStats();
+    ASSERT_TRUE(s.ok());
+    after = *s;
+    // Freeing is asynchronous: the memory goes when the session's last queued task ends.
+    if (after.sessions_reclaimed() == 1 && after.sessions() == 1 &&
+        after.pinned_bytes() < (uint64_t{1} << 20))
+      break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(after.sessions_reclaimed(), 1);
+  EXPECT_EQ(after.sessions(), 1);
+  // Only the survivor's region and state remain: 1000 elements -> a few pages.
+  EXPECT_LT(after.pinned_bytes(), uint64_t{1} << 20);
+  EXPECT_NE(d.Log().find("reclaimed"), std::string::npos);
+  // The survivor goes on.
+  EXPECT_TRUE((*session)->Push(1, 0).ok());
+  EXPECT_TRUE((*session)->Update(1, Hyper(), 0).ok());
+  EXPECT_TRUE((*session)->WaitUpdate(1).ok());
+}
+
+TEST(Daemon, ClientOfAnotherUidCannotObtainTheFd) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a child under another uid";
+  Daemon d;
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok());
+  v1::Offload::Stub* stub = (*client)->stub();
+  v1::OpenSessionRequest open;
+  open.set_name("victim");
+  open.set_pid(getpid());
+  v1::OpenSessionResponse opened;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->OpenSession(&ctx, open, &opened).ok());
+  }
+  v1::RegisterParamsRequest reg;
+  *reg.mutable_session() = opened.session();
+  reg.add_params()->set_name("w");
+  reg.mutable_params(0)->add_shape(1024);
+  reg.mutable_params(0)->set_grad_dtype(v1::DTYPE_FP32);
+  {
+    grpc::ClientContext ctx;
+    v1::RegisterParamsResponse resp;
+    ASSERT_TRUE(stub->RegisterParams(&ctx, reg, &resp).ok());
+  }
+  const std::string hello = std::to_string(opened.session().session_id()) + " " +
+                            opened.session().token() + "\n";
+  const std::string fd_socket = opened.fd_socket();
+  // A child as uid/gid 65534 (nobody) with the right token: must get "ERR", no fd.
+  pid_t child = fork();
+  if (child == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(3);
+    auto conn = ConnectUnix(fd_socket);
+    if (!conn.ok()) _exit(4);
+    if (!SendWithFd(*conn, hello, -1).ok()) _exit(5);
+    std::string reply;
+    int fd = -1;
+    if (!RecvWithFd(*conn, 512, &reply, &fd).ok()) _exit(6);
+    if (fd >= 0) _exit(1);                       // got the region: a security failure.
+    _exit(reply.rfind("ERR PERMISSION_DENIED", 0) == 0 ? 0 : 7);
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: the other uid obtained the fd; 3-7: setup failed";
+  // The rightful uid still can.
+  auto conn = ConnectUnix(fd_socket);
+  ASSERT_TRUE(conn.ok());
+  ASSERT_TRUE(SendWithFd(*conn, hello, -1).ok());
+  std::string reply;
+  int fd = -1;
+  ASSERT_TRUE(RecvWithFd(*conn, 512, &reply, &fd).ok());
+  EXPECT_EQ(reply.rfind("OK ", 0), 0u) << reply;
+  EXPECT_GE(fd, 0);
+  if (fd >= 0) close(fd);
+  close(*conn);
+}
+
+TEST(Daemon, SigtermFinishesRunningUpdateAndExitsZero) {
+  Daemon d;
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok());
+  auto session = (*client)->OpenSession("term", 0);
+  ASSERT_TRUE(session.ok());
+  ASSERT_TRUE((*session)->RegisterParams({{"w", {int64_t{8} << 20}, v1::DTYPE_FP32}}).ok());
+  ASSERT_TRUE((*session)->Update(1, Hyper(), 0).ok());
+  const int status = d.Terminate();
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  const std::string log = d.Log();
+  EXPECT_NE(log.find("signal 15"), std::string::npos) << log;
+  EXPECT_NE(log.find("update of step 1 done"), std::string::npos) << log;
+  EXPECT_NE(log.find("stallfreed stopped"), std::string::npos) << log;
+  struct stat st;
+  EXPECT_NE(stat(d.socket().c_str(), &st), 0) << "socket file left behind";
+}
+
+}  // namespace
+}  // namespace stallfree
