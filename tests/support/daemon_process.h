@@ -1,0 +1,84 @@
+// Daemon: starts a real stallfreed process on a fresh socket under /tmp for tests and
+// benchmarks, and kills it on destruction. The binary path is relative to the runfiles root.
+#pragma once
+
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace stallfree {
+namespace testing {
+
+// One daemon per object, on its own socket under /tmp (unix socket paths are short).
+class Daemon {
+ public:
+  explicit Daemon(std::vector<std::string> extra = {}, std::string log_level = "debug") {
+    char tmpl[] = "/tmp/stallfree-test-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    chmod(dir_.c_str(), 0755);  // other uids must reach the fd socket to be refused by it.
+    socket_ = dir_ + "/d.sock";
+    log_ = dir_ + "/daemon.log";
+    std::vector<std::string> args = {"server/stallfreed", "--socket", socket_, "--log_level",
+                                     log_level};
+    for (auto& e : extra) args.push_back(e);
+    pid_ = fork();
+    if (pid_ == 0) {
+      int fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 2);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    for (int i = 0; i < 200; ++i) {
+      struct stat st;
+      if (stat(socket_.c_str(), &st) == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+  }
+  ~Daemon() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    std::string cmd = "rm -rf " + dir_;
+    if (system(cmd.c_str()) != 0) perror("rm");
+  }
+  // SIGTERM and wait; returns the exit status.
+  int Terminate() {
+    kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return status;
+  }
+  std::string Log() const {
+    std::string cmd = "cat " + log_;
+    std::string out;
+    FILE* f = popen(cmd.c_str(), "r");
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, n);
+    pclose(f);
+    return out;
+  }
+  const std::string& socket() const { return socket_; }
+  pid_t pid() const { return pid_; }
+
+ private:
+  std::string dir_, socket_, log_;
+  pid_t pid_ = -1;
+};
+
+}  // namespace testing
+}  // namespace stallfree
