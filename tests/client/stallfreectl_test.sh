@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# stallfreectl against a real daemon: health, stats and sessions in both formats, and the
+# errors a user gets for no daemon or a bad command.
+set -euo pipefail
+daemon=server/stallfreed
+ctl=client/stallfreectl
+holder=tests/server/session_holder
+dir=$(mktemp -d /tmp/stallfree-ctl-XXXXXX)
+sock="$dir/d.sock"
+cleanup() { kill -9 "${hpid:-}" "${dpid:-}" 2>/dev/null || true; rm -rf "$dir"; }
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+out=$($ctl --socket "$sock" health 2>&1) && fail "health without a daemon succeeded"
+grep -q "no stallfreed is listening on $sock" <<<"$out" || fail "no-daemon error: $out"
+$ctl --help | grep -q -- "--socket" || fail "--help lacks --socket"
+$ctl --socket "$sock" frobnicate >/dev/null 2>&1 && fail "unknown command accepted"
+
+$daemon --socket "$sock" --log_level warning 2>"$dir/log" &
+dpid=$!
+for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
+[ "$($ctl --socket "$sock" health)" = "SERVING  $sock" ] || fail "health"
+$ctl --socket "$sock" -o json health | grep -q '"status": "SERVING"' || fail "json health"
+
+$holder "$sock" 1000 > "$dir/holder.out" &
+hpid=$!
+for _ in $(seq 100); do grep -q ready "$dir/holder.out" 2>/dev/null && break; sleep 0.05; done
+table=$($ctl --socket "$sock" sessions)
+grep -Eq "^1 +holder +7 +$hpid " <<<"$table" || fail "sessions table: $table"
+json=$($ctl --socket "$sock" -o json sessions)
+grep -q '"name": "holder"' <<<"$json" || fail "sessions json: $json"
+grep -q '"param_elements": "1000"' <<<"$json" || fail "sessions json elements: $json"
+stats=$($ctl --socket "$sock" -o json stats)
+grep -q '"sessions": "1"' <<<"$stats" || fail "stats json: $stats"
+$ctl --socket "$sock" stats | grep -Eq "^sessions +1 " || fail "stats table"
+
+kill -TERM $dpid
+wait $dpid || fail "daemon exit status $?"
+dpid=
+echo PASS
