@@ -31,15 +31,7 @@ int Run(int argc, char** argv) {
                 "shared-memory push vs protobuf bytes vs memcpy, 4 MiB to 256 MiB; small-RPC latency");
   flags.AddBool("quick", &quick, "fewer repetitions (finishes within 30 s)");
   flags.AddInt("reps", &reps, "repetitions per payload (median is reported)");
-  auto help = flags.Parse(argc, argv);
-  if (!help.ok()) {
-    fprintf(stderr, "%s\n", std::string(help.status().message()).c_str());
-    return 2;
-  }
-  if (*help) {
-    printf("%s", flags.Help().c_str());
-    return 0;
-  }
+  if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   if (quick) reps = 3;
   testing::Daemon daemon({}, "warning");
   auto client = Client::Connect(daemon.socket());

@@ -41,15 +41,7 @@ int Run(int argc, char** argv) {
                 "admin CLI for stallfreed.\n\nUsage: stallfreectl [flags] health|stats|sessions");
   flags.AddString("socket", &socket, "the daemon's gRPC unix socket");
   flags.AddString("o", &output, "output format: table or json");
-  absl::StatusOr<bool> help = flags.Parse(argc, argv);
-  if (!help.ok()) {
-    fprintf(stderr, "stallfreectl: %s\n", std::string(help.status().message()).c_str());
-    return 2;
-  }
-  if (*help) {
-    printf("%s", flags.Help().c_str());
-    return 0;
-  }
+  if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   if (flags.positional().size() != 1 || (output != "table" && output != "json")) {
     fprintf(stderr, "%s", flags.Help().c_str());
     return 2;

@@ -1,5 +1,6 @@
 #include "common/flags.h"
 
+#include <cstdio>
 #include <cstdlib>
 
 #include "absl/strings/numbers.h"
@@ -112,6 +113,19 @@ absl::StatusOr<bool> FlagSet::Parse(int argc, char** argv) {
     RETURN_IF_ERROR(Set(*found, value, "--" + body));
   }
   return false;
+}
+
+int FlagSet::ParseCommandLine(int argc, char** argv) {
+  absl::StatusOr<bool> help = Parse(argc, argv);
+  if (!help.ok()) {
+    fprintf(stderr, "%s: %s\n", program_.c_str(), std::string(help.status().message()).c_str());
+    return 2;
+  }
+  if (*help) {
+    printf("%s", Help().c_str());
+    return 0;
+  }
+  return -1;
 }
 
 std::string FlagSet::Help() const {

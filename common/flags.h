@@ -29,6 +29,9 @@ class FlagSet {
   // Parses argv[1..]. Returns true if help was requested (the caller prints Help() and exits 0).
   // Arguments that are not flags are collected in positional().
   absl::StatusOr<bool> Parse(int argc, char** argv);
+  // The usual main() prologue: parses, prints Help() on --help or the error on bad flags.
+  // Returns -1 to go on, or the exit code main should return (0 after help, 2 on an error).
+  int ParseCommandLine(int argc, char** argv);
   const std::vector<std::string>& positional() const { return positional_; }
   std::string Help() const;
 

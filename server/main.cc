@@ -46,15 +46,7 @@ int Run(int argc, char** argv) {
   flags.AddString("pin", &pin,
                   "mlock policy: require (fail if mlock fails), best-effort (warn), off");
   flags.AddString("log_level", &log_level, "debug, info, warning or error");
-  absl::StatusOr<bool> help = flags.Parse(argc, argv);
-  if (!help.ok()) {
-    fprintf(stderr, "stallfreed: %s\n", std::string(help.status().message()).c_str());
-    return 2;
-  }
-  if (*help) {
-    printf("%s", flags.Help().c_str());
-    return 0;
-  }
+  if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   LogLevel level;
   if (!ParseLogLevel(log_level, &level)) {
     fprintf(stderr, "stallfreed: --log_level: '%s' is not debug, info, warning or error\n",

@@ -452,14 +452,31 @@ void SessionManager::LoadParams(const v1::LoadParamsRequest& req,
   });
 }
 
-namespace {
-struct AccumulateJob {
-  float* acc;
-  const uint8_t* src;
-  kernels::GradType type;
-  int64_t count;
-};
-}  // namespace
+void SessionManager::PostAccumulate(std::shared_ptr<Session> s, std::vector<AccumulateJob> jobs,
+                                    float scale, uint64_t bytes, v1::PushGradientsResponse* resp,
+                                    std::function<void(absl::Status)> done) {
+  s->strand->Post([this, s, jobs = std::move(jobs), scale, bytes, resp, done] {
+    const auto t0 = Clock::now();
+    const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
+    for (const AccumulateJob& j : jobs) {
+      const uint64_t esize = j.type == kernels::GradType::kBf16 ? 2 : 4;
+      ParallelChunks(j.count, [&](int64_t b, int64_t e) {
+        k.Accumulate(j.acc + b, j.src + b * esize, j.type, scale, e - b);
+      });
+    }
+    counters_.accumulate_ns.fetch_add(Nanos(Clock::now() - t0));
+    counters_.pushes.fetch_add(1);
+    counters_.bytes_in.fetch_add(bytes);
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->pushes++;
+      s->pushes_since_update++;
+      resp->set_accumulated_pushes(s->pushes_since_update);
+    }
+    resp->set_bytes(bytes);
+    done(absl::OkStatus());
+  });
+}
 
 void SessionManager::PushGradients(const v1::PushGradientsRequest& req,
                                    v1::PushGradientsResponse* resp,
@@ -519,27 +536,7 @@ void SessionManager::PushGradients(const v1::PushGradientsRequest& req,
     }
   }
   const float scale = req.scale() == 0.0f ? 1.0f : req.scale();
-  s->strand->Post([this, s, jobs = std::move(jobs), scale, bytes, resp, done] {
-    const auto t0 = Clock::now();
-    const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
-    for (const AccumulateJob& j : jobs) {
-      const uint64_t esize = j.type == kernels::GradType::kBf16 ? 2 : 4;
-      ParallelChunks(j.count, [&](int64_t b, int64_t e) {
-        k.Accumulate(j.acc + b, j.src + b * esize, j.type, scale, e - b);
-      });
-    }
-    counters_.accumulate_ns.fetch_add(Nanos(Clock::now() - t0));
-    counters_.pushes.fetch_add(1);
-    counters_.bytes_in.fetch_add(bytes);
-    {
-      std::lock_guard<std::mutex> lock(s->mu);
-      s->pushes++;
-      s->pushes_since_update++;
-      resp->set_accumulated_pushes(s->pushes_since_update);
-    }
-    resp->set_bytes(bytes);
-    done(absl::OkStatus());
-  });
+  PostAccumulate(s, std::move(jobs), scale, bytes, resp, std::move(done));
 }
 
 void SessionManager::PushGradientsInline(const v1::PushGradientsInlineRequest& req,
@@ -570,26 +567,8 @@ void SessionManager::PushGradientsInline(const v1::PushGradientsInlineRequest& r
            ToGradType(p.grad_dtype), static_cast<int64_t>(req.data().size() / esize)};
   }
   const float scale = req.scale() == 0.0f ? 1.0f : req.scale();
-  // `req` outlives done(): gRPC keeps the request until the reactor finishes.
-  s->strand->Post([this, s, job, scale, resp, done, bytes = req.data().size()] {
-    const auto t0 = Clock::now();
-    const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
-    const uint64_t esize = job.type == kernels::GradType::kBf16 ? 2 : 4;
-    ParallelChunks(job.count, [&](int64_t b, int64_t e) {
-      k.Accumulate(job.acc + b, job.src + b * esize, job.type, scale, e - b);
-    });
-    counters_.accumulate_ns.fetch_add(Nanos(Clock::now() - t0));
-    counters_.pushes.fetch_add(1);
-    counters_.bytes_in.fetch_add(bytes);
-    {
-      std::lock_guard<std::mutex> lock(s->mu);
-      s->pushes++;
-      s->pushes_since_update++;
-      resp->set_accumulated_pushes(s->pushes_since_update);
-    }
-    resp->set_bytes(bytes);
-    done(absl::OkStatus());
-  });
+  // req.data() stays valid until done(): gRPC keeps the request until the reactor finishes.
+  PostAccumulate(s, {job}, scale, req.data().size(), resp, std::move(done));
 }
 
 absl::Status SessionManager::Update(const v1::UpdateRequest& req) {

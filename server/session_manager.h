@@ -64,6 +64,14 @@ struct WaitResult {
 
 class Session;
 
+// One contiguous run of gradient elements to add into an accumulator.
+struct AccumulateJob {
+  float* acc;
+  const uint8_t* src;
+  kernels::GradType type;
+  int64_t count;
+};
+
 class SessionManager {
  public:
   SessionManager(DaemonOptions options, tbb::task_arena* arena);
@@ -112,6 +120,10 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<Session>> Find(const v1::SessionRef& ref);
   void Reclaim(uint64_t id, const std::string& why);
   void Reject(const absl::Status& s);
+  // Runs the validated jobs on the session's strand, counts them, then calls done.
+  void PostAccumulate(std::shared_ptr<Session> s, std::vector<AccumulateJob> jobs, float scale,
+                      uint64_t bytes, v1::PushGradientsResponse* resp,
+                      std::function<void(absl::Status)> done);
 
   const DaemonOptions options_;
   tbb::task_arena* arena_;

@@ -41,15 +41,7 @@ int Run(int argc, char** argv) {
   flags.AddInt("d_model", &d_model, "model width");
   flags.AddInt("vocab", &vocab, "vocabulary (embedding of vocab*d_model)");
   flags.AddInt("steps", &steps, "steps per phase (sync, then overlapped)");
-  auto help = flags.Parse(argc, argv);
-  if (!help.ok()) {
-    fprintf(stderr, "synthetic_trainer: %s\n", std::string(help.status().message()).c_str());
-    return 2;
-  }
-  if (*help) {
-    printf("%s", flags.Help().c_str());
-    return 0;
-  }
+  if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   if (socket.empty() || layers < 1 || d_model < 1 || vocab < 1 || steps < 1) {
     fprintf(stderr, "synthetic_trainer: --socket is required; sizes and --steps must be >= 1\n");
     return 2;
