@@ -14,6 +14,8 @@ fail() { echo "FAIL: $*"; exit 1; }
 out=$($ctl --socket "$sock" health 2>&1) && fail "health without a daemon succeeded"
 grep -q "no stallfreed is listening on $sock" <<<"$out" || fail "no-daemon error: $out"
 $ctl --help | grep -q -- "--socket" || fail "--help lacks --socket"
+$daemon --help | grep -q -- "--pinned_mib" || fail "stallfreed --help lacks --pinned_mib"
+$daemon --bogus >/dev/null 2>&1 && fail "stallfreed accepted an unknown flag"
 $ctl --socket "$sock" frobnicate >/dev/null 2>&1 && fail "unknown command accepted"
 
 $daemon --socket "$sock" --log_level warning 2>"$dir/log" &

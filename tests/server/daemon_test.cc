@@ -136,7 +136,7 @@ TEST(Daemon, ConnectWithoutDaemonNamesTheSocket) {
 }
 
 TEST(Daemon, BadRequestsGetTheirCodesAndTheDaemonKeepsServing) {
-  Daemon d({"--pinned_mib", "512"});
+  Daemon d({"--pinned_mib", "2048"});
   auto client = Client::Connect(d.socket());
   ASSERT_TRUE(client.ok());
   v1::Offload::Stub* stub = (*client)->stub();
@@ -168,11 +168,13 @@ TEST(Daemon, BadRequestsGetTheirCodesAndTheDaemonKeepsServing) {
   EXPECT_EQ(reg({1 << 30, 1 << 30}, v1::DTYPE_FP32).code(), Code::kInvalidArgument);
   EXPECT_EQ(reg({16}, v1::DTYPE_UNSPECIFIED).code(), Code::kInvalidArgument);
   EXPECT_EQ(reg({16}, v1::DTYPE_FP32, "").code(), Code::kInvalidArgument);
-  absl::Status budget = reg({int64_t{1} << 27}, v1::DTYPE_FP32);  // 128M elements: > 512 MiB.
+  absl::Status budget = reg({int64_t{1} << 28}, v1::DTYPE_FP32);  // 256M elements: > 2 GiB.
   EXPECT_EQ(budget.code(), Code::kResourceExhausted) << budget;
   EXPECT_NE(budget.message().find("budget"), absl::string_view::npos);
 
-  const int64_t big = int64_t{8} << 20;  // 8M elements: the update takes a while on 2 cores.
+  // 32M elements: an update takes tens of milliseconds even on many cores, far longer than the
+  // next RPC, so the second Update below reliably finds the first still running.
+  const int64_t big = int64_t{32} << 20;
   ASSERT_TRUE(s.RegisterParams({{"w", {big}, v1::DTYPE_FP32}, {"h", {256}, v1::DTYPE_BF16}}).ok());
   EXPECT_EQ(reg({16}, v1::DTYPE_FP32, "again").code(), Code::kFailedPrecondition);
 
@@ -230,7 +232,7 @@ TEST(Daemon, BadRequestsGetTheirCodesAndTheDaemonKeepsServing) {
   EXPECT_EQ(s.Update(0, h, 0).code(), Code::kInvalidArgument);
   EXPECT_EQ(s.Update(1, h, 3).code(), Code::kInvalidArgument);
   ASSERT_TRUE(s.Update(5, h, 0).ok());
-  st = s.Update(6, h, 1);  // the 8M-element update of step 5 is still running.
+  st = s.Update(6, h, 1);  // the 32M-element update of step 5 is still running.
   EXPECT_EQ(st.code(), Code::kAborted) << st;
   ASSERT_TRUE(s.WaitUpdate(5).ok());
   EXPECT_EQ(s.Update(4, h, 1).code(), Code::kFailedPrecondition);  // step goes backwards.
