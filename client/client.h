@@ -76,7 +76,6 @@ class Session {
 
   const v1::RegionLayout& layout() const { return layout_; }
   absl::StatusOr<const v1::ParamLayout*> Param(const std::string& name) const;
-  uint8_t* region() const { return region_ ? region_->data() : nullptr; }
   // Where parameter `name`'s gradient goes in gradient slot `slot` (0 or 1).
   void* GradSlot(uint32_t slot, const std::string& name) const;
   // Where parameter `name`'s initial fp32 values go before LoadParams.

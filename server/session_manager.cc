@@ -319,10 +319,11 @@ void SessionManager::RegisterParams(const v1::RegisterParamsRequest& req,
     info.grad_dtype = p.grad_dtype();
     info.elem_offset = elems;
     info.grad_offset = grad_bytes;
-    uint64_t padded;
+    uint64_t padded, padded_bytes;
     if (!AlignUp(static_cast<uint64_t>(numel), kElemAlign, &padded) ||
         !AddOverflow(elems, padded, &elems) ||
-        !AddOverflow(grad_bytes, padded * ElementBytes(p.grad_dtype()), &grad_bytes) ||
+        !MulOverflow(padded, ElementBytes(p.grad_dtype()), &padded_bytes) ||
+        !AddOverflow(grad_bytes, padded_bytes, &grad_bytes) ||
         elems > (uint64_t{1} << 44))
       return fail(absl::InvalidArgumentError("params: total size overflows"));
     index[info.name] = params.size();
@@ -672,7 +673,7 @@ void SessionManager::WaitUpdate(const v1::WaitUpdateRequest& req,
   std::shared_ptr<Session> s = *found;
   const uint32_t timeout_ms = req.timeout_ms() == 0 ? 60000 : req.timeout_ms();
   std::unique_lock<std::mutex> lock(s->mu);
-  if (s->version >= req.min_version() && s->version > 0 && !s->update_running) {
+  if (s->version > 0 && s->version >= req.min_version()) {  // already there: the newest version.
     WaitResult r{s->version, s->ready_slot, s->ready_dtype, s->last_update_seconds};
     lock.unlock();
     return done(r);

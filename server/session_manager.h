@@ -114,8 +114,6 @@ class SessionManager {
   // Refuses new work (UNAVAILABLE) and waits for all queued and running work to finish.
   void Drain();
 
-  DaemonCounters& counters() { return counters_; }
-
  private:
   absl::StatusOr<std::shared_ptr<Session>> Find(const v1::SessionRef& ref);
   void Reclaim(uint64_t id, const std::string& why);

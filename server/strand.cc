@@ -40,9 +40,4 @@ void Strand::WaitIdle() {
   idle_cv_.wait(lock, [this] { return !running_ && queue_.empty(); });
 }
 
-bool Strand::idle() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return !running_ && queue_.empty();
-}
-
 }  // namespace stallfree

@@ -22,7 +22,6 @@ class Strand : public std::enable_shared_from_this<Strand> {
   void Post(std::function<void()> task);
   // Blocks until no task is queued or running. Only for shutdown and tests.
   void WaitIdle();
-  bool idle();
 
  private:
   void Drain();
