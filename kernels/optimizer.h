@@ -1,23 +1,36 @@
-// The optimizer kernel interface: the math the daemon runs, device-neutral.
+// The optimizer and selection kernel interface: the math the daemon and the ZenFlow engine run,
+// device-neutral.
 //
-// Every backend implements OptimizerKernel over flat spans; callers split large tensors into
-// chunks and may call a kernel concurrently on disjoint chunks (kernels are stateless and thread
-// safe). ReferenceKernel() is the plain scalar oracle every faster backend is tested against.
+// Every backend implements OptimizerKernel over flat arrays in the backend's memory (host memory
+// for the CPU backends, device memory for CUDA). CPU backends run each call to completion,
+// parallel over the calling oneTBB arena; the CUDA backend enqueues on its stream and
+// Synchronize() reports the first error. ReferenceKernel() is the plain scalar oracle every
+// faster backend is tested against.
 //
 // AdamW (decoupled weight decay, as torch.optim.AdamW), for step t >= 1 and g = scale * grad:
 //   p <- p * (1 - lr * wd)
 //   m <- b1 * m + (1 - b1) * g
 //   v <- b2 * v + (1 - b2) * g^2
 //   p <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-// The bias corrections are computed in double from the int64 step, so they never saturate.
+// The bias corrections are computed in double from the int64 step, so they never saturate; the
+// per-element arithmetic is fp32 with IEEE sqrt and division, so every backend agrees with the
+// oracle to rounding (the tests state their tolerance).
+//
+// Columns: a 2-D weight W[rows=out, cols=in] is row-major; column c is the input channel c, the
+// elements W[r, c] for every r. The selection kernels score columns, pick the top k, and move
+// selected / unselected columns between W and contiguous row-major buffers [rows, k].
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace stallfree {
 namespace kernels {
 
 enum class GradType { kFp32, kBf16 };
+
+inline size_t GradTypeSize(GradType t) { return t == GradType::kBf16 ? 2 : 4; }
 
 struct AdamWConfig {
   // Hyper-parameters in double, as users write them (0.9, 0.999): the kernels derive the fp32
@@ -31,28 +44,79 @@ struct AdamWConfig {
   float grad_scale = 1.0f;  // multiplies the gradient (e.g. 1/accumulation count, unscaling).
 };
 
+// The fp32 constants of one AdamW step, derived once per call from an AdamWConfig in double.
+struct AdamWConstants {
+  float b1, omb1, b2, omb2, eps, decay, step_size, bc2_sqrt, grad_scale;
+};
+AdamWConstants MakeAdamWConstants(const AdamWConfig& config);
+
+enum class AccumulateMode {
+  kAdd,        // acc[i] += scale * grad[i]
+  kOverwrite,  // acc[i]  = scale * grad[i] (the first push of a round: no clearing pass)
+};
+
 class OptimizerKernel {
  public:
   virtual ~OptimizerKernel() = default;
   virtual const char* name() const = 0;
 
-  // acc[i] += scale * grad[i] for i < n; grad is fp32 or bf16 per `type`.
-  virtual void Accumulate(float* acc, const void* grad, GradType type, float scale,
-                          int64_t n) const = 0;
+  // acc[i] (+)= scale * grad[i] for i < n; grad is fp32 or bf16 per `type`.
+  virtual void Accumulate(float* acc, const void* grad, GradType type, float scale, int64_t n,
+                          AccumulateMode mode = AccumulateMode::kAdd) const = 0;
 
   // One AdamW step over n elements. grad is fp32 or bf16 per `type`. If bf16_out is not null,
   // the new parameters are also written there as bf16 (round to nearest even).
   virtual void AdamW(const AdamWConfig& config, float* param, float* m, float* v,
                      const void* grad, GradType type, int64_t n, uint16_t* bf16_out) const = 0;
 
-  // dst[i] = bf16(src[i]) and back.
+  // The fused ZenFlow boundary pass: g = acc[i] + acc_scale * grad[i] (the round's last deferred
+  // gradient, fp32 or bf16), then the AdamW step of `config` with that g (config.grad_scale
+  // multiplies the sum), writing the bf16 copy if bf16_out is not null. acc is read, not written:
+  // the next round's first push overwrites it (AccumulateMode::kOverwrite). grad may be null
+  // (g = acc[i]).
+  virtual void AccumulateAdamW(const AdamWConfig& config, float* param, float* m, float* v,
+                               const float* acc, const void* grad, GradType type,
+                               float acc_scale, int64_t n, uint16_t* bf16_out) const = 0;
+
+  // dst[i] = bf16(src[i]) (round to nearest even, NaN stays NaN) and back.
   virtual void FloatToBf16(const float* src, uint16_t* dst, int64_t n) const = 0;
   virtual void Bf16ToFloat(const uint16_t* src, float* dst, int64_t n) const = 0;
+
+  // Per-column scores of a gradient G[rows, cols] (fp32 or bf16), row-major with row stride
+  // `ld` elements (ld >= cols): l1[c] = sum_r |G[r,c]|, l2sq[c] = sum_r G[r,c]^2. Either output
+  // may be null. Sums are in fp32 in an order the backend chooses; the tests allow for that.
+  virtual void ColumnScores(const void* grad, GradType type, int64_t rows, int64_t cols,
+                            int64_t ld, float* l1, float* l2sq) const = 0;
+
+  // The k largest of scores[0..n) by value (NaN counts as smallest; ties go to the lower index),
+  // written to indices[0..k) in increasing index order. 0 <= k <= n.
+  virtual void TopK(const float* scores, int64_t n, int64_t k, int64_t* indices) const = 0;
+
+  // dst[r, j] = src[r, idx[j]] for r < rows, j < k: dst is row-major [rows, k], src [rows, ld].
+  // Elements are elem_size bytes (2 or 4). idx entries are in [0, ld).
+  virtual void GatherColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
+                             const int64_t* idx, int64_t k, void* dst) const = 0;
+  // The inverse: dst[r, idx[j]] = src[r, j]; other columns of dst are untouched.
+  virtual void ScatterColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
+                              const int64_t* idx, int64_t k, void* dst) const = 0;
+
+  // Waits for the work issued so far; returns "" or the first error (CPU backends: always "").
+  virtual std::string Synchronize() const { return ""; }
 };
+
+// The columns of [0, n) that are not in sorted `selected[0..k)`, in increasing order, to
+// out[0..n-k). Host helper shared by all backends.
+void ComplementIndices(const int64_t* selected, int64_t k, int64_t n, int64_t* out);
 
 // The scalar oracle.
 const OptimizerKernel& ReferenceKernel();
-// The kernel the daemon uses on this machine (currently the reference).
+
+// CPU backends by instruction set. Each returns null if this CPU (or this build) lacks it.
+const OptimizerKernel* Avx512Kernel();
+const OptimizerKernel* Avx2Kernel();
+// The fastest CPU backend this machine supports (AVX-512, else AVX2, else the portable
+// scalar-SIMD-free path); chosen once from cpuid. STALLFREE_CPU_KERNEL=avx512|avx2|scalar|
+// reference forces one (for tests and benchmarks).
 const OptimizerKernel& DefaultCpuKernel();
 
 }  // namespace kernels
