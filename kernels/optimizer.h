@@ -114,8 +114,10 @@ const OptimizerKernel& ReferenceKernel();
 // CPU backends by instruction set. Each returns null if this CPU (or this build) lacks it.
 const OptimizerKernel* Avx512Kernel();
 const OptimizerKernel* Avx2Kernel();
-// The fastest CPU backend this machine supports (AVX-512, else AVX2, else the portable
-// scalar-SIMD-free path); chosen once from cpuid. STALLFREE_CPU_KERNEL=avx512|avx2|scalar|
+// The portable path (no intrinsics, parallel like the others): runs on any x86-64.
+const OptimizerKernel& PortableKernel();
+// The fastest CPU backend this machine supports (AVX-512, else AVX2, else the portable path);
+// chosen once from cpuid. STALLFREE_CPU_KERNEL=avx512|avx2|scalar|
 // reference forces one (for tests and benchmarks).
 const OptimizerKernel& DefaultCpuKernel();
 

@@ -1,11 +1,33 @@
-// Scalar reference implementations: the oracle for every fast backend.
+// Scalar reference implementations: the oracle for every fast backend. Serial, one element at a
+// time, written for clarity; never used by the daemon unless forced (STALLFREE_CPU_KERNEL).
+#include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <vector>
 
 #include "common/bf16.h"
 #include "kernels/optimizer.h"
 
 namespace stallfree {
 namespace kernels {
+
+AdamWConstants MakeAdamWConstants(const AdamWConfig& c) {
+  const double t = static_cast<double>(c.step);
+  const double bc1 = 1.0 - std::pow(c.beta1, t);
+  const double bc2 = 1.0 - std::pow(c.beta2, t);
+  AdamWConstants k;
+  k.b1 = static_cast<float>(c.beta1);
+  k.omb1 = static_cast<float>(1.0 - c.beta1);
+  k.b2 = static_cast<float>(c.beta2);
+  k.omb2 = static_cast<float>(1.0 - c.beta2);
+  k.eps = static_cast<float>(c.eps);
+  k.decay = static_cast<float>(1.0 - c.lr * c.weight_decay);
+  k.step_size = static_cast<float>(c.lr / bc1);
+  k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  k.grad_scale = c.grad_scale;
+  return k;
+}
+
 namespace {
 
 inline float LoadGrad(const void* grad, GradType type, int64_t i) {
@@ -13,45 +35,50 @@ inline float LoadGrad(const void* grad, GradType type, int64_t i) {
   return static_cast<const float*>(grad)[i];
 }
 
+// One element of AdamW; g already scaled.
+inline void AdamWElement(const AdamWConstants& k, float g, float* param, float* m, float* v,
+                         uint16_t* out) {
+  float p = *param * k.decay;
+  const float mi = k.b1 * *m + k.omb1 * g;
+  const float vi = k.b2 * *v + k.omb2 * g * g;
+  const float denom = std::sqrt(vi) / k.bc2_sqrt + k.eps;
+  p -= k.step_size * (mi / denom);
+  *m = mi;
+  *v = vi;
+  *param = p;
+  if (out != nullptr) *out = stallfree::FloatToBf16(p);
+}
+
 class ScalarKernel final : public OptimizerKernel {
  public:
-  const char* name() const override { return "scalar-reference"; }
+  const char* name() const override { return "reference"; }
 
-  void Accumulate(float* acc, const void* grad, GradType type, float scale,
-                  int64_t n) const override {
-    // One loop per dtype, so the compiler can vectorise each (the issue after this one brings
-    // the explicit SIMD kernels).
-    if (type == GradType::kFp32) {
-      const float* g = static_cast<const float*>(grad);
-      for (int64_t i = 0; i < n; ++i) acc[i] += scale * g[i];
-    } else {
-      const uint16_t* g = static_cast<const uint16_t*>(grad);
-      for (int64_t i = 0; i < n; ++i) acc[i] += scale * stallfree::Bf16ToFloat(g[i]);
+  void Accumulate(float* acc, const void* grad, GradType type, float scale, int64_t n,
+                  AccumulateMode mode) const override {
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = scale * LoadGrad(grad, type, i);
+      acc[i] = mode == AccumulateMode::kOverwrite ? g : acc[i] + g;
     }
   }
 
   void AdamW(const AdamWConfig& c, float* param, float* m, float* v, const void* grad,
              GradType type, int64_t n, uint16_t* bf16_out) const override {
-    const double t = static_cast<double>(c.step);
-    const double bc1 = 1.0 - std::pow(c.beta1, t);
-    const double bc2 = 1.0 - std::pow(c.beta2, t);
-    const float step_size = static_cast<float>(c.lr / bc1);
-    const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-    const float decay = static_cast<float>(1.0 - c.lr * c.weight_decay);
-    const float b1 = static_cast<float>(c.beta1), omb1 = static_cast<float>(1.0 - c.beta1);
-    const float b2 = static_cast<float>(c.beta2), omb2 = static_cast<float>(1.0 - c.beta2);
-    const float eps = static_cast<float>(c.eps);
+    const AdamWConstants k = MakeAdamWConstants(c);
     for (int64_t i = 0; i < n; ++i) {
-      const float g = c.grad_scale * LoadGrad(grad, type, i);
-      float p = param[i] * decay;
-      const float mi = b1 * m[i] + omb1 * g;
-      const float vi = b2 * v[i] + omb2 * g * g;
-      const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-      p -= step_size * (mi / denom);
-      m[i] = mi;
-      v[i] = vi;
-      param[i] = p;
-      if (bf16_out != nullptr) bf16_out[i] = stallfree::FloatToBf16(p);
+      AdamWElement(k, k.grad_scale * LoadGrad(grad, type, i), param + i, m + i, v + i,
+                   bf16_out == nullptr ? nullptr : bf16_out + i);
+    }
+  }
+
+  void AccumulateAdamW(const AdamWConfig& c, float* param, float* m, float* v, const float* acc,
+                       const void* grad, GradType type, float acc_scale, int64_t n,
+                       uint16_t* bf16_out) const override {
+    const AdamWConstants k = MakeAdamWConstants(c);
+    for (int64_t i = 0; i < n; ++i) {
+      float sum = acc[i];
+      if (grad != nullptr) sum = sum + acc_scale * LoadGrad(grad, type, i);
+      AdamWElement(k, k.grad_scale * sum, param + i, m + i, v + i,
+                   bf16_out == nullptr ? nullptr : bf16_out + i);
     }
   }
 
@@ -61,6 +88,52 @@ class ScalarKernel final : public OptimizerKernel {
   void Bf16ToFloat(const uint16_t* src, float* dst, int64_t n) const override {
     for (int64_t i = 0; i < n; ++i) dst[i] = stallfree::Bf16ToFloat(src[i]);
   }
+
+  void ColumnScores(const void* grad, GradType type, int64_t rows, int64_t cols, int64_t ld,
+                    float* l1, float* l2sq) const override {
+    for (int64_t c = 0; c < cols; ++c) {
+      float a = 0.0f, b = 0.0f;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float x = LoadGrad(grad, type, r * ld + c);
+        a += std::fabs(x);
+        b += x * x;
+      }
+      if (l1 != nullptr) l1[c] = a;
+      if (l2sq != nullptr) l2sq[c] = b;
+    }
+  }
+
+  void TopK(const float* scores, int64_t n, int64_t k, int64_t* indices) const override {
+    // Full stable sort by score, descending, NaN last: the plainest statement of the order.
+    std::vector<int64_t> order(static_cast<size_t>(n));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [scores](int64_t a, int64_t b) {
+      const float x = scores[a], y = scores[b];
+      if (std::isnan(x) || std::isnan(y)) return !std::isnan(x) && std::isnan(y);
+      return x > y;
+    });
+    order.resize(static_cast<size_t>(k));
+    std::sort(order.begin(), order.end());
+    std::copy(order.begin(), order.end(), indices);
+  }
+
+  void GatherColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
+                     const int64_t* idx, int64_t k, void* dst) const override {
+    const char* s = static_cast<const char*>(src);
+    char* d = static_cast<char*>(dst);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < k; ++j)
+        std::copy_n(s + (r * ld + idx[j]) * elem_size, elem_size, d + (r * k + j) * elem_size);
+  }
+
+  void ScatterColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
+                      const int64_t* idx, int64_t k, void* dst) const override {
+    const char* s = static_cast<const char*>(src);
+    char* d = static_cast<char*>(dst);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < k; ++j)
+        std::copy_n(s + (r * k + j) * elem_size, elem_size, d + (r * ld + idx[j]) * elem_size);
+  }
 };
 
 }  // namespace
@@ -69,8 +142,6 @@ const OptimizerKernel& ReferenceKernel() {
   static const ScalarKernel* kernel = new ScalarKernel();
   return *kernel;
 }
-
-const OptimizerKernel& DefaultCpuKernel() { return ReferenceKernel(); }
 
 }  // namespace kernels
 }  // namespace stallfree

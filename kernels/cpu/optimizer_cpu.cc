@@ -1,0 +1,272 @@
+// The CPU optimizer backends: the portable one-lane instantiation, run-time selection of
+// AVX-512 / AVX2 from cpuid, and the parallel driver that splits every call into chunks over the
+// caller's oneTBB arena. Also the selection helpers every CPU backend shares (top-k, gather,
+// scatter), which move little data and need no SIMD.
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/log.h"
+#include "kernels/cpu/optimizer_cpu_impl.h"
+#include "kernels/optimizer.h"
+
+namespace stallfree {
+namespace kernels {
+namespace cpu {
+namespace {
+
+struct Portable {
+  using F = float;
+  static constexpr int W = 1;
+  static constexpr int kMaxW = 1;
+  static F Load(const float* p) { return *p; }
+  static void Store(float* p, F x) { *p = x; }
+  static F Set1(float x) { return x; }
+  static F Add(F a, F b) { return a + b; }
+  static F Sub(F a, F b) { return a - b; }
+  static F Mul(F a, F b) { return a * b; }
+  static F Div(F a, F b) { return a / b; }
+  static F Sqrt(F a) { return std::sqrt(a); }
+  static F Abs(F a) { return std::fabs(a); }
+  static F LoadBf16(const uint16_t* p) { return stallfree::Bf16ToFloat(*p); }
+  static void StoreBf16(uint16_t* p, F x) { *p = stallfree::FloatToBf16(x); }
+};
+
+}  // namespace
+
+const ChunkFns& PortableFns() {
+  static const ChunkFns fns = MakeChunkFns<Portable>("scalar");
+  return fns;
+}
+
+namespace {
+
+// Elements per chunk: 32K fp32 = 128 KiB per array, large enough that the per-chunk overhead
+// vanishes, small enough that two threads balance on a noisy machine. Chunk starts are
+// multiples of this, so vectors stay aligned relative to the arrays' starts.
+constexpr int64_t kChunk = 1 << 15;
+
+template <class Fn>
+void ParallelChunks(int64_t n, Fn fn) {
+  if (n <= 0) return;
+  if (n <= kChunk) {
+    fn(0, n);
+    return;
+  }
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, chunks), [&](const tbb::blocked_range<int64_t>& r) {
+    const int64_t b = r.begin() * kChunk;
+    const int64_t e = std::min(n, r.end() * kChunk);
+    fn(b, e - b);
+  });
+}
+
+const char* Offset(const void* p, int64_t elems, size_t elem_size) {
+  return p == nullptr ? nullptr : static_cast<const char*>(p) + elems * elem_size;
+}
+
+template <class T>
+void GatherT(const T* src, int64_t rows, int64_t ld, const int64_t* idx, int64_t k, T* dst) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, rows, grain),
+                    [&](const tbb::blocked_range<int64_t>& r) {
+                      for (int64_t i = r.begin(); i < r.end(); ++i) {
+                        const T* s = src + i * ld;
+                        T* d = dst + i * k;
+                        for (int64_t j = 0; j < k; ++j) d[j] = s[idx[j]];
+                      }
+                    });
+}
+
+template <class T>
+void ScatterT(const T* src, int64_t rows, int64_t ld, const int64_t* idx, int64_t k, T* dst) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, rows, grain),
+                    [&](const tbb::blocked_range<int64_t>& r) {
+                      for (int64_t i = r.begin(); i < r.end(); ++i) {
+                        const T* s = src + i * k;
+                        T* d = dst + i * ld;
+                        for (int64_t j = 0; j < k; ++j) d[idx[j]] = s[j];
+                      }
+                    });
+}
+
+class CpuKernel final : public OptimizerKernel {
+ public:
+  explicit CpuKernel(const ChunkFns& fns) : f_(fns) {}
+  const char* name() const override { return f_.name; }
+
+  void Accumulate(float* acc, const void* grad, GradType type, float scale, int64_t n,
+                  AccumulateMode mode) const override {
+    const size_t gs = GradTypeSize(type);
+    ParallelChunks(n, [&](int64_t b, int64_t len) {
+      f_.accumulate(acc + b, Offset(grad, b, gs), type, scale, len, mode);
+    });
+  }
+
+  void AdamW(const AdamWConfig& config, float* p, float* m, float* v, const void* grad,
+             GradType type, int64_t n, uint16_t* out) const override {
+    const AdamWConstants c = MakeAdamWConstants(config);
+    const size_t gs = GradTypeSize(type);
+    ParallelChunks(n, [&](int64_t b, int64_t len) {
+      f_.adamw(c, p + b, m + b, v + b, Offset(grad, b, gs), type, len,
+               out == nullptr ? nullptr : out + b);
+    });
+  }
+
+  void AccumulateAdamW(const AdamWConfig& config, float* p, float* m, float* v, const float* acc,
+                       const void* grad, GradType type, float acc_scale, int64_t n,
+                       uint16_t* out) const override {
+    const AdamWConstants c = MakeAdamWConstants(config);
+    const size_t gs = GradTypeSize(type);
+    ParallelChunks(n, [&](int64_t b, int64_t len) {
+      f_.acc_adamw(c, p + b, m + b, v + b, acc + b, Offset(grad, b, gs), type, acc_scale, len,
+                   out == nullptr ? nullptr : out + b);
+    });
+  }
+
+  void FloatToBf16(const float* src, uint16_t* dst, int64_t n) const override {
+    ParallelChunks(n, [&](int64_t b, int64_t len) { f_.to_bf16(src + b, dst + b, len); });
+  }
+  void Bf16ToFloat(const uint16_t* src, float* dst, int64_t n) const override {
+    ParallelChunks(n, [&](int64_t b, int64_t len) { f_.from_bf16(src + b, dst + b, len); });
+  }
+
+  void ColumnScores(const void* grad, GradType type, int64_t rows, int64_t cols, int64_t ld,
+                    float* l1, float* l2sq) const override {
+    if (cols <= 0) return;
+    // Parallel over blocks of 64 columns only: each column's sum runs over the rows in order,
+    // so the result is the same for any thread count.
+    constexpr int64_t kBlock = 64;
+    const int64_t blocks = (cols + kBlock - 1) / kBlock;
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, blocks),
+                      [&](const tbb::blocked_range<int64_t>& r) {
+                        const int64_t cb = r.begin() * kBlock;
+                        const int64_t ce = std::min(cols, r.end() * kBlock);
+                        f_.col_scores(grad, type, rows, cb, ce, ld, l1, l2sq);
+                      });
+  }
+
+  void TopK(const float* scores, int64_t n, int64_t k, int64_t* indices) const override {
+    TopKHost(scores, n, k, indices);
+  }
+
+  void GatherColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
+                     const int64_t* idx, int64_t k, void* dst) const override {
+    if (elem_size == 2) {
+      GatherT(static_cast<const uint16_t*>(src), rows, ld, idx, k, static_cast<uint16_t*>(dst));
+    } else {
+      GatherT(static_cast<const uint32_t*>(src), rows, ld, idx, k, static_cast<uint32_t*>(dst));
+    }
+  }
+  void ScatterColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
+                      const int64_t* idx, int64_t k, void* dst) const override {
+    if (elem_size == 2) {
+      ScatterT(static_cast<const uint16_t*>(src), rows, ld, idx, k, static_cast<uint16_t*>(dst));
+    } else {
+      ScatterT(static_cast<const uint32_t*>(src), rows, ld, idx, k, static_cast<uint32_t*>(dst));
+    }
+  }
+
+ private:
+  const ChunkFns& f_;
+};
+
+bool CpuHasAvx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+bool CpuHasAvx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2");
+}
+
+}  // namespace
+
+// Top-k by a partial selection over indices: NaN ranks below every number, equal scores go to
+// the lower index, and the chosen indices come out sorted (the order gathers use).
+void TopKHost(const float* scores, int64_t n, int64_t k, int64_t* indices) {
+  if (k <= 0) return;
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  auto better = [scores](int64_t a, int64_t b) {
+    const float x = scores[a], y = scores[b];
+    const bool xn = std::isnan(x), yn = std::isnan(y);
+    if (xn != yn) return yn;  // the number beats the NaN
+    if (!xn && x != y) return x > y;
+    return a < b;
+  };
+  if (k < n) std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), better);
+  std::sort(order.begin(), order.begin() + k);
+  std::copy(order.begin(), order.begin() + k, indices);
+}
+
+}  // namespace cpu
+
+void ComplementIndices(const int64_t* selected, int64_t k, int64_t n, int64_t* out) {
+  int64_t j = 0, o = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    if (j < k && selected[j] == c) {
+      ++j;
+    } else {
+      out[o++] = c;
+    }
+  }
+}
+
+const OptimizerKernel* Avx512Kernel() {
+  static const OptimizerKernel* k =
+      cpu::CpuHasAvx512() ? new cpu::CpuKernel(*cpu::Avx512Fns()) : nullptr;
+  return k;
+}
+
+const OptimizerKernel* Avx2Kernel() {
+  static const OptimizerKernel* k =
+      cpu::CpuHasAvx2() ? new cpu::CpuKernel(*cpu::Avx2Fns()) : nullptr;
+  return k;
+}
+
+const OptimizerKernel& PortableKernel() {
+  static const OptimizerKernel* k = new cpu::CpuKernel(cpu::PortableFns());
+  return *k;
+}
+
+namespace {
+
+const OptimizerKernel& ChooseCpuKernel() {
+  const char* forced = std::getenv("STALLFREE_CPU_KERNEL");
+  const std::string want = forced == nullptr ? "" : forced;
+  const OptimizerKernel* chosen = nullptr;
+  if (want == "avx512") chosen = Avx512Kernel();
+  else if (want == "avx2") chosen = Avx2Kernel();
+  else if (want == "scalar") chosen = &PortableKernel();
+  else if (want == "reference") chosen = &ReferenceKernel();
+  if (!want.empty() && chosen == nullptr) {
+    SF_LOG(kWarning, "STALLFREE_CPU_KERNEL=%s is not available on this CPU (choose avx512, "
+           "avx2, scalar or reference); using the fastest available", want.c_str());
+  }
+  if (chosen == nullptr) chosen = Avx512Kernel();
+  if (chosen == nullptr) chosen = Avx2Kernel();
+  if (chosen == nullptr) chosen = &PortableKernel();
+  return *chosen;
+}
+
+}  // namespace
+
+const OptimizerKernel& DefaultCpuKernel() {
+  static const OptimizerKernel& k = ChooseCpuKernel();
+  return k;
+}
+
+}  // namespace kernels
+}  // namespace stallfree

@@ -1,0 +1,258 @@
+// The CPU optimizer kernels, written once as templates over an instruction-set "vector traits"
+// type V and instantiated three times: AVX-512 (simd_avx512.cc), AVX2 (simd_avx2.cc) and a
+// one-lane portable version (optimizer_cpu.cc). optimizer_cpu.cc picks one from cpuid and runs
+// it in parallel chunks over the caller's oneTBB arena.
+//
+// Rules that keep this safe and exact:
+// - Everything below is in an anonymous namespace, so each translation unit has its own copies
+//   compiled for its own target: no inline function compiled for AVX-512 can be merged by the
+//   linker into code that runs on a CPU without it.
+// - The ISA files include every standard header *before* switching the target, so no library
+//   code is compiled for the wider instruction set.
+// - The library is built with -ffp-contract=off and the templates use separate multiply and add,
+//   with IEEE sqrt and division, in the oracle's order: results are bit-identical to the scalar
+//   reference (kernels/cpu/reference.cc), which the tests assert.
+// - Tails shorter than one vector go through a zero-padded stack buffer, so the same vector code
+//   handles them.
+//
+// V provides: type F (a vector of W floats), W, Load/Store (unaligned), Set1, Add, Mul, Div,
+// Sqrt, Abs, LoadBf16 (W bf16 -> F) and StoreBf16 (F -> W bf16, round to nearest even, NaN kept
+// quiet with its sign, as common/bf16.h).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels/optimizer.h"
+
+namespace stallfree {
+namespace kernels {
+namespace cpu {
+
+// The per-ISA chunk functions. Each processes one contiguous chunk serially; the caller
+// parallelises over chunks.
+struct ChunkFns {
+  const char* name;
+  void (*accumulate)(float* acc, const void* grad, GradType type, float scale, int64_t n,
+                     AccumulateMode mode);
+  void (*adamw)(const AdamWConstants& c, float* p, float* m, float* v, const void* grad,
+                GradType type, int64_t n, uint16_t* out);
+  void (*acc_adamw)(const AdamWConstants& c, float* p, float* m, float* v, const float* acc,
+                    const void* grad, GradType type, float acc_scale, int64_t n, uint16_t* out);
+  void (*to_bf16)(const float* src, uint16_t* dst, int64_t n);
+  void (*from_bf16)(const uint16_t* src, float* dst, int64_t n);
+  // Column scores of columns [c_begin, c_end) of G[rows, ld].
+  void (*col_scores)(const void* grad, GradType type, int64_t rows, int64_t c_begin,
+                     int64_t c_end, int64_t ld, float* l1, float* l2sq);
+};
+
+// Null when this build or CPU cannot run them (the caller checks the CPU).
+const ChunkFns* Avx512Fns();
+const ChunkFns* Avx2Fns();
+const ChunkFns& PortableFns();
+
+// Top-k on the host (shared by the CPU backends; the oracle has its own full sort).
+void TopKHost(const float* scores, int64_t n, int64_t k, int64_t* indices);
+
+namespace {
+
+template <class V, bool kBf16>
+inline typename V::F LoadG(const void* g, int64_t i) {
+  if (kBf16) return V::LoadBf16(static_cast<const uint16_t*>(g) + i);
+  return V::Load(static_cast<const float*>(g) + i);
+}
+
+// Runs body(i) for each full vector at i, then body on a zero-padded copy of the tail: `ins`
+// are the arrays read, `outs` the arrays written (copied in and back so in-place updates work).
+// Element sizes are given per array.
+struct TailArray {
+  void* base;       // the array's start (null: absent)
+  size_t elem;      // 2 or 4 bytes
+  bool written;
+};
+
+template <int kMaxW, int kArrays, class Body>
+inline void ForEachVector(int64_t n, int w, TailArray (&arrays)[kArrays], Body body) {
+  int64_t i = 0;
+  for (; i + w <= n; i += w) body(arrays, i);
+  const int64_t rest = n - i;
+  if (rest == 0) return;
+  alignas(64) unsigned char buf[kArrays][kMaxW * 4];
+  TailArray tail[kArrays];
+  for (int a = 0; a < kArrays; ++a) {
+    tail[a] = arrays[a];
+    if (arrays[a].base == nullptr) continue;
+    std::memset(buf[a], 0, sizeof buf[a]);
+    std::memcpy(buf[a], static_cast<unsigned char*>(arrays[a].base) + i * arrays[a].elem,
+                rest * arrays[a].elem);
+    tail[a].base = buf[a];
+  }
+  body(tail, 0);
+  for (int a = 0; a < kArrays; ++a) {
+    if (arrays[a].base == nullptr || !arrays[a].written) continue;
+    std::memcpy(static_cast<unsigned char*>(arrays[a].base) + i * arrays[a].elem, buf[a],
+                rest * arrays[a].elem);
+  }
+}
+
+template <class V>
+void AccumulateT(float* acc, const void* grad, GradType type, float scale, int64_t n,
+                 AccumulateMode mode) {
+  TailArray arr[2] = {{acc, 4, true}, {const_cast<void*>(grad), GradTypeSize(type), false}};
+  const typename V::F s = V::Set1(scale);
+  auto run = [&](auto bf16_tag, auto overwrite_tag) {
+    constexpr bool kBf16 = decltype(bf16_tag)::value;
+    constexpr bool kOverwrite = decltype(overwrite_tag)::value;
+    ForEachVector<V::kMaxW>(n, V::W, arr, [&](TailArray(&a)[2], int64_t i) {
+      float* pa = static_cast<float*>(a[0].base) + i;
+      const typename V::F g = V::Mul(s, LoadG<V, kBf16>(a[1].base, i));
+      V::Store(pa, kOverwrite ? g : V::Add(V::Load(pa), g));
+    });
+  };
+  using T = std::true_type;
+  using Fa = std::false_type;
+  const bool bf16 = type == GradType::kBf16, over = mode == AccumulateMode::kOverwrite;
+  if (bf16 && over) run(T{}, T{});
+  else if (bf16) run(T{}, Fa{});
+  else if (over) run(Fa{}, T{});
+  else run(Fa{}, Fa{});
+}
+
+// The AdamW arithmetic on one vector, in the oracle's order. g is already scaled.
+template <class V>
+inline void AdamWVec(const AdamWConstants& c, typename V::F g, float* pp, float* pm, float* pv,
+                     uint16_t* pout) {
+  using F = typename V::F;
+  F p = V::Mul(V::Load(pp), V::Set1(c.decay));
+  const F m = V::Add(V::Mul(V::Set1(c.b1), V::Load(pm)), V::Mul(V::Set1(c.omb1), g));
+  const F v = V::Add(V::Mul(V::Set1(c.b2), V::Load(pv)), V::Mul(V::Mul(V::Set1(c.omb2), g), g));
+  const F denom = V::Add(V::Div(V::Sqrt(v), V::Set1(c.bc2_sqrt)), V::Set1(c.eps));
+  p = V::Sub(p, V::Mul(V::Set1(c.step_size), V::Div(m, denom)));
+  V::Store(pm, m);
+  V::Store(pv, v);
+  V::Store(pp, p);
+  if (pout != nullptr) V::StoreBf16(pout, p);
+}
+
+template <class V>
+void AdamWT(const AdamWConstants& c, float* p, float* m, float* v, const void* grad,
+            GradType type, int64_t n, uint16_t* out) {
+  TailArray arr[5] = {{p, 4, true},
+                      {m, 4, true},
+                      {v, 4, true},
+                      {const_cast<void*>(grad), GradTypeSize(type), false},
+                      {out, 2, true}};
+  const typename V::F scale = V::Set1(c.grad_scale);
+  auto run = [&](auto bf16_tag) {
+    constexpr bool kBf16 = decltype(bf16_tag)::value;
+    ForEachVector<V::kMaxW>(n, V::W, arr, [&](TailArray(&a)[5], int64_t i) {
+      const typename V::F g = V::Mul(scale, LoadG<V, kBf16>(a[3].base, i));
+      uint16_t* o = a[4].base == nullptr ? nullptr : static_cast<uint16_t*>(a[4].base) + i;
+      AdamWVec<V>(c, g, static_cast<float*>(a[0].base) + i, static_cast<float*>(a[1].base) + i,
+                  static_cast<float*>(a[2].base) + i, o);
+    });
+  };
+  if (type == GradType::kBf16) run(std::true_type{});
+  else run(std::false_type{});
+}
+
+template <class V>
+void AccAdamWT(const AdamWConstants& c, float* p, float* m, float* v, const float* acc,
+               const void* grad, GradType type, float acc_scale, int64_t n, uint16_t* out) {
+  TailArray arr[6] = {{p, 4, true},
+                      {m, 4, true},
+                      {v, 4, true},
+                      {const_cast<float*>(acc), 4, false},
+                      {const_cast<void*>(grad), GradTypeSize(type), false},
+                      {out, 2, true}};
+  const typename V::F scale = V::Set1(c.grad_scale), ascale = V::Set1(acc_scale);
+  auto run = [&](auto bf16_tag, auto has_grad_tag) {
+    constexpr bool kBf16 = decltype(bf16_tag)::value;
+    constexpr bool kHasGrad = decltype(has_grad_tag)::value;
+    ForEachVector<V::kMaxW>(n, V::W, arr, [&](TailArray(&a)[6], int64_t i) {
+      typename V::F sum = V::Load(static_cast<const float*>(a[3].base) + i);
+      if (kHasGrad) sum = V::Add(sum, V::Mul(ascale, LoadG<V, kBf16>(a[4].base, i)));
+      uint16_t* o = a[5].base == nullptr ? nullptr : static_cast<uint16_t*>(a[5].base) + i;
+      AdamWVec<V>(c, V::Mul(scale, sum), static_cast<float*>(a[0].base) + i,
+                  static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i, o);
+    });
+  };
+  if (grad == nullptr) run(std::false_type{}, std::false_type{});
+  else if (type == GradType::kBf16) run(std::true_type{}, std::true_type{});
+  else run(std::false_type{}, std::true_type{});
+}
+
+template <class V>
+void ToBf16T(const float* src, uint16_t* dst, int64_t n) {
+  TailArray arr[2] = {{const_cast<float*>(src), 4, false}, {dst, 2, true}};
+  ForEachVector<V::kMaxW>(n, V::W, arr, [&](TailArray(&a)[2], int64_t i) {
+    V::StoreBf16(static_cast<uint16_t*>(a[1].base) + i,
+                 V::Load(static_cast<const float*>(a[0].base) + i));
+  });
+}
+
+template <class V>
+void FromBf16T(const uint16_t* src, float* dst, int64_t n) {
+  TailArray arr[2] = {{const_cast<uint16_t*>(src), 2, false}, {dst, 4, true}};
+  ForEachVector<V::kMaxW>(n, V::W, arr, [&](TailArray(&a)[2], int64_t i) {
+    V::Store(static_cast<float*>(a[1].base) + i,
+             V::LoadBf16(static_cast<const uint16_t*>(a[0].base) + i));
+  });
+}
+
+// Column scores: kU vectors of columns at a time, summing rows in order (as the oracle), so the
+// result does not depend on the vector width or the thread count.
+template <class V>
+void ColScoresT(const void* grad, GradType type, int64_t rows, int64_t c_begin, int64_t c_end,
+                int64_t ld, float* l1, float* l2sq) {
+  using F = typename V::F;
+  constexpr int kU = 4;
+  const bool bf16 = type == GradType::kBf16;
+  int64_t c = c_begin;
+  for (; c + kU * V::W <= c_end; c += kU * V::W) {
+    F s1[kU], s2[kU];
+    for (int u = 0; u < kU; ++u) s1[u] = s2[u] = V::Set1(0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int u = 0; u < kU; ++u) {
+        const int64_t at = r * ld + c + u * V::W;
+        const F x = bf16 ? LoadG<V, true>(grad, at) : LoadG<V, false>(grad, at);
+        s1[u] = V::Add(s1[u], V::Abs(x));
+        s2[u] = V::Add(s2[u], V::Mul(x, x));
+      }
+    }
+    for (int u = 0; u < kU; ++u) {
+      if (l1 != nullptr) V::Store(l1 + c + u * V::W, s1[u]);
+      if (l2sq != nullptr) V::Store(l2sq + c + u * V::W, s2[u]);
+    }
+  }
+  // Remaining columns one at a time (same order of summation).
+  for (; c < c_end; ++c) {
+    float a = 0.0f, b = 0.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+      float x;
+      if (bf16) {
+        const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(grad)[r * ld + c])
+                              << 16;
+        std::memcpy(&x, &bits, sizeof x);
+      } else {
+        x = static_cast<const float*>(grad)[r * ld + c];
+      }
+      a += x < 0 ? -x : x;
+      b += x * x;
+    }
+    if (l1 != nullptr) l1[c] = a;
+    if (l2sq != nullptr) l2sq[c] = b;
+  }
+}
+
+template <class V>
+ChunkFns MakeChunkFns(const char* name) {
+  return ChunkFns{name,         &AccumulateT<V>, &AdamWT<V>,     &AccAdamWT<V>,
+                  &ToBf16T<V>,  &FromBf16T<V>,   &ColScoresT<V>};
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace kernels
+}  // namespace stallfree

@@ -1,0 +1,323 @@
+// Every CPU optimizer / selection backend against the scalar oracle (kernels/cpu/reference.cc).
+// The fast paths compute in the oracle's order with IEEE sqrt and division and no FMA
+// contraction, so the tolerance here is zero: results must be bit-identical.
+#include <tbb/task_arena.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+#include "gtest/gtest.h"
+#include "kernels/optimizer.h"
+
+namespace stallfree {
+namespace kernels {
+namespace {
+
+std::vector<const OptimizerKernel*> FastKernels() {
+  std::vector<const OptimizerKernel*> ks = {&PortableKernel(), &DefaultCpuKernel()};
+  if (Avx512Kernel() != nullptr) ks.push_back(Avx512Kernel());
+  if (Avx2Kernel() != nullptr) ks.push_back(Avx2Kernel());
+  return ks;
+}
+
+std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> out(n);
+  for (float& x : out) x = d(rng);
+  return out;
+}
+
+std::vector<uint16_t> ToBf16(const std::vector<float>& x) {
+  std::vector<uint16_t> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = FloatToBf16(x[i]);
+  return out;
+}
+
+// Bitwise comparison with the first differing index in the message.
+template <class T>
+void ExpectBitsEqual(const std::vector<T>& want, const std::vector<T>& got, const std::string& what) {
+  ASSERT_EQ(want.size(), got.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::memcmp(&want[i], &got[i], sizeof(T)) != 0) {
+      FAIL() << what << ": first difference at " << i << " of " << want.size() << ": want "
+             << +want[i] << " got " << +got[i];
+    }
+  }
+}
+
+// Sizes around the vector widths (8, 16), the 64-column blocks and the 32K-element chunks.
+const int64_t kSizes[] = {0, 1, 7, 8, 15, 16, 17, 63, 100, 32768, 32768 + 13, 3 * 32768 + 5, 200003};
+
+TEST(OptimizerCpu, DefaultIsTheWidestTheCpuSupports) {
+  __builtin_cpu_init();
+  const std::string name = DefaultCpuKernel().name();
+  if (std::getenv("STALLFREE_CPU_KERNEL") != nullptr) GTEST_SKIP() << "kernel forced by env";
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
+    EXPECT_EQ(name, "avx512");
+  } else if (__builtin_cpu_supports("avx2")) {
+    EXPECT_EQ(name, "avx2");
+  } else {
+    EXPECT_EQ(name, "scalar");
+  }
+}
+
+TEST(OptimizerCpu, AdamWBitExactForEveryBackendSizeAndGradType) {
+  for (const OptimizerKernel* k : FastKernels()) {
+    for (int64_t n : kSizes) {
+      for (GradType type : {GradType::kFp32, GradType::kBf16}) {
+        for (bool with_out : {false, true}) {
+          // Offset 1 element so the vectors are not aligned.
+          const size_t off = 1;
+          std::vector<float> p = Random(n + off, 1), m = Random(n + off, 2, 0.01f),
+                             v = Random(n + off, 3, 0.001f);
+          for (float& x : v) x = x * x;
+          std::vector<float> g32 = Random(n + off, 4);
+          std::vector<uint16_t> g16 = ToBf16(g32);
+          std::vector<float> p2 = p, m2 = m, v2 = v;
+          std::vector<uint16_t> o1(n + off, 0), o2(n + off, 0);
+          AdamWConfig c;
+          c.lr = 3e-3;
+          c.weight_decay = 0.1;
+          c.grad_scale = 0.5f;
+          const void* g = type == GradType::kBf16 ? static_cast<const void*>(g16.data() + off)
+                                                  : static_cast<const void*>(g32.data() + off);
+          for (int64_t step : {int64_t{1}, int64_t{2}, int64_t{3000000000}}) {
+            c.step = step;
+            ReferenceKernel().AdamW(c, p.data() + off, m.data() + off, v.data() + off, g, type,
+                                    n, with_out ? o1.data() + off : nullptr);
+            k->AdamW(c, p2.data() + off, m2.data() + off, v2.data() + off, g, type, n,
+                     with_out ? o2.data() + off : nullptr);
+          }
+          const std::string what = std::string(k->name()) + " n=" + std::to_string(n) +
+                                   (type == GradType::kBf16 ? " bf16" : " fp32") +
+                                   (with_out ? " +out" : "");
+          ExpectBitsEqual(p, p2, what + " param");
+          ExpectBitsEqual(m, m2, what + " m");
+          ExpectBitsEqual(v, v2, what + " v");
+          ExpectBitsEqual(o1, o2, what + " bf16 out");
+          if (with_out && n > 0) {
+            EXPECT_EQ(o2[off], FloatToBf16(p2[off])) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(OptimizerCpu, AdamWMovesAgainstTheGradient) {
+  // An outcome check independent of the oracle: on step 1 with no decay, m/sqrt(v) = sign(g),
+  // so each parameter moves by lr against its gradient (to eps).
+  const int64_t n = 1000;
+  std::vector<float> p(n, 1.0f), m(n, 0.0f), v(n, 0.0f), g = Random(n, 9);
+  AdamWConfig c;
+  c.lr = 0.01;
+  DefaultCpuKernel().AdamW(c, p.data(), m.data(), v.data(), g.data(), GradType::kFp32, n,
+                           nullptr);
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::fabs(g[i]) < 1e-3f) continue;
+    EXPECT_NEAR(p[i], g[i] > 0 ? 0.99f : 1.01f, 1e-5f) << i;
+  }
+}
+
+TEST(OptimizerCpu, AccumulateAddAndOverwriteBitExact) {
+  for (const OptimizerKernel* k : FastKernels()) {
+    for (int64_t n : kSizes) {
+      for (GradType type : {GradType::kFp32, GradType::kBf16}) {
+        for (AccumulateMode mode : {AccumulateMode::kAdd, AccumulateMode::kOverwrite}) {
+          std::vector<float> a1 = Random(n + 3, 5), g32 = Random(n + 3, 6);
+          std::vector<uint16_t> g16 = ToBf16(g32);
+          std::vector<float> a2 = a1;
+          const void* g = type == GradType::kBf16 ? static_cast<const void*>(g16.data() + 3)
+                                                  : static_cast<const void*>(g32.data() + 3);
+          ReferenceKernel().Accumulate(a1.data() + 3, g, type, 0.25f, n, mode);
+          k->Accumulate(a2.data() + 3, g, type, 0.25f, n, mode);
+          ExpectBitsEqual(a1, a2, std::string(k->name()) + " accumulate n=" + std::to_string(n));
+        }
+      }
+    }
+  }
+}
+
+TEST(OptimizerCpu, FusedBoundaryEqualsSeparatePasses) {
+  // AccumulateAdamW(acc, last grad) must equal: Accumulate(acc, last grad); AdamW(acc); cast.
+  for (const OptimizerKernel* k : FastKernels()) {
+    for (int64_t n : {int64_t{17}, int64_t{100003}}) {
+      for (GradType type : {GradType::kFp32, GradType::kBf16}) {
+        for (bool null_grad : {false, true}) {
+          std::vector<float> p = Random(n, 11), m = Random(n, 12, 0.01f), v = Random(n, 13, 0.01f);
+          for (float& x : v) x = x * x;
+          std::vector<float> acc = Random(n, 14), g32 = Random(n, 15);
+          std::vector<uint16_t> g16 = ToBf16(g32);
+          const void* g = null_grad ? nullptr
+                          : type == GradType::kBf16 ? static_cast<const void*>(g16.data())
+                                                    : static_cast<const void*>(g32.data());
+          AdamWConfig c;
+          c.step = 7;
+          c.weight_decay = 0.01;
+          c.grad_scale = 0.125f;
+          std::vector<float> p2 = p, m2 = m, v2 = v, acc2 = acc;
+          std::vector<uint16_t> o1(n), o2(n);
+          k->AccumulateAdamW(c, p.data(), m.data(), v.data(), acc.data(), g, type, 0.5f, n,
+                             o1.data());
+          if (g != nullptr) {
+            ReferenceKernel().Accumulate(acc2.data(), g, type, 0.5f, n, AccumulateMode::kAdd);
+          }
+          ReferenceKernel().AdamW(c, p2.data(), m2.data(), v2.data(), acc2.data(),
+                                  GradType::kFp32, n, nullptr);
+          ReferenceKernel().FloatToBf16(p2.data(), o2.data(), n);
+          const std::string what = std::string(k->name()) + " fused n=" + std::to_string(n);
+          ExpectBitsEqual(p2, p, what + " param");
+          ExpectBitsEqual(m2, m, what + " m");
+          ExpectBitsEqual(v2, v, what + " v");
+          ExpectBitsEqual(o2, o1, what + " bf16");
+        }
+      }
+    }
+  }
+}
+
+TEST(OptimizerCpu, Bf16ConversionsEveryValueAndSpecialFloats) {
+  for (const OptimizerKernel* k : FastKernels()) {
+    // Every bf16 value widens exactly and narrows back to itself (NaNs to a quiet NaN with the
+    // same sign).
+    std::vector<uint16_t> all(65536), back(65536);
+    for (int i = 0; i < 65536; ++i) all[i] = static_cast<uint16_t>(i);
+    std::vector<float> wide(65536);
+    k->Bf16ToFloat(all.data(), wide.data(), 65536);
+    k->FloatToBf16(wide.data(), back.data(), 65536);
+    for (int i = 0; i < 65536; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &wide[i], 4);
+      ASSERT_EQ(bits, static_cast<uint32_t>(i) << 16) << k->name() << " widen " << i;
+      const bool nan = (i & 0x7fff) > 0x7f80;
+      ASSERT_EQ(back[i], nan ? (i | 0x40) : i) << k->name() << " narrow " << i;
+    }
+    // Random bit patterns (denormals, infinities, NaNs included) and the rounding ties.
+    std::mt19937 rng(21);
+    std::vector<float> f(1 << 20);
+    for (size_t i = 0; i < f.size(); ++i) {
+      uint32_t bits = rng();
+      if (i % 7 == 0) bits = (bits & 0xffff0000u) | 0x8000u;  // exact tie
+      std::memcpy(&f[i], &bits, 4);
+    }
+    std::vector<uint16_t> want(f.size()), got(f.size());
+    ReferenceKernel().FloatToBf16(f.data(), want.data(), f.size());
+    k->FloatToBf16(f.data(), got.data(), f.size());
+    ExpectBitsEqual(want, got, std::string(k->name()) + " narrow random");
+  }
+  // The oracle itself on the cases that matter: ties go to even, the largest finite rounds up
+  // to infinity, a NaN stays NaN.
+  EXPECT_EQ(FloatToBf16(Bf16ToFloat(0x3f80) + std::ldexp(1.0f, -8)), 0x3f80);  // 1 + half ulp
+  EXPECT_EQ(FloatToBf16(Bf16ToFloat(0x3f81) + std::ldexp(1.0f, -8)), 0x3f82);
+  EXPECT_EQ(FloatToBf16(std::numeric_limits<float>::max()), 0x7f80);
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(std::nanf("")))));
+}
+
+TEST(OptimizerCpu, ColumnScoresBitExactAndThreadCountIndependent) {
+  for (const OptimizerKernel* k : FastKernels()) {
+    for (int64_t rows : {1, 5, 64}) {
+      for (int64_t cols : {1, 15, 64, 100, 333}) {
+        const int64_t ld = cols + 3;
+        std::vector<float> g32 = Random(rows * ld, 31);
+        std::vector<uint16_t> g16 = ToBf16(g32);
+        for (GradType type : {GradType::kFp32, GradType::kBf16}) {
+          const void* g = type == GradType::kBf16 ? static_cast<const void*>(g16.data())
+                                                  : static_cast<const void*>(g32.data());
+          std::vector<float> l1a(cols), l2a(cols), l1b(cols), l2b(cols), l1c(cols);
+          ReferenceKernel().ColumnScores(g, type, rows, cols, ld, l1a.data(), l2a.data());
+          k->ColumnScores(g, type, rows, cols, ld, l1b.data(), l2b.data());
+          tbb::task_arena one(1);
+          one.execute([&] { k->ColumnScores(g, type, rows, cols, ld, l1c.data(), nullptr); });
+          const std::string what = std::string(k->name()) + " scores " + std::to_string(rows) +
+                                   "x" + std::to_string(cols);
+          ExpectBitsEqual(l1a, l1b, what + " l1");
+          ExpectBitsEqual(l2a, l2b, what + " l2");
+          ExpectBitsEqual(l1a, l1c, what + " l1 one thread");
+        }
+      }
+    }
+  }
+  // Against values computed by hand: G = [[1, -2], [3, 4]].
+  const float g[] = {1, -2, 3, 4};
+  float l1[2], l2[2];
+  DefaultCpuKernel().ColumnScores(g, GradType::kFp32, 2, 2, 2, l1, l2);
+  EXPECT_EQ(l1[0], 4.0f);
+  EXPECT_EQ(l1[1], 6.0f);
+  EXPECT_EQ(l2[0], 10.0f);
+  EXPECT_EQ(l2[1], 20.0f);
+}
+
+TEST(OptimizerCpu, TopKTiesNansAndEdges) {
+  const float nan = std::nanf("");
+  const std::vector<float> s = {1, 5, nan, 5, 3, 5, -1, nan, 2};
+  int64_t idx[9];
+  for (const OptimizerKernel* k : FastKernels()) {
+    k->TopK(s.data(), 9, 2, idx);  // three 5s: the two lowest indices win
+    EXPECT_EQ(idx[0], 1);
+    EXPECT_EQ(idx[1], 3);
+    k->TopK(s.data(), 9, 5, idx);  // 5, 5, 5, 3, 2, in index order
+    EXPECT_EQ(std::vector<int64_t>(idx, idx + 5), (std::vector<int64_t>{1, 3, 4, 5, 8}));
+    k->TopK(s.data(), 9, 8, idx);  // every number and the first NaN
+    EXPECT_EQ(std::vector<int64_t>(idx, idx + 8), (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 8}));
+    k->TopK(s.data(), 9, 0, idx);
+    // Large random against the oracle.
+    std::vector<float> r = Random(50000, 41);
+    for (size_t i = 0; i < r.size(); i += 97) r[i] = r[i / 2];  // duplicates
+    for (int64_t kk : {1, 4999, 50000}) {
+      std::vector<int64_t> a(kk), b(kk);
+      ReferenceKernel().TopK(r.data(), r.size(), kk, a.data());
+      k->TopK(r.data(), r.size(), kk, b.data());
+      EXPECT_EQ(a, b) << k->name() << " k=" << kk;
+    }
+  }
+}
+
+TEST(OptimizerCpu, GatherScatterRoundTripAndComplement) {
+  const int64_t rows = 37, cols = 300;
+  std::vector<float> w = Random(rows * cols, 51);
+  std::vector<float> scores(cols);
+  DefaultCpuKernel().ColumnScores(w.data(), GradType::kFp32, rows, cols, cols, scores.data(),
+                                  nullptr);
+  const int64_t k = 30;
+  std::vector<int64_t> hot(k), cold(cols - k);
+  DefaultCpuKernel().TopK(scores.data(), cols, k, hot.data());
+  ComplementIndices(hot.data(), k, cols, cold.data());
+  for (size_t i = 1; i < cold.size(); ++i) ASSERT_LT(cold[i - 1], cold[i]);
+  for (const OptimizerKernel* k2 : FastKernels()) {
+    for (size_t esize : {size_t{4}, size_t{2}}) {
+      std::vector<float> hot_buf(rows * k), cold_buf(rows * (cols - k)), ref_hot(rows * k);
+      k2->GatherColumns(w.data(), esize, rows, cols, hot.data(), k, hot_buf.data());
+      k2->GatherColumns(w.data(), esize, rows, cols, cold.data(), cols - k, cold_buf.data());
+      if (esize == 4) {
+        ReferenceKernel().GatherColumns(w.data(), 4, rows, cols, hot.data(), k, ref_hot.data());
+        ExpectBitsEqual(ref_hot, hot_buf, std::string(k2->name()) + " gather");
+        for (int64_t r = 0; r < rows; ++r) ASSERT_EQ(hot_buf[r * k + 3], w[r * cols + hot[3]]);
+        // Scatter both halves into a blank matrix: it must equal the original bit for bit.
+        std::vector<float> back(rows * cols, std::nanf(""));
+        k2->ScatterColumns(hot_buf.data(), 4, rows, cols, hot.data(), k, back.data());
+        k2->ScatterColumns(cold_buf.data(), 4, rows, cols, cold.data(), cols - k, back.data());
+        ExpectBitsEqual(w, back, std::string(k2->name()) + " round trip");
+      } else {
+        // As 2-byte elements over a bf16 matrix.
+        std::vector<uint16_t> w16 = ToBf16(w), h16(rows * k), c16(rows * (cols - k)),
+                              back(rows * cols, 0xffff);
+        k2->GatherColumns(w16.data(), 2, rows, cols, hot.data(), k, h16.data());
+        k2->GatherColumns(w16.data(), 2, rows, cols, cold.data(), cols - k, c16.data());
+        k2->ScatterColumns(h16.data(), 2, rows, cols, hot.data(), k, back.data());
+        k2->ScatterColumns(c16.data(), 2, rows, cols, cold.data(), cols - k, back.data());
+        ExpectBitsEqual(w16, back, std::string(k2->name()) + " bf16 round trip");
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace stallfree
