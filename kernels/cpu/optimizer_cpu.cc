@@ -143,9 +143,9 @@ class CpuKernel final : public OptimizerKernel {
   void ColumnScores(const void* grad, GradType type, int64_t rows, int64_t cols, int64_t ld,
                     float* l1, float* l2sq) const override {
     if (cols <= 0) return;
-    // Parallel over blocks of 64 columns only: each column's sum runs over the rows in order,
+    // Parallel over bands of 512 columns only: each column's sum runs over the rows in order,
     // so the result is the same for any thread count.
-    constexpr int64_t kBlock = 64;
+    constexpr int64_t kBlock = 512;
     const int64_t blocks = (cols + kBlock - 1) / kBlock;
     tbb::parallel_for(tbb::blocked_range<int64_t>(0, blocks),
                       [&](const tbb::blocked_range<int64_t>& r) {

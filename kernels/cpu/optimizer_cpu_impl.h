@@ -201,48 +201,64 @@ void FromBf16T(const uint16_t* src, float* dst, int64_t n) {
   });
 }
 
-// Column scores: kU vectors of columns at a time, summing rows in order (as the oracle), so the
-// result does not depend on the vector width or the thread count.
+// Column scores over bands of up to 512 columns, in blocks of 32 rows: for each group of kU
+// vectors of columns, the running sums are loaded into registers, the block's rows are added in
+// order, and the sums stored back (L1-resident). Every column therefore sums its rows in order,
+// as the oracle does: the result depends neither on the vector width nor on the thread count.
+template <class V, int kU>
+inline void ColGroup(const void* grad, bool bf16, int64_t r0, int64_t r1, int64_t ld,
+                     int64_t col, float* s1, float* s2) {
+  typename V::F a[kU], b[kU];
+  for (int u = 0; u < kU; ++u) a[u] = V::Load(s1 + u * V::W), b[u] = V::Load(s2 + u * V::W);
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int u = 0; u < kU; ++u) {
+      const int64_t at = r * ld + col + u * V::W;
+      const typename V::F x = bf16 ? LoadG<V, true>(grad, at) : LoadG<V, false>(grad, at);
+      a[u] = V::Add(a[u], V::Abs(x));
+      b[u] = V::Add(b[u], V::Mul(x, x));
+    }
+  }
+  for (int u = 0; u < kU; ++u) V::Store(s1 + u * V::W, a[u]), V::Store(s2 + u * V::W, b[u]);
+}
+
 template <class V>
 void ColScoresT(const void* grad, GradType type, int64_t rows, int64_t c_begin, int64_t c_end,
                 int64_t ld, float* l1, float* l2sq) {
-  using F = typename V::F;
+  constexpr int64_t kBand = 512, kRowBlock = 32;
   constexpr int kU = 4;
+  alignas(64) float s1[kBand], s2[kBand];
   const bool bf16 = type == GradType::kBf16;
-  int64_t c = c_begin;
-  for (; c + kU * V::W <= c_end; c += kU * V::W) {
-    F s1[kU], s2[kU];
-    for (int u = 0; u < kU; ++u) s1[u] = s2[u] = V::Set1(0.0f);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int u = 0; u < kU; ++u) {
-        const int64_t at = r * ld + c + u * V::W;
-        const F x = bf16 ? LoadG<V, true>(grad, at) : LoadG<V, false>(grad, at);
-        s1[u] = V::Add(s1[u], V::Abs(x));
-        s2[u] = V::Add(s2[u], V::Mul(x, x));
+  for (int64_t cb = c_begin; cb < c_end; cb += kBand) {
+    const int64_t width = c_end - cb < kBand ? c_end - cb : kBand;
+    const int64_t vec_end = width / V::W * V::W;
+    const int64_t group_end = width / (kU * V::W) * (kU * V::W);
+    std::memset(s1, 0, sizeof s1);
+    std::memset(s2, 0, sizeof s2);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const int64_t r1 = rows - r0 < kRowBlock ? rows : r0 + kRowBlock;
+      int64_t j = 0;
+      for (; j < group_end; j += kU * V::W) {
+        ColGroup<V, kU>(grad, bf16, r0, r1, ld, cb + j, s1 + j, s2 + j);
+      }
+      for (; j < vec_end; j += V::W) ColGroup<V, 1>(grad, bf16, r0, r1, ld, cb + j, s1 + j, s2 + j);
+      for (; j < width; ++j) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t at = r * ld + cb + j;
+          float x;
+          if (bf16) {
+            const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(grad)[at])
+                                  << 16;
+            std::memcpy(&x, &bits, sizeof x);
+          } else {
+            x = static_cast<const float*>(grad)[at];
+          }
+          s1[j] += x < 0 ? -x : x;
+          s2[j] += x * x;
+        }
       }
     }
-    for (int u = 0; u < kU; ++u) {
-      if (l1 != nullptr) V::Store(l1 + c + u * V::W, s1[u]);
-      if (l2sq != nullptr) V::Store(l2sq + c + u * V::W, s2[u]);
-    }
-  }
-  // Remaining columns one at a time (same order of summation).
-  for (; c < c_end; ++c) {
-    float a = 0.0f, b = 0.0f;
-    for (int64_t r = 0; r < rows; ++r) {
-      float x;
-      if (bf16) {
-        const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(grad)[r * ld + c])
-                              << 16;
-        std::memcpy(&x, &bits, sizeof x);
-      } else {
-        x = static_cast<const float*>(grad)[r * ld + c];
-      }
-      a += x < 0 ? -x : x;
-      b += x * x;
-    }
-    if (l1 != nullptr) l1[c] = a;
-    if (l2sq != nullptr) l2sq[c] = b;
+    if (l1 != nullptr) std::memcpy(l1 + cb, s1, width * sizeof(float));
+    if (l2sq != nullptr) std::memcpy(l2sq + cb, s2, width * sizeof(float));
   }
 }
 

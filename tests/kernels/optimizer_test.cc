@@ -223,7 +223,7 @@ TEST(OptimizerCpu, Bf16ConversionsEveryValueAndSpecialFloats) {
 TEST(OptimizerCpu, ColumnScoresBitExactAndThreadCountIndependent) {
   for (const OptimizerKernel* k : FastKernels()) {
     for (int64_t rows : {1, 5, 64}) {
-      for (int64_t cols : {1, 15, 64, 100, 333}) {
+      for (int64_t cols : {1, 15, 64, 100, 333, 1100}) {
         const int64_t ld = cols + 3;
         std::vector<float> g32 = Random(rows * ld, 31);
         std::vector<uint16_t> g16 = ToBf16(g32);

@@ -1,0 +1,277 @@
+// The CPU optimizer kernels against the memory-bandwidth limit of their own access pattern,
+// measured in the same run on the same arrays.
+//
+//   bazel run //bench:optimizer_bench [-- --quick] [--elements N] [--reps R]
+//
+// The limit: a streaming kernel with AdamW's exact access pattern (p, g, m, v read; p, m, v
+// written: 28 bytes per element) and trivial arithmetic, on all threads, over arrays far larger
+// than the last-level cache. Every figure is the best of --reps runs (as STREAM reports),
+// because on a shared machine interference only ever makes a run slower. Ends with FIGURE lines.
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/flags.h"
+#include "kernels/optimizer.h"
+
+namespace stallfree {
+namespace {
+
+using kernels::AccumulateMode;
+using kernels::AdamWConfig;
+using kernels::GradType;
+using kernels::OptimizerKernel;
+
+constexpr int64_t kChunk = 1 << 15;  // as the kernels' own chunking
+
+template <class Fn>
+void ParallelChunks(int64_t n, Fn fn) {
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, chunks),
+                    [&](const tbb::blocked_range<int64_t>& r) {
+                      const int64_t b = r.begin() * kChunk;
+                      fn(b, std::min(n, r.end() * kChunk) - b);
+                    });
+}
+
+// The streaming limit: AdamW's 4-read / 3-write pattern with one add per array. Vectorised for
+// the widest ISA so arithmetic never limits it.
+__attribute__((target("avx512f"))) void Stream4r3wAvx512(float* p, const float* g, float* m,
+                                                          float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    _mm512_storeu_ps(p + i, _mm512_add_ps(_mm512_loadu_ps(p + i), x));
+    _mm512_storeu_ps(m + i, _mm512_add_ps(_mm512_loadu_ps(m + i), x));
+    _mm512_storeu_ps(v + i, _mm512_add_ps(_mm512_loadu_ps(v + i), x));
+  }
+  for (; i < n; ++i) p[i] += g[i], m[i] += g[i], v[i] += g[i];
+}
+__attribute__((target("avx2"))) void Stream4r3wAvx2(float* p, const float* g, float* m, float* v,
+                                                     int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_loadu_ps(p + i), x));
+    _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_loadu_ps(m + i), x));
+    _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_loadu_ps(v + i), x));
+  }
+  for (; i < n; ++i) p[i] += g[i], m[i] += g[i], v[i] += g[i];
+}
+void Stream4r3w(float* p, const float* g, float* m, float* v, int64_t n) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx512) return Stream4r3wAvx512(p, g, m, v, n);
+  if (avx2) return Stream4r3wAvx2(p, g, m, v, n);
+  for (int64_t i = 0; i < n; ++i) p[i] += g[i], m[i] += g[i], v[i] += g[i];
+}
+
+// STREAM triad a = b + s * c (2 reads, 1 write), for comparison only.
+void Triad(float* a, const float* b, const float* c, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) a[i] = b[i] + 0.5f * c[i];
+}
+
+double Seconds(const std::function<void()>& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double Best(int reps, const std::function<void()>& fn) {
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) best = std::min(best, Seconds(fn));
+  return best;
+}
+
+struct Arrays {
+  std::vector<float> p, m, v, g, acc;
+  std::vector<uint16_t> g16, out16;
+};
+
+void Fill(Arrays* a, int64_t n) {
+  // First touch in parallel, so the pages are spread as the kernels will use them.
+  a->p.resize(n);
+  a->m.resize(n);
+  a->v.resize(n);
+  a->g.resize(n);
+  a->acc.resize(n);
+  a->g16.resize(n);
+  a->out16.resize(n);
+  ParallelChunks(n, [&](int64_t b, int64_t len) {
+    std::mt19937 rng(static_cast<uint32_t>(b));
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    for (int64_t i = b; i < b + len; ++i) {
+      a->p[i] = d(rng);
+      a->g[i] = d(rng) * 1e-2f;
+      a->m[i] = a->g[i] * 0.1f;
+      a->v[i] = a->g[i] * a->g[i] * 0.01f;
+      a->acc[i] = a->g[i];
+      a->g16[i] = FloatToBf16(a->g[i]);
+    }
+  });
+}
+
+void Row(const char* what, int64_t n, double bytes_per_elem, double secs, double limit_gbs) {
+  const double gbs = n * bytes_per_elem / secs / 1e9;
+  printf("%-58s %8.3f s  %7.3f Gelem/s  %7.2f GB/s", what, secs, n / secs / 1e9, gbs);
+  if (limit_gbs > 0) printf("  %5.3f of limit", gbs / limit_gbs);
+  printf("\n");
+}
+
+int Main(int argc, char** argv) {
+  bool quick = false;
+  int64_t elements = int64_t{256} << 20;
+  int64_t reps = 5;
+  FlagSet flags("optimizer_bench",
+                "CPU AdamW, the fused ZenFlow boundary pass, accumulate and column selection "
+                "against the streaming limit of their access pattern.");
+  flags.AddBool("quick", &quick, "64M elements, 3 repetitions (finishes within 40 s)");
+  flags.AddInt("elements", &elements, "elements per array for the AdamW figures");
+  flags.AddInt("reps", &reps, "repetitions per figure (the best is reported)");
+  if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
+  if (quick) {
+    elements = int64_t{64} << 20;
+    reps = 3;
+  }
+  const int64_t n = elements;
+  const int threads = tbb::this_task_arena::max_concurrency();
+  const OptimizerKernel& fast = kernels::DefaultCpuKernel();
+  const OptimizerKernel& scalar = kernels::ReferenceKernel();
+  printf("optimizer_bench: %lld elements per array (%.0f MiB fp32), %d threads, kernel %s, best "
+         "of %lld\n",
+         static_cast<long long>(n), n * 4.0 / (1 << 20), threads, fast.name(),
+         static_cast<long long>(reps));
+
+  Arrays a;
+  Fill(&a, n);
+  float* p = a.p.data();
+  float* m = a.m.data();
+  float* v = a.v.data();
+  float* g = a.g.data();
+  tbb::task_arena one(1);
+  auto single = [&](const std::function<void()>& fn) { return [&one, fn] { one.execute(fn); }; };
+
+  // Bytes each step must move per element.
+  const double kAdamWBytes = 16 + 12;        // p, g, m, v read; p, m, v written (fp32 grad)
+  const double kAdamWBf16Bytes = 14 + 14;    // bf16 grad in, bf16 params out
+  const double kFusedBytes = 16 + 4 + 12 + 2;  // p, m, v, acc, g read; p, m, v, bf16 written
+  const double kSeparateBytes = 12 + 28 + 6;   // accumulate; AdamW from acc; cast
+
+  const double t_limit = Best(reps, [&] {
+    ParallelChunks(n, [&](int64_t b, int64_t len) { Stream4r3w(p + b, g + b, m + b, v + b, len); });
+  });
+  const double limit_gbs = n * kAdamWBytes / t_limit / 1e9;
+  const double t_limit1 = Best(reps, single([&] { Stream4r3w(p, g, m, v, n); }));
+  const double limit1_gbs = n * kAdamWBytes / t_limit1 / 1e9;
+  const double t_triad = Best(reps, [&] {
+    ParallelChunks(n, [&](int64_t b, int64_t len) { Triad(a.acc.data() + b, p + b, g + b, len); });
+  });
+  const double triad_gbs = n * 12.0 / t_triad / 1e9;
+  // The limit kernel changed the state; restore the benchmark's values.
+  Fill(&a, n);
+
+  AdamWConfig c;
+  c.lr = 1e-3;
+  c.weight_decay = 0.01;
+  int64_t step = 1;
+  auto adamw = [&](const OptimizerKernel& k, bool bf16) {
+    c.step = step++;
+    if (bf16) {
+      k.AdamW(c, p, m, v, a.g16.data(), GradType::kBf16, n, a.out16.data());
+    } else {
+      k.AdamW(c, p, m, v, g, GradType::kFp32, n, nullptr);
+    }
+  };
+  const double t_fp32 = Best(reps, [&] { adamw(fast, false); });
+  const double t_fp32_1 = Best(reps, single([&] { adamw(fast, false); }));
+  const double t_bf16 = Best(reps, [&] { adamw(fast, true); });
+  const double t_bf16_1 = Best(reps, single([&] { adamw(fast, true); }));
+  const double t_scalar = Best(quick ? 1 : 2, [&] { adamw(scalar, false); });
+
+  // The ZenFlow boundary: the round's last push added to the accumulator and AdamW applied in
+  // one pass (bf16 copy written), against the same work as separate passes with the same fast
+  // kernels: accumulate, AdamW from the accumulator, cast (the accumulator is not cleared in
+  // either: the next round's first push overwrites it).
+  const double t_fused = Best(reps, [&] {
+    c.step = step++;
+    fast.AccumulateAdamW(c, p, m, v, a.acc.data(), g, GradType::kFp32, 1.0f, n, a.out16.data());
+  });
+  const double t_separate = Best(reps, [&] {
+    c.step = step++;
+    fast.Accumulate(a.acc.data(), g, GradType::kFp32, 1.0f, n, AccumulateMode::kAdd);
+    fast.AdamW(c, p, m, v, a.acc.data(), GradType::kFp32, n, nullptr);
+    fast.FloatToBf16(p, a.out16.data(), n);
+  });
+
+  printf("\n%-58s %10s  %13s  %10s\n", "", "time", "rate", "bandwidth");
+  Row("streaming limit, 4 read / 3 write, all threads", n, kAdamWBytes, t_limit, 0);
+  Row("streaming limit, 4 read / 3 write, 1 thread", n, kAdamWBytes, t_limit1, 0);
+  printf("%-58s %8.3f s  %24.2f GB/s  (4r/3w limit is %.2fx the triad)\n",
+         "STREAM triad, all threads (for comparison)", t_triad, triad_gbs, limit_gbs / triad_gbs);
+  Row("AdamW fp32 grad, all threads", n, kAdamWBytes, t_fp32, limit_gbs);
+  Row("AdamW fp32 grad, 1 thread (vs 1-thread limit)", n, kAdamWBytes, t_fp32_1, limit1_gbs);
+  Row("AdamW bf16 grad + bf16 params out, all threads", n, kAdamWBf16Bytes, t_bf16, limit_gbs);
+  Row("AdamW bf16 grad + bf16 params out, 1 thread", n, kAdamWBf16Bytes, t_bf16_1, limit1_gbs);
+  Row("AdamW fp32, scalar oracle (1 thread)", n, kAdamWBytes, t_scalar, limit1_gbs);
+  Row("boundary: fused accumulate + AdamW + bf16, all threads", n, kFusedBytes, t_fused,
+      limit_gbs);
+  Row("boundary: separate accumulate, AdamW, cast passes", n, kSeparateBytes, t_separate,
+      limit_gbs);
+
+  // Accumulate and column selection on a 4096 x 4096 gradient, against one AdamW step on it.
+  const int64_t rows = 4096, cols = 4096, tn = rows * cols;
+  const double t_w_adamw = Best(reps * 2, [&] {
+    c.step = step++;
+    fast.AdamW(c, p, m, v, g, GradType::kFp32, tn, nullptr);
+  });
+  const double t_w_acc = Best(reps * 2, [&] {
+    fast.Accumulate(a.acc.data(), g, GradType::kFp32, 1.0f, tn, AccumulateMode::kAdd);
+  });
+  std::vector<float> l2(cols);
+  std::vector<int64_t> idx(cols / 10);
+  const double t_w_select = Best(reps * 2, [&] {
+    fast.ColumnScores(g, GradType::kFp32, rows, cols, cols, nullptr, l2.data());
+    fast.TopK(l2.data(), cols, cols / 10, idx.data());
+  });
+  printf("\n4096x4096 gradient: AdamW %.2f ms, accumulate %.2f ms (%.3f of AdamW), column "
+         "scores + top-10%% %.2f ms (%.3f of AdamW)\n",
+         t_w_adamw * 1e3, t_w_acc * 1e3, t_w_acc / t_w_adamw, t_w_select * 1e3,
+         t_w_select / t_w_adamw);
+
+  const double frac = (n * kAdamWBytes / t_fp32 / 1e9) / limit_gbs;
+  printf("\n");
+  printf("FIGURE stream_limit_4r3w %.2f GB/s\n", limit_gbs);
+  printf("FIGURE stream_limit_4r3w_1thread %.2f GB/s\n", limit1_gbs);
+  printf("FIGURE stream_triad %.2f GB/s\n", triad_gbs);
+  printf("FIGURE adamw_fp32_gelem_per_s %.3f Gelem/s\n", n / t_fp32 / 1e9);
+  printf("FIGURE adamw_fp32_fraction_of_stream_limit %.3f ratio\n", frac);
+  printf("FIGURE adamw_fp32_1thread_gelem_per_s %.3f Gelem/s\n", n / t_fp32_1 / 1e9);
+  printf("FIGURE adamw_fp32_1thread_fraction_of_1thread_limit %.3f ratio\n",
+         (n * kAdamWBytes / t_fp32_1 / 1e9) / limit1_gbs);
+  printf("FIGURE adamw_bf16_gelem_per_s %.3f Gelem/s\n", n / t_bf16 / 1e9);
+  printf("FIGURE adamw_bf16_fraction_of_stream_limit %.3f ratio\n",
+         (n * kAdamWBf16Bytes / t_bf16 / 1e9) / limit_gbs);
+  printf("FIGURE adamw_vs_scalar %.2f x\n", t_scalar / t_fp32);
+  printf("FIGURE fused_boundary_gelem_per_s %.3f Gelem/s\n", n / t_fused / 1e9);
+  printf("FIGURE fused_boundary_vs_separate_passes %.2f x\n", t_separate / t_fused);
+  printf("FIGURE accumulate_4096x4096_fraction_of_adamw %.3f ratio\n", t_w_acc / t_w_adamw);
+  printf("FIGURE select_4096x4096_fraction_of_adamw %.3f ratio\n", t_w_select / t_w_adamw);
+  return 0;
+}
+
+}  // namespace
+}  // namespace stallfree
+
+int main(int argc, char** argv) { return stallfree::Main(argc, argv); }
