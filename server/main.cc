@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/flags.h"
 #include "common/log.h"
+#include "kernels/optimizer.h"
 #include "server/fd_server.h"
 #include "server/offload_service.h"
 #include "server/session_manager.h"
@@ -106,8 +107,11 @@ int Run(int argc, char** argv) {
     return 1;
   }
   chmod(socket.c_str(), 0666);
-  SF_LOG(kInfo, "stallfreed serving on unix:%s (fd socket %s), %d worker threads, budget %d MiB, pin %s",
-         socket, fd_socket, opts.worker_threads, pinned_mib, pin);
+  SF_LOG(kInfo,
+         "stallfreed serving on unix:%s (fd socket %s), %d worker threads, budget %d MiB, pin %s, "
+         "optimizer kernel %s",
+         socket, fd_socket, opts.worker_threads, pinned_mib, pin,
+         kernels::DefaultCpuKernel().name());
 
   std::atomic<bool> stop{false};
   std::thread housekeeping([&] {

@@ -460,10 +460,8 @@ void SessionManager::PostAccumulate(std::shared_ptr<Session> s, std::vector<Accu
     const auto t0 = Clock::now();
     const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
     for (const AccumulateJob& j : jobs) {
-      const uint64_t esize = j.type == kernels::GradType::kBf16 ? 2 : 4;
-      ParallelChunks(j.count, [&](int64_t b, int64_t e) {
-        k.Accumulate(j.acc + b, j.src + b * esize, j.type, scale, e - b);
-      });
+      // The kernel runs in parallel over this arena itself.
+      k.Accumulate(j.acc, j.src, j.type, scale, j.count);
     }
     counters_.accumulate_ns.fetch_add(Nanos(Clock::now() - t0));
     counters_.pushes.fetch_add(1);
