@@ -6,6 +6,11 @@ APT_PACKAGES := bazel-bootstrap g++ protobuf-compiler protobuf-compiler-grpc lib
   libgrpc++-dev libabsl-dev libtbb-dev libgloo-dev libopenblas-dev libgtest-dev libgmock-dev \
   libbenchmark-dev
 
+# The CUDA backends, their GPU tests and the GPU benchmark (tagged manual: CI builds and links
+# them with nvcc; the tests print SKIP without a device).
+CUDA_TARGETS := //kernels:optimizer_cuda //kernels:ops_cuda //tests/kernels:optimizer_cuda_test \
+  //tests/kernels:ops_cuda_test //bench:gpu_bench
+
 .PHONY: deps build test demo bench gpu-check clean
 
 deps:
@@ -23,8 +28,8 @@ test: deps
 	$(BAZEL) test //...
 	@if [ -x $(NVCC) ]; then \
 	  echo "nvcc found: building and linking the --config=cuda configuration"; \
-	  $(BAZEL) build --config=cuda //... //kernels:optimizer_cuda //tests/kernels:adamw_cuda_test && \
-	  ./bazel-bin/tests/kernels/adamw_cuda_test; \
+	  $(BAZEL) build --config=cuda //... $(CUDA_TARGETS) && \
+	  ./bazel-bin/tests/kernels/optimizer_cuda_test && ./bazel-bin/tests/kernels/ops_cuda_test; \
 	else echo "nvcc not found: skipping the CUDA configuration"; fi
 
 demo: deps
@@ -32,6 +37,7 @@ demo: deps
 	./trainer/demo.sh
 
 bench: deps
+	$(BAZEL) run //bench:optimizer_bench
 	$(BAZEL) run //bench:transport_bench
 
 gpu-check: deps
