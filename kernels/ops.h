@@ -8,7 +8,9 @@
 // - Backward functions write (overwrite) the gradients of their inputs, except where a comment
 //   says "accumulates" (+=): weight gradients that several calls contribute to.
 // - Activations are fp32. Gemm has an fp32 and a bf16-input form (fp32 accumulation and output).
-// - Shapes are validated by the callers (the layers); the kernels assume them.
+// - Shapes are validated by the callers (the layers); the kernels assume them. GEMM dimensions
+//   and leading dimensions must be below 2^31 (BLAS takes int) and follow BLAS's rules (a
+//   leading dimension is at least the row width).
 #pragma once
 
 #include <cstdint>
@@ -79,7 +81,8 @@ class TransformerOps {
   virtual void AttentionForward(const AttentionShape& s, const float* q, const float* k,
                                 const float* v, const int32_t* q_pos, const int32_t* k_pos,
                                 float* out, float* lse) const = 0;
-  // dq, dk, dv written, with the strides of q, k, v (q_ld, k_ld, v_ld).
+  // dout has out's layout (stride out_ld); dq, dk, dv are written with the strides of q, k, v
+  // (q_ld, k_ld, v_ld), only inside those views.
   virtual void AttentionBackward(const AttentionShape& s, const float* q, const float* k,
                                  const float* v, const int32_t* q_pos, const int32_t* k_pos,
                                  const float* out, const float* lse, const float* dout,
