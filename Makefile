@@ -41,8 +41,7 @@ bench: deps
 	$(BAZEL) run //bench:transport_bench
 
 gpu-check: deps
-	$(BAZEL) build --config=cuda //tests/kernels:adamw_cuda_test
-	./bazel-bin/tests/kernels/adamw_cuda_test
+	BAZEL="$(BAZEL)" ./tests/gpu/gpu_check.sh
 
 clean:
 	$(BAZEL) clean

@@ -1,10 +1,29 @@
-// CUDA backend of the optimizer kernels. Plain C++ interface (no CUDA types), so callers
-// compile with any host compiler. Functions return an empty string on success, or a message
-// naming the CUDA call and its error.
+// CUDA backend of the optimizer and selection kernels (kernels/optimizer.h). Plain C++ interface
+// (no CUDA types), so callers compile with any host compiler.
+//
+// The kernel object enqueues every call on its stream and returns at once; pointers given to its
+// methods are device pointers (TopK's and the column kernels' index arrays too). A launch error or
+// an invalid argument is recorded (the first one is kept) and returned by Synchronize(), which
+// also waits for the stream; it reports each error once.
+//
+// Numerics: the element-wise kernels use explicitly rounded fp32 operations (no contraction into
+// FMA) in the oracle's order, with IEEE sqrt and division, so AdamW, Accumulate, the fused
+// boundary pass and the bf16 conversions are bit-identical to ReferenceKernel() (NaN payloads
+// included). ColumnScores sums in its own (fixed, deterministic) order. TopK and the column moves
+// are exact.
+//
+// Thread safety: methods may be called from several host threads; the error slot and the
+// grow-only workspace (ColumnScores partial sums, TopK sort buffers) are locked. All work goes
+// to the one stream, in the order the calls were made. The stream must outlive the kernel object,
+// and the device current at creation must be current at each call.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "kernels/optimizer.h"
 
@@ -15,14 +34,44 @@ namespace cuda {
 // True if a CUDA device can be used; otherwise *why says why (no driver, no device).
 bool DeviceAvailable(std::string* why);
 
-// AdamW on device memory, asynchronously on `stream` (a cudaStream_t; nullptr = default).
-std::string LaunchAdamW(const AdamWConfig& config, float* param, float* m, float* v,
-                        const void* grad, GradType type, int64_t n, uint16_t* bf16_out,
-                        void* stream);
+// The CUDA backend on `stream` (a cudaStream_t; nullptr = the legacy default stream), on the
+// device current at the call. Returns null and sets *error if no device can be used.
+std::unique_ptr<OptimizerKernel> NewCudaOptimizerKernel(void* stream, std::string* error);
 
-// Test helper: copies host arrays to the device, runs LaunchAdamW, copies them back.
-std::string AdamWHost(const AdamWConfig& config, float* param, float* m, float* v,
-                      const float* grad, int64_t n, uint16_t* bf16_out);
+// Benchmark support: enqueues on `stream` a streaming kernel over n fp32 elements that reads
+// `num_in` arrays and writes `num_out` arrays (1..4 each) with 16-byte accesses and almost no
+// arithmetic: the memory-bound ceiling of an element-wise kernel with that access pattern (AdamW
+// with fp32 gradients reads 4 and writes 3). Returns "" or the launch error.
+std::string LaunchStreamPattern(void* stream, const float* const* in, int num_in, float* const* out,
+                                int num_out, int64_t n);
+
+// Small device-memory, stream and timing helpers for tests and benchmarks, so that they need no
+// CUDA headers. Each returns "" on success or a message naming the CUDA call and its error.
+namespace dmem {
+// Synchronous: they do not wait for work enqueued on other streams (call the kernel's
+// Synchronize() before reading its results), and the copies return once complete.
+std::string Alloc(size_t bytes, void** ptr);  // bytes == 0 gives nullptr.
+void Free(void* ptr);                         // nullptr is a no-op.
+std::string ToDevice(void* dst, const void* src, size_t bytes);
+std::string ToHost(void* dst, const void* src, size_t bytes);
+std::string Memset(void* dst, int value, size_t bytes);
+
+// Enqueued on `stream`: a device-to-device copy.
+std::string CopyOnStream(void* dst, const void* src, size_t bytes, void* stream);
+
+// A stream that does not synchronize with the legacy default stream (a cudaStream_t).
+std::string CreateStream(void** stream);
+void DestroyStream(void* stream);
+std::string SyncStream(void* stream);
+
+// Times `enqueue` (which enqueues work on `stream`) with CUDA events: `warmup` untimed calls,
+// then `reps` calls, each between its own pair of events; *ms gets each call's milliseconds.
+std::string TimeOnStream(void* stream, const std::function<void()>& enqueue, int warmup, int reps,
+                         std::vector<float>* ms);
+
+// "<name>, <SMs> SMs, <GiB> GiB, CC <major>.<minor>" of the current device.
+std::string DeviceDescription();
+}  // namespace dmem
 
 }  // namespace cuda
 }  // namespace kernels

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# make gpu-check: builds the GPU tests and the GPU benchmark, assembles a self-contained bundle
+# (gpu-check-bundle/) that runs on any x86-64 Linux machine with an NVIDIA GPU and the CUDA 13
+# runtime, and runs it here if this machine has a GPU.
+#
+# The bundle holds the three binaries, the testdata they read (tests/testdata/torch/...,
+# resolved relative to the bundle, which run.sh makes the working directory), the non-system
+# shared libraries they link (oneTBB, OpenBLAS, gfortran, Abseil: whatever ldd lists beyond
+# glibc, the GCC runtime and CUDA), and run.sh. The CUDA libraries (libcudart, libcublas,
+# libcublasLt) are not bundled, since libcublasLt alone is ~540 MB: the machine must have them,
+# in /usr/local/cuda/lib64 (the binaries' rpath) or on LD_LIBRARY_PATH. Set
+# GPU_CHECK_BUNDLE_CUDA_LIBS=1 to bundle them anyway.
+#
+# Environment: BAZEL (default: bazel; may carry startup flags, e.g. "bazel --output_base=/x"),
+# BAZEL_BUILD_FLAGS (extra build flags, e.g. --symlink_prefix=/).
+set -euo pipefail
+
+cd "$(dirname "$0")/../.."
+BAZEL=${BAZEL:-bazel}
+BUNDLE=gpu-check-bundle
+TARGETS=(//tests/kernels:optimizer_cuda_test //tests/kernels:ops_cuda_test //bench:gpu_bench)
+
+echo "gpu-check: building ${TARGETS[*]} (--config=cuda)"
+# shellcheck disable=SC2086  # BAZEL may hold startup flags
+$BAZEL build --config=cuda ${BAZEL_BUILD_FLAGS:-} "${TARGETS[@]}"
+# shellcheck disable=SC2086
+BIN=$($BAZEL info --config=cuda ${BAZEL_BUILD_FLAGS:-} bazel-bin 2>/dev/null)
+
+rm -rf "$BUNDLE"
+mkdir -p "$BUNDLE/bin" "$BUNDLE/lib" "$BUNDLE/tests/testdata"
+for t in "${TARGETS[@]}"; do
+  path=${t#//}
+  path=${path/://}
+  cp -L "$BIN/$path" "$BUNDLE/bin/"
+  chmod u+w "$BUNDLE/bin/$(basename "$path")"
+done
+# The testdata, from the test's runfiles (exactly what Bazel gives it).
+cp -rL "$BIN/tests/kernels/optimizer_cuda_test.runfiles/stallfree/tests/testdata/torch" \
+  "$BUNDLE/tests/testdata/"
+
+# Shared libraries: everything ldd resolves except glibc, the dynamic loader, the GCC runtime
+# (libstdc++, libgcc_s: forward compatible, and the target's own must serve its glibc) and the
+# CUDA / driver libraries.
+system_lib='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libresolv\.|libutil\.'
+system_lib+='|libstdc\+\+\.|libgcc_s\.)'
+cuda_lib='^(libcuda\.|libcudart|libcublas|libnvidia|libnvrtc|libnvJitLink)'
+missing=0
+for b in "$BUNDLE"/bin/*; do
+  while read -r name arrow target _; do
+    [[ "$arrow" == "=>" ]] || continue
+    if [[ "$target" == "not" ]]; then
+      echo "gpu-check: $(basename "$b") needs $name, which ldd does not find here" >&2
+      missing=1
+      continue
+    fi
+    [[ "$name" =~ $system_lib ]] && continue
+    if [[ "$name" =~ $cuda_lib ]]; then
+      [[ "${GPU_CHECK_BUNDLE_CUDA_LIBS:-0}" == 1 && "$name" != libcuda.* ]] || continue
+    fi
+    [[ -e "$BUNDLE/lib/$name" ]] || cp -L "$target" "$BUNDLE/lib/$name"
+  done < <(ldd "$b")
+done
+if [[ $missing != 0 ]]; then
+  echo "gpu-check: unresolved libraries (above); the bundle would be incomplete" >&2
+  exit 1
+fi
+
+cat >"$BUNDLE/run.sh" <<'RUN_SH'
+#!/usr/bin/env bash
+# Runs the stallfree GPU checks in this bundle: the CUDA optimizer kernel test, the CUDA ops
+# test and the GPU benchmark, each under a timeout (290 s in all). Needs an NVIDIA GPU, its
+# driver (CUDA 13 or newer) and the CUDA 13 runtime and cuBLAS (/usr/local/cuda/lib64, or on
+# LD_LIBRARY_PATH). Exit status 0 when every binary passed (or skipped for want of a device).
+# GPU_CHECK_LOG_DIR=<dir> also writes each binary's output to <dir>/<name>.log.
+set -u
+cd "$(dirname "$0")"
+export LD_LIBRARY_PATH="$PWD/lib:${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64"
+LOG_DIR=${GPU_CHECK_LOG_DIR:-}
+[[ -n "$LOG_DIR" ]] && mkdir -p "$LOG_DIR"
+command -v nvidia-smi >/dev/null && nvidia-smi -L
+failed=0
+summary=()
+run() {
+  local name=$1 limit=$2
+  local log=${LOG_DIR:+$LOG_DIR/$name.log} tmp_log=""
+  if [[ -z "$log" ]]; then
+    tmp_log=$(mktemp "${TMPDIR:-/tmp}/gpu-check-$name.XXXXXX")
+    log=$tmp_log
+  fi
+  echo "=== $name (timeout ${limit}s)"
+  if ldd "bin/$name" | grep -q "not found"; then
+    echo "$name: missing shared libraries:"
+    ldd "bin/$name" | grep "not found"
+    summary+=("FAIL $name (missing libraries)")
+    failed=1
+    return
+  fi
+  local start=$SECONDS rc
+  timeout --kill-after=10 "$limit" "bin/$name" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  local took=$((SECONDS - start))
+  if [[ $rc == 0 ]]; then
+    if grep -q "^SKIP" "$log" 2>/dev/null; then
+      summary+=("SKIP $name (${took}s)")
+    else
+      summary+=("PASS $name (${took}s)")
+    fi
+  elif [[ $rc == 124 || $rc == 137 ]]; then
+    summary+=("FAIL $name (timed out after ${limit}s)")
+    failed=1
+  else
+    summary+=("FAIL $name (exit status $rc, ${took}s)")
+    failed=1
+  fi
+  [[ -z "$tmp_log" ]] || rm -f "$tmp_log"
+}
+run optimizer_cuda_test 100
+run ops_cuda_test 100
+run gpu_bench 90
+echo "=== summary"
+printf '%s\n' "${summary[@]}"
+exit $failed
+RUN_SH
+chmod +x "$BUNDLE/run.sh"
+
+echo "gpu-check: bundle $BUNDLE/ ($(du -sh "$BUNDLE" | cut -f1)):"
+(cd "$BUNDLE" && ls -l run.sh bin lib | sed 's/^/  /' &&
+  echo "  tests/testdata/torch: $(find tests/testdata/torch -type f | wc -l) files")
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
+  echo "gpu-check: GPU found; running the bundle"
+  exec "./$BUNDLE/run.sh"
+fi
+echo "gpu-check: no GPU here (nvidia-smi -L finds none), so nothing was run."
+echo "  On a machine with an NVIDIA GPU, the CUDA 13 driver and CUDA 13 libraries, run:"
+echo "    $BUNDLE/run.sh      (copy the whole $BUNDLE/ directory; it cds into itself)"
