@@ -36,6 +36,7 @@ struct Portable {
   static F Div(F a, F b) { return a / b; }
   static F Sqrt(F a) { return std::sqrt(a); }
   static F Abs(F a) { return std::fabs(a); }
+  static void Fence() {}
   static F LoadBf16(const uint16_t* p) { return stallfree::Bf16ToFloat(*p); }
   static void StoreBf16(uint16_t* p, F x) { *p = stallfree::FloatToBf16(x); }
 };

@@ -16,7 +16,8 @@
 //   handles them.
 //
 // V provides: type F (a vector of W floats), W, Load/Store (unaligned), Set1, Add, Mul, Div,
-// Sqrt, Abs, LoadBf16 (W bf16 -> F) and StoreBf16 (F -> W bf16, round to nearest even, NaN kept
+// Sqrt, Abs, Fence (orders non-temporal stores; may be empty), LoadBf16 (W bf16 -> F) and
+// StoreBf16 (F -> W bf16, round to nearest even, NaN kept
 // quiet with its sign, as common/bf16.h).
 #pragma once
 
@@ -155,6 +156,7 @@ void AdamWT(const AdamWConstants& c, float* p, float* m, float* v, const void* g
   };
   if (type == GradType::kBf16) run(std::true_type{});
   else run(std::false_type{});
+  V::Fence();
 }
 
 template <class V>
@@ -181,6 +183,7 @@ void AccAdamWT(const AdamWConstants& c, float* p, float* m, float* v, const floa
   if (grad == nullptr) run(std::false_type{}, std::false_type{});
   else if (type == GradType::kBf16) run(std::true_type{}, std::true_type{});
   else run(std::false_type{}, std::true_type{});
+  V::Fence();
 }
 
 template <class V>
@@ -190,6 +193,7 @@ void ToBf16T(const float* src, uint16_t* dst, int64_t n) {
     V::StoreBf16(static_cast<uint16_t*>(a[1].base) + i,
                  V::Load(static_cast<const float*>(a[0].base) + i));
   });
+  V::Fence();
 }
 
 template <class V>

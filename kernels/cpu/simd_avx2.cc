@@ -34,6 +34,7 @@ struct Avx2 {
     return _mm256_castsi256_ps(
         _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7fffffff)));
   }
+  static void Fence() {}
   static F LoadBf16(const uint16_t* p) {
     const __m256i wide =
         _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -38,6 +38,7 @@ struct Avx512 {
     return _mm512_castsi512_ps(
         _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff)));
   }
+  static void Fence() { _mm_sfence(); }
   static F LoadBf16(const uint16_t* p) {
     const __m512i wide =
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -52,7 +53,14 @@ struct Avx512 {
     const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     const __m512i r = _mm512_mask_blend_epi32(nan, rounded, quiet_nan);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    const __m256i packed = _mm512_cvtepi32_epi16(r);
+    // The bf16 copy is written, never read back: non-temporal stores skip the read for
+    // ownership of its cache lines (Fence() orders them at the end of the chunk).
+    if ((reinterpret_cast<uintptr_t>(p) & 31) == 0) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), packed);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+    }
   }
 };
 
