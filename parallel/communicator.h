@@ -7,7 +7,7 @@
 // - Every rank of the group must issue the same collectives in the same order (as MPI/NCCL).
 // - The I* forms start the operation and return a Work handle; the plain forms are I* + Wait.
 //   Operations issued by one thread run in issue order; a buffer must not be touched until its
-//   Work has completed.
+//   Work has completed. A Work must be waited on (or destroyed) before its Communicator.
 // - Errors are absl::Status: a peer that died or a timeout gives UNAVAILABLE or
 //   DEADLINE_EXCEEDED with the rank and operation named, within CommOptions::timeout; a
 //   communicator that reported such an error is broken and every later call fails at once.

@@ -18,7 +18,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 BAZEL=${BAZEL:-bazel}
 BUNDLE=gpu-check-bundle
-TARGETS=(//tests/kernels:optimizer_cuda_test //tests/kernels:ops_cuda_test //bench:gpu_bench)
+TARGETS=(//tests/kernels:optimizer_cuda_test //tests/kernels:ops_cuda_test //bench:gpu_bench
+  //tests/parallel:nccl_test)
 
 echo "gpu-check: building ${TARGETS[*]} (--config=cuda)"
 # shellcheck disable=SC2086  # BAZEL may hold startup flags
@@ -43,7 +44,7 @@ cp -rL "$BIN/tests/kernels/optimizer_cuda_test.runfiles/stallfree/tests/testdata
 # CUDA / driver libraries.
 system_lib='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libresolv\.|libutil\.'
 system_lib+='|libstdc\+\+\.|libgcc_s\.)'
-cuda_lib='^(libcuda\.|libcudart|libcublas|libnvidia|libnvrtc|libnvJitLink)'
+cuda_lib='^(libcuda\.|libcudart|libcublas|libnccl|libnvidia|libnvrtc|libnvJitLink)'
 missing=0
 for b in "$BUNDLE"/bin/*; do
   while read -r name arrow target _; do
@@ -68,9 +69,9 @@ fi
 cat >"$BUNDLE/run.sh" <<'RUN_SH'
 #!/usr/bin/env bash
 # Runs the stallfree GPU checks in this bundle: the CUDA optimizer kernel test, the CUDA ops
-# test and the GPU benchmark, each under a timeout (290 s in all). Needs an NVIDIA GPU, its
-# driver (CUDA 13 or newer) and the CUDA 13 runtime and cuBLAS (/usr/local/cuda/lib64, or on
-# LD_LIBRARY_PATH). Exit status 0 when every binary passed (or skipped for want of a device).
+# test, the GPU benchmark and the NCCL test, each under a timeout (290 s in all). Needs an
+# NVIDIA GPU, its driver (CUDA 13 or newer) and the CUDA 13 runtime, cuBLAS and NCCL
+# (/usr/local/cuda/lib64, or on LD_LIBRARY_PATH). Exit status 0 when every binary passed (or skipped for want of a device).
 # GPU_CHECK_LOG_DIR=<dir> also writes each binary's output to <dir>/<name>.log.
 set -u
 cd "$(dirname "$0")"
@@ -114,9 +115,10 @@ run() {
   fi
   [[ -z "$tmp_log" ]] || rm -f "$tmp_log"
 }
-run optimizer_cuda_test 100
-run ops_cuda_test 100
-run gpu_bench 90
+run optimizer_cuda_test 80
+run ops_cuda_test 80
+run gpu_bench 80
+run nccl_test 50
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 exit $failed
