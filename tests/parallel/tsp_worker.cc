@@ -1,0 +1,187 @@
+// Runs as one rank of a TSP group (RANK / WORLD_SIZE / ... from the launcher). Every rank builds
+// the same full block weights, input and output gradient from fixed seeds, runs the single-rank
+// ReferenceBlock forward / backward on the whole batch, then the TspBlock on its zigzag shard,
+// and compares: y and dx at its own positions, its weight shard's gradients (after the ring /
+// reduce) and the all-reduced ln1 / ln2 gradients, each within 1e-5 x max |reference| of that
+// tensor (fp32; the sums run in different orders). Also checks the sharding round trip and the
+// communicator's all-gather / recv byte counts against the closed forms, and prints the counters.
+// For T = 16 and T = 32 (C = 32, H = 4, FF = 64, B = 2). Prints "OK rank r" and exits 0, or the
+// first mismatch and exits 1.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/ops.h"
+#include "parallel/communicator.h"
+#include "parallel/reference_block.h"
+#include "parallel/tsp_block.h"
+#include "parallel/zigzag.h"
+
+namespace sp = stallfree::parallel;
+
+namespace {
+
+int g_rank = 0;
+
+#define CHECK_OR_FAIL(cond, ...)                                                               \
+  do {                                                                                         \
+    if (!(cond)) {                                                                             \
+      std::fprintf(stderr, "FAIL rank %d: %s:%d: %s: %s\n", g_rank, __FILE__, __LINE__, #cond, \
+                   absl::StrCat(__VA_ARGS__).c_str());                                         \
+      return false;                                                                            \
+    }                                                                                          \
+  } while (0)
+
+#define CHECK_OK(expr, what)                           \
+  do {                                                 \
+    absl::Status s_ = (expr);                          \
+    CHECK_OR_FAIL(s_.ok(), what, ": ", s_.ToString()); \
+  } while (0)
+
+constexpr double kRelTol = 1e-5;
+
+std::vector<float> Randn(uint32_t seed, int64_t n, double scale) {
+  std::mt19937 rng(seed);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) {
+    const double u1 = (static_cast<double>(rng()) + 1.0) / 4294967296.0;
+    const double u2 = static_cast<double>(rng()) / 4294967296.0;
+    x = static_cast<float>(scale * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2));
+  }
+  return v;
+}
+
+bool Compare(const std::vector<float>& got, const std::vector<float>& want,
+             const std::string& what) {
+  CHECK_OR_FAIL(got.size() == want.size(), what, ": size ", got.size(), " vs ", want.size());
+  double max_ref = 0;
+  for (float v : want) max_ref = std::max(max_ref, std::fabs(static_cast<double>(v)));
+  const double tol = kRelTol * max_ref + 1e-30;
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    CHECK_OR_FAIL(err <= tol, what, ": [", i, "] = ", got[i], ", reference ", want[i], " (|err| ",
+                  err, " > tol ", tol, ", max |ref| ", max_ref, ")");
+    worst = std::max(worst, err);
+  }
+  CHECK_OR_FAIL(max_ref > 0, what, ": the reference is all zero (a vacuous check)");
+  std::printf("rank %d %-14s max|ref| %.3e  max|err| %.3e  (%.2e rel)\n", g_rank, what.c_str(),
+              max_ref, worst, worst / max_ref);
+  return true;
+}
+
+bool RunCase(sp::Communicator& comm, int64_t T) {
+  const int64_t D = comm.size(), p = comm.rank();
+  const int64_t B = 2, C = 32, H = 4, FF = 64, Tl = T / D, nl = B * Tl;
+  const std::string at = absl::StrCat("T=", T);
+  const sp::ModelConfig mcfg{/*vocab=*/8, C, H, FF, /*layers=*/1};
+  const sp::BlockConfig cfg = mcfg.block();
+  const auto& ops = stallfree::kernels::CpuOps();
+  // Large enough weights that attention is far from uniform; jittered norms.
+  const sp::BlockWeights w = sp::InitModelWeights(mcfg, 1234, 0.15f, 0.2f).blocks[0];
+  const std::vector<float> x = Randn(77 + static_cast<uint32_t>(T), B * T * C, 1.0);
+  const std::vector<float> dy = Randn(99 + static_cast<uint32_t>(T), B * T * C, 1.0);
+
+  // The reference on the full batch.
+  std::vector<int32_t> pos(T);
+  for (int64_t i = 0; i < T; ++i) pos[i] = static_cast<int32_t>(i);
+  const sp::ReferenceBlock ref(cfg);
+  sp::BlockCache rcache;
+  std::vector<float> y(B * T * C), dx(B * T * C);
+  sp::BlockGrads rgrads;
+  CHECK_OK(ref.Forward(ops, w, x.data(), pos.data(), B, T, y.data(), &rcache), at + " ref fwd");
+  CHECK_OK(ref.Backward(ops, w, rcache, dy.data(), dx.data(), &rgrads), at + " ref bwd");
+
+  // Sharding round trip (every rank's shards are computed locally; small).
+  std::vector<sp::TspShard> all;
+  for (int64_t q = 0; q < D; ++q) {
+    auto s = sp::ShardBlockWeights(cfg, w, D, q);
+    CHECK_OK(s.status(), at + " shard");
+    all.push_back(*std::move(s));
+  }
+  auto back = sp::UnshardGrads(cfg, all);
+  CHECK_OK(back.status(), at + " unshard");
+  for (size_t i = 0; i < w.Tensors().size(); ++i) {
+    CHECK_OR_FAIL(*back->Tensors()[i] == *w.Tensors()[i], at, " unshard round trip of ",
+                  sp::BlockTensorNames()[i]);
+  }
+
+  // TSP on this rank's zigzag shard.
+  std::vector<float> x_local(nl * C), dy_local(nl * C), y_want(nl * C), dx_want(nl * C);
+  CHECK_OK(sp::ZigzagScatter(x.data(), B, T, C, D, p, x_local.data()), at + " scatter x");
+  CHECK_OK(sp::ZigzagScatter(dy.data(), B, T, C, D, p, dy_local.data()), at + " scatter dy");
+  CHECK_OK(sp::ZigzagScatter(y.data(), B, T, C, D, p, y_want.data()), at + " scatter y");
+  CHECK_OK(sp::ZigzagScatter(dx.data(), B, T, C, D, p, dx_want.data()), at + " scatter dx");
+  const sp::TspBlock block(cfg, &comm);
+  sp::TspCache cache;
+  std::vector<float> y_local(nl * C), dx_local(nl * C);
+  sp::TspShardGrads grads;
+  comm.ResetCounters();
+  CHECK_OK(block.Forward(ops, all[p], x_local.data(), B, T, y_local.data(), &cache),
+           at + " tsp forward");
+  const sp::OpCounters fwd = comm.counters();
+  comm.ResetCounters();
+  CHECK_OK(block.Backward(ops, all[p], cache, dy_local.data(), dx_local.data(), &grads),
+           at + " tsp backward");
+  const sp::OpCounters bwd = comm.counters();
+
+  if (!Compare(y_local, y_want, at + " y")) return false;
+  if (!Compare(dx_local, dx_want, at + " dx")) return false;
+  auto want = sp::ShardBlockWeights(cfg, rgrads, D, p);
+  CHECK_OK(want.status(), at + " shard reference grads");
+  if (!Compare(grads.ln1, want->ln1, at + " dln1")) return false;
+  if (!Compare(grads.ln2, want->ln2, at + " dln2")) return false;
+  if (!Compare(grads.attn, want->attn, at + " dWqkvo")) return false;
+  if (!Compare(grads.mlp, want->mlp, at + " dWgud")) return false;
+
+  // Byte counts: the forward all-gathers D K|V shards of nl 2C/D floats (a ring: this rank
+  // receives the D-1 other blocks), and receives D-1 MLP shards of 3 FF C / D floats; the
+  // backward repeats the all-gathers and receives D-1 weight and D-1 gradient shards.
+  const auto get = [](const sp::OpCounters& c, sp::OpKind k) { return c[static_cast<size_t>(k)]; };
+  const int64_t kv_bytes = 4 * nl * 2 * (C / D), mlp_bytes = 4 * 3 * (FF / D) * C;
+  CHECK_OR_FAIL(get(fwd, sp::OpKind::kAllGather).bytes_received == D * (D - 1) * kv_bytes, at,
+                " forward all-gather received ", get(fwd, sp::OpKind::kAllGather).bytes_received);
+  CHECK_OR_FAIL(get(fwd, sp::OpKind::kRecv).bytes_received == (D - 1) * mlp_bytes, at,
+                " forward recv ", get(fwd, sp::OpKind::kRecv).bytes_received);
+  CHECK_OR_FAIL(get(bwd, sp::OpKind::kAllGather).bytes_received == D * (D - 1) * kv_bytes, at,
+                " backward all-gather received ", get(bwd, sp::OpKind::kAllGather).bytes_received);
+  CHECK_OR_FAIL(get(bwd, sp::OpKind::kRecv).bytes_received == 2 * (D - 1) * mlp_bytes, at,
+                " backward recv ", get(bwd, sp::OpKind::kRecv).bytes_received);
+  for (int pass = 0; pass < 2; ++pass) {
+    const sp::OpCounters& c = pass == 0 ? fwd : bwd;
+    for (size_t k = 0; k < c.size(); ++k) {
+      if (c[k].calls == 0) continue;
+      std::printf("rank %d %s %s %-14s calls %3lld sent %8lld B received %8lld B\n", g_rank,
+                  at.c_str(), pass == 0 ? "fwd" : "bwd", sp::OpKindName(static_cast<sp::OpKind>(k)),
+                  static_cast<long long>(c[k].calls), static_cast<long long>(c[k].bytes_sent),
+                  static_cast<long long>(c[k].bytes_received));
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+int main() {
+  auto options = sp::CommOptions::FromEnvironment();
+  if (!options.ok()) {
+    std::fprintf(stderr, "FAIL: %s\n", options.status().ToString().c_str());
+    return 1;
+  }
+  g_rank = options->rank;
+  auto comm = sp::NewGlooCommunicator(*options);
+  if (!comm.ok()) {
+    std::fprintf(stderr, "FAIL rank %d: %s\n", g_rank, comm.status().ToString().c_str());
+    return 1;
+  }
+  for (int64_t T : {16, 32}) {
+    if (!RunCase(**comm, T)) return 1;
+  }
+  std::printf("OK rank %d\n", g_rank);
+  std::fflush(stdout);
+  return 0;
+}
