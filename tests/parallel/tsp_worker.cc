@@ -7,9 +7,13 @@
 // communicator's all-gather / recv byte counts against the closed forms, and prints the counters.
 // For T = 16 and T = 32 (C = 32, H = 4, FF = 64, B = 2). Prints "OK rank r" and exits 0, or the
 // first mismatch and exits 1.
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -164,6 +168,35 @@ bool RunCase(sp::Communicator& comm, int64_t T) {
   return true;
 }
 
+// STALLFREE_TEST_DIE_RANK=k: rank k exits abruptly after joining the group; every other rank
+// runs a TSP forward, which must fail (not hang) with UNAVAILABLE or DEADLINE_EXCEEDED naming
+// the operation. Survivors exit 7 when they saw that error, 1 otherwise.
+int RunDeath(sp::Communicator& comm, int die_rank) {
+  const int64_t B = 2, C = 32, H = 4, FF = 64, T = 16, D = comm.size(), p = comm.rank();
+  const sp::ModelConfig mcfg{/*vocab=*/8, C, H, FF, /*layers=*/1};
+  const sp::BlockConfig cfg = mcfg.block();
+  const sp::BlockWeights w = sp::InitModelWeights(mcfg, 1234, 0.15f, 0.2f).blocks[0];
+  auto shard = sp::ShardBlockWeights(cfg, w, D, p);
+  if (!shard.ok()) return 1;
+  if (!comm.Barrier().ok()) return 1;
+  if (p == die_rank) _exit(3);
+  std::vector<float> x(B * (T / D) * C, 0.5f), y(x.size());
+  const sp::TspBlock block(cfg, &comm);
+  sp::TspCache cache;
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status st;
+  // Several steps, so the dead rank is noticed whichever operation reaches it first.
+  for (int i = 0; i < 4 && st.ok(); ++i) {
+    st = block.Forward(stallfree::kernels::CpuOps(), *shard, x.data(), B, T, y.data(), &cache);
+  }
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("rank %d: after %.2f s: %s\n", g_rank, secs, st.ToString().c_str());
+  std::fflush(stdout);
+  const bool clear = absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st);
+  return clear ? 7 : 1;
+}
+
 }  // namespace
 
 int main() {
@@ -177,6 +210,9 @@ int main() {
   if (!comm.ok()) {
     std::fprintf(stderr, "FAIL rank %d: %s\n", g_rank, comm.status().ToString().c_str());
     return 1;
+  }
+  if (const char* die = std::getenv("STALLFREE_TEST_DIE_RANK"); die != nullptr) {
+    return RunDeath(**comm, std::atoi(die));
   }
   for (int64_t T : {16, 32}) {
     if (!RunCase(**comm, T)) return 1;
