@@ -1,0 +1,244 @@
+// Runs as one rank of a group (RANK / WORLD_SIZE / ... from the launcher). For each layout (TSP,
+// TP+SP): every rank builds the same full model weights (InitModelWeights, fixed seed; vocab 50,
+// C 32, H 4, FF 64, 2 layers), tokens and targets [B=2, T=16] (a few targets -1 = ignored), runs
+// the single-rank ReferenceModel forward / backward on the whole batch, then the
+// DistributedModel, and checks:
+//   - the loss equals the reference's within 1e-6 relative, and is bit-identical on every rank;
+//   - every gradient: the replicated embedding / ln_f / head fully, and this rank's block shards
+//     against the reference's gradients sharded the same way, each within
+//     1e-5 x max|reference| + 1e-7; then GatherGrads' full ModelGrads against every reference
+//     tensor with the same tolerance (and each reference tensor non-zero: no vacuous check);
+//   - a batch with every target ignored gives loss 0 and zero gradients on every rank;
+//   - bad arguments (T not divisible, a token out of range) give InvalidArgument on every rank.
+// Prints "OK rank r" and exits 0, or the first mismatch and exits 1.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/ops.h"
+#include "parallel/communicator.h"
+#include "parallel/distributed_model.h"
+#include "parallel/reference_block.h"
+#include "parallel/tpsp_block.h"
+#include "parallel/tsp_block.h"
+
+namespace sp = stallfree::parallel;
+
+namespace {
+
+int g_rank = 0;
+
+#define CHECK_OR_FAIL(cond, ...)                                                               \
+  do {                                                                                         \
+    if (!(cond)) {                                                                             \
+      std::fprintf(stderr, "FAIL rank %d: %s:%d: %s: %s\n", g_rank, __FILE__, __LINE__, #cond, \
+                   absl::StrCat(__VA_ARGS__).c_str());                                         \
+      return false;                                                                            \
+    }                                                                                          \
+  } while (0)
+
+#define CHECK_OK(expr, what)                           \
+  do {                                                 \
+    absl::Status s_ = (expr);                          \
+    CHECK_OR_FAIL(s_.ok(), what, ": ", s_.ToString()); \
+  } while (0)
+
+constexpr double kRelTol = 1e-5;
+constexpr double kAbsTol = 1e-7;
+constexpr double kLossRelTol = 1e-6;
+
+double MaxAbs(const std::vector<float>& v) {
+  double m = 0;
+  for (float x : v) m = std::max(m, static_cast<double>(std::fabs(x)));
+  return m;
+}
+
+// got against want, tolerance from ref_max (the max |.| of the whole reference tensor).
+bool Compare(const std::string& what, const std::vector<float>& got, const std::vector<float>& want,
+             double ref_max) {
+  CHECK_OR_FAIL(got.size() == want.size(), what, ": size ", got.size(), " vs ", want.size());
+  CHECK_OR_FAIL(ref_max > 100 * kAbsTol, what, ": the reference is (nearly) zero, max ", ref_max);
+  const double tol = kRelTol * ref_max + kAbsTol;
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    CHECK_OR_FAIL(err <= tol, what, " [", i, "] = ", got[i], ", reference ", want[i], " (err ", err,
+                  " > tol ", tol, ")");
+    worst = std::max(worst, err);
+  }
+  std::printf("rank %d %-26s max|ref| %.3e  max|err| %.3e  (%.2e rel)\n", g_rank, what.c_str(),
+              ref_max, worst, worst / ref_max);
+  return true;
+}
+
+// The loss of every rank, as hi / lo floats (exact), must be bitwise equal.
+bool CheckSameOnAllRanks(sp::Communicator& comm, double loss, const std::string& what) {
+  const int D = comm.size();
+  const float hi = static_cast<float>(loss);
+  const float send[2] = {hi, static_cast<float>(loss - static_cast<double>(hi))};
+  std::vector<float> recv(2 * D);
+  CHECK_OK(comm.AllGather(send, recv.data(), 2), what + " all-gather loss");
+  for (int q = 0; q < D; ++q) {
+    CHECK_OR_FAIL(std::memcmp(&recv[2 * q], send, sizeof(send)) == 0, what, ": rank ", q, " loss ",
+                  static_cast<double>(recv[2 * q]) + recv[2 * q + 1], " vs ", loss);
+  }
+  return true;
+}
+
+bool RunLayout(sp::Communicator& comm, sp::Layout layout) {
+  const int D = comm.size(), p = comm.rank();
+  const auto& ops = stallfree::kernels::CpuOps();
+  const int64_t B = 2, T = 16, n = B * T;
+  sp::ModelConfig cfg;
+  cfg.vocab = 50;
+  cfg.C = 32;
+  cfg.H = 4;
+  cfg.FF = 64;
+  cfg.layers = 2;
+  const sp::BlockConfig bcfg = cfg.block();
+  const std::string at = absl::StrCat(sp::LayoutName(layout), " D=", D);
+  std::printf("rank %d: %s\n", p, at.c_str());
+
+  // Larger than the default init so that attention is far from uniform and every gradient is
+  // well above the tolerance floor; jittered norms.
+  const sp::ModelWeights full = sp::InitModelWeights(cfg, 4321, 0.2f, 0.1f);
+  std::mt19937 rng(99);
+  std::vector<int32_t> tokens(n), targets(n);
+  for (int64_t i = 0; i < n; ++i) tokens[i] = static_cast<int32_t>(rng() % cfg.vocab);
+  for (int64_t i = 0; i < n; ++i) targets[i] = static_cast<int32_t>(rng() % cfg.vocab);
+  for (int64_t i : {3, 10, 16, 29}) targets[i] = -1;
+
+  // The reference on the whole batch.
+  const sp::ReferenceModel ref(cfg);
+  sp::ModelCache rcache;
+  auto ref_loss = ref.Forward(ops, full, tokens.data(), targets.data(), B, T, nullptr, &rcache);
+  CHECK_OK(ref_loss.status(), at + " reference forward");
+  sp::ModelGrads rgrads;
+  CHECK_OK(ref.Backward(ops, full, rcache, &rgrads), at + " reference backward");
+
+  // The distributed model.
+  const sp::DistributedModel model(cfg, layout, &comm);
+  auto shard = model.Shard(full);
+  CHECK_OK(shard.status(), at + " shard");
+  sp::DistributedCache cache;
+  auto loss = model.Forward(ops, *shard, tokens.data(), targets.data(), B, T, &cache);
+  CHECK_OK(loss.status(), at + " forward");
+  const double rel = std::fabs(*loss - *ref_loss) / std::fabs(*ref_loss);
+  CHECK_OR_FAIL(rel <= kLossRelTol, at, " loss ", *loss, " vs reference ", *ref_loss, " (rel ", rel,
+                ")");
+  CHECK_OR_FAIL(cache.valid == rcache.valid, at, " valid ", cache.valid, " vs ", rcache.valid);
+  std::printf("rank %d %s loss %.9f reference %.9f (%.2e rel)\n", p, at.c_str(), *loss, *ref_loss,
+              rel);
+  if (!CheckSameOnAllRanks(comm, *loss, at + " loss")) return false;
+
+  sp::DistributedGrads grads;
+  CHECK_OK(model.Backward(ops, *shard, cache, &grads), at + " backward");
+
+  // Replicated tensors fully.
+  if (!Compare(at + " dembedding", grads.embedding, rgrads.embedding, MaxAbs(rgrads.embedding)) ||
+      !Compare(at + " dln_f", grads.ln_f, rgrads.ln_f, MaxAbs(rgrads.ln_f)) ||
+      !Compare(at + " dhead", grads.head, rgrads.head, MaxAbs(rgrads.head))) {
+    return false;
+  }
+  // This rank's block shards against the reference's gradients sharded alike.
+  for (int64_t l = 0; l < cfg.layers; ++l) {
+    const std::string bl = absl::StrCat(at, " block", l);
+    if (layout == sp::Layout::kTsp) {
+      CHECK_OR_FAIL(grads.tsp_blocks.size() == static_cast<size_t>(cfg.layers), bl, " blocks");
+      auto want = sp::ShardBlockWeights(bcfg, rgrads.blocks[l], D, p);
+      CHECK_OK(want.status(), bl + " shard reference");
+      const sp::TspShard& got = grads.tsp_blocks[l];
+      if (!Compare(bl + ".dln1", got.ln1, want->ln1, MaxAbs(want->ln1)) ||
+          !Compare(bl + ".dln2", got.ln2, want->ln2, MaxAbs(want->ln2)) ||
+          !Compare(bl + ".dattn", got.attn, want->attn, MaxAbs(want->attn)) ||
+          !Compare(bl + ".dmlp", got.mlp, want->mlp, MaxAbs(want->mlp))) {
+        return false;
+      }
+    } else {
+      CHECK_OR_FAIL(grads.tpsp_blocks.size() == static_cast<size_t>(cfg.layers), bl, " blocks");
+      auto want = sp::ShardTpspWeights(bcfg, rgrads.blocks[l], D, p);
+      CHECK_OK(want.status(), bl + " shard reference");
+      const auto got_t = std::as_const(grads.tpsp_blocks[l]).Tensors();
+      const auto want_t = std::as_const(*want).Tensors();
+      const auto full_t = std::as_const(rgrads.blocks[l]).Tensors();
+      for (size_t i = 0; i < got_t.size(); ++i) {
+        if (!Compare(bl + ".d" + sp::BlockTensorNames()[i], *got_t[i], *want_t[i],
+                     MaxAbs(*full_t[i]))) {
+          return false;
+        }
+      }
+    }
+  }
+  // Every rank's shards reassembled, against the whole reference.
+  auto gathered = model.GatherGrads(grads);
+  CHECK_OK(gathered.status(), at + " gather grads");
+  const std::vector<std::string> names = sp::ModelTensorNames(cfg);
+  const auto got_all = std::as_const(*gathered).Tensors();
+  const auto want_all = std::as_const(rgrads).Tensors();
+  CHECK_OR_FAIL(got_all.size() == want_all.size(), at, " gathered tensor count");
+  for (size_t i = 0; i < want_all.size(); ++i) {
+    if (!Compare(at + " full d" + names[i], *got_all[i], *want_all[i], MaxAbs(*want_all[i]))) {
+      return false;
+    }
+  }
+
+  // Every target ignored: loss 0, zero gradients, on every rank.
+  {
+    const std::vector<int32_t> none(n, -1);
+    sp::DistributedCache c0;
+    auto l0 = model.Forward(ops, *shard, tokens.data(), none.data(), B, T, &c0);
+    CHECK_OK(l0.status(), at + " forward, no targets");
+    CHECK_OR_FAIL(*l0 == 0.0 && c0.valid == 0, at, " no targets: loss ", *l0, " valid ", c0.valid);
+    sp::DistributedGrads g0;
+    CHECK_OK(model.Backward(ops, *shard, c0, &g0), at + " backward, no targets");
+    auto full0 = model.GatherGrads(g0);
+    CHECK_OK(full0.status(), at + " gather, no targets");
+    for (const std::vector<float>* t : std::as_const(*full0).Tensors()) {
+      CHECK_OR_FAIL(MaxAbs(*t) == 0.0, at, " no targets: a non-zero gradient");
+    }
+  }
+
+  // Bad arguments fail on every rank before any communication.
+  {
+    auto bad_t = model.Forward(ops, *shard, tokens.data(), targets.data(), B, 15, nullptr);
+    if (layout == sp::Layout::kTsp || D > 1) {
+      CHECK_OR_FAIL(bad_t.status().code() == absl::StatusCode::kInvalidArgument, at,
+                    " T=15: ", bad_t.status().ToString());
+    }
+    std::vector<int32_t> bad_tokens = tokens;
+    bad_tokens[5] = static_cast<int32_t>(cfg.vocab);
+    auto bad_id = model.Forward(ops, *shard, bad_tokens.data(), targets.data(), B, T, nullptr);
+    CHECK_OR_FAIL(bad_id.status().code() == absl::StatusCode::kInvalidArgument, at,
+                  " token = vocab: ", bad_id.status().ToString());
+  }
+  // The group is still in step: one more all-gather of the loss.
+  return CheckSameOnAllRanks(comm, *loss, at + " loss after the error cases");
+}
+
+}  // namespace
+
+int main() {
+  auto options = sp::CommOptions::FromEnvironment();
+  if (!options.ok()) {
+    std::fprintf(stderr, "FAIL: %s\n", options.status().ToString().c_str());
+    return 1;
+  }
+  g_rank = options->rank;
+  auto comm = sp::NewGlooCommunicator(*options);
+  if (!comm.ok()) {
+    std::fprintf(stderr, "FAIL rank %d: %s\n", g_rank, comm.status().ToString().c_str());
+    return 1;
+  }
+  for (sp::Layout layout : {sp::Layout::kTsp, sp::Layout::kTpsp}) {
+    if (!RunLayout(**comm, layout)) return 1;
+  }
+  std::printf("OK rank %d\n", g_rank);
+  std::fflush(stdout);
+  return 0;
+}
