@@ -349,11 +349,10 @@ absl::Status TspBlock::Backward(const TransformerOps& ops, const TspShard& w, co
   std::vector<float> wring(2 * wm), gring(2 * wm);
   std::vector<float> dm(nl * F), dg(nl * F), du(nl * F), dn2(nl * C), dh(nl * C);
   std::vector<float> lngrad(2 * C, 0.0f);  // this rank's dln1 | dln2, then all-reduced
-  // Attention buffers (declared here, before the drain, so they outlive its operations).
-  std::vector<float> wbuf(2 * wa), gbuf(2 * wa), grecv(wa), dA(nl * Ch);
-  std::vector<float> kv_send(nl * 2 * Ch), kv_recv(D * nl * 2 * Ch), kv(B * T * 2 * Ch);
-  std::vector<float> dkv(B * T * 2 * Ch), dkv_send(D * nl * 2 * Ch), dkv_local(nl * 2 * Ch);
-  std::vector<float> dqkv(nl * 3 * Ch), dn1(nl * C);
+  // Attention buffers: declared here, before the drain, so they outlive its operations, but
+  // sized only once the MLP phase has released its ring buffers (peak memory).
+  std::vector<float> wbuf, gbuf, grecv, dA, kv_send, kv_recv, kv, dkv, dkv_send, dkv_local, dqkv,
+      dn1;
   WorkDrain drain;
   {
     std::shared_ptr<Work> own_send, wrecv, grecv_w, wsend[2], gsend[2];
@@ -411,6 +410,22 @@ absl::Status TspBlock::Backward(const TransformerOps& ops, const TspShard& w, co
   ops.RmsNormBackward(c.h.data(), w.ln2.data(), c.rstd2.data(), dn2.data(), nl, C, dh.data(),
                       lngrad.data() + C);
   ops.Add(dh.data(), dy_local, nl * C, dh.data());
+  // Every MLP operation has completed: release its buffers before the attention phase.
+  for (std::vector<float>* b : {&wring, &gring, &dm, &dg, &du, &dn2}) {
+    std::vector<float>().swap(*b);
+  }
+  wbuf.resize(2 * wa);
+  gbuf.resize(2 * wa);
+  grecv.resize(wa);
+  dA.resize(nl * Ch);
+  kv_send.resize(nl * 2 * Ch);
+  kv_recv.resize(D * nl * 2 * Ch);
+  kv.resize(B * T * 2 * Ch);
+  dkv.resize(B * T * 2 * Ch);
+  dkv_send.resize(D * nl * 2 * Ch);
+  dkv_local.resize(nl * 2 * Ch);
+  dqkv.resize(nl * 3 * Ch);
+  dn1.resize(nl * C);
 
   // ---- Attention: re-broadcast head shards, re-gather K|V, reduce-scatter dK|dV, reduce the
   // shard gradients to their owners. ----
