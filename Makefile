@@ -40,6 +40,7 @@ demo: deps
 bench: deps
 	$(BAZEL) run //bench:optimizer_bench
 	$(BAZEL) run //bench:transport_bench
+	$(BAZEL) run //bench:tsp_bench
 
 gpu-check: deps
 	BAZEL="$(BAZEL)" ./tests/gpu/gpu_check.sh
