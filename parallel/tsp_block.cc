@@ -93,27 +93,22 @@ void Linear(const TransformerOps& ops, const float* x, int64_t ldx, const float*
 }
 
 // kv [nl, 2Ch] := the k|v columns of qkv [nl, 3Ch].
-void PackKv(const float* qkv, int64_t nl, int64_t Ch, float* kv) {
-  for (int64_t i = 0; i < nl; ++i) {
-    std::memcpy(kv + i * 2 * Ch, qkv + i * 3 * Ch + Ch,
-                static_cast<size_t>(2 * Ch) * sizeof(float));
-  }
+void PackKv(const TransformerOps& ops, const float* qkv, int64_t nl, int64_t Ch, float* kv) {
+  ops.Copy2D(kv, 2 * Ch, qkv + Ch, 3 * Ch, nl, 2 * Ch);
 }
 
 // Between the all-gather layout [D][B][Tl][w] (rank major) and the sequence layout
 // [B][D Tl][w] (batch major; within a row, rank q's tokens at q Tl..). to_seq selects the
-// direction.
-void Relayout(const float* src, int64_t D, int64_t B, int64_t Tl, int64_t w, bool to_seq,
-              float* dst) {
-  const size_t bytes = static_cast<size_t>(Tl * w) * sizeof(float);
+// direction. One strided copy per rank q: B rows of Tl w floats.
+void Relayout(const TransformerOps& ops, const float* src, int64_t D, int64_t B, int64_t Tl,
+              int64_t w, bool to_seq, float* dst) {
+  const int64_t block = Tl * w;
   for (int64_t q = 0; q < D; ++q) {
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t rank_major = (q * B + b) * Tl * w, seq = (b * D + q) * Tl * w;
-      if (to_seq) {
-        std::memcpy(dst + seq, src + rank_major, bytes);
-      } else {
-        std::memcpy(dst + rank_major, src + seq, bytes);
-      }
+    const int64_t rank_major = q * B * block, seq = q * block;
+    if (to_seq) {
+      ops.Copy2D(dst + seq, D * block, src + rank_major, block, B, block);
+    } else {
+      ops.Copy2D(dst + rank_major, block, src + seq, D * block, B, block);
     }
   }
 }
@@ -123,9 +118,88 @@ absl::Status PrepareGrad(std::vector<float>* g, int64_t want, const char* name) 
   return CheckSize(*g, want, name);
 }
 
-void AddInto(const float* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+absl::Status SyncStatus(const TransformerOps& ops, const char* what) {
+  const std::string err = ops.Synchronize();
+  if (!err.empty()) return absl::InternalError(absl::StrCat("tsp: ", what, ": ", err));
+  return absl::OkStatus();
 }
+
+// The cache's tensors, wherever they live.
+struct CacheRefs {
+  const int32_t* q_pos = nullptr;
+  const int32_t* k_pos = nullptr;
+  float *x = nullptr, *n1 = nullptr, *rstd1 = nullptr, *qkv = nullptr, *att = nullptr,
+        *lse = nullptr, *h = nullptr, *n2 = nullptr, *rstd2 = nullptr, *g = nullptr, *u = nullptr,
+        *m = nullptr;
+  int64_t x_size = 0, m_size = 0, qkv_size = 0;
+};
+
+CacheRefs RefsOf(const TspCache& c) {
+  CacheRefs r;
+  // The cache's tensors are written through these pointers by Forward, which owns the cache;
+  // Backward only reads them.
+  auto mut = [](const std::vector<float>& v) { return const_cast<float*>(v.data()); };
+  if (c.buffers != nullptr) {
+    const TspCacheBuffers& b = *c.buffers;
+    r.q_pos = reinterpret_cast<const int32_t*>(b.q_pos.data());
+    r.k_pos = reinterpret_cast<const int32_t*>(b.k_pos.data());
+    r.x = b.x.data();
+    r.n1 = b.n1.data();
+    r.rstd1 = b.rstd1.data();
+    r.qkv = b.qkv.data();
+    r.att = b.att.data();
+    r.lse = b.lse.data();
+    r.h = b.h.data();
+    r.n2 = b.n2.data();
+    r.rstd2 = b.rstd2.data();
+    r.g = b.g.data();
+    r.u = b.u.data();
+    r.m = b.m.data();
+    r.x_size = b.x.size();
+    r.m_size = b.m.size();
+    r.qkv_size = b.qkv.size();
+  } else {
+    r.q_pos = c.q_pos.data();
+    r.k_pos = c.k_pos.data();
+    r.x = mut(c.x);
+    r.n1 = mut(c.n1);
+    r.rstd1 = mut(c.rstd1);
+    r.qkv = mut(c.qkv);
+    r.att = mut(c.att);
+    r.lse = mut(c.lse);
+    r.h = mut(c.h);
+    r.n2 = mut(c.n2);
+    r.rstd2 = mut(c.rstd2);
+    r.g = mut(c.g);
+    r.u = mut(c.u);
+    r.m = mut(c.m);
+    r.x_size = static_cast<int64_t>(c.x.size());
+    r.m_size = static_cast<int64_t>(c.m.size());
+    r.qkv_size = static_cast<int64_t>(c.qkv.size());
+  }
+  return r;
+}
+
+TspShardView ViewOf(const TspShard& w) {
+  return TspShardView{w.ln1.data(), w.ln2.data(), w.attn.data(), w.mlp.data()};
+}
+
+bool AnyNull(const TspShardView& w) {
+  return w.ln1 == nullptr || w.ln2 == nullptr || w.attn == nullptr || w.mlp == nullptr;
+}
+
+bool AnyNull(const TspGradsView& g) {
+  return g.ln1 == nullptr || g.ln2 == nullptr || g.attn == nullptr || g.mlp == nullptr;
+}
+
+// The forward of both overloads; backend_cache selects where the cache's tensors live.
+absl::Status ForwardImpl(const BlockConfig& cfg, Communicator* comm, const TransformerOps& ops,
+                         const TspShardView& w, const float* x_local, int64_t B, int64_t T,
+                         float* y_local, TspCache* cache, bool backend_cache);
+
+absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const TransformerOps& ops,
+                          const TspShardView& w, const TspCache& c, const float* dy_local,
+                          float* dx_local, const TspGradsView& grads);
 
 }  // namespace
 
@@ -211,10 +285,55 @@ absl::StatusOr<BlockWeights> UnshardGrads(const BlockConfig& cfg,
 absl::Status TspBlock::Forward(const TransformerOps& ops, const TspShard& w, const float* x_local,
                                int64_t B, int64_t T, float* y_local, TspCache* cache) const {
   if (comm_ == nullptr) return absl::InvalidArgumentError("tsp: null communicator");
-  const int64_t D = comm_->size(), p = comm_->rank();
+  const int64_t D = comm_->size();
+  TSP_RETURN_IF_ERROR(CheckTspConfig(cfg_, D));
+  TSP_RETURN_IF_ERROR(CheckShard(Dims(cfg_, D), w, "weights"));
+  return ForwardImpl(cfg_, comm_, ops, ViewOf(w), x_local, B, T, y_local, cache,
+                     /*backend_cache=*/false);
+}
+
+absl::Status TspBlock::Forward(const TransformerOps& ops, const TspShardView& w,
+                               const float* x_local, int64_t B, int64_t T, float* y_local,
+                               TspCache* cache) const {
+  if (AnyNull(w)) return absl::InvalidArgumentError("tsp: null weight pointer");
+  return ForwardImpl(cfg_, comm_, ops, w, x_local, B, T, y_local, cache, /*backend_cache=*/true);
+}
+
+absl::Status TspBlock::Backward(const TransformerOps& ops, const TspShard& w, const TspCache& c,
+                                const float* dy_local, float* dx_local,
+                                TspShardGrads* grads) const {
+  if (comm_ == nullptr) return absl::InvalidArgumentError("tsp: null communicator");
+  const int64_t D = comm_->size();
   TSP_RETURN_IF_ERROR(CheckTspConfig(cfg_, D));
   const Dims d(cfg_, D);
   TSP_RETURN_IF_ERROR(CheckShard(d, w, "weights"));
+  if (grads == nullptr) return absl::InvalidArgumentError("tsp: null grads");
+  TSP_RETURN_IF_ERROR(PrepareGrad(&grads->ln1, d.C, "gradient ln1"));
+  TSP_RETURN_IF_ERROR(PrepareGrad(&grads->ln2, d.C, "gradient ln2"));
+  TSP_RETURN_IF_ERROR(PrepareGrad(&grads->attn, d.attn(), "gradient attn"));
+  TSP_RETURN_IF_ERROR(PrepareGrad(&grads->mlp, d.mlp(), "gradient mlp"));
+  const TspGradsView g{grads->ln1.data(), grads->ln2.data(), grads->attn.data(),
+                       grads->mlp.data()};
+  return BackwardImpl(cfg_, comm_, ops, ViewOf(w), c, dy_local, dx_local, g);
+}
+
+absl::Status TspBlock::Backward(const TransformerOps& ops, const TspShardView& w,
+                                const TspCache& c, const float* dy_local, float* dx_local,
+                                const TspGradsView& grads) const {
+  if (AnyNull(w)) return absl::InvalidArgumentError("tsp: null weight pointer");
+  if (AnyNull(grads)) return absl::InvalidArgumentError("tsp: null gradient pointer");
+  return BackwardImpl(cfg_, comm_, ops, w, c, dy_local, dx_local, grads);
+}
+
+namespace {
+
+absl::Status ForwardImpl(const BlockConfig& cfg, Communicator* comm, const TransformerOps& ops,
+                         const TspShardView& w, const float* x_local, int64_t B, int64_t T,
+                         float* y_local, TspCache* cache, bool backend_cache) {
+  if (comm == nullptr) return absl::InvalidArgumentError("tsp: null communicator");
+  const int64_t D = comm->size(), p = comm->rank();
+  TSP_RETURN_IF_ERROR(CheckTspConfig(cfg, D));
+  const Dims d(cfg, D);
   TSP_RETURN_IF_ERROR(CheckZigzag(T, D, p));
   if (B <= 0) return absl::InvalidArgumentError(absl::StrCat("tsp: B=", B, " must be > 0"));
   if (x_local == nullptr || y_local == nullptr) {
@@ -233,29 +352,44 @@ absl::Status TspBlock::Forward(const TransformerOps& ops, const TspShard& w, con
     c.q_pos = *std::move(q_pos);
     c.k_pos = *std::move(k_pos);
   }
-  c.x.assign(x_local, x_local + nl * C);
-  c.n1.resize(nl * C);
-  c.rstd1.resize(nl);
-  c.qkv.resize(D * nl * 3 * Ch);
-  c.att.resize(D * nl * Ch);
-  c.lse.resize(D * B * d.Hd * Tl);
-  c.h.resize(nl * C);
-  c.n2.resize(nl * C);
-  c.rstd2.resize(nl);
-  c.g.resize(D * nl * F);
-  c.u.resize(D * nl * F);
-  c.m.resize(D * nl * F);
+  const int64_t sizes[12] = {nl * C,           nl * C,     nl,     D * nl * 3 * Ch,
+                             D * nl * Ch,      D * B * d.Hd * Tl,  nl * C, nl * C,
+                             nl,               D * nl * F, D * nl * F, D * nl * F};
+  if (backend_cache) {
+    for (std::vector<float>* v : {&c.x, &c.n1, &c.rstd1, &c.qkv, &c.att, &c.lse, &c.h, &c.n2,
+                                  &c.rstd2, &c.g, &c.u, &c.m}) {
+      std::vector<float>().swap(*v);
+    }
+    c.buffers = nullptr;  // release the previous step's buffers first (peak memory)
+    auto b = std::make_shared<TspCacheBuffers>();
+    kernels::OpsBuffer* bufs[12] = {&b->x,   &b->n1, &b->rstd1, &b->qkv, &b->att, &b->lse,
+                                    &b->h,   &b->n2, &b->rstd2, &b->g,   &b->u,   &b->m};
+    for (int i = 0; i < 12; ++i) *bufs[i] = kernels::OpsBuffer(&ops, sizes[i]);
+    b->q_pos = kernels::OpsBuffer(&ops, Tl);
+    b->k_pos = kernels::OpsBuffer(&ops, T);
+    static_assert(sizeof(int32_t) == sizeof(float), "positions travel as float-sized bits");
+    ops.Upload(b->q_pos.data(), reinterpret_cast<const float*>(c.q_pos.data()), Tl);
+    ops.Upload(b->k_pos.data(), reinterpret_cast<const float*>(c.k_pos.data()), T);
+    c.buffers = std::move(b);
+  } else {
+    c.buffers = nullptr;
+    std::vector<float>* vecs[12] = {&c.x, &c.n1, &c.rstd1, &c.qkv, &c.att, &c.lse,
+                                    &c.h, &c.n2, &c.rstd2, &c.g,   &c.u,   &c.m};
+    for (int i = 0; i < 12; ++i) vecs[i]->resize(static_cast<size_t>(sizes[i]));
+  }
+  const CacheRefs cr = RefsOf(c);
+  ops.CopyFloats(cr.x, x_local, nl * C);
 
   // ---- Attention: broadcast head shards, all-gather K|V. ----
-  ops.RmsNormForward(x_local, w.ln1.data(), nl, C, cfg_.eps, c.n1.data(), c.rstd1.data());
+  ops.RmsNormForward(x_local, w.ln1, nl, C, cfg.eps, cr.n1, cr.rstd1);
   const int64_t wa = d.attn();
-  std::vector<float> wbuf(2 * wa), kv_send(nl * 2 * Ch), kv_recv(D * nl * 2 * Ch);
-  std::vector<float> kv(B * T * 2 * Ch);
+  kernels::OpsBuffer wbuf(&ops, 2 * wa), kv_send(&ops, nl * 2 * Ch),
+      kv_recv(&ops, D * nl * 2 * Ch), kv(&ops, B * T * 2 * Ch);
   WorkDrain drain;
   auto start_broadcast = [&](int64_t r) {
     float* buf = wbuf.data() + (r % 2) * wa;
-    if (r == p) std::copy(w.attn.begin(), w.attn.end(), buf);
-    return drain.Add(comm_->IBroadcast(buf, wa, static_cast<int>(r)));
+    if (r == p) ops.CopyFloats(buf, w.attn, wa);
+    return drain.Add(comm->IBroadcast(buf, wa, static_cast<int>(r)));
   };
   AttentionShape s;
   s.batch = B;
@@ -270,135 +404,128 @@ absl::Status TspBlock::Forward(const TransformerOps& ops, const TspShard& w, con
   for (int64_t r = 0; r < D; ++r) {
     TSP_RETURN_IF_ERROR(WaitIfSet(&next));
     const float* wr = wbuf.data() + (r % 2) * wa;  // Wq|Wk|Wv [3Ch, C], then Wo [C, Ch]
-    float* qkv = c.qkv.data() + r * nl * 3 * Ch;
-    float* att = c.att.data() + r * nl * Ch;
-    float* lse = c.lse.data() + r * B * d.Hd * Tl;
-    Linear(ops, c.n1.data(), C, wr, C, nl, 3 * Ch, C, 0.0f, qkv, 3 * Ch);
-    PackKv(qkv, nl, Ch, kv_send.data());
-    TSP_RETURN_IF_ERROR(comm_->AllGather(kv_send.data(), kv_recv.data(), nl * 2 * Ch));
+    float* qkv = cr.qkv + r * nl * 3 * Ch;
+    float* att = cr.att + r * nl * Ch;
+    float* lse = cr.lse + r * B * d.Hd * Tl;
+    Linear(ops, cr.n1, C, wr, C, nl, 3 * Ch, C, 0.0f, qkv, 3 * Ch);
+    PackKv(ops, qkv, nl, Ch, kv_send.data());
+    TSP_RETURN_IF_ERROR(comm->AllGather(kv_send.data(), kv_recv.data(), nl * 2 * Ch));
     // Prefetch shard r+1 into the other buffer while attending with r (the backend runs
     // operations in issue order, so issued before the all-gather it would delay it).
     if (r + 1 < D) next = start_broadcast(r + 1);
-    Relayout(kv_recv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/true, kv.data());
-    ops.AttentionForward(s, qkv, kv.data(), kv.data() + Ch, c.q_pos.data(), c.k_pos.data(), att,
-                         lse);
-    Linear(ops, att, Ch, wr + 3 * Ch * C, Ch, nl, C, Ch, r == 0 ? 0.0f : 1.0f, c.h.data(), C);
+    Relayout(ops, kv_recv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/true, kv.data());
+    ops.AttentionForward(s, qkv, kv.data(), kv.data() + Ch, cr.q_pos, cr.k_pos, att, lse);
+    Linear(ops, att, Ch, wr + 3 * Ch * C, Ch, nl, C, Ch, r == 0 ? 0.0f : 1.0f, cr.h, C);
   }
-  ops.Add(x_local, c.h.data(), nl * C, c.h.data());
+  ops.Add(x_local, cr.h, nl * C, cr.h);
 
   // ---- MLP: FF shards travel the ring p-1 -> p -> p+1. ----
-  ops.RmsNormForward(c.h.data(), w.ln2.data(), nl, C, cfg_.eps, c.n2.data(), c.rstd2.data());
+  ops.RmsNormForward(cr.h, w.ln2, nl, C, cfg.eps, cr.n2, cr.rstd2);
   const int64_t wm = d.mlp(), fc = F * C;
-  std::vector<float> ring(2 * wm);
+  kernels::OpsBuffer ring(&ops, 2 * wm);
   const int left = static_cast<int>((p - 1 + D) % D), right = static_cast<int>((p + 1) % D);
-  const float* cur = w.mlp.data();
+  const float* cur = w.mlp;
   for (int64_t j = 0; j < D; ++j) {
     const int64_t sh = (p - j + D) % D;  // the shard held at step j
     std::shared_ptr<Work> send, recv;
     float* nxt = ring.data() + (j % 2) * wm;
     if (j + 1 < D) {
-      recv = drain.Add(comm_->IRecv(nxt, wm, left, kTagFwdWeights));
-      send = drain.Add(comm_->ISend(cur, wm, right, kTagFwdWeights));
+      recv = drain.Add(comm->IRecv(nxt, wm, left, kTagFwdWeights));
+      send = drain.Add(comm->ISend(cur, wm, right, kTagFwdWeights));
     }
-    float* g = c.g.data() + sh * nl * F;
-    float* u = c.u.data() + sh * nl * F;
-    float* m = c.m.data() + sh * nl * F;
-    Linear(ops, c.n2.data(), C, cur, C, nl, F, C, 0.0f, g, F);
-    Linear(ops, c.n2.data(), C, cur + fc, C, nl, F, C, 0.0f, u, F);
+    float* g = cr.g + sh * nl * F;
+    float* u = cr.u + sh * nl * F;
+    float* m = cr.m + sh * nl * F;
+    Linear(ops, cr.n2, C, cur, C, nl, F, C, 0.0f, g, F);
+    Linear(ops, cr.n2, C, cur + fc, C, nl, F, C, 0.0f, u, F);
     ops.SwiGluForward(g, u, nl * F, m);
     Linear(ops, m, F, cur + 2 * fc, F, nl, C, F, j == 0 ? 0.0f : 1.0f, y_local, C);
     TSP_RETURN_IF_ERROR(WaitIfSet(&send));
     TSP_RETURN_IF_ERROR(WaitIfSet(&recv));
     cur = nxt;
   }
-  ops.Add(c.h.data(), y_local, nl * C, y_local);
-  const std::string err = ops.Synchronize();
-  if (!err.empty()) return absl::InternalError("tsp: block forward: " + err);
-  return absl::OkStatus();
+  ops.Add(cr.h, y_local, nl * C, y_local);
+  return SyncStatus(ops, "block forward");
 }
 
-absl::Status TspBlock::Backward(const TransformerOps& ops, const TspShard& w, const TspCache& c,
-                                const float* dy_local, float* dx_local,
-                                TspShardGrads* grads) const {
-  if (comm_ == nullptr) return absl::InvalidArgumentError("tsp: null communicator");
-  const int64_t D = comm_->size(), p = comm_->rank();
-  TSP_RETURN_IF_ERROR(CheckTspConfig(cfg_, D));
-  const Dims d(cfg_, D);
-  TSP_RETURN_IF_ERROR(CheckShard(d, w, "weights"));
+absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const TransformerOps& ops,
+                          const TspShardView& w, const TspCache& c, const float* dy_local,
+                          float* dx_local, const TspGradsView& grads) {
+  if (comm == nullptr) return absl::InvalidArgumentError("tsp: null communicator");
+  const int64_t D = comm->size(), p = comm->rank();
+  TSP_RETURN_IF_ERROR(CheckTspConfig(cfg, D));
+  const Dims d(cfg, D);
   TSP_RETURN_IF_ERROR(CheckZigzag(c.T, D, p));
-  if (dy_local == nullptr || dx_local == nullptr || grads == nullptr) {
+  if (dy_local == nullptr || dx_local == nullptr) {
     return absl::InvalidArgumentError("tsp: null dy_local, dx_local or grads");
   }
   const int64_t C = d.C, Ch = d.Ch, F = d.F, B = c.B, T = c.T, Tl = T / D, nl = B * Tl;
-  if (B <= 0 || static_cast<int64_t>(c.x.size()) != nl * C ||
-      static_cast<int64_t>(c.m.size()) != D * nl * F ||
-      static_cast<int64_t>(c.qkv.size()) != D * nl * 3 * Ch ||
-      static_cast<int64_t>(c.k_pos.size()) != T) {
-    return absl::InvalidArgumentError("tsp: cache does not match its B, T and the group size");
+  const CacheRefs cr = RefsOf(c);
+  if (B <= 0 || cr.x_size != nl * C || cr.m_size != D * nl * F ||
+      cr.qkv_size != D * nl * 3 * Ch || static_cast<int64_t>(c.k_pos.size()) != T ||
+      (c.buffers != nullptr && c.buffers->x.ops() != &ops)) {
+    return absl::InvalidArgumentError(
+        "tsp: cache does not match its B, T, the group size or the backend");
   }
-  TSP_RETURN_IF_ERROR(PrepareGrad(&grads->ln1, C, "gradient ln1"));
-  TSP_RETURN_IF_ERROR(PrepareGrad(&grads->ln2, C, "gradient ln2"));
-  TSP_RETURN_IF_ERROR(PrepareGrad(&grads->attn, d.attn(), "gradient attn"));
-  TSP_RETURN_IF_ERROR(PrepareGrad(&grads->mlp, d.mlp(), "gradient mlp"));
 
   // ---- MLP: reverse ring p+1 -> p -> p-1 of (weights, gradient accumulator). ----
   // Step j handles shard (p+1+j) mod D; its weights come from p+1 (for j < D-1; at j = D-1 it
   // is p's own), its accumulator from p+1 (for j > 0), and both go on to p-1.
   const int64_t wm = d.mlp(), fc = F * C, wa = d.attn();
   const int left = static_cast<int>((p - 1 + D) % D), right = static_cast<int>((p + 1) % D);
-  std::vector<float> wring(2 * wm), gring(2 * wm);
-  std::vector<float> dm(nl * F), dg(nl * F), du(nl * F), dn2(nl * C), dh(nl * C);
-  std::vector<float> lngrad(2 * C, 0.0f);  // this rank's dln1 | dln2, then all-reduced
+  kernels::OpsBuffer wring(&ops, 2 * wm), gring(&ops, 2 * wm);
+  kernels::OpsBuffer dm(&ops, nl * F), dg(&ops, nl * F), du(&ops, nl * F), dn2(&ops, nl * C),
+      dh(&ops, nl * C);
+  kernels::OpsBuffer lngrad(&ops, 2 * C);  // this rank's dln1 | dln2 (zeroed), then all-reduced
   // Attention buffers: declared here, before the drain, so they outlive its operations, but
-  // sized only once the MLP phase has released its ring buffers (peak memory).
-  std::vector<float> wbuf, gbuf, grecv, dA, kv_send, kv_recv, kv, dkv, dkv_send, dkv_local, dqkv,
+  // allocated only once the MLP phase has released its ring buffers (peak memory).
+  kernels::OpsBuffer wbuf, gbuf, grecv, dA, kv_send, kv_recv, kv, dkv, dkv_send, dkv_local, dqkv,
       dn1;
   WorkDrain drain;
   {
     std::shared_ptr<Work> own_send, wrecv, grecv_w, wsend[2], gsend[2];
     if (D > 1) {
-      wrecv = drain.Add(comm_->IRecv(wring.data(), wm, right, kTagBwdWeights));
-      own_send = drain.Add(comm_->ISend(w.mlp.data(), wm, left, kTagBwdWeights));
+      wrecv = drain.Add(comm->IRecv(wring.data(), wm, right, kTagBwdWeights));
+      own_send = drain.Add(comm->ISend(w.mlp, wm, left, kTagBwdWeights));
     }
     for (int64_t j = 0; j < D; ++j) {
       const int64_t sh = (p + 1 + j) % D;
       const int64_t k = j % 2, k1 = (j + 1) % 2;
-      const float* W = j + 1 < D ? wring.data() + k * wm : w.mlp.data();
+      const float* W = j + 1 < D ? wring.data() + k * wm : w.mlp;
       float* G = gring.data() + k * wm;
       TSP_RETURN_IF_ERROR(WaitIfSet(&wrecv));
       if (j + 2 < D) {  // p-1 uses this shard at its step j+1; the next one arrives for j+1.
         TSP_RETURN_IF_ERROR(WaitIfSet(&wsend[k1]));
-        wrecv = drain.Add(comm_->IRecv(wring.data() + k1 * wm, wm, right, kTagBwdWeights));
-        wsend[k] = drain.Add(comm_->ISend(W, wm, left, kTagBwdWeights));
+        wrecv = drain.Add(comm->IRecv(wring.data() + k1 * wm, wm, right, kTagBwdWeights));
+        wsend[k] = drain.Add(comm->ISend(W, wm, left, kTagBwdWeights));
       }
       if (j == 0) {
-        std::fill(G, G + wm, 0.0f);
+        ops.Fill(G, wm, 0.0f);
       } else {
         TSP_RETURN_IF_ERROR(WaitIfSet(&grecv_w));
       }
       if (j + 1 < D) {  // The accumulator of the next step's shard.
         TSP_RETURN_IF_ERROR(WaitIfSet(&gsend[k1]));
-        grecv_w = drain.Add(comm_->IRecv(gring.data() + k1 * wm, wm, right, kTagBwdGrads));
+        grecv_w = drain.Add(comm->IRecv(gring.data() + k1 * wm, wm, right, kTagBwdGrads));
       }
-      const float* g = c.g.data() + sh * nl * F;
-      const float* u = c.u.data() + sh * nl * F;
-      const float* m = c.m.data() + sh * nl * F;
+      const float* g = cr.g + sh * nl * F;
+      const float* u = cr.u + sh * nl * F;
+      const float* m = cr.m + sh * nl * F;
       // y = h + m Wd^T; m = silu(g) * u; g = n2 Wg^T, u = n2 Wu^T.
       ops.Gemm(Trans::kNo, Trans::kNo, nl, F, C, 1.0f, dy_local, C, W + 2 * fc, F, 0.0f, dm.data(),
                F);
       ops.Gemm(Trans::kYes, Trans::kNo, C, F, nl, 1.0f, dy_local, C, m, F, 1.0f, G + 2 * fc, F);
       ops.SwiGluBackward(g, u, dm.data(), nl * F, dg.data(), du.data());
-      ops.Gemm(Trans::kYes, Trans::kNo, F, C, nl, 1.0f, dg.data(), F, c.n2.data(), C, 1.0f, G, C);
-      ops.Gemm(Trans::kYes, Trans::kNo, F, C, nl, 1.0f, du.data(), F, c.n2.data(), C, 1.0f, G + fc,
-               C);
+      ops.Gemm(Trans::kYes, Trans::kNo, F, C, nl, 1.0f, dg.data(), F, cr.n2, C, 1.0f, G, C);
+      ops.Gemm(Trans::kYes, Trans::kNo, F, C, nl, 1.0f, du.data(), F, cr.n2, C, 1.0f, G + fc, C);
       ops.Gemm(Trans::kNo, Trans::kNo, nl, C, F, 1.0f, dg.data(), F, W, C, j == 0 ? 0.0f : 1.0f,
                dn2.data(), C);
       ops.Gemm(Trans::kNo, Trans::kNo, nl, C, F, 1.0f, du.data(), F, W + fc, C, 1.0f, dn2.data(),
                C);
       if (j + 1 < D) {
-        gsend[k] = drain.Add(comm_->ISend(G, wm, left, kTagBwdGrads));
+        gsend[k] = drain.Add(comm->ISend(G, wm, left, kTagBwdGrads));
       } else {
-        AddInto(G, wm, grads->mlp.data());  // Own shard: the sum over every rank's tokens.
+        ops.Add(grads.mlp, G, wm, grads.mlp);  // Own shard: the sum over every rank's tokens.
       }
     }
     TSP_RETURN_IF_ERROR(WaitIfSet(&own_send));
@@ -407,25 +534,23 @@ absl::Status TspBlock::Backward(const TransformerOps& ops, const TspShard& w, co
       TSP_RETURN_IF_ERROR(WaitIfSet(&gsend[k]));
     }
   }
-  ops.RmsNormBackward(c.h.data(), w.ln2.data(), c.rstd2.data(), dn2.data(), nl, C, dh.data(),
-                      lngrad.data() + C);
+  ops.RmsNormBackward(cr.h, w.ln2, cr.rstd2, dn2.data(), nl, C, dh.data(), lngrad.data() + C);
   ops.Add(dh.data(), dy_local, nl * C, dh.data());
-  // Every MLP operation has completed: release its buffers before the attention phase.
-  for (std::vector<float>* b : {&wring, &gring, &dm, &dg, &du, &dn2}) {
-    std::vector<float>().swap(*b);
-  }
-  wbuf.resize(2 * wa);
-  gbuf.resize(2 * wa);
-  grecv.resize(wa);
-  dA.resize(nl * Ch);
-  kv_send.resize(nl * 2 * Ch);
-  kv_recv.resize(D * nl * 2 * Ch);
-  kv.resize(B * T * 2 * Ch);
-  dkv.resize(B * T * 2 * Ch);
-  dkv_send.resize(D * nl * 2 * Ch);
-  dkv_local.resize(nl * 2 * Ch);
-  dqkv.resize(nl * 3 * Ch);
-  dn1.resize(nl * C);
+  // Every MLP operation has completed (or, on a device backend, is ordered before the frees):
+  // release its buffers before the attention phase.
+  for (kernels::OpsBuffer* b : {&wring, &gring, &dm, &dg, &du, &dn2}) b->reset();
+  wbuf = kernels::OpsBuffer(&ops, 2 * wa);
+  gbuf = kernels::OpsBuffer(&ops, 2 * wa);
+  grecv = kernels::OpsBuffer(&ops, wa);
+  dA = kernels::OpsBuffer(&ops, nl * Ch);
+  kv_send = kernels::OpsBuffer(&ops, nl * 2 * Ch);
+  kv_recv = kernels::OpsBuffer(&ops, D * nl * 2 * Ch);
+  kv = kernels::OpsBuffer(&ops, B * T * 2 * Ch);
+  dkv = kernels::OpsBuffer(&ops, B * T * 2 * Ch);
+  dkv_send = kernels::OpsBuffer(&ops, D * nl * 2 * Ch);
+  dkv_local = kernels::OpsBuffer(&ops, nl * 2 * Ch);
+  dqkv = kernels::OpsBuffer(&ops, nl * 3 * Ch);
+  dn1 = kernels::OpsBuffer(&ops, nl * C);
 
   // ---- Attention: re-broadcast head shards, re-gather K|V, reduce-scatter dK|dV, reduce the
   // shard gradients to their owners. ----
@@ -440,8 +565,8 @@ absl::Status TspBlock::Backward(const TransformerOps& ops, const TspShard& w, co
   s.out_ld = Ch;
   auto start_broadcast = [&](int64_t r) {
     float* buf = wbuf.data() + (r % 2) * wa;
-    if (r == p) std::copy(w.attn.begin(), w.attn.end(), buf);
-    return drain.Add(comm_->IBroadcast(buf, wa, static_cast<int>(r)));
+    if (r == p) ops.CopyFloats(buf, w.attn, wa);
+    return drain.Add(comm->IBroadcast(buf, wa, static_cast<int>(r)));
   };
   std::shared_ptr<Work> next = start_broadcast(0), reduce[2];
   for (int64_t r = 0; r < D; ++r) {
@@ -450,47 +575,43 @@ absl::Status TspBlock::Backward(const TransformerOps& ops, const TspShard& w, co
     const float* wr = wbuf.data() + k * wa;
     float* gb = gbuf.data() + k * wa;
     TSP_RETURN_IF_ERROR(WaitIfSet(&reduce[k]));  // shard r-2's reduce used gb
-    const float* qkv = c.qkv.data() + r * nl * 3 * Ch;
-    const float* att = c.att.data() + r * nl * Ch;
-    const float* lse = c.lse.data() + r * B * d.Hd * Tl;
+    const float* qkv = cr.qkv + r * nl * 3 * Ch;
+    const float* att = cr.att + r * nl * Ch;
+    const float* lse = cr.lse + r * B * d.Hd * Tl;
     // h = x + sum_r att_r Wo_r^T.
     ops.Gemm(Trans::kNo, Trans::kNo, nl, Ch, C, 1.0f, dh.data(), C, wr + 3 * Ch * C, Ch, 0.0f,
              dA.data(), Ch);
     ops.Gemm(Trans::kYes, Trans::kNo, C, Ch, nl, 1.0f, dh.data(), C, att, Ch, 0.0f, gb + 3 * Ch * C,
              Ch);
-    PackKv(qkv, nl, Ch, kv_send.data());
-    TSP_RETURN_IF_ERROR(comm_->AllGather(kv_send.data(), kv_recv.data(), nl * 2 * Ch));
+    PackKv(ops, qkv, nl, Ch, kv_send.data());
+    TSP_RETURN_IF_ERROR(comm->AllGather(kv_send.data(), kv_recv.data(), nl * 2 * Ch));
     // Prefetch shard r+1 into the other buffer while attending with r (the backend runs
     // operations in issue order, so issued before the all-gather it would delay it).
     if (r + 1 < D) next = start_broadcast(r + 1);
-    Relayout(kv_recv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/true, kv.data());
-    ops.AttentionBackward(s, qkv, kv.data(), kv.data() + Ch, c.q_pos.data(), c.k_pos.data(), att,
-                          lse, dA.data(), dqkv.data(), dkv.data(), dkv.data() + Ch);
-    Relayout(dkv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/false, dkv_send.data());
-    TSP_RETURN_IF_ERROR(comm_->ReduceScatter(dkv_send.data(), dkv_local.data(), nl * 2 * Ch));
-    for (int64_t i = 0; i < nl; ++i) {
-      std::copy_n(dkv_local.data() + i * 2 * Ch, 2 * Ch, dqkv.data() + i * 3 * Ch + Ch);
-    }
+    Relayout(ops, kv_recv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/true, kv.data());
+    ops.AttentionBackward(s, qkv, kv.data(), kv.data() + Ch, cr.q_pos, cr.k_pos, att, lse,
+                          dA.data(), dqkv.data(), dkv.data(), dkv.data() + Ch);
+    Relayout(ops, dkv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/false, dkv_send.data());
+    TSP_RETURN_IF_ERROR(comm->ReduceScatter(dkv_send.data(), dkv_local.data(), nl * 2 * Ch));
+    ops.Copy2D(dqkv.data() + Ch, 3 * Ch, dkv_local.data(), 2 * Ch, nl, 2 * Ch);
     // q|k|v = n1 Wqkv_r^T.
-    ops.Gemm(Trans::kYes, Trans::kNo, 3 * Ch, C, nl, 1.0f, dqkv.data(), 3 * Ch, c.n1.data(), C,
-             0.0f, gb, C);
+    ops.Gemm(Trans::kYes, Trans::kNo, 3 * Ch, C, nl, 1.0f, dqkv.data(), 3 * Ch, cr.n1, C, 0.0f, gb,
+             C);
     ops.Gemm(Trans::kNo, Trans::kNo, nl, C, 3 * Ch, 1.0f, dqkv.data(), 3 * Ch, wr, C,
              r == 0 ? 0.0f : 1.0f, dn1.data(), C);
     reduce[k] =
-        drain.Add(comm_->IReduce(gb, r == p ? grecv.data() : nullptr, wa, static_cast<int>(r)));
+        drain.Add(comm->IReduce(gb, r == p ? grecv.data() : nullptr, wa, static_cast<int>(r)));
   }
   for (int k = 0; k < 2; ++k) TSP_RETURN_IF_ERROR(WaitIfSet(&reduce[k]));
-  AddInto(grecv.data(), wa, grads->attn.data());
-  ops.RmsNormBackward(c.x.data(), w.ln1.data(), c.rstd1.data(), dn1.data(), nl, C, dx_local,
-                      lngrad.data());
+  ops.Add(grads.attn, grecv.data(), wa, grads.attn);
+  ops.RmsNormBackward(cr.x, w.ln1, cr.rstd1, dn1.data(), nl, C, dx_local, lngrad.data());
   ops.Add(dx_local, dh.data(), nl * C, dx_local);
-  TSP_RETURN_IF_ERROR(comm_->AllReduce(lngrad.data(), 2 * C));
-  AddInto(lngrad.data(), C, grads->ln1.data());
-  AddInto(lngrad.data() + C, C, grads->ln2.data());
-  const std::string err = ops.Synchronize();
-  if (!err.empty()) return absl::InternalError("tsp: block backward: " + err);
-  return absl::OkStatus();
+  TSP_RETURN_IF_ERROR(comm->AllReduce(lngrad.data(), 2 * C));
+  ops.Add(grads.ln1, lngrad.data(), C, grads.ln1);
+  ops.Add(grads.ln2, lngrad.data() + C, C, grads.ln2);
+  return SyncStatus(ops, "block backward");
 }
 
+}  // namespace
 }  // namespace parallel
 }  // namespace stallfree

@@ -28,11 +28,25 @@
 // Memory: besides its own shard a rank holds at most two other weight shards at a time (the
 // double buffers: two attention shards, or two MLP shards and, in the backward, two MLP
 // gradient accumulators and two attention gradient partials). No full weight exists on any
-// rank. All buffers are host memory; `ops` must be a host backend and the Communicator a host
-// one (Gloo). Every rank must call Forward / Backward with the same config, B and T.
+// rank. Every rank must call Forward / Backward with the same config, B and T.
+//
+// Memory spaces. Every buffer the block allocates comes from `ops` (kernels::OpsBuffer) and is
+// only touched through ops calls and the Communicator, so the block runs in host memory (CpuOps
+// + Gloo) or device memory (a CUDA backend + the NCCL communicator):
+// - The TspShard / TspShardGrads overloads are the CPU API: their std::vectors (and x_local,
+//   y_local, dy_local, dx_local) are host memory, so `ops` must be a host backend and the
+//   Communicator a host one; the cache keeps its activations in its std::vectors.
+// - The TspShardView / TspGradsView overloads take pointers in the backend's memory: every
+//   pointer of the views and x_local, y_local, dy_local, dx_local must be in `ops`' memory
+//   (device memory for a CUDA backend) and the Communicator must accept that memory (NCCL on the
+//   same device). The cache then keeps its activations in TspCache::buffers (allocated through
+//   `ops`; Backward must use the same backend). A device Communicator must run its operations in
+//   stream order with the backend (e.g. NCCL and the CUDA ops on one stream), because the block
+//   issues ops and communication back to back without synchronising in between.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -60,6 +74,21 @@ struct TspShard {
 };
 using TspShardGrads = TspShard;
 
+// The same layout as pointers into the backend's memory (see "Memory spaces" above): ln1, ln2
+// [C], attn [4 C C/D], mlp [3 FF/D C].
+struct TspShardView {
+  const float* ln1 = nullptr;
+  const float* ln2 = nullptr;
+  const float* attn = nullptr;
+  const float* mlp = nullptr;
+};
+struct TspGradsView {
+  float* ln1 = nullptr;
+  float* ln2 = nullptr;
+  float* attn = nullptr;
+  float* mlp = nullptr;
+};
+
 // Shard p of full (D ranks). InvalidArgument on a bad config, D, p or weight shape.
 absl::StatusOr<TspShard> ShardBlockWeights(const BlockConfig& cfg, const BlockWeights& full,
                                            int64_t D, int64_t p);
@@ -69,7 +98,15 @@ absl::StatusOr<TspShard> ShardBlockWeights(const BlockConfig& cfg, const BlockWe
 absl::StatusOr<BlockWeights> UnshardGrads(const BlockConfig& cfg,
                                           absl::Span<const TspShard> shards);
 
-// What the backward needs (nl = B T/D local tokens; Ch = C/D, F = FF/D).
+// The cache's activations in the backend's memory (the view overloads). q_pos / k_pos hold
+// int32 positions bit for bit in float-sized elements.
+struct TspCacheBuffers {
+  kernels::OpsBuffer q_pos, k_pos, x, n1, rstd1, qkv, att, lse, h, n2, rstd2, g, u, m;
+};
+
+// What the backward needs (nl = B T/D local tokens; Ch = C/D, F = FF/D). The CPU API fills the
+// std::vectors (q_pos / k_pos are filled by both forms, as host metadata); the view form leaves
+// the float vectors empty and fills `buffers` instead (shared by copies of the cache).
 struct TspCache {
   int64_t B = 0, T = 0;
   std::vector<int32_t> q_pos;    // [T/D] this rank's ZigzagPositions
@@ -82,6 +119,7 @@ struct TspCache {
   std::vector<float> h;          // [nl, C]
   std::vector<float> n2, rstd2;  // [nl, C], [nl]
   std::vector<float> g, u, m;    // [D][nl, F] for FF shard s
+  std::shared_ptr<TspCacheBuffers> buffers;  // the same tensors in backend memory, or null
 };
 
 class TspBlock {
@@ -102,6 +140,17 @@ class TspBlock {
   absl::Status Backward(const kernels::TransformerOps& ops, const TspShard& w,
                         const TspCache& cache, const float* dy_local, float* dx_local,
                         TspShardGrads* grads) const;
+
+  // The same in the backend's memory: every pointer of w and grads, x_local, y_local, dy_local
+  // and dx_local in `ops`' memory (sizes are the caller's responsibility). grads is accumulated
+  // (+=), so it must be initialised (e.g. zeroed with ops.Fill). The cache may come from either
+  // Forward overload.
+  absl::Status Forward(const kernels::TransformerOps& ops, const TspShardView& w,
+                       const float* x_local, int64_t B, int64_t T, float* y_local,
+                       TspCache* cache) const;
+  absl::Status Backward(const kernels::TransformerOps& ops, const TspShardView& w,
+                        const TspCache& cache, const float* dy_local, float* dx_local,
+                        const TspGradsView& grads) const;
 
  private:
   BlockConfig cfg_;

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -416,6 +417,37 @@ class CpuTransformerOps final : public TransformerOps {
       const int64_t end = std::min(n, (c + 1) * kChunk);
       for (int64_t i = c * kChunk; i < end; ++i) out[i] = a[i] + b[i];
     });
+  }
+
+  float* AllocFloats(int64_t n) const override {
+    if (n <= 0) return nullptr;
+    return static_cast<float*>(std::calloc(static_cast<size_t>(n), sizeof(float)));
+  }
+
+  void Free(void* p) const override { std::free(p); }
+
+  void CopyFloats(float* dst, const float* src, int64_t n) const override {
+    if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  }
+
+  void Fill(float* dst, int64_t n, float value) const override {
+    if (n > 0) std::fill(dst, dst + n, value);
+  }
+
+  void Upload(float* dst_backend, const float* src_host, int64_t n) const override {
+    CopyFloats(dst_backend, src_host, n);
+  }
+
+  void Download(float* dst_host, const float* src_backend, int64_t n) const override {
+    CopyFloats(dst_host, src_backend, n);
+  }
+
+  void Copy2D(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows,
+              int64_t cols) const override {
+    if (rows <= 0 || cols <= 0) return;
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(dst + i * dst_ld, src + i * src_ld, static_cast<size_t>(cols) * sizeof(float));
+    }
   }
 };
 

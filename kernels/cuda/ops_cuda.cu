@@ -289,6 +289,13 @@ __global__ void AddVec4Kernel(const float4* a, const float4* b, int64_t n4, floa
   }
 }
 
+__global__ void FillKernel(float* dst, int64_t n, float value) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = value;
+  }
+}
+
 __global__ void AddKernel(const float* a, const float* b, int64_t n, float* out) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -970,6 +977,57 @@ class CudaOps final : public TransformerOps {
     }
   }
 
+  float* AllocFloats(int64_t n) const override {
+    if (n <= 0) return nullptr;
+    const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+    void* ptr = nullptr;
+    cudaError_t e = cudaMallocAsync(&ptr, bytes, stream_);
+    if (e != cudaSuccess) {
+      Record(CudaErr("cudaMallocAsync", e));
+      return nullptr;
+    }
+    e = cudaMemsetAsync(ptr, 0, bytes, stream_);
+    if (e != cudaSuccess) Record(CudaErr("cudaMemsetAsync", e));
+    return static_cast<float*>(ptr);
+  }
+
+  void Free(void* p) const override {
+    if (p != nullptr) Release(p);
+  }
+
+  void CopyFloats(float* dst, const float* src, int64_t n) const override {
+    Memcpy(dst, src, n, cudaMemcpyDeviceToDevice, "cudaMemcpyAsync (device to device)");
+  }
+
+  void Fill(float* dst, int64_t n, float value) const override {
+    if (n <= 0) return;
+    if (value == 0.0f && !std::signbit(value)) {
+      cudaError_t e = cudaMemsetAsync(dst, 0, static_cast<size_t>(n) * sizeof(float), stream_);
+      if (e != cudaSuccess) Record(CudaErr("cudaMemsetAsync", e));
+      return;
+    }
+    FillKernel<<<GridFor(n, 256), 256, 0, stream_>>>(dst, n, value);
+    CheckLaunch("FillKernel");
+  }
+
+  void Upload(float* dst_backend, const float* src_host, int64_t n) const override {
+    Memcpy(dst_backend, src_host, n, cudaMemcpyHostToDevice, "cudaMemcpyAsync (to device)");
+  }
+
+  void Download(float* dst_host, const float* src_backend, int64_t n) const override {
+    Memcpy(dst_host, src_backend, n, cudaMemcpyDeviceToHost, "cudaMemcpyAsync (to host)");
+  }
+
+  void Copy2D(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows,
+              int64_t cols) const override {
+    if (rows <= 0 || cols <= 0) return;
+    cudaError_t e = cudaMemcpy2DAsync(
+        dst, static_cast<size_t>(dst_ld) * sizeof(float), src,
+        static_cast<size_t>(src_ld) * sizeof(float), static_cast<size_t>(cols) * sizeof(float),
+        static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, stream_);
+    if (e != cudaSuccess) Record(CudaErr("cudaMemcpy2DAsync", e));
+  }
+
   std::string Synchronize() const override {
     cudaError_t e = cudaStreamSynchronize(stream_);
     if (e != cudaSuccess) Record(CudaErr("cudaStreamSynchronize", e));
@@ -1010,6 +1068,13 @@ class CudaOps final : public TransformerOps {
       return nullptr;
     }
     return ptr;
+  }
+
+  void Memcpy(void* dst, const void* src, int64_t n, cudaMemcpyKind kind, const char* what) const {
+    if (n <= 0) return;
+    cudaError_t e =
+        cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float), kind, stream_);
+    if (e != cudaSuccess) Record(CudaErr(what, e));
   }
 
   void Release(void* ptr) const {

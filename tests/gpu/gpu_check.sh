@@ -3,7 +3,7 @@
 # (gpu-check-bundle/) that runs on any x86-64 Linux machine with an NVIDIA GPU and the CUDA 13
 # runtime, and runs it here if this machine has a GPU.
 #
-# The bundle holds the three binaries, the testdata they read (tests/testdata/torch/...,
+# The bundle holds the binaries, the testdata they read (tests/testdata/torch/...,
 # resolved relative to the bundle, which run.sh makes the working directory), the non-system
 # shared libraries they link (oneTBB, OpenBLAS, gfortran, Abseil: whatever ldd lists beyond
 # glibc, the GCC runtime and CUDA), and run.sh. The CUDA libraries (libcudart, libcublas,
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/../.."
 BAZEL=${BAZEL:-bazel}
 BUNDLE=gpu-check-bundle
 TARGETS=(//tests/kernels:optimizer_cuda_test //tests/kernels:ops_cuda_test //bench:gpu_bench
-  //tests/parallel:nccl_test)
+  //tests/parallel:nccl_test //tests/parallel:tsp_nccl_test)
 
 echo "gpu-check: building ${TARGETS[*]} (--config=cuda)"
 # shellcheck disable=SC2086  # BAZEL may hold startup flags
@@ -69,7 +69,8 @@ fi
 cat >"$BUNDLE/run.sh" <<'RUN_SH'
 #!/usr/bin/env bash
 # Runs the stallfree GPU checks in this bundle: the CUDA optimizer kernel test, the CUDA ops
-# test, the GPU benchmark and the NCCL test, each under a timeout (290 s in all). Needs an
+# test, the GPU benchmark, the NCCL test and the TSP-on-NCCL test, each under a timeout
+# (290 s in all). Needs an
 # NVIDIA GPU, its driver (CUDA 13 or newer) and the CUDA 13 runtime, cuBLAS and NCCL
 # (/usr/local/cuda/lib64, or on LD_LIBRARY_PATH). Exit status 0 when every binary passed (or skipped for want of a device).
 # GPU_CHECK_LOG_DIR=<dir> also writes each binary's output to <dir>/<name>.log.
@@ -115,10 +116,11 @@ run() {
   fi
   [[ -z "$tmp_log" ]] || rm -f "$tmp_log"
 }
-run optimizer_cuda_test 80
-run ops_cuda_test 80
-run gpu_bench 80
-run nccl_test 50
+run optimizer_cuda_test 70
+run ops_cuda_test 70
+run gpu_bench 70
+run nccl_test 40
+run tsp_nccl_test 40
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 exit $failed

@@ -294,6 +294,43 @@ void TestAdd(const TransformerOps& gpu) {
   }
 }
 
+// The memory methods: zero-initialised allocation, fill (zero and non-zero), device copies,
+// strided 2-D copy, bit-exact int32 round trip. Exact comparisons.
+void TestMemory(const TransformerOps& gpu) {
+  using stallfree::kernels::OpsBuffer;
+  const int64_t rows = 33, cols = 17, src_ld = 40, dst_ld = 21, n = rows * src_ld;
+  std::vector<float> src = Uniform(n, -1, 1);
+  OpsBuffer a(&gpu, n), b(&gpu, n), c(&gpu, rows * dst_ld), z(&gpu, 1001);
+  std::vector<float> zeros(1001, -1.0f), copy(n), got(rows * dst_ld);
+  gpu.Download(zeros.data(), z.data(), z.size());
+  gpu.Upload(a.data(), src.data(), n);
+  gpu.CopyFloats(b.data(), a.data(), n);
+  gpu.Download(copy.data(), b.data(), n);
+  gpu.Fill(c.data(), rows * dst_ld, 2.5f);
+  gpu.Copy2D(c.data() + 2, dst_ld, a.data() + 3, src_ld, rows, cols);
+  gpu.Download(got.data(), c.data(), rows * dst_ld);
+  const std::vector<int32_t> ints = {0, 1, -1, 7, 1 << 30};
+  std::vector<int32_t> back(ints.size());
+  OpsBuffer d(&gpu, static_cast<int64_t>(ints.size()));
+  gpu.Upload(d.data(), reinterpret_cast<const float*>(ints.data()), d.size());
+  gpu.Download(reinterpret_cast<float*>(back.data()), d.data(), d.size());
+  OpsBuffer f(&gpu, 10);
+  gpu.Fill(f.data(), 10, 0.0f);
+  gpu.Fill(f.data() + 3, 4, -3.0f);
+  std::vector<float> fill(10);
+  gpu.Download(fill.data(), f.data(), 10);
+  if (!SyncOk(gpu, "memory")) return;
+  Compare("memory_alloc_zero", zeros, std::vector<float>(1001, 0.0f), 0);
+  Compare("memory_copy", copy, src, 0);
+  std::vector<float> want(rows * dst_ld, 2.5f);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) want[i * dst_ld + 2 + j] = src[i * src_ld + 3 + j];
+  }
+  Compare("memory_copy2d", got, want, 0);
+  Report("memory_int_bits", back == ints ? 0 : 1, 0);
+  Compare("memory_fill", fill, {0, 0, 0, -3, -3, -3, -3, 0, 0, 0}, 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attention. Buffers are laid out as the layers do: q, k, v column slices of fused projections
 // (with padding columns at the end of each row), so strides and out-of-view writes are tested.
@@ -540,6 +577,7 @@ int main() {
   TestCrossEntropy(*gpu, 37, 1000);
   TestCrossEntropy(*gpu, 4, 50257);
   TestAdd(*gpu);
+  TestMemory(*gpu);
   TestAttentionCases(*gpu);
   TestAttentionLimit(*gpu);
   TimeAttention(*gpu);

@@ -17,6 +17,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -727,6 +728,54 @@ TEST(CpuAdd, AddsElementwiseAlsoInPlace) {
   std::vector<float> b2 = b;
   Ops().Add(a.data(), b2.data(), n, b2.data());  // out aliases b
   EXPECT_EQ(b2, out);
+}
+
+TEST(CpuMemory, AllocFillCopyUploadDownloadAndCopy2D) {
+  const TransformerOps& ops = Ops();
+  EXPECT_EQ(ops.AllocFloats(0), nullptr);
+  ops.Free(nullptr);
+  const int64_t rows = 5, cols = 3, src_ld = 7, dst_ld = 4, n = rows * src_ld;
+  OpsBuffer a(&ops, n), b(&ops, n), c(&ops, rows * dst_ld);
+  ASSERT_NE(a.data(), nullptr);
+  EXPECT_EQ(a.size(), n);
+  std::vector<float> host(n, -1.0f);
+  ops.Download(host.data(), a.data(), n);
+  EXPECT_EQ(host, std::vector<float>(n, 0.0f));  // zero-initialised
+  std::vector<float> src(n);
+  std::iota(src.begin(), src.end(), 1.0f);
+  ops.Upload(a.data(), src.data(), n);
+  ops.CopyFloats(b.data(), a.data(), n);
+  ops.Download(host.data(), b.data(), n);
+  EXPECT_EQ(host, src);
+  ops.Fill(c.data(), rows * dst_ld, 2.5f);
+  ops.Copy2D(c.data() + 1, dst_ld, a.data() + 2, src_ld, rows, cols);
+  std::vector<float> got(rows * dst_ld);
+  ops.Download(got.data(), c.data(), rows * dst_ld);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < dst_ld; ++j) {
+      const float want = j >= 1 && j < 1 + cols ? src[i * src_ld + 2 + j - 1] : 2.5f;
+      EXPECT_EQ(got[i * dst_ld + j], want) << i << "," << j;
+    }
+  }
+  // Bits travel exactly (int32 data in float buffers).
+  const std::vector<int32_t> ints = {0, 1, -1, 7, 1 << 30};
+  OpsBuffer d(&ops, static_cast<int64_t>(ints.size()));
+  ops.Upload(d.data(), reinterpret_cast<const float*>(ints.data()), d.size());
+  std::vector<int32_t> back(ints.size());
+  ops.Download(reinterpret_cast<float*>(back.data()), d.data(), d.size());
+  EXPECT_EQ(back, ints);
+  // Move-only ownership.
+  float* p = a.data();
+  OpsBuffer moved(std::move(a));
+  EXPECT_EQ(moved.data(), p);
+  EXPECT_EQ(a.data(), nullptr);
+  EXPECT_EQ(a.size(), 0);
+  b = std::move(moved);
+  EXPECT_EQ(b.data(), p);
+  EXPECT_EQ(b.size(), n);
+  b.reset();
+  EXPECT_TRUE(b.empty());
+  EXPECT_EQ(ops.Synchronize(), "");
 }
 
 }  // namespace

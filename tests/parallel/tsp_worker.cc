@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -141,6 +142,57 @@ bool RunCase(sp::Communicator& comm, int64_t T) {
   if (!Compare(grads.ln2, want->ln2, at + " dln2")) return false;
   if (!Compare(grads.attn, want->attn, at + " dWqkvo")) return false;
   if (!Compare(grads.mlp, want->mlp, at + " dWgud")) return false;
+
+  // The backend-memory form (TspShardView / TspGradsView, cache in OpsBuffers) through the same
+  // host backend: the same operations in the same order, so bit-identical results, accumulated
+  // twice into gradients that start from the first pass's values.
+  {
+    namespace k = stallfree::kernels;
+    const sp::TspShard& sh = all[p];
+    k::OpsBuffer ln1(&ops, C), ln2(&ops, C), attn(&ops, sh.attn.size()), mlp(&ops, sh.mlp.size());
+    k::OpsBuffer gln1(&ops, C), gln2(&ops, C), gattn(&ops, sh.attn.size()),
+        gmlp(&ops, sh.mlp.size());
+    k::OpsBuffer bx(&ops, nl * C), by(&ops, nl * C), bdy(&ops, nl * C), bdx(&ops, nl * C);
+    ops.Upload(ln1.data(), sh.ln1.data(), C);
+    ops.Upload(ln2.data(), sh.ln2.data(), C);
+    ops.Upload(attn.data(), sh.attn.data(), attn.size());
+    ops.Upload(mlp.data(), sh.mlp.data(), mlp.size());
+    ops.Upload(gln1.data(), grads.ln1.data(), C);
+    ops.Upload(gln2.data(), grads.ln2.data(), C);
+    ops.Upload(gattn.data(), grads.attn.data(), gattn.size());
+    ops.Upload(gmlp.data(), grads.mlp.data(), gmlp.size());
+    ops.Upload(bx.data(), x_local.data(), nl * C);
+    ops.Upload(bdy.data(), dy_local.data(), nl * C);
+    const sp::TspShardView wv{ln1.data(), ln2.data(), attn.data(), mlp.data()};
+    const sp::TspGradsView gv{gln1.data(), gln2.data(), gattn.data(), gmlp.data()};
+    sp::TspCache vcache;
+    CHECK_OK(block.Forward(ops, wv, bx.data(), B, T, by.data(), &vcache), at + " view forward");
+    CHECK_OR_FAIL(vcache.buffers != nullptr && vcache.x.empty(), at, " view cache not in buffers");
+    CHECK_OK(block.Backward(ops, wv, vcache, bdy.data(), bdx.data(), gv), at + " view backward");
+    std::vector<float> vy(nl * C), vdx(nl * C);
+    ops.Download(vy.data(), by.data(), nl * C);
+    ops.Download(vdx.data(), bdx.data(), nl * C);
+    CHECK_OR_FAIL(vy == y_local, at, " view forward y differs from the vector form");
+    CHECK_OR_FAIL(vdx == dx_local, at, " view backward dx differs from the vector form");
+    const std::pair<const k::OpsBuffer*, const std::vector<float>*> g2[4] = {
+        {&gln1, &grads.ln1}, {&gln2, &grads.ln2}, {&gattn, &grads.attn}, {&gmlp, &grads.mlp}};
+    for (const auto& [buf, first] : g2) {
+      std::vector<float> got(first->size());
+      ops.Download(got.data(), buf->data(), buf->size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        const float want2 = (*first)[i] + (*first)[i];
+        CHECK_OR_FAIL(got[i] == want2, at, " view gradient [", i, "] = ", got[i], ", want ",
+                      want2);
+      }
+    }
+    // A vector-form backward from a view-form cache.
+    sp::TspShardGrads g3;
+    std::vector<float> dx3(nl * C);
+    CHECK_OK(block.Backward(ops, sh, vcache, dy_local.data(), dx3.data(), &g3),
+             at + " vector backward from a view cache");
+    CHECK_OR_FAIL(dx3 == dx_local && g3.mlp == grads.mlp && g3.attn == grads.attn, at,
+                  " vector backward from a view cache differs");
+  }
 
   // Byte counts: the forward all-gathers D K|V shards of nl 2C/D floats (a ring: this rank
   // receives the D-1 other blocks), and receives D-1 MLP shards of 3 FF C / D floats; the
