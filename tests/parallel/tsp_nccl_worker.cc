@@ -32,6 +32,7 @@
 #include "kernels/cuda/ops_cuda.h"
 #include "kernels/ops.h"
 #include "parallel/communicator.h"
+#include "parallel/launcher.h"
 #include "parallel/nccl_communicator.h"
 #include "parallel/reference_block.h"
 #include "parallel/tsp_block.h"
@@ -214,73 +215,22 @@ int RunChild() {
 
 // Runs `d` ranks as child processes; true if all exit 0 within the limit.
 bool RunGroup(int d) {
-  char dir_template[] = "/tmp/stallfree_tsp_nccl_test.XXXXXX";
-  const char* dir = mkdtemp(dir_template);
-  if (dir == nullptr) {
-    std::perror("mkdtemp");
-    return false;
-  }
-  std::printf("=== D = %d (store %s)\n", d, dir);
+  std::printf("=== D = %d\n", d);
   std::fflush(stdout);
-  // Unused with the file store, but set the same for every rank as a launcher would.
-  const std::string port = std::to_string(29500 + (getpid() % 2000));
-  std::vector<pid_t> pids;
-  for (int r = 0; r < d; ++r) {
-    pid_t pid = fork();
-    if (pid < 0) {
-      std::perror("fork");
-      break;
-    }
-    if (pid == 0) {
-      const std::string rank = std::to_string(r);
-      const std::string size = std::to_string(d);
-      setenv("RANK", rank.c_str(), 1);
-      setenv("LOCAL_RANK", rank.c_str(), 1);
-      setenv("WORLD_SIZE", size.c_str(), 1);
-      setenv("STALLFREE_STORE_DIR", dir, 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
-      setenv("MASTER_PORT", port.c_str(), 1);
-      setenv("STALLFREE_COMM_TIMEOUT_MS", "30000", 1);
-      char* argv[] = {const_cast<char*>("tsp_nccl_test"), nullptr};
-      execv("/proc/self/exe", argv);
-      std::perror("execv");
-      _exit(127);
-    }
-    pids.push_back(pid);
+  LaunchOptions o;
+  o.nproc = d;
+  o.argv = {"/proc/self/exe"};
+  o.store = LaunchOptions::Store::kFile;
+  o.timeout = std::chrono::seconds(240);
+  o.env = {{"STALLFREE_COMM_TIMEOUT_MS", "30000"}};
+  absl::StatusOr<LaunchResult> r = LaunchLocal(o);
+  const bool ok = r.ok() && r->ok();
+  if (!r.ok()) {
+    std::printf("FAIL: D = %d: %s\n", d, r.status().ToString().c_str());
+  } else if (!r->ok()) {
+    std::printf("FAIL: D = %d: first failed rank %d, timed out %d\n", d, r->first_failed_rank,
+                r->timed_out ? 1 : 0);
   }
-  bool ok = static_cast<int>(pids.size()) == d;
-  constexpr int kLimitS = 35;  // within run.sh's 40 s
-  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(kLimitS);
-  size_t remaining = pids.size();
-  std::vector<bool> reaped(pids.size(), false);
-  while (remaining > 0) {
-    for (size_t i = 0; i < pids.size(); ++i) {
-      if (reaped[i]) continue;
-      int status = 0;
-      pid_t got = waitpid(pids[i], &status, WNOHANG);
-      if (got == 0) continue;
-      reaped[i] = true;
-      --remaining;
-      if (got < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-        std::printf("FAIL: D = %d rank %zu exited with status %d\n", d, i, status);
-        ok = false;
-      }
-    }
-    if (remaining > 0 && Clock::now() > deadline) {
-      std::printf("FAIL: D = %d: ranks still running after %d s; killing them\n", d, kLimitS);
-      for (size_t i = 0; i < pids.size(); ++i) {
-        if (!reaped[i]) kill(pids[i], SIGKILL);
-      }
-      for (size_t i = 0; i < pids.size(); ++i) {
-        if (!reaped[i]) waitpid(pids[i], nullptr, 0);
-      }
-      ok = false;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
   std::printf("%s: D = %d\n", ok ? "PASS" : "FAIL", d);
   std::fflush(stdout);
   return ok;
