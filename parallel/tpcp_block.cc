@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "parallel/linear.h"
 #include "parallel/tpsp_block.h"
 #include "parallel/zigzag.h"
 
@@ -15,24 +16,6 @@ namespace {
 using kernels::AttentionShape;
 using kernels::Trans;
 using kernels::TransformerOps;
-
-// y[rows, out] = x[rows, in] W^T (+ beta * y) for W [out, in]; ldx, ldy row strides.
-void Linear(const TransformerOps& ops, const float* x, int64_t ldx, const float* w, int64_t rows,
-            int64_t out, int64_t in, float* y, int64_t ldy) {
-  ops.Gemm(Trans::kNo, Trans::kYes, rows, out, in, 1.0f, x, ldx, w, in, 0.0f, y, ldy);
-}
-
-// dW[out, in] += dy^T x for dy [rows, out] (row stride lddy) and x [rows, in].
-void LinearWeightGrad(const TransformerOps& ops, const float* dy, int64_t lddy, const float* x,
-                      int64_t rows, int64_t out, int64_t in, float* dw) {
-  ops.Gemm(Trans::kYes, Trans::kNo, out, in, rows, 1.0f, dy, lddy, x, in, 1.0f, dw, in);
-}
-
-// dx[rows, in] = dy W (+ beta * dx) for dy [rows, out] (row stride lddy), W [out, in].
-void LinearInputGrad(const TransformerOps& ops, const float* dy, int64_t lddy, const float* w,
-                     int64_t rows, int64_t out, int64_t in, float* dx, float beta) {
-  ops.Gemm(Trans::kNo, Trans::kNo, rows, in, out, 1.0f, dy, lddy, w, in, beta, dx, in);
-}
 
 // [groups, B, rows, width] (rank-major, as an all-gather leaves it) <-> [B, groups * rows,
 // width] (batch-major, as the kernels read it).
@@ -56,10 +39,12 @@ void BatchMajorToRankMajor(const float* src, int64_t groups, int64_t B, int64_t 
 }
 
 absl::Status Sync(const TransformerOps& ops, const char* what) {
-  const std::string err = ops.Synchronize();
-  if (!err.empty()) return absl::InternalError(absl::StrCat("tpcp: ", what, ": ", err));
-  return absl::OkStatus();
+  return layer::Sync(ops, "tpcp", what);
 }
+
+using layer::Linear;
+using layer::LinearInputGrad;
+using layer::LinearWeightGrad;
 
 // Sizes empty gradient fields to the shard shapes; any other mismatch is an error.
 absl::Status SizeGrads(const BlockConfig& cfg, int t, BlockGrads* grads) {

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "parallel/linear.h"
 
 namespace stallfree {
 namespace parallel {
@@ -42,24 +43,6 @@ void PlaceCols(const float* src, int64_t rows, int64_t cols, int64_t col0, int64
   }
 }
 
-// y[rows, out] = x[rows, in] W^T (+ beta * y) for W [out, in]; ldx, ldy row strides.
-void Linear(const TransformerOps& ops, const float* x, int64_t ldx, const float* w, int64_t rows,
-            int64_t out, int64_t in, float* y, int64_t ldy, float beta = 0.0f) {
-  ops.Gemm(Trans::kNo, Trans::kYes, rows, out, in, 1.0f, x, ldx, w, in, beta, y, ldy);
-}
-
-// dW[out, in] += dy^T x for dy [rows, out] (row stride lddy) and x [rows, in].
-void LinearWeightGrad(const TransformerOps& ops, const float* dy, int64_t lddy, const float* x,
-                      int64_t rows, int64_t out, int64_t in, float* dw) {
-  ops.Gemm(Trans::kYes, Trans::kNo, out, in, rows, 1.0f, dy, lddy, x, in, 1.0f, dw, in);
-}
-
-// dx[rows, in] = dy W (+ beta * dx) for dy [rows, out] (row stride lddy), W [out, in].
-void LinearInputGrad(const TransformerOps& ops, const float* dy, int64_t lddy, const float* w,
-                     int64_t rows, int64_t out, int64_t in, float* dx, float beta = 0.0f) {
-  ops.Gemm(Trans::kNo, Trans::kNo, rows, in, out, 1.0f, dy, lddy, w, in, beta, dx, in);
-}
-
 AttentionShape LocalShape(const BlockConfig& cfg, int D, int64_t B, int64_t T) {
   AttentionShape s;
   s.batch = B;
@@ -80,10 +63,12 @@ absl::Status CheckBT(int64_t B, int64_t T, int D) {
 }
 
 absl::Status Sync(const TransformerOps& ops, const char* what) {
-  const std::string err = ops.Synchronize();
-  if (!err.empty()) return absl::InternalError(absl::StrCat("tpsp: ", what, ": ", err));
-  return absl::OkStatus();
+  return layer::Sync(ops, "tpsp", what);
 }
+
+using layer::Linear;
+using layer::LinearInputGrad;
+using layer::LinearWeightGrad;
 
 }  // namespace
 
