@@ -92,6 +92,12 @@ void Linear(const TransformerOps& ops, const float* x, int64_t ldx, const float*
   ops.Gemm(Trans::kNo, Trans::kYes, rows, out, in, 1.0f, x, ldx, w, ldw, beta, y, ldy);
 }
 
+// The gathered K|V [D][B][Tl][2Ch] in the sequence layout attention reads. With one batch row
+// the two layouts coincide and the gathered buffer is used as it is (no copy); otherwise it is
+// rearranged into seq_buf [B][T][2Ch].
+const float* GatheredKeys(const TransformerOps& ops, const float* gathered, int64_t D, int64_t B,
+                          int64_t Tl, int64_t Ch, float* seq_buf);
+
 // kv [nl, 2Ch] := the k|v columns of qkv [nl, 3Ch].
 void PackKv(const TransformerOps& ops, const float* qkv, int64_t nl, int64_t Ch, float* kv) {
   ops.Copy2D(kv, 2 * Ch, qkv + Ch, 3 * Ch, nl, 2 * Ch);
@@ -111,6 +117,13 @@ void Relayout(const TransformerOps& ops, const float* src, int64_t D, int64_t B,
       ops.Copy2D(dst + rank_major, block, src + seq, D * block, B, block);
     }
   }
+}
+
+const float* GatheredKeys(const TransformerOps& ops, const float* gathered, int64_t D, int64_t B,
+                          int64_t Tl, int64_t Ch, float* seq_buf) {
+  if (B == 1) return gathered;
+  Relayout(ops, gathered, D, B, Tl, 2 * Ch, /*to_seq=*/true, seq_buf);
+  return seq_buf;
 }
 
 absl::Status PrepareGrad(std::vector<float>* g, int64_t want, const char* name) {
@@ -384,7 +397,7 @@ absl::Status ForwardImpl(const BlockConfig& cfg, Communicator* comm, const Trans
   ops.RmsNormForward(x_local, w.ln1, nl, C, cfg.eps, cr.n1, cr.rstd1);
   const int64_t wa = d.attn();
   kernels::OpsBuffer wbuf(&ops, 2 * wa), kv_send(&ops, nl * 2 * Ch),
-      kv_recv(&ops, D * nl * 2 * Ch), kv(&ops, B * T * 2 * Ch);
+      kv_recv(&ops, D * nl * 2 * Ch), kv(&ops, B > 1 ? B * T * 2 * Ch : 0);
   WorkDrain drain;
   auto start_broadcast = [&](int64_t r) {
     float* buf = wbuf.data() + (r % 2) * wa;
@@ -413,8 +426,8 @@ absl::Status ForwardImpl(const BlockConfig& cfg, Communicator* comm, const Trans
     // Prefetch shard r+1 into the other buffer while attending with r (the backend runs
     // operations in issue order, so issued before the all-gather it would delay it).
     if (r + 1 < D) next = start_broadcast(r + 1);
-    Relayout(ops, kv_recv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/true, kv.data());
-    ops.AttentionForward(s, qkv, kv.data(), kv.data() + Ch, cr.q_pos, cr.k_pos, att, lse);
+    const float* keys = GatheredKeys(ops, kv_recv.data(), D, B, Tl, Ch, kv.data());
+    ops.AttentionForward(s, qkv, keys, keys + Ch, cr.q_pos, cr.k_pos, att, lse);
     Linear(ops, att, Ch, wr + 3 * Ch * C, Ch, nl, C, Ch, r == 0 ? 0.0f : 1.0f, cr.h, C);
   }
   ops.Add(x_local, cr.h, nl * C, cr.h);
@@ -545,8 +558,8 @@ absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const Tran
   dA = kernels::OpsBuffer(&ops, nl * Ch);
   kv_send = kernels::OpsBuffer(&ops, nl * 2 * Ch);
   kv_recv = kernels::OpsBuffer(&ops, D * nl * 2 * Ch);
-  kv = kernels::OpsBuffer(&ops, B * T * 2 * Ch);
-  dkv = kernels::OpsBuffer(&ops, B * T * 2 * Ch);
+  kv = kernels::OpsBuffer(&ops, B > 1 ? B * T * 2 * Ch : 0);
+  dkv = kernels::OpsBuffer(&ops, B > 1 ? B * T * 2 * Ch : 0);
   dkv_send = kernels::OpsBuffer(&ops, D * nl * 2 * Ch);
   dkv_local = kernels::OpsBuffer(&ops, nl * 2 * Ch);
   dqkv = kernels::OpsBuffer(&ops, nl * 3 * Ch);
@@ -588,10 +601,12 @@ absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const Tran
     // Prefetch shard r+1 into the other buffer while attending with r (the backend runs
     // operations in issue order, so issued before the all-gather it would delay it).
     if (r + 1 < D) next = start_broadcast(r + 1);
-    Relayout(ops, kv_recv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/true, kv.data());
-    ops.AttentionBackward(s, qkv, kv.data(), kv.data() + Ch, cr.q_pos, cr.k_pos, att, lse,
-                          dA.data(), dqkv.data(), dkv.data(), dkv.data() + Ch);
-    Relayout(ops, dkv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/false, dkv_send.data());
+    const float* keys = GatheredKeys(ops, kv_recv.data(), D, B, Tl, Ch, kv.data());
+    // With one batch row the sequence layout is the reduce-scatter's layout: write dK|dV there.
+    float* dkeys = B > 1 ? dkv.data() : dkv_send.data();
+    ops.AttentionBackward(s, qkv, keys, keys + Ch, cr.q_pos, cr.k_pos, att, lse, dA.data(),
+                          dqkv.data(), dkeys, dkeys + Ch);
+    if (B > 1) Relayout(ops, dkv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/false, dkv_send.data());
     TSP_RETURN_IF_ERROR(comm->ReduceScatter(dkv_send.data(), dkv_local.data(), nl * 2 * Ch));
     ops.Copy2D(dqkv.data() + Ch, 3 * Ch, dkv_local.data(), 2 * Ch, nl, 2 * Ch);
     // q|k|v = n1 Wqkv_r^T.
