@@ -1,7 +1,9 @@
 #include "parallel/tpsp_block.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -20,6 +22,119 @@ using kernels::TransformerOps;
 std::vector<int64_t> ShardSizes(const BlockConfig& c, int D) {
   const int64_t cc = c.C * (c.C / D), fc = c.C * (c.FF / D);
   return {c.C, cc, cc, cc, cc, c.C, fc, fc, fc};
+}
+
+#define TPSP_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    ::absl::Status tpsp_status_ = (expr);        \
+    if (!tpsp_status_.ok()) return tpsp_status_; \
+  } while (0)
+
+// The cache's float tensors in TpspCacheBuffers' order, with their sizes for (D, B, T).
+constexpr int kCacheTensors = 12;
+using CacheSizeList = std::array<int64_t, kCacheTensors>;
+
+CacheSizeList CacheSizes(const BlockConfig& cfg, int D, int64_t B, int64_t T) {
+  const int64_t C = cfg.C, Cl = C / D, Fl = cfg.FF / D, n = B * T, nl = n / D;
+  //       x       rstd1 n1     qkv         att     lse                    h
+  return {nl * C, nl, n * C, n * 3 * Cl, n * Cl, B * (cfg.H / D) * T, nl * C,
+          //  rstd2 n2     g       u       m
+          nl, n * C, n * Fl, n * Fl, n * Fl};
+}
+
+// Cache is TpspCache or const TpspCache.
+template <class Cache>
+std::array<decltype(&std::declval<Cache*>()->x), kCacheTensors> VectorsOf(Cache* c) {
+  return {&c->x, &c->rstd1, &c->n1, &c->qkv, &c->att, &c->lse,
+          &c->h, &c->rstd2, &c->n2, &c->g,   &c->u,   &c->m};
+}
+
+std::array<const kernels::OpsBuffer*, kCacheTensors> BuffersOf(const TpspCacheBuffers& b) {
+  return {&b.x, &b.rstd1, &b.n1, &b.qkv, &b.att, &b.lse, &b.h, &b.rstd2, &b.n2, &b.g, &b.u, &b.m};
+}
+
+// Sizes the cache's tensors: OpsBuffers of `ops` (backend_cache; the float vectors are
+// released) or the std::vectors (no buffers). The previous step's tensors are released first
+// (peak memory).
+void AllocateCache(const TransformerOps& ops, const CacheSizeList& sizes, bool backend_cache,
+                   TpspCache* c) {
+  c->buffers = nullptr;
+  const std::array<std::vector<float>*, kCacheTensors> vecs = VectorsOf(c);
+  if (!backend_cache) {
+    for (int i = 0; i < kCacheTensors; ++i) vecs[i]->resize(static_cast<size_t>(sizes[i]));
+    return;
+  }
+  for (std::vector<float>* v : vecs) std::vector<float>().swap(*v);
+  auto b = std::make_shared<TpspCacheBuffers>();
+  kernels::OpsBuffer* bufs[kCacheTensors] = {&b->x,   &b->rstd1, &b->n1, &b->qkv,
+                                             &b->att, &b->lse,   &b->h,  &b->rstd2,
+                                             &b->n2,  &b->g,     &b->u,  &b->m};
+  for (int i = 0; i < kCacheTensors; ++i) *bufs[i] = kernels::OpsBuffer(&ops, sizes[i]);
+  const int64_t T = static_cast<int64_t>(c->positions.size());
+  b->positions = kernels::OpsBuffer(&ops, T);
+  static_assert(sizeof(int32_t) == sizeof(float), "positions travel as float-sized bits");
+  ops.Upload(b->positions.data(), reinterpret_cast<const float*>(c->positions.data()), T);
+  c->buffers = std::move(b);
+}
+
+// True if the cache's tensors have the sizes for its B, T and this D, and (in backend memory)
+// belong to `ops`.
+bool CacheMatches(const TpspCache& c, const CacheSizeList& sizes, const TransformerOps& ops) {
+  if (static_cast<int64_t>(c.positions.size()) != c.T) return false;
+  for (int i = 0; i < kCacheTensors; ++i) {
+    const int64_t got = c.buffers != nullptr ? BuffersOf(*c.buffers)[i]->size()
+                                             : static_cast<int64_t>(VectorsOf(&c)[i]->size());
+    if (got != sizes[i]) return false;
+  }
+  return c.buffers == nullptr || c.buffers->x.ops() == &ops;
+}
+
+// The cache's tensors, wherever they live. Forward writes them through these pointers (it owns
+// the cache); Backward only reads them.
+struct CacheRefs {
+  const int32_t* positions = nullptr;
+  float *x, *rstd1, *n1, *qkv, *att, *lse, *h, *rstd2, *n2, *g, *u, *m;
+};
+
+CacheRefs RefsOf(const TpspCache& c) {
+  std::array<float*, kCacheTensors> p;
+  CacheRefs r;
+  if (c.buffers != nullptr) {
+    const auto bufs = BuffersOf(*c.buffers);
+    for (int i = 0; i < kCacheTensors; ++i) p[i] = bufs[i]->data();
+    r.positions = reinterpret_cast<const int32_t*>(c.buffers->positions.data());
+  } else {
+    const auto vecs = VectorsOf(&c);
+    for (int i = 0; i < kCacheTensors; ++i) p[i] = const_cast<float*>(vecs[i]->data());
+    r.positions = c.positions.data();
+  }
+  r.x = p[0];
+  r.rstd1 = p[1];
+  r.n1 = p[2];
+  r.qkv = p[3];
+  r.att = p[4];
+  r.lse = p[5];
+  r.h = p[6];
+  r.rstd2 = p[7];
+  r.n2 = p[8];
+  r.g = p[9];
+  r.u = p[10];
+  r.m = p[11];
+  return r;
+}
+
+bool AnyNull(const TpspShardView& w) {
+  for (const float* t : {w.ln1, w.wq, w.wk, w.wv, w.wo, w.ln2, w.wg, w.wu, w.wd}) {
+    if (t == nullptr) return true;
+  }
+  return false;
+}
+
+bool AnyNull(const TpspGradsView& g) {
+  for (const float* t : {g.ln1, g.wq, g.wk, g.wv, g.wo, g.ln2, g.wg, g.wu, g.wd}) {
+    if (t == nullptr) return true;
+  }
+  return false;
 }
 
 // dst[r, :] = src rows [row0, row0 + rows) of a [*, cols] matrix.
@@ -149,34 +264,38 @@ absl::Status PlaceTpspShardGrads(const BlockConfig& cfg, const BlockGrads& shard
   return absl::OkStatus();
 }
 
-absl::Status TpspBlock::GatherSequence(const float* local, int64_t B, int64_t T,
-                                       float* full) const {
+TpspShardView TpspViewOf(const BlockWeights& w) {
+  return TpspShardView{w.ln1.data(), w.wq.data(),  w.wk.data(), w.wv.data(), w.wo.data(),
+                       w.ln2.data(), w.wg.data(), w.wu.data(), w.wd.data()};
+}
+
+TpspGradsView TpspViewOf(BlockGrads* g) {
+  return TpspGradsView{g->ln1.data(), g->wq.data(),  g->wk.data(), g->wv.data(), g->wo.data(),
+                       g->ln2.data(), g->wg.data(), g->wu.data(), g->wd.data()};
+}
+
+absl::Status TpspBlock::GatherSequence(const TransformerOps& ops, const float* local, int64_t B,
+                                       int64_t T, float* full) const {
   const int D = comm_->size();
-  const int64_t C = cfg_.C, Tl = T / D, chunk = Tl * C;
-  std::vector<float> recv(static_cast<size_t>(D * B * chunk));
+  const int64_t chunk = (T / D) * cfg_.C;
+  kernels::OpsBuffer recv(&ops, D * B * chunk);
   absl::Status st = comm_->AllGather(local, recv.data(), B * chunk);
   if (!st.ok()) return st;
   // recv is [D, B, T/D, C]; full is [B, T, C] with rank d's tokens at [d*T/D, (d+1)*T/D).
   for (int d = 0; d < D; ++d) {
-    for (int64_t b = 0; b < B; ++b) {
-      std::memcpy(full + (b * T + d * Tl) * C, recv.data() + (d * B + b) * chunk,
-                  sizeof(float) * chunk);
-    }
+    ops.Copy2D(full + d * chunk, D * chunk, recv.data() + d * B * chunk, chunk, B, chunk);
   }
   return absl::OkStatus();
 }
 
-absl::Status TpspBlock::ReduceScatterSequence(const float* full, int64_t B, int64_t T,
-                                              float* local) const {
+absl::Status TpspBlock::ReduceScatterSequence(const TransformerOps& ops, const float* full,
+                                              int64_t B, int64_t T, float* local) const {
   const int D = comm_->size();
-  const int64_t C = cfg_.C, Tl = T / D, chunk = Tl * C;
+  const int64_t chunk = (T / D) * cfg_.C;
   // [B, T, C] -> [D, B, T/D, C]: block d of the reduce-scatter is rank d's tokens.
-  std::vector<float> send(static_cast<size_t>(D * B * chunk));
+  kernels::OpsBuffer send(&ops, D * B * chunk);
   for (int d = 0; d < D; ++d) {
-    for (int64_t b = 0; b < B; ++b) {
-      std::memcpy(send.data() + (d * B + b) * chunk, full + (b * T + d * Tl) * C,
-                  sizeof(float) * chunk);
-    }
+    ops.Copy2D(send.data() + d * B * chunk, chunk, full + d * chunk, D * chunk, B, chunk);
   }
   return comm_->ReduceScatter(send.data(), local, B * chunk);
 }
@@ -185,11 +304,50 @@ absl::Status TpspBlock::Forward(const TransformerOps& ops, const BlockWeights& w
                                 const float* x_local, int64_t B, int64_t T, float* y_local,
                                 TpspCache* cache) const {
   if (comm_ == nullptr) return absl::InvalidArgumentError("tpsp: null communicator");
+  TPSP_RETURN_IF_ERROR(CheckTpspShard(cfg_, w, comm_->size()));
+  return ForwardImpl(ops, TpspViewOf(w), x_local, B, T, y_local, cache, /*backend_cache=*/false);
+}
+
+absl::Status TpspBlock::Forward(const TransformerOps& ops, const TpspShardView& w,
+                                const float* x_local, int64_t B, int64_t T, float* y_local,
+                                TpspCache* cache) const {
+  if (AnyNull(w)) return absl::InvalidArgumentError("tpsp: null weight pointer");
+  return ForwardImpl(ops, w, x_local, B, T, y_local, cache, /*backend_cache=*/true);
+}
+
+absl::Status TpspBlock::Backward(const TransformerOps& ops, const BlockWeights& w,
+                                 const TpspCache& c, const float* dy_local, float* dx_local,
+                                 BlockGrads* grads) const {
+  if (comm_ == nullptr) return absl::InvalidArgumentError("tpsp: null communicator");
   const int D = comm_->size();
-  absl::Status st = ValidateTpspConfig(cfg_, D, comm_->rank());
-  if (st.ok()) st = CheckTpspShard(cfg_, w, D);
-  if (st.ok()) st = CheckBT(B, T, D);
-  if (!st.ok()) return st;
+  TPSP_RETURN_IF_ERROR(ValidateTpspConfig(cfg_, D, comm_->rank()));
+  TPSP_RETURN_IF_ERROR(CheckTpspShard(cfg_, w, D));
+  if (grads == nullptr) return absl::InvalidArgumentError("tpsp: null grads");
+  // Size empty gradient fields; any other size is an error.
+  const std::vector<int64_t> sizes = ShardSizes(cfg_, D);
+  const std::vector<std::vector<float>*> t = grads->Tensors();
+  for (size_t i = 0; i < t.size(); ++i) {
+    if (t[i]->empty()) t[i]->assign(static_cast<size_t>(sizes[i]), 0.0f);
+  }
+  TPSP_RETURN_IF_ERROR(CheckTpspShard(cfg_, *grads, D));
+  return BackwardImpl(ops, TpspViewOf(w), c, dy_local, dx_local, TpspViewOf(grads));
+}
+
+absl::Status TpspBlock::Backward(const TransformerOps& ops, const TpspShardView& w,
+                                 const TpspCache& c, const float* dy_local, float* dx_local,
+                                 const TpspGradsView& grads) const {
+  if (AnyNull(w)) return absl::InvalidArgumentError("tpsp: null weight pointer");
+  if (AnyNull(grads)) return absl::InvalidArgumentError("tpsp: null gradient pointer");
+  return BackwardImpl(ops, w, c, dy_local, dx_local, grads);
+}
+
+absl::Status TpspBlock::ForwardImpl(const TransformerOps& ops, const TpspShardView& w,
+                                    const float* x_local, int64_t B, int64_t T, float* y_local,
+                                    TpspCache* cache, bool backend_cache) const {
+  if (comm_ == nullptr) return absl::InvalidArgumentError("tpsp: null communicator");
+  const int D = comm_->size();
+  TPSP_RETURN_IF_ERROR(ValidateTpspConfig(cfg_, D, comm_->rank()));
+  TPSP_RETURN_IF_ERROR(CheckBT(B, T, D));
   if (x_local == nullptr || y_local == nullptr) {
     return absl::InvalidArgumentError("tpsp: null x or y");
   }
@@ -201,127 +359,97 @@ absl::Status TpspBlock::Forward(const TransformerOps& ops, const BlockWeights& w
   c.T = T;
   c.positions.resize(T);
   for (int64_t t = 0; t < T; ++t) c.positions[t] = static_cast<int32_t>(t);
-  c.x.assign(x_local, x_local + nl * C);
-  c.rstd1.resize(nl);
-  c.n1.resize(n * C);
-  c.qkv.resize(n * C3);
-  c.att.resize(n * Cl);
-  c.lse.resize(B * (cfg_.H / D) * T);
-  c.h.resize(nl * C);
-  c.rstd2.resize(nl);
-  c.n2.resize(n * C);
-  c.g.resize(n * Fl);
-  c.u.resize(n * Fl);
-  c.m.resize(n * Fl);
-  std::vector<float> norm_local(nl * C), partial(n * C);
+  AllocateCache(ops, CacheSizes(cfg_, D, B, T), backend_cache, &c);
+  const CacheRefs r = RefsOf(c);
+  ops.CopyFloats(r.x, x_local, nl * C);
+  kernels::OpsBuffer norm_local(&ops, nl * C), partial(&ops, n * C);
 
   // Attention: h = x + RS(attn_p(AG(rmsnorm(x)))).
-  ops.RmsNormForward(x_local, w.ln1.data(), nl, C, cfg_.eps, norm_local.data(), c.rstd1.data());
-  if (st = Sync(ops, "ln1 forward"); !st.ok()) return st;
-  if (st = GatherSequence(norm_local.data(), B, T, c.n1.data()); !st.ok()) return st;
-  Linear(ops, c.n1.data(), C, w.wq.data(), n, Cl, C, c.qkv.data(), C3);
-  Linear(ops, c.n1.data(), C, w.wk.data(), n, Cl, C, c.qkv.data() + Cl, C3);
-  Linear(ops, c.n1.data(), C, w.wv.data(), n, Cl, C, c.qkv.data() + 2 * Cl, C3);
+  ops.RmsNormForward(x_local, w.ln1, nl, C, cfg_.eps, norm_local.data(), r.rstd1);
+  TPSP_RETURN_IF_ERROR(GatherSequence(ops, norm_local.data(), B, T, r.n1));
+  Linear(ops, r.n1, C, w.wq, n, Cl, C, r.qkv, C3);
+  Linear(ops, r.n1, C, w.wk, n, Cl, C, r.qkv + Cl, C3);
+  Linear(ops, r.n1, C, w.wv, n, Cl, C, r.qkv + 2 * Cl, C3);
   const AttentionShape s = LocalShape(cfg_, D, B, T);
-  ops.AttentionForward(s, c.qkv.data(), c.qkv.data() + Cl, c.qkv.data() + 2 * Cl,
-                       c.positions.data(), c.positions.data(), c.att.data(), c.lse.data());
-  Linear(ops, c.att.data(), Cl, w.wo.data(), n, C, Cl, partial.data(), C);
-  if (st = Sync(ops, "attention forward"); !st.ok()) return st;
-  if (st = ReduceScatterSequence(partial.data(), B, T, c.h.data()); !st.ok()) return st;
-  ops.Add(x_local, c.h.data(), nl * C, c.h.data());
+  ops.AttentionForward(s, r.qkv, r.qkv + Cl, r.qkv + 2 * Cl, r.positions, r.positions, r.att,
+                       r.lse);
+  Linear(ops, r.att, Cl, w.wo, n, C, Cl, partial.data(), C);
+  TPSP_RETURN_IF_ERROR(ReduceScatterSequence(ops, partial.data(), B, T, r.h));
+  ops.Add(x_local, r.h, nl * C, r.h);
 
   // MLP: y = h + RS(mlp_p(AG(rmsnorm(h)))).
-  ops.RmsNormForward(c.h.data(), w.ln2.data(), nl, C, cfg_.eps, norm_local.data(), c.rstd2.data());
-  if (st = Sync(ops, "ln2 forward"); !st.ok()) return st;
-  if (st = GatherSequence(norm_local.data(), B, T, c.n2.data()); !st.ok()) return st;
-  Linear(ops, c.n2.data(), C, w.wg.data(), n, Fl, C, c.g.data(), Fl);
-  Linear(ops, c.n2.data(), C, w.wu.data(), n, Fl, C, c.u.data(), Fl);
-  ops.SwiGluForward(c.g.data(), c.u.data(), n * Fl, c.m.data());
-  Linear(ops, c.m.data(), Fl, w.wd.data(), n, C, Fl, partial.data(), C);
-  if (st = Sync(ops, "mlp forward"); !st.ok()) return st;
-  if (st = ReduceScatterSequence(partial.data(), B, T, y_local); !st.ok()) return st;
-  ops.Add(c.h.data(), y_local, nl * C, y_local);
+  ops.RmsNormForward(r.h, w.ln2, nl, C, cfg_.eps, norm_local.data(), r.rstd2);
+  TPSP_RETURN_IF_ERROR(GatherSequence(ops, norm_local.data(), B, T, r.n2));
+  Linear(ops, r.n2, C, w.wg, n, Fl, C, r.g, Fl);
+  Linear(ops, r.n2, C, w.wu, n, Fl, C, r.u, Fl);
+  ops.SwiGluForward(r.g, r.u, n * Fl, r.m);
+  Linear(ops, r.m, Fl, w.wd, n, C, Fl, partial.data(), C);
+  TPSP_RETURN_IF_ERROR(ReduceScatterSequence(ops, partial.data(), B, T, y_local));
+  ops.Add(r.h, y_local, nl * C, y_local);
   return Sync(ops, "block forward");
 }
 
-absl::Status TpspBlock::Backward(const TransformerOps& ops, const BlockWeights& w,
-                                 const TpspCache& c, const float* dy_local, float* dx_local,
-                                 BlockGrads* grads) const {
+absl::Status TpspBlock::BackwardImpl(const TransformerOps& ops, const TpspShardView& w,
+                                     const TpspCache& c, const float* dy_local, float* dx_local,
+                                     const TpspGradsView& grads) const {
   if (comm_ == nullptr) return absl::InvalidArgumentError("tpsp: null communicator");
   const int D = comm_->size();
-  absl::Status st = ValidateTpspConfig(cfg_, D, comm_->rank());
-  if (st.ok()) st = CheckTpspShard(cfg_, w, D);
-  if (st.ok()) st = CheckBT(c.B, c.T, D);
-  if (!st.ok()) return st;
-  if (dy_local == nullptr || dx_local == nullptr || grads == nullptr) {
-    return absl::InvalidArgumentError("tpsp: null dy, dx or grads");
+  TPSP_RETURN_IF_ERROR(ValidateTpspConfig(cfg_, D, comm_->rank()));
+  TPSP_RETURN_IF_ERROR(CheckBT(c.B, c.T, D));
+  if (dy_local == nullptr || dx_local == nullptr) {
+    return absl::InvalidArgumentError("tpsp: null dy or dx");
   }
   const int64_t B = c.B, T = c.T, C = cfg_.C, Cl = C / D, Fl = cfg_.FF / D, C3 = 3 * Cl;
   const int64_t n = B * T, nl = n / D;
-  if (static_cast<int64_t>(c.x.size()) != nl * C || static_cast<int64_t>(c.m.size()) != n * Fl ||
-      static_cast<int64_t>(c.qkv.size()) != n * C3) {
-    return absl::InvalidArgumentError("tpsp: cache does not match its B, T and D");
+  if (!CacheMatches(c, CacheSizes(cfg_, D, B, T), ops)) {
+    return absl::InvalidArgumentError(
+        "tpsp: cache does not match its B, T, the group size or the backend");
   }
-  // Size empty gradient fields; any other size is an error.
-  {
-    const std::vector<int64_t> sizes = ShardSizes(cfg_, D);
-    const std::vector<std::vector<float>*> t = grads->Tensors();
-    for (size_t i = 0; i < t.size(); ++i) {
-      if (t[i]->empty()) t[i]->assign(static_cast<size_t>(sizes[i]), 0.0f);
-    }
-    if (st = CheckTpspShard(cfg_, *grads, D); !st.ok()) return st;
-  }
+  const CacheRefs r = RefsOf(c);
 
-  std::vector<float> full(n * C), dfull(n * C);  // gathered gradient; partial input gradient
-  std::vector<float> dm(n * Fl), dg(n * Fl), du(n * Fl), datt(n * Cl), dqkv(n * C3);
-  std::vector<float> dh(nl * C), dnorm(nl * C);
-  std::vector<float> dln(2 * C, 0.0f);  // ln1 | ln2 partial gradients over the local tokens
+  // The gathered gradient and the partial input gradient [n, C].
+  kernels::OpsBuffer full(&ops, n * C), dfull(&ops, n * C);
+  kernels::OpsBuffer dm(&ops, n * Fl), dg(&ops, n * Fl), du(&ops, n * Fl), datt(&ops, n * Cl),
+      dqkv(&ops, n * C3);
+  kernels::OpsBuffer dh(&ops, nl * C), dnorm(&ops, nl * C);
+  kernels::OpsBuffer dln(&ops, 2 * C);  // ln1 | ln2 partial gradients over the local tokens
 
   // MLP: y = h + m Wd_p^T (summed over ranks by the reduce-scatter).
-  if (st = GatherSequence(dy_local, B, T, full.data()); !st.ok()) return st;
-  LinearWeightGrad(ops, full.data(), C, c.m.data(), n, C, Fl, grads->wd.data());
-  LinearInputGrad(ops, full.data(), C, w.wd.data(), n, C, Fl, dm.data());
-  ops.SwiGluBackward(c.g.data(), c.u.data(), dm.data(), n * Fl, dg.data(), du.data());
-  LinearWeightGrad(ops, dg.data(), Fl, c.n2.data(), n, Fl, C, grads->wg.data());
-  LinearWeightGrad(ops, du.data(), Fl, c.n2.data(), n, Fl, C, grads->wu.data());
-  LinearInputGrad(ops, dg.data(), Fl, w.wg.data(), n, Fl, C, dfull.data());
-  LinearInputGrad(ops, du.data(), Fl, w.wu.data(), n, Fl, C, dfull.data(), 1.0f);
-  if (st = Sync(ops, "mlp backward"); !st.ok()) return st;
-  if (st = ReduceScatterSequence(dfull.data(), B, T, dnorm.data()); !st.ok()) return st;
-  ops.RmsNormBackward(c.h.data(), w.ln2.data(), c.rstd2.data(), dnorm.data(), nl, C, dh.data(),
-                      dln.data() + C);
+  TPSP_RETURN_IF_ERROR(GatherSequence(ops, dy_local, B, T, full.data()));
+  LinearWeightGrad(ops, full.data(), C, r.m, n, C, Fl, grads.wd);
+  LinearInputGrad(ops, full.data(), C, w.wd, n, C, Fl, dm.data());
+  ops.SwiGluBackward(r.g, r.u, dm.data(), n * Fl, dg.data(), du.data());
+  LinearWeightGrad(ops, dg.data(), Fl, r.n2, n, Fl, C, grads.wg);
+  LinearWeightGrad(ops, du.data(), Fl, r.n2, n, Fl, C, grads.wu);
+  LinearInputGrad(ops, dg.data(), Fl, w.wg, n, Fl, C, dfull.data());
+  LinearInputGrad(ops, du.data(), Fl, w.wu, n, Fl, C, dfull.data(), 1.0f);
+  TPSP_RETURN_IF_ERROR(ReduceScatterSequence(ops, dfull.data(), B, T, dnorm.data()));
+  ops.RmsNormBackward(r.h, w.ln2, r.rstd2, dnorm.data(), nl, C, dh.data(), dln.data() + C);
   ops.Add(dh.data(), dy_local, nl * C, dh.data());  // The residual's identity branch.
 
   // Attention: h = x + att_p Wo_p^T (summed over ranks).
-  if (st = Sync(ops, "ln2 backward"); !st.ok()) return st;
-  if (st = GatherSequence(dh.data(), B, T, full.data()); !st.ok()) return st;
-  LinearWeightGrad(ops, full.data(), C, c.att.data(), n, C, Cl, grads->wo.data());
-  LinearInputGrad(ops, full.data(), C, w.wo.data(), n, C, Cl, datt.data());
+  TPSP_RETURN_IF_ERROR(GatherSequence(ops, dh.data(), B, T, full.data()));
+  LinearWeightGrad(ops, full.data(), C, r.att, n, C, Cl, grads.wo);
+  LinearInputGrad(ops, full.data(), C, w.wo, n, C, Cl, datt.data());
   const AttentionShape s = LocalShape(cfg_, D, B, T);
-  ops.AttentionBackward(s, c.qkv.data(), c.qkv.data() + Cl, c.qkv.data() + 2 * Cl,
-                        c.positions.data(), c.positions.data(), c.att.data(), c.lse.data(),
-                        datt.data(), dqkv.data(), dqkv.data() + Cl, dqkv.data() + 2 * Cl);
-  const float* wqkv[3] = {w.wq.data(), w.wk.data(), w.wv.data()};
-  float* dwqkv[3] = {grads->wq.data(), grads->wk.data(), grads->wv.data()};
+  ops.AttentionBackward(s, r.qkv, r.qkv + Cl, r.qkv + 2 * Cl, r.positions, r.positions, r.att,
+                        r.lse, datt.data(), dqkv.data(), dqkv.data() + Cl, dqkv.data() + 2 * Cl);
+  const float* wqkv[3] = {w.wq, w.wk, w.wv};
+  float* dwqkv[3] = {grads.wq, grads.wk, grads.wv};
   for (int i = 0; i < 3; ++i) {
-    LinearWeightGrad(ops, dqkv.data() + i * Cl, C3, c.n1.data(), n, Cl, C, dwqkv[i]);
+    LinearWeightGrad(ops, dqkv.data() + i * Cl, C3, r.n1, n, Cl, C, dwqkv[i]);
     LinearInputGrad(ops, dqkv.data() + i * Cl, C3, wqkv[i], n, Cl, C, dfull.data(),
                     i == 0 ? 0.0f : 1.0f);
   }
-  if (st = Sync(ops, "attention backward"); !st.ok()) return st;
-  if (st = ReduceScatterSequence(dfull.data(), B, T, dnorm.data()); !st.ok()) return st;
-  ops.RmsNormBackward(c.x.data(), w.ln1.data(), c.rstd1.data(), dnorm.data(), nl, C, dx_local,
-                      dln.data());
+  TPSP_RETURN_IF_ERROR(ReduceScatterSequence(ops, dfull.data(), B, T, dnorm.data()));
+  ops.RmsNormBackward(r.x, w.ln1, r.rstd1, dnorm.data(), nl, C, dx_local, dln.data());
   ops.Add(dx_local, dh.data(), nl * C, dx_local);
-  if (st = Sync(ops, "ln1 backward"); !st.ok()) return st;
 
   // The replicated norms' gradients: sums over every rank's tokens.
-  if (st = comm_->AllReduce(dln.data(), 2 * C); !st.ok()) return st;
-  for (int64_t i = 0; i < C; ++i) {
-    grads->ln1[i] += dln[i];
-    grads->ln2[i] += dln[C + i];
-  }
-  return absl::OkStatus();
+  TPSP_RETURN_IF_ERROR(comm_->AllReduce(dln.data(), 2 * C));
+  ops.Add(grads.ln1, dln.data(), C, grads.ln1);
+  ops.Add(grads.ln2, dln.data() + C, C, grads.ln2);
+  return Sync(ops, "block backward");
 }
 
 }  // namespace parallel

@@ -25,12 +25,26 @@
 //             4 * B*T*C * (D-1)/D bytes.
 //   backward: the same 2 + 2, plus one all-reduce of 2C floats.
 //
-// Requires H % D == 0, FF % D == 0 and T % D == 0. All tensors are host memory (the
-// Communicator's Gloo backend and kernels::CpuOps()). Every rank must call Forward / Backward
-// with the same B and T (they are collective calls).
+// Requires H % D == 0, FF % D == 0 and T % D == 0. Every rank must call Forward / Backward with
+// the same B and T (they are collective calls).
+//
+// Memory spaces. Every buffer the block allocates comes from `ops` (kernels::OpsBuffer) and is
+// only touched through ops calls and the Communicator, so the block runs in host memory (CpuOps
+// + Gloo) or device memory (a CUDA backend + the NCCL communicator):
+// - The BlockWeights / BlockGrads overloads are the CPU API: their std::vectors (and x_local,
+//   y_local, dy_local, dx_local) are host memory, so `ops` must be a host backend and the
+//   Communicator a host one; the cache keeps its activations in its std::vectors.
+// - The TpspShardView / TpspGradsView overloads take pointers in the backend's memory: every
+//   pointer of the views and x_local, y_local, dy_local, dx_local must be in `ops`' memory
+//   (device memory for a CUDA backend) and the Communicator must accept that memory (NCCL on the
+//   same device). The cache then keeps its activations in TpspCache::buffers (allocated through
+//   `ops`; Backward must use the same backend). A device Communicator must run its operations in
+//   stream order with the backend (NCCL and the CUDA ops on one stream), because the block
+//   issues ops and communication back to back without synchronising in between.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -58,7 +72,45 @@ absl::Status CheckTpspShard(const BlockConfig& cfg, const BlockWeights& shard, i
 absl::Status PlaceTpspShardGrads(const BlockConfig& cfg, const BlockGrads& shard, int D, int p,
                                  BlockGrads* full);
 
+// A shard's tensors (the BlockWeights fields, shard shapes as above) as pointers into the
+// backend's memory (see "Memory spaces" above). The TP x CP block (parallel/tpcp_block.h) takes
+// the same views.
+struct TpspShardView {
+  const float* ln1 = nullptr;
+  const float* wq = nullptr;
+  const float* wk = nullptr;
+  const float* wv = nullptr;
+  const float* wo = nullptr;
+  const float* ln2 = nullptr;
+  const float* wg = nullptr;
+  const float* wu = nullptr;
+  const float* wd = nullptr;
+};
+struct TpspGradsView {
+  float* ln1 = nullptr;
+  float* wq = nullptr;
+  float* wk = nullptr;
+  float* wv = nullptr;
+  float* wo = nullptr;
+  float* ln2 = nullptr;
+  float* wg = nullptr;
+  float* wu = nullptr;
+  float* wd = nullptr;
+};
+
+// Views of host tensors (for a host backend); the views point into w / *g.
+TpspShardView TpspViewOf(const BlockWeights& w);
+TpspGradsView TpspViewOf(BlockGrads* g);
+
+// The cache's activations in the backend's memory (the view overloads); positions holds the
+// int32 positions bit for bit in float-sized elements.
+struct TpspCacheBuffers {
+  kernels::OpsBuffer positions, x, rstd1, n1, qkv, att, lse, h, rstd2, n2, g, u, m;
+};
+
 // What the backward needs from the forward. n = B * T (all tokens), nl = B * T / D (local).
+// The CPU API fills the std::vectors; the view form fills `positions` (host metadata) and
+// `buffers` (shared by copies of the cache) and leaves the float vectors empty.
 struct TpspCache {
   int64_t B = 0, T = 0;            // T is the global sequence length
   std::vector<int32_t> positions;  // [T] 0..T-1
@@ -71,6 +123,7 @@ struct TpspCache {
   std::vector<float> rstd2;        // [nl]
   std::vector<float> n2;           // [n, C] gathered rmsnorm(h, ln2)
   std::vector<float> g, u, m;      // [n, FF/D]
+  std::shared_ptr<TpspCacheBuffers> buffers;  // the same tensors in backend memory, or null
 };
 
 class TpspBlock {
@@ -93,11 +146,31 @@ class TpspBlock {
                         const TpspCache& cache, const float* dy_local, float* dx_local,
                         BlockGrads* grads) const;
 
+  // The same in the backend's memory: every pointer of w and grads, x_local, y_local, dy_local
+  // and dx_local in `ops`' memory (sizes are the caller's responsibility). grads is accumulated
+  // (+=), so it must be initialised (e.g. zeroed with ops.Fill). The cache may come from either
+  // Forward overload.
+  absl::Status Forward(const kernels::TransformerOps& ops, const TpspShardView& shard,
+                       const float* x_local, int64_t B, int64_t T, float* y_local,
+                       TpspCache* cache) const;
+  absl::Status Backward(const kernels::TransformerOps& ops, const TpspShardView& shard,
+                        const TpspCache& cache, const float* dy_local, float* dx_local,
+                        const TpspGradsView& grads) const;
+
  private:
-  // full [B, T, C] := the ranks' local [B, T/D, C] (all-gather + rearrangement).
-  absl::Status GatherSequence(const float* local, int64_t B, int64_t T, float* full) const;
+  // The forward of both overloads; backend_cache selects where the cache's tensors live.
+  absl::Status ForwardImpl(const kernels::TransformerOps& ops, const TpspShardView& w,
+                           const float* x_local, int64_t B, int64_t T, float* y_local,
+                           TpspCache* cache, bool backend_cache) const;
+  absl::Status BackwardImpl(const kernels::TransformerOps& ops, const TpspShardView& w,
+                            const TpspCache& cache, const float* dy_local, float* dx_local,
+                            const TpspGradsView& grads) const;
+  // full [B, T, C] := the ranks' local [B, T/D, C] (all-gather + rearrangement), backend memory.
+  absl::Status GatherSequence(const kernels::TransformerOps& ops, const float* local, int64_t B,
+                              int64_t T, float* full) const;
   // local [B, T/D, C] := sum over ranks of their partial [B, T, C], own tokens.
-  absl::Status ReduceScatterSequence(const float* full, int64_t B, int64_t T, float* local) const;
+  absl::Status ReduceScatterSequence(const kernels::TransformerOps& ops, const float* full,
+                                     int64_t B, int64_t T, float* local) const;
 
   BlockConfig cfg_;
   Communicator* comm_;

@@ -43,8 +43,6 @@ namespace {
 using stallfree::testing::BlockSize;
 using stallfree::testing::Compare;
 using stallfree::testing::g_rank;
-using stallfree::testing::kAbsTol;
-using stallfree::testing::kRelTol;
 using stallfree::testing::MaxAbs;
 using stallfree::testing::RandomNormal;
 

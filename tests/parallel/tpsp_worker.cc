@@ -13,6 +13,8 @@
 //             reduce-scatter 2 calls, the same bytes; nothing else.
 //   backward: the same, plus one all-reduce of 2C floats (sent 4*(2*2C - blk(p) - blk(p+1)),
 //             the Gloo ring's closed form, parallel/gloo_communicator.cc).
+// The backend-memory form (TpspShardView / TpspGradsView, the cache in OpsBuffers) on the same
+// host backend must give bit-identical y, dx and gradients (CheckViewForm, worker_check.h).
 // Prints "OK rank p" and exits 0, or the first mismatch and exits 1.
 #include <algorithm>
 #include <cmath>
@@ -37,8 +39,6 @@ namespace {
 using stallfree::testing::BlockSize;
 using stallfree::testing::Compare;
 using stallfree::testing::g_rank;
-using stallfree::testing::kAbsTol;
-using stallfree::testing::kRelTol;
 using stallfree::testing::MaxAbs;
 using stallfree::testing::RandomNormal;
 
@@ -162,7 +162,8 @@ bool RunCase(sp::Communicator& comm, int64_t B, int64_t T) {
     CHECK_OR_FAIL(*back[i] == *got[i], at, " place/shard round trip of ",
                   sp::BlockTensorNames()[i]);
   }
-  return true;
+  return stallfree::testing::CheckViewForm<sp::TpspBlock, sp::TpspCache>(
+      at, block, ops, *shard, x_local, dy_local, B, T, y, dx, g_shard);
 }
 
 }  // namespace
