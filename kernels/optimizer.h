@@ -50,6 +50,12 @@ struct AdamWConstants {
 };
 AdamWConstants MakeAdamWConstants(const AdamWConfig& config);
 
+// step_size[c], bc2_sqrt[c] for steps[c] >= 1 (c < cols), bit-identical to the fields of
+// MakeAdamWConstants(config with step = steps[c]). Host memory (a device backend's caller copies
+// them over). For OptimizerKernel::AdamWColumns; config.step is ignored.
+void MakeColumnConstants(const AdamWConfig& config, const int64_t* steps, int64_t cols,
+                         float* step_size, float* bc2_sqrt);
+
 enum class AccumulateMode {
   kAdd,        // acc[i] += scale * grad[i]
   kOverwrite,  // acc[i]  = scale * grad[i] (the first push of a round: no clearing pass)
@@ -68,6 +74,20 @@ class OptimizerKernel {
   // the new parameters are also written there as bf16 (round to nearest even).
   virtual void AdamW(const AdamWConfig& config, float* param, float* m, float* v,
                      const void* grad, GradType type, int64_t n, uint16_t* bf16_out) const = 0;
+
+  // AdamW over a row-major block [rows, cols] (row stride cols) in which column c has its own
+  // step: the bias-correction constants come from step_size[c] and bc2_sqrt[c] (per-column
+  // copies of AdamWConstants::step_size and ::bc2_sqrt; MakeColumnConstants builds them), the
+  // rest from config (config.step is ignored). step_size and bc2_sqrt are in the backend's
+  // memory. Bit-identical to AdamW on each column with config.step = that column's step.
+  //
+  // ZenFlow needs this because columns move between the GPU and the CPU daemon with their step
+  // counts, so the columns of one weight are at different steps. grad and bf16_out are laid out
+  // like param ([rows, cols], fp32 or bf16 per `type`); bf16_out may be null. rows, cols >= 0.
+  virtual void AdamWColumns(const AdamWConfig& config, const float* step_size,
+                            const float* bc2_sqrt, float* param, float* m, float* v,
+                            const void* grad, GradType type, int64_t rows, int64_t cols,
+                            uint16_t* bf16_out) const = 0;
 
   // The fused ZenFlow boundary pass: g = acc[i] + acc_scale * grad[i] (the round's last deferred
   // gradient, fp32 or bf16), then the AdamW step of `config` with that g (config.grad_scale

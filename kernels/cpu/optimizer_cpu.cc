@@ -123,6 +123,36 @@ class CpuKernel final : public OptimizerKernel {
     });
   }
 
+  // Tasks of about kChunk elements: whole rows (several of them when cols is small), or
+  // kChunk-column segments of a row when a row alone is longer. A block of at most kChunk
+  // elements is one task on the calling thread (no parallel overhead).
+  void AdamWColumns(const AdamWConfig& config, const float* step_size, const float* bc2_sqrt,
+                    float* p, float* m, float* v, const void* grad, GradType type, int64_t rows,
+                    int64_t cols, uint16_t* out) const override {
+    if (rows <= 0 || cols <= 0) return;
+    const AdamWConstants c = MakeAdamWConstants(config);  // its step_size, bc2_sqrt are unused
+    const size_t gs = GradTypeSize(type);
+    const int64_t seg = std::min(cols, kChunk);  // columns per task; a multiple of the vector
+    const int64_t segs = (cols + seg - 1) / seg;  // width when a row is split
+    const int64_t rows_per_task = std::max<int64_t>(1, kChunk / seg);
+    const int64_t tasks = (rows + rows_per_task - 1) / rows_per_task * segs;
+    auto task = [&](int64_t t) {
+      const int64_t r0 = t / segs * rows_per_task, c0 = t % segs * seg;
+      const int64_t nr = std::min(rows - r0, rows_per_task), nc = std::min(cols - c0, seg);
+      const int64_t at = r0 * cols + c0;
+      f_.adamw_cols(c, step_size + c0, bc2_sqrt + c0, p + at, m + at, v + at,
+                    Offset(grad, at, gs), type, nr, nc, cols, out == nullptr ? nullptr : out + at);
+    };
+    if (tasks == 1) {
+      task(0);
+      return;
+    }
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, tasks),
+                      [&](const tbb::blocked_range<int64_t>& r) {
+                        for (int64_t t = r.begin(); t < r.end(); ++t) task(t);
+                      });
+  }
+
   void AccumulateAdamW(const AdamWConfig& config, float* p, float* m, float* v, const float* acc,
                        const void* grad, GradType type, float acc_scale, int64_t n,
                        uint16_t* out) const override {

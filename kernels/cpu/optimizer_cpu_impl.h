@@ -39,6 +39,12 @@ struct ChunkFns {
                      AccumulateMode mode);
   void (*adamw)(const AdamWConstants& c, float* p, float* m, float* v, const void* grad,
                 GradType type, int64_t n, uint16_t* out);
+  // AdamW with per-column bias corrections over a [rows, cols] block whose rows start `ld`
+  // elements apart (p, m, v, grad, out alike): element (r, j) uses step_size[j] and bc2_sqrt[j]
+  // in place of c.step_size and c.bc2_sqrt.
+  void (*adamw_cols)(const AdamWConstants& c, const float* step_size, const float* bc2_sqrt,
+                     float* p, float* m, float* v, const void* grad, GradType type, int64_t rows,
+                     int64_t cols, int64_t ld, uint16_t* out);
   void (*acc_adamw)(const AdamWConstants& c, float* p, float* m, float* v, const float* acc,
                     const void* grad, GradType type, float acc_scale, int64_t n, uint16_t* out);
   void (*to_bf16)(const float* src, uint16_t* dst, int64_t n);
@@ -120,16 +126,35 @@ void AccumulateT(float* acc, const void* grad, GradType type, float scale, int64
   else run(Fa{}, Fa{});
 }
 
-// The AdamW arithmetic on one vector, in the oracle's order. g is already scaled.
+// Where AdamWVec's bias-correction constants come from: one step for every lane (broadcast from
+// the AdamWConstants), or one step per column (loaded from the per-column arrays at the
+// vector's columns). Read at the point of use, so the uniform path compiles exactly as it did
+// before per-column steps existed.
 template <class V>
-inline void AdamWVec(const AdamWConstants& c, typename V::F g, float* pp, float* pm, float* pv,
-                     uint16_t* pout) {
+struct UniformStep {
+  const AdamWConstants& c;
+  typename V::F StepSize() const { return V::Set1(c.step_size); }
+  typename V::F Bc2Sqrt() const { return V::Set1(c.bc2_sqrt); }
+};
+template <class V>
+struct ColumnSteps {
+  const float* step_size;  // at the vector's first column
+  const float* bc2_sqrt;
+  typename V::F StepSize() const { return V::Load(step_size); }
+  typename V::F Bc2Sqrt() const { return V::Load(bc2_sqrt); }
+};
+
+// The AdamW arithmetic on one vector, in the oracle's order. g is already scaled. step_size and
+// bc2_sqrt come from `steps`; the other constants from c.
+template <class V, class Steps>
+inline void AdamWVec(const AdamWConstants& c, const Steps& steps, typename V::F g, float* pp,
+                     float* pm, float* pv, uint16_t* pout) {
   using F = typename V::F;
   F p = V::Mul(V::Load(pp), V::Set1(c.decay));
   const F m = V::Add(V::Mul(V::Set1(c.b1), V::Load(pm)), V::Mul(V::Set1(c.omb1), g));
   const F v = V::Add(V::Mul(V::Set1(c.b2), V::Load(pv)), V::Mul(V::Mul(V::Set1(c.omb2), g), g));
-  const F denom = V::Add(V::Div(V::Sqrt(v), V::Set1(c.bc2_sqrt)), V::Set1(c.eps));
-  p = V::Sub(p, V::Mul(V::Set1(c.step_size), V::Div(m, denom)));
+  const F denom = V::Add(V::Div(V::Sqrt(v), steps.Bc2Sqrt()), V::Set1(c.eps));
+  p = V::Sub(p, V::Mul(steps.StepSize(), V::Div(m, denom)));
   V::Store(pm, m);
   V::Store(pv, v);
   V::Store(pp, p);
@@ -150,9 +175,44 @@ void AdamWT(const AdamWConstants& c, float* p, float* m, float* v, const void* g
     ForEachVector<V::kMaxW>(n, V::W, arr, [&](TailArray(&a)[5], int64_t i) {
       const typename V::F g = V::Mul(scale, LoadG<V, kBf16>(a[3].base, i));
       uint16_t* o = a[4].base == nullptr ? nullptr : static_cast<uint16_t*>(a[4].base) + i;
-      AdamWVec<V>(c, g, static_cast<float*>(a[0].base) + i, static_cast<float*>(a[1].base) + i,
-                  static_cast<float*>(a[2].base) + i, o);
+      AdamWVec<V>(c, UniformStep<V>{c}, g, static_cast<float*>(a[0].base) + i,
+                  static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i, o);
     });
+  };
+  if (type == GradType::kBf16) run(std::true_type{});
+  else run(std::false_type{});
+  V::Fence();
+}
+
+// One row at a time: the column constants are read as vectors alongside the row's elements (they
+// stay in L1 across rows); a row's tail goes through ForEachVector's zero-padded buffer like any
+// other array (padding lanes compute garbage that is never stored).
+template <class V>
+void AdamWColsT(const AdamWConstants& c, const float* step_size, const float* bc2_sqrt, float* p,
+                float* m, float* v, const void* grad, GradType type, int64_t rows, int64_t cols,
+                int64_t ld, uint16_t* out) {
+  const size_t gs = GradTypeSize(type);
+  const typename V::F scale = V::Set1(c.grad_scale);
+  auto run = [&](auto bf16_tag) {
+    constexpr bool kBf16 = decltype(bf16_tag)::value;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t at = r * ld;
+      TailArray arr[7] = {{p + at, 4, true},
+                          {m + at, 4, true},
+                          {v + at, 4, true},
+                          {const_cast<char*>(static_cast<const char*>(grad)) + at * gs, gs, false},
+                          {out == nullptr ? nullptr : out + at, 2, true},
+                          {const_cast<float*>(step_size), 4, false},
+                          {const_cast<float*>(bc2_sqrt), 4, false}};
+      ForEachVector<V::kMaxW>(cols, V::W, arr, [&](TailArray(&a)[7], int64_t i) {
+        const typename V::F g = V::Mul(scale, LoadG<V, kBf16>(a[3].base, i));
+        uint16_t* o = a[4].base == nullptr ? nullptr : static_cast<uint16_t*>(a[4].base) + i;
+        const ColumnSteps<V> steps{static_cast<const float*>(a[5].base) + i,
+                                   static_cast<const float*>(a[6].base) + i};
+        AdamWVec<V>(c, steps, g, static_cast<float*>(a[0].base) + i,
+                    static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i, o);
+      });
+    }
   };
   if (type == GradType::kBf16) run(std::true_type{});
   else run(std::false_type{});
@@ -176,7 +236,7 @@ void AccAdamWT(const AdamWConstants& c, float* p, float* m, float* v, const floa
       typename V::F sum = V::Load(static_cast<const float*>(a[3].base) + i);
       if (kHasGrad) sum = V::Add(sum, V::Mul(ascale, LoadG<V, kBf16>(a[4].base, i)));
       uint16_t* o = a[5].base == nullptr ? nullptr : static_cast<uint16_t*>(a[5].base) + i;
-      AdamWVec<V>(c, V::Mul(scale, sum), static_cast<float*>(a[0].base) + i,
+      AdamWVec<V>(c, UniformStep<V>{c}, V::Mul(scale, sum), static_cast<float*>(a[0].base) + i,
                   static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i, o);
     });
   };
@@ -268,8 +328,8 @@ void ColScoresT(const void* grad, GradType type, int64_t rows, int64_t c_begin, 
 
 template <class V>
 ChunkFns MakeChunkFns(const char* name) {
-  return ChunkFns{name,         &AccumulateT<V>, &AdamWT<V>,     &AccAdamWT<V>,
-                  &ToBf16T<V>,  &FromBf16T<V>,   &ColScoresT<V>};
+  return ChunkFns{name,           &AccumulateT<V>, &AdamWT<V>,    &AdamWColsT<V>,
+                  &AccAdamWT<V>,  &ToBf16T<V>,     &FromBf16T<V>, &ColScoresT<V>};
 }
 
 }  // namespace

@@ -28,6 +28,18 @@ AdamWConstants MakeAdamWConstants(const AdamWConfig& c) {
   return k;
 }
 
+void MakeColumnConstants(const AdamWConfig& config, const int64_t* steps, int64_t cols,
+                         float* step_size, float* bc2_sqrt) {
+  // Through MakeAdamWConstants itself, so the two can never drift apart.
+  AdamWConfig one = config;
+  for (int64_t c = 0; c < cols; ++c) {
+    one.step = steps[c];
+    const AdamWConstants k = MakeAdamWConstants(one);
+    step_size[c] = k.step_size;
+    bc2_sqrt[c] = k.bc2_sqrt;
+  }
+}
+
 namespace {
 
 inline float LoadGrad(const void* grad, GradType type, int64_t i) {
@@ -67,6 +79,21 @@ class ScalarKernel final : public OptimizerKernel {
     for (int64_t i = 0; i < n; ++i) {
       AdamWElement(k, k.grad_scale * LoadGrad(grad, type, i), param + i, m + i, v + i,
                    bf16_out == nullptr ? nullptr : bf16_out + i);
+    }
+  }
+
+  void AdamWColumns(const AdamWConfig& c, const float* step_size, const float* bc2_sqrt,
+                    float* param, float* m, float* v, const void* grad, GradType type,
+                    int64_t rows, int64_t cols, uint16_t* bf16_out) const override {
+    AdamWConstants k = MakeAdamWConstants(c);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t col = 0; col < cols; ++col) {
+        k.step_size = step_size[col];
+        k.bc2_sqrt = bc2_sqrt[col];
+        const int64_t i = r * cols + col;
+        AdamWElement(k, k.grad_scale * LoadGrad(grad, type, i), param + i, m + i, v + i,
+                     bf16_out == nullptr ? nullptr : bf16_out + i);
+      }
     }
   }
 

@@ -7,7 +7,8 @@
 // all be aligned at one index (different misalignments), everything runs through the scalar body.
 // The memory-bound steps are limited by bytes, so the arithmetic can afford IEEE rounding
 // intrinsics (__fmul_rn etc.: never contracted into FMA) in the oracle's exact order, which makes
-// the results bit-identical to ReferenceKernel().
+// the results bit-identical to ReferenceKernel(). AdamWColumns (per-column bias corrections) has
+// its own scalar grid-stride kernel with the same element arithmetic.
 //
 // ColumnScores: 32 x 8 thread blocks, threads along columns (coalesced row segments), the 8 row
 // lanes and the row chunks reduced in a fixed order (no atomics: deterministic). TopK: an
@@ -85,14 +86,21 @@ __device__ __forceinline__ void Store4Bf16(uint16_t* p, const float (&x)[4]) {
 }
 
 // One AdamW element with the oracle's operation order (kernels/cpu/reference.cc); g already
-// scaled. Every operation is explicitly rounded, so nothing is fused.
-__device__ __forceinline__ void AdamWElement(const AdamWConstants& k, float g, float& p, float& m,
+// scaled; the bias corrections step_size and bc2_sqrt given apart from k (whose own are not
+// read), so that AdamWColumns can pass a column's. Every operation is explicitly rounded, so
+// nothing is fused.
+__device__ __forceinline__ void AdamWElement(const AdamWConstants& k, float step_size,
+                                             float bc2_sqrt, float g, float& p, float& m,
                                              float& v) {
   const float decayed = __fmul_rn(p, k.decay);
   m = __fadd_rn(__fmul_rn(k.b1, m), __fmul_rn(k.omb1, g));
   v = __fadd_rn(__fmul_rn(k.b2, v), __fmul_rn(__fmul_rn(k.omb2, g), g));
-  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.bc2_sqrt), k.eps);
-  p = __fsub_rn(decayed, __fmul_rn(k.step_size, __fdiv_rn(m, denom)));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), bc2_sqrt), k.eps);
+  p = __fsub_rn(decayed, __fmul_rn(step_size, __fdiv_rn(m, denom)));
+}
+__device__ __forceinline__ void AdamWElement(const AdamWConstants& k, float g, float& p, float& m,
+                                             float& v) {
+  AdamWElement(k, k.step_size, k.bc2_sqrt, g, p, m, v);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -225,6 +233,33 @@ struct StreamOp {
     for (int a = 0; a < kOut; ++a) out[a][e] = s;
   }
 };
+
+// AdamW with per-column bias corrections over a row-major [rows, cols] block of n = rows * cols
+// elements: element i is in column i % cols. One element per thread per step (the constants'
+// index does not follow a 4-element vector across a row end); the column is advanced by the
+// stride modulo cols instead of divided out per element.
+template <typename G, bool kOut>
+__global__ void __launch_bounds__(kThreads)
+    AdamWColumnsKernel(AdamWConstants k, const float* __restrict__ step_size,
+                       const float* __restrict__ bc2_sqrt, float* __restrict__ p,
+                       float* __restrict__ m, float* __restrict__ v, const G* __restrict__ grad,
+                       uint16_t* __restrict__ out, int64_t n, int64_t cols) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t col_step = stride % cols;
+  int64_t c = tid % cols;
+  for (int64_t i = tid; i < n; i += stride) {
+    float pi = p[i], mi = m[i], vi = v[i];
+    AdamWElement(k, step_size[c], bc2_sqrt[c], __fmul_rn(k.grad_scale, LoadOne(grad + i)), pi, mi,
+                 vi);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if (kOut) out[i] = static_cast<uint16_t>(FToBf16(pi));
+    c += col_step;
+    if (c >= cols) c -= cols;
+  }
+}
 
 // Vectors i < nvec cover elements head + 4i .. head + 4i + 3; the `rest` = n - 4 * nvec other
 // elements are [0, head) and [head + 4 * nvec, n), numbered r = 0 .. rest-1.
@@ -475,6 +510,25 @@ class CudaOptimizerKernel final : public OptimizerKernel {
     }
   }
 
+  void AdamWColumns(const AdamWConfig& config, const float* step_size, const float* bc2_sqrt,
+                    float* param, float* m, float* v, const void* grad, GradType type,
+                    int64_t rows, int64_t cols, uint16_t* bf16_out) const override {
+    if (rows < 0 || cols < 0) {
+      Record("AdamWColumns: need rows >= 0 and cols >= 0");
+      return;
+    }
+    if (rows == 0 || cols == 0) return;
+    const AdamWConstants k = MakeAdamWConstants(config);  // its step_size, bc2_sqrt are unused
+    const int64_t n = rows * cols;
+    if (type == GradType::kBf16) {
+      LaunchAdamWColumns(k, step_size, bc2_sqrt, param, m, v,
+                         static_cast<const uint16_t*>(grad), n, cols, bf16_out);
+    } else {
+      LaunchAdamWColumns(k, step_size, bc2_sqrt, param, m, v, static_cast<const float*>(grad), n,
+                         cols, bf16_out);
+    }
+  }
+
   void AccumulateAdamW(const AdamWConfig& config, float* param, float* m, float* v,
                        const float* acc, const void* grad, GradType type, float acc_scale,
                        int64_t n, uint16_t* bf16_out) const override {
@@ -685,6 +739,21 @@ class CudaOptimizerKernel final : public OptimizerKernel {
     } else {
       Launch("AdamW", AdamWOp<G, kSource, false>{k, p, m, v, acc, g, acc_scale, nullptr}, n, plan);
     }
+  }
+
+  template <typename G>
+  void LaunchAdamWColumns(const AdamWConstants& k, const float* step_size, const float* bc2_sqrt,
+                          float* p, float* m, float* v, const G* g, int64_t n, int64_t cols,
+                          uint16_t* out) const {
+    const unsigned blocks = Blocks(n);
+    if (out != nullptr) {
+      AdamWColumnsKernel<G, true><<<blocks, kThreads, 0, stream_>>>(k, step_size, bc2_sqrt, p, m,
+                                                                     v, g, out, n, cols);
+    } else {
+      AdamWColumnsKernel<G, false><<<blocks, kThreads, 0, stream_>>>(k, step_size, bc2_sqrt, p, m,
+                                                                      v, g, nullptr, n, cols);
+    }
+    CheckLaunch("AdamWColumnsKernel");
   }
 
   void LaunchColumnPartial(const void* grad, GradType type, int64_t rows, int64_t cols, int64_t ld,

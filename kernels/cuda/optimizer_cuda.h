@@ -7,10 +7,10 @@
 // also waits for the stream; it reports each error once.
 //
 // Numerics: the element-wise kernels use explicitly rounded fp32 operations (no contraction into
-// FMA) in the oracle's order, with IEEE sqrt and division, so AdamW, Accumulate, the fused
-// boundary pass and the bf16 conversions are bit-identical to ReferenceKernel() (NaN payloads
-// included). ColumnScores sums in its own (fixed, deterministic) order. TopK and the column moves
-// are exact.
+// FMA) in the oracle's order, with IEEE sqrt and division, so AdamW, AdamWColumns, Accumulate,
+// the fused boundary pass and the bf16 conversions are bit-identical to ReferenceKernel() (NaN
+// payloads included). ColumnScores sums in its own (fixed, deterministic) order. TopK and the
+// column moves are exact.
 //
 // Thread safety: methods may be called from several host threads; the error slot and the
 // grow-only workspace (ColumnScores partial sums, TopK sort buffers) are locked. All work goes

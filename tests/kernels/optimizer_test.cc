@@ -126,6 +126,185 @@ TEST(OptimizerCpu, AdamWMovesAgainstTheGradient) {
   }
 }
 
+// Per-column steps that differ between neighbouring columns and cover a fresh column (1, 2), a
+// settled one (1000) and one past 2^31 (3e9: an int32 or float counter would be wrong there).
+std::vector<int64_t> ColumnSteps(int64_t cols) {
+  const int64_t pool[] = {3000000000, 1, 2, 1000};
+  std::vector<int64_t> steps(cols);
+  for (int64_t c = 0; c < cols; ++c) steps[c] = pool[(5 * c + c / 4) % 4];
+  return steps;
+}
+
+struct ColumnConstants {
+  std::vector<float> step_size, bc2_sqrt;
+};
+ColumnConstants MakeColumns(const AdamWConfig& c, const std::vector<int64_t>& steps) {
+  ColumnConstants k{std::vector<float>(steps.size()), std::vector<float>(steps.size())};
+  MakeColumnConstants(c, steps.data(), steps.size(), k.step_size.data(), k.bc2_sqrt.data());
+  return k;
+}
+
+AdamWConfig ColumnTestConfig() {
+  AdamWConfig c;
+  c.lr = 3e-3;
+  c.beta2 = 0.95;
+  c.weight_decay = 0.1;
+  c.grad_scale = 0.5f;
+  c.step = 77;  // ignored by AdamWColumns
+  return c;
+}
+
+TEST(OptimizerCpu, ColumnConstantsEqualTheUniformConstantsOfEachStep) {
+  const std::vector<int64_t> steps = {1, 2, 3, 10, 1000, 123456, 3000000000,
+                                      std::numeric_limits<int64_t>::max()};
+  for (double beta2 : {0.999, 0.95}) {
+    AdamWConfig c = ColumnTestConfig();
+    c.beta2 = beta2;
+    const ColumnConstants k = MakeColumns(c, steps);
+    for (size_t i = 0; i < steps.size(); ++i) {
+      c.step = steps[i];
+      const AdamWConstants want = MakeAdamWConstants(c);
+      EXPECT_EQ(std::memcmp(&want.step_size, &k.step_size[i], 4), 0)
+          << "step " << steps[i] << ": " << want.step_size << " vs " << k.step_size[i];
+      EXPECT_EQ(std::memcmp(&want.bc2_sqrt, &k.bc2_sqrt[i], 4), 0)
+          << "step " << steps[i] << ": " << want.bc2_sqrt << " vs " << k.bc2_sqrt[i];
+    }
+  }
+}
+
+TEST(OptimizerCpu, ColumnOracleIsAdamWOnEachColumnAtItsOwnStep) {
+  // The contract itself, on the oracle: column c of AdamWColumns is AdamW on that column alone
+  // (extracted) with config.step = steps[c].
+  for (int64_t rows : {1, 7, 64}) {
+    for (int64_t cols : {1, 3, 17, 33}) {
+      for (GradType type : {GradType::kFp32, GradType::kBf16}) {
+        const int64_t n = rows * cols;
+        std::vector<float> p = Random(n, 61), m = Random(n, 62, 0.01f), v = Random(n, 63, 0.01f);
+        for (float& x : v) x = x * x;
+        std::vector<float> g32 = Random(n, 64);
+        std::vector<uint16_t> g16 = ToBf16(g32), out(n);
+        const void* g = type == GradType::kBf16 ? static_cast<const void*>(g16.data())
+                                                : static_cast<const void*>(g32.data());
+        AdamWConfig c = ColumnTestConfig();
+        const std::vector<int64_t> steps = ColumnSteps(cols);
+        const ColumnConstants k = MakeColumns(c, steps);
+        const std::vector<float> p0 = p, m0 = m, v0 = v;
+        ReferenceKernel().AdamWColumns(c, k.step_size.data(), k.bc2_sqrt.data(), p.data(),
+                                       m.data(), v.data(), g, type, rows, cols, out.data());
+        for (int64_t col = 0; col < cols; ++col) {
+          std::vector<float> cp(rows), cm(rows), cv(rows), cg(rows), want_p(rows), want_m(rows),
+              want_v(rows);
+          std::vector<uint16_t> cg16(rows), cout(rows), want_out(rows);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = r * cols + col;
+            cp[r] = p0[i], cm[r] = m0[i], cv[r] = v0[i], cg[r] = g32[i], cg16[r] = g16[i];
+            want_p[r] = p[i], want_m[r] = m[i], want_v[r] = v[i], want_out[r] = out[i];
+          }
+          c.step = steps[col];
+          ReferenceKernel().AdamW(c, cp.data(), cm.data(), cv.data(),
+                                  type == GradType::kBf16 ? static_cast<const void*>(cg16.data())
+                                                          : static_cast<const void*>(cg.data()),
+                                  type, rows, cout.data());
+          const std::string what = std::to_string(rows) + "x" + std::to_string(cols) +
+                                   (type == GradType::kBf16 ? " bf16" : " fp32") + " column " +
+                                   std::to_string(col) + " step " + std::to_string(steps[col]);
+          ExpectBitsEqual(cp, want_p, what + " param");
+          ExpectBitsEqual(cm, want_m, what + " m");
+          ExpectBitsEqual(cv, want_v, what + " v");
+          ExpectBitsEqual(cout, want_out, what + " bf16 out");
+        }
+      }
+    }
+  }
+}
+
+TEST(OptimizerCpu, AdamWColumnsBitExactForEveryBackendAndShape) {
+  struct Shape {
+    int64_t rows, cols;
+  };
+  std::vector<Shape> shapes;
+  for (int64_t rows : {1, 7, 64}) {
+    for (int64_t cols : {1, 3, 17, 33, 1000}) shapes.push_back({rows, cols});
+  }
+  // Several tasks: many short rows per task, and rows longer than one task (split by columns).
+  shapes.push_back({20000, 3});
+  shapes.push_back({2, 70001});
+  for (const OptimizerKernel* k : FastKernels()) {
+    for (const Shape& s : shapes) {
+      const int64_t n = s.rows * s.cols;
+      for (GradType type : {GradType::kFp32, GradType::kBf16}) {
+        for (bool with_out : {false, true}) {
+          const size_t off = 1;  // misaligned starts
+          std::vector<float> p = Random(n + off, 71), m = Random(n + off, 72, 0.01f),
+                             v = Random(n + off, 73, 0.001f);
+          for (float& x : v) x = x * x;
+          std::vector<float> g32 = Random(n + off, 74);
+          std::vector<uint16_t> g16 = ToBf16(g32);
+          std::vector<float> p2 = p, m2 = m, v2 = v;
+          std::vector<uint16_t> o1(n + off, 0), o2(n + off, 0);
+          const void* g = type == GradType::kBf16 ? static_cast<const void*>(g16.data() + off)
+                                                  : static_cast<const void*>(g32.data() + off);
+          const AdamWConfig c = ColumnTestConfig();
+          std::vector<int64_t> steps = ColumnSteps(s.cols);
+          for (int round = 0; round < 2; ++round) {  // the state and every step move on
+            const ColumnConstants kc = MakeColumns(c, steps);
+            ReferenceKernel().AdamWColumns(c, kc.step_size.data(), kc.bc2_sqrt.data(),
+                                           p.data() + off, m.data() + off, v.data() + off, g,
+                                           type, s.rows, s.cols,
+                                           with_out ? o1.data() + off : nullptr);
+            k->AdamWColumns(c, kc.step_size.data(), kc.bc2_sqrt.data(), p2.data() + off,
+                            m2.data() + off, v2.data() + off, g, type, s.rows, s.cols,
+                            with_out ? o2.data() + off : nullptr);
+            for (int64_t& t : steps) ++t;
+          }
+          const std::string what = std::string(k->name()) + " " + std::to_string(s.rows) + "x" +
+                                   std::to_string(s.cols) +
+                                   (type == GradType::kBf16 ? " bf16" : " fp32") +
+                                   (with_out ? " +out" : "");
+          ExpectBitsEqual(p, p2, what + " param");
+          ExpectBitsEqual(m, m2, what + " m");
+          ExpectBitsEqual(v, v2, what + " v");
+          ExpectBitsEqual(o1, o2, what + " bf16 out");
+          EXPECT_EQ(o2[0], 0) << what << ": wrote before the block";
+          if (with_out) {
+            EXPECT_EQ(o2[off + n - 1], FloatToBf16(p2[off + n - 1])) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(OptimizerCpu, AdamWColumnsWithOneStepEqualsAdamW) {
+  std::vector<const OptimizerKernel*> ks = FastKernels();
+  ks.push_back(&ReferenceKernel());
+  for (const OptimizerKernel* k : ks) {
+    for (int64_t step : {int64_t{1}, int64_t{1000}, int64_t{3000000000}}) {
+      for (int64_t rows : {7, 64}) {
+        for (int64_t cols : {33, 1000}) {
+          const int64_t n = rows * cols;
+          std::vector<float> p = Random(n, 81), m = Random(n, 82, 0.01f), v = Random(n, 83, 0.01f);
+          for (float& x : v) x = x * x;
+          std::vector<uint16_t> g16 = ToBf16(Random(n, 84)), o1(n), o2(n);
+          std::vector<float> p2 = p, m2 = m, v2 = v;
+          AdamWConfig c = ColumnTestConfig();
+          c.step = step;
+          const ColumnConstants kc = MakeColumns(c, std::vector<int64_t>(cols, step));
+          k->AdamW(c, p.data(), m.data(), v.data(), g16.data(), GradType::kBf16, n, o1.data());
+          k->AdamWColumns(c, kc.step_size.data(), kc.bc2_sqrt.data(), p2.data(), m2.data(),
+                          v2.data(), g16.data(), GradType::kBf16, rows, cols, o2.data());
+          const std::string what = std::string(k->name()) + " " + std::to_string(rows) + "x" +
+                                   std::to_string(cols) + " step " + std::to_string(step);
+          ExpectBitsEqual(p, p2, what + " param");
+          ExpectBitsEqual(m, m2, what + " m");
+          ExpectBitsEqual(v, v2, what + " v");
+          ExpectBitsEqual(o1, o2, what + " bf16 out");
+        }
+      }
+    }
+  }
+}
+
 TEST(OptimizerCpu, AccumulateAddAndOverwriteBitExact) {
   for (const OptimizerKernel* k : FastKernels()) {
     for (int64_t n : kSizes) {
