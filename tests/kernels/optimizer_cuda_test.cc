@@ -355,6 +355,65 @@ void TestAdamW(const OptimizerKernel& gpu) {
   CompareExact(&r, dv.Get(), v, "exp_avg_sq");
 }
 
+// AdamWColumns: every column at its own step (1, 2, 1000, 3e9 between neighbours), three rounds
+// with every step advancing, against the oracle bit for bit. Shapes from one element to blocks
+// larger than one grid-stride sweep (the column index wraps as the threads advance); the arrays
+// start one element in (two for the bf16 copy) so that a write outside the block is caught.
+void TestAdamWColumns(const OptimizerKernel& gpu) {
+  struct Shape {
+    int64_t rows, cols;
+  };
+  const Shape shapes[] = {{1, 1},    {7, 3},     {64, 17},   {7, 33},
+                          {64, 1000}, {1, 300007}, {257, 4099}};
+  const int64_t pool[] = {3000000000, 1, 2, 1000};
+  uint64_t seed = 3000;
+  for (GradType type : {GradType::kFp32, GradType::kBf16}) {
+    for (bool out : {false, true}) {
+      Result r(std::string("adamw_columns_") + TypeName(type) + (out ? "_bf16out" : "") +
+                   "_3steps",
+               0.0);
+      for (const Shape& s : shapes) {
+        const int64_t n = s.rows * s.cols;
+        const int off = 1, out_off = 2;
+        std::vector<float> p = Normal(n + off, ++seed), m = Normal(n + off, ++seed, 0.01f),
+                           v = Normal(n + off, ++seed, 0.01f);
+        for (float& x : v) x = x * x;
+        std::vector<uint16_t> bf(n + out_off, 0xdeadu);
+        DeviceArray<float> dp(p), dm(m), dv(v);
+        DeviceArray<uint16_t> dbf(bf);
+        std::vector<int64_t> steps(s.cols);
+        for (int64_t c = 0; c < s.cols; ++c) steps[c] = pool[(5 * c + c / 4) % 4];
+        AdamWConfig c;
+        c.lr = 3e-3;
+        c.beta2 = 0.95;
+        c.weight_decay = 0.1;
+        c.grad_scale = 0.5f;
+        c.step = 77;  // ignored
+        for (int round = 0; round < 3; ++round) {
+          std::vector<float> step_size(s.cols), bc2_sqrt(s.cols);
+          stallfree::kernels::MakeColumnConstants(c, steps.data(), s.cols, step_size.data(),
+                                                  bc2_sqrt.data());
+          DeviceArray<float> dstep(step_size), dbc2(bc2_sqrt);
+          Grad g(type, GradValues(n + off, ++seed));
+          Ref().AdamWColumns(c, step_size.data(), bc2_sqrt.data(), p.data() + off, m.data() + off,
+                             v.data() + off, g.host(off), type, s.rows, s.cols,
+                             out ? bf.data() + out_off : nullptr);
+          gpu.AdamWColumns(c, dstep.get(), dbc2.get(), dp.get() + off, dm.get() + off,
+                           dv.get() + off, g.dev(off), type, s.rows, s.cols,
+                           out ? dbf.get() + out_off : nullptr);
+          CheckOk(gpu.Synchronize(), "AdamWColumns");
+          for (int64_t& t : steps) ++t;
+        }
+        const std::string where = std::to_string(s.rows) + "x" + std::to_string(s.cols);
+        CompareExact(&r, dp.Get(), p, where + " param");
+        CompareExact(&r, dm.Get(), m, where + " exp_avg");
+        CompareExact(&r, dv.Get(), v, where + " exp_avg_sq");
+        CompareExact(&r, dbf.Get(), bf, where + " bf16_out");
+      }
+    }
+  }
+}
+
 void TestAccumulateAdamW(const OptimizerKernel& gpu) {
   struct Source {
     const char* name;
@@ -687,12 +746,17 @@ void TestErrors(const OptimizerKernel& gpu) {
   std::string e3 = gpu.Synchronize();
   gpu.ColumnScores(dx.get(), GradType::kFp32, 2, 8, 4, dx.get(), nullptr);
   std::string e4 = gpu.Synchronize();
+  gpu.AdamWColumns(AdamWConfig(), dx.get(), dx.get(), dx.get(), dx.get(), dx.get(), dx.get(),
+                   GradType::kFp32, -1, 4, nullptr);
+  std::string e5 = gpu.Synchronize();
   if (e1.empty()) r.Fail("elem_size 3 not reported");
   if (!e2.empty()) r.Fail("error reported twice: " + e2);
   if (e3.empty()) r.Fail("TopK k > n not reported");
   if (e4.empty()) r.Fail("ColumnScores ld < cols not reported");
+  if (e5.empty()) r.Fail("AdamWColumns rows < 0 not reported");
   if (dx.Get() != x) r.Fail("an invalid call wrote memory");
-  std::printf("INFO errors: \"%s\" / \"%s\" / \"%s\"\n", e1.c_str(), e3.c_str(), e4.c_str());
+  std::printf("INFO errors: \"%s\" / \"%s\" / \"%s\" / \"%s\"\n", e1.c_str(), e3.c_str(),
+              e4.c_str(), e5.c_str());
 }
 
 // PyTorch's torch.optim.AdamW trajectories, with adamw_test.cc's tolerances; and the same
@@ -782,6 +846,7 @@ int main() {
   }
   TestAccumulate(*gpu);
   TestAdamW(*gpu);
+  TestAdamWColumns(*gpu);
   TestAccumulateAdamW(*gpu);
   TestConversions(*gpu);
   TestColumnScores(*gpu);
