@@ -202,7 +202,7 @@ std::future<absl::StatusOr<v1::PushGradientsResponse>> Session::PushAsync(int64_
 }
 
 absl::Status Session::Update(int64_t step, const v1::AdamWHyper& hyper, uint32_t param_slot,
-                             v1::DType out_dtype) {
+                             v1::DType out_dtype, bool column_steps) {
   grpc::ClientContext ctx;
   v1::UpdateRequest req;
   *req.mutable_session() = ref_;
@@ -210,8 +210,23 @@ absl::Status Session::Update(int64_t step, const v1::AdamWHyper& hyper, uint32_t
   *req.mutable_hyper() = hyper;
   req.set_param_slot(param_slot);
   req.set_out_dtype(out_dtype);
+  req.set_column_steps(column_steps);
   v1::UpdateResponse resp;
   return FromGrpc(client_->stub()->Update(&ctx, req, &resp));
+}
+
+absl::StatusOr<std::vector<int64_t>> Session::MigrateColumns(const std::string& param,
+                                                             const std::vector<int64_t>& columns,
+                                                             const std::vector<int64_t>& steps) {
+  grpc::ClientContext ctx;
+  v1::MigrateColumnsRequest req;
+  *req.mutable_session() = ref_;
+  req.set_param(param);
+  for (int64_t c : columns) req.add_columns(c);
+  for (int64_t t : steps) req.add_steps(t);
+  v1::MigrateColumnsResponse resp;
+  RETURN_IF_ERROR(FromGrpc(client_->stub()->MigrateColumns(&ctx, req, &resp)));
+  return std::vector<int64_t>(resp.steps().begin(), resp.steps().end());
 }
 
 absl::StatusOr<v1::WaitUpdateResponse> Session::WaitUpdate(int64_t min_version,

@@ -92,8 +92,15 @@ class Session {
   std::future<absl::StatusOr<v1::PushGradientsResponse>> PushAsync(int64_t step, uint32_t slot,
                                                                    float scale = 1.0f);
   // Starts AdamW; returns when the daemon accepted it (not when it finished).
+  // column_steps: each column's bias correction uses its own step count (offload.proto).
   absl::Status Update(int64_t step, const v1::AdamWHyper& hyper, uint32_t param_slot,
-                      v1::DType out_dtype = v1::DTYPE_FP32);
+                      v1::DType out_dtype = v1::DTYPE_FP32, bool column_steps = false);
+  // Swaps the state of `columns` of parameter `param` with the three [rows, n] blocks (values,
+  // m, v) the caller wrote at StagingFp32(param); returns the columns' previous step counts
+  // (their previous state is then in the staging blocks). See MigrateColumnsRequest.
+  absl::StatusOr<std::vector<int64_t>> MigrateColumns(const std::string& param,
+                                                      const std::vector<int64_t>& columns,
+                                                      const std::vector<int64_t>& steps);
   absl::StatusOr<v1::WaitUpdateResponse> WaitUpdate(int64_t min_version, uint32_t timeout_ms = 0);
   std::future<absl::StatusOr<v1::WaitUpdateResponse>> WaitUpdateAsync(int64_t min_version);
   absl::Status Close();

@@ -91,6 +91,14 @@ grpc::ServerUnaryReactor* OffloadService::WaitUpdate(grpc::CallbackServerContext
   return r;
 }
 
+grpc::ServerUnaryReactor* OffloadService::MigrateColumns(grpc::CallbackServerContext* ctx,
+                                                         const v1::MigrateColumnsRequest* req,
+                                                         v1::MigrateColumnsResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->MigrateColumns(*req, resp, Finisher(r));
+  return r;
+}
+
 grpc::ServerUnaryReactor* OffloadService::GetStats(grpc::CallbackServerContext* ctx,
                                                    const v1::GetStatsRequest*,
                                                    v1::GetStatsResponse* resp) {

@@ -37,6 +37,9 @@ class OffloadService final : public v1::Offload::CallbackService {
   grpc::ServerUnaryReactor* WaitUpdate(grpc::CallbackServerContext* ctx,
                                        const v1::WaitUpdateRequest* req,
                                        v1::WaitUpdateResponse* resp) override;
+  grpc::ServerUnaryReactor* MigrateColumns(grpc::CallbackServerContext* ctx,
+                                           const v1::MigrateColumnsRequest* req,
+                                           v1::MigrateColumnsResponse* resp) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
                                      const v1::GetStatsRequest* req,
                                      v1::GetStatsResponse* resp) override;

@@ -4,6 +4,7 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -105,6 +106,9 @@ struct ParamInfo {
   v1::DType grad_dtype = v1::DTYPE_FP32;
   uint64_t elem_offset = 0;  // into every fp32 array and the fp32 parameter slot.
   uint64_t grad_offset = 0;  // bytes into each gradient slot.
+  int64_t rows = 1, cols = 1;  // [product of the leading dimensions, last dimension]
+  // AdamW steps applied to each column; touched only by tasks on the session's strand.
+  std::vector<int64_t> col_steps;
 };
 
 struct Waiter {
@@ -319,6 +323,8 @@ void SessionManager::RegisterParams(const v1::RegisterParamsRequest& req,
     info.grad_dtype = p.grad_dtype();
     info.elem_offset = elems;
     info.grad_offset = grad_bytes;
+    info.cols = p.shape(p.shape_size() - 1);
+    info.rows = numel / info.cols;
     uint64_t padded, padded_bytes;
     if (!AlignUp(static_cast<uint64_t>(numel), kElemAlign, &padded) ||
         !AddOverflow(elems, padded, &elems) ||
@@ -394,6 +400,7 @@ void SessionManager::RegisterParams(const v1::RegisterParamsRequest& req,
     s->m = base + elems;
     s->v = base + 2 * elems;
     s->acc = base + 3 * elems;
+    for (ParamInfo& p : params) p.col_steps.assign(static_cast<size_t>(p.cols), 0);
     s->params = std::move(params);
     s->index = std::move(index);
     s->total_elems = elems;
@@ -448,6 +455,7 @@ void SessionManager::LoadParams(const v1::LoadParamsRequest& req,
         memset(s->v + e + b, 0, (end - b) * sizeof(float));
         memset(s->acc + e + b, 0, (end - b) * sizeof(float));
       });
+      s->params[i].col_steps.assign(static_cast<size_t>(s->params[i].cols), 0);
     }
     done(absl::OkStatus());
   });
@@ -616,19 +624,41 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
   cfg.weight_decay = h.weight_decay();
   cfg.step = req.step();
   const uint32_t slot = req.param_slot();
-  s->strand->Post([this, s, cfg, slot, out] {
+  const bool column_steps = req.column_steps();
+  s->strand->Post([this, s, cfg, slot, out, column_steps] {
     const auto t0 = Clock::now();
     const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
     uint8_t* dst = s->ParamSlot(slot);
     float* out32 = reinterpret_cast<float*>(dst);
     uint16_t* out16 = reinterpret_cast<uint16_t*>(dst);
-    ParallelChunks(static_cast<int64_t>(s->total_elems), [&](int64_t b, int64_t e) {
-      const int64_t n = e - b;
-      k.AdamW(cfg, s->master + b, s->m + b, s->v + b, s->acc + b, kernels::GradType::kFp32, n,
-              out == v1::DTYPE_BF16 ? out16 + b : nullptr);
-      if (out == v1::DTYPE_FP32) memcpy(out32 + b, s->master + b, n * sizeof(float));
-      memset(s->acc + b, 0, n * sizeof(float));
-    });
+    if (!column_steps) {
+      ParallelChunks(static_cast<int64_t>(s->total_elems), [&](int64_t b, int64_t e) {
+        const int64_t n = e - b;
+        k.AdamW(cfg, s->master + b, s->m + b, s->v + b, s->acc + b, kernels::GradType::kFp32, n,
+                out == v1::DTYPE_BF16 ? out16 + b : nullptr);
+        if (out == v1::DTYPE_FP32) memcpy(out32 + b, s->master + b, n * sizeof(float));
+        memset(s->acc + b, 0, n * sizeof(float));
+      });
+      for (ParamInfo& p : s->params) std::fill(p.col_steps.begin(), p.col_steps.end(), cfg.step);
+    } else {
+      std::vector<float> step_size, bc2;
+      for (ParamInfo& p : s->params) {
+        for (int64_t& t : p.col_steps) ++t;
+        step_size.resize(p.col_steps.size());
+        bc2.resize(p.col_steps.size());
+        kernels::MakeColumnConstants(cfg, p.col_steps.data(), p.cols, step_size.data(),
+                                     bc2.data());
+        const uint64_t e = p.elem_offset;
+        k.AdamWColumns(cfg, step_size.data(), bc2.data(), s->master + e, s->m + e, s->v + e,
+                       s->acc + e, kernels::GradType::kFp32, p.rows, p.cols,
+                       out == v1::DTYPE_BF16 ? out16 + e : nullptr);
+      }
+      ParallelChunks(static_cast<int64_t>(s->total_elems), [&](int64_t b, int64_t e) {
+        const int64_t n = e - b;
+        if (out == v1::DTYPE_FP32) memcpy(out32 + b, s->master + b, n * sizeof(float));
+        memset(s->acc + b, 0, n * sizeof(float));
+      });
+    }
     const double secs = Seconds(Clock::now() - t0);
     counters_.update_ns.fetch_add(static_cast<int64_t>(secs * 1e9));
     counters_.updates.fetch_add(1);
@@ -659,6 +689,84 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
     for (Waiter& w : ready) w.done(result);
   });
   return absl::OkStatus();
+}
+
+void SessionManager::MigrateColumns(const v1::MigrateColumnsRequest& req,
+                                    v1::MigrateColumnsResponse* resp,
+                                    std::function<void(absl::Status)> done) {
+  auto fail = [&](absl::Status st) {
+    Reject(st);
+    done(st);
+  };
+  absl::StatusOr<std::shared_ptr<Session>> found = Find(req.session());
+  if (!found.ok()) return fail(found.status());
+  std::shared_ptr<Session> s = *found;
+  const int64_t n = req.columns_size();
+  size_t which;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (!s->registered)
+      return fail(absl::FailedPreconditionError("MigrateColumns before RegisterParams"));
+    auto it = s->index.find(req.param());
+    if (it == s->index.end())
+      return fail(absl::NotFoundError(absl::StrCat("param: no parameter '", req.param(), "'")));
+    which = it->second;
+    const ParamInfo& p = s->params[which];
+    if (n == 0) return fail(absl::InvalidArgumentError("columns: empty"));
+    if (req.steps_size() != n)
+      return fail(absl::InvalidArgumentError(absl::StrCat(
+          "steps: ", req.steps_size(), " step counts for ", n, " columns")));
+    // 3 blocks of [rows, n] must fit in the parameter's staging area of rows * cols floats.
+    if (n > p.cols / 3)
+      return fail(absl::InvalidArgumentError(absl::StrCat(
+          "columns: ", n, " columns of '", p.name, "' need ", 3 * n * p.rows,
+          " staging floats, but the parameter's staging area holds ", p.numel,
+          "; move at most ", p.cols / 3, " columns per call")));
+    std::vector<bool> seen(static_cast<size_t>(p.cols), false);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t c = req.columns(j);
+      if (c < 0 || c >= p.cols)
+        return fail(absl::InvalidArgumentError(absl::StrCat(
+            "columns[", j, "]: ", c, " is outside [0, ", p.cols, ") of '", p.name, "'")));
+      if (seen[c])
+        return fail(absl::InvalidArgumentError(
+            absl::StrCat("columns[", j, "]: column ", c, " appears twice")));
+      seen[c] = true;
+      if (req.steps(j) < 0)
+        return fail(absl::InvalidArgumentError(
+            absl::StrCat("steps[", j, "]: ", req.steps(j), " is negative")));
+    }
+    if (s->update_running)
+      return fail(absl::AbortedError(absl::StrCat(
+          "the update of step ", s->last_step, " is still running for session ", s->id,
+          "; wait for it before migrating columns")));
+    if (s->pushes_since_update > 0)
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          s->pushes_since_update, " gradient pushes since the last Update are pending; "
+          "migrate columns only between an Update and the next push")));
+  }
+  std::vector<int64_t> columns(req.columns().begin(), req.columns().end());
+  std::vector<int64_t> steps(req.steps().begin(), req.steps().end());
+  s->strand->Post([this, s, which, columns = std::move(columns), steps = std::move(steps), resp,
+                   done] {
+    ParamInfo& p = s->params[which];
+    const int64_t n = static_cast<int64_t>(columns.size());
+    float* staging = s->Staging() + p.elem_offset;
+    float* state[3] = {s->master + p.elem_offset, s->m + p.elem_offset, s->v + p.elem_offset};
+    for (int a = 0; a < 3; ++a) {
+      float* block = staging + a * p.rows * n;
+      for (int64_t r = 0; r < p.rows; ++r) {
+        float* row = state[a] + r * p.cols;
+        for (int64_t j = 0; j < n; ++j) std::swap(block[r * n + j], row[columns[j]]);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      resp->add_steps(p.col_steps[columns[j]]);
+      p.col_steps[columns[j]] = steps[j];
+    }
+    counters_.migrated_columns.fetch_add(2 * n);
+    done(absl::OkStatus());
+  });
 }
 
 void SessionManager::WaitUpdate(const v1::WaitUpdateRequest& req,
@@ -821,6 +929,7 @@ v1::Stats SessionManager::GetStats() {
   st.set_uptime_seconds(Seconds(Clock::now() - start_));
   st.set_version("stallfreed 0.1.0");
   st.set_mlock_enabled(options_.pin != PinPolicy::kOff);
+  st.set_migrated_columns(counters_.migrated_columns.load());
   return st;
 }
 

@@ -53,6 +53,7 @@ struct DaemonCounters {
   std::atomic<uint64_t> bytes_in{0};
   std::atomic<uint64_t> bytes_out{0};
   std::atomic<int64_t> rejected{0};
+  std::atomic<int64_t> migrated_columns{0};
 };
 
 struct WaitResult {
@@ -93,6 +94,10 @@ class SessionManager {
                            std::function<void(absl::Status)> done);
   // Validates and starts the update; returns at once. The result is observed by WaitUpdate.
   absl::Status Update(const v1::UpdateRequest& request);
+  // Swaps the state of some columns with the staging area (offload.proto, MigrateColumns).
+  void MigrateColumns(const v1::MigrateColumnsRequest& request,
+                      v1::MigrateColumnsResponse* response,
+                      std::function<void(absl::Status)> done);
   // Calls done once the version is ready, the timeout passes, or the session goes away.
   void WaitUpdate(const v1::WaitUpdateRequest& request,
                   std::function<void(absl::StatusOr<WaitResult>)> done);

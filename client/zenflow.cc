@@ -1,0 +1,641 @@
+#include "client/zenflow.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace stallfree {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using kernels::GradType;
+using kernels::OpsBuffer;
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Runs tasks in order on one thread; the caller waits for a task by its sequence number. The
+// first error sticks: later waits return it.
+class CopyThread {
+ public:
+  CopyThread() : thread_([this] { Run(); }) {}
+  ~CopyThread() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  int64_t Post(std::function<absl::Status()> task) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.emplace_back(++posted_, std::move(task));
+    cv_.notify_all();
+    return posted_;
+  }
+
+  absl::Status WaitFor(int64_t seq) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return done_ >= seq || !error_.ok(); });
+    return error_;
+  }
+  absl::Status WaitAll() {
+    int64_t last;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last = posted_;
+    }
+    return WaitFor(last);
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and drained
+      auto [seq, task] = std::move(queue_.front());
+      queue_.pop_front();
+      const bool skip = !error_.ok();
+      lock.unlock();
+      absl::Status st = skip ? absl::OkStatus() : task();
+      lock.lock();
+      if (!st.ok() && error_.ok()) error_ = st;
+      done_ = seq;
+      cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<int64_t, std::function<absl::Status()>>> queue_;
+  int64_t posted_ = 0, done_ = 0;
+  bool stop_ = false;
+  absl::Status error_;
+  std::thread thread_;
+};
+
+absl::Status Invalid(const std::string& field, const std::string& why) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
+}
+
+size_t DTypeBytes(v1::DType t) { return t == v1::DTYPE_BF16 ? 2 : 4; }
+
+}  // namespace
+
+const char* OffloadModeName(OffloadMode mode) {
+  switch (mode) {
+    case OffloadMode::kZenFlow: return "zenflow";
+    case OffloadMode::kSyncOffload: return "sync-offload";
+    case OffloadMode::kNoOffload: return "no-offload";
+  }
+  return "?";
+}
+
+absl::StatusOr<OffloadMode> ParseOffloadMode(const std::string& name) {
+  for (OffloadMode m : {OffloadMode::kZenFlow, OffloadMode::kSyncOffload, OffloadMode::kNoOffload})
+    if (name == OffloadModeName(m)) return m;
+  return Invalid("mode", absl::StrCat("'", name, "' is not zenflow, sync-offload or no-offload"));
+}
+
+absl::Status ZenFlowConfig::Validate() const {
+  if (!(topk_ratio > 0.0 && topk_ratio <= 1.0))
+    return Invalid("topk_ratio", absl::StrCat(topk_ratio, " is outside (0, 1]"));
+  if (update_interval < 1)
+    return Invalid("update_interval", absl::StrCat(update_interval, " is not >= 1"));
+  if (select_interval < 0 || select_interval % update_interval != 0)
+    return Invalid("select_interval",
+                   absl::StrCat(select_interval, " is not a positive multiple of update_interval ",
+                                update_interval, " (or 0 for 4 x update_interval)"));
+  if (warmup_steps < 0) return Invalid("warmup_steps", absl::StrCat(warmup_steps, " is negative"));
+  if (!(beta1 >= 0.0 && beta1 < 1.0)) return Invalid("beta1", "must be in [0, 1)");
+  if (!(beta2 >= 0.0 && beta2 < 1.0)) return Invalid("beta2", "must be in [0, 1)");
+  if (!(eps > 0.0) || !std::isfinite(eps)) return Invalid("eps", "must be finite and > 0");
+  if (!(weight_decay >= 0.0) || !std::isfinite(weight_decay))
+    return Invalid("weight_decay", "must be finite and >= 0");
+  if (grad_dtype != v1::DTYPE_FP32 && grad_dtype != v1::DTYPE_BF16)
+    return Invalid("grad_dtype", "must be FP32 or BF16");
+  if (param_dtype != v1::DTYPE_FP32 && param_dtype != v1::DTYPE_BF16)
+    return Invalid("param_dtype", "must be FP32 or BF16");
+  return absl::OkStatus();
+}
+
+// One parameter's engine state.
+struct PState {
+  enum Kind {
+    kDevice,     // wholly on the device: plain AdamW with m, v, dstep
+    kSplit,      // zenflow: hot columns on the device, cold columns in the daemon
+    kOffloaded,  // sync-offload: wholly in the daemon
+  };
+  EngineParam p;
+  Kind kind = kDevice;
+  int64_t rows = 1, cols = 1, numel = 0;
+  int64_t k = 0, ncold = 0;
+  // kDevice
+  OpsBuffer m, v;
+  int64_t dstep = 0;
+  // kSplit: hot_idx[i] is the column at hot position i, cold_idx[j] the column at the daemon's
+  // compact position j; hot_steps[i] the hot column's AdamW step count.
+  std::vector<int64_t> hot_idx, cold_idx, hot_steps;
+  OpsBuffer hot_master, hot_m, hot_v, hot_grad, hot_ss, hot_bc2;
+  OpsBuffer hot_idx_dev, cold_idx_dev, scores, topk_dev;  // int64 arrays as 2 floats each
+  // kSplit and kOffloaded: the gathered gradients per gradient slot, and the parameters back.
+  OpsBuffer cold_grad[2], cold_bf16[2], cold_params, cold_raw;
+
+  int64_t offload_numel() const { return kind == kSplit ? rows * ncold : numel; }
+};
+
+struct ZenFlowEngine::Impl {
+  ZenFlowConfig cfg;
+  const kernels::OptimizerKernel& k;
+  const kernels::TransformerOps& ops;
+  Session* session;
+  std::vector<PState> params;
+  std::map<std::string, size_t> index;
+  ScoreReduce reduce;
+
+  int64_t step = 0;
+  StepTimings last;
+  bool loaded = false;
+  absl::Status failure;
+  int64_t slot_task[2] = {0, 0};  // copy-thread task that last pushed each gradient slot
+  int64_t pending_version = 0;    // Update issued, parameters not yet scattered
+  int64_t pending_task = 0;
+  int64_t rounds = 0;
+  std::unique_ptr<CopyThread> copier;
+
+  Impl(const ZenFlowConfig& c, const kernels::OptimizerKernel& kk,
+       const kernels::TransformerOps& o, Session* s)
+      : cfg(c), k(kk), ops(o), session(s) {}
+
+  bool offloading() const { return cfg.mode != OffloadMode::kNoOffload; }
+
+  absl::Status Sync(const char* what) {
+    std::string err = ops.Synchronize();
+    if (err.empty()) err = k.Synchronize();
+    if (!err.empty()) return absl::InternalError(absl::StrCat(what, ": ", err));
+    return absl::OkStatus();
+  }
+
+  OpsBuffer Ints(int64_t n) { return OpsBuffer(&ops, 2 * n); }
+  static int64_t* AsInts(const OpsBuffer& b) { return reinterpret_cast<int64_t*>(b.data()); }
+  void UploadInts(const OpsBuffer& dst, const std::vector<int64_t>& src) {
+    ops.Upload(dst.data(), reinterpret_cast<const float*>(src.data()),
+               2 * static_cast<int64_t>(src.size()));
+  }
+
+  kernels::AdamWConfig Adam(double lr, int64_t t) const {
+    kernels::AdamWConfig a;
+    a.lr = lr;
+    a.beta1 = cfg.beta1;
+    a.beta2 = cfg.beta2;
+    a.eps = cfg.eps;
+    a.weight_decay = cfg.weight_decay;
+    a.step = t;
+    return a;
+  }
+
+  absl::Status Setup();
+  absl::Status LoadDaemon();
+  absl::Status Select(PState& ps, bool initial, StepTimings* tm);
+  absl::Status ApplyPendingUpdate(StepTimings* tm);
+  absl::Status ScatterParams(PState& ps, uint32_t slot, StepTimings* tm);
+  absl::Status DoStep(double lr);
+};
+
+absl::Status ZenFlowEngine::Impl::Setup() {
+  std::vector<ParamSpec> specs;
+  for (PState& ps : params) {
+    ps.numel = 1;
+    for (int64_t d : ps.p.shape) ps.numel *= d;
+    ps.cols = ps.p.shape.back();
+    ps.rows = ps.numel / ps.cols;
+    if (cfg.mode == OffloadMode::kSyncOffload) {
+      ps.kind = PState::kOffloaded;
+    } else if (cfg.mode == OffloadMode::kZenFlow && ps.p.shape.size() >= 2) {
+      ps.k = std::clamp<int64_t>(std::llround(cfg.topk_ratio * ps.cols), 1, ps.cols);
+      ps.ncold = ps.cols - ps.k;
+      ps.kind = ps.ncold >= 3 ? PState::kSplit : PState::kDevice;
+    } else {
+      ps.kind = PState::kDevice;
+    }
+    switch (ps.kind) {
+      case PState::kDevice:
+        ps.m = OpsBuffer(&ops, ps.numel);
+        ps.v = OpsBuffer(&ops, ps.numel);
+        break;
+      case PState::kSplit:
+        ps.hot_master = OpsBuffer(&ops, ps.rows * ps.k);
+        ps.hot_m = OpsBuffer(&ops, ps.rows * ps.k);
+        ps.hot_v = OpsBuffer(&ops, ps.rows * ps.k);
+        ps.hot_grad = OpsBuffer(&ops, ps.rows * ps.k);
+        ps.hot_ss = OpsBuffer(&ops, ps.k);
+        ps.hot_bc2 = OpsBuffer(&ops, ps.k);
+        ps.hot_idx_dev = Ints(ps.k);
+        ps.cold_idx_dev = Ints(ps.ncold);
+        ps.scores = OpsBuffer(&ops, ps.cols);
+        ps.topk_dev = Ints(ps.k);
+        break;
+      case PState::kOffloaded:
+        break;
+    }
+    if (ps.kind != PState::kDevice) {
+      const int64_t n = ps.offload_numel();
+      for (int s = 0; s < 2; ++s) {
+        ps.cold_grad[s] = OpsBuffer(&ops, n);
+        if (cfg.grad_dtype == v1::DTYPE_BF16) ps.cold_bf16[s] = OpsBuffer(&ops, (n + 1) / 2);
+      }
+      if (ps.kind == PState::kSplit) ps.cold_params = OpsBuffer(&ops, n);
+      if (cfg.param_dtype == v1::DTYPE_BF16) ps.cold_raw = OpsBuffer(&ops, (n + 1) / 2);
+      ParamSpec spec;
+      spec.name = ps.p.name;
+      spec.shape = ps.kind == PState::kSplit ? std::vector<int64_t>{ps.rows, ps.ncold} : ps.p.shape;
+      spec.grad_dtype = cfg.grad_dtype;
+      specs.push_back(std::move(spec));
+    }
+  }
+  RETURN_IF_ERROR(Sync("allocating the engine's buffers"));
+  if (!offloading() || specs.empty()) return absl::OkStatus();
+  if (session->layout().params_size() == 0) {
+    RETURN_IF_ERROR(session->RegisterParams(specs));
+  } else {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      int64_t numel = 1;
+      for (int64_t d : specs[i].shape) numel *= d;
+      absl::StatusOr<const v1::ParamLayout*> pl = session->Param(specs[i].name);
+      if (!pl.ok() || (*pl)->numel() != numel)
+        return absl::FailedPreconditionError(absl::StrCat(
+            "params: the daemon session has no parameter '", specs[i].name, "' of ", numel,
+            " elements (the engine offloads it with that size); register the session's "
+            "parameters through the engine"));
+    }
+  }
+  copier = std::make_unique<CopyThread>();
+  return absl::OkStatus();
+}
+
+absl::Status ZenFlowEngine::Impl::LoadDaemon() {
+  for (PState& ps : params) {
+    if (ps.kind == PState::kOffloaded) {
+      ops.Download(session->StagingFp32(ps.p.name), ps.p.value, ps.numel);
+    } else if (ps.kind == PState::kSplit) {
+      k.GatherColumns(ps.p.value, 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
+                      ps.cold_params.data());
+      ops.Download(session->StagingFp32(ps.p.name), ps.cold_params.data(), ps.rows * ps.ncold);
+    }
+  }
+  RETURN_IF_ERROR(Sync("staging the initial parameters"));
+  RETURN_IF_ERROR(session->LoadParams());
+  loaded = true;
+  return absl::OkStatus();
+}
+
+absl::Status ZenFlowEngine::Impl::Select(PState& ps, bool initial, StepTimings* tm) {
+  auto t0 = Clock::now();
+  k.ColumnScores(ps.p.grad, GradType::kFp32, ps.rows, ps.cols, ps.cols, nullptr,
+                 ps.scores.data());
+  if (reduce) RETURN_IF_ERROR(reduce(ps.p.name, ps.scores.data(), ps.cols));
+  k.TopK(ps.scores.data(), ps.cols, ps.k, AsInts(ps.topk_dev));
+  std::vector<int64_t> hot(ps.k);
+  ops.Download(reinterpret_cast<float*>(hot.data()), ps.topk_dev.data(), 2 * ps.k);
+  RETURN_IF_ERROR(Sync("selecting hot columns"));
+  if (initial) {
+    ps.hot_idx = hot;
+    ps.hot_steps.assign(ps.k, 0);
+    ps.cold_idx.resize(ps.ncold);
+    kernels::ComplementIndices(hot.data(), ps.k, ps.cols, ps.cold_idx.data());
+    UploadInts(ps.hot_idx_dev, ps.hot_idx);
+    UploadInts(ps.cold_idx_dev, ps.cold_idx);
+    k.GatherColumns(ps.p.value, 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+                    ps.hot_master.data());
+    tm->optimizer += Since(t0);
+    return Sync("initialising the hot columns");
+  }
+  tm->optimizer += Since(t0);
+
+  // Pair the hot positions whose column leaves with the compact positions whose column enters.
+  std::vector<char> is_new(ps.cols, 0);
+  for (int64_t c : hot) is_new[c] = 1;
+  std::vector<int64_t> leaving, entering;
+  for (int64_t i = 0; i < ps.k; ++i)
+    if (!is_new[ps.hot_idx[i]]) leaving.push_back(i);
+  for (int64_t j = 0; j < ps.ncold; ++j)
+    if (is_new[ps.cold_idx[j]]) entering.push_back(j);
+  if (leaving.size() != entering.size())
+    return absl::InternalError(absl::StrCat("reselection of '", ps.p.name, "': ", leaving.size(),
+                                            " columns leave but ", entering.size(), " enter"));
+  if (leaving.empty()) return absl::OkStatus();
+  t0 = Clock::now();
+  const int64_t batch = ps.ncold / 3;  // the daemon's staging limit: 3 rows*n <= rows*ncold
+  float* staging = session->StagingFp32(ps.p.name);
+  float* hot_state[3] = {ps.hot_master.data(), ps.hot_m.data(), ps.hot_v.data()};
+  for (size_t b0 = 0; b0 < leaving.size(); b0 += batch) {
+    const int64_t n = std::min<int64_t>(batch, leaving.size() - b0);
+    std::vector<int64_t> pos(leaving.begin() + b0, leaving.begin() + b0 + n);
+    std::vector<int64_t> cols(entering.begin() + b0, entering.begin() + b0 + n);
+    std::vector<int64_t> steps(n);
+    for (int64_t q = 0; q < n; ++q) steps[q] = ps.hot_steps[pos[q]];
+    OpsBuffer pos_dev = Ints(n), tmp(&ops, 3 * ps.rows * n);
+    UploadInts(pos_dev, pos);
+    for (int a = 0; a < 3; ++a)
+      k.GatherColumns(hot_state[a], 4, ps.rows, ps.k, AsInts(pos_dev), n,
+                      tmp.data() + a * ps.rows * n);
+    ops.Download(staging, tmp.data(), 3 * ps.rows * n);
+    RETURN_IF_ERROR(Sync("gathering the leaving columns' state"));
+    ASSIGN_OR_RETURN(std::vector<int64_t> got, session->MigrateColumns(ps.p.name, cols, steps));
+    ops.Upload(tmp.data(), staging, 3 * ps.rows * n);
+    for (int a = 0; a < 3; ++a)
+      k.ScatterColumns(tmp.data() + a * ps.rows * n, 4, ps.rows, ps.k, AsInts(pos_dev), n,
+                       hot_state[a]);
+    RETURN_IF_ERROR(Sync("scattering the entering columns' state"));
+    for (int64_t q = 0; q < n; ++q) {
+      std::swap(ps.hot_idx[pos[q]], ps.cold_idx[cols[q]]);
+      ps.hot_steps[pos[q]] = got[q];
+    }
+    tm->bytes_to_host += 3 * ps.rows * n * 4;
+    tm->bytes_to_device += 3 * ps.rows * n * 4;
+  }
+  UploadInts(ps.hot_idx_dev, ps.hot_idx);
+  UploadInts(ps.cold_idx_dev, ps.cold_idx);
+  // The entering columns' values are the daemon's fp32 masters from now on.
+  k.ScatterColumns(ps.hot_master.data(), 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+                   ps.p.value);
+  tm->migrated_columns += 2 * static_cast<int64_t>(leaving.size());
+  tm->stall += Since(t0);
+  return Sync("migrating columns");
+}
+
+absl::Status ZenFlowEngine::Impl::ScatterParams(PState& ps, uint32_t slot, StepTimings* tm) {
+  const int64_t n = ps.offload_numel();
+  float* dst = ps.kind == PState::kSplit ? ps.cold_params.data() : ps.p.value;
+  if (cfg.param_dtype == v1::DTYPE_FP32) {
+    ops.Upload(dst, session->ParamsFp32(slot, ps.p.name), n);
+  } else {
+    ops.Upload(ps.cold_raw.data(),
+               reinterpret_cast<const float*>(session->ParamsBf16(slot, ps.p.name)), (n + 1) / 2);
+    k.Bf16ToFloat(reinterpret_cast<const uint16_t*>(ps.cold_raw.data()), dst, n);
+  }
+  if (ps.kind == PState::kSplit)
+    k.ScatterColumns(ps.cold_params.data(), 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
+                     ps.ncold, ps.p.value);
+  tm->bytes_to_device += n * DTypeBytes(cfg.param_dtype);
+  return absl::OkStatus();
+}
+
+absl::Status ZenFlowEngine::Impl::ApplyPendingUpdate(StepTimings* tm) {
+  if (pending_version == 0) return absl::OkStatus();
+  auto t0 = Clock::now();
+  RETURN_IF_ERROR(copier->WaitFor(pending_task));
+  ASSIGN_OR_RETURN(v1::WaitUpdateResponse ready, session->WaitUpdate(pending_version));
+  tm->stall += Since(t0);
+  t0 = Clock::now();
+  for (PState& ps : params)
+    if (ps.kind != PState::kDevice) RETURN_IF_ERROR(ScatterParams(ps, ready.param_slot(), tm));
+  RETURN_IF_ERROR(Sync("scattering the daemon's parameters"));
+  tm->copies += Since(t0);
+  pending_version = 0;
+  return absl::OkStatus();
+}
+
+absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
+  const auto t_start = Clock::now();
+  StepTimings tm;
+  const int64_t t = ++step;
+  tm.step = t;
+  const int64_t W = cfg.warmup_steps;
+  const bool warm = t <= W;
+  const bool sync = cfg.mode == OffloadMode::kSyncOffload;
+  const int64_t S = (warm || sync) ? 1 : cfg.update_interval;
+  const bool await = cfg.await_updates || warm || sync;
+  tm.boundary = offloading() && (warm || sync || (t - W) % cfg.update_interval == 0);
+  const bool select =
+      cfg.mode == OffloadMode::kZenFlow &&
+      (t == 1 || (t > W && (t - W - 1) % cfg.EffectiveSelectInterval() == 0));
+  const kernels::AdamWConfig adam = Adam(lr, t);
+
+  if (offloading() && !loaded) {
+    // Step 1: the first selection defines which columns the daemon holds; then load them.
+    for (PState& ps : params)
+      if (ps.kind == PState::kSplit) RETURN_IF_ERROR(Select(ps, /*initial=*/true, &tm));
+    RETURN_IF_ERROR(LoadDaemon());
+  } else if (select) {
+    // Migration needs the daemon's state complete: the previous round's Update applied.
+    RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
+    for (PState& ps : params)
+      if (ps.kind == PState::kSplit) RETURN_IF_ERROR(Select(ps, /*initial=*/false, &tm));
+    tm.reselected = true;
+  }
+
+  // The device's share: 1-D and device-only parameters whole, hot columns of split weights.
+  auto t0 = Clock::now();
+  for (PState& ps : params) {
+    if (ps.kind == PState::kDevice) {
+      kernels::AdamWConfig a = adam;
+      a.step = ++ps.dstep;
+      k.AdamW(a, ps.p.value, ps.m.data(), ps.v.data(), ps.p.grad, GradType::kFp32, ps.numel,
+              nullptr);
+    } else if (ps.kind == PState::kSplit) {
+      k.GatherColumns(ps.p.grad, 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+                      ps.hot_grad.data());
+      std::vector<float> ss(ps.k), bc2(ps.k);
+      for (int64_t& s : ps.hot_steps) ++s;
+      kernels::MakeColumnConstants(adam, ps.hot_steps.data(), ps.k, ss.data(), bc2.data());
+      ops.Upload(ps.hot_ss.data(), ss.data(), ps.k);
+      ops.Upload(ps.hot_bc2.data(), bc2.data(), ps.k);
+      k.AdamWColumns(adam, ps.hot_ss.data(), ps.hot_bc2.data(), ps.hot_master.data(),
+                     ps.hot_m.data(), ps.hot_v.data(), ps.hot_grad.data(), GradType::kFp32,
+                     ps.rows, ps.k, nullptr);
+      k.ScatterColumns(ps.hot_master.data(), 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+                       ps.p.value);
+    }
+  }
+  RETURN_IF_ERROR(Sync("the device-side optimizer"));
+  tm.optimizer += Since(t0);
+  if (!offloading()) {
+    tm.total = Since(t_start);
+    last = tm;
+    return absl::OkStatus();
+  }
+
+  // Cold gradients into this step's slot buffers, once the push that last used them is done.
+  const uint32_t slot = static_cast<uint32_t>(t % 2);
+  t0 = Clock::now();
+  RETURN_IF_ERROR(copier->WaitFor(slot_task[slot]));
+  tm.stall += Since(t0);
+  t0 = Clock::now();
+  for (PState& ps : params) {
+    if (ps.kind == PState::kDevice) continue;
+    const int64_t n = ps.offload_numel();
+    if (ps.kind == PState::kSplit)
+      k.GatherColumns(ps.p.grad, 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
+                      ps.cold_grad[slot].data());
+    else
+      ops.CopyFloats(ps.cold_grad[slot].data(), ps.p.grad, n);
+    if (cfg.grad_dtype == v1::DTYPE_BF16)
+      k.FloatToBf16(ps.cold_grad[slot].data(),
+                    reinterpret_cast<uint16_t*>(ps.cold_bf16[slot].data()), n);
+    tm.bytes_to_host += n * DTypeBytes(cfg.grad_dtype);
+  }
+  RETURN_IF_ERROR(Sync("gathering the cold gradients"));
+  tm.copies += Since(t0);
+  const float scale = static_cast<float>(1.0 / static_cast<double>(S));
+  slot_task[slot] = copier->Post([this, slot, t, scale]() -> absl::Status {
+    for (PState& ps : params) {
+      if (ps.kind == PState::kDevice) continue;
+      const int64_t n = ps.offload_numel();
+      float* dst = static_cast<float*>(session->GradSlot(slot, ps.p.name));
+      if (cfg.grad_dtype == v1::DTYPE_FP32) ops.Download(dst, ps.cold_grad[slot].data(), n);
+      else ops.Download(dst, ps.cold_bf16[slot].data(), (n + 1) / 2);
+    }
+    RETURN_IF_ERROR(Sync("copying the cold gradients to the host"));
+    return session->Push(t, slot, scale).status();
+  });
+
+  if (tm.boundary) {
+    RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
+    v1::AdamWHyper hyper;
+    hyper.set_lr(lr);
+    hyper.set_beta1(cfg.beta1);
+    hyper.set_beta2(cfg.beta2);
+    hyper.set_eps(cfg.eps);
+    hyper.set_weight_decay(cfg.weight_decay);
+    const uint32_t pslot = static_cast<uint32_t>(rounds++ % 2);
+    const v1::DType out = cfg.param_dtype;
+    pending_task = copier->Post([this, t, hyper, pslot, out] {
+      return session->Update(t, hyper, pslot, out, /*column_steps=*/true);
+    });
+    pending_version = t;
+    if (await) RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
+  }
+  tm.total = Since(t_start);
+  last = tm;
+  return absl::OkStatus();
+}
+
+ZenFlowEngine::ZenFlowEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ZenFlowEngine::~ZenFlowEngine() {
+  if (impl_->copier) impl_->copier->WaitAll().IgnoreError();
+}
+
+absl::StatusOr<std::unique_ptr<ZenFlowEngine>> ZenFlowEngine::Create(
+    const ZenFlowConfig& config, std::vector<EngineParam> params,
+    const kernels::OptimizerKernel& kernel, const kernels::TransformerOps& ops,
+    Session* session) {
+  RETURN_IF_ERROR(config.Validate());
+  if (config.mode != OffloadMode::kNoOffload && session == nullptr)
+    return Invalid("session", absl::StrCat("mode ", OffloadModeName(config.mode),
+                                           " needs a stallfreed session"));
+  if (params.empty()) return Invalid("params", "empty");
+  auto impl = std::make_unique<Impl>(config, kernel, ops, session);
+  std::set<std::string> names;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const EngineParam& p = params[i];
+    const std::string field = absl::StrCat("params[", i, "]");
+    if (p.name.empty() || !names.insert(p.name).second)
+      return Invalid(field + ".name", absl::StrCat("'", p.name, "' is empty or a duplicate"));
+    if (p.shape.empty()) return Invalid(field + ".shape", "no dimensions");
+    for (size_t d = 0; d < p.shape.size(); ++d)
+      if (p.shape[d] < 1)
+        return Invalid(absl::StrCat(field, ".shape[", d, "]"),
+                       absl::StrCat(p.shape[d], " is not >= 1"));
+    if (p.value == nullptr) return Invalid(field + ".value", "null");
+    if (p.grad == nullptr) return Invalid(field + ".grad", "null");
+    impl->index[p.name] = i;
+    PState ps;
+    ps.p = p;
+    impl->params.push_back(std::move(ps));
+  }
+  RETURN_IF_ERROR(impl->Setup());
+  return std::unique_ptr<ZenFlowEngine>(new ZenFlowEngine(std::move(impl)));
+}
+
+absl::Status ZenFlowEngine::Step(double lr) {
+  if (!impl_->failure.ok()) return impl_->failure;
+  absl::Status st = impl_->DoStep(lr);
+  if (!st.ok()) impl_->failure = st;
+  return st;
+}
+
+absl::Status ZenFlowEngine::Flush() {
+  if (!impl_->failure.ok()) return impl_->failure;
+  if (!impl_->copier) return absl::OkStatus();
+  StepTimings tm;
+  absl::Status st = impl_->copier->WaitAll();
+  if (st.ok()) st = impl_->ApplyPendingUpdate(&tm);
+  if (!st.ok()) impl_->failure = st;
+  return st;
+}
+
+int64_t ZenFlowEngine::step() const { return impl_->step; }
+const StepTimings& ZenFlowEngine::last_timings() const { return impl_->last; }
+const ZenFlowConfig& ZenFlowEngine::config() const { return impl_->cfg; }
+void ZenFlowEngine::set_score_reduce(ScoreReduce fn) { impl_->reduce = std::move(fn); }
+
+absl::StatusOr<std::vector<int64_t>> ZenFlowEngine::HotColumns(const std::string& param) const {
+  auto it = impl_->index.find(param);
+  if (it == impl_->index.end())
+    return absl::NotFoundError(absl::StrCat("param: no parameter '", param, "'"));
+  const PState& ps = impl_->params[it->second];
+  std::vector<int64_t> out;
+  if (ps.kind == PState::kSplit) {
+    out = ps.hot_idx;
+    std::sort(out.begin(), out.end());
+  } else if (ps.kind == PState::kDevice) {
+    for (int64_t c = 0; c < ps.cols; ++c) out.push_back(c);
+  }
+  return out;
+}
+
+absl::StatusOr<ColumnState> ZenFlowEngine::Column(const std::string& param, int64_t col) const {
+  auto it = impl_->index.find(param);
+  if (it == impl_->index.end())
+    return absl::NotFoundError(absl::StrCat("param: no parameter '", param, "'"));
+  const PState& ps = impl_->params[it->second];
+  if (col < 0 || col >= ps.cols)
+    return Invalid("col", absl::StrCat(col, " is outside [0, ", ps.cols, ")"));
+  Impl& im = *impl_;
+  ColumnState out;
+  auto column_of = [&](const float* base, int64_t ld, int64_t c) {
+    std::vector<float> host(ps.rows);
+    std::vector<int64_t> idx = {c};
+    OpsBuffer idx_dev = im.Ints(1), tmp(&im.ops, ps.rows);
+    im.UploadInts(idx_dev, idx);
+    im.k.GatherColumns(base, 4, ps.rows, ld, Impl::AsInts(idx_dev), 1, tmp.data());
+    im.ops.Download(host.data(), tmp.data(), ps.rows);
+    return host;
+  };
+  out.value = column_of(ps.p.value, ps.cols, col);
+  if (ps.kind == PState::kDevice) {
+    out.m = column_of(ps.m.data(), ps.cols, col);
+    out.v = column_of(ps.v.data(), ps.cols, col);
+    out.step = ps.dstep;
+    out.on_device = true;
+  } else if (ps.kind == PState::kSplit) {
+    auto pos = std::find(ps.hot_idx.begin(), ps.hot_idx.end(), col);
+    if (pos != ps.hot_idx.end()) {
+      const int64_t i = pos - ps.hot_idx.begin();
+      out.value = column_of(ps.hot_master.data(), ps.k, i);
+      out.m = column_of(ps.hot_m.data(), ps.k, i);
+      out.v = column_of(ps.hot_v.data(), ps.k, i);
+      out.step = ps.hot_steps[i];
+      out.on_device = true;
+    }
+  }
+  RETURN_IF_ERROR(im.Sync("reading a column"));
+  return out;
+}
+
+}  // namespace stallfree

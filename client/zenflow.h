@@ -1,0 +1,161 @@
+// The ZenFlow engine: the trainer-side optimizer that updates the important gradient columns on
+// the device at once and defers the rest to stallfreed, so the device does not wait for the CPU
+// (ARCHITECTURE.md, "The ZenFlow engine").
+//
+// Parameters. Each parameter is a fp32 value buffer and a fp32 gradient buffer in the backend's
+// memory (host for the CPU backend, device memory for CUDA), owned by the caller. A parameter of
+// two or more dimensions is a weight W[rows, cols] (rows = the product of the leading
+// dimensions) split by column (input channel); a 1-D parameter (norm, bias) is always updated on
+// the device. In `zenflow` mode a weight with fewer than 3 cold columns stays wholly on the
+// device too (it cannot migrate through the daemon's staging area; see MigrateColumns).
+//
+// One Step(lr) per training step, after the backward has written the gradients:
+// - selection (at step 1, then at the first step of every select_interval-th round): per-column
+//   scores (sum of squares, through the optional ScoreReduce hook, so data-parallel replicas can
+//   all-reduce the scores — never the gradients), then the top k = round(ratio * cols) columns
+//   (at least 1) are the hot set;
+// - hot columns: AdamW on the device now, with their fp32 master, moments and int64 step counts
+//   kept on the device (OptimizerKernel::AdamWColumns), written into the value buffer;
+// - cold columns: gathered into a contiguous buffer and handed to the engine's copy thread, which
+//   copies them into the session's current gradient slot (double buffered) and pushes them
+//   (PushGradients, scale 1/S: the daemon accumulates the round's mean gradient) while the caller
+//   computes the next step;
+// - every S = update_interval steps (a round boundary) the copy thread starts the daemon's Update
+//   (per-column step counts). The engine first waits for the previous round's Update and scatters
+//   its parameters into the cold columns. Hot columns are never written by the daemon's output.
+// Bounded staleness: after Step(t) at the end of round R, the cold columns hold the daemon's
+// parameters after round R-1 (one round, S steps, behind the gradients already pushed); with
+// await_updates (and during warm-up, and in sync-offload) the engine waits for round R's Update
+// instead, so there is no staleness. A round that begins with a reselection first waits for the
+// previous round's Update (migration needs the daemon's state complete), so its cold columns are
+// current as well.
+// Reselection migrates state exactly: a column leaving the hot set hands its fp32 value, m, v and
+// step count to the daemon, the column entering takes the daemon's (MigrateColumns swaps them in
+// place), with no reset and no rounding.
+//
+// Modes, on the same code path: `zenflow` (above); `sync-offload` (ZeRO-Offload: every parameter,
+// 1-D ones too, lives in the daemon; every step pushes every gradient, runs the Update and waits
+// for it); `no-offload` (plain AdamW on the device; the quality reference; no session needed).
+// Warm-up steps run `zenflow` with S = 1 and await_updates.
+//
+// Threads: Step, Flush and the accessors must be called from one thread. The engine owns a copy
+// thread that talks to the daemon. On a CUDA backend the copies are enqueued on the backend's
+// stream (a dedicated copy stream is future work). The session, kernels and ops must outlive the
+// engine.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/client.h"
+#include "kernels/ops.h"
+#include "kernels/optimizer.h"
+
+namespace stallfree {
+
+enum class OffloadMode { kZenFlow, kSyncOffload, kNoOffload };
+const char* OffloadModeName(OffloadMode mode);  // "zenflow", "sync-offload", "no-offload"
+absl::StatusOr<OffloadMode> ParseOffloadMode(const std::string& name);
+
+struct ZenFlowConfig {
+  OffloadMode mode = OffloadMode::kZenFlow;
+  double topk_ratio = 0.1;     // hot share of each weight's columns, in (0, 1]
+  int64_t update_interval = 4;  // S >= 1: steps per daemon Update
+  int64_t select_interval = 0;  // steps between reselections, a multiple of S; 0 means 4 S
+  int64_t warmup_steps = 0;     // >= 0: steps with S = 1 and awaited updates
+  bool await_updates = false;   // wait for each round's Update at its boundary (no staleness)
+  // AdamW (decoupled weight decay); lr comes with each Step.
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  // What crosses to and from the daemon: pushed gradients and returned parameters.
+  v1::DType grad_dtype = v1::DTYPE_FP32;
+  v1::DType param_dtype = v1::DTYPE_FP32;
+
+  // OK, or InvalidArgument naming the field.
+  absl::Status Validate() const;
+  int64_t EffectiveSelectInterval() const {
+    return select_interval == 0 ? 4 * update_interval : select_interval;
+  }
+};
+
+struct EngineParam {
+  std::string name;
+  std::vector<int64_t> shape;  // every dimension >= 1
+  float* value = nullptr;      // backend memory, updated in place
+  const float* grad = nullptr;  // backend memory, read by Step
+};
+
+// Where the time of one Step went (seconds) and what it moved (bytes between the device and the
+// host: gradients and migrated state down, parameters and migrated state up). `compute` is the
+// caller's to fill (forward + backward), for reports.
+struct StepTimings {
+  int64_t step = 0;
+  double compute = 0;
+  double optimizer = 0;  // device-side: scores, top-k, hot and 1-D AdamW, scatters of hot values
+  double copies = 0;     // device-side gathers and the cold-parameter scatter
+  double stall = 0;      // blocked on offload work: copy thread, daemon Update, migration
+  double total = 0;      // the whole Step
+  uint64_t bytes_to_host = 0;
+  uint64_t bytes_to_device = 0;
+  bool boundary = false;
+  bool reselected = false;
+  int64_t migrated_columns = 0;
+};
+
+// The state of one column of a parameter, for tests and checkpoints.
+struct ColumnState {
+  std::vector<float> value, m, v;  // [rows]
+  int64_t step = 0;
+  bool on_device = false;
+};
+
+class ZenFlowEngine {
+ public:
+  // Validates the config and the parameters and, unless mode is no-offload, registers the
+  // offloaded parameters with `session` (which must be fresh: no parameters registered yet), or,
+  // if the session already has a layout, checks that it matches (FailedPrecondition naming the
+  // parameter otherwise). `kernel` and `ops` are one backend (e.g. DefaultCpuKernel() and
+  // CpuOps()). InvalidArgument names the field: config fields, params[i].shape, .value, .grad.
+  static absl::StatusOr<std::unique_ptr<ZenFlowEngine>> Create(
+      const ZenFlowConfig& config, std::vector<EngineParam> params,
+      const kernels::OptimizerKernel& kernel, const kernels::TransformerOps& ops,
+      Session* session);
+  ~ZenFlowEngine();
+
+  // One optimizer step (t = step() + 1) with learning rate lr over the gradients now in the
+  // parameters' grad buffers. Errors from the daemon or the backend are returned here (or by a
+  // later Step for asynchronous work) and leave the engine failed.
+  absl::Status Step(double lr);
+
+  // Waits for all offload work and brings the cold columns to the newest Update's parameters.
+  // Gradients pushed since the last round boundary stay in the daemon's accumulator (they are
+  // applied at the round's end).
+  absl::Status Flush();
+
+  int64_t step() const;
+  const StepTimings& last_timings() const;
+  const ZenFlowConfig& config() const;
+
+  // Hot columns of a parameter, in increasing order (all columns for device-only parameters).
+  absl::StatusOr<std::vector<int64_t>> HotColumns(const std::string& param) const;
+  // A column's value, and, when it is on the device, its m, v and step (call after Flush; the
+  // daemon's moments are not readable without migrating them).
+  absl::StatusOr<ColumnState> Column(const std::string& param, int64_t col) const;
+
+  // Called on every weight's per-column scores (backend memory, cols floats) before top-k:
+  // data-parallel replicas all-reduce them here so that they agree on the selection.
+  using ScoreReduce = std::function<absl::Status(const std::string& param, float* scores,
+                                                 int64_t cols)>;
+  void set_score_reduce(ScoreReduce fn);
+
+ private:
+  struct Impl;
+  explicit ZenFlowEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace stallfree

@@ -1,0 +1,362 @@
+// The ZenFlow engine against dense AdamW, with a real stallfreed process.
+//
+// Gradients are synthetic and independent of the parameters, with a band of "important" columns
+// (10x the magnitude) that moves every step, so the top-k selection moves columns in and out of
+// the hot set and the engine migrates their state through the daemon. On the CPU backend every
+// kernel is bit-identical to the scalar oracle, so the expectations are exact (zero tolerance).
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "client/client.h"
+#include "client/zenflow.h"
+#include "kernels/ops.h"
+#include "kernels/optimizer.h"
+#include "tests/support/daemon_process.h"
+
+namespace stallfree {
+namespace {
+
+using testing::Daemon;
+
+struct Tensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> value, grad;
+  int64_t cols() const { return shape.back(); }
+  int64_t rows() const { return static_cast<int64_t>(value.size()) / cols(); }
+};
+
+// A small model: two split weights (one 3-D), a weight too narrow to split, a 1-D parameter.
+std::vector<Tensor> MakeModel(int seed) {
+  std::vector<Tensor> ts = {{"w1", {8, 24}, {}, {}},
+                            {"w2", {4, 3, 10}, {}, {}},
+                            {"narrow", {5, 3}, {}, {}},
+                            {"bias", {24}, {}, {}}};
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  for (Tensor& t : ts) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    t.value.resize(n);
+    t.grad.assign(n, 0.0f);
+    for (float& x : t.value) x = normal(rng);
+  }
+  return ts;
+}
+
+// The gradients of step t: noise, with columns [3t, 3t + 6) mod cols ten times larger.
+void FillGrads(std::vector<Tensor>* ts, int64_t t, int seed) {
+  std::mt19937 rng(seed * 1000003 + static_cast<int>(t));
+  std::normal_distribution<float> normal;
+  for (Tensor& x : *ts) {
+    const int64_t cols = x.cols();
+    for (int64_t i = 0; i < static_cast<int64_t>(x.grad.size()); ++i) {
+      const int64_t c = i % cols;
+      const bool band = ((c - 3 * t) % cols + cols) % cols < 6;
+      x.grad[i] = normal(rng) * (band ? 10.0f : 1.0f);
+    }
+  }
+}
+
+std::vector<EngineParam> Params(std::vector<Tensor>* ts) {
+  std::vector<EngineParam> ps;
+  for (Tensor& t : *ts) ps.push_back({t.name, t.shape, t.value.data(), t.grad.data()});
+  return ps;
+}
+
+ZenFlowConfig Config(OffloadMode mode, int64_t S, int64_t select, bool await) {
+  ZenFlowConfig c;
+  c.mode = mode;
+  c.topk_ratio = 0.25;
+  c.update_interval = S;
+  c.select_interval = select;
+  c.await_updates = await;
+  c.weight_decay = 0.05;
+  return c;
+}
+
+double Lr(int64_t t) { return 1e-2 / (1.0 + 0.1 * t); }
+
+// Dense AdamW on every parameter, the oracle kernel: the quality reference.
+struct Dense {
+  std::vector<Tensor> ts;
+  std::vector<std::vector<float>> m, v;
+  explicit Dense(std::vector<Tensor> model) : ts(std::move(model)) {
+    for (Tensor& t : ts) {
+      m.emplace_back(t.value.size(), 0.0f);
+      v.emplace_back(t.value.size(), 0.0f);
+    }
+  }
+  void Step(int64_t t, int seed, const ZenFlowConfig& c) {
+    FillGrads(&ts, t, seed);
+    kernels::AdamWConfig a;
+    a.lr = Lr(t);
+    a.beta1 = c.beta1;
+    a.beta2 = c.beta2;
+    a.eps = c.eps;
+    a.weight_decay = c.weight_decay;
+    a.step = t;
+    for (size_t i = 0; i < ts.size(); ++i)
+      kernels::ReferenceKernel().AdamW(a, ts[i].value.data(), m[i].data(), v[i].data(),
+                                       ts[i].grad.data(), kernels::GradType::kFp32,
+                                       static_cast<int64_t>(ts[i].value.size()), nullptr);
+  }
+};
+
+std::vector<float> ColumnOf(const std::vector<float>& x, int64_t rows, int64_t cols, int64_t c) {
+  std::vector<float> out(rows);
+  for (int64_t r = 0; r < rows; ++r) out[r] = x[r * cols + c];
+  return out;
+}
+
+class ZenFlowTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    daemon_ = std::make_unique<Daemon>(std::vector<std::string>{"--threads", "2"}, "info");
+    auto client = Client::Connect(daemon_->socket());
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+  }
+  std::unique_ptr<Session> NewSession(const std::string& name) {
+    auto s = client_->OpenSession(name, 0);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? std::move(*s) : nullptr;
+  }
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<Client> client_;
+};
+
+// zenflow with S = 1 and every update awaited equals dense AdamW bit for bit, while reselection
+// every step migrates columns between the device and the daemon; every hot column's value, m, v
+// and step equal the dense trajectory at every step, including columns that went
+// hot -> cold -> hot.
+TEST_F(ZenFlowTest, ZeroStalenessEqualsDenseAdamWAcrossMigrations) {
+  const int seed = 1;
+  const ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 1, 1, true);
+  std::vector<Tensor> model = MakeModel(seed);
+  Dense dense(model);
+  auto session = NewSession("zf-exact");
+  ASSERT_NE(session, nullptr);
+  auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
+                                      kernels::CpuOps(), session.get());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  ZenFlowEngine& e = **engine;
+  int64_t migrated = 0;
+  std::map<int64_t, std::string> w1_history;  // column 0 of w1: 'H' hot / 'C' cold per step
+  for (int64_t t = 1; t <= 16; ++t) {
+    FillGrads(&model, t, seed);
+    ASSERT_TRUE(e.Step(Lr(t)).ok()) << "step " << t;
+    dense.Step(t, seed, cfg);
+    migrated += e.last_timings().migrated_columns;
+    ASSERT_TRUE(e.Flush().ok());
+    for (size_t i = 0; i < model.size(); ++i) {
+      const Tensor& x = model[i];
+      ASSERT_EQ(0, memcmp(x.value.data(), dense.ts[i].value.data(), x.value.size() * 4))
+          << x.name << " differs from dense AdamW after step " << t;
+      auto hot = e.HotColumns(x.name);
+      ASSERT_TRUE(hot.ok());
+      for (int64_t c : *hot) {
+        auto col = e.Column(x.name, c);
+        ASSERT_TRUE(col.ok()) << col.status();
+        ASSERT_TRUE(col->on_device);
+        EXPECT_EQ(col->step, t) << x.name << " column " << c;
+        EXPECT_EQ(col->value, ColumnOf(dense.ts[i].value, x.rows(), x.cols(), c));
+        EXPECT_EQ(col->m, ColumnOf(dense.m[i], x.rows(), x.cols(), c))
+            << x.name << " column " << c << " m after step " << t;
+        EXPECT_EQ(col->v, ColumnOf(dense.v[i], x.rows(), x.cols(), c))
+            << x.name << " column " << c << " v after step " << t;
+      }
+      if (x.name == "w1") {
+        bool is_hot = std::find(hot->begin(), hot->end(), 0) != hot->end();
+        w1_history[t] = is_hot ? "H" : "C";
+      }
+    }
+  }
+  EXPECT_GT(migrated, 0) << "the band never moved a column: the test proves nothing";
+  std::string history;
+  for (auto& [t, h] : w1_history) history += h;
+  // The band of 6 moves 3 columns a step over 24 columns: column 0 is hot every 8th step.
+  EXPECT_NE(history.find("HCCCCCCH"), std::string::npos) << history;
+}
+
+// sync-offload and no-offload equal dense AdamW bit for bit (S = 1 by definition).
+TEST_F(ZenFlowTest, SyncOffloadAndNoOffloadEqualDenseAdamW) {
+  for (OffloadMode mode : {OffloadMode::kSyncOffload, OffloadMode::kNoOffload}) {
+    const int seed = 2;
+    const ZenFlowConfig cfg = Config(mode, 4, 0, false);
+    std::vector<Tensor> model = MakeModel(seed);
+    Dense dense(model);
+    std::unique_ptr<Session> session;
+    if (mode == OffloadMode::kSyncOffload) session = NewSession("sync");
+    auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
+                                        kernels::CpuOps(), session.get());
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    for (int64_t t = 1; t <= 6; ++t) {
+      FillGrads(&model, t, seed);
+      ASSERT_TRUE((*engine)->Step(Lr(t)).ok());
+      dense.Step(t, seed, cfg);
+      EXPECT_EQ(mode == OffloadMode::kSyncOffload, (*engine)->last_timings().boundary);
+      for (size_t i = 0; i < model.size(); ++i)
+        ASSERT_EQ(0, memcmp(model[i].value.data(), dense.ts[i].value.data(),
+                            model[i].value.size() * 4))
+            << OffloadModeName(mode) << " " << model[i].name << " step " << t;
+    }
+  }
+}
+
+// With S = 4 and asynchronous updates the cold columns lag the awaited run by exactly one round:
+// after step t they hold what the awaited run held after step B(t) - S, B(t) = the last round
+// boundary <= t (the initial values while B(t) - S <= 0). Hot columns do not lag.
+TEST_F(ZenFlowTest, ColdColumnsLagByOneRound) {
+  const int seed = 3;
+  const int64_t S = 4, steps = 14;
+  // One selection at step 1 only, so both runs keep the same hot set.
+  using HotSets = std::map<std::string, std::vector<int64_t>>;
+  auto run = [&](bool await, std::vector<std::vector<Tensor>>* snapshots,
+                 std::vector<HotSets>* hot_sets) {
+    std::vector<Tensor> model = MakeModel(seed);
+    snapshots->push_back(model);  // step 0
+    auto session = NewSession(await ? "await" : "async");
+    ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, S, 1000 * S, await);
+    auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
+                                        kernels::CpuOps(), session.get());
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    for (int64_t t = 1; t <= steps; ++t) {
+      FillGrads(&model, t, seed);
+      ASSERT_TRUE((*engine)->Step(Lr(t)).ok());
+      snapshots->push_back(model);
+      HotSets hot;
+      for (const Tensor& x : model) hot[x.name] = *(*engine)->HotColumns(x.name);
+      hot_sets->push_back(hot);
+    }
+  };
+  std::vector<std::vector<Tensor>> awaited, async;
+  std::vector<HotSets> hot_a, hot_b;
+  run(true, &awaited, &hot_a);
+  run(false, &async, &hot_b);
+  ASSERT_EQ(hot_a, hot_b);
+  int64_t lagging_checks = 0, cold_checks = 0;
+  for (int64_t t = 1; t <= steps; ++t) {
+    const int64_t b = (t / S) * S;
+    const int64_t lagged = std::max<int64_t>(0, b - S);
+    for (size_t i = 0; i < async[t].size(); ++i) {
+      const Tensor& x = async[t][i];
+      const std::vector<int64_t>& hot = hot_a[t - 1].at(x.name);
+      for (int64_t c = 0; c < x.cols(); ++c) {
+        const auto col = ColumnOf(x.value, x.rows(), x.cols(), c);
+        if (std::find(hot.begin(), hot.end(), c) != hot.end()) {
+          EXPECT_EQ(col, ColumnOf(awaited[t][i].value, x.rows(), x.cols(), c))
+              << x.name << " hot column " << c << " lags at step " << t;
+          continue;
+        }
+        ++cold_checks;
+        EXPECT_EQ(col, ColumnOf(awaited[lagged][i].value, x.rows(), x.cols(), c))
+            << x.name << " cold column " << c << " after step " << t
+            << " is not the awaited run's state after step " << lagged;
+        if (col != ColumnOf(awaited[b][i].value, x.rows(), x.cols(), c)) ++lagging_checks;
+      }
+    }
+  }
+  EXPECT_GT(cold_checks, 0);
+  EXPECT_GT(lagging_checks, 0) << "no step distinguished a lag of one round from none";
+}
+
+// Bad configurations fail with a message naming the field.
+TEST_F(ZenFlowTest, BadConfigurationNamesTheField) {
+  std::vector<Tensor> model = MakeModel(4);
+  auto session = NewSession("bad");
+  auto create = [&](const ZenFlowConfig& c, Session* s) {
+    return ZenFlowEngine::Create(c, Params(&model), kernels::DefaultCpuKernel(),
+                                 kernels::CpuOps(), s)
+        .status();
+  };
+  auto expect_field = [](const absl::Status& st, absl::StatusCode code, const std::string& field) {
+    EXPECT_EQ(st.code(), code) << st;
+    EXPECT_NE(st.message().find(field), std::string::npos) << st;
+  };
+  ZenFlowConfig c = Config(OffloadMode::kZenFlow, 4, 0, false);
+  c.topk_ratio = 0.0;
+  expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "topk_ratio");
+  c.topk_ratio = 1.5;
+  expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "topk_ratio");
+  c = Config(OffloadMode::kZenFlow, 4, 6, false);
+  expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "select_interval");
+  c = Config(OffloadMode::kZenFlow, 0, 0, false);
+  expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "update_interval");
+  c = Config(OffloadMode::kZenFlow, 4, 0, false);
+  c.warmup_steps = -1;
+  expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "warmup_steps");
+  expect_field(create(Config(OffloadMode::kZenFlow, 4, 0, false), nullptr),
+               absl::StatusCode::kInvalidArgument, "session");
+  EXPECT_EQ(ParseOffloadMode("fast").status().code(), absl::StatusCode::kInvalidArgument);
+  {
+    std::vector<EngineParam> ps = Params(&model);
+    ps[1].shape = {4, 0, 10};
+    expect_field(ZenFlowEngine::Create(Config(OffloadMode::kZenFlow, 4, 0, false), ps,
+                                       kernels::DefaultCpuKernel(), kernels::CpuOps(),
+                                       session.get())
+                     .status(),
+                 absl::StatusCode::kInvalidArgument, "params[1].shape[1]");
+  }
+  // A session whose daemon-side parameters do not match the engine's.
+  auto other = NewSession("mismatch");
+  ASSERT_TRUE(other->RegisterParams({{"w1", {8, 7}, v1::DTYPE_FP32}}).ok());
+  expect_field(create(Config(OffloadMode::kZenFlow, 4, 0, false), other.get()),
+               absl::StatusCode::kFailedPrecondition, "'w1'");
+}
+
+// The daemon's MigrateColumns refuses what would lose state or touch memory it must not.
+TEST_F(ZenFlowTest, MigrateColumnsValidates) {
+  auto s = NewSession("migrate");
+  ASSERT_TRUE(s->RegisterParams({{"w", {4, 9}, v1::DTYPE_FP32}}).ok());
+  std::vector<float> init(36);
+  for (int i = 0; i < 36; ++i) init[i] = static_cast<float>(i);
+  memcpy(s->StagingFp32("w"), init.data(), sizeof(float) * 36);
+  ASSERT_TRUE(s->LoadParams().ok());
+  using Code = absl::StatusCode;
+  EXPECT_EQ(s->MigrateColumns("nope", {0}, {0}).status().code(), Code::kNotFound);
+  EXPECT_EQ(s->MigrateColumns("w", {9}, {0}).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(s->MigrateColumns("w", {1, 1}, {0, 0}).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(s->MigrateColumns("w", {1}, {}).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(s->MigrateColumns("w", {1}, {-1}).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(s->MigrateColumns("w", {0, 1, 2, 3}, {0, 0, 0, 0}).status().code(),
+            Code::kInvalidArgument);  // 3 * 4 * 4 floats > 36
+  // A swap of columns 2 and 7 with known values, m = 100 + value, v = 200 + value.
+  float* staging = s->StagingFp32("w");
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < 2; ++j) {
+      staging[0 * 8 + r * 2 + j] = -1.0f - r - 10 * j;
+      staging[1 * 8 + r * 2 + j] = -2.0f;
+      staging[2 * 8 + r * 2 + j] = 3.0f;
+    }
+  auto steps = s->MigrateColumns("w", {2, 7}, {5, 6});
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  EXPECT_EQ(*steps, (std::vector<int64_t>{0, 0}));
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(staging[r * 2 + 0], init[r * 9 + 2]);
+    EXPECT_EQ(staging[r * 2 + 1], init[r * 9 + 7]);
+    EXPECT_EQ(staging[8 + r * 2], 0.0f);  // the daemon's m after LoadParams
+  }
+  // Swapping back returns what went in, and the step counts.
+  steps = s->MigrateColumns("w", {2, 7}, {0, 0});
+  ASSERT_TRUE(steps.ok());
+  EXPECT_EQ(*steps, (std::vector<int64_t>{5, 6}));
+  EXPECT_EQ(staging[0], -1.0f);
+  EXPECT_EQ(staging[8], -2.0f);
+  EXPECT_EQ(staging[16], 3.0f);
+  // Pending pushes make the session non-quiescent.
+  memset(s->GradSlot(0, "w"), 0, 36 * 4);
+  ASSERT_TRUE(s->Push(1, 0).ok());
+  EXPECT_EQ(s->MigrateColumns("w", {2}, {0}).status().code(), Code::kFailedPrecondition);
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->migrated_columns(), 8);
+}
+
+}  // namespace
+}  // namespace stallfree
