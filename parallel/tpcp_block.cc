@@ -1,10 +1,12 @@
 #include "parallel/tpcp_block.h"
 
-#include <cstring>
+#include <array>
+#include <memory>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "parallel/block_cache.h"
 #include "parallel/linear.h"
 #include "parallel/tpsp_block.h"
 #include "parallel/zigzag.h"
@@ -17,25 +19,79 @@ using kernels::AttentionShape;
 using kernels::Trans;
 using kernels::TransformerOps;
 
+#define TPCP_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    ::absl::Status tpcp_status_ = (expr);        \
+    if (!tpcp_status_.ok()) return tpcp_status_; \
+  } while (0)
+
 // [groups, B, rows, width] (rank-major, as an all-gather leaves it) <-> [B, groups * rows,
-// width] (batch-major, as the kernels read it).
-void RankMajorToBatchMajor(const float* src, int64_t groups, int64_t B, int64_t rows, int64_t width,
-                           float* dst) {
+// width] (batch-major, as the kernels read it): one strided copy per group.
+void RankMajorToBatchMajor(const TransformerOps& ops, const float* src, int64_t groups, int64_t B,
+                           int64_t rows, int64_t width, float* dst) {
   const int64_t chunk = rows * width;
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t b = 0; b < B; ++b) {
-      std::memcpy(dst + (b * groups + g) * chunk, src + (g * B + b) * chunk, sizeof(float) * chunk);
-    }
+    ops.Copy2D(dst + g * chunk, groups * chunk, src + g * B * chunk, chunk, B, chunk);
   }
 }
-void BatchMajorToRankMajor(const float* src, int64_t groups, int64_t B, int64_t rows, int64_t width,
-                           float* dst) {
+void BatchMajorToRankMajor(const TransformerOps& ops, const float* src, int64_t groups, int64_t B,
+                           int64_t rows, int64_t width, float* dst) {
   const int64_t chunk = rows * width;
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t b = 0; b < B; ++b) {
-      std::memcpy(dst + (g * B + b) * chunk, src + (b * groups + g) * chunk, sizeof(float) * chunk);
-    }
+    ops.Copy2D(dst + g * B * chunk, chunk, src + g * chunk, groups * chunk, B, chunk);
   }
+}
+
+// The cache's float tensors in TpcpCacheBuffers' order, with their sizes for (t, c, B, T).
+constexpr size_t kCacheTensors = 13;
+
+layer::CacheSizes<kCacheTensors> CacheSizes(const BlockConfig& cfg, int t, int c, int64_t B,
+                                            int64_t T) {
+  const int64_t C = cfg.C, Ct = C / t, Ft = cfg.FF / t, Tc = T / c, nc = B * Tc, nl = nc / t;
+  //       x       rstd1 n1      q        kv              att      lse
+  return {nl * C, nl, nc * C, nc * Ct, B * T * 2 * Ct, nc * Ct, B * (cfg.H / t) * Tc,
+          //  h     rstd2 n2      g        u        m
+          nl * C, nl, nc * C, nc * Ft, nc * Ft, nc * Ft};
+}
+
+// Cache is TpcpCache or const TpcpCache; Buffers likewise.
+template <class Cache>
+std::array<decltype(&std::declval<Cache*>()->x), kCacheTensors> VectorsOf(Cache* k) {
+  return {&k->x,   &k->rstd1, &k->n1, &k->q, &k->kv, &k->att, &k->lse,
+          &k->h,   &k->rstd2, &k->n2, &k->g, &k->u,  &k->m};
+}
+template <class Buffers>
+std::array<decltype(&std::declval<Buffers*>()->x), kCacheTensors> BuffersOf(Buffers* b) {
+  return {&b->x,   &b->rstd1, &b->n1, &b->q, &b->kv, &b->att, &b->lse,
+          &b->h,   &b->rstd2, &b->n2, &b->g, &b->u,  &b->m};
+}
+
+// The cache's tensors, wherever they live.
+struct CacheRefs {
+  const int32_t* q_pos = nullptr;
+  const int32_t* k_pos = nullptr;
+  float *x, *rstd1, *n1, *q, *kv, *att, *lse, *h, *rstd2, *n2, *g, *u, *m;
+};
+
+// False if the cache's tensors do not have `sizes` or (in backend memory) do not belong to ops.
+bool RefsOf(const TpcpCache& k, const layer::CacheSizes<kCacheTensors>& sizes,
+            const TransformerOps& ops, CacheRefs* r) {
+  std::array<float*, kCacheTensors> p;
+  const TpcpCacheBuffers* b = k.buffers.get();
+  if (b != nullptr) {
+    const auto bufs = BuffersOf(b);
+    if (b->x.ops() != &ops || !layer::CacheData(VectorsOf(&k), &bufs, sizes, &p)) return false;
+    r->q_pos = reinterpret_cast<const int32_t*>(b->q_pos.data());
+    r->k_pos = reinterpret_cast<const int32_t*>(b->k_pos.data());
+  } else {
+    if (!layer::CacheData<kCacheTensors>(VectorsOf(&k), nullptr, sizes, &p)) return false;
+    r->q_pos = k.q_pos.data();
+    r->k_pos = k.k_pos.data();
+  }
+  float** named[kCacheTensors] = {&r->x, &r->rstd1, &r->n1, &r->q, &r->kv, &r->att, &r->lse,
+                                  &r->h, &r->rstd2, &r->n2, &r->g, &r->u,  &r->m};
+  for (size_t i = 0; i < kCacheTensors; ++i) *named[i] = p[i];
+  return true;
 }
 
 absl::Status Sync(const TransformerOps& ops, const char* what) {
@@ -133,33 +189,65 @@ absl::Status TpcpBlock::Check() const {
   return ValidateTpcpConfig(cfg_, tp_->size(), cp_->size(), tp_->rank(), cp_->rank());
 }
 
-absl::Status TpcpBlock::GatherTp(const float* local, int64_t B, int64_t Tc, float* full) const {
+absl::Status TpcpBlock::GatherTp(const TransformerOps& ops, const float* local, int64_t B,
+                                 int64_t Tc, float* full) const {
   const int t = tp_->size();
   const int64_t Tl = Tc / t;
-  std::vector<float> recv(static_cast<size_t>(B * Tc * cfg_.C));
-  absl::Status st = tp_->AllGather(local, recv.data(), B * Tl * cfg_.C);
-  if (!st.ok()) return st;
-  RankMajorToBatchMajor(recv.data(), t, B, Tl, cfg_.C, full);
+  kernels::OpsBuffer recv(&ops, B * Tc * cfg_.C);
+  TPCP_RETURN_IF_ERROR(tp_->AllGather(local, recv.data(), B * Tl * cfg_.C));
+  RankMajorToBatchMajor(ops, recv.data(), t, B, Tl, cfg_.C, full);
   return absl::OkStatus();
 }
 
-absl::Status TpcpBlock::ReduceScatterTp(const float* full, int64_t B, int64_t Tc,
-                                        float* local) const {
+absl::Status TpcpBlock::ReduceScatterTp(const TransformerOps& ops, const float* full, int64_t B,
+                                        int64_t Tc, float* local) const {
   const int t = tp_->size();
   const int64_t Tl = Tc / t;
-  std::vector<float> send(static_cast<size_t>(B * Tc * cfg_.C));
-  BatchMajorToRankMajor(full, t, B, Tl, cfg_.C, send.data());
+  kernels::OpsBuffer send(&ops, B * Tc * cfg_.C);
+  BatchMajorToRankMajor(ops, full, t, B, Tl, cfg_.C, send.data());
   return tp_->ReduceScatter(send.data(), local, B * Tl * cfg_.C);
 }
 
 absl::Status TpcpBlock::Forward(const TransformerOps& ops, const BlockWeights& w,
                                 const float* x_local, int64_t B, int64_t T, float* y_local,
                                 TpcpCache* cache) const {
-  absl::Status st = Check();
-  if (!st.ok()) return st;
+  TPCP_RETURN_IF_ERROR(Check());
+  TPCP_RETURN_IF_ERROR(CheckTpspShard(cfg_, w, tp_->size()));
+  return ForwardImpl(ops, TpspViewOf(w), x_local, B, T, y_local, cache, /*backend_cache=*/false);
+}
+
+absl::Status TpcpBlock::Forward(const TransformerOps& ops, const TpspShardView& w,
+                                const float* x_local, int64_t B, int64_t T, float* y_local,
+                                TpcpCache* cache) const {
+  if (w.AnyNull()) return absl::InvalidArgumentError("tpcp: null weight pointer");
+  return ForwardImpl(ops, w, x_local, B, T, y_local, cache, /*backend_cache=*/true);
+}
+
+absl::Status TpcpBlock::Backward(const TransformerOps& ops, const BlockWeights& w,
+                                 const TpcpCache& k, const float* dy_local, float* dx_local,
+                                 BlockGrads* grads) const {
+  TPCP_RETURN_IF_ERROR(Check());
+  const int t = tp_->size();
+  TPCP_RETURN_IF_ERROR(CheckTpspShard(cfg_, w, t));
+  if (grads == nullptr) return absl::InvalidArgumentError("tpcp: null grads");
+  TPCP_RETURN_IF_ERROR(SizeGrads(cfg_, t, grads));
+  return BackwardImpl(ops, TpspViewOf(w), k, dy_local, dx_local, TpspViewOf(grads));
+}
+
+absl::Status TpcpBlock::Backward(const TransformerOps& ops, const TpspShardView& w,
+                                 const TpcpCache& k, const float* dy_local, float* dx_local,
+                                 const TpspGradsView& grads) const {
+  if (w.AnyNull()) return absl::InvalidArgumentError("tpcp: null weight pointer");
+  if (grads.AnyNull()) return absl::InvalidArgumentError("tpcp: null gradient pointer");
+  return BackwardImpl(ops, w, k, dy_local, dx_local, grads);
+}
+
+absl::Status TpcpBlock::ForwardImpl(const TransformerOps& ops, const TpspShardView& w,
+                                    const float* x_local, int64_t B, int64_t T, float* y_local,
+                                    TpcpCache* cache, bool backend_cache) const {
+  TPCP_RETURN_IF_ERROR(Check());
   const int t = tp_->size(), c = cp_->size();
-  if (st = CheckTpspShard(cfg_, w, t); !st.ok()) return st;
-  if (st = CheckTpcpSequence(B, T, t, c); !st.ok()) return st;
+  TPCP_RETURN_IF_ERROR(CheckTpcpSequence(B, T, t, c));
   if (x_local == nullptr || y_local == nullptr) {
     return absl::InvalidArgumentError("tpcp: null x or y");
   }
@@ -177,34 +265,35 @@ absl::Status TpcpBlock::Forward(const TransformerOps& ops, const BlockWeights& w
     k.q_pos = std::move(*q_pos);
     k.k_pos = std::move(*k_pos);
   }
-  k.x.assign(x_local, x_local + nl * C);
-  k.rstd1.resize(nl);
-  k.n1.resize(nc * C);
-  k.q.resize(nc * Ct);
-  k.kv.resize(B * T * 2 * Ct);
-  k.att.resize(nc * Ct);
-  k.lse.resize(B * Ht * Tc);
-  k.h.resize(nl * C);
-  k.rstd2.resize(nl);
-  k.n2.resize(nc * C);
-  k.g.resize(nc * Ft);
-  k.u.resize(nc * Ft);
-  k.m.resize(nc * Ft);
-  std::vector<float> norm_local(nl * C), partial(nc * C);
-  std::vector<float> kv_local(nc * 2 * Ct), kv_recv(B * T * 2 * Ct);
+  // The previous step's buffers are released first (peak memory).
+  k.buffers = nullptr;
+  const layer::CacheSizes<kCacheTensors> sizes = CacheSizes(cfg_, t, c, B, T);
+  if (backend_cache) {
+    auto b = std::make_shared<TpcpCacheBuffers>();
+    layer::SizeCache(ops, sizes, true, VectorsOf(&k), BuffersOf(b.get()));
+    b->q_pos = layer::UploadPositions(ops, k.q_pos);
+    b->k_pos = layer::UploadPositions(ops, k.k_pos);
+    k.buffers = std::move(b);
+  } else {
+    TpcpCacheBuffers unused;
+    layer::SizeCache(ops, sizes, false, VectorsOf(&k), BuffersOf(&unused));
+  }
+  CacheRefs r;
+  RefsOf(k, sizes, ops, &r);  // sized just now
+  ops.CopyFloats(r.x, x_local, nl * C);
+  kernels::OpsBuffer norm_local(&ops, nl * C), partial(&ops, nc * C);
+  kernels::OpsBuffer kv_local(&ops, nc * 2 * Ct), kv_recv(&ops, B * T * 2 * Ct);
 
   // Attention: h = x + RS_tp(attn_own_heads(AG_tp(rmsnorm(x)), AG_cp(k|v))).
-  ops.RmsNormForward(x_local, w.ln1.data(), nl, C, cfg_.eps, norm_local.data(), k.rstd1.data());
-  if (st = Sync(ops, "ln1 forward"); !st.ok()) return st;
-  if (st = GatherTp(norm_local.data(), B, Tc, k.n1.data()); !st.ok()) return st;
-  Linear(ops, k.n1.data(), C, w.wk.data(), nc, Ct, C, kv_local.data(), 2 * Ct);
-  Linear(ops, k.n1.data(), C, w.wv.data(), nc, Ct, C, kv_local.data() + Ct, 2 * Ct);
-  if (st = Sync(ops, "k/v projection"); !st.ok()) return st;
+  ops.RmsNormForward(x_local, w.ln1, nl, C, cfg_.eps, norm_local.data(), r.rstd1);
+  TPCP_RETURN_IF_ERROR(GatherTp(ops, norm_local.data(), B, Tc, r.n1));
+  Linear(ops, r.n1, C, w.wk, nc, Ct, C, kv_local.data(), 2 * Ct);
+  Linear(ops, r.n1, C, w.wv, nc, Ct, C, kv_local.data() + Ct, 2 * Ct);
   std::shared_ptr<Work> kv_gather = cp_->IAllGather(kv_local.data(), kv_recv.data(), nc * 2 * Ct);
-  Linear(ops, k.n1.data(), C, w.wq.data(), nc, Ct, C, k.q.data(), Ct);  // overlapped
-  if (st = kv_gather->Wait(); !st.ok()) return st;
+  Linear(ops, r.n1, C, w.wq, nc, Ct, C, r.q, Ct);  // overlapped
+  TPCP_RETURN_IF_ERROR(kv_gather->Wait());
   // [c, B, Tc, 2Ct] -> [B, T, 2Ct]: the keys of row b in zigzag order (k_pos).
-  RankMajorToBatchMajor(kv_recv.data(), c, B, Tc, 2 * Ct, k.kv.data());
+  RankMajorToBatchMajor(ops, kv_recv.data(), c, B, Tc, 2 * Ct, r.kv);
   AttentionShape s;
   s.batch = B;
   s.tq = Tc;
@@ -214,77 +303,81 @@ absl::Status TpcpBlock::Forward(const TransformerOps& ops, const BlockWeights& w
   s.q_ld = Ct;
   s.k_ld = s.v_ld = 2 * Ct;
   s.out_ld = Ct;
-  ops.AttentionForward(s, k.q.data(), k.kv.data(), k.kv.data() + Ct, k.q_pos.data(), k.k_pos.data(),
-                       k.att.data(), k.lse.data());
-  Linear(ops, k.att.data(), Ct, w.wo.data(), nc, C, Ct, partial.data(), C);
-  if (st = Sync(ops, "attention forward"); !st.ok()) return st;
-  if (st = ReduceScatterTp(partial.data(), B, Tc, k.h.data()); !st.ok()) return st;
-  ops.Add(x_local, k.h.data(), nl * C, k.h.data());
+  ops.AttentionForward(s, r.q, r.kv, r.kv + Ct, r.q_pos, r.k_pos, r.att, r.lse);
+  Linear(ops, r.att, Ct, w.wo, nc, C, Ct, partial.data(), C);
+  TPCP_RETURN_IF_ERROR(ReduceScatterTp(ops, partial.data(), B, Tc, r.h));
+  ops.Add(x_local, r.h, nl * C, r.h);
 
   // MLP: y = h + RS_tp(mlp_own_ff(AG_tp(rmsnorm(h)))).
-  ops.RmsNormForward(k.h.data(), w.ln2.data(), nl, C, cfg_.eps, norm_local.data(), k.rstd2.data());
-  if (st = Sync(ops, "ln2 forward"); !st.ok()) return st;
-  if (st = GatherTp(norm_local.data(), B, Tc, k.n2.data()); !st.ok()) return st;
-  Linear(ops, k.n2.data(), C, w.wg.data(), nc, Ft, C, k.g.data(), Ft);
-  Linear(ops, k.n2.data(), C, w.wu.data(), nc, Ft, C, k.u.data(), Ft);
-  ops.SwiGluForward(k.g.data(), k.u.data(), nc * Ft, k.m.data());
-  Linear(ops, k.m.data(), Ft, w.wd.data(), nc, C, Ft, partial.data(), C);
-  if (st = Sync(ops, "mlp forward"); !st.ok()) return st;
-  if (st = ReduceScatterTp(partial.data(), B, Tc, y_local); !st.ok()) return st;
-  ops.Add(k.h.data(), y_local, nl * C, y_local);
+  ops.RmsNormForward(r.h, w.ln2, nl, C, cfg_.eps, norm_local.data(), r.rstd2);
+  TPCP_RETURN_IF_ERROR(GatherTp(ops, norm_local.data(), B, Tc, r.n2));
+  Linear(ops, r.n2, C, w.wg, nc, Ft, C, r.g, Ft);
+  Linear(ops, r.n2, C, w.wu, nc, Ft, C, r.u, Ft);
+  ops.SwiGluForward(r.g, r.u, nc * Ft, r.m);
+  Linear(ops, r.m, Ft, w.wd, nc, C, Ft, partial.data(), C);
+  TPCP_RETURN_IF_ERROR(ReduceScatterTp(ops, partial.data(), B, Tc, y_local));
+  ops.Add(r.h, y_local, nl * C, y_local);
   return Sync(ops, "block forward");
 }
 
-absl::Status TpcpBlock::Backward(const TransformerOps& ops, const BlockWeights& w,
-                                 const TpcpCache& k, const float* dy_local, float* dx_local,
-                                 BlockGrads* grads) const {
-  absl::Status st = Check();
-  if (!st.ok()) return st;
+absl::Status TpcpBlock::BackwardImpl(const TransformerOps& ops, const TpspShardView& w,
+                                     const TpcpCache& k, const float* dy_local, float* dx_local,
+                                     const TpspGradsView& grads) const {
+  TPCP_RETURN_IF_ERROR(Check());
   const int t = tp_->size(), c = cp_->size();
-  if (st = CheckTpspShard(cfg_, w, t); !st.ok()) return st;
-  if (st = CheckTpcpSequence(k.B, k.T, t, c); !st.ok()) return st;
-  if (dy_local == nullptr || dx_local == nullptr || grads == nullptr) {
-    return absl::InvalidArgumentError("tpcp: null dy, dx or grads");
+  TPCP_RETURN_IF_ERROR(CheckTpcpSequence(k.B, k.T, t, c));
+  if (dy_local == nullptr || dx_local == nullptr) {
+    return absl::InvalidArgumentError("tpcp: null dy or dx");
   }
   const int64_t B = k.B, T = k.T, C = cfg_.C, Ct = C / t, Ft = cfg_.FF / t, Ht = cfg_.H / t;
   const int64_t Tc = T / c, nc = B * Tc, nl = nc / t;
-  if (static_cast<int64_t>(k.x.size()) != nl * C || static_cast<int64_t>(k.m.size()) != nc * Ft ||
-      static_cast<int64_t>(k.kv.size()) != B * T * 2 * Ct ||
-      static_cast<int64_t>(k.q.size()) != nc * Ct ||
-      static_cast<int64_t>(k.lse.size()) != B * Ht * Tc ||
-      static_cast<int64_t>(k.q_pos.size()) != Tc || static_cast<int64_t>(k.k_pos.size()) != T) {
-    return absl::InvalidArgumentError("tpcp: cache does not match its B, T and the grid");
+  CacheRefs r;
+  if (static_cast<int64_t>(k.q_pos.size()) != Tc || static_cast<int64_t>(k.k_pos.size()) != T ||
+      !RefsOf(k, CacheSizes(cfg_, t, c, B, T), ops, &r)) {
+    return absl::InvalidArgumentError(
+        "tpcp: cache does not match its B, T, the grid or the backend");
   }
-  if (st = SizeGrads(cfg_, t, grads); !st.ok()) return st;
 
-  // This call's shard gradients, summed over the CP axis at the end before the += into grads.
-  BlockGrads d;
-  if (st = SizeGrads(cfg_, t, &d); !st.ok()) return st;
-  std::vector<float> full(nc * C), dfull(nc * C);  // TP-gathered gradient; partial input grad
-  std::vector<float> dm(nc * Ft), dg(nc * Ft), du(nc * Ft), datt(nc * Ct), dq(nc * Ct);
-  std::vector<float> dkv_all(B * T * 2 * Ct), dkv_send(B * T * 2 * Ct), dkv(nc * 2 * Ct);
-  std::vector<float> dh(nl * C), dnorm(nl * C);
+  // This call's shard gradients in BlockWeights::Tensors() order, packed as the CP all-reduce
+  // sends them, summed over the CP axis at the end before the += into grads.
+  const int64_t cc = C * Ct, fc = C * Ft;
+  const int64_t sizes[9] = {C, cc, cc, cc, cc, C, fc, fc, fc};
+  int64_t offsets[9], total = 0;
+  for (int i = 0; i < 9; ++i) {
+    offsets[i] = total;
+    total += sizes[i];
+  }
+  kernels::OpsBuffer packed(&ops, total);
+  float* d[9];
+  for (int i = 0; i < 9; ++i) d[i] = packed.data() + offsets[i];
+  float *d_wq = d[1], *d_wk = d[2], *d_wv = d[3], *d_wo = d[4], *d_wg = d[6], *d_wu = d[7],
+        *d_wd = d[8];
+  // The TP-gathered gradient and the partial input gradient [nc, C].
+  kernels::OpsBuffer full(&ops, nc * C), dfull(&ops, nc * C);
+  kernels::OpsBuffer dm(&ops, nc * Ft), dg(&ops, nc * Ft), du(&ops, nc * Ft), datt(&ops, nc * Ct),
+      dq(&ops, nc * Ct);
+  kernels::OpsBuffer dkv_all(&ops, B * T * 2 * Ct), dkv_send(&ops, B * T * 2 * Ct),
+      dkv(&ops, nc * 2 * Ct);
+  kernels::OpsBuffer dh(&ops, nl * C), dnorm(&ops, nl * C);
+  kernels::OpsBuffer dln(&ops, 2 * C);  // ln1 | ln2 partial gradients over the local tokens
 
   // MLP: y = h + m Wd^T (summed over the TP group by the reduce-scatter).
-  if (st = GatherTp(dy_local, B, Tc, full.data()); !st.ok()) return st;
-  LinearWeightGrad(ops, full.data(), C, k.m.data(), nc, C, Ft, d.wd.data());
-  LinearInputGrad(ops, full.data(), C, w.wd.data(), nc, C, Ft, dm.data(), 0.0f);
-  ops.SwiGluBackward(k.g.data(), k.u.data(), dm.data(), nc * Ft, dg.data(), du.data());
-  LinearWeightGrad(ops, dg.data(), Ft, k.n2.data(), nc, Ft, C, d.wg.data());
-  LinearWeightGrad(ops, du.data(), Ft, k.n2.data(), nc, Ft, C, d.wu.data());
-  LinearInputGrad(ops, dg.data(), Ft, w.wg.data(), nc, Ft, C, dfull.data(), 0.0f);
-  LinearInputGrad(ops, du.data(), Ft, w.wu.data(), nc, Ft, C, dfull.data(), 1.0f);
-  if (st = Sync(ops, "mlp backward"); !st.ok()) return st;
-  if (st = ReduceScatterTp(dfull.data(), B, Tc, dnorm.data()); !st.ok()) return st;
-  ops.RmsNormBackward(k.h.data(), w.ln2.data(), k.rstd2.data(), dnorm.data(), nl, C, dh.data(),
-                      d.ln2.data());
+  TPCP_RETURN_IF_ERROR(GatherTp(ops, dy_local, B, Tc, full.data()));
+  LinearWeightGrad(ops, full.data(), C, r.m, nc, C, Ft, d_wd);
+  LinearInputGrad(ops, full.data(), C, w.wd, nc, C, Ft, dm.data(), 0.0f);
+  ops.SwiGluBackward(r.g, r.u, dm.data(), nc * Ft, dg.data(), du.data());
+  LinearWeightGrad(ops, dg.data(), Ft, r.n2, nc, Ft, C, d_wg);
+  LinearWeightGrad(ops, du.data(), Ft, r.n2, nc, Ft, C, d_wu);
+  LinearInputGrad(ops, dg.data(), Ft, w.wg, nc, Ft, C, dfull.data(), 0.0f);
+  LinearInputGrad(ops, du.data(), Ft, w.wu, nc, Ft, C, dfull.data(), 1.0f);
+  TPCP_RETURN_IF_ERROR(ReduceScatterTp(ops, dfull.data(), B, Tc, dnorm.data()));
+  ops.RmsNormBackward(r.h, w.ln2, r.rstd2, dnorm.data(), nl, C, dh.data(), dln.data() + C);
   ops.Add(dh.data(), dy_local, nl * C, dh.data());  // The residual's identity branch.
-  if (st = Sync(ops, "ln2 backward"); !st.ok()) return st;
 
   // Attention: h = x + att Wo^T (summed over the TP group).
-  if (st = GatherTp(dh.data(), B, Tc, full.data()); !st.ok()) return st;
-  LinearWeightGrad(ops, full.data(), C, k.att.data(), nc, C, Ct, d.wo.data());
-  LinearInputGrad(ops, full.data(), C, w.wo.data(), nc, C, Ct, datt.data(), 0.0f);
+  TPCP_RETURN_IF_ERROR(GatherTp(ops, dh.data(), B, Tc, full.data()));
+  LinearWeightGrad(ops, full.data(), C, r.att, nc, C, Ct, d_wo);
+  LinearInputGrad(ops, full.data(), C, w.wo, nc, C, Ct, datt.data(), 0.0f);
   AttentionShape s;
   s.batch = B;
   s.tq = Tc;
@@ -294,52 +387,34 @@ absl::Status TpcpBlock::Backward(const TransformerOps& ops, const BlockWeights& 
   s.q_ld = Ct;
   s.k_ld = s.v_ld = 2 * Ct;
   s.out_ld = Ct;
-  ops.AttentionBackward(s, k.q.data(), k.kv.data(), k.kv.data() + Ct, k.q_pos.data(),
-                        k.k_pos.data(), k.att.data(), k.lse.data(), datt.data(), dq.data(),
-                        dkv_all.data(), dkv_all.data() + Ct);
-  if (st = Sync(ops, "attention backward"); !st.ok()) return st;
+  ops.AttentionBackward(s, r.q, r.kv, r.kv + Ct, r.q_pos, r.k_pos, r.att, r.lse, datt.data(),
+                        dq.data(), dkv_all.data(), dkv_all.data() + Ct);
   // dK|dV of all T keys [B, T, 2Ct] -> [c, B, Tc, 2Ct]; block j goes to (is summed on) its
   // owner, CP rank j.
-  BatchMajorToRankMajor(dkv_all.data(), c, B, Tc, 2 * Ct, dkv_send.data());
+  BatchMajorToRankMajor(ops, dkv_all.data(), c, B, Tc, 2 * Ct, dkv_send.data());
   std::shared_ptr<Work> dkv_scatter = cp_->IReduceScatter(dkv_send.data(), dkv.data(), nc * 2 * Ct);
   // Overlapped with the reduce-scatter: the q side.
-  LinearWeightGrad(ops, dq.data(), Ct, k.n1.data(), nc, Ct, C, d.wq.data());
-  LinearInputGrad(ops, dq.data(), Ct, w.wq.data(), nc, Ct, C, dfull.data(), 0.0f);
-  const absl::Status scattered = dkv_scatter->Wait();  // before any return: buffers in flight
-  if (st = Sync(ops, "q backward"); !st.ok()) return st;
-  if (!scattered.ok()) return scattered;
-  LinearWeightGrad(ops, dkv.data(), 2 * Ct, k.n1.data(), nc, Ct, C, d.wk.data());
-  LinearWeightGrad(ops, dkv.data() + Ct, 2 * Ct, k.n1.data(), nc, Ct, C, d.wv.data());
-  LinearInputGrad(ops, dkv.data(), 2 * Ct, w.wk.data(), nc, Ct, C, dfull.data(), 1.0f);
-  LinearInputGrad(ops, dkv.data() + Ct, 2 * Ct, w.wv.data(), nc, Ct, C, dfull.data(), 1.0f);
-  if (st = Sync(ops, "k/v backward"); !st.ok()) return st;
-  if (st = ReduceScatterTp(dfull.data(), B, Tc, dnorm.data()); !st.ok()) return st;
-  ops.RmsNormBackward(k.x.data(), w.ln1.data(), k.rstd1.data(), dnorm.data(), nl, C, dx_local,
-                      d.ln1.data());
+  LinearWeightGrad(ops, dq.data(), Ct, r.n1, nc, Ct, C, d_wq);
+  LinearInputGrad(ops, dq.data(), Ct, w.wq, nc, Ct, C, dfull.data(), 0.0f);
+  TPCP_RETURN_IF_ERROR(dkv_scatter->Wait());
+  LinearWeightGrad(ops, dkv.data(), 2 * Ct, r.n1, nc, Ct, C, d_wk);
+  LinearWeightGrad(ops, dkv.data() + Ct, 2 * Ct, r.n1, nc, Ct, C, d_wv);
+  LinearInputGrad(ops, dkv.data(), 2 * Ct, w.wk, nc, Ct, C, dfull.data(), 1.0f);
+  LinearInputGrad(ops, dkv.data() + Ct, 2 * Ct, w.wv, nc, Ct, C, dfull.data(), 1.0f);
+  TPCP_RETURN_IF_ERROR(ReduceScatterTp(ops, dfull.data(), B, Tc, dnorm.data()));
+  ops.RmsNormBackward(r.x, w.ln1, r.rstd1, dnorm.data(), nl, C, dx_local, dln.data());
   ops.Add(dx_local, dh.data(), nl * C, dx_local);
-  if (st = Sync(ops, "ln1 backward"); !st.ok()) return st;
 
   // ln1 | ln2: partial over the local tokens -> summed over the TP group (the CP shard).
-  std::vector<float> dln(2 * C);
-  std::memcpy(dln.data(), d.ln1.data(), sizeof(float) * C);
-  std::memcpy(dln.data() + C, d.ln2.data(), sizeof(float) * C);
-  if (st = tp_->AllReduce(dln.data(), 2 * C); !st.ok()) return st;
-  std::memcpy(d.ln1.data(), dln.data(), sizeof(float) * C);
-  std::memcpy(d.ln2.data(), dln.data() + C, sizeof(float) * C);
+  TPCP_RETURN_IF_ERROR(tp_->AllReduce(dln.data(), 2 * C));
+  ops.CopyFloats(d[0], dln.data(), C);
+  ops.CopyFloats(d[5], dln.data() + C, C);
   // Every field (ln included) summed over the CP axis in one packed all-reduce.
-  const std::vector<std::vector<float>*> fields = d.Tensors();
-  size_t total = 0;
-  for (const std::vector<float>* f : fields) total += f->size();
-  std::vector<float> packed;
-  packed.reserve(total);
-  for (const std::vector<float>* f : fields) packed.insert(packed.end(), f->begin(), f->end());
-  if (st = cp_->AllReduce(packed.data(), static_cast<int64_t>(total)); !st.ok()) return st;
-  const std::vector<std::vector<float>*> out = grads->Tensors();
-  size_t off = 0;
-  for (std::vector<float>* f : out) {
-    for (float& v : *f) v += packed[off++];
-  }
-  return absl::OkStatus();
+  TPCP_RETURN_IF_ERROR(cp_->AllReduce(packed.data(), total));
+  float* out[9] = {grads.ln1, grads.wq, grads.wk, grads.wv, grads.wo,
+                   grads.ln2, grads.wg, grads.wu, grads.wd};
+  for (int i = 0; i < 9; ++i) ops.Add(out[i], d[i], sizes[i], out[i]);
+  return Sync(ops, "block backward");
 }
 
 }  // namespace parallel

@@ -37,9 +37,17 @@
 //   CP backward: 1 reduce-scatter of dK|dV, 4 * N_kv * (c-1) bytes; 1 all-reduce of N_w floats.
 // (Each call is counted by its communicator even when that group has size 1, with 0 bytes.)
 //
-// Requires H % t == 0, FF % t == 0, T % (2c) == 0 and (T/c) % t == 0. All tensors are host
-// memory (Gloo backend, kernels::CpuOps()). Forward / Backward are collective over both groups:
-// every rank must call them with the same B and T.
+// Requires H % t == 0, FF % t == 0, T % (2c) == 0 and (T/c) % t == 0. Forward / Backward are
+// collective over both groups: every rank must call them with the same B and T.
+//
+// Memory spaces, as the TP+SP block's (parallel/tpsp_block.h): every buffer the block
+// allocates comes from `ops` (kernels::OpsBuffer) and is only touched through ops calls and the
+// Communicators. The BlockWeights / BlockGrads overloads are the CPU API (host memory, a host
+// backend and host Communicators; the cache in its std::vectors). The TpspShardView /
+// TpspGradsView overloads take pointers in `ops`' memory, the Communicators must accept that
+// memory (NCCL on the same device) and run in stream order with the backend (both NCCL
+// communicators and the CUDA ops on one stream), and the cache keeps its activations in
+// TpcpCache::buffers (Backward must use the same backend).
 #pragma once
 
 #include <cstdint>
@@ -51,6 +59,7 @@
 #include "kernels/ops.h"
 #include "parallel/communicator.h"
 #include "parallel/reference_block.h"
+#include "parallel/tpsp_block.h"
 
 namespace stallfree {
 namespace parallel {
@@ -79,7 +88,15 @@ absl::Status CheckTpcpSequence(int64_t B, int64_t T, int t, int c);
 absl::StatusOr<std::vector<int32_t>> TpcpPositions(int64_t T, int t, int c, int tp_index,
                                                    int cp_index);
 
+// The cache's activations in the backend's memory (the view overloads); q_pos / k_pos hold the
+// int32 positions bit for bit in float-sized elements.
+struct TpcpCacheBuffers {
+  kernels::OpsBuffer q_pos, k_pos, x, rstd1, n1, q, kv, att, lse, h, rstd2, n2, g, u, m;
+};
+
 // What the backward needs from the forward. nc = B*T/c (the CP shard), nl = nc/t (local).
+// The CPU API fills the std::vectors; the view form fills q_pos / k_pos (host metadata) and
+// `buffers` (shared by copies of the cache) and leaves the float vectors empty.
 struct TpcpCache {
   int64_t B = 0, T = 0;
   std::vector<int32_t> q_pos;   // [T/c] the CP shard's positions (ZigzagPositions)
@@ -94,6 +111,7 @@ struct TpcpCache {
   std::vector<float> rstd2;     // [nl]
   std::vector<float> n2;        // [nc, C] TP-gathered rmsnorm(h, ln2)
   std::vector<float> g, u, m;   // [nc, FF/t]
+  std::shared_ptr<TpcpCacheBuffers> buffers;  // the same tensors in backend memory, or null
 };
 
 class TpcpBlock {
@@ -117,12 +135,31 @@ class TpcpBlock {
                         const TpcpCache& cache, const float* dy_local, float* dx_local,
                         BlockGrads* grads) const;
 
+  // The same in the backend's memory: every pointer of shard and grads, x_local, y_local,
+  // dy_local and dx_local in `ops`' memory (sizes are the caller's responsibility). grads is
+  // accumulated (+=), so it must be initialised (e.g. zeroed with ops.Fill). The cache may come
+  // from either Forward overload.
+  absl::Status Forward(const kernels::TransformerOps& ops, const TpspShardView& shard,
+                       const float* x_local, int64_t B, int64_t T, float* y_local,
+                       TpcpCache* cache) const;
+  absl::Status Backward(const kernels::TransformerOps& ops, const TpspShardView& shard,
+                        const TpcpCache& cache, const float* dy_local, float* dx_local,
+                        const TpspGradsView& grads) const;
+
  private:
   absl::Status Check() const;
-  // full [B, T/c, C] := the TP ranks' local [B, T/(c*t), C].
-  absl::Status GatherTp(const float* local, int64_t B, int64_t Tc, float* full) const;
+  absl::Status ForwardImpl(const kernels::TransformerOps& ops, const TpspShardView& w,
+                           const float* x_local, int64_t B, int64_t T, float* y_local,
+                           TpcpCache* cache, bool backend_cache) const;
+  absl::Status BackwardImpl(const kernels::TransformerOps& ops, const TpspShardView& w,
+                            const TpcpCache& cache, const float* dy_local, float* dx_local,
+                            const TpspGradsView& grads) const;
+  // full [B, T/c, C] := the TP ranks' local [B, T/(c*t), C], backend memory.
+  absl::Status GatherTp(const kernels::TransformerOps& ops, const float* local, int64_t B,
+                        int64_t Tc, float* full) const;
   // local [B, T/(c*t), C] := sum over the TP ranks of their partial [B, T/c, C], own tokens.
-  absl::Status ReduceScatterTp(const float* full, int64_t B, int64_t Tc, float* local) const;
+  absl::Status ReduceScatterTp(const kernels::TransformerOps& ops, const float* full, int64_t B,
+                               int64_t Tc, float* local) const;
 
   BlockConfig cfg_;
   Communicator* tp_;

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "parallel/block_cache.h"
 #include "parallel/linear.h"
 
 namespace stallfree {
@@ -31,10 +32,9 @@ std::vector<int64_t> ShardSizes(const BlockConfig& c, int D) {
   } while (0)
 
 // The cache's float tensors in TpspCacheBuffers' order, with their sizes for (D, B, T).
-constexpr int kCacheTensors = 12;
-using CacheSizeList = std::array<int64_t, kCacheTensors>;
+constexpr size_t kCacheTensors = 12;
 
-CacheSizeList CacheSizes(const BlockConfig& cfg, int D, int64_t B, int64_t T) {
+layer::CacheSizes<kCacheTensors> CacheSizes(const BlockConfig& cfg, int D, int64_t B, int64_t T) {
   const int64_t C = cfg.C, Cl = C / D, Fl = cfg.FF / D, n = B * T, nl = n / D;
   //       x       rstd1 n1     qkv         att     lse                    h
   return {nl * C, nl, n * C, n * 3 * Cl, n * Cl, B * (cfg.H / D) * T, nl * C,
@@ -42,99 +42,42 @@ CacheSizeList CacheSizes(const BlockConfig& cfg, int D, int64_t B, int64_t T) {
           nl, n * C, n * Fl, n * Fl, n * Fl};
 }
 
-// Cache is TpspCache or const TpspCache.
+// Cache is TpspCache or const TpspCache; Buffers likewise.
 template <class Cache>
 std::array<decltype(&std::declval<Cache*>()->x), kCacheTensors> VectorsOf(Cache* c) {
   return {&c->x, &c->rstd1, &c->n1, &c->qkv, &c->att, &c->lse,
           &c->h, &c->rstd2, &c->n2, &c->g,   &c->u,   &c->m};
 }
-
-std::array<const kernels::OpsBuffer*, kCacheTensors> BuffersOf(const TpspCacheBuffers& b) {
-  return {&b.x, &b.rstd1, &b.n1, &b.qkv, &b.att, &b.lse, &b.h, &b.rstd2, &b.n2, &b.g, &b.u, &b.m};
+template <class Buffers>
+std::array<decltype(&std::declval<Buffers*>()->x), kCacheTensors> BuffersOf(Buffers* b) {
+  return {&b->x, &b->rstd1, &b->n1, &b->qkv, &b->att, &b->lse,
+          &b->h, &b->rstd2, &b->n2, &b->g,   &b->u,   &b->m};
 }
 
-// Sizes the cache's tensors: OpsBuffers of `ops` (backend_cache; the float vectors are
-// released) or the std::vectors (no buffers). The previous step's tensors are released first
-// (peak memory).
-void AllocateCache(const TransformerOps& ops, const CacheSizeList& sizes, bool backend_cache,
-                   TpspCache* c) {
-  c->buffers = nullptr;
-  const std::array<std::vector<float>*, kCacheTensors> vecs = VectorsOf(c);
-  if (!backend_cache) {
-    for (int i = 0; i < kCacheTensors; ++i) vecs[i]->resize(static_cast<size_t>(sizes[i]));
-    return;
-  }
-  for (std::vector<float>* v : vecs) std::vector<float>().swap(*v);
-  auto b = std::make_shared<TpspCacheBuffers>();
-  kernels::OpsBuffer* bufs[kCacheTensors] = {&b->x,   &b->rstd1, &b->n1, &b->qkv,
-                                             &b->att, &b->lse,   &b->h,  &b->rstd2,
-                                             &b->n2,  &b->g,     &b->u,  &b->m};
-  for (int i = 0; i < kCacheTensors; ++i) *bufs[i] = kernels::OpsBuffer(&ops, sizes[i]);
-  const int64_t T = static_cast<int64_t>(c->positions.size());
-  b->positions = kernels::OpsBuffer(&ops, T);
-  static_assert(sizeof(int32_t) == sizeof(float), "positions travel as float-sized bits");
-  ops.Upload(b->positions.data(), reinterpret_cast<const float*>(c->positions.data()), T);
-  c->buffers = std::move(b);
-}
-
-// True if the cache's tensors have the sizes for its B, T and this D, and (in backend memory)
-// belong to `ops`.
-bool CacheMatches(const TpspCache& c, const CacheSizeList& sizes, const TransformerOps& ops) {
-  if (static_cast<int64_t>(c.positions.size()) != c.T) return false;
-  for (int i = 0; i < kCacheTensors; ++i) {
-    const int64_t got = c.buffers != nullptr ? BuffersOf(*c.buffers)[i]->size()
-                                             : static_cast<int64_t>(VectorsOf(&c)[i]->size());
-    if (got != sizes[i]) return false;
-  }
-  return c.buffers == nullptr || c.buffers->x.ops() == &ops;
-}
-
-// The cache's tensors, wherever they live. Forward writes them through these pointers (it owns
-// the cache); Backward only reads them.
+// The cache's tensors, wherever they live.
 struct CacheRefs {
   const int32_t* positions = nullptr;
   float *x, *rstd1, *n1, *qkv, *att, *lse, *h, *rstd2, *n2, *g, *u, *m;
 };
 
-CacheRefs RefsOf(const TpspCache& c) {
+// False if the cache's tensors do not have `sizes` or (in backend memory) do not belong to ops.
+bool RefsOf(const TpspCache& c, const layer::CacheSizes<kCacheTensors>& sizes,
+            const TransformerOps& ops, CacheRefs* r) {
   std::array<float*, kCacheTensors> p;
-  CacheRefs r;
-  if (c.buffers != nullptr) {
-    const auto bufs = BuffersOf(*c.buffers);
-    for (int i = 0; i < kCacheTensors; ++i) p[i] = bufs[i]->data();
-    r.positions = reinterpret_cast<const int32_t*>(c.buffers->positions.data());
+  const TpspCacheBuffers* b = c.buffers.get();
+  if (b != nullptr) {
+    const auto bufs = BuffersOf(b);
+    if (b->x.ops() != &ops || !layer::CacheData(VectorsOf(&c), &bufs, sizes, &p)) return false;
+    r->positions = reinterpret_cast<const int32_t*>(b->positions.data());
   } else {
-    const auto vecs = VectorsOf(&c);
-    for (int i = 0; i < kCacheTensors; ++i) p[i] = const_cast<float*>(vecs[i]->data());
-    r.positions = c.positions.data();
+    if (!layer::CacheData<kCacheTensors>(VectorsOf(&c), nullptr, sizes, &p)) return false;
+    r->positions = c.positions.data();
   }
-  r.x = p[0];
-  r.rstd1 = p[1];
-  r.n1 = p[2];
-  r.qkv = p[3];
-  r.att = p[4];
-  r.lse = p[5];
-  r.h = p[6];
-  r.rstd2 = p[7];
-  r.n2 = p[8];
-  r.g = p[9];
-  r.u = p[10];
-  r.m = p[11];
-  return r;
-}
-
-bool AnyNull(const TpspShardView& w) {
-  for (const float* t : {w.ln1, w.wq, w.wk, w.wv, w.wo, w.ln2, w.wg, w.wu, w.wd}) {
-    if (t == nullptr) return true;
-  }
-  return false;
-}
-
-bool AnyNull(const TpspGradsView& g) {
-  for (const float* t : {g.ln1, g.wq, g.wk, g.wv, g.wo, g.ln2, g.wg, g.wu, g.wd}) {
-    if (t == nullptr) return true;
-  }
-  return false;
+  if (static_cast<int64_t>(c.positions.size()) != c.T) return false;
+  float** named[kCacheTensors] = {&r->x, &r->rstd1, &r->n1, &r->qkv, &r->att, &r->lse,
+                                  &r->h, &r->rstd2, &r->n2, &r->g,   &r->u,   &r->m};
+  for (size_t i = 0; i < kCacheTensors; ++i) *named[i] = p[i];
+  return true;
 }
 
 // dst[r, :] = src rows [row0, row0 + rows) of a [*, cols] matrix.
@@ -311,7 +254,7 @@ absl::Status TpspBlock::Forward(const TransformerOps& ops, const BlockWeights& w
 absl::Status TpspBlock::Forward(const TransformerOps& ops, const TpspShardView& w,
                                 const float* x_local, int64_t B, int64_t T, float* y_local,
                                 TpspCache* cache) const {
-  if (AnyNull(w)) return absl::InvalidArgumentError("tpsp: null weight pointer");
+  if (w.AnyNull()) return absl::InvalidArgumentError("tpsp: null weight pointer");
   return ForwardImpl(ops, w, x_local, B, T, y_local, cache, /*backend_cache=*/true);
 }
 
@@ -336,8 +279,8 @@ absl::Status TpspBlock::Backward(const TransformerOps& ops, const BlockWeights& 
 absl::Status TpspBlock::Backward(const TransformerOps& ops, const TpspShardView& w,
                                  const TpspCache& c, const float* dy_local, float* dx_local,
                                  const TpspGradsView& grads) const {
-  if (AnyNull(w)) return absl::InvalidArgumentError("tpsp: null weight pointer");
-  if (AnyNull(grads)) return absl::InvalidArgumentError("tpsp: null gradient pointer");
+  if (w.AnyNull()) return absl::InvalidArgumentError("tpsp: null weight pointer");
+  if (grads.AnyNull()) return absl::InvalidArgumentError("tpsp: null gradient pointer");
   return BackwardImpl(ops, w, c, dy_local, dx_local, grads);
 }
 
@@ -359,8 +302,20 @@ absl::Status TpspBlock::ForwardImpl(const TransformerOps& ops, const TpspShardVi
   c.T = T;
   c.positions.resize(T);
   for (int64_t t = 0; t < T; ++t) c.positions[t] = static_cast<int32_t>(t);
-  AllocateCache(ops, CacheSizes(cfg_, D, B, T), backend_cache, &c);
-  const CacheRefs r = RefsOf(c);
+  // The previous step's buffers are released first (peak memory).
+  c.buffers = nullptr;
+  const layer::CacheSizes<kCacheTensors> sizes = CacheSizes(cfg_, D, B, T);
+  if (backend_cache) {
+    auto b = std::make_shared<TpspCacheBuffers>();
+    layer::SizeCache(ops, sizes, true, VectorsOf(&c), BuffersOf(b.get()));
+    b->positions = layer::UploadPositions(ops, c.positions);
+    c.buffers = std::move(b);
+  } else {
+    TpspCacheBuffers unused;
+    layer::SizeCache(ops, sizes, false, VectorsOf(&c), BuffersOf(&unused));
+  }
+  CacheRefs r;
+  RefsOf(c, sizes, ops, &r);  // sized just now
   ops.CopyFloats(r.x, x_local, nl * C);
   kernels::OpsBuffer norm_local(&ops, nl * C), partial(&ops, n * C);
 
@@ -401,11 +356,11 @@ absl::Status TpspBlock::BackwardImpl(const TransformerOps& ops, const TpspShardV
   }
   const int64_t B = c.B, T = c.T, C = cfg_.C, Cl = C / D, Fl = cfg_.FF / D, C3 = 3 * Cl;
   const int64_t n = B * T, nl = n / D;
-  if (!CacheMatches(c, CacheSizes(cfg_, D, B, T), ops)) {
+  CacheRefs r;
+  if (!RefsOf(c, CacheSizes(cfg_, D, B, T), ops, &r)) {
     return absl::InvalidArgumentError(
         "tpsp: cache does not match its B, T, the group size or the backend");
   }
-  const CacheRefs r = RefsOf(c);
 
   // The gathered gradient and the partial input gradient [n, C].
   kernels::OpsBuffer full(&ops, n * C), dfull(&ops, n * C);

@@ -44,6 +44,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <vector>
 
@@ -85,6 +86,13 @@ struct TpspShardView {
   const float* wg = nullptr;
   const float* wu = nullptr;
   const float* wd = nullptr;
+
+  bool AnyNull() const {
+    for (const float* p : {ln1, wq, wk, wv, wo, ln2, wg, wu, wd}) {
+      if (p == nullptr) return true;
+    }
+    return false;
+  }
 };
 struct TpspGradsView {
   float* ln1 = nullptr;
@@ -96,6 +104,13 @@ struct TpspGradsView {
   float* wg = nullptr;
   float* wu = nullptr;
   float* wd = nullptr;
+
+  bool AnyNull() const {
+    for (const float* p : {ln1, wq, wk, wv, wo, ln2, wg, wu, wd}) {
+      if (p == nullptr) return true;
+    }
+    return false;
+  }
 };
 
 // Views of host tensors (for a host backend); the views point into w / *g.

@@ -17,6 +17,8 @@
 //   TP backward: as forward, plus all-reduce 1 call of 2C floats (ring: sends
 //                4*(2n - blk(r) - blk(r+1)), receives 4*(2n - blk(r-1) - blk(r))).
 //   CP backward: reduce-scatter 1 call, 4*N_kv*(c-1) bytes; all-reduce 1 call of N_w floats.
+// The backend-memory form (TpspShardView / TpspGradsView, the cache in OpsBuffers) on the same
+// host backend must give bit-identical y, dx and gradients (CheckViewForm, worker_check.h).
 // Prints "OK rank p" and exits 0, or the first mismatch and exits 1.
 #include <algorithm>
 #include <cmath>
@@ -184,7 +186,8 @@ bool RunCase(sp::TpcpGroups& g, int64_t B, int64_t T) {
       return false;
     }
   }
-  return true;
+  return stallfree::testing::CheckViewForm<sp::TpcpBlock, sp::TpcpCache>(
+      at, block, ops, *shard, x_local, dy_local, B, T, y, dx, g_shard);
 }
 
 }  // namespace
