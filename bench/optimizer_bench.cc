@@ -282,10 +282,23 @@ int Main(int argc, char** argv) {
     fast.ColumnScores(g, GradType::kFp32, rows, cols, cols, nullptr, l2.data());
     fast.TopK(l2.data(), cols, cols / 10, idx.data());
   });
+  // AdamWColumns on the same block, every column at its own step (ZenFlow's migrated columns),
+  // against the uniform AdamW just measured: the cost of the per-column bias corrections.
+  std::vector<int64_t> col_steps(cols);
+  for (int64_t j = 0; j < cols; ++j) col_steps[j] = 1 + j % 1000;
+  std::vector<float> col_step_size(cols), col_bc2_sqrt(cols);
+  kernels::MakeColumnConstants(c, col_steps.data(), cols, col_step_size.data(),
+                               col_bc2_sqrt.data());
+  const double t_w_cols = Best(reps * 2, [&] {
+    fast.AdamWColumns(c, col_step_size.data(), col_bc2_sqrt.data(), p, m, v, g, GradType::kFp32,
+                      rows, cols, nullptr);
+  });
   printf("\n4096x4096 gradient: AdamW %.2f ms, accumulate %.2f ms (%.3f of AdamW), column "
          "scores + top-10%% %.2f ms (%.3f of AdamW)\n",
          t_w_adamw * 1e3, t_w_acc * 1e3, t_w_acc / t_w_adamw, t_w_select * 1e3,
          t_w_select / t_w_adamw);
+  printf("4096x4096 per-column steps: AdamWColumns %.2f ms (%.3f of AdamW)\n", t_w_cols * 1e3,
+         t_w_cols / t_w_adamw);
 
   printf("\n");
   printf("FIGURE stream_limit_4r3w %.2f GB/s\n", limit_gbs);
@@ -303,6 +316,7 @@ int Main(int argc, char** argv) {
   printf("FIGURE fused_boundary_vs_separate_passes %.2f x\n", fused_vs_sep.limit_over_kernel);
   printf("FIGURE accumulate_4096x4096_fraction_of_adamw %.3f ratio\n", t_w_acc / t_w_adamw);
   printf("FIGURE select_4096x4096_fraction_of_adamw %.3f ratio\n", t_w_select / t_w_adamw);
+  printf("FIGURE adamw_columns_4096x4096_fraction_of_adamw %.3f ratio\n", t_w_cols / t_w_adamw);
   return 0;
 }
 
