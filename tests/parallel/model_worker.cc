@@ -27,55 +27,17 @@
 #include "parallel/reference_block.h"
 #include "parallel/tpsp_block.h"
 #include "parallel/tsp_block.h"
+#include "tests/parallel/worker_check.h"
 
 namespace sp = stallfree::parallel;
 
 namespace {
 
-int g_rank = 0;
+using stallfree::testing::Compare;
+using stallfree::testing::g_rank;
+using stallfree::testing::MaxAbs;
 
-#define CHECK_OR_FAIL(cond, ...)                                                               \
-  do {                                                                                         \
-    if (!(cond)) {                                                                             \
-      std::fprintf(stderr, "FAIL rank %d: %s:%d: %s: %s\n", g_rank, __FILE__, __LINE__, #cond, \
-                   absl::StrCat(__VA_ARGS__).c_str());                                         \
-      return false;                                                                            \
-    }                                                                                          \
-  } while (0)
-
-#define CHECK_OK(expr, what)                           \
-  do {                                                 \
-    absl::Status s_ = (expr);                          \
-    CHECK_OR_FAIL(s_.ok(), what, ": ", s_.ToString()); \
-  } while (0)
-
-constexpr double kRelTol = 1e-5;
-constexpr double kAbsTol = 1e-7;
 constexpr double kLossRelTol = 1e-6;
-
-double MaxAbs(const std::vector<float>& v) {
-  double m = 0;
-  for (float x : v) m = std::max(m, static_cast<double>(std::fabs(x)));
-  return m;
-}
-
-// got against want, tolerance from ref_max (the max |.| of the whole reference tensor).
-bool Compare(const std::string& what, const std::vector<float>& got, const std::vector<float>& want,
-             double ref_max) {
-  CHECK_OR_FAIL(got.size() == want.size(), what, ": size ", got.size(), " vs ", want.size());
-  CHECK_OR_FAIL(ref_max > 100 * kAbsTol, what, ": the reference is (nearly) zero, max ", ref_max);
-  const double tol = kRelTol * ref_max + kAbsTol;
-  double worst = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
-    CHECK_OR_FAIL(err <= tol, what, " [", i, "] = ", got[i], ", reference ", want[i], " (err ", err,
-                  " > tol ", tol, ")");
-    worst = std::max(worst, err);
-  }
-  std::printf("rank %d %-26s max|ref| %.3e  max|err| %.3e  (%.2e rel)\n", g_rank, what.c_str(),
-              ref_max, worst, worst / ref_max);
-  return true;
-}
 
 // The loss of every rank, as hi / lo floats (exact), must be bitwise equal.
 bool CheckSameOnAllRanks(sp::Communicator& comm, double loss, const std::string& what) {

@@ -25,59 +25,18 @@
 #include "parallel/reference_block.h"
 #include "parallel/tsp_block.h"
 #include "parallel/zigzag.h"
+#include "tests/parallel/worker_check.h"
 
 namespace sp = stallfree::parallel;
 
 namespace {
 
-int g_rank = 0;
+using stallfree::testing::Compare;
+using stallfree::testing::g_rank;
+using stallfree::testing::RandomNormal;
 
-#define CHECK_OR_FAIL(cond, ...)                                                               \
-  do {                                                                                         \
-    if (!(cond)) {                                                                             \
-      std::fprintf(stderr, "FAIL rank %d: %s:%d: %s: %s\n", g_rank, __FILE__, __LINE__, #cond, \
-                   absl::StrCat(__VA_ARGS__).c_str());                                         \
-      return false;                                                                            \
-    }                                                                                          \
-  } while (0)
-
-#define CHECK_OK(expr, what)                           \
-  do {                                                 \
-    absl::Status s_ = (expr);                          \
-    CHECK_OR_FAIL(s_.ok(), what, ": ", s_.ToString()); \
-  } while (0)
-
-constexpr double kRelTol = 1e-5;
-
-std::vector<float> Randn(uint32_t seed, int64_t n, double scale) {
-  std::mt19937 rng(seed);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) {
-    const double u1 = (static_cast<double>(rng()) + 1.0) / 4294967296.0;
-    const double u2 = static_cast<double>(rng()) / 4294967296.0;
-    x = static_cast<float>(scale * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2));
-  }
-  return v;
-}
-
-bool Compare(const std::vector<float>& got, const std::vector<float>& want,
-             const std::string& what) {
-  CHECK_OR_FAIL(got.size() == want.size(), what, ": size ", got.size(), " vs ", want.size());
-  double max_ref = 0;
-  for (float v : want) max_ref = std::max(max_ref, std::fabs(static_cast<double>(v)));
-  const double tol = kRelTol * max_ref + 1e-30;
-  double worst = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
-    CHECK_OR_FAIL(err <= tol, what, ": [", i, "] = ", got[i], ", reference ", want[i], " (|err| ",
-                  err, " > tol ", tol, ", max |ref| ", max_ref, ")");
-    worst = std::max(worst, err);
-  }
-  CHECK_OR_FAIL(max_ref > 0, what, ": the reference is all zero (a vacuous check)");
-  std::printf("rank %d %-14s max|ref| %.3e  max|err| %.3e  (%.2e rel)\n", g_rank, what.c_str(),
-              max_ref, worst, worst / max_ref);
-  return true;
-}
+// fp32 with the sums in different orders: 1e-5 x max |reference| of the compared tensor.
+constexpr stallfree::testing::Tolerance kTol{1e-5, 0.0};
 
 bool RunCase(sp::Communicator& comm, int64_t T, int64_t B) {
   const int64_t D = comm.size(), p = comm.rank();
@@ -88,8 +47,8 @@ bool RunCase(sp::Communicator& comm, int64_t T, int64_t B) {
   const auto& ops = stallfree::kernels::CpuOps();
   // Large enough weights that attention is far from uniform; jittered norms.
   const sp::BlockWeights w = sp::InitModelWeights(mcfg, 1234, 0.15f, 0.2f).blocks[0];
-  const std::vector<float> x = Randn(77 + static_cast<uint32_t>(T), B * T * C, 1.0);
-  const std::vector<float> dy = Randn(99 + static_cast<uint32_t>(T), B * T * C, 1.0);
+  const std::vector<float> x = RandomNormal(B * T * C, 77 + static_cast<uint32_t>(T), 1.0f);
+  const std::vector<float> dy = RandomNormal(B * T * C, 99 + static_cast<uint32_t>(T), 1.0f);
 
   // The reference on the full batch.
   std::vector<int32_t> pos(T);
@@ -134,51 +93,42 @@ bool RunCase(sp::Communicator& comm, int64_t T, int64_t B) {
            at + " tsp backward");
   const sp::OpCounters bwd = comm.counters();
 
-  if (!Compare(y_local, y_want, at + " y")) return false;
-  if (!Compare(dx_local, dx_want, at + " dx")) return false;
+  if (!Compare(at + " y", y_local, y_want, kTol)) return false;
+  if (!Compare(at + " dx", dx_local, dx_want, kTol)) return false;
   auto want = sp::ShardBlockWeights(cfg, rgrads, D, p);
   CHECK_OK(want.status(), at + " shard reference grads");
-  if (!Compare(grads.ln1, want->ln1, at + " dln1")) return false;
-  if (!Compare(grads.ln2, want->ln2, at + " dln2")) return false;
-  if (!Compare(grads.attn, want->attn, at + " dWqkvo")) return false;
-  if (!Compare(grads.mlp, want->mlp, at + " dWgud")) return false;
+  if (!Compare(at + " dln1", grads.ln1, want->ln1, kTol)) return false;
+  if (!Compare(at + " dln2", grads.ln2, want->ln2, kTol)) return false;
+  if (!Compare(at + " dWqkvo", grads.attn, want->attn, kTol)) return false;
+  if (!Compare(at + " dWgud", grads.mlp, want->mlp, kTol)) return false;
 
   // The backend-memory form (TspShardView / TspGradsView, cache in OpsBuffers) through the same
   // host backend: the same operations in the same order, so bit-identical results, accumulated
   // twice into gradients that start from the first pass's values.
   {
     namespace k = stallfree::kernels;
+    using stallfree::testing::Download;
+    using stallfree::testing::Upload;
     const sp::TspShard& sh = all[p];
-    k::OpsBuffer ln1(&ops, C), ln2(&ops, C), attn(&ops, sh.attn.size()), mlp(&ops, sh.mlp.size());
-    k::OpsBuffer gln1(&ops, C), gln2(&ops, C), gattn(&ops, sh.attn.size()),
-        gmlp(&ops, sh.mlp.size());
-    k::OpsBuffer bx(&ops, nl * C), by(&ops, nl * C), bdy(&ops, nl * C), bdx(&ops, nl * C);
-    ops.Upload(ln1.data(), sh.ln1.data(), C);
-    ops.Upload(ln2.data(), sh.ln2.data(), C);
-    ops.Upload(attn.data(), sh.attn.data(), attn.size());
-    ops.Upload(mlp.data(), sh.mlp.data(), mlp.size());
-    ops.Upload(gln1.data(), grads.ln1.data(), C);
-    ops.Upload(gln2.data(), grads.ln2.data(), C);
-    ops.Upload(gattn.data(), grads.attn.data(), gattn.size());
-    ops.Upload(gmlp.data(), grads.mlp.data(), gmlp.size());
-    ops.Upload(bx.data(), x_local.data(), nl * C);
-    ops.Upload(bdy.data(), dy_local.data(), nl * C);
+    const k::OpsBuffer ln1 = Upload(ops, sh.ln1), ln2 = Upload(ops, sh.ln2),
+                       attn = Upload(ops, sh.attn), mlp = Upload(ops, sh.mlp);
+    const k::OpsBuffer gln1 = Upload(ops, grads.ln1), gln2 = Upload(ops, grads.ln2),
+                       gattn = Upload(ops, grads.attn), gmlp = Upload(ops, grads.mlp);
+    const k::OpsBuffer bx = Upload(ops, x_local), bdy = Upload(ops, dy_local), by(&ops, nl * C),
+                       bdx(&ops, nl * C);
     const sp::TspShardView wv{ln1.data(), ln2.data(), attn.data(), mlp.data()};
     const sp::TspGradsView gv{gln1.data(), gln2.data(), gattn.data(), gmlp.data()};
     sp::TspCache vcache;
     CHECK_OK(block.Forward(ops, wv, bx.data(), B, T, by.data(), &vcache), at + " view forward");
     CHECK_OR_FAIL(vcache.buffers != nullptr && vcache.x.empty(), at, " view cache not in buffers");
     CHECK_OK(block.Backward(ops, wv, vcache, bdy.data(), bdx.data(), gv), at + " view backward");
-    std::vector<float> vy(nl * C), vdx(nl * C);
-    ops.Download(vy.data(), by.data(), nl * C);
-    ops.Download(vdx.data(), bdx.data(), nl * C);
+    const std::vector<float> vy = Download(ops, by), vdx = Download(ops, bdx);
     CHECK_OR_FAIL(vy == y_local, at, " view forward y differs from the vector form");
     CHECK_OR_FAIL(vdx == dx_local, at, " view backward dx differs from the vector form");
     const std::pair<const k::OpsBuffer*, const std::vector<float>*> g2[4] = {
         {&gln1, &grads.ln1}, {&gln2, &grads.ln2}, {&gattn, &grads.attn}, {&gmlp, &grads.mlp}};
     for (const auto& [buf, first] : g2) {
-      std::vector<float> got(first->size());
-      ops.Download(got.data(), buf->data(), buf->size());
+      const std::vector<float> got = Download(ops, *buf);
       for (size_t i = 0; i < got.size(); ++i) {
         const float want2 = (*first)[i] + (*first)[i];
         CHECK_OR_FAIL(got[i] == want2, at, " view gradient [", i, "] = ", got[i], ", want ",
