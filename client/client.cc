@@ -68,6 +68,13 @@ absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions() {
   return std::vector<v1::SessionInfo>(resp.sessions().begin(), resp.sessions().end());
 }
 
+absl::StatusOr<v1::ListCheckpointsResponse> Client::ListCheckpoints() {
+  grpc::ClientContext ctx;
+  v1::ListCheckpointsResponse resp;
+  RETURN_IF_ERROR(FromGrpc(stub_->ListCheckpoints(&ctx, v1::ListCheckpointsRequest(), &resp)));
+  return resp;
+}
+
 absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& name, int rank) {
   grpc::ClientContext ctx;
   v1::OpenSessionRequest req;
@@ -238,6 +245,27 @@ absl::StatusOr<v1::WaitUpdateResponse> Session::WaitUpdate(int64_t min_version,
   req.set_timeout_ms(timeout_ms);
   v1::WaitUpdateResponse resp;
   RETURN_IF_ERROR(FromGrpc(client_->stub()->WaitUpdate(&ctx, req, &resp)));
+  return resp;
+}
+
+absl::StatusOr<v1::CheckpointResponse> Session::Checkpoint(const std::string& tag) {
+  grpc::ClientContext ctx;
+  v1::CheckpointRequest req;
+  *req.mutable_session() = ref_;
+  req.set_tag(tag);
+  v1::CheckpointResponse resp;
+  RETURN_IF_ERROR(FromGrpc(client_->stub()->Checkpoint(&ctx, req, &resp)));
+  return resp;
+}
+
+absl::StatusOr<v1::RestoreResponse> Session::Restore(const std::string& tag, v1::DType out_dtype) {
+  grpc::ClientContext ctx;
+  v1::RestoreRequest req;
+  *req.mutable_session() = ref_;
+  req.set_tag(tag);
+  req.set_out_dtype(out_dtype);
+  v1::RestoreResponse resp;
+  RETURN_IF_ERROR(FromGrpc(client_->stub()->Restore(&ctx, req, &resp)));
   return resp;
 }
 

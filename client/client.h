@@ -53,6 +53,7 @@ class Client {
   absl::StatusOr<std::string> Health();
   absl::StatusOr<v1::Stats> GetStats();
   absl::StatusOr<std::vector<v1::SessionInfo>> ListSessions();
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints();
 
   v1::Offload::Stub* stub() { return stub_.get(); }
   const std::string& socket_path() const { return socket_path_; }
@@ -103,6 +104,11 @@ class Session {
                                                       const std::vector<int64_t>& steps);
   absl::StatusOr<v1::WaitUpdateResponse> WaitUpdate(int64_t min_version, uint32_t timeout_ms = 0);
   std::future<absl::StatusOr<v1::WaitUpdateResponse>> WaitUpdateAsync(int64_t min_version);
+  // Writes the session's optimizer state to the daemon's state directory as `tag`, and reads
+  // it back into this (registered) session (offload.proto: CheckpointRequest, RestoreRequest).
+  absl::StatusOr<v1::CheckpointResponse> Checkpoint(const std::string& tag);
+  absl::StatusOr<v1::RestoreResponse> Restore(const std::string& tag,
+                                              v1::DType out_dtype = v1::DTYPE_FP32);
   absl::Status Close();
 
   const v1::SessionRef& ref() const { return ref_; }

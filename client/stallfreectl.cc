@@ -1,5 +1,6 @@
-// stallfreectl: admin CLI for stallfreed (health, stats, sessions).
+// stallfreectl: admin CLI for stallfreed (health, stats, sessions, checkpoints).
 #include <cstdio>
+#include <ctime>
 #include <string>
 
 #include <google/protobuf/util/json_util.h>
@@ -38,7 +39,7 @@ int Run(int argc, char** argv) {
   std::string socket = DefaultSocket();
   std::string output = "table";
   FlagSet flags("stallfreectl",
-                "admin CLI for stallfreed.\n\nUsage: stallfreectl [flags] health|stats|sessions");
+                "admin CLI for stallfreed.\n\nUsage: stallfreectl [flags] health|stats|sessions|checkpoints");
   flags.AddString("socket", &socket, "the daemon's gRPC unix socket");
   flags.AddString("o", &output, "output format: table or json");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
@@ -47,8 +48,9 @@ int Run(int argc, char** argv) {
     return 2;
   }
   const std::string cmd = flags.positional()[0];
-  if (cmd != "health" && cmd != "stats" && cmd != "sessions") {
-    fprintf(stderr, "stallfreectl: unknown command '%s' (health, stats, sessions)\n", cmd.c_str());
+  if (cmd != "health" && cmd != "stats" && cmd != "sessions" && cmd != "checkpoints") {
+    fprintf(stderr, "stallfreectl: unknown command '%s' (health, stats, sessions, checkpoints)\n",
+            cmd.c_str());
     return 2;
   }
   auto client = Client::Connect(socket);
@@ -92,6 +94,36 @@ int Run(int argc, char** argv) {
     printf("%-22s %s in, %s out\n", "bytes moved", Bytes(st.bytes_in()).c_str(),
            Bytes(st.bytes_out()).c_str());
     printf("%-22s %ld\n", "rejected requests", (long)st.rejected_requests());
+    printf("%-22s %ld\n", "migrated columns", (long)st.migrated_columns());
+    return 0;
+  }
+  if (cmd == "checkpoints") {
+    auto c = (*client)->ListCheckpoints();
+    if (!c.ok()) {
+      fprintf(stderr, "stallfreectl: checkpoints: %s\n", c.status().ToString().c_str());
+      return 1;
+    }
+    if (output == "json") {
+      printf("%s", Json(*c).c_str());
+      return 0;
+    }
+    printf("state directory %s\n", c->state_dir().c_str());
+    printf("%-24s %-12s %-16s %-5s %-8s %-12s %-10s %s\n", "TAG", "SIZE", "SESSION", "RANK",
+           "PARAMS", "ELEMENTS", "VERSION", "MODIFIED");
+    for (const auto& k : c->checkpoints()) {
+      char when[32] = "-";
+      time_t t = static_cast<time_t>(k.mtime_unix());
+      struct tm tm;
+      if (t > 0 && localtime_r(&t, &tm) != nullptr) strftime(when, sizeof when, "%F %T", &tm);
+      if (!k.error().empty()) {
+        printf("%-24s %-12s unreadable: %s\n", k.tag().c_str(), Bytes(k.bytes()).c_str(),
+               k.error().c_str());
+        continue;
+      }
+      printf("%-24s %-12s %-16s %-5d %-8ld %-12ld %-10ld %s\n", k.tag().c_str(),
+             Bytes(k.bytes()).c_str(), k.session_name().c_str(), k.rank(), (long)k.params(),
+             (long)k.param_elements(), (long)k.version(), when);
+    }
     return 0;
   }
   auto list = (*client)->ListSessions();

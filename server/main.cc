@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/flags.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "kernels/optimizer.h"
 #include "server/fd_server.h"
 #include "server/offload_service.h"
@@ -27,6 +28,28 @@ std::string DefaultSocketDir() {
   return "/run/stallfree";
 }
 
+std::string DefaultStateDir() {
+  const char* systemd = getenv("STATE_DIRECTORY");  // StateDirectory= in the unit
+  if (systemd != nullptr && *systemd != '\0') return systemd;
+  if (getuid() == 0) return "/var/lib/stallfree";
+  const char* xdg = getenv("XDG_STATE_HOME");
+  if (xdg != nullptr && *xdg != '\0') return absl::StrCat(xdg, "/stallfree");
+  const char* home = getenv("HOME");
+  if (home != nullptr && *home != '\0') return absl::StrCat(home, "/.local/state/stallfree");
+  return "";
+}
+
+// mkdir -p.
+absl::Status MakeDirs(const std::string& path, mode_t mode) {
+  for (size_t i = 1; i <= path.size(); ++i) {
+    if (i < path.size() && path[i] != '/') continue;
+    const std::string prefix = path.substr(0, i);
+    if (mkdir(prefix.c_str(), mode) != 0 && errno != EEXIST)
+      return stallfree::ErrnoStatus("mkdir", prefix);
+  }
+  return absl::OkStatus();
+}
+
 int Run(int argc, char** argv) {
   using namespace stallfree;
   std::string socket = DefaultSocketDir() + "/stallfreed.sock";
@@ -35,6 +58,7 @@ int Run(int argc, char** argv) {
   int64_t pinned_mib = 0;
   std::string pin = "best-effort";
   std::string log_level = "info";
+  std::string state_dir = DefaultStateDir();
   FlagSet flags("stallfreed",
                 "the stallfree offload daemon: owns pinned host memory and applies AdamW to the "
                 "gradients trainers push through shared memory.");
@@ -47,6 +71,10 @@ int Run(int argc, char** argv) {
   flags.AddString("pin", &pin,
                   "mlock policy: require (fail if mlock fails), best-effort (warn), off");
   flags.AddString("log_level", &log_level, "debug, info, warning or error");
+  flags.AddString("state_dir", &state_dir,
+                  "directory for checkpoints (Checkpoint / Restore); created if missing; empty "
+                  "disables them ($STATE_DIRECTORY, else $XDG_STATE_HOME/stallfree or "
+                  "~/.local/state/stallfree, /var/lib/stallfree for root)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   LogLevel level;
   if (!ParseLogLevel(log_level, &level)) {
@@ -73,6 +101,14 @@ int Run(int argc, char** argv) {
     SF_LOG(kError, "mkdir(%s) failed: %s (errno %d)", dir, strerror(errno), errno);
     return 1;
   }
+  if (!state_dir.empty()) {
+    absl::Status made = MakeDirs(state_dir, 0700);
+    if (!made.ok()) {
+      SF_LOG(kError, "--state_dir %s: %s", state_dir, made.ToString());
+      return 1;
+    }
+  }
+  opts.state_dir = state_dir;
   opts.fd_socket_path = fd_socket;
   opts.pinned_budget_bytes = static_cast<uint64_t>(pinned_mib) << 20;
   opts.worker_threads =

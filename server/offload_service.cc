@@ -99,6 +99,32 @@ grpc::ServerUnaryReactor* OffloadService::MigrateColumns(grpc::CallbackServerCon
   return r;
 }
 
+grpc::ServerUnaryReactor* OffloadService::Checkpoint(grpc::CallbackServerContext* ctx,
+                                                     const v1::CheckpointRequest* req,
+                                                     v1::CheckpointResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->Checkpoint(*req, resp, Finisher(r));
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::Restore(grpc::CallbackServerContext* ctx,
+                                                  const v1::RestoreRequest* req,
+                                                  v1::RestoreResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->Restore(*req, resp, Finisher(r));
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::ListCheckpoints(grpc::CallbackServerContext* ctx,
+                                                          const v1::ListCheckpointsRequest*,
+                                                          v1::ListCheckpointsResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  auto out = sessions_->ListCheckpoints();
+  if (out.ok()) *resp = std::move(*out);
+  r->Finish(ToGrpc(out.status()));
+  return r;
+}
+
 grpc::ServerUnaryReactor* OffloadService::GetStats(grpc::CallbackServerContext* ctx,
                                                    const v1::GetStatsRequest*,
                                                    v1::GetStatsResponse* resp) {

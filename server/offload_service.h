@@ -40,6 +40,15 @@ class OffloadService final : public v1::Offload::CallbackService {
   grpc::ServerUnaryReactor* MigrateColumns(grpc::CallbackServerContext* ctx,
                                            const v1::MigrateColumnsRequest* req,
                                            v1::MigrateColumnsResponse* resp) override;
+  grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* ctx,
+                                       const v1::CheckpointRequest* req,
+                                       v1::CheckpointResponse* resp) override;
+  grpc::ServerUnaryReactor* Restore(grpc::CallbackServerContext* ctx,
+                                    const v1::RestoreRequest* req,
+                                    v1::RestoreResponse* resp) override;
+  grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* ctx,
+                                            const v1::ListCheckpointsRequest* req,
+                                            v1::ListCheckpointsResponse* resp) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
                                      const v1::GetStatsRequest* req,
                                      v1::GetStatsResponse* resp) override;

@@ -1,6 +1,8 @@
 #include "server/session_manager.h"
 
+#include <dirent.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/random.h>
 #include <unistd.h>
 
@@ -16,6 +18,7 @@
 #include "common/bounds.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "server/checkpoint.h"
 
 namespace stallfree {
 namespace {
@@ -767,6 +770,207 @@ void SessionManager::MigrateColumns(const v1::MigrateColumnsRequest& req,
     counters_.migrated_columns.fetch_add(2 * n);
     done(absl::OkStatus());
   });
+}
+
+namespace {
+
+v1::ParamSpec SpecOf(const ParamInfo& p) {
+  v1::ParamSpec spec;
+  spec.set_name(p.name);
+  for (int64_t d : p.shape) spec.add_shape(d);
+  spec.set_grad_dtype(p.grad_dtype);
+  return spec;
+}
+
+}  // namespace
+
+void SessionManager::Checkpoint(const v1::CheckpointRequest& req, v1::CheckpointResponse* resp,
+                                std::function<void(absl::Status)> done) {
+  auto fail = [&](absl::Status st) {
+    Reject(st);
+    done(st);
+  };
+  absl::StatusOr<std::shared_ptr<Session>> found = Find(req.session());
+  if (!found.ok()) return fail(found.status());
+  std::shared_ptr<Session> s = *found;
+  if (options_.state_dir.empty())
+    return fail(absl::FailedPreconditionError(
+        "stallfreed runs without a state directory; start it with --state_dir DIR"));
+  absl::Status st = ValidateCheckpointTag(req.tag());
+  if (!st.ok()) return fail(st);
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (!s->registered)
+      return fail(absl::FailedPreconditionError("Checkpoint before RegisterParams"));
+  }
+  const std::string path = CheckpointPath(options_.state_dir, req.tag());
+  s->strand->Post([this, s, path, resp, done] {
+    v1::CheckpointHeader header;
+    std::vector<CheckpointArrays> arrays;
+    header.set_session_name(s->name);
+    header.set_rank(s->rank);
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      header.set_last_step(s->last_step);
+      header.set_version(s->version);
+    }
+    for (const ParamInfo& p : s->params) {
+      v1::CheckpointHeader::Param* hp = header.add_params();
+      *hp->mutable_spec() = SpecOf(p);
+      for (int64_t t : p.col_steps) hp->add_col_steps(t);
+      const uint64_t e = p.elem_offset;
+      arrays.push_back({s->master + e, s->m + e, s->v + e, s->acc + e, p.numel});
+    }
+    const auto t0 = Clock::now();
+    absl::StatusOr<CheckpointWritten> out = WriteCheckpoint(path, header, arrays);
+    if (!out.ok()) {
+      Reject(out.status());
+      return done(out.status());
+    }
+    resp->set_path(out->path);
+    resp->set_bytes(out->bytes);
+    resp->set_checksum(absl::StrCat(absl::Hex(out->checksum, absl::kZeroPad16)));
+    resp->set_version(header.version());
+    SF_LOG(kInfo, "session %d: checkpoint %s, %d bytes in %.3f s", s->id, out->path, out->bytes,
+           Seconds(Clock::now() - t0));
+    done(absl::OkStatus());
+  });
+}
+
+void SessionManager::Restore(const v1::RestoreRequest& req, v1::RestoreResponse* resp,
+                             std::function<void(absl::Status)> done) {
+  auto fail = [&](absl::Status st) {
+    Reject(st);
+    done(st);
+  };
+  absl::StatusOr<std::shared_ptr<Session>> found = Find(req.session());
+  if (!found.ok()) return fail(found.status());
+  std::shared_ptr<Session> s = *found;
+  if (options_.state_dir.empty())
+    return fail(absl::FailedPreconditionError(
+        "stallfreed runs without a state directory; start it with --state_dir DIR"));
+  absl::Status st = ValidateCheckpointTag(req.tag());
+  if (!st.ok()) return fail(st);
+  if (req.out_dtype() != v1::DTYPE_UNSPECIFIED && req.out_dtype() != v1::DTYPE_FP32 &&
+      req.out_dtype() != v1::DTYPE_BF16)
+    return fail(absl::InvalidArgumentError("out_dtype: must be FP32 or BF16"));
+  const v1::DType out = req.out_dtype() == v1::DTYPE_BF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+  const std::string path = CheckpointPath(options_.state_dir, req.tag());
+  uint64_t file_bytes = 0;
+  absl::StatusOr<v1::CheckpointHeader> header = ReadCheckpointHeader(path, &file_bytes);
+  if (!header.ok()) return fail(header.status());
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (!s->registered)
+      return fail(absl::FailedPreconditionError("Restore before RegisterParams"));
+    if (s->update_running)
+      return fail(absl::AbortedError(absl::StrCat(
+          "the update of step ", s->last_step, " is still running for session ", s->id)));
+    if (header->params_size() != static_cast<int>(s->params.size()))
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "tag: checkpoint '", req.tag(), "' has ", header->params_size(),
+          " parameters, the session registered ", s->params.size())));
+    for (size_t i = 0; i < s->params.size(); ++i) {
+      const v1::CheckpointHeader::Param& hp = header->params(static_cast<int>(i));
+      if (hp.spec().SerializeAsString() != SpecOf(s->params[i]).SerializeAsString() ||
+          hp.col_steps_size() != s->params[i].cols)
+        return fail(absl::FailedPreconditionError(absl::StrCat(
+            "tag: parameter ", i, " of checkpoint '", req.tag(), "' is '", hp.spec().name(),
+            "' with another name, shape or dtype than the session's '", s->params[i].name,
+            "'")));
+    }
+    s->update_running = true;  // no Update, Migrate or LoadParams until the restore is done
+  }
+  s->strand->Post([this, s, path, header = *header, out, resp, done, file_bytes] {
+    std::vector<CheckpointArrays> arrays;
+    for (const ParamInfo& p : s->params) {
+      const uint64_t e = p.elem_offset;
+      arrays.push_back({s->master + e, s->m + e, s->v + e, s->acc + e, p.numel});
+    }
+    absl::Status st = ReadCheckpointArrays(path, header, arrays);
+    if (st.ok()) {
+      uint8_t* dst = s->ParamSlot(0);
+      for (size_t i = 0; i < s->params.size(); ++i) {
+        ParamInfo& p = s->params[i];
+        const auto& steps = header.params(static_cast<int>(i)).col_steps();
+        p.col_steps.assign(steps.begin(), steps.end());
+        const float* src = s->master + p.elem_offset;
+        if (out == v1::DTYPE_BF16)
+          kernels::DefaultCpuKernel().FloatToBf16(
+              src, reinterpret_cast<uint16_t*>(dst) + p.elem_offset, p.numel);
+        else
+          memcpy(reinterpret_cast<float*>(dst) + p.elem_offset, src, p.numel * sizeof(float));
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->update_running = false;
+      if (st.ok()) {
+        s->last_step = header.last_step();
+        s->version = header.version();
+        s->updated_once = true;
+        s->ready_slot = 0;
+        s->ready_dtype = out;
+        s->pushes_since_update = 0;
+      }
+    }
+    if (!st.ok()) {
+      Reject(st);
+      return done(st);
+    }
+    resp->set_version(header.version());
+    resp->set_last_step(header.last_step());
+    resp->set_bytes(file_bytes);
+    SF_LOG(kInfo, "session %d: restored %s (version %d)", s->id, path, header.version());
+    done(absl::OkStatus());
+  });
+}
+
+absl::StatusOr<v1::ListCheckpointsResponse> SessionManager::ListCheckpoints() {
+  v1::ListCheckpointsResponse resp;
+  if (options_.state_dir.empty())
+    return absl::FailedPreconditionError(
+        "stallfreed runs without a state directory; start it with --state_dir DIR");
+  resp.set_state_dir(options_.state_dir);
+  DIR* dir = opendir(options_.state_dir.c_str());
+  if (dir == nullptr) return ErrnoStatus("opendir", options_.state_dir);
+  std::vector<std::string> tags;
+  while (struct dirent* e = readdir(dir)) {
+    std::string name = e->d_name;
+    const std::string ext = ".sfckpt";
+    if (name.size() > ext.size() && name[0] != '.' &&
+        name.compare(name.size() - ext.size(), ext.size(), ext) == 0)
+      tags.push_back(name.substr(0, name.size() - ext.size()));
+  }
+  closedir(dir);
+  std::sort(tags.begin(), tags.end());
+  for (const std::string& tag : tags) {
+    v1::CheckpointInfo* info = resp.add_checkpoints();
+    info->set_tag(tag);
+    const std::string path = CheckpointPath(options_.state_dir, tag);
+    struct stat st;
+    if (stat(path.c_str(), &st) == 0)
+      info->set_mtime_unix(static_cast<double>(st.st_mtim.tv_sec) + st.st_mtim.tv_nsec * 1e-9);
+    uint64_t bytes = 0;
+    absl::StatusOr<v1::CheckpointHeader> h = ReadCheckpointHeader(path, &bytes);
+    info->set_bytes(bytes);
+    if (!h.ok()) {
+      info->set_error(std::string(h.status().message()));
+      continue;
+    }
+    info->set_session_name(h->session_name());
+    info->set_rank(h->rank());
+    info->set_version(h->version());
+    info->set_params(h->params_size());
+    int64_t elems = 0;
+    for (const auto& p : h->params()) {
+      int64_t n = 1;
+      for (int64_t d : p.spec().shape()) n *= d;
+      elems += n;
+    }
+    info->set_param_elements(elems);
+  }
+  return resp;
 }
 
 void SessionManager::WaitUpdate(const v1::WaitUpdateRequest& req,

@@ -38,6 +38,8 @@ struct DaemonOptions {
   uint64_t pinned_budget_bytes = 0;
   PinPolicy pin = PinPolicy::kBestEffort;
   int worker_threads = 0;
+  // Where Checkpoint writes and Restore reads (created if missing); empty: checkpoints are off.
+  std::string state_dir;
 };
 
 // Daemon-wide counters, read by GetStats.
@@ -98,6 +100,12 @@ class SessionManager {
   void MigrateColumns(const v1::MigrateColumnsRequest& request,
                       v1::MigrateColumnsResponse* response,
                       std::function<void(absl::Status)> done);
+  // Checkpoint files (offload.proto): written / read on the session's strand.
+  void Checkpoint(const v1::CheckpointRequest& request, v1::CheckpointResponse* response,
+                  std::function<void(absl::Status)> done);
+  void Restore(const v1::RestoreRequest& request, v1::RestoreResponse* response,
+               std::function<void(absl::Status)> done);
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints();
   // Calls done once the version is ready, the timeout passes, or the session goes away.
   void WaitUpdate(const v1::WaitUpdateRequest& request,
                   std::function<void(absl::StatusOr<WaitResult>)> done);

@@ -18,7 +18,7 @@ $daemon --help | grep -q -- "--pinned_mib" || fail "stallfreed --help lacks --pi
 $daemon --bogus >/dev/null 2>&1 && fail "stallfreed accepted an unknown flag"
 $ctl --socket "$sock" frobnicate >/dev/null 2>&1 && fail "unknown command accepted"
 
-$daemon --socket "$sock" --log_level warning 2>"$dir/log" &
+$daemon --socket "$sock" --log_level warning --state_dir "$dir/state" 2>"$dir/log" &
 dpid=$!
 for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
 [ "$($ctl --socket "$sock" health)" = "SERVING  $sock" ] || fail "health"
@@ -35,6 +35,13 @@ grep -q '"param_elements": "1000"' <<<"$json" || fail "sessions json elements: $
 stats=$($ctl --socket "$sock" -o json stats)
 grep -q '"sessions": "1"' <<<"$stats" || fail "stats json: $stats"
 $ctl --socket "$sock" stats | grep -Eq "^sessions +1 " || fail "stats table"
+[ -d "$dir/state" ] || fail "--state_dir was not created"
+ckpt=$($ctl --socket "$sock" checkpoints)
+grep -q "state directory $dir/state" <<<"$ckpt" || fail "checkpoints table: $ckpt"
+printf 'SFCKPT1\n' > "$dir/state/broken.sfckpt"
+ckpt=$($ctl --socket "$sock" checkpoints)
+grep -Eq "^broken +.*unreadable: .*truncated" <<<"$ckpt" || fail "broken checkpoint: $ckpt"
+$ctl --socket "$sock" -o json checkpoints | grep -q '"tag": "broken"' || fail "json checkpoints"
 
 kill -TERM $dpid
 wait $dpid || fail "daemon exit status $?"

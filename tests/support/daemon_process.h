@@ -29,7 +29,15 @@ class Daemon {
     log_ = dir_ + "/daemon.log";
     std::vector<std::string> args = {"server/stallfreed", "--socket", socket_, "--log_level",
                                      log_level};
-    for (auto& e : extra) args.push_back(e);
+    bool has_state_dir = false;
+    for (auto& e : extra) {
+      has_state_dir = has_state_dir || e == "--state_dir";
+      args.push_back(e);
+    }
+    if (!has_state_dir) {  // checkpoints stay inside the test's directory
+      args.push_back("--state_dir");
+      args.push_back(dir_ + "/state");
+    }
     pid_ = fork();
     if (pid_ == 0) {
       int fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -73,6 +81,8 @@ class Daemon {
     return out;
   }
   const std::string& socket() const { return socket_; }
+  // The daemon's private temporary directory (removed with the daemon), e.g. for --state_dir.
+  const std::string& dir() const { return dir_; }
   pid_t pid() const { return pid_; }
 
  private:

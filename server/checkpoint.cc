@@ -1,0 +1,270 @@
+#include "server/checkpoint.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "common/status.h"
+
+namespace stallfree {
+namespace {
+
+constexpr char kMagic[8] = {'S', 'F', 'C', 'K', 'P', 'T', '1', '\n'};
+constexpr size_t kIoChunk = size_t{8} << 20;
+
+absl::Status SysError(const std::string& call, const std::string& object) {
+  return ErrnoStatus(call, object);
+}
+
+// Closes an fd on scope exit.
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) close(fd);
+  }
+};
+
+absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path,
+                      Checksum64* sum) {
+  const char* p = static_cast<const char*>(data);
+  if (sum != nullptr) sum->Update(data, n);
+  while (n > 0) {
+    ssize_t w = write(fd, p, std::min(n, kIoChunk));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return SysError("write", path);
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadAt(int fd, void* data, size_t n, uint64_t offset, const std::string& path) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    ssize_t r = pread(fd, p, std::min(n, kIoChunk), static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return SysError("pread", path);
+    if (r == 0) return absl::DataLossError(absl::StrCat("checkpoint ", path, " is truncated"));
+    p += r;
+    n -= static_cast<size_t>(r);
+    offset += static_cast<uint64_t>(r);
+  }
+  return absl::OkStatus();
+}
+
+uint64_t BodyBytes(const v1::CheckpointHeader& header) {
+  uint64_t body = 0;
+  for (const auto& p : header.params()) {
+    uint64_t numel = 1;
+    for (int64_t d : p.spec().shape()) numel *= static_cast<uint64_t>(d);
+    body += 4 * numel * sizeof(float);
+  }
+  return body;
+}
+
+absl::StatusOr<v1::CheckpointHeader> ReadHeaderFd(int fd, const std::string& path,
+                                                  uint64_t file_bytes, uint64_t* header_end) {
+  char magic[8];
+  uint64_t header_bytes = 0;
+  if (file_bytes < 16)
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, " is truncated: ", file_bytes,
+                                            " bytes, not even a header"));
+  RETURN_IF_ERROR(ReadAt(fd, magic, 8, 0, path));
+  if (memcmp(magic, kMagic, 8) != 0)
+    return absl::DataLossError(absl::StrCat(path, " is not a stallfree checkpoint (bad magic)"));
+  RETURN_IF_ERROR(ReadAt(fd, &header_bytes, 8, 8, path));
+  if (header_bytes > file_bytes - 16)
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, " is truncated: its header needs ",
+                                            header_bytes, " bytes, the file has ", file_bytes));
+  std::string text(header_bytes, '\0');
+  RETURN_IF_ERROR(ReadAt(fd, text.data(), header_bytes, 16, path));
+  v1::CheckpointHeader header;
+  if (!header.ParseFromString(text))
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, " has a corrupt header"));
+  for (const auto& p : header.params()) {
+    if (p.spec().shape_size() == 0 || p.spec().shape_size() > 8)
+      return absl::DataLossError(absl::StrCat("checkpoint ", path, " has a corrupt header"));
+    for (int64_t d : p.spec().shape())
+      if (d < 1 || d > (int64_t{1} << 40))
+        return absl::DataLossError(absl::StrCat("checkpoint ", path, " has a corrupt header"));
+  }
+  *header_end = 16 + header_bytes;
+  return header;
+}
+
+absl::StatusOr<uint64_t> OpenForRead(const std::string& path, Fd* fd) {
+  fd->fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd->fd < 0) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no checkpoint ", path));
+    return SysError("open", path);
+  }
+  struct stat st;
+  if (fstat(fd->fd, &st) != 0) return SysError("fstat", path);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+}  // namespace
+
+void Checksum64::Word(uint64_t w) {
+  h_ ^= w;
+  h_ *= 0xff51afd7ed558ccdULL;
+  h_ ^= h_ >> 32;
+}
+
+void Checksum64::Update(const void* data, size_t n) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  total_ += n;
+  while (n > 0 && tail_n_ > 0 && tail_n_ < 8) {
+    tail_[tail_n_++] = *p++;
+    --n;
+    if (tail_n_ == 8) {
+      uint64_t w;
+      memcpy(&w, tail_, 8);
+      Word(w);
+      tail_n_ = 0;
+    }
+  }
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    Word(w);
+  }
+  while (n > 0) {
+    tail_[tail_n_++] = *p++;
+    --n;
+  }
+}
+
+uint64_t Checksum64::Digest() const {
+  Checksum64 c = *this;
+  uint64_t w = 0;
+  memcpy(&w, c.tail_, c.tail_n_);
+  c.Word(w ^ (static_cast<uint64_t>(c.tail_n_) << 56));
+  c.Word(c.total_);
+  return c.h_;
+}
+
+absl::Status ValidateCheckpointTag(const std::string& tag) {
+  if (tag.empty() || tag.size() > 128)
+    return absl::InvalidArgumentError("tag: must be 1 to 128 bytes");
+  if (tag[0] == '.')
+    return absl::InvalidArgumentError(absl::StrCat("tag: '", tag, "' starts with '.'"));
+  if (tag.find("..") != std::string::npos)
+    return absl::InvalidArgumentError(absl::StrCat("tag: '", tag, "' contains \"..\""));
+  for (char c : tag) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tag: '", tag, "' may only contain letters, digits, '.', '_' and '-' (no paths)"));
+  }
+  return absl::OkStatus();
+}
+
+std::string CheckpointPath(const std::string& dir, const std::string& tag) {
+  return absl::StrCat(dir, "/", tag, ".sfckpt");
+}
+
+absl::StatusOr<CheckpointWritten> WriteCheckpoint(const std::string& path,
+                                                  const v1::CheckpointHeader& header,
+                                                  const std::vector<CheckpointArrays>& arrays) {
+  const std::string dir = path.substr(0, path.rfind('/'));
+  const std::string tmp = absl::StrCat(dir, "/.", path.substr(path.rfind('/') + 1), ".tmp.",
+                                       getpid());
+  Fd fd;
+  fd.fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd.fd < 0) return SysError("open", tmp);
+  auto fail = [&](absl::Status st) {
+    unlink(tmp.c_str());
+    return st;
+  };
+  Checksum64 sum;
+  std::string text;
+  header.SerializeToString(&text);
+  const uint64_t header_bytes = text.size();
+  absl::Status st = WriteAll(fd.fd, kMagic, 8, tmp, &sum);
+  if (st.ok()) st = WriteAll(fd.fd, &header_bytes, 8, tmp, &sum);
+  if (st.ok()) st = WriteAll(fd.fd, text.data(), text.size(), tmp, &sum);
+  for (const CheckpointArrays& a : arrays) {
+    for (const float* x : {a.master, a.m, a.v, a.acc}) {
+      if (st.ok()) st = WriteAll(fd.fd, x, a.numel * sizeof(float), tmp, &sum);
+    }
+  }
+  const uint64_t digest = sum.Digest();
+  if (st.ok()) st = WriteAll(fd.fd, &digest, 8, tmp, nullptr);
+  if (!st.ok()) return fail(st);
+  if (fsync(fd.fd) != 0) return fail(SysError("fsync", tmp));
+  if (close(fd.fd) != 0) {
+    fd.fd = -1;
+    return fail(SysError("close", tmp));
+  }
+  fd.fd = -1;
+  if (rename(tmp.c_str(), path.c_str()) != 0) return fail(SysError("rename", tmp + " -> " + path));
+  Fd dfd;
+  dfd.fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd.fd < 0) return SysError("open", dir);
+  if (fsync(dfd.fd) != 0) return SysError("fsync", dir);
+  CheckpointWritten out;
+  out.path = path;
+  out.bytes = 16 + header_bytes + BodyBytes(header) + 8;
+  out.checksum = digest;
+  return out;
+}
+
+absl::StatusOr<v1::CheckpointHeader> ReadCheckpointHeader(const std::string& path,
+                                                          uint64_t* file_bytes) {
+  Fd fd;
+  ASSIGN_OR_RETURN(uint64_t size, OpenForRead(path, &fd));
+  *file_bytes = size;
+  uint64_t header_end = 0;
+  return ReadHeaderFd(fd.fd, path, size, &header_end);
+}
+
+absl::Status ReadCheckpointArrays(const std::string& path, const v1::CheckpointHeader& expected,
+                                  const std::vector<CheckpointArrays>& arrays) {
+  Fd fd;
+  ASSIGN_OR_RETURN(uint64_t size, OpenForRead(path, &fd));
+  uint64_t header_end = 0;
+  ASSIGN_OR_RETURN(v1::CheckpointHeader header,
+                          ReadHeaderFd(fd.fd, path, size, &header_end));
+  if (header.SerializeAsString() != expected.SerializeAsString())
+    return absl::AbortedError(absl::StrCat("checkpoint ", path, " changed while it was read"));
+  const uint64_t want = header_end + BodyBytes(header) + 8;
+  if (size != want)
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, " is ",
+                                            size < want ? "truncated" : "too long", ": ", size,
+                                            " bytes, its header describes ", want));
+  // Pass 1: the checksum of everything before the trailer.
+  Checksum64 sum;
+  std::unique_ptr<char[]> buf(new char[kIoChunk]);
+  for (uint64_t off = 0; off < size - 8;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(kIoChunk, size - 8 - off));
+    RETURN_IF_ERROR(ReadAt(fd.fd, buf.get(), n, off, path));
+    sum.Update(buf.get(), n);
+    off += n;
+  }
+  uint64_t stored = 0;
+  RETURN_IF_ERROR(ReadAt(fd.fd, &stored, 8, size - 8, path));
+  if (stored != sum.Digest())
+    return absl::DataLossError(absl::StrFormat(
+        "checkpoint %s is corrupt: checksum %016x, the file says %016x", path, sum.Digest(),
+        stored));
+  // Pass 2: the arrays (same open file, so the same bytes).
+  uint64_t off = header_end;
+  for (const CheckpointArrays& a : arrays) {
+    for (float* x : {a.master, a.m, a.v, a.acc}) {
+      RETURN_IF_ERROR(ReadAt(fd.fd, x, a.numel * sizeof(float), off, path));
+      off += a.numel * sizeof(float);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace stallfree
