@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -577,6 +578,157 @@ absl::Status ZenFlowEngine::Flush() {
   if (st.ok()) st = impl_->ApplyPendingUpdate(&tm);
   if (!st.ok()) impl_->failure = st;
   return st;
+}
+
+namespace {
+
+// The engine's checkpoint blob: a flat little-endian byte string.
+class BlobWriter {
+ public:
+  void I64(int64_t x) { Raw(&x, 8); }
+  void Ints(const std::vector<int64_t>& v) {
+    I64(static_cast<int64_t>(v.size()));
+    Raw(v.data(), v.size() * 8);
+  }
+  void Floats(const std::vector<float>& v) {
+    I64(static_cast<int64_t>(v.size()));
+    Raw(v.data(), v.size() * 4);
+  }
+  void Raw(const void* p, size_t n) { out.append(static_cast<const char*>(p), n); }
+  std::string out;
+};
+
+class BlobReader {
+ public:
+  explicit BlobReader(const std::string& s) : s_(s) {}
+  bool I64(int64_t* x) { return Raw(x, 8); }
+  bool Ints(std::vector<int64_t>* v, int64_t expect) {
+    int64_t n;
+    if (!I64(&n) || n != expect) return false;
+    v->resize(n);
+    return Raw(v->data(), n * 8);
+  }
+  bool Floats(std::vector<float>* v, int64_t expect) {
+    int64_t n;
+    if (!I64(&n) || n != expect) return false;
+    v->resize(n);
+    return Raw(v->data(), n * 4);
+  }
+  bool Raw(void* p, size_t n) {
+    if (pos_ + n > s_.size()) return false;
+    memcpy(p, s_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  bool done() const { return pos_ == s_.size(); }
+
+ private:
+  const std::string& s_;
+  size_t pos_ = 0;
+};
+
+constexpr int64_t kBlobMagic = 0x315446574e455a53;  // "SZENWFT1"
+
+}  // namespace
+
+absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
+  Impl& im = *impl_;
+  if (!im.failure.ok()) return im.failure;
+  if (im.offloading()) {
+    RETURN_IF_ERROR(im.copier->WaitAll());
+    if (im.pending_version > 0)
+      RETURN_IF_ERROR(im.session->WaitUpdate(im.pending_version).status());
+    if (im.loaded) RETURN_IF_ERROR(im.session->Checkpoint(tag).status());
+  }
+  auto download = [&](const OpsBuffer& b) {
+    std::vector<float> host(b.size());
+    im.ops.Download(host.data(), b.data(), b.size());
+    return host;
+  };
+  BlobWriter w;
+  w.I64(kBlobMagic);
+  w.I64(static_cast<int64_t>(im.cfg.mode));
+  w.I64(im.step);
+  w.I64(im.rounds);
+  w.I64(im.pending_version);
+  w.I64(im.loaded ? 1 : 0);
+  w.I64(static_cast<int64_t>(im.params.size()));
+  for (const PState& ps : im.params) {
+    w.I64(ps.kind);
+    w.I64(ps.numel);
+    w.I64(ps.k);
+    if (ps.kind == PState::kDevice) {
+      w.I64(ps.dstep);
+      w.Floats(download(ps.m));
+      w.Floats(download(ps.v));
+    } else if (ps.kind == PState::kSplit) {
+      w.Ints(ps.hot_idx);
+      w.Ints(ps.cold_idx);
+      w.Ints(ps.hot_steps);
+      w.Floats(download(ps.hot_master));
+      w.Floats(download(ps.hot_m));
+      w.Floats(download(ps.hot_v));
+    }
+  }
+  RETURN_IF_ERROR(im.Sync("downloading the engine's state"));
+  return w.out;
+}
+
+absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& state) {
+  Impl& im = *impl_;
+  if (im.step != 0)
+    return absl::FailedPreconditionError("Restore: the engine has already run a step");
+  BlobReader r(state);
+  int64_t magic = 0, mode = -1, nparams = -1, loaded = 0;
+  auto bad = [](const std::string& what) {
+    return absl::DataLossError(absl::StrCat("state: ", what));
+  };
+  if (!r.I64(&magic) || magic != kBlobMagic) return bad("not a ZenFlow engine checkpoint");
+  if (!r.I64(&mode) || mode != static_cast<int64_t>(im.cfg.mode))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "state: written in mode ", mode, ", this engine runs ", OffloadModeName(im.cfg.mode)));
+  if (!r.I64(&im.step) || !r.I64(&im.rounds) || !r.I64(&im.pending_version) || !r.I64(&loaded) ||
+      !r.I64(&nparams))
+    return bad("truncated");
+  if (nparams != static_cast<int64_t>(im.params.size()))
+    return absl::InvalidArgumentError(absl::StrCat("state: ", nparams, " parameters, the engine has ",
+                                                   im.params.size()));
+  for (PState& ps : im.params) {
+    int64_t kind, numel, k;
+    if (!r.I64(&kind) || !r.I64(&numel) || !r.I64(&k)) return bad("truncated");
+    if (kind != ps.kind || numel != ps.numel || k != ps.k)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state: parameter '", ps.p.name, "' was checkpointed with another shape or split"));
+    std::vector<float> a, b, c;
+    if (ps.kind == PState::kDevice) {
+      if (!r.I64(&ps.dstep) || !r.Floats(&a, ps.numel) || !r.Floats(&b, ps.numel))
+        return bad("truncated");
+      im.ops.Upload(ps.m.data(), a.data(), ps.numel);
+      im.ops.Upload(ps.v.data(), b.data(), ps.numel);
+    } else if (ps.kind == PState::kSplit) {
+      const int64_t hot = ps.rows * ps.k;
+      if (!r.Ints(&ps.hot_idx, ps.k) || !r.Ints(&ps.cold_idx, ps.ncold) ||
+          !r.Ints(&ps.hot_steps, ps.k) || !r.Floats(&a, hot) || !r.Floats(&b, hot) ||
+          !r.Floats(&c, hot))
+        return bad("truncated");
+      std::vector<char> seen(ps.cols, 0);
+      for (int64_t col : ps.hot_idx) seen[std::clamp<int64_t>(col, 0, ps.cols - 1)]++;
+      for (int64_t col : ps.cold_idx) seen[std::clamp<int64_t>(col, 0, ps.cols - 1)]++;
+      for (int64_t col = 0; col < ps.cols; ++col)
+        if (seen[col] != 1) return bad(absl::StrCat("the column sets of '", ps.p.name, "' are corrupt"));
+      im.UploadInts(ps.hot_idx_dev, ps.hot_idx);
+      im.UploadInts(ps.cold_idx_dev, ps.cold_idx);
+      im.ops.Upload(ps.hot_master.data(), a.data(), hot);
+      im.ops.Upload(ps.hot_m.data(), b.data(), hot);
+      im.ops.Upload(ps.hot_v.data(), c.data(), hot);
+    }
+    RETURN_IF_ERROR(im.Sync("restoring the engine's state"));
+  }
+  if (!r.done()) return bad("trailing bytes");
+  im.loaded = loaded != 0;
+  if (im.offloading() && im.loaded)
+    RETURN_IF_ERROR(im.session->Restore(tag, im.cfg.param_dtype).status());
+  return absl::OkStatus();
 }
 
 int64_t ZenFlowEngine::step() const { return impl_->step; }

@@ -146,6 +146,18 @@ class ZenFlowEngine {
   // daemon's moments are not readable without migrating them).
   absl::StatusOr<ColumnState> Column(const std::string& param, int64_t col) const;
 
+  // Checkpoint, between Steps: waits for the copy thread and for a running daemon Update (whose
+  // parameters it does not apply, so the run's trajectory is unchanged), has the daemon write its
+  // state as `tag` (Session::Checkpoint), and returns the engine's own state (step counts, hot
+  // sets, device-side masters and moments, the pending round) as bytes for the caller to store
+  // with the model's values. No-offload needs no tag (pass "").
+  absl::StatusOr<std::string> Checkpoint(const std::string& tag);
+  // The inverse, on a fresh engine (same config and parameters, a fresh session, no Step yet)
+  // whose value buffers already hold the checkpointed values: restores the daemon from `tag` and
+  // the engine from `state`. The run then continues exactly as the checkpointed one would have.
+  // InvalidArgument / DataLoss when `state` does not belong to this engine's configuration.
+  absl::Status Restore(const std::string& tag, const std::string& state);
+
   // Called on every weight's per-column scores (backend memory, cols floats) before top-k:
   // data-parallel replicas all-reduce them here so that they agree on the selection.
   using ScoreReduce = std::function<absl::Status(const std::string& param, float* scores,

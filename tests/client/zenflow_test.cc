@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/zenflow.h"
 #include "kernels/ops.h"
@@ -264,6 +265,77 @@ TEST_F(ZenFlowTest, ColdColumnsLagByOneRound) {
   }
   EXPECT_GT(cold_checks, 0);
   EXPECT_GT(lagging_checks, 0) << "no step distinguished a lag of one round from none";
+}
+
+// Stopping after step k (engine Checkpoint + daemon checkpoint), then restoring into a fresh
+// session and engine gives the same parameters at every later step as the uninterrupted run, in
+// every mode, with an Update still pending at the checkpoint (S = 2, k odd and even) and
+// reselections after it.
+TEST_F(ZenFlowTest, ResumeFromCheckpointEqualsUninterruptedRun) {
+  const int seed = 5;
+  const int64_t steps = 11;
+  for (OffloadMode mode :
+       {OffloadMode::kZenFlow, OffloadMode::kSyncOffload, OffloadMode::kNoOffload}) {
+    for (int64_t k : {4, 5}) {
+      ZenFlowConfig cfg = Config(mode, 2, 4, false);
+      cfg.grad_dtype = v1::DTYPE_BF16;
+      cfg.param_dtype = k == 5 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+      const std::string what = absl::StrCat(OffloadModeName(mode), " k=", k);
+      auto make = [&](std::vector<Tensor>* model, std::unique_ptr<Session>* session) {
+        if (mode != OffloadMode::kNoOffload) *session = NewSession(what);
+        return ZenFlowEngine::Create(cfg, Params(model), kernels::DefaultCpuKernel(),
+                                     kernels::CpuOps(), session->get());
+      };
+      std::vector<std::vector<Tensor>> straight;
+      {
+        std::vector<Tensor> model = MakeModel(seed);
+        std::unique_ptr<Session> session;
+        auto engine = make(&model, &session);
+        ASSERT_TRUE(engine.ok()) << engine.status();
+        for (int64_t t = 1; t <= steps; ++t) {
+          FillGrads(&model, t, seed);
+          ASSERT_TRUE((*engine)->Step(Lr(t)).ok());
+          straight.push_back(model);
+        }
+      }
+      std::vector<Tensor> model = MakeModel(seed);
+      std::string blob;
+      const std::string tag = absl::StrCat("resume-", OffloadModeName(mode), "-", k);
+      {
+        std::unique_ptr<Session> session;
+        auto engine = make(&model, &session);
+        ASSERT_TRUE(engine.ok()) << engine.status();
+        for (int64_t t = 1; t <= k; ++t) {
+          FillGrads(&model, t, seed);
+          ASSERT_TRUE((*engine)->Step(Lr(t)).ok());
+        }
+        auto saved = (*engine)->Checkpoint(tag);
+        ASSERT_TRUE(saved.ok()) << what << ": " << saved.status();
+        blob = *saved;
+      }
+      // A new process would reload the model's values from its own checkpoint: here they are
+      // still in `model`. Everything else comes from the blob and the daemon.
+      std::unique_ptr<Session> session;
+      auto engine = make(&model, &session);
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      ASSERT_TRUE((*engine)->Restore(tag, blob).ok()) << what;
+      EXPECT_EQ((*engine)->step(), k);
+      for (int64_t t = k + 1; t <= steps; ++t) {
+        FillGrads(&model, t, seed);
+        ASSERT_TRUE((*engine)->Step(Lr(t)).ok()) << what << " step " << t;
+        for (size_t i = 0; i < model.size(); ++i)
+          ASSERT_EQ(model[i].value, straight[t - 1][i].value)
+              << what << ": " << model[i].name << " after step " << t;
+      }
+      // A blob of another mode or a damaged one is refused.
+      std::vector<Tensor> other_model = MakeModel(seed);
+      std::unique_ptr<Session> other_session;
+      auto other = make(&other_model, &other_session);
+      ASSERT_TRUE(other.ok());
+      EXPECT_EQ((*other)->Restore(tag, blob.substr(0, blob.size() / 2)).code(),
+                absl::StatusCode::kDataLoss);
+    }
+  }
 }
 
 // Bad configurations fail with a message naming the field.
