@@ -18,23 +18,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/checksum.h"
 #include "stallfree/v1/offload.pb.h"
 
 namespace stallfree {
-
-// A 64-bit checksum (not cryptographic): mixes 8-byte words; streaming.
-class Checksum64 {
- public:
-  void Update(const void* data, size_t n);
-  uint64_t Digest() const;
-
- private:
-  uint64_t h_ = 0x9e3779b97f4a7c15ULL;
-  uint64_t total_ = 0;
-  unsigned char tail_[8];
-  size_t tail_n_ = 0;
-  void Word(uint64_t w);
-};
 
 // OK iff tag is 1..128 bytes of [A-Za-z0-9._-], does not start with '.' and has no "..".
 absl::Status ValidateCheckpointTag(const std::string& tag);
