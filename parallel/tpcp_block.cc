@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "parallel/block_cache.h"
 #include "parallel/linear.h"
 #include "parallel/tpsp_block.h"
@@ -18,12 +19,6 @@ namespace {
 using kernels::AttentionShape;
 using kernels::Trans;
 using kernels::TransformerOps;
-
-#define TPCP_RETURN_IF_ERROR(expr)               \
-  do {                                           \
-    ::absl::Status tpcp_status_ = (expr);        \
-    if (!tpcp_status_.ok()) return tpcp_status_; \
-  } while (0)
 
 // [groups, B, rows, width] (rank-major, as an all-gather leaves it) <-> [B, groups * rows,
 // width] (batch-major, as the kernels read it): one strided copy per group.
@@ -194,7 +189,7 @@ absl::Status TpcpBlock::GatherTp(const TransformerOps& ops, const float* local, 
   const int t = tp_->size();
   const int64_t Tl = Tc / t;
   kernels::OpsBuffer recv(&ops, B * Tc * cfg_.C);
-  TPCP_RETURN_IF_ERROR(tp_->AllGather(local, recv.data(), B * Tl * cfg_.C));
+  RETURN_IF_ERROR(tp_->AllGather(local, recv.data(), B * Tl * cfg_.C));
   RankMajorToBatchMajor(ops, recv.data(), t, B, Tl, cfg_.C, full);
   return absl::OkStatus();
 }
@@ -211,8 +206,8 @@ absl::Status TpcpBlock::ReduceScatterTp(const TransformerOps& ops, const float* 
 absl::Status TpcpBlock::Forward(const TransformerOps& ops, const BlockWeights& w,
                                 const float* x_local, int64_t B, int64_t T, float* y_local,
                                 TpcpCache* cache) const {
-  TPCP_RETURN_IF_ERROR(Check());
-  TPCP_RETURN_IF_ERROR(CheckTpspShard(cfg_, w, tp_->size()));
+  RETURN_IF_ERROR(Check());
+  RETURN_IF_ERROR(CheckTpspShard(cfg_, w, tp_->size()));
   return ForwardImpl(ops, TpspViewOf(w), x_local, B, T, y_local, cache, /*backend_cache=*/false);
 }
 
@@ -226,11 +221,11 @@ absl::Status TpcpBlock::Forward(const TransformerOps& ops, const TpspShardView& 
 absl::Status TpcpBlock::Backward(const TransformerOps& ops, const BlockWeights& w,
                                  const TpcpCache& k, const float* dy_local, float* dx_local,
                                  BlockGrads* grads) const {
-  TPCP_RETURN_IF_ERROR(Check());
+  RETURN_IF_ERROR(Check());
   const int t = tp_->size();
-  TPCP_RETURN_IF_ERROR(CheckTpspShard(cfg_, w, t));
+  RETURN_IF_ERROR(CheckTpspShard(cfg_, w, t));
   if (grads == nullptr) return absl::InvalidArgumentError("tpcp: null grads");
-  TPCP_RETURN_IF_ERROR(SizeGrads(cfg_, t, grads));
+  RETURN_IF_ERROR(SizeGrads(cfg_, t, grads));
   return BackwardImpl(ops, TpspViewOf(w), k, dy_local, dx_local, TpspViewOf(grads));
 }
 
@@ -245,9 +240,9 @@ absl::Status TpcpBlock::Backward(const TransformerOps& ops, const TpspShardView&
 absl::Status TpcpBlock::ForwardImpl(const TransformerOps& ops, const TpspShardView& w,
                                     const float* x_local, int64_t B, int64_t T, float* y_local,
                                     TpcpCache* cache, bool backend_cache) const {
-  TPCP_RETURN_IF_ERROR(Check());
+  RETURN_IF_ERROR(Check());
   const int t = tp_->size(), c = cp_->size();
-  TPCP_RETURN_IF_ERROR(CheckTpcpSequence(B, T, t, c));
+  RETURN_IF_ERROR(CheckTpcpSequence(B, T, t, c));
   if (x_local == nullptr || y_local == nullptr) {
     return absl::InvalidArgumentError("tpcp: null x or y");
   }
@@ -286,12 +281,12 @@ absl::Status TpcpBlock::ForwardImpl(const TransformerOps& ops, const TpspShardVi
 
   // Attention: h = x + RS_tp(attn_own_heads(AG_tp(rmsnorm(x)), AG_cp(k|v))).
   ops.RmsNormForward(x_local, w.ln1, nl, C, cfg_.eps, norm_local.data(), r.rstd1);
-  TPCP_RETURN_IF_ERROR(GatherTp(ops, norm_local.data(), B, Tc, r.n1));
+  RETURN_IF_ERROR(GatherTp(ops, norm_local.data(), B, Tc, r.n1));
   Linear(ops, r.n1, C, w.wk, nc, Ct, C, kv_local.data(), 2 * Ct);
   Linear(ops, r.n1, C, w.wv, nc, Ct, C, kv_local.data() + Ct, 2 * Ct);
   std::shared_ptr<Work> kv_gather = cp_->IAllGather(kv_local.data(), kv_recv.data(), nc * 2 * Ct);
   Linear(ops, r.n1, C, w.wq, nc, Ct, C, r.q, Ct);  // overlapped
-  TPCP_RETURN_IF_ERROR(kv_gather->Wait());
+  RETURN_IF_ERROR(kv_gather->Wait());
   // [c, B, Tc, 2Ct] -> [B, T, 2Ct]: the keys of row b in zigzag order (k_pos).
   RankMajorToBatchMajor(ops, kv_recv.data(), c, B, Tc, 2 * Ct, r.kv);
   AttentionShape s;
@@ -305,17 +300,17 @@ absl::Status TpcpBlock::ForwardImpl(const TransformerOps& ops, const TpspShardVi
   s.out_ld = Ct;
   ops.AttentionForward(s, r.q, r.kv, r.kv + Ct, r.q_pos, r.k_pos, r.att, r.lse);
   Linear(ops, r.att, Ct, w.wo, nc, C, Ct, partial.data(), C);
-  TPCP_RETURN_IF_ERROR(ReduceScatterTp(ops, partial.data(), B, Tc, r.h));
+  RETURN_IF_ERROR(ReduceScatterTp(ops, partial.data(), B, Tc, r.h));
   ops.Add(x_local, r.h, nl * C, r.h);
 
   // MLP: y = h + RS_tp(mlp_own_ff(AG_tp(rmsnorm(h)))).
   ops.RmsNormForward(r.h, w.ln2, nl, C, cfg_.eps, norm_local.data(), r.rstd2);
-  TPCP_RETURN_IF_ERROR(GatherTp(ops, norm_local.data(), B, Tc, r.n2));
+  RETURN_IF_ERROR(GatherTp(ops, norm_local.data(), B, Tc, r.n2));
   Linear(ops, r.n2, C, w.wg, nc, Ft, C, r.g, Ft);
   Linear(ops, r.n2, C, w.wu, nc, Ft, C, r.u, Ft);
   ops.SwiGluForward(r.g, r.u, nc * Ft, r.m);
   Linear(ops, r.m, Ft, w.wd, nc, C, Ft, partial.data(), C);
-  TPCP_RETURN_IF_ERROR(ReduceScatterTp(ops, partial.data(), B, Tc, y_local));
+  RETURN_IF_ERROR(ReduceScatterTp(ops, partial.data(), B, Tc, y_local));
   ops.Add(r.h, y_local, nl * C, y_local);
   return Sync(ops, "block forward");
 }
@@ -323,9 +318,9 @@ absl::Status TpcpBlock::ForwardImpl(const TransformerOps& ops, const TpspShardVi
 absl::Status TpcpBlock::BackwardImpl(const TransformerOps& ops, const TpspShardView& w,
                                      const TpcpCache& k, const float* dy_local, float* dx_local,
                                      const TpspGradsView& grads) const {
-  TPCP_RETURN_IF_ERROR(Check());
+  RETURN_IF_ERROR(Check());
   const int t = tp_->size(), c = cp_->size();
-  TPCP_RETURN_IF_ERROR(CheckTpcpSequence(k.B, k.T, t, c));
+  RETURN_IF_ERROR(CheckTpcpSequence(k.B, k.T, t, c));
   if (dy_local == nullptr || dx_local == nullptr) {
     return absl::InvalidArgumentError("tpcp: null dy or dx");
   }
@@ -362,7 +357,7 @@ absl::Status TpcpBlock::BackwardImpl(const TransformerOps& ops, const TpspShardV
   kernels::OpsBuffer dln(&ops, 2 * C);  // ln1 | ln2 partial gradients over the local tokens
 
   // MLP: y = h + m Wd^T (summed over the TP group by the reduce-scatter).
-  TPCP_RETURN_IF_ERROR(GatherTp(ops, dy_local, B, Tc, full.data()));
+  RETURN_IF_ERROR(GatherTp(ops, dy_local, B, Tc, full.data()));
   LinearWeightGrad(ops, full.data(), C, r.m, nc, C, Ft, d_wd);
   LinearInputGrad(ops, full.data(), C, w.wd, nc, C, Ft, dm.data(), 0.0f);
   ops.SwiGluBackward(r.g, r.u, dm.data(), nc * Ft, dg.data(), du.data());
@@ -370,12 +365,12 @@ absl::Status TpcpBlock::BackwardImpl(const TransformerOps& ops, const TpspShardV
   LinearWeightGrad(ops, du.data(), Ft, r.n2, nc, Ft, C, d_wu);
   LinearInputGrad(ops, dg.data(), Ft, w.wg, nc, Ft, C, dfull.data(), 0.0f);
   LinearInputGrad(ops, du.data(), Ft, w.wu, nc, Ft, C, dfull.data(), 1.0f);
-  TPCP_RETURN_IF_ERROR(ReduceScatterTp(ops, dfull.data(), B, Tc, dnorm.data()));
+  RETURN_IF_ERROR(ReduceScatterTp(ops, dfull.data(), B, Tc, dnorm.data()));
   ops.RmsNormBackward(r.h, w.ln2, r.rstd2, dnorm.data(), nl, C, dh.data(), dln.data() + C);
   ops.Add(dh.data(), dy_local, nl * C, dh.data());  // The residual's identity branch.
 
   // Attention: h = x + att Wo^T (summed over the TP group).
-  TPCP_RETURN_IF_ERROR(GatherTp(ops, dh.data(), B, Tc, full.data()));
+  RETURN_IF_ERROR(GatherTp(ops, dh.data(), B, Tc, full.data()));
   LinearWeightGrad(ops, full.data(), C, r.att, nc, C, Ct, d_wo);
   LinearInputGrad(ops, full.data(), C, w.wo, nc, C, Ct, datt.data(), 0.0f);
   AttentionShape s;
@@ -396,21 +391,21 @@ absl::Status TpcpBlock::BackwardImpl(const TransformerOps& ops, const TpspShardV
   // Overlapped with the reduce-scatter: the q side.
   LinearWeightGrad(ops, dq.data(), Ct, r.n1, nc, Ct, C, d_wq);
   LinearInputGrad(ops, dq.data(), Ct, w.wq, nc, Ct, C, dfull.data(), 0.0f);
-  TPCP_RETURN_IF_ERROR(dkv_scatter->Wait());
+  RETURN_IF_ERROR(dkv_scatter->Wait());
   LinearWeightGrad(ops, dkv.data(), 2 * Ct, r.n1, nc, Ct, C, d_wk);
   LinearWeightGrad(ops, dkv.data() + Ct, 2 * Ct, r.n1, nc, Ct, C, d_wv);
   LinearInputGrad(ops, dkv.data(), 2 * Ct, w.wk, nc, Ct, C, dfull.data(), 1.0f);
   LinearInputGrad(ops, dkv.data() + Ct, 2 * Ct, w.wv, nc, Ct, C, dfull.data(), 1.0f);
-  TPCP_RETURN_IF_ERROR(ReduceScatterTp(ops, dfull.data(), B, Tc, dnorm.data()));
+  RETURN_IF_ERROR(ReduceScatterTp(ops, dfull.data(), B, Tc, dnorm.data()));
   ops.RmsNormBackward(r.x, w.ln1, r.rstd1, dnorm.data(), nl, C, dx_local, dln.data());
   ops.Add(dx_local, dh.data(), nl * C, dx_local);
 
   // ln1 | ln2: partial over the local tokens -> summed over the TP group (the CP shard).
-  TPCP_RETURN_IF_ERROR(tp_->AllReduce(dln.data(), 2 * C));
+  RETURN_IF_ERROR(tp_->AllReduce(dln.data(), 2 * C));
   ops.CopyFloats(d[0], dln.data(), C);
   ops.CopyFloats(d[5], dln.data() + C, C);
   // Every field (ln included) summed over the CP axis in one packed all-reduce.
-  TPCP_RETURN_IF_ERROR(cp_->AllReduce(packed.data(), total));
+  RETURN_IF_ERROR(cp_->AllReduce(packed.data(), total));
   float* out[9] = {grads.ln1, grads.wq, grads.wk, grads.wv, grads.wo,
                    grads.ln2, grads.wg, grads.wu, grads.wd};
   for (int i = 0; i < 9; ++i) ops.Add(out[i], d[i], sizes[i], out[i]);

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "parallel/block_cache.h"
 #include "parallel/linear.h"
 
@@ -24,12 +25,6 @@ std::vector<int64_t> ShardSizes(const BlockConfig& c, int D) {
   const int64_t cc = c.C * (c.C / D), fc = c.C * (c.FF / D);
   return {c.C, cc, cc, cc, cc, c.C, fc, fc, fc};
 }
-
-#define TPSP_RETURN_IF_ERROR(expr)               \
-  do {                                           \
-    ::absl::Status tpsp_status_ = (expr);        \
-    if (!tpsp_status_.ok()) return tpsp_status_; \
-  } while (0)
 
 // The cache's float tensors in TpspCacheBuffers' order, with their sizes for (D, B, T).
 constexpr size_t kCacheTensors = 12;
@@ -247,7 +242,7 @@ absl::Status TpspBlock::Forward(const TransformerOps& ops, const BlockWeights& w
                                 const float* x_local, int64_t B, int64_t T, float* y_local,
                                 TpspCache* cache) const {
   if (comm_ == nullptr) return absl::InvalidArgumentError("tpsp: null communicator");
-  TPSP_RETURN_IF_ERROR(CheckTpspShard(cfg_, w, comm_->size()));
+  RETURN_IF_ERROR(CheckTpspShard(cfg_, w, comm_->size()));
   return ForwardImpl(ops, TpspViewOf(w), x_local, B, T, y_local, cache, /*backend_cache=*/false);
 }
 
@@ -263,8 +258,8 @@ absl::Status TpspBlock::Backward(const TransformerOps& ops, const BlockWeights& 
                                  BlockGrads* grads) const {
   if (comm_ == nullptr) return absl::InvalidArgumentError("tpsp: null communicator");
   const int D = comm_->size();
-  TPSP_RETURN_IF_ERROR(ValidateTpspConfig(cfg_, D, comm_->rank()));
-  TPSP_RETURN_IF_ERROR(CheckTpspShard(cfg_, w, D));
+  RETURN_IF_ERROR(ValidateTpspConfig(cfg_, D, comm_->rank()));
+  RETURN_IF_ERROR(CheckTpspShard(cfg_, w, D));
   if (grads == nullptr) return absl::InvalidArgumentError("tpsp: null grads");
   // Size empty gradient fields; any other size is an error.
   const std::vector<int64_t> sizes = ShardSizes(cfg_, D);
@@ -272,7 +267,7 @@ absl::Status TpspBlock::Backward(const TransformerOps& ops, const BlockWeights& 
   for (size_t i = 0; i < t.size(); ++i) {
     if (t[i]->empty()) t[i]->assign(static_cast<size_t>(sizes[i]), 0.0f);
   }
-  TPSP_RETURN_IF_ERROR(CheckTpspShard(cfg_, *grads, D));
+  RETURN_IF_ERROR(CheckTpspShard(cfg_, *grads, D));
   return BackwardImpl(ops, TpspViewOf(w), c, dy_local, dx_local, TpspViewOf(grads));
 }
 
@@ -289,8 +284,8 @@ absl::Status TpspBlock::ForwardImpl(const TransformerOps& ops, const TpspShardVi
                                     TpspCache* cache, bool backend_cache) const {
   if (comm_ == nullptr) return absl::InvalidArgumentError("tpsp: null communicator");
   const int D = comm_->size();
-  TPSP_RETURN_IF_ERROR(ValidateTpspConfig(cfg_, D, comm_->rank()));
-  TPSP_RETURN_IF_ERROR(CheckBT(B, T, D));
+  RETURN_IF_ERROR(ValidateTpspConfig(cfg_, D, comm_->rank()));
+  RETURN_IF_ERROR(CheckBT(B, T, D));
   if (x_local == nullptr || y_local == nullptr) {
     return absl::InvalidArgumentError("tpsp: null x or y");
   }
@@ -321,7 +316,7 @@ absl::Status TpspBlock::ForwardImpl(const TransformerOps& ops, const TpspShardVi
 
   // Attention: h = x + RS(attn_p(AG(rmsnorm(x)))).
   ops.RmsNormForward(x_local, w.ln1, nl, C, cfg_.eps, norm_local.data(), r.rstd1);
-  TPSP_RETURN_IF_ERROR(GatherSequence(ops, norm_local.data(), B, T, r.n1));
+  RETURN_IF_ERROR(GatherSequence(ops, norm_local.data(), B, T, r.n1));
   Linear(ops, r.n1, C, w.wq, n, Cl, C, r.qkv, C3);
   Linear(ops, r.n1, C, w.wk, n, Cl, C, r.qkv + Cl, C3);
   Linear(ops, r.n1, C, w.wv, n, Cl, C, r.qkv + 2 * Cl, C3);
@@ -329,17 +324,17 @@ absl::Status TpspBlock::ForwardImpl(const TransformerOps& ops, const TpspShardVi
   ops.AttentionForward(s, r.qkv, r.qkv + Cl, r.qkv + 2 * Cl, r.positions, r.positions, r.att,
                        r.lse);
   Linear(ops, r.att, Cl, w.wo, n, C, Cl, partial.data(), C);
-  TPSP_RETURN_IF_ERROR(ReduceScatterSequence(ops, partial.data(), B, T, r.h));
+  RETURN_IF_ERROR(ReduceScatterSequence(ops, partial.data(), B, T, r.h));
   ops.Add(x_local, r.h, nl * C, r.h);
 
   // MLP: y = h + RS(mlp_p(AG(rmsnorm(h)))).
   ops.RmsNormForward(r.h, w.ln2, nl, C, cfg_.eps, norm_local.data(), r.rstd2);
-  TPSP_RETURN_IF_ERROR(GatherSequence(ops, norm_local.data(), B, T, r.n2));
+  RETURN_IF_ERROR(GatherSequence(ops, norm_local.data(), B, T, r.n2));
   Linear(ops, r.n2, C, w.wg, n, Fl, C, r.g, Fl);
   Linear(ops, r.n2, C, w.wu, n, Fl, C, r.u, Fl);
   ops.SwiGluForward(r.g, r.u, n * Fl, r.m);
   Linear(ops, r.m, Fl, w.wd, n, C, Fl, partial.data(), C);
-  TPSP_RETURN_IF_ERROR(ReduceScatterSequence(ops, partial.data(), B, T, y_local));
+  RETURN_IF_ERROR(ReduceScatterSequence(ops, partial.data(), B, T, y_local));
   ops.Add(r.h, y_local, nl * C, y_local);
   return Sync(ops, "block forward");
 }
@@ -349,8 +344,8 @@ absl::Status TpspBlock::BackwardImpl(const TransformerOps& ops, const TpspShardV
                                      const TpspGradsView& grads) const {
   if (comm_ == nullptr) return absl::InvalidArgumentError("tpsp: null communicator");
   const int D = comm_->size();
-  TPSP_RETURN_IF_ERROR(ValidateTpspConfig(cfg_, D, comm_->rank()));
-  TPSP_RETURN_IF_ERROR(CheckBT(c.B, c.T, D));
+  RETURN_IF_ERROR(ValidateTpspConfig(cfg_, D, comm_->rank()));
+  RETURN_IF_ERROR(CheckBT(c.B, c.T, D));
   if (dy_local == nullptr || dx_local == nullptr) {
     return absl::InvalidArgumentError("tpsp: null dy or dx");
   }
@@ -370,7 +365,7 @@ absl::Status TpspBlock::BackwardImpl(const TransformerOps& ops, const TpspShardV
   kernels::OpsBuffer dln(&ops, 2 * C);  // ln1 | ln2 partial gradients over the local tokens
 
   // MLP: y = h + m Wd_p^T (summed over ranks by the reduce-scatter).
-  TPSP_RETURN_IF_ERROR(GatherSequence(ops, dy_local, B, T, full.data()));
+  RETURN_IF_ERROR(GatherSequence(ops, dy_local, B, T, full.data()));
   LinearWeightGrad(ops, full.data(), C, r.m, n, C, Fl, grads.wd);
   LinearInputGrad(ops, full.data(), C, w.wd, n, C, Fl, dm.data());
   ops.SwiGluBackward(r.g, r.u, dm.data(), n * Fl, dg.data(), du.data());
@@ -378,12 +373,12 @@ absl::Status TpspBlock::BackwardImpl(const TransformerOps& ops, const TpspShardV
   LinearWeightGrad(ops, du.data(), Fl, r.n2, n, Fl, C, grads.wu);
   LinearInputGrad(ops, dg.data(), Fl, w.wg, n, Fl, C, dfull.data());
   LinearInputGrad(ops, du.data(), Fl, w.wu, n, Fl, C, dfull.data(), 1.0f);
-  TPSP_RETURN_IF_ERROR(ReduceScatterSequence(ops, dfull.data(), B, T, dnorm.data()));
+  RETURN_IF_ERROR(ReduceScatterSequence(ops, dfull.data(), B, T, dnorm.data()));
   ops.RmsNormBackward(r.h, w.ln2, r.rstd2, dnorm.data(), nl, C, dh.data(), dln.data() + C);
   ops.Add(dh.data(), dy_local, nl * C, dh.data());  // The residual's identity branch.
 
   // Attention: h = x + att_p Wo_p^T (summed over ranks).
-  TPSP_RETURN_IF_ERROR(GatherSequence(ops, dh.data(), B, T, full.data()));
+  RETURN_IF_ERROR(GatherSequence(ops, dh.data(), B, T, full.data()));
   LinearWeightGrad(ops, full.data(), C, r.att, n, C, Cl, grads.wo);
   LinearInputGrad(ops, full.data(), C, w.wo, n, C, Cl, datt.data());
   const AttentionShape s = LocalShape(cfg_, D, B, T);
@@ -396,12 +391,12 @@ absl::Status TpspBlock::BackwardImpl(const TransformerOps& ops, const TpspShardV
     LinearInputGrad(ops, dqkv.data() + i * Cl, C3, wqkv[i], n, Cl, C, dfull.data(),
                     i == 0 ? 0.0f : 1.0f);
   }
-  TPSP_RETURN_IF_ERROR(ReduceScatterSequence(ops, dfull.data(), B, T, dnorm.data()));
+  RETURN_IF_ERROR(ReduceScatterSequence(ops, dfull.data(), B, T, dnorm.data()));
   ops.RmsNormBackward(r.x, w.ln1, r.rstd1, dnorm.data(), nl, C, dx_local, dln.data());
   ops.Add(dx_local, dh.data(), nl * C, dx_local);
 
   // The replicated norms' gradients: sums over every rank's tokens.
-  TPSP_RETURN_IF_ERROR(comm_->AllReduce(dln.data(), 2 * C));
+  RETURN_IF_ERROR(comm_->AllReduce(dln.data(), 2 * C));
   ops.Add(grads.ln1, dln.data(), C, grads.ln1);
   ops.Add(grads.ln2, dln.data() + C, C, grads.ln2);
   return Sync(ops, "block backward");

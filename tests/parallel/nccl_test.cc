@@ -25,8 +25,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "parallel/communicator.h"
-#include "parallel/launcher.h"
 #include "parallel/nccl_communicator.h"
+#include "tests/parallel/nccl_worker.h"
 
 namespace stallfree {
 namespace parallel {
@@ -370,29 +370,6 @@ int RunChild() {
 // ---------------------------------------------------------------------------------------------
 // Parent side.
 
-// Runs `d` ranks as child processes; true if all exit 0 within the limit.
-bool RunGroup(int d) {
-  std::printf("=== D = %d\n", d);
-  std::fflush(stdout);
-  LaunchOptions o;
-  o.nproc = d;
-  o.argv = {"/proc/self/exe"};
-  o.store = LaunchOptions::Store::kFile;
-  o.timeout = std::chrono::seconds(240);
-  o.env = {{"STALLFREE_COMM_TIMEOUT_MS", "60000"}};
-  absl::StatusOr<LaunchResult> r = LaunchLocal(o);
-  const bool ok = r.ok() && r->ok();
-  if (!r.ok()) {
-    std::printf("FAIL: D = %d: %s\n", d, r.status().ToString().c_str());
-  } else if (!r->ok()) {
-    std::printf("FAIL: D = %d: first failed rank %d, timed out %d\n", d, r->first_failed_rank,
-                r->timed_out ? 1 : 0);
-  }
-  std::printf("%s: D = %d\n", ok ? "PASS" : "FAIL", d);
-  std::fflush(stdout);
-  return ok;
-}
-
 int RunParent() {
   std::string why;
   if (!NcclDeviceAvailable(1, &why)) {
@@ -407,7 +384,7 @@ int RunParent() {
   }
   if (count == 3) sizes.push_back(3);
   bool ok = true;
-  for (int d : sizes) ok = RunGroup(d) && ok;
+  for (int d : sizes) ok = testing::RunNcclGroup(d, /*comm_timeout_ms=*/60000) && ok;
   if (count < 2) {
     std::printf("SKIP: multi-rank cases need 2 devices, %d visible (the D = 1 case %s)\n", count,
                 ok ? "passed" : "FAILED");

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -107,18 +108,52 @@ struct NcclReference {
   }
 };
 
-// Parent side: runs `d` ranks of this binary (argv = /proc/self/exe plus args); true if all exit
-// 0 within the limit.
-inline bool RunNcclGroup(int d, const std::vector<std::string>& args = {}) {
+// A child's whole run: its CommOptions (from the environment), a Gloo communicator of the world,
+// the CPU reference and its device (LOCAL_RANK); then check(options, gloo, device, reference),
+// which runs the block checks and returns whether they passed. Everything `check` creates on
+// the device is released before the device. Prints "PASS: rank r of D" or "FAIL: ..." and
+// returns the exit status.
+inline int RunNcclChild(
+    const std::function<bool(const parallel::CommOptions&, parallel::Communicator*,
+                             const DeviceRank&, const NcclReference&)>& check) {
+  absl::StatusOr<parallel::CommOptions> options = parallel::CommOptions::FromEnvironment();
+  if (!options.ok()) {
+    std::printf("FAIL: %s\n", options.status().ToString().c_str());
+    return 1;
+  }
+  g_rank = options->rank;
+  const auto run = [&]() -> bool {
+    absl::StatusOr<std::unique_ptr<parallel::Communicator>> gloo =
+        parallel::NewGlooCommunicator(*options);
+    CHECK_OK(gloo.status(), "gloo bootstrap");
+    absl::StatusOr<NcclReference> ref = NcclReference::Run();
+    CHECK_OK(ref.status(), "reference");
+    bool ok;
+    {
+      absl::StatusOr<std::unique_ptr<DeviceRank>> dev = DeviceRank::Create(options->local_rank);
+      CHECK_OK(dev.status(), "device");
+      ok = check(*options, gloo->get(), **dev, *ref);
+    }
+    CHECK_OK((*gloo)->Barrier(), "final gloo barrier");
+    return ok;
+  };
+  const bool ok = run();
+  std::printf("%s: rank %d of %d\n", ok ? "PASS" : "FAIL", g_rank, options->size);
+  std::fflush(stdout);
+  return ok ? 0 : 1;
+}
+
+// Parent side: runs `d` ranks of this binary (argv = /proc/self/exe) with the communicators'
+// timeout comm_timeout_ms; true if all exit 0 within the limit.
+inline bool RunNcclGroup(int d, int comm_timeout_ms = 30000) {
   std::printf("=== D = %d\n", d);
   std::fflush(stdout);
   parallel::LaunchOptions o;
   o.nproc = d;
   o.argv = {"/proc/self/exe"};
-  o.argv.insert(o.argv.end(), args.begin(), args.end());
   o.store = parallel::LaunchOptions::Store::kFile;
   o.timeout = std::chrono::seconds(240);
-  o.env = {{"STALLFREE_COMM_TIMEOUT_MS", "30000"}};
+  o.env = {{"STALLFREE_COMM_TIMEOUT_MS", std::to_string(comm_timeout_ms)}};
   absl::StatusOr<parallel::LaunchResult> r = parallel::LaunchLocal(o);
   const bool ok = r.ok() && r->ok();
   if (!r.ok()) {

@@ -129,33 +129,10 @@ bool CheckTpcp(const testing::DeviceRank& dev, const CommOptions& options,
   return ok;
 }
 
-int RunChild() {
-  absl::StatusOr<CommOptions> options = CommOptions::FromEnvironment();
-  if (!options.ok()) {
-    std::printf("FAIL: %s\n", options.status().ToString().c_str());
-    return 1;
-  }
-  g_rank = options->rank;
-  const auto run = [&]() -> bool {
-    absl::StatusOr<std::unique_ptr<Communicator>> gloo = NewGlooCommunicator(*options);
-    CHECK_OK(gloo.status(), "gloo bootstrap");
-    absl::StatusOr<NcclReference> ref = NcclReference::Run();
-    CHECK_OK(ref.status(), "reference");
-    bool ok;
-    {
-      absl::StatusOr<std::unique_ptr<testing::DeviceRank>> dev =
-          testing::DeviceRank::Create(options->local_rank);
-      CHECK_OK(dev.status(), "device");
-      ok = CheckTpsp(**dev, gloo->get(), *ref);
-      ok = CheckTpcp(**dev, *options, *ref) && ok;
-    }  // communicators and buffers released before the device's stream
-    CHECK_OK((*gloo)->Barrier(), "final gloo barrier");
-    return ok;
-  };
-  const bool ok = run();
-  std::printf("%s: rank %d of %d\n", ok ? "PASS" : "FAIL", g_rank, options->size);
-  std::fflush(stdout);
-  return ok ? 0 : 1;
+bool Check(const CommOptions& options, Communicator* gloo, const testing::DeviceRank& dev,
+           const NcclReference& ref) {
+  const bool tpsp = CheckTpsp(dev, gloo, ref);
+  return CheckTpcp(dev, options, ref) && tpsp;
 }
 
 }  // namespace
@@ -166,5 +143,5 @@ int main() {
   if (!stallfree::testing::IsNcclChild()) {
     return stallfree::testing::RunNcclParent("TP+SP / TP x CP");
   }
-  return stallfree::parallel::RunChild();
+  return stallfree::testing::RunNcclChild(stallfree::parallel::Check);
 }

@@ -81,34 +81,11 @@ bool CheckTsp(const testing::DeviceRank& dev, Communicator* nccl, const NcclRefe
   return ok;
 }
 
-int RunChild() {
-  absl::StatusOr<CommOptions> options = CommOptions::FromEnvironment();
-  if (!options.ok()) {
-    std::printf("FAIL: %s\n", options.status().ToString().c_str());
-    return 1;
-  }
-  g_rank = options->rank;
-  const auto run = [&]() -> bool {
-    absl::StatusOr<std::unique_ptr<Communicator>> gloo = NewGlooCommunicator(*options);
-    CHECK_OK(gloo.status(), "gloo bootstrap");
-    absl::StatusOr<NcclReference> ref = NcclReference::Run();
-    CHECK_OK(ref.status(), "reference");
-    bool ok;
-    {
-      absl::StatusOr<std::unique_ptr<testing::DeviceRank>> dev =
-          testing::DeviceRank::Create(options->local_rank);
-      CHECK_OK(dev.status(), "device");
-      absl::StatusOr<std::unique_ptr<Communicator>> nccl = (*dev)->Nccl(gloo->get());
-      CHECK_OK(nccl.status(), "nccl communicator");
-      ok = CheckTsp(**dev, nccl->get(), *ref);
-    }  // communicator and buffers released before the device's stream
-    CHECK_OK((*gloo)->Barrier(), "final gloo barrier");
-    return ok;
-  };
-  const bool ok = run();
-  std::printf("%s: rank %d of %d\n", ok ? "PASS" : "FAIL", g_rank, options->size);
-  std::fflush(stdout);
-  return ok ? 0 : 1;
+bool Check(const CommOptions&, Communicator* gloo, const testing::DeviceRank& dev,
+           const NcclReference& ref) {
+  absl::StatusOr<std::unique_ptr<Communicator>> nccl = dev.Nccl(gloo);
+  CHECK_OK(nccl.status(), "nccl communicator");
+  return CheckTsp(dev, nccl->get(), ref);
 }
 
 }  // namespace
@@ -117,5 +94,5 @@ int RunChild() {
 
 int main() {
   if (!stallfree::testing::IsNcclChild()) return stallfree::testing::RunNcclParent("TSP");
-  return stallfree::parallel::RunChild();
+  return stallfree::testing::RunNcclChild(stallfree::parallel::Check);
 }
