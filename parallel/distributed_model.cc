@@ -73,6 +73,14 @@ absl::Status AllGatherShards(Communicator* comm, const S& own, std::vector<S>* s
   return absl::OkStatus();
 }
 
+// The pos_embedding row of every local token: B copies of the local positions [T/D].
+std::vector<int32_t> TiledPositions(const std::vector<int32_t>& positions, int64_t B) {
+  std::vector<int32_t> ids;
+  ids.reserve(positions.size() * static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) ids.insert(ids.end(), positions.begin(), positions.end());
+  return ids;
+}
+
 }  // namespace
 
 const char* LayoutName(Layout layout) {
@@ -98,6 +106,7 @@ absl::StatusOr<DistributedShard> DistributedModel::Shard(const ModelWeights& ful
   const int D = comm_->size(), p = comm_->rank();
   DistributedShard s;
   s.embedding = full.embedding;
+  s.pos_embedding = full.pos_embedding;
   s.ln_f = full.ln_f;
   s.head = full.head;
   for (const BlockWeights& b : full.blocks) {
@@ -131,8 +140,10 @@ absl::StatusOr<std::vector<int32_t>> DistributedModel::LocalPositions(int64_t T)
 absl::Status DistributedModel::CheckShard(const DistributedShard& w, const char* what) const {
   const int64_t C = cfg_.C, V = cfg_.vocab, D = comm_->size();
   DM_RETURN_IF_ERROR(CheckSize(w.embedding, V * C, absl::StrCat(what, "embedding")));
+  DM_RETURN_IF_ERROR(
+      CheckSize(w.pos_embedding, PosEmbeddingSize(cfg_), absl::StrCat(what, "pos_embedding")));
   DM_RETURN_IF_ERROR(CheckSize(w.ln_f, C, absl::StrCat(what, "ln_f")));
-  DM_RETURN_IF_ERROR(CheckSize(w.head, V * C, absl::StrCat(what, "head")));
+  DM_RETURN_IF_ERROR(CheckSize(w.head, HeadSize(cfg_), absl::StrCat(what, "head")));
   const size_t want_tsp = layout_ == Layout::kTsp ? cfg_.layers : 0;
   const size_t want_tpsp = layout_ == Layout::kTpsp ? cfg_.layers : 0;
   if (w.tsp_blocks.size() != want_tsp || w.tpsp_blocks.size() != want_tpsp) {
@@ -164,6 +175,10 @@ absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
   }
   absl::StatusOr<std::vector<int32_t>> pos = LocalPositions(T);
   if (!pos.ok()) return pos.status();
+  if (cfg_.learned_positions && T > cfg_.max_seq) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "distributed_model: T=", T, " exceeds the position table's max_seq=", cfg_.max_seq));
+  }
   const int64_t D = comm_->size(), C = cfg_.C, V = cfg_.vocab, Tl = T / D, nl = B * Tl;
   // Check the whole batch on every rank, so that a bad id fails every rank before any collective.
   for (int64_t i = 0; i < B * T; ++i) {
@@ -192,6 +207,13 @@ absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
   std::vector<float> x(nl * C);
   c.x_final.resize(nl * C);
   ops.EmbeddingForward(w.embedding.data(), C, c.tokens.data(), nl, x.data());
+  if (cfg_.learned_positions) {
+    // Each local token's row of the table at its global position.
+    const std::vector<int32_t> ids = TiledPositions(c.positions, B);
+    std::vector<float> pe(nl * C);
+    ops.EmbeddingForward(w.pos_embedding.data(), C, ids.data(), nl, pe.data());
+    ops.Add(x.data(), pe.data(), nl * C, x.data());
+  }
   DM_RETURN_IF_ERROR(Sync(ops, "embedding forward"));
   if (layout_ == Layout::kTsp) {
     c.tsp_blocks.assign(static_cast<size_t>(cfg_.layers), TspCache());
@@ -220,7 +242,8 @@ absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
   std::vector<float> loss(nl);
   ops.RmsNormForward(c.x_final.data(), w.ln_f.data(), nl, C, cfg_.eps, c.nf.data(),
                      c.rstd_f.data());
-  ops.Gemm(Trans::kNo, Trans::kYes, nl, V, C, 1.0f, c.nf.data(), C, w.head.data(), C, 0.0f,
+  const std::vector<float>& head = cfg_.tied_head ? w.embedding : w.head;
+  ops.Gemm(Trans::kNo, Trans::kYes, nl, V, C, 1.0f, c.nf.data(), C, head.data(), C, 0.0f,
            c.logits.data(), V);
   ops.CrossEntropyForward(c.logits.data(), nl, V, c.targets.data(), loss.data(), c.lse.data());
   DM_RETURN_IF_ERROR(Sync(ops, "head forward"));
@@ -264,13 +287,17 @@ absl::Status DistributedModel::Backward(const TransformerOps& ops, const Distrib
   const bool tsp = layout_ == Layout::kTsp;
   if ((tsp ? c.tsp_blocks.size() : c.tpsp_blocks.size()) != layers ||
       static_cast<int64_t>(c.logits.size()) != nl * V ||
-      static_cast<int64_t>(c.tokens.size()) != nl) {
+      static_cast<int64_t>(c.tokens.size()) != nl ||
+      static_cast<int64_t>(c.positions.size()) != c.T / D ||
+      (cfg_.learned_positions && c.T > cfg_.max_seq)) {
     return absl::InvalidArgumentError("distributed_model: cache does not match the model");
   }
   // Size the gradients like the weights.
+  const int64_t P = PosEmbeddingSize(cfg_), Hd = HeadSize(cfg_);
   DM_RETURN_IF_ERROR(PrepareGrad(&grads->embedding, V * C, "embedding"));
+  DM_RETURN_IF_ERROR(PrepareGrad(&grads->pos_embedding, P, "pos_embedding"));
   DM_RETURN_IF_ERROR(PrepareGrad(&grads->ln_f, C, "ln_f"));
-  DM_RETURN_IF_ERROR(PrepareGrad(&grads->head, V * C, "head"));
+  DM_RETURN_IF_ERROR(PrepareGrad(&grads->head, Hd, "head"));
   if (tsp) {
     if (grads->tsp_blocks.empty()) grads->tsp_blocks.resize(layers);
   } else {
@@ -299,11 +326,15 @@ absl::Status DistributedModel::Backward(const TransformerOps& ops, const Distrib
     return CheckShard(*grads, "gradient ");
   }
 
-  // The replicated tensors' partial gradients, packed for one all-reduce: embedding | ln_f | head.
-  std::vector<float> partial((2 * V + 1) * C, 0.0f);
+  // The replicated tensors' partial gradients, packed for one all-reduce:
+  // embedding | pos_embedding (P floats, 0 without learned positions) | ln_f | head (Hd floats,
+  // 0 when tied; a tied head's part goes to the embedding's slot).
+  std::vector<float> partial(V * C + P + C + Hd, 0.0f);
   float* d_embedding = partial.data();
-  float* d_ln_f = partial.data() + V * C;
-  float* d_head = partial.data() + V * C + C;
+  float* d_pos = partial.data() + V * C;
+  float* d_ln_f = d_pos + P;
+  float* d_head = cfg_.tied_head ? d_embedding : d_ln_f + C;
+  const float* head = cfg_.tied_head ? w.embedding.data() : w.head.data();
 
   std::vector<float> dlogits(nl * V), dnf(nl * C), dx(nl * C), dprev(nl * C);
   ops.CrossEntropyBackward(c.logits.data(), c.lse.data(), c.targets.data(), nl, V,
@@ -311,8 +342,7 @@ absl::Status DistributedModel::Backward(const TransformerOps& ops, const Distrib
   // logits = nf head^T: d head += dlogits^T nf, d nf = dlogits head.
   ops.Gemm(Trans::kYes, Trans::kNo, V, C, nl, 1.0f, dlogits.data(), V, c.nf.data(), C, 1.0f, d_head,
            C);
-  ops.Gemm(Trans::kNo, Trans::kNo, nl, C, V, 1.0f, dlogits.data(), V, w.head.data(), C, 0.0f,
-           dnf.data(), C);
+  ops.Gemm(Trans::kNo, Trans::kNo, nl, C, V, 1.0f, dlogits.data(), V, head, C, 0.0f, dnf.data(), C);
   ops.RmsNormBackward(c.x_final.data(), w.ln_f.data(), c.rstd_f.data(), dnf.data(), nl, C,
                       dx.data(), d_ln_f);
   DM_RETURN_IF_ERROR(Sync(ops, "head backward"));
@@ -332,11 +362,16 @@ absl::Status DistributedModel::Backward(const TransformerOps& ops, const Distrib
     }
   }
   ops.EmbeddingBackward(dx.data(), C, c.tokens.data(), nl, d_embedding);
+  if (cfg_.learned_positions) {
+    const std::vector<int32_t> ids = TiledPositions(c.positions, c.B);
+    ops.EmbeddingBackward(dx.data(), C, ids.data(), nl, d_pos);
+  }
   DM_RETURN_IF_ERROR(Sync(ops, "embedding backward"));
   DM_RETURN_IF_ERROR(comm_->AllReduce(partial.data(), static_cast<int64_t>(partial.size())));
   ops.Add(grads->embedding.data(), d_embedding, V * C, grads->embedding.data());
+  if (P > 0) ops.Add(grads->pos_embedding.data(), d_pos, P, grads->pos_embedding.data());
   ops.Add(grads->ln_f.data(), d_ln_f, C, grads->ln_f.data());
-  ops.Add(grads->head.data(), d_head, V * C, grads->head.data());
+  if (Hd > 0) ops.Add(grads->head.data(), d_head, Hd, grads->head.data());
   return Sync(ops, "gradient accumulation");
 }
 
@@ -346,6 +381,7 @@ absl::StatusOr<ModelGrads> DistributedModel::GatherGrads(const DistributedGrads&
   const int D = comm_->size();
   ModelGrads full;
   full.embedding = grads.embedding;
+  full.pos_embedding = grads.pos_embedding;
   full.ln_f = grads.ln_f;
   full.head = grads.head;
   full.blocks.resize(static_cast<size_t>(cfg_.layers));

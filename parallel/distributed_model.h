@@ -7,9 +7,16 @@
 // Around the blocks (the same in both layouts):
 //   embedding [vocab, C]: replicated; each rank looks up its own tokens. Its gradient is the
 //                         all-reduced sum of the ranks' partial (own-token) gradients.
+//   pos_embedding [max_seq, C] (learned_positions only): replicated; each rank adds the rows of
+//                         its tokens' GLOBAL positions (LocalPositions), so the model equals the
+//                         reference; gradient all-reduced like the embedding's.
 //   ln_f [C], head [vocab, C]: replicated; each rank normalises its own tokens and computes
-//                         their logits; gradients all-reduced like the embedding's (the three
-//                         partials travel in one all-reduce of (2 vocab + 1) C floats).
+//                         their logits; gradients all-reduced like the embedding's. With
+//                         tied_head there is no head: the logits use the embedding, whose
+//                         partial gradient also takes the head's part.
+//   The replicated tensors' partial gradients travel in ONE all-reduce of
+//   (vocab + max_seq' + 1 + vocab') C floats (max_seq' = 0 without learned positions,
+//   vocab' = 0 when tied).
 //   loss: cross-entropy per local token; the mean over ALL valid targets (>= 0) of the global
 //         batch: every rank all-gathers each rank's (loss sum, valid count) and adds them in
 //         rank order in double, so the loss is bit-identical on every rank. The backward scales
@@ -43,10 +50,11 @@ const char* LayoutName(Layout layout);  // "tsp", "tpsp"
 // tpsp_blocks has `layers` entries (the one of the model's layout); the other is empty.
 struct DistributedShard {
   std::vector<float> embedding;           // [vocab, C] replicated
+  std::vector<float> pos_embedding;       // [max_seq, C] replicated (learned positions), or empty
   std::vector<TspShard> tsp_blocks;       // kTsp: ShardBlockWeights(block l, D, p)
   std::vector<BlockWeights> tpsp_blocks;  // kTpsp: ShardTpspWeights(block l, D, p)
   std::vector<float> ln_f;                // [C] replicated
-  std::vector<float> head;                // [vocab, C] replicated
+  std::vector<float> head;                // [vocab, C] replicated; empty when tied_head
 };
 using DistributedGrads = DistributedShard;
 
@@ -84,14 +92,15 @@ class DistributedModel {
 
   // The mean cross-entropy over the valid targets of the global batch (0 when there are none),
   // the same on every rank. tokens / targets: the full [B, T] arrays (tokens in [0, vocab),
-  // targets in [-1, vocab)). cache may be null (no backward).
+  // targets in [-1, vocab)); with learned positions T <= max_seq. cache may be null (no
+  // backward).
   absl::StatusOr<double> Forward(const kernels::TransformerOps& ops, const DistributedShard& w,
                                  const int32_t* tokens, const int32_t* targets, int64_t B,
                                  int64_t T, DistributedCache* cache) const;
 
   // Accumulates (+=) d loss / d this rank's shard into grads (empty fields are first sized and
   // zeroed): block shards as the blocks' Backward gives them, and the all-reduced (full)
-  // embedding, ln_f and head gradients.
+  // embedding, pos_embedding, ln_f and head gradients (those the config has).
   absl::Status Backward(const kernels::TransformerOps& ops, const DistributedShard& w,
                         const DistributedCache& cache, DistributedGrads* grads) const;
 

@@ -83,6 +83,26 @@ AttentionShape Shape(const BlockConfig& cfg, int64_t B, int64_t T) {
   return s;
 }
 
+// OK iff learned positions are off, or every position indexes a row of pos_embedding.
+absl::Status CheckPositions(const ModelConfig& cfg, const std::vector<int32_t>& positions) {
+  if (!cfg.learned_positions) return absl::OkStatus();
+  for (size_t i = 0; i < positions.size(); ++i) {
+    if (positions[i] < 0 || positions[i] >= cfg.max_seq) {
+      return absl::InvalidArgumentError(absl::StrCat("reference: position ", positions[i], " at ",
+                                                     i, " not in [0, max_seq=", cfg.max_seq, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The position ids of B rows of the same positions [T], for the pos_embedding lookup.
+std::vector<int32_t> TilePositions(const std::vector<int32_t>& positions, int64_t B) {
+  std::vector<int32_t> ids;
+  ids.reserve(positions.size() * static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) ids.insert(ids.end(), positions.begin(), positions.end());
+  return ids;
+}
+
 // Standard normal from two raw mt19937 outputs (Box-Muller), independent of <random>'s
 // distribution implementations.
 double Normal(std::mt19937* rng) {
@@ -244,53 +264,69 @@ absl::Status ValidateModelConfig(const ModelConfig& cfg) {
     return absl::InvalidArgumentError(
         absl::StrCat("reference: bad model config vocab=", cfg.vocab, " layers=", cfg.layers));
   }
+  if (cfg.max_seq < 0 || cfg.max_seq > INT32_MAX || (cfg.learned_positions && cfg.max_seq == 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reference: bad model config max_seq=", cfg.max_seq,
+                     cfg.learned_positions ? " (learned positions need max_seq > 0)" : ""));
+  }
   return ValidateBlockConfig(cfg.block());
 }
+
+int64_t PosEmbeddingSize(const ModelConfig& cfg) {
+  return cfg.learned_positions ? cfg.max_seq * cfg.C : 0;
+}
+
+int64_t HeadSize(const ModelConfig& cfg) { return cfg.tied_head ? 0 : cfg.vocab * cfg.C; }
 
 ModelWeights ModelWeights::Zeros(const ModelConfig& cfg) {
   ModelWeights w;
   w.embedding.assign(static_cast<size_t>(cfg.vocab * cfg.C), 0.0f);
+  w.pos_embedding.assign(static_cast<size_t>(PosEmbeddingSize(cfg)), 0.0f);
   w.blocks.assign(static_cast<size_t>(cfg.layers), BlockWeights::Zeros(cfg.block()));
   w.ln_f.assign(static_cast<size_t>(cfg.C), 0.0f);
-  w.head.assign(static_cast<size_t>(cfg.vocab * cfg.C), 0.0f);
+  w.head.assign(static_cast<size_t>(HeadSize(cfg)), 0.0f);
   return w;
 }
 
 std::vector<std::vector<float>*> ModelWeights::Tensors() {
   std::vector<std::vector<float>*> t = {&embedding};
+  if (!pos_embedding.empty()) t.push_back(&pos_embedding);
   for (BlockWeights& b : blocks) {
     for (std::vector<float>* v : b.Tensors()) t.push_back(v);
   }
   t.push_back(&ln_f);
-  t.push_back(&head);
+  if (!head.empty()) t.push_back(&head);
   return t;
 }
 
 std::vector<const std::vector<float>*> ModelWeights::Tensors() const {
   std::vector<const std::vector<float>*> t = {&embedding};
+  if (!pos_embedding.empty()) t.push_back(&pos_embedding);
   for (const BlockWeights& b : blocks) {
     for (const std::vector<float>* v : b.Tensors()) t.push_back(v);
   }
   t.push_back(&ln_f);
-  t.push_back(&head);
+  if (!head.empty()) t.push_back(&head);
   return t;
 }
 
 std::vector<std::string> ModelTensorNames(const ModelConfig& cfg) {
   std::vector<std::string> names = {"embedding"};
+  if (cfg.learned_positions) names.push_back("pos_embedding");
   for (int64_t l = 0; l < cfg.layers; ++l) {
     for (const char* n : BlockTensorNames()) names.push_back(absl::StrCat("block", l, ".", n));
   }
   names.push_back("ln_f");
-  names.push_back("head");
+  if (!cfg.tied_head) names.push_back("head");
   return names;
 }
 
 absl::Status CheckModelWeights(const ModelConfig& cfg, const ModelWeights& w) {
   absl::Status st = ValidateModelConfig(cfg);
   if (st.ok()) st = CheckSize(w.embedding, cfg.vocab * cfg.C, "embedding");
+  if (st.ok()) st = CheckSize(w.pos_embedding, PosEmbeddingSize(cfg), "pos_embedding");
   if (st.ok()) st = CheckSize(w.ln_f, cfg.C, "ln_f");
-  if (st.ok()) st = CheckSize(w.head, cfg.vocab * cfg.C, "head");
+  if (st.ok()) st = CheckSize(w.head, HeadSize(cfg), "head");
   if (!st.ok()) return st;
   if (static_cast<int64_t>(w.blocks.size()) != cfg.layers) {
     return absl::InvalidArgumentError(
@@ -310,6 +346,7 @@ ModelWeights InitModelWeights(const ModelConfig& cfg, uint32_t seed, float stdde
   const double layers = static_cast<double>(cfg.layers > 0 ? cfg.layers : 1);
   const double residual = stddev / std::sqrt(2.0 * layers);
   Fill(&rng, 0.0, stddev, &w.embedding);
+  Fill(&rng, 0.0, stddev, &w.pos_embedding);  // Empty (no draws) without learned positions.
   for (BlockWeights& b : w.blocks) {
     Fill(&rng, 1.0, norm_jitter, &b.ln1);
     Fill(&rng, 0.0, stddev, &b.wq);
@@ -322,7 +359,7 @@ ModelWeights InitModelWeights(const ModelConfig& cfg, uint32_t seed, float stdde
     Fill(&rng, 0.0, residual, &b.wd);
   }
   Fill(&rng, 1.0, norm_jitter, &w.ln_f);
-  Fill(&rng, 0.0, stddev, &w.head);
+  Fill(&rng, 0.0, stddev, &w.head);  // Empty (no draws) when tied.
   return w;
 }
 
@@ -361,11 +398,19 @@ absl::StatusOr<double> ReferenceModel::Forward(const TransformerOps& ops, const 
     c.positions.resize(T);
     std::iota(c.positions.begin(), c.positions.end(), 0);
   }
+  st = CheckPositions(cfg_, c.positions);
+  if (!st.ok()) return st;
   c.blocks.resize(static_cast<size_t>(cfg_.layers));
 
   std::vector<float> x(n * C);
   c.x_final.resize(n * C);
   ops.EmbeddingForward(w.embedding.data(), C, tokens, n, x.data());
+  if (cfg_.learned_positions) {
+    const std::vector<int32_t> ids = TilePositions(c.positions, B);
+    std::vector<float> pe(n * C);
+    ops.EmbeddingForward(w.pos_embedding.data(), C, ids.data(), n, pe.data());
+    ops.Add(x.data(), pe.data(), n * C, x.data());
+  }
   const ReferenceBlock block(cfg_.block());
   for (int64_t l = 0; l < cfg_.layers; ++l) {
     st = block.Forward(ops, w.blocks[l], x.data(), c.positions.data(), B, T, c.x_final.data(),
@@ -380,7 +425,8 @@ absl::StatusOr<double> ReferenceModel::Forward(const TransformerOps& ops, const 
   c.lse.resize(n);
   std::vector<float> loss(n);
   ops.RmsNormForward(c.x_final.data(), w.ln_f.data(), n, C, cfg_.eps, c.nf.data(), c.rstd_f.data());
-  Linear(ops, c.nf.data(), w.head.data(), n, V, C, c.logits.data(), V);
+  const std::vector<float>& head = cfg_.tied_head ? w.embedding : w.head;
+  Linear(ops, c.nf.data(), head.data(), n, V, C, c.logits.data(), V);
   ops.CrossEntropyForward(c.logits.data(), n, V, targets, loss.data(), c.lse.data());
   const std::string err = ops.Synchronize();
   if (!err.empty()) return absl::InternalError("reference: model forward: " + err);
@@ -400,16 +446,21 @@ absl::Status ReferenceModel::Backward(const TransformerOps& ops, const ModelWeig
   if (grads == nullptr) return absl::InvalidArgumentError("reference: null grads");
   const int64_t n = c.B * c.T, C = cfg_.C, V = cfg_.vocab;
   if (static_cast<int64_t>(c.blocks.size()) != cfg_.layers ||
-      static_cast<int64_t>(c.logits.size()) != n * V) {
+      static_cast<int64_t>(c.logits.size()) != n * V ||
+      static_cast<int64_t>(c.positions.size()) != c.T ||
+      static_cast<int64_t>(c.tokens.size()) != n) {
     return absl::InvalidArgumentError("reference: model cache does not match the config");
   }
+  st = CheckPositions(cfg_, c.positions);
+  if (!st.ok()) return st;
   if (grads->blocks.empty()) grads->blocks.resize(static_cast<size_t>(cfg_.layers));
   if (static_cast<int64_t>(grads->blocks.size()) != cfg_.layers) {
     return absl::InvalidArgumentError("reference: gradient blocks do not match layers");
   }
   st = PrepareGrad(&grads->embedding, V * C, "embedding");
+  if (st.ok()) st = PrepareGrad(&grads->pos_embedding, PosEmbeddingSize(cfg_), "pos_embedding");
   if (st.ok()) st = PrepareGrad(&grads->ln_f, C, "ln_f");
-  if (st.ok()) st = PrepareGrad(&grads->head, V * C, "head");
+  if (st.ok()) st = PrepareGrad(&grads->head, HeadSize(cfg_), "head");
   for (int64_t l = 0; st.ok() && l < cfg_.layers; ++l) {
     st = PrepareBlockGrads(cfg_.block(), &grads->blocks[l]);
   }
@@ -419,8 +470,11 @@ absl::Status ReferenceModel::Backward(const TransformerOps& ops, const ModelWeig
   std::vector<float> dlogits(n * V), dnf(n * C), dx(n * C), dprev(n * C);
   ops.CrossEntropyBackward(c.logits.data(), c.lse.data(), c.targets.data(), n, V,
                            1.0f / static_cast<float>(c.valid), dlogits.data());
-  LinearWeightGrad(ops, dlogits.data(), V, c.nf.data(), n, V, C, grads->head.data());
-  LinearInputGrad(ops, dlogits.data(), V, w.head.data(), n, V, C, dnf.data());
+  // logits = nf head^T; a tied head's part of the gradient goes to the embedding.
+  float* dhead = cfg_.tied_head ? grads->embedding.data() : grads->head.data();
+  const float* head = cfg_.tied_head ? w.embedding.data() : w.head.data();
+  LinearWeightGrad(ops, dlogits.data(), V, c.nf.data(), n, V, C, dhead);
+  LinearInputGrad(ops, dlogits.data(), V, head, n, V, C, dnf.data());
   ops.RmsNormBackward(c.x_final.data(), w.ln_f.data(), c.rstd_f.data(), dnf.data(), n, C, dx.data(),
                       grads->ln_f.data());
   const ReferenceBlock block(cfg_.block());
@@ -430,6 +484,10 @@ absl::Status ReferenceModel::Backward(const TransformerOps& ops, const ModelWeig
     dx.swap(dprev);
   }
   ops.EmbeddingBackward(dx.data(), C, c.tokens.data(), n, grads->embedding.data());
+  if (cfg_.learned_positions) {
+    const std::vector<int32_t> ids = TilePositions(c.positions, c.B);
+    ops.EmbeddingBackward(dx.data(), C, ids.data(), n, grads->pos_embedding.data());
+  }
   const std::string err = ops.Synchronize();
   if (!err.empty()) return absl::InternalError("reference: model backward: " + err);
   return absl::OkStatus();

@@ -8,7 +8,10 @@
 //               biases; causal over the given global positions (key j visible to query i iff
 //               pos[j] <= pos[i]), so a zigzag-ordered local sequence attends correctly.
 //     mlp(n)  = (silu(n Wg^T) * (n Wu^T)) Wd^T
-//   model:  x0 = embedding[tokens]; x_{l+1} = block_l(x_l); logits = rmsnorm(x_L, ln_f) head^T;
+//   model:  x0 = embedding[tokens] (+ pos_embedding[pos] with learned positions, pos = each
+//           token's GLOBAL position); x_{l+1} = block_l(x_l);
+//           logits = rmsnorm(x_L, ln_f) head^T, or rmsnorm(x_L, ln_f) embedding^T with a tied
+//           head (the embedding's gradient then sums the lookup's and the head's parts);
 //           loss = mean over valid targets (target >= 0) of cross-entropy(logits, target).
 //
 // Every W is [out, in] as in F.linear. Tensors are row-major host memory (std::vector or host
@@ -104,27 +107,44 @@ struct ModelConfig {
   int64_t FF = 0;
   int64_t layers = 0;
   float eps = 1e-5f;
+  // Learned absolute positions: x0 += pos_embedding[global position]. max_seq is the table's
+  // rows: required > 0 with learned_positions, and every position used must be < max_seq
+  // (ignored otherwise). The default (false) is a position-free model.
+  bool learned_positions = false;
+  int64_t max_seq = 0;
+  // The output head shares the embedding's [vocab, C] matrix (ModelWeights::head stays empty).
+  bool tied_head = false;
 
   BlockConfig block() const { return BlockConfig{C, H, FF, eps}; }
 };
 
-// OK iff vocab > 0, layers > 0 and block() is valid.
+// OK iff vocab > 0, layers > 0, block() is valid, max_seq >= 0 (and > 0 with
+// learned_positions).
 absl::Status ValidateModelConfig(const ModelConfig& cfg);
+
+// The sizes of the optional tensors for cfg: max_seq * C with learned positions, else 0;
+// vocab * C with an untied head, else 0.
+int64_t PosEmbeddingSize(const ModelConfig& cfg);
+int64_t HeadSize(const ModelConfig& cfg);
 
 struct ModelWeights {
   std::vector<float> embedding;      // [vocab, C]
+  std::vector<float> pos_embedding;  // [max_seq, C] when learned_positions, else empty
   std::vector<BlockWeights> blocks;  // [layers]
   std::vector<float> ln_f;           // [C]
-  std::vector<float> head;           // [vocab, C] (untied from the embedding)
+  std::vector<float> head;           // [vocab, C]; empty when tied_head
 
+  // Every tensor of cfg sized and zero (pos_embedding / head empty when cfg has none).
   static ModelWeights Zeros(const ModelConfig& cfg);
-  // Every tensor: embedding, then each block's Tensors(), then ln_f, head.
+  // Every tensor: embedding, pos_embedding if non-empty, each block's Tensors(), ln_f, head if
+  // non-empty. For weights (or gradients) of a config this matches ModelTensorNames(cfg).
   std::vector<std::vector<float>*> Tensors();
   std::vector<const std::vector<float>*> Tensors() const;
 };
 using ModelGrads = ModelWeights;
 
-// Names matching ModelWeights::Tensors(): "embedding", "block0.Wq", ..., "ln_f", "head".
+// Names matching ModelWeights::Tensors(): "embedding", "pos_embedding" (learned positions only),
+// "block0.ln1", ..., "ln_f", "head" (untied head only).
 std::vector<std::string> ModelTensorNames(const ModelConfig& cfg);
 
 absl::Status CheckModelWeights(const ModelConfig& cfg, const ModelWeights& w);
@@ -133,7 +153,9 @@ absl::Status CheckModelWeights(const ModelConfig& cfg, const ModelWeights& w);
 // 32-bit outputs, so the values do not depend on the standard library): every matrix is
 // normal(0, stddev); the residual-branch outputs Wo and Wd are further scaled by 1/sqrt(2 layers)
 // (GPT-2); RMSNorm weights (ln1, ln2, ln_f) are 1 + norm_jitter * normal (1 exactly for the
-// default 0). Tensors are drawn in Tensors() order.
+// default 0). Tensors are drawn in Tensors() order (pos_embedding normal(0, stddev) right after
+// the embedding; no head drawn when tied), so the default config's values do not depend on the
+// two options' existence, and a tied model equals the untied one of the same seed without head.
 ModelWeights InitModelWeights(const ModelConfig& cfg, uint32_t seed, float stddev = 0.02f,
                               float norm_jitter = 0.0f);
 
@@ -154,8 +176,9 @@ class ReferenceModel {
 
   // The mean cross-entropy over the targets >= 0 (0 when there are none) of tokens [B, T]
   // predicting targets [B, T]; tokens in [0, vocab), targets in [-1, vocab) (negative =
-  // ignored). positions [T] as in ReferenceBlock::Forward, or null for 0..T-1. The loss sums the
-  // per-token fp32 losses in double. cache may be null.
+  // ignored). positions [T] as in ReferenceBlock::Forward, or null for 0..T-1; with learned
+  // positions they also index pos_embedding (InvalidArgument unless in [0, max_seq)). The loss
+  // sums the per-token fp32 losses in double. cache may be null.
   absl::StatusOr<double> Forward(const kernels::TransformerOps& ops, const ModelWeights& w,
                                  const int32_t* tokens, const int32_t* targets, int64_t B,
                                  int64_t T, const int32_t* positions, ModelCache* cache) const;

@@ -1,15 +1,18 @@
 // Runs as one rank of a group (RANK / WORLD_SIZE / ... from the launcher). For each layout (TSP,
-// TP+SP): every rank builds the same full model weights (InitModelWeights, fixed seed; vocab 50,
-// C 32, H 4, FF 64, 2 layers), tokens and targets [B=2, T=16] (a few targets -1 = ignored), runs
-// the single-rank ReferenceModel forward / backward on the whole batch, then the
-// DistributedModel, and checks:
+// TP+SP) and each combination of the model's options (learned positions with max_seq 20 > T, a
+// tied head): every rank builds the same full model weights (InitModelWeights, fixed seed; vocab
+// 50, C 32, H 4, FF 64, 2 layers), tokens and targets [B=2, T=16] (a few targets -1 = ignored),
+// runs the single-rank ReferenceModel forward / backward on the whole batch (natural order,
+// positions 0..T-1), then the DistributedModel, and checks:
 //   - the loss equals the reference's within 1e-6 relative, and is bit-identical on every rank;
-//   - every gradient: the replicated embedding / ln_f / head fully, and this rank's block shards
+//   - every gradient: the replicated embedding / pos_embedding / ln_f / head fully (no head when
+//     tied), and this rank's block shards
 //     against the reference's gradients sharded the same way, each within
 //     1e-5 x max|reference| + 1e-7; then GatherGrads' full ModelGrads against every reference
 //     tensor with the same tolerance (and each reference tensor non-zero: no vacuous check);
 //   - a batch with every target ignored gives loss 0 and zero gradients on every rank;
-//   - bad arguments (T not divisible, a token out of range) give InvalidArgument on every rank.
+//   - bad arguments (T not divisible, a token out of range, T > max_seq with learned positions)
+//     give InvalidArgument on every rank.
 // Prints "OK rank r" and exits 0, or the first mismatch and exits 1.
 #include <algorithm>
 #include <cmath>
@@ -53,7 +56,7 @@ bool CheckSameOnAllRanks(sp::Communicator& comm, double loss, const std::string&
   return true;
 }
 
-bool RunLayout(sp::Communicator& comm, sp::Layout layout) {
+bool RunLayout(sp::Communicator& comm, sp::Layout layout, bool learned_positions, bool tied_head) {
   const int D = comm.size(), p = comm.rank();
   const auto& ops = stallfree::kernels::CpuOps();
   const int64_t B = 2, T = 16, n = B * T;
@@ -63,8 +66,13 @@ bool RunLayout(sp::Communicator& comm, sp::Layout layout) {
   cfg.H = 4;
   cfg.FF = 64;
   cfg.layers = 2;
+  cfg.learned_positions = learned_positions;
+  cfg.max_seq = 20;  // Rows 16..19 unused: their gradient must stay 0 on every rank.
+  cfg.tied_head = tied_head;
   const sp::BlockConfig bcfg = cfg.block();
-  const std::string at = absl::StrCat(sp::LayoutName(layout), " D=", D);
+  const std::string at =
+      absl::StrCat(sp::LayoutName(layout), " D=", D, learned_positions ? " learned_pos" : "",
+                   tied_head ? " tied" : "");
   std::printf("rank %d: %s\n", p, at.c_str());
 
   // Larger than the default init so that attention is far from uniform and every gradient is
@@ -104,8 +112,22 @@ bool RunLayout(sp::Communicator& comm, sp::Layout layout) {
 
   // Replicated tensors fully.
   if (!Compare(at + " dembedding", grads.embedding, rgrads.embedding, MaxAbs(rgrads.embedding)) ||
-      !Compare(at + " dln_f", grads.ln_f, rgrads.ln_f, MaxAbs(rgrads.ln_f)) ||
-      !Compare(at + " dhead", grads.head, rgrads.head, MaxAbs(rgrads.head))) {
+      !Compare(at + " dln_f", grads.ln_f, rgrads.ln_f, MaxAbs(rgrads.ln_f))) {
+    return false;
+  }
+  if (learned_positions) {
+    CHECK_OR_FAIL(rgrads.pos_embedding.size() == static_cast<size_t>(cfg.max_seq * cfg.C), at,
+                  " reference pos_embedding gradient size ", rgrads.pos_embedding.size());
+    if (!Compare(at + " dpos_embedding", grads.pos_embedding, rgrads.pos_embedding,
+                 MaxAbs(rgrads.pos_embedding))) {
+      return false;
+    }
+  } else {
+    CHECK_OR_FAIL(grads.pos_embedding.empty(), at, " a pos_embedding gradient without positions");
+  }
+  if (tied_head) {
+    CHECK_OR_FAIL(grads.head.empty() && shard->head.empty(), at, " a head in a tied model");
+  } else if (!Compare(at + " dhead", grads.head, rgrads.head, MaxAbs(rgrads.head))) {
     return false;
   }
   // This rank's block shards against the reference's gradients sharded alike.
@@ -178,6 +200,14 @@ bool RunLayout(sp::Communicator& comm, sp::Layout layout) {
     auto bad_id = model.Forward(ops, *shard, bad_tokens.data(), targets.data(), B, T, nullptr);
     CHECK_OR_FAIL(bad_id.status().code() == absl::StatusCode::kInvalidArgument, at,
                   " token = vocab: ", bad_id.status().ToString());
+    if (learned_positions) {
+      // T = 32 divides for every D here, but positions 20..31 have no table row.
+      const std::vector<int32_t> long_tokens(2 * n, 1), long_targets(2 * n, 2);
+      auto too_long =
+          model.Forward(ops, *shard, long_tokens.data(), long_targets.data(), B, 2 * T, nullptr);
+      CHECK_OR_FAIL(too_long.status().code() == absl::StatusCode::kInvalidArgument, at,
+                    " T=32 > max_seq: ", too_long.status().ToString());
+    }
   }
   // The group is still in step: one more all-gather of the loss.
   return CheckSameOnAllRanks(comm, *loss, at + " loss after the error cases");
@@ -198,7 +228,11 @@ int main() {
     return 1;
   }
   for (sp::Layout layout : {sp::Layout::kTsp, sp::Layout::kTpsp}) {
-    if (!RunLayout(**comm, layout)) return 1;
+    for (bool learned_positions : {false, true}) {
+      for (bool tied_head : {false, true}) {
+        if (!RunLayout(**comm, layout, learned_positions, tied_head)) return 1;
+      }
+    }
   }
   std::printf("OK rank %d\n", g_rank);
   std::fflush(stdout);

@@ -5,7 +5,10 @@
 //   accumulates its weight gradients;
 // - the block and the model in zigzag token order with matching positions give the natural
 //   order's outputs and gradients after un-permuting;
-// - a 2-layer model's gradients against central finite differences of its loss, every element.
+// - the model's options (learned positions, tied head): tensor lists, initialization order,
+//   argument checks;
+// - a 2-layer model's gradients against central finite differences of its loss, every element,
+//   with and without learned positions and a tied head.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -397,8 +400,159 @@ TEST(ReferenceModel, RejectsBadInputs) {
   }
 }
 
-TEST(ReferenceModel, ZigzagOrderGivesTheSameLossAndGradients) {
-  const ModelConfig cfg{17, 16, 2, 32, 2, 1e-5f};
+// The model's options, for the tests that run every combination.
+struct Features {
+  bool learned_positions;
+  bool tied_head;
+};
+constexpr Features kAllFeatures[] = {{false, false}, {true, false}, {false, true}, {true, true}};
+
+std::string FeaturesName(const Features& f) {
+  return std::string(f.learned_positions ? "learned_pos" : "no_pos") +
+         (f.tied_head ? "_tied" : "_untied");
+}
+
+void PrintTo(const Features& f, std::ostream* os) { *os << FeaturesName(f); }
+
+ModelConfig WithFeatures(ModelConfig cfg, const Features& f, int64_t max_seq) {
+  cfg.learned_positions = f.learned_positions;
+  cfg.max_seq = max_seq;
+  cfg.tied_head = f.tied_head;
+  return cfg;
+}
+
+// The draws InitModelWeights documents, redone here: one mt19937 stream, Box-Muller from its raw
+// outputs, tensors in ModelTensorNames order.
+ModelWeights RedrawInit(const ModelConfig& cfg, uint32_t seed, double stddev, double jitter) {
+  ModelWeights w = ModelWeights::Zeros(cfg);
+  std::mt19937 rng(seed);
+  const double residual = stddev / std::sqrt(2.0 * static_cast<double>(cfg.layers));
+  const std::vector<std::string> names = ModelTensorNames(cfg);
+  const std::vector<std::vector<float>*> t = w.Tensors();
+  EXPECT_EQ(t.size(), names.size());
+  for (size_t i = 0; i < t.size() && i < names.size(); ++i) {
+    const std::string& n = names[i];
+    const bool norm = n == "ln_f" || n.find(".ln") != std::string::npos;
+    const bool scaled = n.find(".Wo") != std::string::npos || n.find(".Wd") != std::string::npos;
+    const double mean = norm ? 1.0 : 0.0, sd = norm ? jitter : scaled ? residual : stddev;
+    for (float& x : *t[i]) {
+      const double u1 = (static_cast<double>(rng()) + 1.0) / 4294967296.0;
+      const double u2 = static_cast<double>(rng()) / 4294967296.0;
+      x = static_cast<float>(mean +
+                             sd * (std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2)));
+    }
+  }
+  return w;
+}
+
+TEST(ReferenceModel, OptionsShapeTheTensorListAndTheInitOrder) {
+  const ModelConfig base{11, 8, 2, 16, 2, 1e-5f};
+  for (const Features& f : kAllFeatures) {
+    SCOPED_TRACE(FeaturesName(f));
+    const ModelConfig cfg = WithFeatures(base, f, 12);
+    ASSERT_TRUE(ValidateModelConfig(cfg).ok());
+    const ModelWeights w = InitModelWeights(cfg, 7, 0.1f, 0.2f);
+    ASSERT_TRUE(CheckModelWeights(cfg, w).ok());
+    EXPECT_EQ(w.pos_embedding.size(), f.learned_positions ? 12u * 8u : 0u);
+    EXPECT_EQ(w.head.size(), f.tied_head ? 0u : 11u * 8u);
+    EXPECT_EQ(PosEmbeddingSize(cfg), static_cast<int64_t>(w.pos_embedding.size()));
+    EXPECT_EQ(HeadSize(cfg), static_cast<int64_t>(w.head.size()));
+    const std::vector<std::string> names = ModelTensorNames(cfg);
+    const std::vector<const std::vector<float>*> t = w.Tensors();
+    ASSERT_EQ(t.size(), names.size());
+    EXPECT_EQ(names[0], "embedding");
+    EXPECT_EQ(names[1], f.learned_positions ? "pos_embedding" : "block0.ln1");
+    EXPECT_EQ(names.back(), f.tied_head ? "ln_f" : "head");
+    EXPECT_EQ(t.size(), 2 + 9 * 2 + (f.learned_positions ? 1u : 0u) + (f.tied_head ? 0u : 1u));
+    if (f.learned_positions) {
+      EXPECT_EQ(t[1], &w.pos_embedding);
+    }
+    // Drawn in Tensors() order from one stream: the default config's draws are the same as
+    // before the options existed, and a tied model is the untied one without its head.
+    const ModelWeights redrawn = RedrawInit(cfg, 7, 0.1f, 0.2f);
+    const std::vector<const std::vector<float>*> r = redrawn.Tensors();
+    ASSERT_EQ(r.size(), t.size());
+    for (size_t i = 0; i < t.size(); ++i) EXPECT_EQ(*t[i], *r[i]) << names[i];
+    const ModelWeights zeros = ModelWeights::Zeros(cfg);
+    const std::vector<const std::vector<float>*> z = zeros.Tensors();
+    ASSERT_EQ(z.size(), t.size());
+    for (size_t i = 0; i < t.size(); ++i) EXPECT_EQ(z[i]->size(), t[i]->size()) << names[i];
+  }
+  const ModelConfig untied = WithFeatures(base, {false, false}, 0);
+  const ModelConfig tied = WithFeatures(base, {false, true}, 0);
+  const ModelWeights a = InitModelWeights(untied, 3), b = InitModelWeights(tied, 3);
+  EXPECT_EQ(a.embedding, b.embedding);
+  EXPECT_EQ(a.blocks[1].wd, b.blocks[1].wd);
+  EXPECT_EQ(a.ln_f, b.ln_f);
+}
+
+TEST(ReferenceModel, OptionsRejectBadShapesAndPositions) {
+  const ModelConfig base{10, 8, 2, 16, 1, 1e-5f};
+  EXPECT_EQ(ValidateModelConfig(WithFeatures(base, {true, false}, 0)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateModelConfig(WithFeatures(base, {false, false}, -1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ValidateModelConfig(WithFeatures(base, {false, true}, 4)).ok());  // Unused.
+
+  const ModelConfig cfg = WithFeatures(base, {true, true}, 4);
+  const ModelWeights w = InitModelWeights(cfg, 1);
+  ModelWeights with_head = w;
+  with_head.head.assign(10 * 8, 0.5f);
+  EXPECT_EQ(CheckModelWeights(cfg, with_head).code(), absl::StatusCode::kInvalidArgument);
+  ModelWeights no_pos = w;
+  no_pos.pos_embedding.clear();
+  EXPECT_EQ(CheckModelWeights(cfg, no_pos).code(), absl::StatusCode::kInvalidArgument);
+  // The untied, position-free model's weights do not fit this config and vice versa.
+  EXPECT_FALSE(CheckModelWeights(cfg, InitModelWeights(base, 1)).ok());
+  EXPECT_FALSE(CheckModelWeights(base, w).ok());
+
+  const ReferenceModel model(cfg);
+  const std::vector<int32_t> tokens = {1, 2, 3, 4, 5}, targets = {2, 3, 4, 5, 6};
+  EXPECT_TRUE(
+      model.Forward(CpuOps(), w, tokens.data(), targets.data(), 1, 4, nullptr, nullptr).ok());
+  // T = 5 > max_seq = 4: position 4 has no row.
+  EXPECT_EQ(model.Forward(CpuOps(), w, tokens.data(), targets.data(), 1, 5, nullptr, nullptr)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  const std::vector<int32_t> far = {0, 1, 2, 4}, negative = {-1, 0, 1, 2};
+  EXPECT_EQ(model.Forward(CpuOps(), w, tokens.data(), targets.data(), 1, 4, far.data(), nullptr)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      model.Forward(CpuOps(), w, tokens.data(), targets.data(), 1, 4, negative.data(), nullptr)
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  // A gradient with a head for a tied model is refused; an empty one is sized without a head.
+  ModelCache cache;
+  ASSERT_TRUE(
+      model.Forward(CpuOps(), w, tokens.data(), targets.data(), 1, 4, nullptr, &cache).ok());
+  ModelGrads wrong;
+  wrong.head.assign(10 * 8, 0.0f);
+  EXPECT_EQ(model.Backward(CpuOps(), w, cache, &wrong).code(), absl::StatusCode::kInvalidArgument);
+  ModelGrads g;
+  ASSERT_TRUE(model.Backward(CpuOps(), w, cache, &g).ok());
+  EXPECT_TRUE(g.head.empty());
+  EXPECT_TRUE(CheckModelWeights(cfg, g).ok());
+  // Positions 0..3 each got gradient; the lookup is per position, not per token.
+  for (int64_t r = 0; r < 4; ++r) {
+    double sq = 0;
+    for (int64_t j = 0; j < 8; ++j) sq += std::fabs(g.pos_embedding[r * 8 + j]);
+    EXPECT_GT(sq, 0.0) << "position " << r;
+  }
+}
+
+class ModelWithFeatures : public ::testing::TestWithParam<Features> {};
+
+std::string FeaturesParamName(const ::testing::TestParamInfo<Features>& info) {
+  return FeaturesName(info.param);
+}
+
+TEST_P(ModelWithFeatures, ZigzagOrderGivesTheSameLossAndGradients) {
+  // max_seq above T: the table's rows past T - 1 are never used (their gradient stays 0).
+  const ModelConfig cfg = WithFeatures(ModelConfig{17, 16, 2, 32, 2, 1e-5f}, GetParam(), 20);
   const ModelWeights w = InitModelWeights(cfg, 21, 0.3f, 0.2f);
   const ReferenceModel model(cfg);
   const Batch batch = MakeBatch(cfg, 2, 16, 22);
@@ -426,17 +580,18 @@ TEST(ReferenceModel, ZigzagOrderGivesTheSameLossAndGradients) {
 }
 
 // Central differences of the fp32 forward (per-token losses summed in double), h = 5e-3, on
-// every element of every weight tensor (4848), with weights of magnitude ~0.3: the truncation
-// error is O(h^2) (it dominates: the worst element is off by 9e-4 at h = 5e-3, 3.4e-3 at 1e-2)
-// and the rounding noise is about 1e-7 / h. Each element must satisfy
-// |fd - analytic| <= kFdAbsTol + kFdRelTol * |fd|; the worst measured is 0.3 of that (recorded
-// as fd_max_err_over_tol in test.xml). A 7% error in the loss scale fails it.
+// every element of every weight tensor (4848 in the option-free model), with weights of
+// magnitude ~0.3: the truncation error is O(h^2) (it dominates: the worst element is off by 9e-4
+// at h = 5e-3, 3.4e-3 at 1e-2) and the rounding noise is about 1e-7 / h. Each element must
+// satisfy |fd - analytic| <= kFdAbsTol + kFdRelTol * |fd|; the worst measured is 0.36 of that
+// (recorded as fd_max_err_over_tol in test.xml). A 7% error in the loss scale fails it, and so
+// does a tied embedding missing the head's part of its gradient.
 constexpr double kFdH = 5e-3;
 constexpr double kFdAbsTol = 1e-4;
 constexpr double kFdRelTol = 1e-2;
 
-TEST(ReferenceModel, GradientsMatchFiniteDifferences) {
-  const ModelConfig cfg{13, 16, 2, 24, 2, 1e-5f};
+TEST_P(ModelWithFeatures, GradientsMatchFiniteDifferences) {
+  const ModelConfig cfg = WithFeatures(ModelConfig{13, 16, 2, 24, 2, 1e-5f}, GetParam(), 10);
   // Larger than training init so that every path is clearly nonlinear and every gradient is
   // well above the finite-difference noise; norm weights away from 1.
   ModelWeights w = InitModelWeights(cfg, 31, 0.3f, 0.2f);
@@ -468,6 +623,7 @@ TEST(ReferenceModel, GradientsMatchFiniteDifferences) {
     double grad_scale = 0;
     for (float g : *gt[t]) grad_scale = std::max(grad_scale, std::fabs(static_cast<double>(g)));
     EXPECT_GT(grad_scale, 1e-3) << names[t] << " gradient is (nearly) all zero";
+    EXPECT_EQ(param.size(), gt[t]->size()) << names[t];
     for (size_t i = 0; i < param.size(); ++i) {
       const float saved = param[i];
       param[i] = static_cast<float>(saved + kFdH);
@@ -489,10 +645,13 @@ TEST(ReferenceModel, GradientsMatchFiniteDifferences) {
   os << worst;
   ::testing::Test::RecordProperty("fd_max_err_over_tol", os.str());
   std::printf(
-      "finite differences: %lld elements, worst |fd - analytic| = %g, worst / tolerance "
+      "finite differences (%s): %lld elements, worst |fd - analytic| = %g, worst / tolerance "
       "= %g\n",
-      static_cast<long long>(checked), worst_abs, worst);
+      FeaturesName(GetParam()).c_str(), static_cast<long long>(checked), worst_abs, worst);
 }
+
+INSTANTIATE_TEST_SUITE_P(Options, ModelWithFeatures, ::testing::ValuesIn(kAllFeatures),
+                         FeaturesParamName);
 
 }  // namespace
 }  // namespace parallel
