@@ -4,7 +4,7 @@ BAZEL ?= bazel
 NVCC := /usr/local/cuda/bin/nvcc
 APT_PACKAGES := bazel-bootstrap g++ protobuf-compiler protobuf-compiler-grpc libprotobuf-dev \
   libgrpc++-dev libabsl-dev libtbb-dev libgloo-dev libopenblas-dev libgtest-dev libgmock-dev \
-  libbenchmark-dev
+  libbenchmark-dev gnuplot-nox
 
 # The CUDA backends, their GPU tests and the GPU benchmark (tagged manual: CI builds and links
 # them with nvcc; the tests print SKIP without a device).
@@ -36,13 +36,15 @@ test: deps
 	else echo "nvcc not found: skipping the CUDA configuration"; fi
 
 demo: deps
-	$(BAZEL) build //:stallfreed //:stallfreectl //trainer:synthetic_trainer
+	$(BAZEL) build //:stallfreed //:stallfreectl //:trainer
 	./trainer/demo.sh
 
 bench: deps
 	$(BAZEL) run //bench:optimizer_bench
 	$(BAZEL) run //bench:transport_bench
 	$(BAZEL) run //bench:tsp_bench
+	$(BAZEL) run //bench:offload_bench
+	$(BAZEL) run //bench:train_bench -- --quick
 
 gpu-check: deps
 	BAZEL="$(BAZEL)" ./tests/gpu/gpu_check.sh

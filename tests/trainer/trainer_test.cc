@@ -1,0 +1,160 @@
+// The trainer binary end to end, with a real stallfreed: the loss falls, D = 2 TSP ranks train
+// like D = 1, zenflow with S = 1 and awaited updates trains exactly like no-offload, a resumed
+// run continues exactly like the uninterrupted one, and a user's mistakes get errors they can act
+// on.
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/support/daemon_process.h"
+
+namespace stallfree {
+namespace {
+
+using testing::Daemon;
+
+struct TrainerRun {
+  int code = -1;
+  std::string output;
+};
+
+// Runs trainer/trainer with args (output captured), in the test's runfiles directory.
+TrainerRun Trainer(const std::vector<std::string>& args) {
+  std::string cmd = "trainer/trainer";
+  for (const std::string& a : args) cmd += " '" + a + "'";
+  cmd += " 2>&1";
+  TrainerRun r;
+  FILE* p = popen(cmd.c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+// The loss column of a metrics.csv, by step.
+std::vector<double> Losses(const std::string& csv) {
+  std::ifstream f(csv);
+  std::string line;
+  std::getline(f, line);
+  std::vector<double> out;
+  while (std::getline(f, line)) {
+    std::stringstream s(line);
+    std::string step, loss;
+    std::getline(s, step, ',');
+    std::getline(s, loss, ',');
+    out.push_back(std::stod(loss));
+  }
+  return out;
+}
+
+class TrainerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    daemon_ = std::make_unique<Daemon>(std::vector<std::string>{"--threads", "2"}, "warning");
+    out_ = daemon_->dir() + "/runs";
+  }
+  // Common flags: the tiny preset, quiet, on the test's daemon.
+  std::vector<std::string> Base(const std::string& name, int64_t steps) {
+    return {"--preset",  "tiny", "--steps",   std::to_string(steps), "--quiet",
+            "--socket",  daemon_->socket(), "--out_dir", out_ + "/" + name,
+            "--run_name", name,  "--eval_every", "0", "--lr_warmup", "5"};
+  }
+  std::string Csv(const std::string& name) { return out_ + "/" + name + "/metrics.csv"; }
+
+  std::unique_ptr<Daemon> daemon_;
+  std::string out_;
+};
+
+std::vector<std::string> Cat(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST_F(TrainerTest, LossFallsAndTwoRanksTrainLikeOne) {
+  const int64_t steps = 40;
+  TrainerRun one = Trainer(Cat(Base("d1", steps), {"--nproc", "1"}));
+  ASSERT_EQ(one.code, 0) << one.output;
+  TrainerRun two = Trainer(Cat(Base("d2", steps), {"--nproc", "2"}));
+  ASSERT_EQ(two.code, 0) << two.output;
+  std::vector<double> a = Losses(Csv("d1")), b = Losses(Csv("d2"));
+  ASSERT_EQ(a.size(), static_cast<size_t>(steps));
+  ASSERT_EQ(b.size(), static_cast<size_t>(steps));
+  double first = (a[0] + a[1] + a[2]) / 3, last = (a[steps - 3] + a[steps - 2] + a[steps - 1]) / 3;
+  EXPECT_LT(last, 0.8 * first) << "the loss did not fall: " << first << " -> " << last;
+  // TSP over 2 ranks computes the same sums in another order; the runs drift apart only by
+  // rounding, amplified by training.
+  for (int64_t i = 0; i < steps; ++i)
+    EXPECT_NEAR(a[i], b[i], 2e-3 * std::fabs(a[i])) << "step " << i + 1;
+  EXPECT_NE(one.output.find("== summary"), std::string::npos) << one.output;
+}
+
+TEST_F(TrainerTest, ZenFlowWithZeroStalenessTrainsExactlyLikeNoOffload) {
+  const std::vector<std::string> exact = {"--update_interval", "1", "--select_interval", "1",
+                                          "--await_updates",   "--grad_dtype", "fp32",
+                                          "--param_dtype",     "fp32", "--topk_ratio", "0.25"};
+  TrainerRun zf = Trainer(Cat(Cat(Base("zf", 20), exact), {"--mode", "zenflow"}));
+  ASSERT_EQ(zf.code, 0) << zf.output;
+  TrainerRun plain = Trainer(Cat(Base("plain", 20), {"--mode", "no-offload"}));
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  EXPECT_EQ(Losses(Csv("zf")), Losses(Csv("plain")));
+}
+
+TEST_F(TrainerTest, ResumeEqualsUninterruptedRun) {
+  // S = 4: the checkpoint at step 10 falls in the middle of a round with an update pending.
+  TrainerRun full = Trainer(Cat(Base("full", 20), {"--nproc", "2"}));
+  ASSERT_EQ(full.code, 0) << full.output;
+  TrainerRun first = Trainer(Cat(Base("part", 20), {"--nproc", "2", "--stop_at", "10"}));
+  ASSERT_EQ(first.code, 0) << first.output;
+  TrainerRun resumed = Trainer(Cat(Base("part", 20), {"--nproc", "2", "--resume", "part-step10"}));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from checkpoint 'part-step10' at step 10"),
+            std::string::npos)
+      << resumed.output;
+  std::vector<double> a = Losses(Csv("full")), b = Losses(Csv("part"));
+  // The resumed run appends steps 11..20 to the first run's 1..10.
+  ASSERT_EQ(a.size(), 20u);
+  ASSERT_EQ(b.size(), 20u);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+}
+
+TEST_F(TrainerTest, UserErrorsSayWhatToDo) {
+  TrainerRun r = Trainer({"--preset", "tiny", "--steps", "2", "--socket", "/tmp/no-such-dir/x.sock",
+                   "--out_dir", out_ + "/e1"});
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("start one with: stallfreed --socket /tmp/no-such-dir/x.sock"),
+            std::string::npos)
+      << r.output;
+  r = Trainer(Cat(Base("e2", 2), {"--nproc", "3"}));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("heads: 4 attention heads do not divide over 3 ranks"),
+            std::string::npos)
+      << r.output;
+  r = Trainer(Cat(Base("e3", 2), {"--data", out_ + "/missing.txt"}));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("missing.txt"), std::string::npos) << r.output;
+  const std::string empty = daemon_->dir() + "/empty.txt";
+  { std::ofstream f(empty); }
+  r = Trainer(Cat(Base("e4", 2), {"--data", empty}));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("empty"), std::string::npos) << r.output;
+  r = Trainer({"--help"});
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.output.find("--resume"), std::string::npos);
+  r = Trainer(Cat(Base("e5", 2), {"--mode", "turbo"}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("mode"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace stallfree

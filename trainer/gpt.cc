@@ -1,0 +1,537 @@
+#include "trainer/gpt.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/client.h"
+#include "common/checksum.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "kernels/ops.h"
+#include "kernels/optimizer.h"
+#include "parallel/distributed_model.h"
+#include "trainer/data.h"
+#include "trainer/plot.h"
+
+namespace stallfree {
+namespace trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using parallel::DistributedModel;
+using parallel::DistributedShard;
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Every tensor of a rank's shard, with the engine's view of it (2-D weights split as separate
+// matrices; the TSP shard packs several per buffer).
+struct Tensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  float* value;
+  float* grad;
+  int64_t numel;
+  bool replicated;  // the same on every rank (its gradient is all-reduced)
+};
+
+std::vector<Tensor> ShardTensors(const parallel::ModelConfig& cfg, int D, DistributedShard* w,
+                                 DistributedShard* g) {
+  std::vector<Tensor> out;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, float* value, float* grad,
+                 bool replicated) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    out.push_back({name, std::move(shape), value, grad, n, replicated});
+  };
+  const int64_t C = cfg.C, Ch = cfg.C / D, F = cfg.FF / D;
+  add("embedding", {cfg.vocab, C}, w->embedding.data(), g->embedding.data(), true);
+  if (!w->pos_embedding.empty())
+    add("pos_embedding", {cfg.max_seq, C}, w->pos_embedding.data(), g->pos_embedding.data(),
+        true);
+  for (size_t l = 0; l < w->tsp_blocks.size(); ++l) {
+    parallel::TspShard& ws = w->tsp_blocks[l];
+    parallel::TspShard& gs = g->tsp_blocks[l];
+    const std::string b = absl::StrCat("block", l, ".");
+    add(b + "ln1", {C}, ws.ln1.data(), gs.ln1.data(), true);
+    add(b + "ln2", {C}, ws.ln2.data(), gs.ln2.data(), true);
+    add(b + "wqkv", {3 * Ch, C}, ws.attn.data(), gs.attn.data(), false);
+    add(b + "wo", {C, Ch}, ws.attn.data() + 3 * Ch * C, gs.attn.data() + 3 * Ch * C, false);
+    add(b + "wgu", {2 * F, C}, ws.mlp.data(), gs.mlp.data(), false);
+    add(b + "wd", {C, F}, ws.mlp.data() + 2 * F * C, gs.mlp.data() + 2 * F * C, false);
+  }
+  add("ln_f", {C}, w->ln_f.data(), g->ln_f.data(), true);
+  if (!w->head.empty()) add("head", {cfg.vocab, C}, w->head.data(), g->head.data(), true);
+  return out;
+}
+
+// Warm-up then cosine decay to lr * min_ratio at the last step.
+double LearningRate(const TrainOptions& o, int64_t step) {
+  if (o.lr_warmup > 0 && step <= o.lr_warmup)
+    return o.lr * static_cast<double>(step) / static_cast<double>(o.lr_warmup);
+  const double span = std::max<int64_t>(1, o.steps - o.lr_warmup);
+  const double progress = std::min(1.0, static_cast<double>(step - o.lr_warmup) / span);
+  const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
+  return o.lr * (o.min_lr_ratio + (1.0 - o.min_lr_ratio) * cosine);
+}
+
+// ---- Trainer checkpoint files ----
+
+constexpr char kMagic[8] = {'S', 'F', 'T', 'R', 'A', 'I', 'N', '1'};
+
+struct RankState {
+  int64_t step = 0;
+  int64_t data_position = 0;
+  std::vector<int64_t> shape;  // rank, D, layers, C, H, FF, vocab, T, B, mode, tied, learned
+  std::vector<std::vector<float>> tensors;
+  std::string engine;
+};
+
+void PutI64(std::string* out, int64_t x) { out->append(reinterpret_cast<const char*>(&x), 8); }
+
+absl::Status WriteFileAtomically(const std::string& path, const std::string& content) {
+  const std::string dir = path.substr(0, path.rfind('/'));
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus("open", tmp);
+  size_t done = 0;
+  while (done < content.size()) {
+    ssize_t w = write(fd, content.data() + done, content.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) {
+      absl::Status st = ErrnoStatus("write", tmp);
+      close(fd);
+      unlink(tmp.c_str());
+      return st;
+    }
+    done += static_cast<size_t>(w);
+  }
+  if (fsync(fd) != 0) {
+    absl::Status st = ErrnoStatus("fsync", tmp);
+    close(fd);
+    unlink(tmp.c_str());
+    return st;
+  }
+  close(fd);
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    absl::Status st = ErrnoStatus("rename", tmp);
+    unlink(tmp.c_str());
+    return st;
+  }
+  int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) return ErrnoStatus("open", dir);
+  const int rc = fsync(dfd);
+  close(dfd);
+  if (rc != 0) return ErrnoStatus("fsync", dir);
+  return absl::OkStatus();
+}
+
+std::string EncodeState(const RankState& s) {
+  std::string out(kMagic, 8);
+  PutI64(&out, s.step);
+  PutI64(&out, s.data_position);
+  PutI64(&out, static_cast<int64_t>(s.shape.size()));
+  for (int64_t x : s.shape) PutI64(&out, x);
+  PutI64(&out, static_cast<int64_t>(s.tensors.size()));
+  for (const auto& t : s.tensors) {
+    PutI64(&out, static_cast<int64_t>(t.size()));
+    out.append(reinterpret_cast<const char*>(t.data()), t.size() * 4);
+  }
+  PutI64(&out, static_cast<int64_t>(s.engine.size()));
+  out += s.engine;
+  Checksum64 sum;
+  sum.Update(out.data(), out.size());
+  const uint64_t digest = sum.Digest();
+  out.append(reinterpret_cast<const char*>(&digest), 8);
+  return out;
+}
+
+absl::StatusOr<RankState> DecodeState(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat("no trainer checkpoint ", path));
+  std::string in((std::istreambuf_iterator<char>(f)), {});
+  auto corrupt = [&](const std::string& why) {
+    return absl::DataLossError(absl::StrCat("trainer checkpoint ", path, " is ", why));
+  };
+  if (in.size() < 16 || memcmp(in.data(), kMagic, 8) != 0) return corrupt("not a checkpoint");
+  Checksum64 sum;
+  sum.Update(in.data(), in.size() - 8);
+  uint64_t stored;
+  memcpy(&stored, in.data() + in.size() - 8, 8);
+  if (stored != sum.Digest()) return corrupt("corrupt or truncated (checksum mismatch)");
+  size_t pos = 8;
+  auto i64 = [&](int64_t* x) {
+    if (pos + 8 > in.size() - 8) return false;
+    memcpy(x, in.data() + pos, 8);
+    pos += 8;
+    return true;
+  };
+  RankState s;
+  int64_t n = 0;
+  if (!i64(&s.step) || !i64(&s.data_position) || !i64(&n) || n < 0 || n > 64)
+    return corrupt("malformed");
+  s.shape.resize(n);
+  for (int64_t& x : s.shape)
+    if (!i64(&x)) return corrupt("malformed");
+  if (!i64(&n) || n < 0 || n > 100000) return corrupt("malformed");
+  s.tensors.resize(n);
+  for (auto& t : s.tensors) {
+    int64_t len;
+    if (!i64(&len) || len < 0 || pos + len * 4 > in.size() - 8) return corrupt("malformed");
+    t.resize(len);
+    memcpy(t.data(), in.data() + pos, len * 4);
+    pos += len * 4;
+  }
+  int64_t len;
+  if (!i64(&len) || len < 0 || pos + len != in.size() - 8) return corrupt("malformed");
+  s.engine.assign(in.data() + pos, len);
+  return s;
+}
+
+absl::Status MakeDirs(const std::string& path) {
+  for (size_t i = 1; i <= path.size(); ++i) {
+    if (i < path.size() && path[i] != '/') continue;
+    const std::string prefix = path.substr(0, i);
+    if (mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) return ErrnoStatus("mkdir", prefix);
+  }
+  return absl::OkStatus();
+}
+
+std::string RankFile(const TrainOptions& o, const std::string& tag, int rank) {
+  return absl::StrCat(o.out_dir, "/checkpoints/", tag, ".rank", rank, ".trainer");
+}
+
+// Sum over ranks of one double (through the float communicator in two halves, so the sum keeps
+// double precision for values of similar magnitude).
+absl::StatusOr<double> AllReduceSum(parallel::Communicator* comm, double x) {
+  float parts[2] = {static_cast<float>(x), static_cast<float>(x - static_cast<float>(x))};
+  RETURN_IF_ERROR(comm->AllReduce(parts, 2));
+  return static_cast<double>(parts[0]) + static_cast<double>(parts[1]);
+}
+
+}  // namespace
+
+const std::vector<Preset>& Presets() {
+  static const std::vector<Preset> presets = {
+      {"tiny", 2, 64, 4, 128, 32, 4, "tests: ~0.1M parameters, a few ms per step"},
+      {"demo", 12, 384, 6, 1024, 128, 4, "make demo: ~21M parameters (byte vocabulary)"},
+      {"gpt2-small", 12, 768, 12, 2048, 1024, 8, "GPT-2 small's shape (~85M with bytes), GPUs"},
+      {"1b", 20, 2048, 16, 5632, 2048, 8, "~1.0B parameters, GPUs"},
+  };
+  return presets;
+}
+
+absl::StatusOr<Preset> FindPreset(const std::string& name) {
+  std::string known;
+  for (const Preset& p : Presets()) {
+    if (p.name == name) return p;
+    known += (known.empty() ? "" : ", ") + p.name;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("preset: '", name, "' is not one of ", known));
+}
+
+absl::StatusOr<parallel::ModelConfig> ModelFromOptions(const TrainOptions& o, int64_t vocab,
+                                                       int64_t seq_len, int D) {
+  ASSIGN_OR_RETURN(Preset p, FindPreset(o.preset));
+  parallel::ModelConfig cfg;
+  cfg.vocab = vocab;
+  cfg.layers = o.layers > 0 ? o.layers : p.layers;
+  cfg.C = o.d_model > 0 ? o.d_model : p.d_model;
+  cfg.H = o.heads > 0 ? o.heads : p.heads;
+  cfg.FF = o.d_ff > 0 ? o.d_ff : p.d_ff;
+  if (o.positions != "learned" && o.positions != "none")
+    return absl::InvalidArgumentError(
+        absl::StrCat("positions: '", o.positions, "' is not learned or none"));
+  cfg.learned_positions = o.positions == "learned";
+  cfg.max_seq = seq_len;
+  cfg.tied_head = o.tied_head;
+  RETURN_IF_ERROR(parallel::ValidateModelConfig(cfg));
+  if (cfg.H % D != 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "heads: ", cfg.H, " attention heads do not divide over ", D, " ranks"));
+  if (cfg.FF % D != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("d_ff: ", cfg.FF, " does not divide over ", D, " ranks"));
+  if (seq_len % (2 * D) != 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "seq_len: ", seq_len, " is not a multiple of 2 x ", D, " ranks (TSP's zigzag chunks)"));
+  return cfg;
+}
+
+absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm) {
+  const int rank = comm->rank(), D = comm->size();
+  const bool lead = rank == 0;
+  ASSIGN_OR_RETURN(Preset preset, FindPreset(o.preset));
+  const int64_t T = o.seq_len > 0 ? o.seq_len : preset.seq_len;
+  const int64_t B = o.batch > 0 ? o.batch : preset.batch;
+  if (o.steps < 1) return absl::InvalidArgumentError("steps: must be >= 1");
+  RETURN_IF_ERROR(o.engine.Validate());
+
+  // Data.
+  Corpus corpus;
+  if (o.data.empty()) {
+    corpus = DefaultCorpus();
+    if (o.eval_fraction != kDefaultEvalFraction) {
+      std::vector<uint16_t> all = corpus.train;
+      all.insert(all.end(), corpus.eval.begin(), corpus.eval.end());
+      ASSIGN_OR_RETURN(corpus, SplitCorpus(std::move(all), corpus.vocab, corpus.source,
+                                           o.eval_fraction));
+    }
+  } else {
+    DataFormat format;
+    if (!ParseDataFormat(o.format, &format))
+      return absl::InvalidArgumentError(
+          absl::StrCat("format: '", o.format, "' is not auto, bytes or uint16"));
+    ASSIGN_OR_RETURN(corpus, LoadCorpus(o.data, format, o.eval_fraction));
+  }
+  ASSIGN_OR_RETURN(parallel::ModelConfig cfg, ModelFromOptions(o, corpus.vocab, T, D));
+  ASSIGN_OR_RETURN(Batcher batcher, Batcher::Create(&corpus.train, B, T, o.seed));
+  const bool have_eval = !corpus.eval.empty() && static_cast<int64_t>(corpus.eval.size()) > T;
+  absl::StatusOr<Batcher> eval_batcher =
+      have_eval ? Batcher::Create(&corpus.eval, B, T, o.seed, BatchOrder::kSequential)
+                : absl::StatusOr<Batcher>(absl::NotFoundError("no eval split"));
+
+  // Model and gradients (the same layout, zeroed).
+  DistributedModel model(cfg, parallel::Layout::kTsp, comm);
+  RETURN_IF_ERROR(model.Validate());
+  ASSIGN_OR_RETURN(DistributedShard w, model.Shard(parallel::InitModelWeights(cfg, o.seed)));
+  DistributedShard g = w;
+  std::vector<Tensor> tensors = ShardTensors(cfg, D, &w, &g);
+  int64_t params_local = 0, params_total = 0;
+  for (const Tensor& t : tensors) {
+    params_local += t.numel;
+    params_total += t.replicated ? t.numel : t.numel * D;
+  }
+
+  // Engine and daemon session.
+  std::unique_ptr<Client> client;
+  std::unique_ptr<Session> session;
+  if (o.engine.mode != OffloadMode::kNoOffload) {
+    if (o.socket.empty())
+      return absl::InvalidArgumentError(absl::StrCat(
+          "socket: mode ", OffloadModeName(o.engine.mode),
+          " needs stallfreed; start one (stallfreed --socket PATH) and pass --socket PATH"));
+    ASSIGN_OR_RETURN(client, Client::Connect(o.socket));
+    ASSIGN_OR_RETURN(session, client->OpenSession(absl::StrCat("gpt-", o.preset, "-", o.run_name),
+                                                  rank));
+  }
+  std::vector<EngineParam> eparams;
+  for (const Tensor& t : tensors) eparams.push_back({t.name, t.shape, t.value, t.grad});
+  ASSIGN_OR_RETURN(std::unique_ptr<ZenFlowEngine> engine,
+                   ZenFlowEngine::Create(o.engine, eparams, kernels::DefaultCpuKernel(),
+                                         kernels::CpuOps(), session.get()));
+
+  const std::vector<int64_t> shape_key = {rank,  D,     cfg.layers, cfg.C, cfg.H,
+                                          cfg.FF, cfg.vocab, T,      B,
+                                          static_cast<int64_t>(o.engine.mode),
+                                          cfg.tied_head, cfg.learned_positions};
+  int64_t start = 0;
+  if (!o.resume.empty()) {
+    ASSIGN_OR_RETURN(RankState st, DecodeState(RankFile(o, o.resume, rank)));
+    if (st.shape != shape_key || st.tensors.size() != tensors.size())
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: checkpoint '", o.resume, "' was written by a run with another model, batch, "
+          "rank count or mode"));
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (static_cast<int64_t>(st.tensors[i].size()) != tensors[i].numel)
+        return absl::DataLossError(absl::StrCat("resume: tensor '", tensors[i].name,
+                                                "' has the wrong size in the checkpoint"));
+      memcpy(tensors[i].value, st.tensors[i].data(), tensors[i].numel * 4);
+    }
+    RETURN_IF_ERROR(engine->Restore(absl::StrCat(o.resume, ".r", rank), st.engine));
+    batcher.Seek(st.data_position);
+    start = st.step;
+    if (lead) printf("resumed from checkpoint '%s' at step %ld\n", o.resume.c_str(), (long)start);
+  }
+
+  // Output files (rank 0).
+  const std::string csv_path = o.out_dir + "/metrics.csv";
+  std::FILE* csv = nullptr;
+  RETURN_IF_ERROR(MakeDirs(o.out_dir + "/checkpoints"));
+  if (lead) {
+    const bool append = start > 0;
+    csv = std::fopen(csv_path.c_str(), append ? "a" : "w");
+    if (csv == nullptr) return ErrnoStatus("fopen", csv_path);
+    if (!append)
+      std::fprintf(csv,
+                   "step,loss,eval_loss,lr,tokens_per_s,step_s,compute_s,optimizer_s,copies_s,"
+                   "stall_s,bytes_to_host,bytes_to_device,grad_norm\n");
+    printf("training %s: preset %s, %ld layers, d_model %ld, %ld heads, d_ff %ld, seq %ld, "
+           "batch %ld, vocab %ld: %.2fM parameters (%.2fM on each of %d ranks); mode %s; data %s "
+           "(%zu train / %zu eval tokens)\n",
+           o.run_name.c_str(), o.preset.c_str(), (long)cfg.layers, (long)cfg.C, (long)cfg.H,
+           (long)cfg.FF, (long)T, (long)B, (long)cfg.vocab, params_total / 1e6,
+           params_local / 1e6, D, OffloadModeName(o.engine.mode), corpus.source.c_str(),
+           corpus.train.size(), corpus.eval.size());
+    std::fflush(stdout);
+  }
+
+  std::vector<int32_t> tokens(B * T), targets(B * T);
+  const kernels::TransformerOps& ops = kernels::CpuOps();
+  auto evaluate = [&]() -> absl::StatusOr<double> {
+    if (!have_eval) return std::nan("");
+    Batcher& eb = *eval_batcher;
+    eb.Seek(0);
+    const int64_t n = std::max<int64_t>(
+        1, std::min(o.eval_batches, std::max(eb.full_batches_per_epoch(),
+                                             static_cast<int64_t>(1))));
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      eb.Next(tokens.data(), targets.data());
+      ASSIGN_OR_RETURN(double loss, model.Forward(ops, w, tokens.data(), targets.data(), B, T,
+                                                  nullptr));
+      sum += loss;
+    }
+    return sum / static_cast<double>(n);
+  };
+  auto checkpoint = [&](int64_t step) -> absl::Status {
+    const std::string tag = absl::StrCat(o.run_name, "-step", step);
+    RankState st;
+    st.step = step;
+    st.data_position = batcher.position();
+    st.shape = shape_key;
+    for (const Tensor& t : tensors) st.tensors.emplace_back(t.value, t.value + t.numel);
+    ASSIGN_OR_RETURN(st.engine, engine->Checkpoint(absl::StrCat(tag, ".r", rank)));
+    RETURN_IF_ERROR(WriteFileAtomically(RankFile(o, tag, rank), EncodeState(st)));
+    RETURN_IF_ERROR(comm->Barrier());
+    if (lead) {
+      printf("checkpoint '%s' written (step %ld; resume with --resume %s)\n", tag.c_str(),
+             (long)step, tag.c_str());
+      std::fflush(stdout);
+    }
+    return absl::OkStatus();
+  };
+
+  std::vector<double> losses;
+  double first_loss = std::nan(""), last_eval = std::nan("");
+  double sum_step = 0, sum_compute = 0, sum_opt = 0, sum_copies = 0, sum_stall = 0;
+  double sum_traffic = 0;
+  int64_t timed = 0;
+  const int64_t last_step = o.stop_at > 0 ? std::min(o.stop_at, o.steps) : o.steps;
+  for (int64_t step = start + 1; step <= last_step; ++step) {
+    const auto t0 = Clock::now();
+    batcher.Next(tokens.data(), targets.data());
+    for (const Tensor& t : tensors) std::fill(t.grad, t.grad + t.numel, 0.0f);
+    parallel::DistributedCache cache;
+    ASSIGN_OR_RETURN(double loss, model.Forward(ops, w, tokens.data(), targets.data(), B, T,
+                                                &cache));
+    RETURN_IF_ERROR(model.Backward(ops, w, cache, &g));
+    const double compute = Since(t0);
+    // Clip by the global norm: sharded tensors count on their owner, replicated ones once.
+    double sq = 0;
+    for (const Tensor& t : tensors) {
+      if (t.replicated && !lead) continue;
+      for (int64_t i = 0; i < t.numel; ++i) sq += static_cast<double>(t.grad[i]) * t.grad[i];
+    }
+    ASSIGN_OR_RETURN(double total_sq, AllReduceSum(comm, sq));
+    const double norm = std::sqrt(total_sq);
+    if (o.clip > 0 && norm > o.clip) {
+      const float scale = static_cast<float>(o.clip / norm);
+      for (const Tensor& t : tensors)
+        for (int64_t i = 0; i < t.numel; ++i) t.grad[i] *= scale;
+    }
+    const double lr = LearningRate(o, step);
+    RETURN_IF_ERROR(engine->Step(lr));
+    const StepTimings& tm = engine->last_timings();
+    const double step_s = Since(t0);
+    if (step == 1) first_loss = loss;
+    losses.push_back(loss);
+    double eval = std::nan("");
+    if ((o.eval_every > 0 && step % o.eval_every == 0) || step == last_step) {
+      ASSIGN_OR_RETURN(eval, evaluate());
+      last_eval = eval;
+    }
+    if (step > start + 1 || o.steps - start == 1) {  // the first step pays allocation and setup
+      sum_step += step_s;
+      sum_compute += compute;
+      sum_opt += tm.optimizer;
+      sum_copies += tm.copies;
+      sum_stall += tm.stall;
+      ++timed;
+    }
+    // Traffic over every rank (each moves its own shards).
+    ASSIGN_OR_RETURN(double traffic,
+                     AllReduceSum(comm, static_cast<double>(tm.bytes_to_host + tm.bytes_to_device)));
+    sum_traffic += traffic;
+    if (lead) {
+      const double tps = static_cast<double>(B * T) / step_s;
+      std::fprintf(csv, "%ld,%.9g,%.9g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%lu,%lu,%.6g\n",
+                   (long)step, loss, eval, lr, tps, step_s, compute, tm.optimizer, tm.copies,
+                   tm.stall, (unsigned long)tm.bytes_to_host, (unsigned long)tm.bytes_to_device,
+                   norm);
+      std::fflush(csv);
+      if (!o.quiet) {
+        printf("step %4ld/%ld  loss %.4f  lr %.2e  |g| %.3f  %6.0f tok/s  step %.3f s "
+               "(compute %.3f, optimizer %.3f, copies %.3f, stall %.3f)\n",
+               (long)step, (long)o.steps, loss, lr, norm, tps, step_s, compute, tm.optimizer,
+               tm.copies, tm.stall);
+      }
+      if (!std::isnan(eval)) printf("eval step %ld  loss %.4f\n", (long)step, eval);
+      std::fflush(stdout);
+    }
+    if ((o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || step == last_step)
+      RETURN_IF_ERROR(checkpoint(step));
+  }
+  RETURN_IF_ERROR(engine->Flush());
+
+  if (lead) {
+    std::fclose(csv);
+    const int64_t n = static_cast<int64_t>(losses.size());
+    const int64_t tail = std::min<int64_t>(10, n);
+    const double final_loss =
+        n > 0 ? std::accumulate(losses.end() - tail, losses.end(), 0.0) / tail : std::nan("");
+    const double steps_done = std::max<int64_t>(timed, 1);
+    const double model_bf16 = 2.0 * static_cast<double>(params_total);
+    const std::string plot = o.out_dir + "/train.png";
+    absl::Status plotted = WritePlot(plot, {{OffloadModeName(o.engine.mode), csv_path}},
+                                     absl::StrCat(o.run_name, ": ", o.preset, ", D=", D));
+    std::string summary = absl::StrFormat(
+        "{\"mode\": \"%s\", \"D\": %d, \"preset\": \"%s\", \"params\": %ld, \"steps\": %ld, "
+        "\"first_loss\": %.6f, \"final_train_loss\": %.6f, \"final_eval_loss\": %.6f, "
+        "\"tokens_per_s\": %.3f, \"step_s\": %.6f, \"compute_s\": %.6f, \"optimizer_s\": %.6f, "
+        "\"copies_s\": %.6f, \"stall_s\": %.6f, \"stall_share\": %.6f, "
+        "\"host_traffic_per_step_over_bf16_model\": %.6f}\n",
+        OffloadModeName(o.engine.mode), D, o.preset, (long)params_total, (long)o.steps,
+        first_loss, final_loss, last_eval, static_cast<double>(B * T) * steps_done / sum_step,
+        sum_step / steps_done, sum_compute / steps_done, sum_opt / steps_done,
+        sum_copies / steps_done, sum_stall / steps_done, sum_stall / std::max(sum_step, 1e-12),
+        sum_traffic / std::max<double>(n, 1) / model_bf16);
+    RETURN_IF_ERROR(WriteFileAtomically(o.out_dir + "/summary.json", summary));
+    printf("\n== summary: %s, %s, D = %d, %.2fM parameters, %ld steps\n", o.run_name.c_str(),
+           OffloadModeName(o.engine.mode), D, params_total / 1e6, (long)o.steps);
+    printf("  train loss   %.4f -> %.4f (mean of the last %ld steps)\n", first_loss, final_loss,
+           (long)tail);
+    printf("  eval loss    %.4f\n", last_eval);
+    printf("  throughput   %.0f tokens/s\n", static_cast<double>(B * T) * steps_done / sum_step);
+    printf("  step time    %.3f s: compute %.3f, optimizer %.3f, copies %.3f, stall %.3f "
+           "(stall share %.1f%%)\n",
+           sum_step / steps_done, sum_compute / steps_done, sum_opt / steps_done,
+           sum_copies / steps_done, sum_stall / steps_done,
+           100.0 * sum_stall / std::max(sum_step, 1e-12));
+    printf("  host traffic %.3f x the model's bf16 size per step\n",
+           sum_traffic / std::max<double>(n, 1) / model_bf16);
+    printf("  metrics      %s, %s/summary.json\n", csv_path.c_str(), o.out_dir.c_str());
+    if (plotted.ok()) printf("  plot         %s\n", plot.c_str());
+    else printf("  plot         not drawn: %s\n", std::string(plotted.message()).c_str());
+    std::fflush(stdout);
+  }
+  return comm->Barrier();
+}
+
+}  // namespace trainer
+}  // namespace stallfree

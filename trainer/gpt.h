@@ -1,0 +1,79 @@
+// The GPT trainer: a GPT-style model (parallel::DistributedModel in the TSP layout) trained by
+// D ranks with the ZenFlow engine (client/zenflow.h) over stallfreed.
+//
+// One rank's work is RunRank: every rank reads the same corpus and draws the same batches (the
+// model picks each rank's zigzag tokens), holds its TSP shard of the weights, and runs its own
+// ZenFlow engine and daemon session for its own shards (replicated tensors — embeddings, norms,
+// head — receive all-reduced gradients, so every rank's engine applies the same update to its
+// copy). Gradients are clipped by their global norm, summed across ranks. Rank 0 prints the
+// progress and writes the metrics (JSON lines) and the summary.
+//
+// Checkpoints (every --checkpoint_every steps and at the end): each rank writes
+// <out_dir>/checkpoints/<tag>.rank<r>.trainer (its shard, the engine's state, the data position,
+// a checksum; temporary file, fsync, rename, directory fsync) and the daemon writes its state as
+// <tag>.r<r>.  --resume <tag> continues from there exactly as the uninterrupted run would.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/zenflow.h"
+#include "parallel/communicator.h"
+#include "parallel/reference_block.h"
+
+namespace stallfree {
+namespace trainer {
+
+struct Preset {
+  std::string name;
+  int64_t layers, d_model, heads, d_ff, seq_len, batch;
+  std::string note;
+};
+// tiny (tests), demo (~20M parameters, make demo), gpt2-small (124M), 1b (GPU shapes).
+const std::vector<Preset>& Presets();
+absl::StatusOr<Preset> FindPreset(const std::string& name);
+
+struct TrainOptions {
+  // Model: the preset's shape, where a field here is 0.
+  std::string preset = "tiny";
+  int64_t layers = 0, d_model = 0, heads = 0, d_ff = 0, seq_len = 0, batch = 0;
+  bool tied_head = false;
+  std::string positions = "learned";  // learned | none
+  // Optimisation.
+  int64_t steps = 100;
+  int64_t stop_at = 0;        // stop (with a checkpoint) after this step; 0: at `steps`
+  double lr = 3e-3;
+  double min_lr_ratio = 0.1;  // cosine decay to lr * min_lr_ratio at `steps`
+  int64_t lr_warmup = 10;     // linear warm-up steps
+  double clip = 1.0;          // global gradient-norm clip (0: off)
+  uint32_t seed = 1;
+  ZenFlowConfig engine;       // mode, ratio, intervals, AdamW betas / eps / weight decay
+  // Data.
+  std::string data;           // empty: the generated default corpus
+  std::string format = "auto";
+  double eval_fraction = 0.1;
+  int64_t eval_every = 25;    // 0: only at the end
+  int64_t eval_batches = 4;
+  // Output and state.
+  std::string out_dir = "train-out";
+  std::string run_name = "run";
+  int64_t checkpoint_every = 0;  // 0: only at the end
+  std::string resume;            // a checkpoint tag written by an earlier run
+  std::string socket;            // stallfreed's socket (zenflow, sync-offload)
+  bool quiet = false;            // no per-step lines
+};
+
+// The model configuration the options describe for vocab `vocab`, checked against D ranks:
+// InvalidArgument naming the field that does not divide (heads, d_ff, seq_len by 2D).
+absl::StatusOr<parallel::ModelConfig> ModelFromOptions(const TrainOptions& options, int64_t vocab,
+                                                       int64_t seq_len, int D);
+
+// Trains on this rank (comm: the TSP group). Collective: every rank must call it with the same
+// options.
+absl::Status RunRank(const TrainOptions& options, parallel::Communicator* comm);
+
+}  // namespace trainer
+}  // namespace stallfree

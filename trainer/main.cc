@@ -1,0 +1,165 @@
+// trainer: a GPT-style model trained by TSP ranks with ZenFlow offload to stallfreed.
+//
+//   trainer --socket /run/stallfree/stallfreed.sock --preset demo --nproc 2 --mode zenflow
+//
+// With --nproc D (> 1) and no RANK in the environment, the trainer starts D local ranks of
+// itself (parallel::LaunchLocal); under torchrun / Slurm / a launcher that sets RANK,
+// WORLD_SIZE, MASTER_ADDR and MASTER_PORT, each process is one rank.
+#include <unistd.h>
+
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/flags.h"
+#include "parallel/communicator.h"
+#include "parallel/launcher.h"
+#include "trainer/gpt.h"
+
+namespace {
+
+std::string DefaultSocket() {
+  const char* xdg = getenv("XDG_RUNTIME_DIR");
+  if (xdg != nullptr && *xdg != '\0') return std::string(xdg) + "/stallfree/stallfreed.sock";
+  return "/run/stallfree/stallfreed.sock";
+}
+
+std::string SelfPath() {
+  char buf[PATH_MAX];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) return "";
+  buf[n] = '\0';
+  return buf;
+}
+
+int Run(int argc, char** argv) {
+  using namespace stallfree;
+  trainer::TrainOptions o;
+  o.socket = DefaultSocket();
+  std::string mode = "zenflow", grad_dtype = "bf16", param_dtype = "bf16";
+  int64_t nproc = 1, seed = 1;
+  std::string presets;
+  for (const auto& p : trainer::Presets())
+    presets += absl::StrCat("\n  ", p.name, ": ", p.layers, " layers, d_model ", p.d_model, ", ",
+                            p.heads, " heads, d_ff ", p.d_ff, ", seq ", p.seq_len, ", batch ",
+                            p.batch, " (", p.note, ")");
+  FlagSet flags("trainer",
+                "trains a GPT-style model with TSP ranks and ZenFlow offload to stallfreed.\n\n"
+                "Usage: trainer [flags]\n\nPresets:" + presets);
+  flags.AddString("preset", &o.preset, "model preset (below); the shape flags override it");
+  flags.AddInt("layers", &o.layers, "transformer blocks (0: the preset's)");
+  flags.AddInt("d_model", &o.d_model, "model width (0: the preset's)");
+  flags.AddInt("heads", &o.heads, "attention heads (0: the preset's)");
+  flags.AddInt("d_ff", &o.d_ff, "MLP hidden width (0: the preset's)");
+  flags.AddInt("seq_len", &o.seq_len, "tokens per sequence (0: the preset's)");
+  flags.AddInt("batch", &o.batch, "sequences per step (0: the preset's)");
+  flags.AddBool("tied_head", &o.tied_head, "use the embedding as the output head");
+  flags.AddString("positions", &o.positions, "position encoding: learned or none");
+  flags.AddInt("steps", &o.steps, "training steps (the learning-rate schedule's length)");
+  flags.AddInt("stop_at", &o.stop_at, "stop after this step with a checkpoint (0: --steps)");
+  flags.AddDouble("lr", &o.lr, "peak learning rate");
+  flags.AddDouble("min_lr_ratio", &o.min_lr_ratio, "final learning rate over the peak (cosine)");
+  flags.AddInt("lr_warmup", &o.lr_warmup, "linear learning-rate warm-up steps");
+  flags.AddDouble("clip", &o.clip, "clip gradients to this global norm (0: off)");
+  flags.AddDouble("weight_decay", &o.engine.weight_decay, "AdamW weight decay");
+  flags.AddInt("seed", &seed, "initialisation and data-order seed");
+  flags.AddString("mode", &mode, "optimizer offload: zenflow, sync-offload or no-offload");
+  flags.AddDouble("topk_ratio", &o.engine.topk_ratio, "ZenFlow: hot share of each weight's columns");
+  flags.AddInt("update_interval", &o.engine.update_interval,
+               "ZenFlow: steps per daemon update (S)");
+  flags.AddInt("select_interval", &o.engine.select_interval,
+               "ZenFlow: steps between reselections, a multiple of S (0: 4 S)");
+  flags.AddInt("engine_warmup", &o.engine.warmup_steps,
+               "ZenFlow: first steps with synchronous full updates");
+  flags.AddBool("await_updates", &o.engine.await_updates,
+                "ZenFlow: wait for each daemon update (no staleness)");
+  flags.AddString("grad_dtype", &grad_dtype, "gradients sent to the daemon: bf16 or fp32");
+  flags.AddString("param_dtype", &param_dtype, "parameters returned by the daemon: bf16 or fp32");
+  flags.AddString("data", &o.data, "training text (UTF-8, byte tokens) or uint16 token ids "
+                                   "(.u16 / .bin); empty: the generated default corpus");
+  flags.AddString("format", &o.format, "data format: auto, bytes or uint16");
+  flags.AddDouble("eval_fraction", &o.eval_fraction, "held-out share of the data (0..0.5)");
+  flags.AddInt("eval_every", &o.eval_every, "evaluate every N steps (0: at the end only)");
+  flags.AddInt("eval_batches", &o.eval_batches, "batches per evaluation");
+  flags.AddString("out_dir", &o.out_dir, "metrics.csv, summary.json, train.png, checkpoints/");
+  flags.AddString("run_name", &o.run_name, "names the run's checkpoints and daemon sessions");
+  flags.AddInt("checkpoint_every", &o.checkpoint_every,
+               "checkpoint every N steps (0: at the end only)");
+  flags.AddString("resume", &o.resume, "continue from this checkpoint tag (<run>-step<N>)");
+  flags.AddString("socket", &o.socket, "stallfreed's gRPC socket");
+  flags.AddInt("nproc", &nproc, "TSP ranks to start locally (ignored under an external launcher)");
+  flags.AddBool("quiet", &o.quiet, "no per-step progress lines");
+  if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
+  if (!flags.positional().empty()) {
+    fprintf(stderr, "trainer: unexpected argument '%s'\n", flags.positional()[0].c_str());
+    return 2;
+  }
+  auto parsed = ParseOffloadMode(mode);
+  if (!parsed.ok()) {
+    fprintf(stderr, "trainer: --%s\n", std::string(parsed.status().message()).c_str());
+    return 2;
+  }
+  o.engine.mode = *parsed;
+  for (auto [name, text, out] : {std::make_tuple("grad_dtype", grad_dtype, &o.engine.grad_dtype),
+                                 std::make_tuple("param_dtype", param_dtype, &o.engine.param_dtype)}) {
+    if (text != "bf16" && text != "fp32") {
+      fprintf(stderr, "trainer: --%s: '%s' is not bf16 or fp32\n", name, text.c_str());
+      return 2;
+    }
+    *out = text == "bf16" ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+  }
+  if (seed < 0 || seed > UINT32_MAX || nproc < 1 || nproc > 64) {
+    fprintf(stderr, "trainer: --seed must be in [0, 2^32) and --nproc in [1, 64]\n");
+    return 2;
+  }
+  o.seed = static_cast<uint32_t>(seed);
+
+  if (nproc > 1 && getenv("RANK") == nullptr) {
+    parallel::LaunchOptions lo;
+    lo.nproc = static_cast<int>(nproc);
+    lo.argv.push_back(SelfPath());
+    for (int i = 1; i < argc; ++i) lo.argv.push_back(argv[i]);
+    lo.store = parallel::LaunchOptions::Store::kFile;
+    lo.prefix_output = false;  // rank 0 alone prints; errors name their rank themselves
+    // One BLAS thread per rank: the ranks already use every core between them.
+    lo.env.push_back({"OPENBLAS_NUM_THREADS", "1"});
+    auto result = parallel::LaunchLocal(lo);
+    if (!result.ok()) {
+      fprintf(stderr, "trainer: cannot start %ld ranks: %s\n", (long)nproc,
+              std::string(result.status().message()).c_str());
+      return 1;
+    }
+    if (!result->ok())
+      fprintf(stderr, "trainer: rank %d failed (exit code %d)\n", result->first_failed_rank,
+              result->exit_code());
+    return result->exit_code();
+  }
+
+  auto options = parallel::CommOptions::FromEnvironment();
+  if (!options.ok()) {
+    fprintf(stderr, "trainer: %s\n", std::string(options.status().message()).c_str());
+    return 2;
+  }
+  auto comm = parallel::NewGlooCommunicator(*options);
+  if (!comm.ok()) {
+    fprintf(stderr, "trainer: rank %d: %s\n", options->rank,
+            std::string(comm.status().message()).c_str());
+    return 1;
+  }
+  absl::Status st = trainer::RunRank(o, comm->get());
+  if (!st.ok()) {
+    fprintf(stderr, "trainer: rank %d: %s\n", options->rank, st.ToString().c_str());
+    const bool usage = st.code() == absl::StatusCode::kInvalidArgument ||
+                       st.code() == absl::StatusCode::kNotFound ||
+                       st.code() == absl::StatusCode::kUnavailable;
+    return usage ? 2 : 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return Run(argc, argv); }
