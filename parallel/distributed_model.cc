@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
+#include "parallel/block_cache.h"
 #include "parallel/zigzag.h"
 
 namespace stallfree {
@@ -163,12 +164,145 @@ absl::Status DistributedModel::CheckShard(const DistributedShard& w, const char*
   return absl::OkStatus();
 }
 
+// The weights of either form: pointers for the ops (head is the embedding when tied), and the
+// shard (CPU API) or the view (backend memory) for the blocks. Exactly one of shard / view is set.
+struct DistributedModel::WeightRefs {
+  const float* embedding = nullptr;
+  const float* pos_embedding = nullptr;
+  const float* ln_f = nullptr;
+  const float* head = nullptr;
+  const DistributedShard* shard = nullptr;
+  const DistributedShardView* view = nullptr;
+};
+
+// The gradients of either form: pointers for the ops (pos_embedding / head null when the config
+// has none), and the grads (CPU API) or the view for the blocks. Exactly one of grads / view is
+// set, matching WeightRefs.
+struct DistributedModel::GradRefs {
+  float* embedding = nullptr;
+  float* pos_embedding = nullptr;
+  float* ln_f = nullptr;
+  float* head = nullptr;
+  DistributedGrads* grads = nullptr;
+  const DistributedGradsView* view = nullptr;
+};
+
+namespace {
+
+bool AnyNullBlock(const TspShardView& v) {
+  return v.ln1 == nullptr || v.ln2 == nullptr || v.attn == nullptr || v.mlp == nullptr;
+}
+bool AnyNullBlock(const TspGradsView& v) {
+  return v.ln1 == nullptr || v.ln2 == nullptr || v.attn == nullptr || v.mlp == nullptr;
+}
+bool AnyNullBlock(const TpspShardView& v) { return v.AnyNull(); }
+bool AnyNullBlock(const TpspGradsView& v) { return v.AnyNull(); }
+
+// The cache's tensors, wherever they live (the view Forward's buffers or the CPU API's vectors).
+// Backward only reads them.
+struct CacheRefs {
+  const int32_t* tokens = nullptr;
+  const int32_t* targets = nullptr;
+  const int32_t* pos_ids = nullptr;  // null without learned positions
+  const float *x_final = nullptr, *nf = nullptr, *rstd_f = nullptr, *logits = nullptr,
+              *lse = nullptr;
+  std::vector<int32_t> host_pos_ids;  // the CPU API's pos_ids (pos_ids points here)
+
+  CacheRefs(const DistributedCache& c, bool learned_positions) {
+    if (c.buffers != nullptr) {
+      const DistributedCacheBuffers& b = *c.buffers;
+      tokens = reinterpret_cast<const int32_t*>(b.tokens.data());
+      targets = reinterpret_cast<const int32_t*>(b.targets.data());
+      if (learned_positions) pos_ids = reinterpret_cast<const int32_t*>(b.pos_ids.data());
+      x_final = b.x_final.data();
+      nf = b.nf.data();
+      rstd_f = b.rstd_f.data();
+      logits = b.logits.data();
+      lse = b.lse.data();
+    } else {
+      tokens = c.tokens.data();
+      targets = c.targets.data();
+      if (learned_positions) {
+        host_pos_ids = TiledPositions(c.positions, c.B);
+        pos_ids = host_pos_ids.data();
+      }
+      x_final = c.x_final.data();
+      nf = c.nf.data();
+      rstd_f = c.rstd_f.data();
+      logits = c.logits.data();
+      lse = c.lse.data();
+    }
+  }
+  CacheRefs(const CacheRefs&) = delete;
+  CacheRefs& operator=(const CacheRefs&) = delete;
+};
+
+}  // namespace
+
+template <class View>
+absl::Status DistributedModel::CheckView(const View& v, const char* what) const {
+  const auto fail = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("distributed_model: ", what, "view: ", why));
+  };
+  if (v.embedding == nullptr || v.ln_f == nullptr) return fail("null embedding or ln_f");
+  if ((v.pos_embedding != nullptr) != cfg_.learned_positions) {
+    return fail(cfg_.learned_positions ? "null pos_embedding with learned positions"
+                                       : "a pos_embedding without learned positions");
+  }
+  if ((v.head != nullptr) == cfg_.tied_head) {
+    return fail(cfg_.tied_head ? "a head with a tied head" : "null head");
+  }
+  const size_t want_tsp = layout_ == Layout::kTsp ? cfg_.layers : 0;
+  const size_t want_tpsp = layout_ == Layout::kTpsp ? cfg_.layers : 0;
+  if (v.tsp_blocks.size() != want_tsp || v.tpsp_blocks.size() != want_tpsp) {
+    return fail(absl::StrCat(v.tsp_blocks.size(), " tsp and ", v.tpsp_blocks.size(),
+                             " tpsp blocks, want ", want_tsp, " and ", want_tpsp));
+  }
+  for (const auto& b : v.tsp_blocks) {
+    if (AnyNullBlock(b)) return fail("a null tsp block pointer");
+  }
+  for (const auto& b : v.tpsp_blocks) {
+    if (AnyNullBlock(b)) return fail("a null tpsp block pointer");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
                                                  const DistributedShard& w, const int32_t* tokens,
                                                  const int32_t* targets, int64_t B, int64_t T,
                                                  DistributedCache* cache) const {
   DM_RETURN_IF_ERROR(Validate());
   DM_RETURN_IF_ERROR(CheckShard(w, ""));
+  WeightRefs r;
+  r.embedding = w.embedding.data();
+  r.pos_embedding = cfg_.learned_positions ? w.pos_embedding.data() : nullptr;
+  r.ln_f = w.ln_f.data();
+  r.head = cfg_.tied_head ? w.embedding.data() : w.head.data();
+  r.shard = &w;
+  return ForwardImpl(ops, r, tokens, targets, B, T, cache);
+}
+
+absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
+                                                 const DistributedShardView& w,
+                                                 const int32_t* tokens, const int32_t* targets,
+                                                 int64_t B, int64_t T,
+                                                 DistributedCache* cache) const {
+  DM_RETURN_IF_ERROR(Validate());
+  DM_RETURN_IF_ERROR(CheckView(w, ""));
+  WeightRefs r;
+  r.embedding = w.embedding;
+  r.pos_embedding = w.pos_embedding;
+  r.ln_f = w.ln_f;
+  r.head = cfg_.tied_head ? w.embedding : w.head;
+  r.view = &w;
+  return ForwardImpl(ops, r, tokens, targets, B, T, cache);
+}
+
+absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, const WeightRefs& w,
+                                                     const int32_t* tokens, const int32_t* targets,
+                                                     int64_t B, int64_t T,
+                                                     DistributedCache* cache) const {
+  const bool backend = w.view != nullptr;
   if (B <= 0) return absl::InvalidArgumentError(absl::StrCat("distributed_model: B=", B));
   if (tokens == nullptr || targets == nullptr) {
     return absl::InvalidArgumentError("distributed_model: null tokens or targets");
@@ -203,57 +337,97 @@ absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
       if (c.targets[b * Tl + i] >= 0) ++local_valid;
     }
   }
+  // Each local token's row of the position table (its global position); host memory until the
+  // uploads below have been synchronised.
+  const std::vector<int32_t> pos_ids =
+      cfg_.learned_positions ? TiledPositions(c.positions, B) : std::vector<int32_t>();
 
-  std::vector<float> x(nl * C);
-  c.x_final.resize(nl * C);
-  ops.EmbeddingForward(w.embedding.data(), C, c.tokens.data(), nl, x.data());
+  // The cache's tensors: OpsBuffers (view form) or the vectors (CPU API).
+  if (backend) {
+    for (std::vector<float>* v : {&c.x_final, &c.nf, &c.rstd_f, &c.logits, &c.lse}) {
+      std::vector<float>().swap(*v);
+    }
+    c.buffers = nullptr;  // release the previous step's buffers first (peak memory)
+    auto b = std::make_shared<DistributedCacheBuffers>();
+    b->tokens = layer::UploadPositions(ops, c.tokens);
+    b->targets = layer::UploadPositions(ops, c.targets);
+    if (cfg_.learned_positions) b->pos_ids = layer::UploadPositions(ops, pos_ids);
+    b->x_final = kernels::OpsBuffer(&ops, nl * C);
+    b->nf = kernels::OpsBuffer(&ops, nl * C);
+    b->rstd_f = kernels::OpsBuffer(&ops, nl);
+    b->logits = kernels::OpsBuffer(&ops, nl * V);
+    b->lse = kernels::OpsBuffer(&ops, nl);
+    c.buffers = std::move(b);
+  } else {
+    c.buffers = nullptr;
+    c.x_final.resize(nl * C);
+    c.nf.resize(nl * C);
+    c.rstd_f.resize(nl);
+    c.logits.resize(nl * V);
+    c.lse.resize(nl);
+  }
+  const CacheRefs cr(c, cfg_.learned_positions);
+  // The cache is this call's to write.
+  float* const x_final = const_cast<float*>(cr.x_final);
+  float* const nf = const_cast<float*>(cr.nf);
+  float* const rstd_f = const_cast<float*>(cr.rstd_f);
+  float* const logits = const_cast<float*>(cr.logits);
+  float* const lse = const_cast<float*>(cr.lse);
+
+  // The residual stream alternates between x_final and `work`, starting so that the last block
+  // (or, without blocks, the embedding) writes x_final.
+  const int64_t L = cfg_.layers;
+  kernels::OpsBuffer work(&ops, nl * C);
+  const auto output_of = [&](int64_t l) { return (L - 1 - l) % 2 == 0 ? x_final : work.data(); };
+  float* x = output_of(-1);
+  ops.EmbeddingForward(w.embedding, C, cr.tokens, nl, x);
   if (cfg_.learned_positions) {
-    // Each local token's row of the table at its global position.
-    const std::vector<int32_t> ids = TiledPositions(c.positions, B);
-    std::vector<float> pe(nl * C);
-    ops.EmbeddingForward(w.pos_embedding.data(), C, ids.data(), nl, pe.data());
-    ops.Add(x.data(), pe.data(), nl * C, x.data());
+    const kernels::OpsBuffer pe(&ops, nl * C);
+    ops.EmbeddingForward(w.pos_embedding, C, cr.pos_ids, nl, pe.data());
+    ops.Add(x, pe.data(), nl * C, x);
   }
   DM_RETURN_IF_ERROR(Sync(ops, "embedding forward"));
   if (layout_ == Layout::kTsp) {
-    c.tsp_blocks.assign(static_cast<size_t>(cfg_.layers), TspCache());
+    c.tsp_blocks.assign(static_cast<size_t>(L), TspCache());
     c.tpsp_blocks.clear();
     const TspBlock block(cfg_.block(), comm_);
-    for (int64_t l = 0; l < cfg_.layers; ++l) {
+    for (int64_t l = 0; l < L; ++l) {
+      float* y = output_of(l);
       DM_RETURN_IF_ERROR(
-          block.Forward(ops, w.tsp_blocks[l], x.data(), B, T, c.x_final.data(), &c.tsp_blocks[l]));
-      x.swap(c.x_final);
+          backend ? block.Forward(ops, w.view->tsp_blocks[l], x, B, T, y, &c.tsp_blocks[l])
+                  : block.Forward(ops, w.shard->tsp_blocks[l], x, B, T, y, &c.tsp_blocks[l]));
+      x = y;
     }
   } else {
-    c.tpsp_blocks.assign(static_cast<size_t>(cfg_.layers), TpspCache());
+    c.tpsp_blocks.assign(static_cast<size_t>(L), TpspCache());
     c.tsp_blocks.clear();
     const TpspBlock block(cfg_.block(), comm_);
-    for (int64_t l = 0; l < cfg_.layers; ++l) {
-      DM_RETURN_IF_ERROR(block.Forward(ops, w.tpsp_blocks[l], x.data(), B, T, c.x_final.data(),
-                                       &c.tpsp_blocks[l]));
-      x.swap(c.x_final);
+    for (int64_t l = 0; l < L; ++l) {
+      float* y = output_of(l);
+      DM_RETURN_IF_ERROR(
+          backend ? block.Forward(ops, w.view->tpsp_blocks[l], x, B, T, y, &c.tpsp_blocks[l])
+                  : block.Forward(ops, w.shard->tpsp_blocks[l], x, B, T, y, &c.tpsp_blocks[l]));
+      x = y;
     }
   }
-  c.x_final.swap(x);  // The last block's output.
-  c.nf.resize(nl * C);
-  c.rstd_f.resize(nl);
-  c.logits.resize(nl * V);
-  c.lse.resize(nl);
-  std::vector<float> loss(nl);
-  ops.RmsNormForward(c.x_final.data(), w.ln_f.data(), nl, C, cfg_.eps, c.nf.data(),
-                     c.rstd_f.data());
-  const std::vector<float>& head = cfg_.tied_head ? w.embedding : w.head;
-  ops.Gemm(Trans::kNo, Trans::kYes, nl, V, C, 1.0f, c.nf.data(), C, head.data(), C, 0.0f,
-           c.logits.data(), V);
-  ops.CrossEntropyForward(c.logits.data(), nl, V, c.targets.data(), loss.data(), c.lse.data());
+  work.reset();
+  kernels::OpsBuffer loss(&ops, nl);
+  ops.RmsNormForward(x_final, w.ln_f, nl, C, cfg_.eps, nf, rstd_f);
+  ops.Gemm(Trans::kNo, Trans::kYes, nl, V, C, 1.0f, nf, C, w.head, C, 0.0f, logits, V);
+  ops.CrossEntropyForward(logits, nl, V, cr.targets, loss.data(), lse);
+  // The per-token losses come to the host and are added in double there, in token order: the
+  // same sum in both forms (a device reduction would round differently from the CPU API's).
+  std::vector<float> token_loss(static_cast<size_t>(nl));
+  ops.Download(token_loss.data(), loss.data(), nl);
   DM_RETURN_IF_ERROR(Sync(ops, "head forward"));
   double sum = 0;
   for (int64_t i = 0; i < nl; ++i) {
-    if (c.targets[i] >= 0) sum += loss[i];
+    if (c.targets[i] >= 0) sum += token_loss[i];
   }
 
   // The Communicator moves fp32: send the double sum as hi + lo (exact to ~2^-48 relative) and
-  // the count (exact below 2^24), then add the ranks' parts in rank order on every rank.
+  // the count (exact below 2^24), then add the ranks' parts in rank order on every rank. The
+  // all-gather runs on backend memory (a device Communicator needs device buffers).
   if (local_valid >= (int64_t{1} << 24)) {
     return absl::InvalidArgumentError("distributed_model: too many targets on one rank");
   }
@@ -261,7 +435,13 @@ absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
   const float lo = static_cast<float>(sum - static_cast<double>(hi));
   const float send[3] = {hi, lo, static_cast<float>(local_valid)};
   std::vector<float> recv(3 * D);
-  DM_RETURN_IF_ERROR(comm_->AllGather(send, recv.data(), 3));
+  {
+    const kernels::OpsBuffer sent(&ops, 3), gathered(&ops, 3 * D);
+    ops.Upload(sent.data(), send, 3);
+    DM_RETURN_IF_ERROR(comm_->AllGather(sent.data(), gathered.data(), 3));
+    ops.Download(recv.data(), gathered.data(), 3 * D);
+    DM_RETURN_IF_ERROR(Sync(ops, "loss all-gather"));
+  }
   double total = 0;
   int64_t valid = 0;
   for (int64_t q = 0; q < D; ++q) {
@@ -273,11 +453,7 @@ absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
   return total / static_cast<double>(valid);
 }
 
-absl::Status DistributedModel::Backward(const TransformerOps& ops, const DistributedShard& w,
-                                        const DistributedCache& c, DistributedGrads* grads) const {
-  DM_RETURN_IF_ERROR(Validate());
-  DM_RETURN_IF_ERROR(CheckShard(w, ""));
-  if (grads == nullptr) return absl::InvalidArgumentError("distributed_model: null grads");
+absl::Status DistributedModel::CheckCache(const DistributedCache& c) const {
   const int64_t D = comm_->size(), C = cfg_.C, V = cfg_.vocab;
   if (c.B <= 0 || c.T <= 0 || c.T % D != 0) {
     return absl::InvalidArgumentError("distributed_model: cache has a bad B, T");
@@ -285,13 +461,38 @@ absl::Status DistributedModel::Backward(const TransformerOps& ops, const Distrib
   const int64_t nl = c.B * c.T / D;
   const size_t layers = static_cast<size_t>(cfg_.layers);
   const bool tsp = layout_ == Layout::kTsp;
-  if ((tsp ? c.tsp_blocks.size() : c.tpsp_blocks.size()) != layers ||
-      static_cast<int64_t>(c.logits.size()) != nl * V ||
-      static_cast<int64_t>(c.tokens.size()) != nl ||
+  bool sizes_ok;
+  if (c.buffers != nullptr) {
+    const DistributedCacheBuffers& b = *c.buffers;
+    sizes_ok = b.tokens.size() == nl && b.targets.size() == nl &&
+               b.pos_ids.size() == (cfg_.learned_positions ? nl : 0) &&
+               b.x_final.size() == nl * C && b.nf.size() == nl * C && b.rstd_f.size() == nl &&
+               b.logits.size() == nl * V && b.lse.size() == nl;
+  } else {
+    sizes_ok = static_cast<int64_t>(c.x_final.size()) == nl * C &&
+               static_cast<int64_t>(c.nf.size()) == nl * C &&
+               static_cast<int64_t>(c.rstd_f.size()) == nl &&
+               static_cast<int64_t>(c.logits.size()) == nl * V &&
+               static_cast<int64_t>(c.lse.size()) == nl;
+  }
+  if (!sizes_ok || (tsp ? c.tsp_blocks.size() : c.tpsp_blocks.size()) != layers ||
+      static_cast<int64_t>(c.tokens.size()) != nl || static_cast<int64_t>(c.targets.size()) != nl ||
       static_cast<int64_t>(c.positions.size()) != c.T / D ||
       (cfg_.learned_positions && c.T > cfg_.max_seq)) {
     return absl::InvalidArgumentError("distributed_model: cache does not match the model");
   }
+  return absl::OkStatus();
+}
+
+absl::Status DistributedModel::Backward(const TransformerOps& ops, const DistributedShard& w,
+                                        const DistributedCache& c, DistributedGrads* grads) const {
+  DM_RETURN_IF_ERROR(Validate());
+  DM_RETURN_IF_ERROR(CheckShard(w, ""));
+  if (grads == nullptr) return absl::InvalidArgumentError("distributed_model: null grads");
+  const int64_t D = comm_->size(), C = cfg_.C, V = cfg_.vocab;
+  DM_RETURN_IF_ERROR(CheckCache(c));
+  const size_t layers = static_cast<size_t>(cfg_.layers);
+  const bool tsp = layout_ == Layout::kTsp;
   // Size the gradients like the weights.
   const int64_t P = PosEmbeddingSize(cfg_), Hd = HeadSize(cfg_);
   DM_RETURN_IF_ERROR(PrepareGrad(&grads->embedding, V * C, "embedding"));
@@ -325,53 +526,107 @@ absl::Status DistributedModel::Backward(const TransformerOps& ops, const Distrib
     }
     return CheckShard(*grads, "gradient ");
   }
+  WeightRefs r;
+  r.embedding = w.embedding.data();
+  r.pos_embedding = cfg_.learned_positions ? w.pos_embedding.data() : nullptr;
+  r.ln_f = w.ln_f.data();
+  r.head = cfg_.tied_head ? w.embedding.data() : w.head.data();
+  r.shard = &w;
+  GradRefs g;
+  g.embedding = grads->embedding.data();
+  g.pos_embedding = P > 0 ? grads->pos_embedding.data() : nullptr;
+  g.ln_f = grads->ln_f.data();
+  g.head = Hd > 0 ? grads->head.data() : nullptr;
+  g.grads = grads;
+  return BackwardImpl(ops, r, c, g);
+}
+
+absl::Status DistributedModel::Backward(const TransformerOps& ops, const DistributedShardView& w,
+                                        const DistributedCache& c,
+                                        const DistributedGradsView& grads) const {
+  DM_RETURN_IF_ERROR(Validate());
+  DM_RETURN_IF_ERROR(CheckView(w, ""));
+  DM_RETURN_IF_ERROR(CheckView(grads, "gradient "));
+  DM_RETURN_IF_ERROR(CheckCache(c));
+  bool in_buffers = c.buffers != nullptr;
+  for (const TspCache& b : c.tsp_blocks) in_buffers = in_buffers && b.buffers != nullptr;
+  for (const TpspCache& b : c.tpsp_blocks) in_buffers = in_buffers && b.buffers != nullptr;
+  if (!in_buffers) {
+    return absl::InvalidArgumentError(
+        "distributed_model: the view Backward needs a cache from the view Forward");
+  }
+  if (c.valid == 0) return absl::OkStatus();  // The loss is the constant 0 (all ranks return).
+  WeightRefs r;
+  r.embedding = w.embedding;
+  r.pos_embedding = w.pos_embedding;
+  r.ln_f = w.ln_f;
+  r.head = cfg_.tied_head ? w.embedding : w.head;
+  r.view = &w;
+  GradRefs g;
+  g.embedding = grads.embedding;
+  g.pos_embedding = grads.pos_embedding;
+  g.ln_f = grads.ln_f;
+  g.head = grads.head;
+  g.view = &grads;
+  return BackwardImpl(ops, r, c, g);
+}
+
+absl::Status DistributedModel::BackwardImpl(const TransformerOps& ops, const WeightRefs& w,
+                                            const DistributedCache& c, const GradRefs& g) const {
+  const bool backend = w.view != nullptr;
+  const int64_t D = comm_->size(), C = cfg_.C, V = cfg_.vocab, nl = c.B * c.T / D;
+  const int64_t P = PosEmbeddingSize(cfg_), Hd = HeadSize(cfg_);
+  const CacheRefs cr(c, cfg_.learned_positions);
 
   // The replicated tensors' partial gradients, packed for one all-reduce:
   // embedding | pos_embedding (P floats, 0 without learned positions) | ln_f | head (Hd floats,
   // 0 when tied; a tied head's part goes to the embedding's slot).
-  std::vector<float> partial(V * C + P + C + Hd, 0.0f);
+  const kernels::OpsBuffer partial(&ops, V * C + P + C + Hd);  // zeroed
   float* d_embedding = partial.data();
   float* d_pos = partial.data() + V * C;
   float* d_ln_f = d_pos + P;
   float* d_head = cfg_.tied_head ? d_embedding : d_ln_f + C;
-  const float* head = cfg_.tied_head ? w.embedding.data() : w.head.data();
 
-  std::vector<float> dlogits(nl * V), dnf(nl * C), dx(nl * C), dprev(nl * C);
-  ops.CrossEntropyBackward(c.logits.data(), c.lse.data(), c.targets.data(), nl, V,
-                           1.0f / static_cast<float>(c.valid), dlogits.data());
+  kernels::OpsBuffer dlogits(&ops, nl * V), dnf(&ops, nl * C), dx_buf(&ops, nl * C),
+      dprev_buf(&ops, nl * C);
+  ops.CrossEntropyBackward(cr.logits, cr.lse, cr.targets, nl, V, 1.0f / static_cast<float>(c.valid),
+                           dlogits.data());
   // logits = nf head^T: d head += dlogits^T nf, d nf = dlogits head.
-  ops.Gemm(Trans::kYes, Trans::kNo, V, C, nl, 1.0f, dlogits.data(), V, c.nf.data(), C, 1.0f, d_head,
+  ops.Gemm(Trans::kYes, Trans::kNo, V, C, nl, 1.0f, dlogits.data(), V, cr.nf, C, 1.0f, d_head, C);
+  ops.Gemm(Trans::kNo, Trans::kNo, nl, C, V, 1.0f, dlogits.data(), V, w.head, C, 0.0f, dnf.data(),
            C);
-  ops.Gemm(Trans::kNo, Trans::kNo, nl, C, V, 1.0f, dlogits.data(), V, head, C, 0.0f, dnf.data(), C);
-  ops.RmsNormBackward(c.x_final.data(), w.ln_f.data(), c.rstd_f.data(), dnf.data(), nl, C,
-                      dx.data(), d_ln_f);
+  float* dx = dx_buf.data();
+  float* dprev = dprev_buf.data();
+  ops.RmsNormBackward(cr.x_final, w.ln_f, cr.rstd_f, dnf.data(), nl, C, dx, d_ln_f);
   DM_RETURN_IF_ERROR(Sync(ops, "head backward"));
-  if (tsp) {
+  dlogits.reset();
+  if (layout_ == Layout::kTsp) {
     const TspBlock block(cfg_.block(), comm_);
     for (int64_t l = cfg_.layers - 1; l >= 0; --l) {
-      DM_RETURN_IF_ERROR(block.Backward(ops, w.tsp_blocks[l], c.tsp_blocks[l], dx.data(),
-                                        dprev.data(), &grads->tsp_blocks[l]));
-      dx.swap(dprev);
+      DM_RETURN_IF_ERROR(backend ? block.Backward(ops, w.view->tsp_blocks[l], c.tsp_blocks[l], dx,
+                                                  dprev, g.view->tsp_blocks[l])
+                                 : block.Backward(ops, w.shard->tsp_blocks[l], c.tsp_blocks[l], dx,
+                                                  dprev, &g.grads->tsp_blocks[l]));
+      std::swap(dx, dprev);
     }
   } else {
     const TpspBlock block(cfg_.block(), comm_);
     for (int64_t l = cfg_.layers - 1; l >= 0; --l) {
-      DM_RETURN_IF_ERROR(block.Backward(ops, w.tpsp_blocks[l], c.tpsp_blocks[l], dx.data(),
-                                        dprev.data(), &grads->tpsp_blocks[l]));
-      dx.swap(dprev);
+      DM_RETURN_IF_ERROR(backend ? block.Backward(ops, w.view->tpsp_blocks[l], c.tpsp_blocks[l], dx,
+                                                  dprev, g.view->tpsp_blocks[l])
+                                 : block.Backward(ops, w.shard->tpsp_blocks[l], c.tpsp_blocks[l],
+                                                  dx, dprev, &g.grads->tpsp_blocks[l]));
+      std::swap(dx, dprev);
     }
   }
-  ops.EmbeddingBackward(dx.data(), C, c.tokens.data(), nl, d_embedding);
-  if (cfg_.learned_positions) {
-    const std::vector<int32_t> ids = TiledPositions(c.positions, c.B);
-    ops.EmbeddingBackward(dx.data(), C, ids.data(), nl, d_pos);
-  }
+  ops.EmbeddingBackward(dx, C, cr.tokens, nl, d_embedding);
+  if (cfg_.learned_positions) ops.EmbeddingBackward(dx, C, cr.pos_ids, nl, d_pos);
   DM_RETURN_IF_ERROR(Sync(ops, "embedding backward"));
-  DM_RETURN_IF_ERROR(comm_->AllReduce(partial.data(), static_cast<int64_t>(partial.size())));
-  ops.Add(grads->embedding.data(), d_embedding, V * C, grads->embedding.data());
-  if (P > 0) ops.Add(grads->pos_embedding.data(), d_pos, P, grads->pos_embedding.data());
-  ops.Add(grads->ln_f.data(), d_ln_f, C, grads->ln_f.data());
-  if (Hd > 0) ops.Add(grads->head.data(), d_head, Hd, grads->head.data());
+  DM_RETURN_IF_ERROR(comm_->AllReduce(partial.data(), partial.size()));
+  ops.Add(g.embedding, d_embedding, V * C, g.embedding);
+  if (P > 0) ops.Add(g.pos_embedding, d_pos, P, g.pos_embedding);
+  ops.Add(g.ln_f, d_ln_f, C, g.ln_f);
+  if (Hd > 0) ops.Add(g.head, d_head, Hd, g.head);
   return Sync(ops, "gradient accumulation");
 }
 

@@ -25,11 +25,28 @@
 // Callers pass the full tokens / targets [B, T] on every rank (small int arrays); each rank
 // picks its own. Every rank must call Forward / Backward / GatherGrads with the same config,
 // layout, B, T, tokens and targets (they are collective calls; the argument checks run before
-// any communication, so bad arguments fail on every rank alike). All tensors are host memory:
-// `ops` must be a host backend (kernels::CpuOps()) and the Communicator a host one (Gloo).
+// any communication, so bad arguments fail on every rank alike).
+//
+// Memory spaces (as the blocks', parallel/tsp_block.h). tokens / targets are host memory in
+// both forms; the model's tensors are where the form puts them:
+// - The DistributedShard / DistributedGrads overloads are the CPU API: their std::vectors are
+//   host memory, so `ops` must be a host backend (kernels::CpuOps()) and the Communicator a host
+//   one (Gloo); the cache keeps its activations in its std::vectors.
+// - The DistributedShardView / DistributedGradsView overloads take pointers in the backend's
+//   memory (device memory for a CUDA backend), and the Communicator must accept that memory
+//   (NCCL on the same device, in stream order with the backend's ops). The cache then keeps its
+//   activations, and the local tokens / targets / position ids (int32 bits in float-sized
+//   elements), in DistributedCache::buffers and its blocks' buffers; the replicated gradients'
+//   all-reduce and the loss's all-gather run on backend memory. The only data that comes back
+//   to the host is the loss: the nl per-token losses (one Download), added in double on the host
+//   exactly as the CPU API does, so both forms give the same loss bit for bit on a host
+//   backend, and then the ranks' (sum, count) after their all-gather.
+// Both forms run the same operations in the same order: on a host backend their losses and
+// gradients are bit-identical.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -58,17 +75,51 @@ struct DistributedShard {
 };
 using DistributedGrads = DistributedShard;
 
-// What the backward needs (nl = B T/D local tokens).
+// The same tensors as pointers into the backend's memory (see "Memory spaces"). Exactly one of
+// tsp_blocks / tpsp_blocks has `layers` entries (the model's layout); the other is empty.
+struct DistributedShardView {
+  const float* embedding = nullptr;        // [vocab, C]
+  const float* pos_embedding = nullptr;    // [max_seq, C] with learned positions; else null
+  std::vector<TspShardView> tsp_blocks;    // kTsp
+  std::vector<TpspShardView> tpsp_blocks;  // kTpsp
+  const float* ln_f = nullptr;             // [C]
+  const float* head = nullptr;             // [vocab, C]; null when tied_head
+};
+// Gradients in the backend's memory, the shapes of DistributedShardView. Backward accumulates
+// (+=) into them, so they must be initialised (e.g. zeroed with ops.Fill).
+struct DistributedGradsView {
+  float* embedding = nullptr;
+  float* pos_embedding = nullptr;  // null without learned positions
+  std::vector<TspGradsView> tsp_blocks;
+  std::vector<TpspGradsView> tpsp_blocks;
+  float* ln_f = nullptr;
+  float* head = nullptr;  // null when tied_head (the embedding takes the head's part)
+};
+
+// The cache's tensors in the backend's memory (the view Forward). tokens, targets and pos_ids
+// hold int32 bit for bit in float-sized elements; pos_ids (each local token's global position)
+// is empty without learned positions.
+struct DistributedCacheBuffers {
+  kernels::OpsBuffer tokens, targets, pos_ids;  // [nl] each
+  kernels::OpsBuffer x_final, nf, rstd_f;       // [nl, C], [nl, C], [nl]
+  kernels::OpsBuffer logits, lse;               // [nl, vocab], [nl]
+};
+
+// What the backward needs (nl = B T/D local tokens). Both Forward overloads fill the host
+// metadata (B, T, valid, positions, tokens, targets); the CPU API fills the float vectors and
+// the blocks' vector caches, the view form leaves the float vectors empty and fills `buffers`
+// and the blocks' buffers instead (shared by copies of the cache).
 struct DistributedCache {
   int64_t B = 0, T = 0;
-  int64_t valid = 0;                     // valid targets of the global batch
-  std::vector<int32_t> positions;        // [T/D] the local tokens' global positions
-  std::vector<int32_t> tokens, targets;  // [nl] local
-  std::vector<TspCache> tsp_blocks;      // [layers] (kTsp)
-  std::vector<TpspCache> tpsp_blocks;    // [layers] (kTpsp)
-  std::vector<float> x_final;            // [nl, C] the last block's output
-  std::vector<float> nf, rstd_f;         // [nl, C], [nl]
-  std::vector<float> logits, lse;        // [nl, vocab], [nl]
+  int64_t valid = 0;                                 // valid targets of the global batch
+  std::vector<int32_t> positions;                    // [T/D] the local tokens' global positions
+  std::vector<int32_t> tokens, targets;              // [nl] local
+  std::vector<TspCache> tsp_blocks;                  // [layers] (kTsp)
+  std::vector<TpspCache> tpsp_blocks;                // [layers] (kTpsp)
+  std::vector<float> x_final;                        // [nl, C] the last block's output
+  std::vector<float> nf, rstd_f;                     // [nl, C], [nl]
+  std::vector<float> logits, lse;                    // [nl, vocab], [nl]
+  std::shared_ptr<DistributedCacheBuffers> buffers;  // the view form's tensors, or null
 };
 
 class DistributedModel {
@@ -104,13 +155,37 @@ class DistributedModel {
   absl::Status Backward(const kernels::TransformerOps& ops, const DistributedShard& w,
                         const DistributedCache& cache, DistributedGrads* grads) const;
 
+  // The same in the backend's memory (see "Memory spaces"): every pointer of w and grads in
+  // `ops`' memory (sizes are the caller's responsibility; the pointers' presence is checked
+  // against the config and layout). tokens / targets are host memory, as above. The view
+  // Backward needs a cache from the view Forward with the same backend (the CPU-API Backward
+  // also accepts one, on a host backend); grads is accumulated (+=).
+  absl::StatusOr<double> Forward(const kernels::TransformerOps& ops, const DistributedShardView& w,
+                                 const int32_t* tokens, const int32_t* targets, int64_t B,
+                                 int64_t T, DistributedCache* cache) const;
+  absl::Status Backward(const kernels::TransformerOps& ops, const DistributedShardView& w,
+                        const DistributedCache& cache, const DistributedGradsView& grads) const;
+
   // Collective: every rank's shard gradients reassembled in the full ModelGrads layout, returned
   // on every rank (one all-gather per block; the replicated tensors are copied from this rank's
   // grads). For tests and checkpoints.
   absl::StatusOr<ModelGrads> GatherGrads(const DistributedGrads& grads) const;
 
  private:
+  // Where the weights / gradients of either form are (defined in the .cc).
+  struct WeightRefs;
+  struct GradRefs;
+
   absl::Status CheckShard(const DistributedShard& w, const char* what) const;
+  template <class View>
+  absl::Status CheckView(const View& v, const char* what) const;
+  // The shared forward / backward of both forms, after their argument checks.
+  absl::StatusOr<double> ForwardImpl(const kernels::TransformerOps& ops, const WeightRefs& w,
+                                     const int32_t* tokens, const int32_t* targets, int64_t B,
+                                     int64_t T, DistributedCache* cache) const;
+  absl::Status CheckCache(const DistributedCache& c) const;
+  absl::Status BackwardImpl(const kernels::TransformerOps& ops, const WeightRefs& w,
+                            const DistributedCache& c, const GradRefs& g) const;
 
   ModelConfig cfg_;
   Layout layout_;

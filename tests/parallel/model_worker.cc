@@ -12,7 +12,12 @@
 //     tensor with the same tolerance (and each reference tensor non-zero: no vacuous check);
 //   - a batch with every target ignored gives loss 0 and zero gradients on every rank;
 //   - bad arguments (T not divisible, a token out of range, T > max_seq with learned positions)
-//     give InvalidArgument on every rank.
+//     give InvalidArgument on every rank;
+//   - the view form (DistributedShardView / DistributedGradsView on uploaded copies, cache in
+//     OpsBuffers) on the same CpuOps is bit-identical to the vector form: the loss and every
+//     gradient; a second view backward from the same cache doubles every gradient exactly; a
+//     vector backward from the view cache reproduces the gradients; the view backward refuses a
+//     vector cache; every target ignored gives loss 0 and leaves the gradients 0.
 // Prints "OK rank r" and exits 0, or the first mismatch and exits 1.
 #include <algorithm>
 #include <cmath>
@@ -30,6 +35,7 @@
 #include "parallel/reference_block.h"
 #include "parallel/tpsp_block.h"
 #include "parallel/tsp_block.h"
+#include "tests/parallel/model_buffers.h"
 #include "tests/parallel/worker_check.h"
 
 namespace sp = stallfree::parallel;
@@ -53,6 +59,77 @@ bool CheckSameOnAllRanks(sp::Communicator& comm, double loss, const std::string&
     CHECK_OR_FAIL(std::memcmp(&recv[2 * q], send, sizeof(send)) == 0, what, ": rank ", q, " loss ",
                   static_cast<double>(recv[2 * q]) + recv[2 * q + 1], " vs ", loss);
   }
+  return true;
+}
+
+// got == factor x want element for element (factor 1 or 2: x + x is exact), every tensor.
+bool SameGrads(const std::string& what, const sp::DistributedGrads& got,
+               const sp::DistributedGrads& want, int factor) {
+  const auto g = stallfree::testing::NamedTensors(got), w = stallfree::testing::NamedTensors(want);
+  CHECK_OR_FAIL(g.size() == w.size(), what, ": ", g.size(), " tensors, want ", w.size());
+  for (size_t t = 0; t < w.size(); ++t) {
+    CHECK_OR_FAIL(g[t].first == w[t].first && g[t].second->size() == w[t].second->size(), what,
+                  ": tensor ", g[t].first, " vs ", w[t].first);
+    for (size_t i = 0; i < w[t].second->size(); ++i) {
+      const float x = (*w[t].second)[i], want_i = factor == 2 ? x + x : x;
+      CHECK_OR_FAIL((*g[t].second)[i] == want_i, what, ": d", w[t].first, " [", i,
+                    "] = ", (*g[t].second)[i], ", want ", want_i);
+    }
+  }
+  return true;
+}
+
+// The view form on CpuOps against the vector form's loss and gradients (see the top comment).
+bool CheckModelViewForm(const std::string& at, const sp::DistributedModel& model,
+                        const sp::DistributedShard& shard, const sp::DistributedCache& vector_cache,
+                        const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets,
+                        int64_t B, int64_t T, double loss, const sp::DistributedGrads& grads) {
+  using stallfree::testing::ModelBuffers;
+  const auto& ops = stallfree::kernels::CpuOps();
+  const ModelBuffers w = ModelBuffers::Upload(ops, shard);
+  const ModelBuffers g = ModelBuffers::Upload(ops, stallfree::testing::ZerosLike(grads));
+  CHECK_OR_FAIL((w.view().pos_embedding != nullptr) == model.config().learned_positions &&
+                    (w.view().head == nullptr) == model.config().tied_head,
+                at, " view pointers do not follow the config");
+  sp::DistributedCache cache;
+  auto vloss = model.Forward(ops, w.view(), tokens.data(), targets.data(), B, T, &cache);
+  CHECK_OK(vloss.status(), at + " view forward");
+  CHECK_OR_FAIL(*vloss == loss, at, " view loss ", *vloss, " vs vector form ", loss);
+  CHECK_OR_FAIL(cache.valid == vector_cache.valid, at, " view valid ", cache.valid);
+  CHECK_OR_FAIL(cache.buffers != nullptr && cache.x_final.empty() && cache.logits.empty(), at,
+                " view cache not in buffers");
+  for (const sp::TspCache& b : cache.tsp_blocks) {
+    CHECK_OR_FAIL(b.buffers != nullptr, at, " view tsp block cache not in buffers");
+  }
+  for (const sp::TpspCache& b : cache.tpsp_blocks) {
+    CHECK_OR_FAIL(b.buffers != nullptr, at, " view tpsp block cache not in buffers");
+  }
+  CHECK_OK(model.Backward(ops, w.view(), cache, g.grads()), at + " view backward");
+  if (!SameGrads(at + " view gradients", g.Download(ops), grads, 1)) return false;
+  CHECK_OK(model.Backward(ops, w.view(), cache, g.grads()), at + " second view backward");
+  if (!SameGrads(at + " view gradients after two backwards", g.Download(ops), grads, 2)) {
+    return false;
+  }
+  sp::DistributedGrads from_view;
+  CHECK_OK(model.Backward(ops, shard, cache, &from_view), at + " vector backward, view cache");
+  if (!SameGrads(at + " vector backward from a view cache", from_view, grads, 1)) return false;
+  const absl::Status refused = model.Backward(ops, w.view(), vector_cache, g.grads());
+  CHECK_OR_FAIL(refused.code() == absl::StatusCode::kInvalidArgument, at,
+                " view backward from a vector cache: ", refused.ToString());
+
+  // Every target ignored.
+  const std::vector<int32_t> none(targets.size(), -1);
+  const ModelBuffers g0 = ModelBuffers::Upload(ops, stallfree::testing::ZerosLike(grads));
+  sp::DistributedCache c0;
+  auto l0 = model.Forward(ops, w.view(), tokens.data(), none.data(), B, T, &c0);
+  CHECK_OK(l0.status(), at + " view forward, no targets");
+  CHECK_OR_FAIL(*l0 == 0.0 && c0.valid == 0, at, " view, no targets: loss ", *l0);
+  CHECK_OK(model.Backward(ops, w.view(), c0, g0.grads()), at + " view backward, no targets");
+  if (!SameGrads(at + " view, no targets", g0.Download(ops), stallfree::testing::ZerosLike(grads),
+                 1)) {
+    return false;
+  }
+  std::printf("rank %d %s view form: bit-identical to the vector form\n", g_rank, at.c_str());
   return true;
 }
 
@@ -109,6 +186,10 @@ bool RunLayout(sp::Communicator& comm, sp::Layout layout, bool learned_positions
 
   sp::DistributedGrads grads;
   CHECK_OK(model.Backward(ops, *shard, cache, &grads), at + " backward");
+
+  if (!CheckModelViewForm(at, model, *shard, cache, tokens, targets, B, T, *loss, grads)) {
+    return false;
+  }
 
   // Replicated tensors fully.
   if (!Compare(at + " dembedding", grads.embedding, rgrads.embedding, MaxAbs(rgrads.embedding)) ||
