@@ -19,7 +19,8 @@ cd "$(dirname "$0")/../.."
 BAZEL=${BAZEL:-bazel}
 BUNDLE=gpu-check-bundle
 TARGETS=(//tests/kernels:optimizer_cuda_test //tests/kernels:ops_cuda_test //bench:gpu_bench
-  //tests/parallel:nccl_test //tests/parallel:tsp_nccl_test //tests/parallel:tpsp_nccl_test)
+  //tests/parallel:nccl_test //tests/parallel:tsp_nccl_test //tests/parallel:tpsp_nccl_test
+  //tests/parallel:model_nccl_test)
 
 echo "gpu-check: building ${TARGETS[*]} (--config=cuda)"
 # shellcheck disable=SC2086  # BAZEL may hold startup flags
@@ -69,8 +70,8 @@ fi
 cat >"$BUNDLE/run.sh" <<'RUN_SH'
 #!/usr/bin/env bash
 # Runs the stallfree GPU checks in this bundle: the CUDA optimizer kernel test, the CUDA ops
-# test, the GPU benchmark, the NCCL test and the TSP-, TP+SP- and TP x CP-on-NCCL tests, each
-# under a timeout (330 s in all). Needs an
+# test, the GPU benchmark, the NCCL test, the TSP-, TP+SP- and TP x CP-on-NCCL tests and the
+# model-on-NCCL test, each under a timeout (390 s in all). Needs an
 # NVIDIA GPU, its driver (CUDA 13 or newer) and the CUDA 13 runtime, cuBLAS and NCCL
 # (/usr/local/cuda/lib64, or on LD_LIBRARY_PATH). Exit status 0 when every binary passed (or skipped for want of a device).
 # GPU_CHECK_LOG_DIR=<dir> also writes each binary's output to <dir>/<name>.log.
@@ -122,6 +123,7 @@ run gpu_bench 70
 run nccl_test 40
 run tsp_nccl_test 40
 run tpsp_nccl_test 40
+run model_nccl_test 60
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 exit $failed
