@@ -43,6 +43,13 @@
 //   backend, and then the ranks' (sum, count) after their all-gather.
 // Both forms run the same operations in the same order: on a host backend their losses and
 // gradients are bit-identical.
+//
+// A step on a GPU rank (cuda_ops on the stream of the NCCL communicator `nccl`; w and g views of
+// OpsBuffers of cuda_ops holding the rank's shard and its zeroed gradients):
+//   DistributedModel model(cfg, Layout::kTsp, nccl);
+//   DistributedCache cache;
+//   ASSIGN_OR_RETURN(double loss, model.Forward(cuda_ops, w, tokens, targets, B, T, &cache));
+//   RETURN_IF_ERROR(model.Backward(cuda_ops, w, cache, g));  // g += d loss / d shard
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,7 @@
 // Runs model_worker as D = 1, 2, 4 real processes over Gloo through LaunchLocal: a 2-layer
 // model's loss and gradients in the TSP and TP+SP layouts (DistributedModel) against the
-// single-rank ReferenceModel, with and without learned positions and a tied head.
+// single-rank ReferenceModel, with and without learned positions and a tied head; and the
+// model's view form (backend memory, here CpuOps) bit-identical to its vector form.
 #include <chrono>
 #include <string>
 
