@@ -4,6 +4,8 @@
 // (10x the magnitude) that moves every step, so the top-k selection moves columns in and out of
 // the hot set and the engine migrates their state through the daemon. On the CPU backend every
 // kernel is bit-identical to the scalar oracle, so the expectations are exact (zero tolerance).
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <random>
@@ -183,6 +185,128 @@ TEST_F(ZenFlowTest, ZeroStalenessEqualsDenseAdamWAcrossMigrations) {
   for (auto& [t, h] : w1_history) history += h;
   // The band of 6 moves 3 columns a step over 24 columns: column 0 is hot every 8th step.
   EXPECT_NE(history.find("HCCCCCCH"), std::string::npos) << history;
+}
+
+// The ZenFlow algorithm per column, as the reference for S > 1: every column carries its own
+// value, m, v and step wherever it lives. A round of S steps starts with a selection (at step 1
+// and every select_interval steps) from the scores of that step's gradient; hot columns take an
+// AdamW step on every gradient, cold columns accumulate scale * g (scale = 1 / S) and take one
+// AdamW step on the sum at the round's end. Migration moves state and changes nothing, so the
+// engine (awaited, fp32 transfers) must produce exactly these values at every step.
+struct PerColumnZenFlow {
+  std::vector<Tensor> ts;
+  std::vector<std::vector<float>> m, v, acc;
+  std::vector<std::vector<int64_t>> steps;  // per column
+  std::vector<std::vector<char>> hot;       // per column, for split weights
+  ZenFlowConfig cfg;
+  PerColumnZenFlow(std::vector<Tensor> model, const ZenFlowConfig& c) : ts(std::move(model)), cfg(c) {
+    for (Tensor& t : ts) {
+      m.emplace_back(t.value.size(), 0.0f);
+      v.emplace_back(t.value.size(), 0.0f);
+      acc.emplace_back(t.value.size(), 0.0f);
+      steps.emplace_back(t.cols(), 0);
+      hot.emplace_back(t.cols(), 0);
+    }
+  }
+  static bool Split(const Tensor& t, double ratio, int64_t* k) {
+    *k = std::clamp<int64_t>(std::llround(ratio * t.cols()), 1, t.cols());
+    return t.shape.size() >= 2 && t.cols() - *k >= 3;
+  }
+  // One AdamW step of column c of tensor i on gradient column g (rows floats).
+  void UpdateColumn(size_t i, int64_t c, const std::vector<float>& g, double lr) {
+    Tensor& t = ts[i];
+    const int64_t rows = t.rows(), cols = t.cols();
+    std::vector<float> p(rows), mm(rows), vv(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      p[r] = t.value[r * cols + c];
+      mm[r] = m[i][r * cols + c];
+      vv[r] = v[i][r * cols + c];
+    }
+    kernels::AdamWConfig a;
+    a.lr = lr;
+    a.beta1 = cfg.beta1;
+    a.beta2 = cfg.beta2;
+    a.eps = cfg.eps;
+    a.weight_decay = cfg.weight_decay;
+    a.step = ++steps[i][c];
+    kernels::ReferenceKernel().AdamW(a, p.data(), mm.data(), vv.data(), g.data(),
+                                     kernels::GradType::kFp32, rows, nullptr);
+    for (int64_t r = 0; r < rows; ++r) {
+      t.value[r * cols + c] = p[r];
+      m[i][r * cols + c] = mm[r];
+      v[i][r * cols + c] = vv[r];
+    }
+  }
+  void Step(int64_t t, int seed) {
+    FillGrads(&ts, t, seed);
+    const int64_t S = cfg.update_interval;
+    const bool select = t == 1 || (t - 1) % cfg.EffectiveSelectInterval() == 0;
+    const float scale = static_cast<float>(1.0 / static_cast<double>(S));
+    for (size_t i = 0; i < ts.size(); ++i) {
+      Tensor& x = ts[i];
+      const int64_t rows = x.rows(), cols = x.cols();
+      int64_t k;
+      const bool split = Split(x, cfg.topk_ratio, &k);
+      if (split && select) {
+        std::vector<float> scores(cols);
+        kernels::ReferenceKernel().ColumnScores(x.grad.data(), kernels::GradType::kFp32, rows,
+                                                cols, cols, nullptr, scores.data());
+        std::vector<int64_t> top(k);
+        kernels::ReferenceKernel().TopK(scores.data(), cols, k, top.data());
+        std::fill(hot[i].begin(), hot[i].end(), 0);
+        for (int64_t c : top) hot[i][c] = 1;
+      }
+      for (int64_t c = 0; c < cols; ++c) {
+        std::vector<float> g = ColumnOf(x.grad, rows, cols, c);
+        if (!split || hot[i][c]) {
+          UpdateColumn(i, c, g, Lr(t));
+          continue;
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          kernels::ReferenceKernel().Accumulate(&acc[i][r * cols + c], &g[r],
+                                                kernels::GradType::kFp32, scale, 1);
+        if (t % S == 0) {
+          std::vector<float> sum = ColumnOf(acc[i], rows, cols, c);
+          UpdateColumn(i, c, sum, Lr(t));
+          for (int64_t r = 0; r < rows; ++r) acc[i][r * cols + c] = 0.0f;
+        }
+      }
+    }
+  }
+};
+
+// S = 4 with a reselection at every round: the engine equals the per-column algorithm bit for
+// bit at every step (awaited updates, fp32 transfers), while columns migrate every round.
+TEST_F(ZenFlowTest, RoundsWithReselectionEqualThePerColumnAlgorithm) {
+  const int seed = 6;
+  ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, true);
+  std::vector<Tensor> model = MakeModel(seed);
+  PerColumnZenFlow ref(model, cfg);
+  auto session = NewSession("rounds");
+  auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
+                                      kernels::CpuOps(), session.get());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  int64_t migrated = 0;
+  for (int64_t t = 1; t <= 20; ++t) {
+    FillGrads(&model, t, seed);
+    ASSERT_TRUE((*engine)->Step(Lr(t)).ok()) << "step " << t;
+    migrated += (*engine)->last_timings().migrated_columns;
+    ref.Step(t, seed);
+    for (size_t i = 0; i < model.size(); ++i)
+      ASSERT_EQ(model[i].value, ref.ts[i].value) << model[i].name << " after step " << t;
+    for (size_t i = 0; i < model.size(); ++i) {
+      auto hot = (*engine)->HotColumns(model[i].name);
+      ASSERT_TRUE(hot.ok());
+      for (int64_t c : *hot) {
+        auto col = (*engine)->Column(model[i].name, c);
+        ASSERT_TRUE(col.ok());
+        EXPECT_EQ(col->step, ref.steps[i][c]) << model[i].name << " column " << c;
+        EXPECT_EQ(col->m, ColumnOf(ref.m[i], model[i].rows(), model[i].cols(), c));
+        EXPECT_EQ(col->v, ColumnOf(ref.v[i], model[i].rows(), model[i].cols(), c));
+      }
+    }
+  }
+  EXPECT_GT(migrated, 0);
 }
 
 // sync-offload and no-offload equal dense AdamW bit for bit (S = 1 by definition).
