@@ -1,6 +1,7 @@
 #include "common/region.h"
 
 #include <fcntl.h>
+#include <string.h>
 #include <linux/memfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -66,9 +67,19 @@ absl::StatusOr<std::unique_ptr<MappedRegion>> MappedRegion::CreateMemfd(const st
 absl::StatusOr<std::unique_ptr<MappedRegion>> MappedRegion::CreateAnonymous(
     const std::string& name, uint64_t size, PinPolicy pin) {
   if (size == 0) return absl::InvalidArgumentError("size must be > 0");
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
-                 -1, 0);
+  // Not MAP_POPULATE: the huge-page advice must come before the pages exist. Transparent huge
+  // pages (THP "madvise" mode) cut the TLB misses of the optimizer's five to seven streams, and
+  // on a VM whose memory is backed lazily only a huge-page populate really backs the memory: a
+  // populate of 4 KiB pages is cheap, and the first write to each page then costs ~3-5 s/GB,
+  // which the daemon would pay inside its first pushes and updates (measured on this project's
+  // Firecracker VMs). Both steps are advice: if either fails the memory works as before.
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return ErrnoStatus("mmap", absl::StrCat(name, ", ", size, " bytes"));
+  if (madvise(p, size, MADV_HUGEPAGE) != 0)
+    SF_LOG(kDebug, "madvise(%s, MADV_HUGEPAGE) failed: %s (errno %d)", name, strerror(errno), errno);
+  if (madvise(p, size, MADV_POPULATE_WRITE) != 0)
+    SF_LOG(kDebug, "madvise(%s, MADV_POPULATE_WRITE) failed: %s (errno %d); pages fault in on "
+           "first use", name, strerror(errno), errno);
   bool locked = false;
   absl::Status st = Pin(name, static_cast<uint8_t*>(p), size, pin, &locked);
   if (!st.ok()) {

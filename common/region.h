@@ -27,7 +27,8 @@ class MappedRegion {
   // memfd of `size` bytes named `name` (shown in /proc/<pid>/fd only; no /dev/shm object).
   static absl::StatusOr<std::unique_ptr<MappedRegion>> CreateMemfd(const std::string& name,
                                                                    uint64_t size, PinPolicy pin);
-  // Anonymous private memory (the daemon's optimizer state), populated and pinned per `pin`.
+  // Anonymous private memory (the daemon's optimizer state), zero, populated (with transparent
+  // huge pages where the kernel allows them: MADV_HUGEPAGE) and pinned per `pin`.
   static absl::StatusOr<std::unique_ptr<MappedRegion>> CreateAnonymous(const std::string& name,
                                                                       uint64_t size,
                                                                       PinPolicy pin);

@@ -122,7 +122,10 @@ int Run(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  tbb::task_arena arena(opts.worker_threads);
+  // No slot reserved for an application thread: the daemon only enqueues into the arena (the
+  // strands), so a reserved slot would stay empty and leave worker_threads - 1 threads for the
+  // kernels (one of two cores).
+  tbb::task_arena arena(opts.worker_threads, /*reserved_for_masters=*/0);
   SessionManager sessions(opts, &arena);
   FdServer fd_server(&sessions);
   absl::Status st = fd_server.Start(fd_socket);
