@@ -178,6 +178,10 @@ class Session {
   float* m = nullptr;
   float* v = nullptr;
   float* acc = nullptr;
+  // True when the accumulator is logically zero but still holds the sums of the round before the
+  // last Update (which no longer clears it: the next whole-slot push overwrites it instead, and
+  // anything else zeroes it first; see PostAccumulate). Touched only by tasks on the strand.
+  bool acc_stale = false;
 
  private:
   std::atomic<uint64_t>* reserved_;
@@ -386,6 +390,17 @@ void SessionManager::RegisterParams(const v1::RegisterParamsRequest& req,
         region.ok() ? MappedRegion::CreateAnonymous(absl::StrCat("session ", s->id, " state"),
                                                     state_bytes, pin)
                     : region.status();
+    if (region.ok() && state.ok()) {
+      // Write every page of the region once now (before s->mu is taken: this takes seconds for
+      // GBs): on a VM whose memory is backed lazily the first write to a 4 KiB page costs far
+      // more than the write (~3-5 s/GB; MAP_POPULATE of shmem does not back it), and the slots'
+      // first writes would otherwise land in the first steps' pushes and updates. The state is
+      // already backed: CreateAnonymous populates it with huge pages.
+      uint8_t* base = (*region)->data();
+      ParallelChunks(static_cast<int64_t>((*region)->size() / kPage), [&](int64_t b, int64_t e) {
+        memset(base + b * kPage, 0, (e - b) * kPage);
+      });
+    }
     std::lock_guard<std::mutex> lock(s->mu);
     s->registering = false;
     if (!region.ok() || !state.ok()) {
@@ -398,6 +413,7 @@ void SessionManager::RegisterParams(const v1::RegisterParamsRequest& req,
     }
     s->region = std::move(*region);
     s->state = std::move(*state);
+
     float* base = reinterpret_cast<float*>(s->state->data());
     s->master = base;
     s->m = base + elems;
@@ -464,15 +480,38 @@ void SessionManager::LoadParams(const v1::LoadParamsRequest& req,
   });
 }
 
+namespace {
+
+// Makes a logically zero accumulator (Session::acc_stale) zero in memory. On the strand.
+void ClearStaleAccumulator(Session* s) {
+  if (!s->acc_stale) return;
+  ParallelChunks(static_cast<int64_t>(s->total_elems), [&](int64_t b, int64_t e) {
+    memset(s->acc + b, 0, (e - b) * sizeof(float));
+  });
+  s->acc_stale = false;
+}
+
+}  // namespace
+
 void SessionManager::PostAccumulate(std::shared_ptr<Session> s, std::vector<AccumulateJob> jobs,
-                                    float scale, uint64_t bytes, v1::PushGradientsResponse* resp,
+                                    bool whole, float scale, uint64_t bytes,
+                                    v1::PushGradientsResponse* resp,
                                     std::function<void(absl::Status)> done) {
-  s->strand->Post([this, s, jobs = std::move(jobs), scale, bytes, resp, done] {
+  s->strand->Post([this, s, jobs = std::move(jobs), whole, scale, bytes, resp, done] {
     const auto t0 = Clock::now();
     const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
+    // The first push after an Update: a whole-slot push writes every element of every parameter,
+    // so it overwrites the stale sums (no clearing pass; the padding between parameters is never
+    // written and stays zero); a partial one needs the zeroed accumulator.
+    kernels::AccumulateMode mode = kernels::AccumulateMode::kAdd;
+    if (s->acc_stale && whole) {
+      mode = kernels::AccumulateMode::kOverwrite;
+      s->acc_stale = false;
+    }
+    ClearStaleAccumulator(s.get());
     for (const AccumulateJob& j : jobs) {
       // The kernel runs in parallel over this arena itself.
-      k.Accumulate(j.acc, j.src, j.type, scale, j.count);
+      k.Accumulate(j.acc, j.src, j.type, scale, j.count, mode);
     }
     counters_.accumulate_ns.fetch_add(Nanos(Clock::now() - t0));
     counters_.pushes.fetch_add(1);
@@ -546,7 +585,8 @@ void SessionManager::PushGradients(const v1::PushGradientsRequest& req,
     }
   }
   const float scale = req.scale() == 0.0f ? 1.0f : req.scale();
-  PostAccumulate(s, std::move(jobs), scale, bytes, resp, std::move(done));
+  PostAccumulate(s, std::move(jobs), /*whole=*/req.ranges_size() == 0, scale, bytes, resp,
+                 std::move(done));
 }
 
 void SessionManager::PushGradientsInline(const v1::PushGradientsInlineRequest& req,
@@ -560,6 +600,7 @@ void SessionManager::PushGradientsInline(const v1::PushGradientsInlineRequest& r
   if (!found.ok()) return fail(found.status());
   std::shared_ptr<Session> s = *found;
   AccumulateJob job;
+  bool whole;
   {
     std::lock_guard<std::mutex> lock(s->mu);
     if (!s->registered)
@@ -575,10 +616,11 @@ void SessionManager::PushGradientsInline(const v1::PushGradientsInlineRequest& r
           p.name, "'")));
     job = {s->acc + p.elem_offset, reinterpret_cast<const uint8_t*>(req.data().data()),
            ToGradType(p.grad_dtype), static_cast<int64_t>(req.data().size() / esize)};
+    whole = s->params.size() == 1 && job.count == p.numel;
   }
   const float scale = req.scale() == 0.0f ? 1.0f : req.scale();
   // req.data() stays valid until done(): gRPC keeps the request until the reactor finishes.
-  PostAccumulate(s, {job}, scale, req.data().size(), resp, std::move(done));
+  PostAccumulate(s, {job}, whole, scale, req.data().size(), resp, std::move(done));
 }
 
 absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
@@ -634,13 +676,14 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
     uint8_t* dst = s->ParamSlot(slot);
     float* out32 = reinterpret_cast<float*>(dst);
     uint16_t* out16 = reinterpret_cast<uint16_t*>(dst);
+    // No push since the last Update: the gradient is zero, not the stale sums.
+    ClearStaleAccumulator(s.get());
     if (!column_steps) {
       ParallelChunks(static_cast<int64_t>(s->total_elems), [&](int64_t b, int64_t e) {
         const int64_t n = e - b;
         k.AdamW(cfg, s->master + b, s->m + b, s->v + b, s->acc + b, kernels::GradType::kFp32, n,
                 out == v1::DTYPE_BF16 ? out16 + b : nullptr);
         if (out == v1::DTYPE_FP32) memcpy(out32 + b, s->master + b, n * sizeof(float));
-        memset(s->acc + b, 0, n * sizeof(float));
       });
       for (ParamInfo& p : s->params) std::fill(p.col_steps.begin(), p.col_steps.end(), cfg.step);
     } else {
@@ -656,12 +699,14 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
                        s->acc + e, kernels::GradType::kFp32, p.rows, p.cols,
                        out == v1::DTYPE_BF16 ? out16 + e : nullptr);
       }
-      ParallelChunks(static_cast<int64_t>(s->total_elems), [&](int64_t b, int64_t e) {
-        const int64_t n = e - b;
-        if (out == v1::DTYPE_FP32) memcpy(out32 + b, s->master + b, n * sizeof(float));
-        memset(s->acc + b, 0, n * sizeof(float));
-      });
+      if (out == v1::DTYPE_FP32) {
+        ParallelChunks(static_cast<int64_t>(s->total_elems), [&](int64_t b, int64_t e) {
+          memcpy(out32 + b, s->master + b, (e - b) * sizeof(float));
+        });
+      }
     }
+    // The accumulator is now logically zero; the next push overwrites or clears it.
+    s->acc_stale = true;
     const double secs = Seconds(Clock::now() - t0);
     counters_.update_ns.fetch_add(static_cast<int64_t>(secs * 1e9));
     counters_.updates.fetch_add(1);
@@ -805,6 +850,8 @@ void SessionManager::Checkpoint(const v1::CheckpointRequest& req, v1::Checkpoint
   }
   const std::string path = CheckpointPath(options_.state_dir, req.tag());
   s->strand->Post([this, s, path, resp, done] {
+    // The file holds the logical accumulator: zero after an Update.
+    ClearStaleAccumulator(s.get());
     v1::CheckpointHeader header;
     std::vector<CheckpointArrays> arrays;
     header.set_session_name(s->name);
@@ -889,6 +936,7 @@ void SessionManager::Restore(const v1::RestoreRequest& req, v1::RestoreResponse*
     }
     absl::Status st = ReadCheckpointArrays(path, header, arrays);
     if (st.ok()) {
+      s->acc_stale = false;  // the accumulator now holds the checkpoint's
       uint8_t* dst = s->ParamSlot(0);
       for (size_t i = 0; i < s->params.size(); ++i) {
         ParamInfo& p = s->params[i];

@@ -131,9 +131,10 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<Session>> Find(const v1::SessionRef& ref);
   void Reclaim(uint64_t id, const std::string& why);
   void Reject(const absl::Status& s);
-  // Runs the validated jobs on the session's strand, counts them, then calls done.
-  void PostAccumulate(std::shared_ptr<Session> s, std::vector<AccumulateJob> jobs, float scale,
-                      uint64_t bytes, v1::PushGradientsResponse* resp,
+  // Runs the validated jobs on the session's strand, counts them, then calls done. `whole`: the
+  // jobs cover every element of every parameter (a whole-slot push).
+  void PostAccumulate(std::shared_ptr<Session> s, std::vector<AccumulateJob> jobs, bool whole,
+                      float scale, uint64_t bytes, v1::PushGradientsResponse* resp,
                       std::function<void(absl::Status)> done);
 
   const DaemonOptions options_;
