@@ -2,7 +2,7 @@
 // bf16 out, as the ZenFlow engine drives them) on a SessionManager in this process, with the
 // minor page faults of each phase. Not a user tool; a measurement aid for server/ changes.
 //
-//   bazel run -c opt //server:daemon_probe -- [elements_scale] [rounds] [reserved_master_slots]
+//   bazel run -c opt //server:daemon_probe -- [elements_scale] [rounds] [reserved_master_slots: 1 = the old daemon arena]
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <mutex>
 
+#include <tbb/global_control.h>
 #include <tbb/task_arena.h>
 
 #include "common/region.h"
@@ -57,6 +58,8 @@ int main(int argc, char** argv) {
   DaemonOptions opts;
   opts.pin = PinPolicy::kOff;
   opts.worker_threads = tbb::this_task_arena::max_concurrency();
+  tbb::global_control workers(tbb::global_control::max_allowed_parallelism,
+                              static_cast<size_t>(opts.worker_threads) + (reserved == 0 ? 1 : 0));
   tbb::task_arena arena(opts.worker_threads, reserved);
   SessionManager sm(opts, &arena);
   v1::OpenSessionRequest oreq;

@@ -9,6 +9,7 @@
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <tbb/global_control.h>
 #include <tbb/task_arena.h>
 
 #include "absl/strings/str_cat.h"
@@ -122,9 +123,12 @@ int Run(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  // No slot reserved for an application thread: the daemon only enqueues into the arena (the
-  // strands), so a reserved slot would stay empty and leave worker_threads - 1 threads for the
-  // kernels (one of two cores).
+  // The daemon only enqueues into the arena (the strands); no application thread ever joins it.
+  // oneTBB's defaults assume one does: the process gets cores - 1 worker threads and the arena
+  // reserves a slot for the joining thread, so the kernels ran on worker_threads - 1 threads
+  // (one of two cores). Allow worker_threads workers and reserve no slot.
+  tbb::global_control workers(tbb::global_control::max_allowed_parallelism,
+                              static_cast<size_t>(opts.worker_threads) + 1);
   tbb::task_arena arena(opts.worker_threads, /*reserved_for_masters=*/0);
   SessionManager sessions(opts, &arena);
   FdServer fd_server(&sessions);
