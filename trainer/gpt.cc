@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include <fstream>
 #include <memory>
 #include <numeric>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -24,6 +26,7 @@
 #include "kernels/optimizer.h"
 #include "parallel/distributed_model.h"
 #include "trainer/data.h"
+#include "trainer/device.h"
 #include "trainer/plot.h"
 
 namespace stallfree {
@@ -38,6 +41,88 @@ double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// Where a shard's (or its gradients') tensors are: a host DistributedShard's vectors, or a
+// BackendShard's device memory.
+struct ShardPointers {
+  float* embedding = nullptr;
+  float* pos_embedding = nullptr;             // null without learned positions
+  std::vector<std::array<float*, 4>> blocks;  // each TSP block's ln1, ln2, attn, mlp
+  float* ln_f = nullptr;
+  float* head = nullptr;                      // null when tied
+};
+
+ShardPointers HostPointers(DistributedShard* s) {
+  auto at = [](std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
+  ShardPointers p;
+  p.embedding = at(s->embedding);
+  p.pos_embedding = at(s->pos_embedding);
+  for (parallel::TspShard& b : s->tsp_blocks)
+    p.blocks.push_back({at(b.ln1), at(b.ln2), at(b.attn), at(b.mlp)});
+  p.ln_f = at(s->ln_f);
+  p.head = at(s->head);
+  return p;
+}
+
+// A shard's tensors in a backend's memory: one allocation, each tensor of the host shard at its
+// own 256-byte-aligned offset. The backend must outlive it.
+class BackendShard {
+ public:
+  // The layout of `host`; its values uploaded when `upload`, zeros otherwise.
+  BackendShard(const kernels::TransformerOps& ops, const DistributedShard& host, bool upload) {
+    std::vector<const std::vector<float>*> fields = {&host.embedding, &host.pos_embedding};
+    for (const parallel::TspShard& b : host.tsp_blocks)
+      for (const std::vector<float>* f : {&b.ln1, &b.ln2, &b.attn, &b.mlp}) fields.push_back(f);
+    fields.push_back(&host.ln_f);
+    fields.push_back(&host.head);
+    constexpr int64_t kAlign = 64;  // floats
+    std::vector<int64_t> offsets;
+    int64_t total = 0;
+    for (const std::vector<float>* f : fields) {
+      offsets.push_back(total);
+      total += (static_cast<int64_t>(f->size()) + kAlign - 1) / kAlign * kAlign;
+    }
+    buffer_ = kernels::OpsBuffer(&ops, total);
+    std::vector<float*> at(fields.size(), nullptr);
+    for (size_t i = 0; i < fields.size(); ++i) {
+      if (fields[i]->empty() || buffer_.data() == nullptr) continue;
+      at[i] = buffer_.data() + offsets[i];
+      if (upload) ops.Upload(at[i], fields[i]->data(), static_cast<int64_t>(fields[i]->size()));
+    }
+    size_t i = 0;
+    pointers_.embedding = at[i++];
+    pointers_.pos_embedding = at[i++];
+    for (size_t l = 0; l < host.tsp_blocks.size(); ++l, i += 4)
+      pointers_.blocks.push_back({at[i], at[i + 1], at[i + 2], at[i + 3]});
+    pointers_.ln_f = at[i++];
+    pointers_.head = at[i++];
+  }
+
+  const ShardPointers& pointers() const { return pointers_; }
+
+  parallel::DistributedShardView View() const {
+    parallel::DistributedShardView v;
+    v.embedding = pointers_.embedding;
+    v.pos_embedding = pointers_.pos_embedding;
+    for (const auto& b : pointers_.blocks) v.tsp_blocks.push_back({b[0], b[1], b[2], b[3]});
+    v.ln_f = pointers_.ln_f;
+    v.head = pointers_.head;
+    return v;
+  }
+  parallel::DistributedGradsView Grads() const {
+    parallel::DistributedGradsView g;
+    g.embedding = pointers_.embedding;
+    g.pos_embedding = pointers_.pos_embedding;
+    for (const auto& b : pointers_.blocks) g.tsp_blocks.push_back({b[0], b[1], b[2], b[3]});
+    g.ln_f = pointers_.ln_f;
+    g.head = pointers_.head;
+    return g;
+  }
+
+ private:
+  kernels::OpsBuffer buffer_;
+  ShardPointers pointers_;
+};
+
 // Every tensor of a rank's shard, with the engine's view of it (2-D weights split as separate
 // matrices; the TSP shard packs several per buffer).
 struct Tensor {
@@ -49,8 +134,8 @@ struct Tensor {
   bool replicated;  // the same on every rank (its gradient is all-reduced)
 };
 
-std::vector<Tensor> ShardTensors(const parallel::ModelConfig& cfg, int D, DistributedShard* w,
-                                 DistributedShard* g) {
+std::vector<Tensor> ShardTensors(const parallel::ModelConfig& cfg, int D, const ShardPointers& w,
+                                 const ShardPointers& g) {
   std::vector<Tensor> out;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, float* value, float* grad,
                  bool replicated) {
@@ -59,24 +144,53 @@ std::vector<Tensor> ShardTensors(const parallel::ModelConfig& cfg, int D, Distri
     out.push_back({name, std::move(shape), value, grad, n, replicated});
   };
   const int64_t C = cfg.C, Ch = cfg.C / D, F = cfg.FF / D;
-  add("embedding", {cfg.vocab, C}, w->embedding.data(), g->embedding.data(), true);
-  if (!w->pos_embedding.empty())
-    add("pos_embedding", {cfg.max_seq, C}, w->pos_embedding.data(), g->pos_embedding.data(),
-        true);
-  for (size_t l = 0; l < w->tsp_blocks.size(); ++l) {
-    parallel::TspShard& ws = w->tsp_blocks[l];
-    parallel::TspShard& gs = g->tsp_blocks[l];
+  add("embedding", {cfg.vocab, C}, w.embedding, g.embedding, true);
+  if (w.pos_embedding != nullptr)
+    add("pos_embedding", {cfg.max_seq, C}, w.pos_embedding, g.pos_embedding, true);
+  for (size_t l = 0; l < w.blocks.size(); ++l) {
+    const std::array<float*, 4>& ws = w.blocks[l];
+    const std::array<float*, 4>& gs = g.blocks[l];
     const std::string b = absl::StrCat("block", l, ".");
-    add(b + "ln1", {C}, ws.ln1.data(), gs.ln1.data(), true);
-    add(b + "ln2", {C}, ws.ln2.data(), gs.ln2.data(), true);
-    add(b + "wqkv", {3 * Ch, C}, ws.attn.data(), gs.attn.data(), false);
-    add(b + "wo", {C, Ch}, ws.attn.data() + 3 * Ch * C, gs.attn.data() + 3 * Ch * C, false);
-    add(b + "wgu", {2 * F, C}, ws.mlp.data(), gs.mlp.data(), false);
-    add(b + "wd", {C, F}, ws.mlp.data() + 2 * F * C, gs.mlp.data() + 2 * F * C, false);
+    add(b + "ln1", {C}, ws[0], gs[0], true);
+    add(b + "ln2", {C}, ws[1], gs[1], true);
+    add(b + "wqkv", {3 * Ch, C}, ws[2], gs[2], false);
+    add(b + "wo", {C, Ch}, ws[2] + 3 * Ch * C, gs[2] + 3 * Ch * C, false);
+    add(b + "wgu", {2 * F, C}, ws[3], gs[3], false);
+    add(b + "wd", {C, F}, ws[3] + 2 * F * C, gs[3] + 2 * F * C, false);
   }
-  add("ln_f", {C}, w->ln_f.data(), g->ln_f.data(), true);
-  if (!w->head.empty()) add("head", {cfg.vocab, C}, w->head.data(), g->head.data(), true);
+  add("ln_f", {C}, w.ln_f, g.ln_f, true);
+  if (w.head != nullptr) add("head", {cfg.vocab, C}, w.head, g.head, true);
   return out;
+}
+
+// The squared global norm's share of this rank in backend memory: the sum over tensors of their
+// squares, each tensor counted where the host loop would count it (sharded ones on every rank,
+// replicated ones on the lead only). Per-column sums of squares on the device (fp32, the
+// kernel's order), one Download, the sum over columns in double on the host.
+absl::StatusOr<double> BackendSquaredNorm(const RankDevice& dev, const std::vector<Tensor>& tensors,
+                                          bool lead) {
+  std::vector<std::pair<const Tensor*, int64_t>> counted;  // tensor, columns
+  int64_t cols_total = 0;
+  for (const Tensor& t : tensors) {
+    if (t.replicated && !lead) continue;
+    const int64_t cols = t.shape.back();
+    counted.emplace_back(&t, cols);
+    cols_total += cols;
+  }
+  if (cols_total == 0) return 0.0;
+  kernels::OpsBuffer sums(&dev.ops(), cols_total);
+  int64_t off = 0;
+  for (const auto& [t, cols] : counted) {
+    dev.kernel().ColumnScores(t->grad, kernels::GradType::kFp32, t->numel / cols, cols, cols,
+                              nullptr, sums.data() + off);
+    off += cols;
+  }
+  std::vector<float> host(cols_total);
+  dev.ops().Download(host.data(), sums.data(), cols_total);
+  RETURN_IF_ERROR(dev.Synchronize());
+  double sq = 0;
+  for (float x : host) sq += x;
+  return sq;
 }
 
 // Warm-up then cosine decay to lr * min_ratio at the last step.
@@ -273,7 +387,7 @@ absl::StatusOr<parallel::ModelConfig> ModelFromOptions(const TrainOptions& o, in
   return cfg;
 }
 
-absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm) {
+absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int local_rank) {
   const int rank = comm->rank(), D = comm->size();
   const bool lead = rank == 0;
   ASSIGN_OR_RETURN(Preset preset, FindPreset(o.preset));
@@ -306,12 +420,32 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm) {
       have_eval ? Batcher::Create(&corpus.eval, B, T, o.seed, BatchOrder::kSequential)
                 : absl::StatusOr<Batcher>(absl::NotFoundError("no eval split"));
 
-  // Model and gradients (the same layout, zeroed).
-  DistributedModel model(cfg, parallel::Layout::kTsp, comm);
+  // The device (before everything that lives in its memory or uses its backends).
+  ASSIGN_OR_RETURN(std::unique_ptr<RankDevice> dev, OpenRankDevice(o.device, local_rank, comm));
+  const kernels::TransformerOps& ops = dev->ops();
+
+  // Model and gradients (the same layout, zeroed): host vectors on the CPU; on a GPU, the shard
+  // uploaded into device memory and gradients allocated there (the host copy is then dropped).
+  DistributedModel model(cfg, parallel::Layout::kTsp, dev->model_comm());
   RETURN_IF_ERROR(model.Validate());
   ASSIGN_OR_RETURN(DistributedShard w, model.Shard(parallel::InitModelWeights(cfg, o.seed)));
-  DistributedShard g = w;
-  std::vector<Tensor> tensors = ShardTensors(cfg, D, &w, &g);
+  DistributedShard g;
+  std::unique_ptr<BackendShard> dw, dg;
+  parallel::DistributedShardView wv;
+  parallel::DistributedGradsView gv;
+  if (dev->host()) {
+    g = w;
+  } else {
+    dw = std::make_unique<BackendShard>(ops, w, /*upload=*/true);
+    dg = std::make_unique<BackendShard>(ops, w, /*upload=*/false);
+    RETURN_IF_ERROR(dev->Synchronize());
+    wv = dw->View();
+    gv = dg->Grads();
+    w = DistributedShard();
+  }
+  std::vector<Tensor> tensors =
+      dev->host() ? ShardTensors(cfg, D, HostPointers(&w), HostPointers(&g))
+                  : ShardTensors(cfg, D, dw->pointers(), dg->pointers());
   int64_t params_local = 0, params_total = 0;
   for (const Tensor& t : tensors) {
     params_local += t.numel;
@@ -333,8 +467,7 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm) {
   std::vector<EngineParam> eparams;
   for (const Tensor& t : tensors) eparams.push_back({t.name, t.shape, t.value, t.grad});
   ASSIGN_OR_RETURN(std::unique_ptr<ZenFlowEngine> engine,
-                   ZenFlowEngine::Create(o.engine, eparams, kernels::DefaultCpuKernel(),
-                                         kernels::CpuOps(), session.get()));
+                   ZenFlowEngine::Create(o.engine, eparams, dev->kernel(), ops, session.get()));
 
   const std::vector<int64_t> shape_key = {rank,  D,     cfg.layers, cfg.C, cfg.H,
                                           cfg.FF, cfg.vocab, T,      B,
@@ -351,8 +484,9 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm) {
       if (static_cast<int64_t>(st.tensors[i].size()) != tensors[i].numel)
         return absl::DataLossError(absl::StrCat("resume: tensor '", tensors[i].name,
                                                 "' has the wrong size in the checkpoint"));
-      memcpy(tensors[i].value, st.tensors[i].data(), tensors[i].numel * 4);
+      ops.Upload(tensors[i].value, st.tensors[i].data(), tensors[i].numel);
     }
+    RETURN_IF_ERROR(dev->Synchronize());
     RETURN_IF_ERROR(engine->Restore(absl::StrCat(o.resume, ".r", rank), st.engine));
     batcher.Seek(st.data_position);
     start = st.step;
@@ -372,17 +506,23 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm) {
                    "step,loss,eval_loss,lr,tokens_per_s,step_s,compute_s,optimizer_s,copies_s,"
                    "stall_s,bytes_to_host,bytes_to_device,grad_norm\n");
     printf("training %s: preset %s, %ld layers, d_model %ld, %ld heads, d_ff %ld, seq %ld, "
-           "batch %ld, vocab %ld: %.2fM parameters (%.2fM on each of %d ranks); mode %s; data %s "
-           "(%zu train / %zu eval tokens)\n",
+           "batch %ld, vocab %ld: %.2fM parameters (%.2fM on each of %d ranks); mode %s; device %s; "
+           "data %s (%zu train / %zu eval tokens)\n",
            o.run_name.c_str(), o.preset.c_str(), (long)cfg.layers, (long)cfg.C, (long)cfg.H,
            (long)cfg.FF, (long)T, (long)B, (long)cfg.vocab, params_total / 1e6,
-           params_local / 1e6, D, OffloadModeName(o.engine.mode), corpus.source.c_str(),
+           params_local / 1e6, D, OffloadModeName(o.engine.mode), dev->name().c_str(),
+           corpus.source.c_str(),
            corpus.train.size(), corpus.eval.size());
     std::fflush(stdout);
   }
 
   std::vector<int32_t> tokens(B * T), targets(B * T);
-  const kernels::TransformerOps& ops = kernels::CpuOps();
+  // The model's forward on this rank's device (the CPU API on host memory, the view form on a
+  // GPU); cache may be null (no backward).
+  auto forward = [&](parallel::DistributedCache* cache) -> absl::StatusOr<double> {
+    if (dev->host()) return model.Forward(ops, w, tokens.data(), targets.data(), B, T, cache);
+    return model.Forward(ops, wv, tokens.data(), targets.data(), B, T, cache);
+  };
   auto evaluate = [&]() -> absl::StatusOr<double> {
     if (!have_eval) return std::nan("");
     Batcher& eb = *eval_batcher;
@@ -393,8 +533,7 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm) {
     double sum = 0;
     for (int64_t i = 0; i < n; ++i) {
       eb.Next(tokens.data(), targets.data());
-      ASSIGN_OR_RETURN(double loss, model.Forward(ops, w, tokens.data(), targets.data(), B, T,
-                                                  nullptr));
+      ASSIGN_OR_RETURN(double loss, forward(nullptr));
       sum += loss;
     }
     return sum / static_cast<double>(n);
@@ -405,7 +544,11 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm) {
     st.step = step;
     st.data_position = batcher.position();
     st.shape = shape_key;
-    for (const Tensor& t : tensors) st.tensors.emplace_back(t.value, t.value + t.numel);
+    for (const Tensor& t : tensors) {
+      st.tensors.emplace_back(t.numel);
+      ops.Download(st.tensors.back().data(), t.value, t.numel);
+    }
+    RETURN_IF_ERROR(dev->Synchronize());
     ASSIGN_OR_RETURN(st.engine, engine->Checkpoint(absl::StrCat(tag, ".r", rank)));
     RETURN_IF_ERROR(WriteFileAtomically(RankFile(o, tag, rank), EncodeState(st)));
     RETURN_IF_ERROR(comm->Barrier());
@@ -426,24 +569,40 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm) {
   for (int64_t step = start + 1; step <= last_step; ++step) {
     const auto t0 = Clock::now();
     batcher.Next(tokens.data(), targets.data());
-    for (const Tensor& t : tensors) std::fill(t.grad, t.grad + t.numel, 0.0f);
+    for (const Tensor& t : tensors) ops.Fill(t.grad, t.numel, 0.0f);
     parallel::DistributedCache cache;
-    ASSIGN_OR_RETURN(double loss, model.Forward(ops, w, tokens.data(), targets.data(), B, T,
-                                                &cache));
-    RETURN_IF_ERROR(model.Backward(ops, w, cache, &g));
+    ASSIGN_OR_RETURN(double loss, forward(&cache));
+    if (dev->host()) {
+      RETURN_IF_ERROR(model.Backward(ops, w, cache, &g));
+    } else {
+      RETURN_IF_ERROR(model.Backward(ops, wv, cache, gv));
+      RETURN_IF_ERROR(dev->Synchronize());  // the compute time covers the queued work
+    }
     const double compute = Since(t0);
     // Clip by the global norm: sharded tensors count on their owner, replicated ones once.
     double sq = 0;
-    for (const Tensor& t : tensors) {
-      if (t.replicated && !lead) continue;
-      for (int64_t i = 0; i < t.numel; ++i) sq += static_cast<double>(t.grad[i]) * t.grad[i];
+    if (dev->host()) {
+      for (const Tensor& t : tensors) {
+        if (t.replicated && !lead) continue;
+        for (int64_t i = 0; i < t.numel; ++i) sq += static_cast<double>(t.grad[i]) * t.grad[i];
+      }
+    } else {
+      ASSIGN_OR_RETURN(sq, BackendSquaredNorm(*dev, tensors, lead));
     }
     ASSIGN_OR_RETURN(double total_sq, AllReduceSum(comm, sq));
     const double norm = std::sqrt(total_sq);
     if (o.clip > 0 && norm > o.clip) {
       const float scale = static_cast<float>(o.clip / norm);
-      for (const Tensor& t : tensors)
-        for (int64_t i = 0; i < t.numel; ++i) t.grad[i] *= scale;
+      if (dev->host()) {
+        for (const Tensor& t : tensors)
+          for (int64_t i = 0; i < t.numel; ++i) t.grad[i] *= scale;
+      } else {
+        // g = scale * g in place (an element-wise overwrite: each element is read, then written,
+        // by the same thread), in stream order before the engine reads the gradients.
+        for (const Tensor& t : tensors)
+          dev->kernel().Accumulate(t.grad, t.grad, kernels::GradType::kFp32, scale, t.numel,
+                                   kernels::AccumulateMode::kOverwrite);
+      }
     }
     const double lr = LearningRate(o, step);
     RETURN_IF_ERROR(engine->Step(lr));

@@ -12,6 +12,14 @@
 // <out_dir>/checkpoints/<tag>.rank<r>.trainer (its shard, the engine's state, the data position,
 // a checksum; temporary file, fsync, rename, directory fsync) and the daemon writes its state as
 // <tag>.r<r>.  --resume <tag> continues from there exactly as the uninterrupted run would.
+//
+// Devices (trainer/device.h): with device "cpu" the shard, its gradients and the engine's
+// device-side state are host memory, the model's collectives run over the Gloo group. With
+// "cuda" (CUDA builds) each rank uses GPU LOCAL_RANK: the shard and gradients live in device
+// memory (the model's view form, kernels/cuda ops, NCCL for the model's collectives, the CUDA
+// optimizer kernel for the engine's hot columns; cold columns go through the session's region),
+// the gradient norm comes from per-column sums of squares on the device, and checkpoints hold
+// the downloaded values in the same file format (resume uploads them).
 #pragma once
 
 #include <cstdint>
@@ -64,6 +72,7 @@ struct TrainOptions {
   std::string resume;            // a checkpoint tag written by an earlier run
   std::string socket;            // stallfreed's socket (zenflow, sync-offload)
   bool quiet = false;            // no per-step lines
+  std::string device = "cpu";    // cpu | cuda (CUDA builds only; GPU LOCAL_RANK)
 };
 
 // The model configuration the options describe for vocab `vocab`, checked against D ranks:
@@ -71,9 +80,11 @@ struct TrainOptions {
 absl::StatusOr<parallel::ModelConfig> ModelFromOptions(const TrainOptions& options, int64_t vocab,
                                                        int64_t seq_len, int D);
 
-// Trains on this rank (comm: the TSP group). Collective: every rank must call it with the same
-// options.
-absl::Status RunRank(const TrainOptions& options, parallel::Communicator* comm);
+// Trains on this rank (comm: the TSP group, a host (Gloo) communicator; local_rank: this rank's
+// index on its node, the GPU it uses with device "cuda"). Collective: every rank must call it
+// with the same options.
+absl::Status RunRank(const TrainOptions& options, parallel::Communicator* comm,
+                     int local_rank = 0);
 
 }  // namespace trainer
 }  // namespace stallfree

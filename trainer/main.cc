@@ -5,6 +5,10 @@
 // With --nproc D (> 1) and no RANK in the environment, the trainer starts D local ranks of
 // itself (parallel::LaunchLocal); under torchrun / Slurm / a launcher that sets RANK,
 // WORLD_SIZE, MASTER_ADDR and MASTER_PORT, each process is one rank.
+//
+// --device cuda (binaries built with --config=cuda): each rank trains on GPU LOCAL_RANK, with
+// NCCL between the ranks' GPUs (trainer/device.h); the default, --device cpu, trains on the CPU
+// with Gloo.
 #include <unistd.h>
 
 #include <climits>
@@ -13,10 +17,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/flags.h"
 #include "parallel/communicator.h"
 #include "parallel/launcher.h"
+#include "trainer/device.h"
 #include "trainer/gpt.h"
 
 namespace {
@@ -92,6 +98,10 @@ int Run(int argc, char** argv) {
   flags.AddString("socket", &o.socket, "stallfreed's gRPC socket");
   flags.AddInt("nproc", &nproc, "TSP ranks to start locally (ignored under an external launcher)");
   flags.AddBool("quiet", &o.quiet, "no per-step progress lines");
+  flags.AddString("device", &o.device,
+                  trainer::CudaBuilt()
+                      ? "cpu, or cuda: each rank on GPU LOCAL_RANK (NCCL between the GPUs)"
+                      : "cpu (this binary was built without CUDA; --config=cuda adds cuda)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   if (!flags.positional().empty()) {
     fprintf(stderr, "trainer: unexpected argument '%s'\n", flags.positional()[0].c_str());
@@ -116,6 +126,10 @@ int Run(int argc, char** argv) {
     return 2;
   }
   o.seed = static_cast<uint32_t>(seed);
+  if (absl::Status st = trainer::CheckDeviceName(o.device); !st.ok()) {
+    fprintf(stderr, "trainer: --%s\n", std::string(st.message()).c_str());
+    return 2;
+  }
 
   if (nproc > 1 && getenv("RANK") == nullptr) {
     parallel::LaunchOptions lo;
@@ -149,7 +163,7 @@ int Run(int argc, char** argv) {
             std::string(comm.status().message()).c_str());
     return 1;
   }
-  absl::Status st = trainer::RunRank(o, comm->get());
+  absl::Status st = trainer::RunRank(o, comm->get(), options->local_rank);
   if (!st.ok()) {
     fprintf(stderr, "trainer: rank %d: %s\n", options->rank, st.ToString().c_str());
     const bool usage = st.code() == absl::StatusCode::kInvalidArgument ||
