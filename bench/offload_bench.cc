@@ -4,11 +4,16 @@
 //
 //   bazel run //bench:offload_bench [-- --quick] [--part 1|2] [--help for the rest]
 //
-// Part 1, real training: a small GPT (parallel::ReferenceModel on kernels::CpuOps()) trained on
-// the CPU for N steps on a synthetic order-2 Markov corpus; per mode the step time (forward +
-// backward, the engine's Step and its stall), the final training loss (mean of the last 10
-// steps) and a held-out loss. Compute, the "device" optimizer and the daemon share this machine's
-// cores, so part 1's times are this machine's, not a GPU's; its point is the losses.
+// Part 1, real training: a small GPT (parallel::ReferenceModel on kernels::CpuOps()) on the CPU,
+// in two settings. (a) Fine-tuning, issue 5's target setting (ZenFlow's published quality results
+// are fine-tuning): the model is pre-trained with no-offload on the default corpus
+// (trainer/data.h), then every mode fine-tunes those same weights, on identical batches, at a
+// 10x lower lr on a shifted text (another seed, new first names, vowels rotated); also zenflow
+// with the engine's warm-up. (b) Pre-training from scratch on a synthetic order-2 Markov corpus
+// (plus zenflow at S = 1). Per mode the step time (forward + backward, the engine's Step and its
+// stall), the final training loss (mean of the last 10 steps) and held-out losses. Compute, the
+// "device" optimizer and the daemon share this machine's cores, so part 1's times are this
+// machine's, not a GPU's; its point is the losses.
 //
 // Part 2, a modeled device: a GPT of >= 0.5B parameters whose device is bench/modeled_device.h
 // (virtual memory, operations that take their modeled time on an H100-like device and PCIe Gen5
@@ -19,7 +24,8 @@
 //
 // Ends with FIGURE lines: zenflow_vs_sync_offload_speedup_modeled,
 // zenflow_stall_reduction_modeled, zenflow_host_traffic_per_step, zenflow_vs_nooffload_final_loss
-// and the per-mode figures they come from. --quick finishes within 120 s on 2 cores.
+// (the fine-tuning ratio; *_finetune and *_pretrain name each setting's figures) and the per-mode
+// figures they come from. --quick finishes within 120 s on 2 cores.
 #include <unistd.h>
 
 #include <algorithm>
@@ -33,6 +39,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -45,6 +52,7 @@
 #include "kernels/optimizer.h"
 #include "parallel/reference_block.h"
 #include "tests/support/daemon_process.h"
+#include "trainer/data.h"
 
 namespace stallfree {
 namespace {
@@ -66,6 +74,10 @@ struct Options {
   int64_t vocab = 128, dim = 96, heads = 4, ff = 256, layers = 2, seq = 64, batch = 8;
   double lr = 3e-3, weight_decay = 0.01;
   int64_t zen_warmup = 0;
+  // Part 1 (a): pre-training (no-offload) then fine-tuning in each mode.
+  int64_t pretrain_steps = 0, finetune_steps = 0, finetune_zen_warmup = -1;
+  double finetune_lr = 3e-4;
+  bool finetune_vowels = true;
   // Part 2.
   // 0: the default, 19 / 1280 / 3456 / 50304 (0.505B parameters), or with --quick
   // 12 / 1024 / 2816 / 32000 (0.22B).
@@ -236,14 +248,36 @@ double Lr(const Options& o, int64_t t, int64_t steps) {
   return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * p)));
 }
 
+// The mean loss of `w` over `batches` (forward only); NaN on an error.
+double EvalLoss(const Options& o, const parallel::ModelConfig& cfg, const parallel::ModelWeights& w,
+                const std::vector<Batch>& batches) {
+  parallel::ReferenceModel model(cfg);
+  double ev = 0;
+  for (const Batch& b : batches) {
+    auto loss = model.Forward(kernels::CpuOps(), w, b.tokens.data(), b.targets.data(), o.batch,
+                              o.seq, nullptr, nullptr);
+    if (!loss.ok()) return std::nan("");
+    ev += *loss;
+  }
+  return batches.empty() ? 0.0 : ev / static_cast<double>(batches.size());
+}
+
+// Trains for train.size() steps (batch t-1 at step t) with the peak lr o.lr (Lr's schedule) and,
+// in zenflow, the engine's warmup_steps o.zen_warmup; from `init` (a checkpoint's values: the
+// optimizer state starts fresh, as in fine-tuning from released weights) or, when null, from
+// InitModelWeights(seed). The held-out loss is over `eval`; `out`, when given, receives the
+// trained values.
 Part1Result RunPart1Mode(const Options& o, OffloadMode mode, Client* client,
-                         const parallel::ModelConfig& cfg, const std::vector<int32_t>& train,
-                         const std::vector<int32_t>& eval, int64_t steps, int64_t eval_batches) {
+                         const parallel::ModelConfig& cfg, const std::vector<Batch>& train,
+                         const std::vector<Batch>& eval, const parallel::ModelWeights* init,
+                         parallel::ModelWeights* out, const std::string& tag) {
   Part1Result r;
   const auto t_wall = Clock::now();
+  const int64_t steps = static_cast<int64_t>(train.size());
   const kernels::TransformerOps& ops = kernels::CpuOps();
   parallel::ReferenceModel model(cfg);
-  parallel::ModelWeights w = parallel::InitModelWeights(cfg, static_cast<uint32_t>(o.seed));
+  parallel::ModelWeights w =
+      init ? *init : parallel::InitModelWeights(cfg, static_cast<uint32_t>(o.seed));
   parallel::ModelGrads g = parallel::ModelGrads::Zeros(cfg);
   const std::vector<std::string> names = parallel::ModelTensorNames(cfg);
   const std::vector<std::vector<int64_t>> shapes = SmallShapes(cfg);
@@ -253,7 +287,8 @@ Part1Result RunPart1Mode(const Options& o, OffloadMode mode, Client* client,
     params.push_back({names[i], shapes[i], wt[i]->data(), gt[i]->data()});
   std::unique_ptr<Session> session;
   if (mode != OffloadMode::kNoOffload) {
-    auto s = client->OpenSession(absl::StrCat("offload-bench-small-", OffloadModeName(mode)), 0);
+    auto s = client->OpenSession(
+        absl::StrCat("offload-bench-small-", tag, "-", OffloadModeName(mode)), 0);
     if (!s.ok()) {
       fprintf(stderr, "part 1 %s: OpenSession: %s\n", OffloadModeName(mode), s.status().ToString().c_str());
       return r;
@@ -272,7 +307,7 @@ Part1Result RunPart1Mode(const Options& o, OffloadMode mode, Client* client,
   parallel::ModelCache cache;
   for (int64_t t = 1; t <= steps; ++t) {
     for (std::vector<float>* x : gt) std::fill(x->begin(), x->end(), 0.0f);
-    Batch b = MakeBatch(train, t - 1, o.batch, o.seq);
+    const Batch& b = train[static_cast<size_t>(t - 1)];
     auto t0 = Clock::now();
     auto loss = model.Forward(ops, w, b.tokens.data(), b.targets.data(), o.batch, o.seq, nullptr, &cache);
     absl::Status st = loss.ok() ? model.Backward(ops, w, cache, &g) : loss.status();
@@ -297,13 +332,8 @@ Part1Result RunPart1Mode(const Options& o, OffloadMode mode, Client* client,
     fprintf(stderr, "part 1 %s flush: %s\n", OffloadModeName(mode), st.ToString().c_str());
     return r;
   }
-  double ev = 0;
-  for (int64_t i = 0; i < eval_batches; ++i) {
-    Batch b = MakeBatch(eval, i, o.batch, o.seq);
-    auto loss = model.Forward(ops, w, b.tokens.data(), b.targets.data(), o.batch, o.seq, nullptr, nullptr);
-    if (!loss.ok()) return r;
-    ev += *loss;
-  }
+  r.eval_loss = EvalLoss(o, cfg, w, eval);
+  if (std::isnan(r.eval_loss)) return r;
   engine->reset();
   session.reset();
   r.compute = Mean(compute);
@@ -317,10 +347,91 @@ Part1Result RunPart1Mode(const Options& o, OffloadMode mode, Client* client,
   r.final_loss = 0;
   for (size_t i = r.losses.size() - last; i < r.losses.size(); ++i) r.final_loss += r.losses[i];
   r.final_loss /= static_cast<double>(last);
-  r.eval_loss = ev / static_cast<double>(eval_batches);
+  if (out) *out = std::move(w);
   r.wall = Since(t_wall);
   r.ok = true;
   return r;
+}
+
+// ------------------------------- Part 1 (a): fine-tuning data -------------------------------
+
+// The first names DefaultCorpusText draws from (trainer/data.cc's kNames), and the names that
+// replace them, one for one, in the fine-tuning text: none occurs in the pre-training text.
+const char* const kCorpusNames[] = {
+    "Anna",  "Tom",   "Maria", "Jack",   "Lucy",  "Peter", "Sara",  "David", "Emma", "Oliver",
+    "Grace", "Henry", "Alice", "Samuel", "Clara", "Leo",   "Nora",  "Felix", "Ruth", "Oscar",
+    "Ella",  "Hugo",  "Ivy",   "Martin", "Rosa",  "Simon", "Julia", "Adam",  "Mia",  "Victor"};
+const char* const kNewNames[] = {
+    "Zbigniew", "Oluwaseun", "Xiomara", "Kwabena",   "Yevgenia", "Thandiwe", "Quirin",
+    "Bjarke",   "Ngozi",     "Wojciech", "Aoife",    "Ezequiel", "Siobhan",  "Tadeusz",
+    "Yuki",     "Dzifa",     "Gwyneth", "Zsofia",    "Kazimierz", "Ifeoma",  "Hjalmar",
+    "Xochitl",  "Uzoma",     "Radek",   "Jovanka",   "Phuong",   "Eitan",    "Svetlana",
+    "Okwudili", "Ysolde"};
+static_assert(sizeof(kCorpusNames) == sizeof(kNewNames), "one new name per corpus name");
+
+// DefaultCorpusText(bytes, seed) with every corpus name replaced by its new name, as byte tokens;
+// with `vowels`, also every vowel letter rotated (a->e->i->o->u->a, either case).
+std::vector<uint16_t> FineTuneTokens(int64_t bytes, uint32_t seed, bool vowels) {
+  const std::string text = DefaultCorpusText(bytes, seed);
+  std::vector<uint16_t> out;
+  out.reserve(text.size() + text.size() / 8);
+  auto alpha = [](char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); };
+  for (size_t i = 0; i < text.size();) {
+    if (!alpha(text[i])) {
+      out.push_back(static_cast<uint8_t>(text[i++]));
+      continue;
+    }
+    size_t j = i;
+    while (j < text.size() && alpha(text[j])) ++j;
+    std::string word = text.substr(i, j - i);
+    for (size_t k = 0; k < sizeof(kCorpusNames) / sizeof(kCorpusNames[0]); ++k)
+      if (word == kCorpusNames[k]) word = kNewNames[k];
+    for (char c : word) {
+      if (vowels) {
+        static const char kFrom[] = "aeiouAEIOU", kTo[] = "eiouaEIOUA";
+        if (const char* v = std::strchr(kFrom, c)) c = kTo[v - kFrom];
+      }
+      out.push_back(static_cast<uint8_t>(c));
+    }
+    i = j;
+  }
+  return out;
+}
+
+// `n` batches of a Batcher over `tokens`; for kSequential (held-out) at most the batches of one
+// epoch's distinct windows.
+absl::Status CorpusBatches(const std::vector<uint16_t>& tokens, int64_t n, int64_t B, int64_t T,
+                           int64_t seed, BatchOrder order, std::vector<Batch>* out) {
+  auto batcher = Batcher::Create(&tokens, B, T, static_cast<uint64_t>(seed), order);
+  if (!batcher.ok()) return batcher.status();
+  if (order == BatchOrder::kSequential)
+    n = std::min(n, std::max<int64_t>(1, batcher->full_batches_per_epoch()));
+  out->clear();
+  for (int64_t i = 0; i < n; ++i) {
+    Batch b;
+    b.tokens.resize(static_cast<size_t>(B * T));
+    b.targets.resize(static_cast<size_t>(B * T));
+    batcher->Next(b.tokens.data(), b.targets.data());
+    out->push_back(std::move(b));
+  }
+  return absl::OkStatus();
+}
+
+// Training loss at steps 1, s/10, 2 s/10, ..., s for each run.
+void PrintLossRows(const char* title,
+                   const std::vector<std::pair<std::string, const Part1Result*>>& rows,
+                   int64_t steps) {
+  printf("%s:\n%-8s", title, "step");
+  const int64_t every = std::max<int64_t>(1, steps / 10);
+  for (int64_t t = 1; t <= steps; t += (t == 1 ? every - 1 : every)) printf(" %7lld", (long long)t);
+  printf("\n");
+  for (const auto& [name, r] : rows) {
+    if (!r->ok) continue;
+    printf("%-8s", name.c_str());
+    for (int64_t t = 1; t <= steps; t += (t == 1 ? every - 1 : every))
+      printf(" %7.4f", r->losses[static_cast<size_t>(t - 1)]);
+    printf("\n");
+  }
 }
 
 // ================================ Part 2: modeled device ================================
@@ -567,6 +678,19 @@ int Run(int argc, char** argv) {
   flags.AddDouble("lr", &o.lr, "part 1: peak AdamW learning rate (warm-up 10%, cosine to 10%)");
   flags.AddInt("zen_warmup", &o.zen_warmup,
                "part 1: the engine's warmup_steps (steps at S = 1 with awaited updates) in zenflow");
+  flags.AddInt("pretrain_steps", &o.pretrain_steps,
+               "part 1 (a): no-offload pre-training steps on the default corpus (0: 150, or 400 "
+               "without --quick)");
+  flags.AddInt("finetune_steps", &o.finetune_steps,
+               "part 1 (a): fine-tuning steps per mode on the shifted corpus (0: 60, or 200 "
+               "without --quick)");
+  flags.AddDouble("finetune_lr", &o.finetune_lr, "part 1 (a): peak fine-tuning learning rate");
+  flags.AddBool("finetune_vowels", &o.finetune_vowels,
+                "part 1 (a): the fine-tuning text also rotates its vowels (a stronger shift; "
+                "--nofinetune_vowels: new names only, a +2% shift that leaves little to learn)");
+  flags.AddInt("finetune_zen_warmup", &o.finetune_zen_warmup,
+               "part 1 (a): warmup_steps of the extra zenflow fine-tuning run (-1: 10% of the "
+               "fine-tuning steps; 0: no extra run)");
   flags.AddDouble("weight_decay", &o.weight_decay, "AdamW weight decay (both parts)");
   flags.AddInt("big_layers", &o.big_layers, "part 2: transformer blocks (0: 19, --quick 12)");
   flags.AddInt("big_dim", &o.big_dim, "part 2: model width (0: 1280, --quick 1024)");
@@ -588,6 +712,13 @@ int Run(int argc, char** argv) {
                 "part 2: drop blocks until the daemon's sessions fit in MemAvailable");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   if (o.steps <= 0) o.steps = o.quick ? 60 : 200;
+  if (o.pretrain_steps <= 0) o.pretrain_steps = o.quick ? 150 : 400;
+  if (o.finetune_steps <= 0) o.finetune_steps = o.quick ? 60 : 200;
+  if (o.finetune_zen_warmup < 0) o.finetune_zen_warmup = std::max<int64_t>(1, o.finetune_steps / 10);
+  if (!(o.finetune_lr > 0)) {
+    fprintf(stderr, "offload_bench: --finetune_lr must be > 0\n");
+    return 2;
+  }
   const bool big_default = o.big_layers <= 0 && o.big_dim <= 0 && o.big_ff <= 0 && o.big_vocab <= 0;
   if (o.big_layers <= 0) o.big_layers = o.quick ? 12 : 19;
   if (o.big_dim <= 0) o.big_dim = o.quick ? 1024 : 1280;
@@ -614,9 +745,10 @@ int Run(int argc, char** argv) {
          daemon.pid(), sysconf(_SC_NPROCESSORS_ONLN), GiB(static_cast<double>(MemAvailableBytes())),
          o.ratio, static_cast<long long>(o.interval));
   int failures = 0;
-  Part1Result p1[3], p1_s1;
+  Part1Result p1[3], p1_s1;       // (b) from scratch
+  Part1Result pre, ft[3], ft_warm;  // (a) pre-training, then fine-tuning
   Part2Result p2[3];
-  bool have1 = false, have2 = false;
+  bool have1 = false, have_ft = false, have2 = false;
   double big_model_bytes = 0;  // 2 bytes x the part-2 model's parameters
 
   // ---------------- Part 1 ----------------
@@ -631,33 +763,177 @@ int Run(int argc, char** argv) {
       fprintf(stderr, "part 1: %s\n", st.ToString().c_str());
       return 2;
     }
-    const int64_t eval_batches = o.quick ? 4 : 8;
-    MarkovCorpus corpus(o.vocab, static_cast<uint32_t>(o.seed) + 101);
-    const std::vector<int32_t> train =
-        corpus.Stream(o.steps * o.batch * (o.seq + 1), static_cast<uint32_t>(o.seed) + 202);
-    const std::vector<int32_t> eval =
-        corpus.Stream(eval_batches * o.batch * (o.seq + 1), static_cast<uint32_t>(o.seed) + 303);
     int64_t nparams = 0;
     for (const auto& s : SmallShapes(cfg)) nparams += Numel(s);
     printf("== Part 1: real training on the CPU ==\n");
     printf("model: GPT (parallel::ReferenceModel, CpuOps) vocab %lld, C %lld, H %lld, FF %lld, "
-           "%lld blocks: %lld parameters; B %lld x T %lld = %lld tokens/step, %lld steps, "
-           "AdamW lr %.1e (warm-up %lld steps, cosine to 10%%), betas (0.9, 0.95), wd %.2f\n",
+           "%lld blocks: %lld parameters; B %lld x T %lld = %lld tokens/step; AdamW betas "
+           "(0.9, 0.95), wd %.2f, lr warm-up 10%% of the steps then cosine to 10%%\n",
            (long long)o.vocab, (long long)o.dim, (long long)o.heads, (long long)o.ff,
            (long long)o.layers, (long long)nparams, (long long)o.batch, (long long)o.seq,
-           (long long)(o.batch * o.seq), (long long)o.steps, o.lr,
-           (long long)std::max<int64_t>(1, o.steps / 10), o.weight_decay);
+           (long long)(o.batch * o.seq), o.weight_decay);
+    printf("engine: zenflow and sync-offload push bf16 gradients and receive bf16 parameters; "
+           "select_interval 4 S; compute, device-side optimizer and daemon share this "
+           "machine's cores\n");
+    printf("two settings: (a) FINE-TUNING, issue 5's target setting (ZenFlow's published "
+           "quality results are fine-tuning): a model pre-trained without offload is fine-tuned "
+           "on a shifted distribution at a lower lr in each mode; (b) PRE-TRAINING from scratch "
+           "(random init), the harder case for S > 1\n\n");
+
+    // ---- (a) Fine-tuning ----
+    if (o.vocab < 128) {
+      printf("(a) fine-tuning SKIPPED: the corpus is byte-level ASCII text, which needs "
+             "--vocab >= 128\n\n");
+    } else {
+      const int64_t ft_eval = o.quick ? 8 : 16;
+      // Bytes for `steps` batches of fresh windows in the train split (one epoch) and `ft_eval`
+      // batches in the held-out split (the last kDefaultEvalFraction of the text).
+      auto corpus_bytes = [&](int64_t steps) {
+        const double train_need = static_cast<double>(steps * o.batch * o.seq + o.seq + 1);
+        const double eval_need = static_cast<double>(ft_eval * o.batch * o.seq + o.seq + 1);
+        return static_cast<int64_t>(1.05 * std::max(train_need / (1 - kDefaultEvalFraction),
+                                                     eval_need / kDefaultEvalFraction)) +
+               4096;
+      };
+      const uint32_t pre_seed = static_cast<uint32_t>(o.seed);
+      const uint32_t ft_seed = static_cast<uint32_t>(o.seed) + 1000;
+      const Corpus pre_corpus = DefaultCorpus(corpus_bytes(o.pretrain_steps), pre_seed);
+      auto ft_corpus = SplitCorpus(FineTuneTokens(corpus_bytes(o.finetune_steps), ft_seed, o.finetune_vowels), 256,
+                                   "fine-tuning corpus", kDefaultEvalFraction);
+      std::vector<Batch> pre_train, pre_eval, ft_train, ft_evalb;
+      absl::Status st = ft_corpus.status();
+      if (st.ok())
+        st = CorpusBatches(pre_corpus.train, o.pretrain_steps, o.batch, o.seq, o.seed + 11,
+                           BatchOrder::kShuffled, &pre_train);
+      if (st.ok())
+        st = CorpusBatches(pre_corpus.eval, ft_eval, o.batch, o.seq, 0, BatchOrder::kSequential,
+                           &pre_eval);
+      if (st.ok())
+        st = CorpusBatches(ft_corpus->train, o.finetune_steps, o.batch, o.seq, o.seed + 12,
+                           BatchOrder::kShuffled, &ft_train);
+      if (st.ok())
+        st = CorpusBatches(ft_corpus->eval, ft_eval, o.batch, o.seq, 0, BatchOrder::kSequential,
+                           &ft_evalb);
+      if (!st.ok()) {
+        fprintf(stderr, "part 1 (a): %s\n", st.ToString().c_str());
+        return 1;
+      }
+      printf("-- (a) fine-tuning --\n");
+      printf("pre-training data: %s, byte tokens; %lld steps of fresh shuffled windows, lr "
+             "%.1e; held-out: %lld batches of its eval split (the text's last 10%%)\n",
+             pre_corpus.source.c_str(), (long long)o.pretrain_steps, o.lr,
+             (long long)pre_eval.size());
+      printf("fine-tuning data (a shifted distribution): the same generator with seed %u (other "
+             "sentences and paragraphs), in which each of the generator's %zu first names is "
+             "replaced by a name it never produces (Zbigniew, Oluwaseun, ...)%s: new proper nouns "
+             "and letter sequences, same grammar; %lld steps, lr %.1e (%.0fx lower), fresh "
+             "optimizer state (the checkpoint holds values only), identical batches in every "
+             "mode; held-out: %lld batches of its eval split\n",
+             ft_seed, sizeof(kCorpusNames) / sizeof(kCorpusNames[0]),
+             o.finetune_vowels ? ", and every vowel rotated (a->e->i->o->u->a)" : "",
+             (long long)o.finetune_steps, o.finetune_lr, o.lr / o.finetune_lr,
+             (long long)ft_evalb.size());
+      fflush(stdout);
+      const parallel::ModelWeights init =
+          parallel::InitModelWeights(cfg, static_cast<uint32_t>(o.seed));
+      const double init_pre = EvalLoss(o, cfg, init, pre_eval);
+      const double init_ft = EvalLoss(o, cfg, init, ft_evalb);
+      parallel::ModelWeights pretrained;
+      pre = RunPart1Mode(o, OffloadMode::kNoOffload, client, cfg, pre_train, pre_eval, &init,
+                         &pretrained, "pretrain");
+      if (!pre.ok) {
+        ++failures;
+      } else {
+        const double pre_on_ft = EvalLoss(o, cfg, pretrained, ft_evalb);
+        printf("pre-training (no-offload, %.1f s): held-out loss %.4f at initialisation -> "
+               "%.4f (training loss, mean of the last 10 steps: %.4f; uniform over the vocab: "
+               "%.4f)\n",
+               pre.wall, init_pre, pre.eval_loss, pre.final_loss,
+               std::log(static_cast<double>(o.vocab)));
+        printf("the pre-trained model on the fine-tuning held-out: %.4f (initialisation "
+               "%.4f): the shift costs %+.1f%% over its own held-out\n",
+               pre_on_ft, init_ft, 100 * (pre_on_ft / pre.eval_loss - 1));
+        fflush(stdout);
+        Options fo = o;
+        fo.lr = o.finetune_lr;
+        // Each run's held-out loss on the pre-training distribution after fine-tuning
+        // (forgetting): [3] is the warm-up variant.
+        double forget[4] = {0, 0, 0, 0};
+        parallel::ModelWeights tuned;
+        for (int i = 0; i < 3; ++i) {
+          ft[i] = RunPart1Mode(fo, kModes[i], client, cfg, ft_train, ft_evalb, &pretrained,
+                               &tuned, "finetune");
+          if (!ft[i].ok) ++failures;
+          if (ft[i].ok) forget[i] = EvalLoss(o, cfg, tuned, pre_eval);
+          fflush(stdout);
+        }
+        if (o.finetune_zen_warmup > 0) {
+          Options wo = fo;
+          wo.zen_warmup = o.finetune_zen_warmup;
+          ft_warm = RunPart1Mode(wo, OffloadMode::kZenFlow, client, cfg, ft_train, ft_evalb,
+                                 &pretrained, &tuned, "finetune-warm");
+          if (!ft_warm.ok) ++failures;
+          if (ft_warm.ok) forget[3] = EvalLoss(o, cfg, tuned, pre_eval);
+        }
+        printf("\n%-17s %9s %9s %9s %9s %10s %9s %9s %9s %7s\n", "fine-tuning", "step",
+               "compute", "engine", "stall", "traffic", "final", "held-out", "pre-train", "wall");
+        printf("%-17s %9s %9s %9s %9s %10s %9s %9s %9s %7s\n", "mode", "ms", "ms", "ms", "ms",
+               "KiB/step", "loss", "loss", "held-out", "s");
+        auto row = [&](const char* name, const Part1Result& r, double forgot) {
+          if (!r.ok) {
+            printf("%-17s FAILED\n", name);
+            return;
+          }
+          printf("%-17s %9.2f %9.2f %9.2f %9.2f %10.1f %9.4f %9.4f %9.4f %7.1f\n", name,
+                 1e3 * r.step, 1e3 * r.compute, 1e3 * r.engine, 1e3 * r.stall,
+                 r.traffic / 1024.0, r.final_loss, r.eval_loss, forgot, r.wall);
+        };
+        printf("%-17s %9s %9s %9s %9s %10s %9s %9.4f %9.4f %7s\n", "(pre-trained)", "", "", "",
+               "", "", "", pre_on_ft, pre.eval_loss, "");
+        for (int i = 0; i < 3; ++i) row(OffloadModeName(kModes[i]), ft[i], forget[i]);
+        const std::string warm_name = absl::StrCat("zenflow warm-up ", o.finetune_zen_warmup);
+        if (o.finetune_zen_warmup > 0) row(warm_name.c_str(), ft_warm, forget[3]);
+        printf("(final = mean training loss of the last 10 fine-tuning steps; held-out = the "
+               "fine-tuning distribution's; pre-train held-out = the pre-training "
+               "distribution's after fine-tuning (forgetting); (pre-trained) = the starting "
+               "point; zenflow S = %lld, ratio %.2f; warm-up N = the engine's first N steps at "
+               "S = 1 with awaited updates)\n",
+               (long long)o.interval, o.ratio);
+        std::vector<std::pair<std::string, const Part1Result*>> rows;
+        for (int i = 0; i < 3; ++i)
+          rows.push_back({kModes[i] == OffloadMode::kSyncOffload ? "sync" : OffloadModeName(kModes[i]),
+                          &ft[i]});
+        if (o.finetune_zen_warmup > 0)
+          rows.push_back({absl::StrCat("zen wu", o.finetune_zen_warmup), &ft_warm});
+        PrintLossRows("fine-tuning training loss by step", rows, o.finetune_steps);
+        printf("\n");
+        have_ft = ft[0].ok && ft[2].ok;
+      }
+    }
+
+    // ---- (b) Pre-training from scratch ----
+    const int64_t eval_batches = o.quick ? 4 : 8;
+    MarkovCorpus corpus(o.vocab, static_cast<uint32_t>(o.seed) + 101);
+    const std::vector<int32_t> train_stream =
+        corpus.Stream(o.steps * o.batch * (o.seq + 1), static_cast<uint32_t>(o.seed) + 202);
+    const std::vector<int32_t> eval_stream =
+        corpus.Stream(eval_batches * o.batch * (o.seq + 1), static_cast<uint32_t>(o.seed) + 303);
+    std::vector<Batch> train, eval;
+    for (int64_t i = 0; i < o.steps; ++i) train.push_back(MakeBatch(train_stream, i, o.batch, o.seq));
+    for (int64_t i = 0; i < eval_batches; ++i)
+      eval.push_back(MakeBatch(eval_stream, i, o.batch, o.seq));
+    printf("-- (b) pre-training from scratch --\n");
+    printf("%lld steps from random initialisation, AdamW lr %.1e (warm-up %lld steps, cosine "
+           "to 10%%)\n",
+           (long long)o.steps, o.lr, (long long)std::max<int64_t>(1, o.steps / 10));
     printf("data: order-2 Markov chain over %lld tokens (4 successors of the previous token, "
            "probabilities rotated by the one before, 5%% noise), fresh tokens every step; "
            "held-out: %lld batches of another stream. Loss floor (the chain's own entropy on "
            "the held-out stream): %.4f; uniform: %.4f\n",
-           (long long)o.vocab, (long long)eval_batches, corpus.TrueNll(eval),
+           (long long)o.vocab, (long long)eval_batches, corpus.TrueNll(eval_stream),
            std::log(static_cast<double>(o.vocab)));
-    printf("engine: zenflow and sync-offload push bf16 gradients and receive bf16 parameters; "
-           "select_interval 4 S; compute, device-side optimizer and daemon share this "
-           "machine's cores\n");
     for (int i = 0; i < 3; ++i) {
-      p1[i] = RunPart1Mode(o, kModes[i], client, cfg, train, eval, o.steps, eval_batches);
+      p1[i] = RunPart1Mode(o, kModes[i], client, cfg, train, eval, nullptr, nullptr, "scratch");
       if (!p1[i].ok) ++failures;
       fflush(stdout);
     }
@@ -666,12 +942,14 @@ int Run(int argc, char** argv) {
     if (o.interval > 1) {
       Options s1 = o;
       s1.interval = 1;
-      p1_s1 = RunPart1Mode(s1, OffloadMode::kZenFlow, client, cfg, train, eval, o.steps, eval_batches);
+      p1_s1 = RunPart1Mode(s1, OffloadMode::kZenFlow, client, cfg, train, eval, nullptr, nullptr,
+                           "scratch-s1");
     }
-    printf("\n%-13s %9s %9s %9s %9s %9s %9s %10s %9s %9s %7s\n", "mode", "step", "compute",
-           "engine", "optimzr", "copies", "stall", "traffic", "final", "held-out", "wall");
-    printf("%-13s %9s %9s %9s %9s %9s %9s %10s %9s %9s %7s\n", "", "ms", "ms", "ms", "ms", "ms",
-           "ms", "KiB/step", "loss", "loss", "s");
+    printf("\n%-13s %9s %9s %9s %9s %9s %9s %10s %9s %9s %7s\n", "from scratch", "step",
+           "compute", "engine", "optimzr", "copies", "stall", "traffic", "final", "held-out",
+           "wall");
+    printf("%-13s %9s %9s %9s %9s %9s %9s %10s %9s %9s %7s\n", "mode", "ms", "ms", "ms", "ms",
+           "ms", "ms", "KiB/step", "loss", "loss", "s");
     for (int i = 0; i < 3; ++i) {
       const Part1Result& r = p1[i];
       if (!r.ok) {
@@ -691,23 +969,12 @@ int Run(int argc, char** argv) {
     printf("(step = compute (forward + backward) + engine (the whole Step: device-side optimizer, "
            "gathers/scatters, stall on offload work); final = mean training loss of the last 10 "
            "steps)\n");
-    printf("training loss by step:\n%-8s", "step");
-    const int64_t every = std::max<int64_t>(1, o.steps / 10);
-    for (int64_t t = 1; t <= o.steps; t += (t == 1 ? every - 1 : every)) printf(" %7lld", (long long)t);
-    printf("\n");
-    for (int i = 0; i < 3; ++i) {
-      if (!p1[i].ok) continue;
-      printf("%-8s", kModes[i] == OffloadMode::kSyncOffload ? "sync" : OffloadModeName(kModes[i]));
-      for (int64_t t = 1; t <= o.steps; t += (t == 1 ? every - 1 : every))
-        printf(" %7.4f", p1[i].losses[t - 1]);
-      printf("\n");
-    }
-    if (p1_s1.ok) {
-      printf("%-8s", "zen S=1");
-      for (int64_t t = 1; t <= o.steps; t += (t == 1 ? every - 1 : every))
-        printf(" %7.4f", p1_s1.losses[t - 1]);
-      printf("\n");
-    }
+    std::vector<std::pair<std::string, const Part1Result*>> rows;
+    for (int i = 0; i < 3; ++i)
+      rows.push_back({kModes[i] == OffloadMode::kSyncOffload ? "sync" : OffloadModeName(kModes[i]),
+                      &p1[i]});
+    if (p1_s1.ok) rows.push_back({"zen S=1", &p1_s1});
+    PrintLossRows("training loss by step (from scratch)", rows, o.steps);
     printf("\n");
     have1 = p1[0].ok && p1[2].ok;
   }
@@ -858,21 +1125,42 @@ int Run(int argc, char** argv) {
   };
   if (have1) {
     const Part1Result &none = p1[0], &sync = p1[1], &zen = p1[2];
-    const double ratio = zen.final_loss / none.final_loss;
-    printf("FIGURE nooffload_final_loss %.4f nats\n", none.final_loss);
-    if (sync.ok) printf("FIGURE sync_offload_final_loss %.4f nats\n", sync.final_loss);
-    printf("FIGURE zenflow_final_loss %.4f nats\n", zen.final_loss);
-    printf("FIGURE nooffload_heldout_loss %.4f nats\n", none.eval_loss);
-    printf("FIGURE zenflow_heldout_loss %.4f nats\n", zen.eval_loss);
-    printf("FIGURE zenflow_vs_nooffload_final_loss %.4f ratio\n", ratio);
-    printf("FIGURE zenflow_vs_nooffload_heldout_loss %.4f ratio\n", zen.eval_loss / none.eval_loss);
+    printf("FIGURE nooffload_final_loss_pretrain %.4f nats\n", none.final_loss);
+    if (sync.ok) printf("FIGURE sync_offload_final_loss_pretrain %.4f nats\n", sync.final_loss);
+    printf("FIGURE zenflow_final_loss_pretrain %.4f nats\n", zen.final_loss);
+    printf("FIGURE nooffload_heldout_loss_pretrain %.4f nats\n", none.eval_loss);
+    printf("FIGURE zenflow_heldout_loss_pretrain %.4f nats\n", zen.eval_loss);
+    printf("FIGURE zenflow_vs_nooffload_final_loss_pretrain %.4f ratio\n",
+           zen.final_loss / none.final_loss);
+    printf("FIGURE zenflow_vs_nooffload_heldout_loss_pretrain %.4f ratio\n",
+           zen.eval_loss / none.eval_loss);
+    if (p1_s1.ok)
+      printf("FIGURE zenflow_s1_vs_nooffload_final_loss_pretrain %.4f ratio\n",
+             p1_s1.final_loss / none.final_loss);
     printf("FIGURE small_model_step_nooffload %.2f ms\n", 1e3 * none.step);
     if (sync.ok) printf("FIGURE small_model_step_sync_offload %.2f ms\n", 1e3 * sync.step);
     printf("FIGURE small_model_step_zenflow %.2f ms\n", 1e3 * zen.step);
-    if (p1_s1.ok)
-      printf("FIGURE zenflow_s1_vs_nooffload_final_loss %.4f ratio\n",
-             p1_s1.final_loss / none.final_loss);
-    target("final loss within 2% of no-offload (zenflow_vs_nooffload_final_loss <= 1.02)",
+  }
+  if (have_ft) {
+    const Part1Result &none = ft[0], &sync = ft[1], &zen = ft[2];
+    const double ratio = zen.final_loss / none.final_loss;
+    printf("FIGURE nooffload_final_loss_finetune %.4f nats\n", none.final_loss);
+    if (sync.ok) printf("FIGURE sync_offload_final_loss_finetune %.4f nats\n", sync.final_loss);
+    printf("FIGURE zenflow_final_loss_finetune %.4f nats\n", zen.final_loss);
+    printf("FIGURE nooffload_heldout_loss_finetune %.4f nats\n", none.eval_loss);
+    printf("FIGURE zenflow_heldout_loss_finetune %.4f nats\n", zen.eval_loss);
+    printf("FIGURE zenflow_vs_nooffload_final_loss_finetune %.4f ratio\n", ratio);
+    printf("FIGURE zenflow_vs_nooffload_heldout_loss_finetune %.4f ratio\n",
+           zen.eval_loss / none.eval_loss);
+    if (ft_warm.ok)
+      printf("FIGURE zenflow_warmup_vs_nooffload_final_loss_finetune %.4f ratio\n",
+             ft_warm.final_loss / none.final_loss);
+    printf("zenflow_vs_nooffload_final_loss below is the FINE-TUNING setting (part 1 (a), issue "
+           "5's target setting); from scratch it is zenflow_vs_nooffload_final_loss_pretrain\n");
+    printf("FIGURE zenflow_vs_nooffload_final_loss %.4f ratio\n", ratio);
+    printf("FIGURE zenflow_vs_nooffload_heldout_loss %.4f ratio\n", zen.eval_loss / none.eval_loss);
+    target("fine-tuning: final loss within 2% of no-offload (zenflow_vs_nooffload_final_loss <= "
+           "1.02)",
            ratio <= 1.02);
   }
   if (have2) {
