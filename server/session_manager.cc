@@ -829,20 +829,25 @@ v1::ParamSpec SpecOf(const ParamInfo& p) {
 
 }  // namespace
 
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindForCheckpoint(
+    const v1::SessionRef& ref, const std::string& tag) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(ref));
+  if (options_.state_dir.empty())
+    return absl::FailedPreconditionError(
+        "stallfreed runs without a state directory; start it with --state_dir DIR");
+  RETURN_IF_ERROR(ValidateCheckpointTag(tag));
+  return s;
+}
+
 void SessionManager::Checkpoint(const v1::CheckpointRequest& req, v1::CheckpointResponse* resp,
                                 std::function<void(absl::Status)> done) {
   auto fail = [&](absl::Status st) {
     Reject(st);
     done(st);
   };
-  absl::StatusOr<std::shared_ptr<Session>> found = Find(req.session());
+  absl::StatusOr<std::shared_ptr<Session>> found = FindForCheckpoint(req.session(), req.tag());
   if (!found.ok()) return fail(found.status());
   std::shared_ptr<Session> s = *found;
-  if (options_.state_dir.empty())
-    return fail(absl::FailedPreconditionError(
-        "stallfreed runs without a state directory; start it with --state_dir DIR"));
-  absl::Status st = ValidateCheckpointTag(req.tag());
-  if (!st.ok()) return fail(st);
   {
     std::lock_guard<std::mutex> lock(s->mu);
     if (!s->registered)
@@ -890,14 +895,9 @@ void SessionManager::Restore(const v1::RestoreRequest& req, v1::RestoreResponse*
     Reject(st);
     done(st);
   };
-  absl::StatusOr<std::shared_ptr<Session>> found = Find(req.session());
+  absl::StatusOr<std::shared_ptr<Session>> found = FindForCheckpoint(req.session(), req.tag());
   if (!found.ok()) return fail(found.status());
   std::shared_ptr<Session> s = *found;
-  if (options_.state_dir.empty())
-    return fail(absl::FailedPreconditionError(
-        "stallfreed runs without a state directory; start it with --state_dir DIR"));
-  absl::Status st = ValidateCheckpointTag(req.tag());
-  if (!st.ok()) return fail(st);
   if (req.out_dtype() != v1::DTYPE_UNSPECIFIED && req.out_dtype() != v1::DTYPE_FP32 &&
       req.out_dtype() != v1::DTYPE_BF16)
     return fail(absl::InvalidArgumentError("out_dtype: must be FP32 or BF16"));

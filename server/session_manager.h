@@ -129,6 +129,9 @@ class SessionManager {
 
  private:
   absl::StatusOr<std::shared_ptr<Session>> Find(const v1::SessionRef& ref);
+  // Find, plus the checks every checkpoint RPC makes: a state directory and a valid tag.
+  absl::StatusOr<std::shared_ptr<Session>> FindForCheckpoint(const v1::SessionRef& ref,
+                                                             const std::string& tag);
   void Reclaim(uint64_t id, const std::string& why);
   void Reject(const absl::Status& s);
   // Runs the validated jobs on the session's strand, counts them, then calls done. `whole`: the
