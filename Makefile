@@ -10,7 +10,8 @@ APT_PACKAGES := bazel-bootstrap g++ protobuf-compiler protobuf-compiler-grpc lib
 # them with nvcc; the tests print SKIP without a device).
 CUDA_TARGETS := //kernels:optimizer_cuda //kernels:ops_cuda //tests/kernels:optimizer_cuda_test \
   //tests/kernels:ops_cuda_test //bench:gpu_bench //parallel:nccl_communicator //tests/parallel:nccl_test \
-  //tests/parallel:tsp_nccl_test //tests/parallel:tpsp_nccl_test //tests/parallel:model_nccl_test
+  //tests/parallel:tsp_nccl_test //tests/parallel:tpsp_nccl_test //tests/parallel:model_nccl_test \
+  //tests/trainer:trainer_cuda_test
 
 .PHONY: deps build test demo bench gpu-check clean
 
@@ -32,7 +33,8 @@ test: deps
 	  $(BAZEL) build --config=cuda //... $(CUDA_TARGETS) && \
 	  ./bazel-bin/tests/kernels/optimizer_cuda_test && ./bazel-bin/tests/kernels/ops_cuda_test && \
 	  ./bazel-bin/tests/parallel/nccl_test && ./bazel-bin/tests/parallel/tsp_nccl_test && \
-	  ./bazel-bin/tests/parallel/tpsp_nccl_test && ./bazel-bin/tests/parallel/model_nccl_test; \
+	  ./bazel-bin/tests/parallel/tpsp_nccl_test && ./bazel-bin/tests/parallel/model_nccl_test && \
+	  ./bazel-bin/tests/trainer/trainer_cuda_test; \
 	else echo "nvcc not found: skipping the CUDA configuration"; fi
 
 demo: deps

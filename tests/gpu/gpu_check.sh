@@ -18,9 +18,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 BAZEL=${BAZEL:-bazel}
 BUNDLE=gpu-check-bundle
+# trainer_cuda_test starts the trainer and stallfreed, so they travel in bin/ beside it.
 TARGETS=(//tests/kernels:optimizer_cuda_test //tests/kernels:ops_cuda_test //bench:gpu_bench
   //tests/parallel:nccl_test //tests/parallel:tsp_nccl_test //tests/parallel:tpsp_nccl_test
-  //tests/parallel:model_nccl_test)
+  //tests/parallel:model_nccl_test //tests/trainer:trainer_cuda_test //trainer:trainer
+  //server:stallfreed)
 
 echo "gpu-check: building ${TARGETS[*]} (--config=cuda)"
 # shellcheck disable=SC2086  # BAZEL may hold startup flags
@@ -70,8 +72,9 @@ fi
 cat >"$BUNDLE/run.sh" <<'RUN_SH'
 #!/usr/bin/env bash
 # Runs the stallfree GPU checks in this bundle: the CUDA optimizer kernel test, the CUDA ops
-# test, the GPU benchmark, the NCCL test, the TSP-, TP+SP- and TP x CP-on-NCCL tests and the
-# model-on-NCCL test, each under a timeout (390 s in all). Needs an
+# test, the GPU benchmark, the NCCL test, the TSP-, TP+SP- and TP x CP-on-NCCL tests, the
+# model-on-NCCL test and the trainer on GPUs (bin/trainer with bin/stallfreed), each under a
+# timeout (510 s in all). Needs an
 # NVIDIA GPU, its driver (CUDA 13 or newer) and the CUDA 13 runtime, cuBLAS and NCCL
 # (/usr/local/cuda/lib64, or on LD_LIBRARY_PATH). Exit status 0 when every binary passed (or skipped for want of a device).
 # GPU_CHECK_LOG_DIR=<dir> also writes each binary's output to <dir>/<name>.log.
@@ -124,6 +127,7 @@ run nccl_test 40
 run tsp_nccl_test 40
 run tpsp_nccl_test 40
 run model_nccl_test 60
+run trainer_cuda_test 120
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 exit $failed
