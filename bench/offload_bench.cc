@@ -80,7 +80,7 @@ struct Options {
   bool finetune_vowels = true;
   // Part 2.
   // 0: the default, 19 / 1280 / 3456 / 50304 (0.505B parameters), or with --quick
-  // 12 / 1024 / 2816 / 32000 (0.22B).
+  // 8 / 768 / 2048 / 32000 (0.11B).
   int64_t big_layers = 0, big_dim = 0, big_ff = 0, big_vocab = 0;
   int64_t tokens = 32768;
   double tflops = 400, hbm_tbps = 3.0, pcie_gbps = 50, launch_us = 4;
@@ -692,9 +692,9 @@ int Run(int argc, char** argv) {
                "part 1 (a): warmup_steps of the extra zenflow fine-tuning run (-1: 10% of the "
                "fine-tuning steps; 0: no extra run)");
   flags.AddDouble("weight_decay", &o.weight_decay, "AdamW weight decay (both parts)");
-  flags.AddInt("big_layers", &o.big_layers, "part 2: transformer blocks (0: 19, --quick 12)");
-  flags.AddInt("big_dim", &o.big_dim, "part 2: model width (0: 1280, --quick 1024)");
-  flags.AddInt("big_ff", &o.big_ff, "part 2: SwiGLU hidden width (0: 3456, --quick 2816)");
+  flags.AddInt("big_layers", &o.big_layers, "part 2: transformer blocks (0: 19, --quick 8)");
+  flags.AddInt("big_dim", &o.big_dim, "part 2: model width (0: 1280, --quick 768)");
+  flags.AddInt("big_ff", &o.big_ff, "part 2: SwiGLU hidden width (0: 3456, --quick 2048)");
   flags.AddInt("big_vocab", &o.big_vocab,
                "part 2: vocabulary, untied embedding and head (0: 50304, --quick 32000)");
   flags.AddInt("tokens", &o.tokens, "part 2: tokens per step (forward + backward = 6 N tokens FLOPs)");
@@ -720,9 +720,9 @@ int Run(int argc, char** argv) {
     return 2;
   }
   const bool big_default = o.big_layers <= 0 && o.big_dim <= 0 && o.big_ff <= 0 && o.big_vocab <= 0;
-  if (o.big_layers <= 0) o.big_layers = o.quick ? 12 : 19;
-  if (o.big_dim <= 0) o.big_dim = o.quick ? 1024 : 1280;
-  if (o.big_ff <= 0) o.big_ff = o.quick ? 2816 : 3456;
+  if (o.big_layers <= 0) o.big_layers = o.quick ? 8 : 19;
+  if (o.big_dim <= 0) o.big_dim = o.quick ? 768 : 1280;
+  if (o.big_ff <= 0) o.big_ff = o.quick ? 2048 : 3456;
   if (o.big_vocab <= 0) o.big_vocab = o.quick ? 32000 : 50304;
   if (o.big_steps <= 0) o.big_steps = o.quick ? 2 * o.interval : 4 * o.interval;
   if (o.big_select <= 0) o.big_select = (o.quick ? 2 : 4) * o.interval;
@@ -998,7 +998,7 @@ int Run(int argc, char** argv) {
     const double compute_s = 6.0 * static_cast<double>(counts.params) * o.tokens / (o.tflops * 1e12);
     printf("== Part 2: large model, modeled device, real daemon ==\n");
     if (o.quick && big_default)
-      printf("--quick: a 0.22B model, NOT the >= 0.5B of issue 5: on this kind of VM the first "
+      printf("--quick: a 0.11B model, NOT the >= 0.5B of issue 5: on this kind of VM the first "
              "touch of a page costs ~5 s/GB, and the 0.5B sessions' ~29 GB of daemon memory "
              "take ~2.5 min to set up before any step; run without --quick for the 0.5B "
              "figures\n");
