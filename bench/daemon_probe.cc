@@ -2,7 +2,7 @@
 // bf16 out, as the ZenFlow engine drives them) on a SessionManager in this process, with the
 // minor page faults of each phase. Not a user tool; a measurement aid for server/ changes.
 //
-//   bazel run -c opt //server:daemon_probe -- [elements_scale] [rounds] [reserved_master_slots: 1 = the old daemon arena]
+//   bazel run -c opt //bench:daemon_probe -- [elements_scale] [rounds] [reserved_master_slots: 1 = the old daemon arena]
 #include <sys/resource.h>
 #include <unistd.h>
 
