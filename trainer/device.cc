@@ -38,8 +38,7 @@ absl::Status CheckDeviceName(const std::string& device) {
         "device: this trainer was built without CUDA, so --device cuda is not available; "
         "rebuild it with `bazel build --config=cuda //trainer` (or use --device cpu)");
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("device: '", device, "' is not cpu or cuda"));
+  return absl::InvalidArgumentError(absl::StrCat("device: '", device, "' is not cpu or cuda"));
 }
 
 absl::StatusOr<std::unique_ptr<RankDevice>> OpenRankDevice(const std::string& device,

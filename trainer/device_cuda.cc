@@ -18,6 +18,7 @@ namespace {
 
 class CudaDevice final : public RankDevice {
  public:
+  // On GPU `device` (the rank's LOCAL_RANK).
   explicit CudaDevice(int device) : device_(device) {}
   ~CudaDevice() override {
     // Users of the stream first, then the stream.
@@ -37,18 +38,17 @@ class CudaDevice final : public RankDevice {
   parallel::Communicator* model_comm() const override { return nccl_.get(); }
 
   // Everything but the NCCL communicator (local; no communication).
-  absl::Status OpenLocal(int local_rank) {
+  absl::Status OpenLocal() {
     int count = 0;
     if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
-      return absl::UnavailableError(absl::StrCat(
-          "device: --device cuda needs a CUDA GPU, and none can be used here (",
-          e != cudaSuccess ? cudaGetErrorString(e) : "no device visible", ")"));
+      return absl::UnavailableError(
+          absl::StrCat("device: --device cuda needs a CUDA GPU, and none can be used here (",
+                       e != cudaSuccess ? cudaGetErrorString(e) : "no device visible", ")"));
     }
-    if (local_rank >= count) {
+    if (device_ >= count) {
       return absl::UnavailableError(absl::StrCat(
-          "device: this rank has LOCAL_RANK ", local_rank, " and uses GPU ", local_rank,
-          ", but only ", count, " GPU(s) are visible; run at most ", count,
-          " ranks per node with --device cuda"));
+          "device: this rank has LOCAL_RANK ", device_, " and uses GPU ", device_, ", but only ",
+          count, " GPU(s) are visible; run at most ", count, " ranks per node with --device cuda"));
     }
     if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) {
       return absl::UnavailableError(
@@ -63,8 +63,7 @@ class CudaDevice final : public RankDevice {
     std::string error;
     ops_ = kernels::cuda::NewCudaOps(stream_, &error);
     if (ops_ == nullptr) {
-      return absl::UnavailableError(
-          absl::StrCat("device: CUDA ops on GPU ", device_, ": ", error));
+      return absl::UnavailableError(absl::StrCat("device: CUDA ops on GPU ", device_, ": ", error));
     }
     kernel_ = kernels::cuda::NewCudaOptimizerKernel(stream_, &error);
     if (kernel_ == nullptr) {
@@ -97,7 +96,7 @@ bool CudaBuilt() { return true; }
 absl::StatusOr<std::unique_ptr<RankDevice>> OpenCudaDevice(int local_rank,
                                                            parallel::Communicator* gloo) {
   auto dev = std::make_unique<CudaDevice>(local_rank);
-  const absl::Status local = dev->OpenLocal(local_rank);
+  const absl::Status local = dev->OpenLocal();
   // Every rank learns whether all opened their GPU before the NCCL bootstrap, so a rank short of
   // a GPU fails the whole group at once instead of leaving the others waiting for it.
   float failed = local.ok() ? 0.0f : 1.0f;

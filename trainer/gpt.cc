@@ -48,7 +48,7 @@ struct ShardPointers {
   float* pos_embedding = nullptr;             // null without learned positions
   std::vector<std::array<float*, 4>> blocks;  // each TSP block's ln1, ln2, attn, mlp
   float* ln_f = nullptr;
-  float* head = nullptr;                      // null when tied
+  float* head = nullptr;  // null when tied
 };
 
 ShardPointers HostPointers(DistributedShard* s) {
@@ -506,13 +506,12 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
                    "step,loss,eval_loss,lr,tokens_per_s,step_s,compute_s,optimizer_s,copies_s,"
                    "stall_s,bytes_to_host,bytes_to_device,grad_norm\n");
     printf("training %s: preset %s, %ld layers, d_model %ld, %ld heads, d_ff %ld, seq %ld, "
-           "batch %ld, vocab %ld: %.2fM parameters (%.2fM on each of %d ranks); mode %s; device %s; "
-           "data %s (%zu train / %zu eval tokens)\n",
+           "batch %ld, vocab %ld: %.2fM parameters (%.2fM on each of %d ranks); mode %s; "
+           "device %s; data %s (%zu train / %zu eval tokens)\n",
            o.run_name.c_str(), o.preset.c_str(), (long)cfg.layers, (long)cfg.C, (long)cfg.H,
            (long)cfg.FF, (long)T, (long)B, (long)cfg.vocab, params_total / 1e6,
            params_local / 1e6, D, OffloadModeName(o.engine.mode), dev->name().c_str(),
-           corpus.source.c_str(),
-           corpus.train.size(), corpus.eval.size());
+           corpus.source.c_str(), corpus.train.size(), corpus.eval.size());
     std::fflush(stdout);
   }
 

@@ -134,8 +134,7 @@ int Main() {
   };
   {
     testing::Daemon daemon({}, "warning");
-    auto train = [&](const std::string& name, const std::string& device,
-                     const std::string& extra) {
+    auto train = [&](const std::string& name, const std::string& device, const std::string& extra) {
       std::string cmd = "'" + trainer + "' --preset tiny --steps " + std::to_string(kSteps) +
                         " --quiet --mode zenflow --eval_every 0 --lr_warmup 5 --nproc " +
                         std::to_string(D) + " --socket '" + daemon.socket() + "' --out_dir '" +
@@ -160,8 +159,7 @@ int Main() {
     }
     train("cpu", "cpu", "");
     train("part", "cuda", "--stop_at " + std::to_string(kStopAt));
-    const Run resumed =
-        train("part", "cuda", "--resume part-step" + std::to_string(kStopAt));
+    const Run resumed = train("part", "cuda", "--resume part-step" + std::to_string(kStopAt));
     if (ok && resumed.output.find("resumed from checkpoint") == std::string::npos)
       fail("the resumed run does not say it resumed:\n" + resumed.output);
 
@@ -189,9 +187,10 @@ int Main() {
         }
         const double first = (g[0] + g[1] + g[2]) / 3;
         const double last = (g[kSteps - 3] + g[kSteps - 2] + g[kSteps - 1]) / 3;
-        std::printf("cuda loss %.4f -> %.4f; worst step vs cpu %.2e (tolerance %.0e), resumed vs "
-                    "uninterrupted %.2e (tolerance %.0e)\n",
-                    first, last, worst_cpu, kCpuTolerance, worst_resume, kResumeTolerance);
+        std::printf(
+            "cuda loss %.4f -> %.4f; worst step vs cpu %.2e (tolerance %.0e), resumed vs "
+            "uninterrupted %.2e (tolerance %.0e)\n",
+            first, last, worst_cpu, kCpuTolerance, worst_resume, kResumeTolerance);
         if (!(last < 0.8 * first))
           fail("the cuda loss did not fall: " + std::to_string(first) + " -> " +
                std::to_string(last));
@@ -202,8 +201,9 @@ int Main() {
   if (chdir("/") != 0) std::perror("chdir /");
   Shell("rm -rf '" + work + "'");
   if (ok && D < 2)
-    std::printf("SKIP: multi-rank training on GPUs needs 2 devices, 1 visible (the D = 1 run "
-                "passed)\n");
+    std::printf(
+        "SKIP: multi-rank training on GPUs needs 2 devices, 1 visible (the D = 1 run "
+        "passed)\n");
   std::printf("%s\n", ok ? "PASS" : "FAIL");
   return ok ? 0 : 1;
 }
