@@ -1,0 +1,150 @@
+// The daemon's accumulator between updates, against the reference kernels: after an Update it
+// is logically zero (the next whole-slot push overwrites it instead of a clearing pass), so a
+// partial push, an Update with no push, and a checkpoint taken right after an Update must all
+// behave as if it had been cleared.
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "client/client.h"
+#include "kernels/optimizer.h"
+#include "tests/support/daemon_process.h"
+
+namespace stallfree {
+namespace {
+
+using testing::Daemon;
+constexpr int64_t kN = 4 * 8;
+
+v1::AdamWHyper Hyper() {
+  v1::AdamWHyper h;
+  h.set_lr(1e-2);
+  h.set_beta1(0.9);
+  h.set_beta2(0.999);
+  h.set_eps(1e-8);
+  h.set_weight_decay(0.01);
+  return h;
+}
+
+// The daemon's arithmetic on the host: master, moments, and the accumulator it should hold.
+struct Model {
+  std::vector<float> p, m, v, acc;
+  Model() : p(kN), m(kN, 0.0f), v(kN, 0.0f), acc(kN, 0.0f) {
+    for (int64_t i = 0; i < kN; ++i) p[i] = 0.1f * static_cast<float>(i) - 1.0f;
+  }
+  void Add(const std::vector<float>& g, int64_t first, int64_t count) {
+    kernels::ReferenceKernel().Accumulate(acc.data() + first, g.data() + first,
+                                          kernels::GradType::kFp32, 1.0f, count);
+  }
+  void Update(int64_t step) {
+    kernels::AdamWConfig c;
+    c.lr = 1e-2;
+    c.weight_decay = 0.01;
+    c.step = step;
+    kernels::ReferenceKernel().AdamW(c, p.data(), m.data(), v.data(), acc.data(),
+                                     kernels::GradType::kFp32, kN, nullptr);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+  }
+};
+
+std::vector<float> Grad(int seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> g(kN);
+  for (float& x : g) x = normal(rng);
+  return g;
+}
+
+class AccumulatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    daemon_ = std::make_unique<Daemon>(std::vector<std::string>{"--threads", "2"}, "warning");
+    auto c = Client::Connect(daemon_->socket());
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+  }
+  std::unique_ptr<Session> Open(const Model& model) {
+    auto s = client_->OpenSession("acc", 0);
+    EXPECT_TRUE(s.ok());
+    EXPECT_TRUE((*s)->RegisterParams({{"w", {4, 8}, v1::DTYPE_FP32}}).ok());
+    memcpy((*s)->StagingFp32("w"), model.p.data(), kN * 4);
+    EXPECT_TRUE((*s)->LoadParams().ok());
+    return std::move(*s);
+  }
+  // Whole-slot push of g.
+  void PushAll(Session* s, int64_t step, const std::vector<float>& g) {
+    memcpy(s->GradSlot(0, "w"), g.data(), kN * 4);
+    ASSERT_TRUE(s->Push(step, 0).ok());
+  }
+  // Push of elements [first, first + count) of g only.
+  void PushRange(Session* s, int64_t step, const std::vector<float>& g, int64_t first,
+                 int64_t count) {
+    memcpy(s->GradSlot(1, "w"), g.data(), kN * 4);
+    v1::PushGradientsRequest req;
+    req.set_step(step);
+    req.set_slot(1);
+    v1::GradRange* r = req.add_ranges();
+    r->set_param("w");
+    r->set_offset(first * 4);
+    r->set_length(count * 4);
+    r->set_first_element(first);
+    ASSERT_TRUE(s->Push(req).ok());
+  }
+  void UpdateAndCheck(Session* s, Model* model, int64_t step) {
+    ASSERT_TRUE(s->Update(step, Hyper(), step % 2).ok());
+    auto ready = s->WaitUpdate(step);
+    ASSERT_TRUE(ready.ok()) << ready.status();
+    model->Update(step);
+    const float* w = s->ParamsFp32(ready->param_slot(), "w");
+    ASSERT_EQ(0, memcmp(w, model->p.data(), kN * 4)) << "after the update of step " << step;
+  }
+
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(AccumulatorTest, PushesAfterAnUpdateStartFromZero) {
+  Model model;
+  auto s = Open(model);
+  // Two whole pushes: the first after LoadParams, the second adds.
+  PushAll(s.get(), 1, Grad(1));
+  model.Add(Grad(1), 0, kN);
+  PushAll(s.get(), 1, Grad(2));
+  model.Add(Grad(2), 0, kN);
+  UpdateAndCheck(s.get(), &model, 1);
+  // A partial push right after an Update: the elements it does not cover have zero gradient.
+  PushRange(s.get(), 2, Grad(3), 5, 9);
+  model.Add(Grad(3), 5, 9);
+  UpdateAndCheck(s.get(), &model, 2);
+  // An Update with no push at all: a zero gradient (moments decay, weight decay applies).
+  UpdateAndCheck(s.get(), &model, 3);
+  // A whole push then a partial one in the same round.
+  PushAll(s.get(), 4, Grad(4));
+  model.Add(Grad(4), 0, kN);
+  PushRange(s.get(), 4, Grad(5), 20, 7);
+  model.Add(Grad(5), 20, 7);
+  UpdateAndCheck(s.get(), &model, 4);
+}
+
+TEST_F(AccumulatorTest, CheckpointRightAfterAnUpdateHoldsAZeroAccumulator) {
+  Model model;
+  auto a = Open(model);
+  PushAll(a.get(), 1, Grad(7));
+  model.Add(Grad(7), 0, kN);
+  UpdateAndCheck(a.get(), &model, 1);
+  auto saved = a->Checkpoint("after-update");
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  // Restored into a fresh session, a partial push must add to zeros.
+  Model fresh;
+  auto b = Open(fresh);
+  ASSERT_TRUE(b->Restore("after-update").ok());
+  PushRange(b.get(), 2, Grad(8), 3, 11);
+  model.Add(Grad(8), 3, 11);
+  UpdateAndCheck(b.get(), &model, 2);
+}
+
+}  // namespace
+}  // namespace stallfree
