@@ -44,6 +44,8 @@ int Run(int argc, char** argv) {
   int64_t steps = 0, nproc = 2, layers = 4, d_model = 128, heads = 4, d_ff = 384, seq_len = 64,
           batch = 8;
   std::string out_dir = "/tmp/stallfree-train-bench";
+  int64_t pretrain_steps = 0, finetune_steps = 0;
+  double finetune_lr = 3e-4;
   FlagSet flags("train_bench",
                 "trains one model in zenflow, sync-offload and no-offload modes (same data, "
                 "seed and schedule) and prints the comparison.");
@@ -57,8 +59,15 @@ int Run(int argc, char** argv) {
   flags.AddInt("seq_len", &seq_len, "sequence length");
   flags.AddInt("batch", &batch, "sequences per step");
   flags.AddString("out_dir", &out_dir, "where the runs' metrics and the plot go");
+  flags.AddInt("pretrain_steps", &pretrain_steps,
+               "fine-tuning comparison: no-offload pre-training steps (0: 60 quick, 200; -1: skip)");
+  flags.AddInt("finetune_steps", &finetune_steps,
+               "fine-tuning comparison: steps per mode from the pre-trained weights (0: 40, 100)");
+  flags.AddDouble("finetune_lr", &finetune_lr, "fine-tuning comparison: peak learning rate");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   if (steps == 0) steps = quick ? 60 : 200;
+  if (pretrain_steps == 0) pretrain_steps = quick ? 60 : 200;
+  if (finetune_steps == 0) finetune_steps = quick ? 40 : 100;
 
   testing::Daemon daemon({"--threads", "2"}, "warning");
   const std::vector<std::string> modes = {"no-offload", "sync-offload", "zenflow"};
@@ -68,24 +77,43 @@ int Run(int argc, char** argv) {
          "D = %ld, the generated corpus; zenflow: ratio 0.1, S = 4, bf16 transfers\n",
          (long)layers, (long)d_model, (long)heads, (long)d_ff, (long)seq_len, (long)batch,
          (long)steps, (long)nproc);
-  for (const std::string& mode : modes) {
-    const std::string dir = absl::StrCat(out_dir, "/", mode);
+  // One trainer run; false if it failed (reported).
+  auto train = [&](const std::string& name, const std::string& mode, int64_t n,
+                   const std::string& extra) {
+    const std::string dir = absl::StrCat(out_dir, "/", name);
     std::string cmd = absl::StrCat(
         "trainer/trainer --preset tiny --quiet --mode ", mode, " --layers ", layers,
         " --d_model ", d_model, " --heads ", heads, " --d_ff ", d_ff, " --seq_len ", seq_len,
-        " --batch ", batch, " --steps ", steps, " --nproc ", nproc, " --eval_every ",
-        std::max<int64_t>(steps / 4, 1), " --eval_batches 8 --lr 3e-3 --socket ",
-        daemon.socket(), " --out_dir ", dir, " --run_name bench-", mode);
-    printf("\n== %s\n", mode.c_str());
+        " --batch ", batch, " --steps ", n, " --nproc ", nproc, " --eval_every ",
+        std::max<int64_t>(n / 4, 1), " --eval_batches 8 --socket ", daemon.socket(),
+        " --out_dir ", dir, " --run_name bench-", name, " ", extra);
+    printf("\n== %s\n", name.c_str());
     std::fflush(stdout);
     const int status = std::system(cmd.c_str());
-    if (status != 0) {
-      fprintf(stderr, "train_bench: the %s run failed (status %d): %s\n", mode.c_str(), status,
+    if (status != 0)
+      fprintf(stderr, "train_bench: the %s run failed (status %d): %s\n", name.c_str(), status,
               cmd.c_str());
-      return 1;
+    return status == 0;
+  };
+  for (const std::string& mode : modes) {
+    if (!train(mode, mode, steps, "--lr 3e-3")) return 1;
+    summary[mode] = ReadSummary(out_dir + "/" + mode + "/summary.json");
+    plots.push_back({mode, out_dir + "/" + mode + "/metrics.csv"});
+  }
+  // Fine-tuning, the published setting: every mode starts from the same no-offload pre-trained
+  // weights (fresh optimizer, another data order) at a lower learning rate.
+  std::map<std::string, std::map<std::string, double>> tuned;
+  if (pretrain_steps > 0) {
+    if (!train("pretrain", "no-offload", pretrain_steps, "--lr 3e-3")) return 1;
+    const std::string init = absl::StrCat(out_dir, "/pretrain/checkpoints/bench-pretrain-step",
+                                          pretrain_steps);
+    for (const std::string& mode : modes) {
+      const std::string name = "finetune-" + mode;
+      if (!train(name, mode, finetune_steps,
+                 absl::StrCat("--seed 2 --lr_warmup 0 --lr ", finetune_lr, " --init_from ", init)))
+        return 1;
+      tuned[mode] = ReadSummary(out_dir + "/" + name + "/summary.json");
     }
-    summary[mode] = ReadSummary(dir + "/summary.json");
-    plots.push_back({mode, dir + "/metrics.csv"});
   }
   const std::string png = out_dir + "/train_bench.png";
   absl::Status plotted = trainer::WritePlot(png, plots, "train_bench: the three modes");
@@ -99,11 +127,22 @@ int Run(int argc, char** argv) {
            s["stall_s"], s["stall_share"]);
   }
   printf("plot: %s\n", plotted.ok() ? png.c_str() : std::string(plotted.message()).c_str());
+  if (!tuned.empty()) {
+    printf("\nfine-tuning: %ld no-offload steps, then %ld steps per mode at lr %.1e\n",
+           (long)pretrain_steps, (long)finetune_steps, finetune_lr);
+    printf("%-14s %12s %12s\n", "mode", "train loss", "eval loss");
+    for (const std::string& mode : modes)
+      printf("%-14s %12.4f %12.4f\n", mode.c_str(), tuned[mode]["final_train_loss"],
+             tuned[mode]["final_eval_loss"]);
+  }
   auto& z = summary["zenflow"];
   auto& n = summary["no-offload"];
   auto& y = summary["sync-offload"];
   printf("\nFIGURE train_zenflow_vs_nooffload_eval_loss %.4f x (target <= 1.02)\n",
          z["final_eval_loss"] / n["final_eval_loss"]);
+  if (!tuned.empty())
+    printf("FIGURE train_zenflow_vs_nooffload_eval_loss_finetune %.4f x (target <= 1.02)\n",
+           tuned["zenflow"]["final_eval_loss"] / tuned["no-offload"]["final_eval_loss"]);
   printf("FIGURE train_zenflow_vs_sync_offload_step_time %.4f x\n", z["step_s"] / y["step_s"]);
   printf("FIGURE train_stall_share_zenflow %.4f\n", z["stall_share"]);
   printf("FIGURE train_stall_share_sync_offload %.4f\n", y["stall_share"]);

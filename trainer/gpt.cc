@@ -394,6 +394,8 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
   const int64_t T = o.seq_len > 0 ? o.seq_len : preset.seq_len;
   const int64_t B = o.batch > 0 ? o.batch : preset.batch;
   if (o.steps < 1) return absl::InvalidArgumentError("steps: must be >= 1");
+  if (!o.init_from.empty() && !o.resume.empty())
+    return absl::InvalidArgumentError("init_from: cannot be combined with --resume");
   RETURN_IF_ERROR(o.engine.Validate());
 
   // Data.
@@ -491,6 +493,27 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
     batcher.Seek(st.data_position);
     start = st.step;
     if (lead) printf("resumed from checkpoint '%s' at step %ld\n", o.resume.c_str(), (long)start);
+  }
+
+  if (!o.init_from.empty()) {
+    // Another run's weights, a fresh optimizer: fine-tuning from a checkpoint in any mode.
+    const std::string file = absl::StrCat(o.init_from, ".rank", rank, ".trainer");
+    ASSIGN_OR_RETURN(RankState st, DecodeState(file));
+    std::vector<int64_t> want = shape_key, got = st.shape;
+    if (got.size() == want.size()) got[9] = want[9];  // the mode may differ
+    if (got != want || st.tensors.size() != tensors.size())
+      return absl::FailedPreconditionError(absl::StrCat(
+          "init_from: ", file, " holds another model, batch or rank count"));
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (static_cast<int64_t>(st.tensors[i].size()) != tensors[i].numel)
+        return absl::DataLossError(absl::StrCat("init_from: tensor '", tensors[i].name,
+                                                "' has the wrong size in ", file));
+      ops.Upload(tensors[i].value, st.tensors[i].data(), tensors[i].numel);
+    }
+    RETURN_IF_ERROR(dev->Synchronize());
+    if (lead)
+      printf("initialised from %s (step %ld of that run); optimizer state and data order new\n",
+             o.init_from.c_str(), (long)st.step);
   }
 
   // Output files (rank 0).

@@ -70,6 +70,9 @@ struct TrainOptions {
   std::string run_name = "run";
   int64_t checkpoint_every = 0;  // 0: only at the end
   std::string resume;            // a checkpoint tag written by an earlier run
+  // Weights only (fresh optimizer and data order) from another run's checkpoint, given as its
+  // path without the ".rank<r>.trainer" suffix, e.g. runs/a/checkpoints/a-step400.
+  std::string init_from;
   std::string socket;            // stallfreed's socket (zenflow, sync-offload)
   bool quiet = false;            // no per-step lines
   std::string device = "cpu";    // cpu | cuda (CUDA builds only; GPU LOCAL_RANK)

@@ -95,6 +95,9 @@ int Run(int argc, char** argv) {
   flags.AddInt("checkpoint_every", &o.checkpoint_every,
                "checkpoint every N steps (0: at the end only)");
   flags.AddString("resume", &o.resume, "continue from this checkpoint tag (<run>-step<N>)");
+  flags.AddString("init_from", &o.init_from,
+                  "start from another run's weights (fresh optimizer): <out_dir>/checkpoints/"
+                  "<run>-step<N>, any mode");
   flags.AddString("socket", &o.socket, "stallfreed's gRPC socket");
   flags.AddInt("nproc", &nproc, "TSP ranks to start locally (ignored under an external launcher)");
   flags.AddBool("quiet", &o.quiet, "no per-step progress lines");

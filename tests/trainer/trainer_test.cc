@@ -128,6 +128,28 @@ TEST_F(TrainerTest, ResumeEqualsUninterruptedRun) {
   for (int i = 0; i < 20; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
 }
 
+TEST_F(TrainerTest, InitFromStartsAnyModeFromAnotherRunsWeights) {
+  TrainerRun pre = Trainer(Cat(Base("pre", 30), {"--mode", "no-offload"}));
+  ASSERT_EQ(pre.code, 0) << pre.output;
+  const std::string init = out_ + "/pre/checkpoints/pre-step30";
+  TrainerRun tuned = Trainer(Cat(Base("tuned", 10), {"--init_from", init, "--lr", "3e-4"}));
+  ASSERT_EQ(tuned.code, 0) << tuned.output;
+  EXPECT_NE(tuned.output.find("initialised from " + init + " (step 30 of that run)"),
+            std::string::npos)
+      << tuned.output;
+  // The same batches from the initial weights and from the pre-trained ones.
+  std::vector<double> fresh = Losses(Csv("pre")), warm = Losses(Csv("tuned"));
+  ASSERT_FALSE(warm.empty());
+  EXPECT_LT(warm[0], 0.8 * fresh[0]);
+  EXPECT_NEAR(warm[0], fresh.back(), 0.15 * fresh.back());
+  TrainerRun both = Trainer(Cat(Base("both", 10), {"--init_from", init, "--resume", "x"}));
+  EXPECT_EQ(both.code, 2);
+  EXPECT_NE(both.output.find("init_from: cannot be combined with --resume"), std::string::npos);
+  TrainerRun other = Trainer(Cat(Base("other", 10), {"--init_from", init, "--layers", "3"}));
+  EXPECT_NE(other.code, 0);
+  EXPECT_NE(other.output.find("holds another model"), std::string::npos) << other.output;
+}
+
 TEST_F(TrainerTest, UserErrorsSayWhatToDo) {
   TrainerRun r = Trainer({"--preset", "tiny", "--steps", "2", "--socket", "/tmp/no-such-dir/x.sock",
                    "--out_dir", out_ + "/e1"});
