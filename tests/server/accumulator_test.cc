@@ -12,6 +12,7 @@
 #include "client/client.h"
 #include "kernels/optimizer.h"
 #include "tests/support/daemon_process.h"
+#include "tests/support/hyper.h"
 
 namespace stallfree {
 namespace {
@@ -19,15 +20,7 @@ namespace {
 using testing::Daemon;
 constexpr int64_t kN = 4 * 8;
 
-v1::AdamWHyper Hyper() {
-  v1::AdamWHyper h;
-  h.set_lr(1e-2);
-  h.set_beta1(0.9);
-  h.set_beta2(0.999);
-  h.set_eps(1e-8);
-  h.set_weight_decay(0.01);
-  return h;
-}
+v1::AdamWHyper Hyper() { return testing::TestHyper(0.01); }
 
 // The daemon's arithmetic on the host: master, moments, and the accumulator it should hold.
 struct Model {

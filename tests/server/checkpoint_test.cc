@@ -15,6 +15,7 @@
 
 #include "client/client.h"
 #include "tests/support/daemon_process.h"
+#include "tests/support/hyper.h"
 
 namespace stallfree {
 namespace {
@@ -22,15 +23,7 @@ namespace {
 using Code = absl::StatusCode;
 using testing::Daemon;
 
-v1::AdamWHyper Hyper() {
-  v1::AdamWHyper h;
-  h.set_lr(1e-2);
-  h.set_beta1(0.9);
-  h.set_beta2(0.999);
-  h.set_eps(1e-8);
-  h.set_weight_decay(0.01);
-  return h;
-}
+v1::AdamWHyper Hyper() { return testing::TestHyper(0.01); }
 
 const std::vector<ParamSpec> kParams = {{"w", {16, 9}, v1::DTYPE_FP32},
                                         {"b", {9}, v1::DTYPE_BF16}};

@@ -20,6 +20,7 @@
 #include "common/bf16.h"
 #include "common/unix_socket.h"
 #include "tests/support/daemon_process.h"
+#include "tests/support/hyper.h"
 #include "kernels/optimizer.h"
 
 namespace stallfree {
@@ -28,15 +29,7 @@ namespace {
 using Code = absl::StatusCode;
 using testing::Daemon;
 
-v1::AdamWHyper Hyper() {
-  v1::AdamWHyper h;
-  h.set_lr(1e-2);
-  h.set_beta1(0.9);
-  h.set_beta2(0.999);
-  h.set_eps(1e-8);
-  h.set_weight_decay(0.05);
-  return h;
-}
+v1::AdamWHyper Hyper() { return testing::TestHyper(0.05); }
 
 kernels::AdamWConfig Config(const v1::AdamWHyper& h, int64_t step) {
   kernels::AdamWConfig c;

@@ -32,6 +32,7 @@
 
 #include "parallel/nccl_communicator.h"
 #include "tests/support/daemon_process.h"
+#include "tests/trainer/trainer_process.h"
 
 namespace stallfree {
 namespace {
@@ -64,38 +65,9 @@ std::string FindBinary(const std::string& runfile, const std::string& name) {
   return "";
 }
 
-struct Run {
-  int code = -1;
-  std::string output;
-};
-
-Run Shell(const std::string& cmd) {
-  Run r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
-
-// The loss column of a metrics.csv, by step.
-std::vector<double> Losses(const std::string& csv) {
-  std::ifstream f(csv);
-  std::string line;
-  std::getline(f, line);
-  std::vector<double> out;
-  while (std::getline(f, line)) {
-    std::stringstream s(line);
-    std::string step, loss;
-    std::getline(s, step, ',');
-    std::getline(s, loss, ',');
-    out.push_back(std::stod(loss));
-  }
-  return out;
-}
+using Run = testing::ProcessRun;
+Run Shell(const std::string& cmd) { return testing::RunShell(cmd); }
+std::vector<double> Losses(const std::string& csv) { return testing::MetricsLosses(csv); }
 
 int Main() {
   // The binaries first, so that a broken build or bundle shows even without a device.

@@ -16,47 +16,23 @@
 #include <gtest/gtest.h>
 
 #include "tests/support/daemon_process.h"
+#include "tests/trainer/trainer_process.h"
 
 namespace stallfree {
 namespace {
 
 using testing::Daemon;
 
-struct TrainerRun {
-  int code = -1;
-  std::string output;
-};
+using TrainerRun = testing::ProcessRun;
 
 // Runs trainer/trainer with args (output captured), in the test's runfiles directory.
 TrainerRun Trainer(const std::vector<std::string>& args) {
   std::string cmd = "trainer/trainer";
   for (const std::string& a : args) cmd += " '" + a + "'";
-  cmd += " 2>&1";
-  TrainerRun r;
-  FILE* p = popen(cmd.c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
+  return testing::RunShell(cmd);
 }
 
-// The loss column of a metrics.csv, by step.
-std::vector<double> Losses(const std::string& csv) {
-  std::ifstream f(csv);
-  std::string line;
-  std::getline(f, line);
-  std::vector<double> out;
-  while (std::getline(f, line)) {
-    std::stringstream s(line);
-    std::string step, loss;
-    std::getline(s, step, ',');
-    std::getline(s, loss, ',');
-    out.push_back(std::stod(loss));
-  }
-  return out;
-}
+std::vector<double> Losses(const std::string& csv) { return testing::MetricsLosses(csv); }
 
 class TrainerTest : public ::testing::Test {
  protected:
