@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <sstream>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "client/host_register.h"
@@ -210,14 +211,33 @@ std::future<absl::StatusOr<v1::PushGradientsResponse>> Session::PushAsync(int64_
 
 absl::Status Session::Update(int64_t step, const v1::AdamWHyper& hyper, uint32_t param_slot,
                              v1::DType out_dtype, bool column_steps) {
-  grpc::ClientContext ctx;
   v1::UpdateRequest req;
-  *req.mutable_session() = ref_;
   req.set_step(step);
   *req.mutable_hyper() = hyper;
   req.set_param_slot(param_slot);
   req.set_out_dtype(out_dtype);
   req.set_column_steps(column_steps);
+  return Update(std::move(req));
+}
+
+absl::Status Session::UpdateWithPush(int64_t step, const v1::AdamWHyper& hyper,
+                                     uint32_t param_slot, v1::DType out_dtype, uint32_t grad_slot,
+                                     float push_scale) {
+  v1::UpdateRequest req;
+  req.set_step(step);
+  *req.mutable_hyper() = hyper;
+  req.set_param_slot(param_slot);
+  req.set_out_dtype(out_dtype);
+  req.set_column_steps(true);
+  req.set_fuse_push(true);
+  req.set_fused_grad_slot(grad_slot);
+  req.set_push_scale(push_scale);
+  return Update(std::move(req));
+}
+
+absl::Status Session::Update(v1::UpdateRequest req) {
+  grpc::ClientContext ctx;
+  *req.mutable_session() = ref_;
   v1::UpdateResponse resp;
   return FromGrpc(client_->stub()->Update(&ctx, req, &resp));
 }

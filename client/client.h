@@ -96,6 +96,14 @@ class Session {
   // column_steps: each column's bias correction uses its own step count (offload.proto).
   absl::Status Update(int64_t step, const v1::AdamWHyper& hyper, uint32_t param_slot,
                       v1::DType out_dtype = v1::DTYPE_FP32, bool column_steps = false);
+  // The fused form (column steps only): the gradients in grad_slot are pushed with push_scale
+  // as part of this Update (as Push(step, grad_slot, push_scale) and then Update would, bit for
+  // bit, in one pass on the daemon). Do not write grad_slot until the Update is done
+  // (WaitUpdate(step)): the daemon reads it while the Update runs. See UpdateRequest.fuse_push.
+  absl::Status UpdateWithPush(int64_t step, const v1::AdamWHyper& hyper, uint32_t param_slot,
+                              v1::DType out_dtype, uint32_t grad_slot, float push_scale = 1.0f);
+  // The general form: an explicit request (its session is set here).
+  absl::Status Update(v1::UpdateRequest request);
   // Swaps the state of `columns` of parameter `param` with the three [rows, n] blocks (values,
   // m, v) the caller wrote at StagingFp32(param); returns the columns' previous step counts
   // (their previous state is then in the staging blocks). See MigrateColumnsRequest.

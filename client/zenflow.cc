@@ -172,6 +172,9 @@ struct ZenFlowEngine::Impl {
   bool loaded = false;
   absl::Status failure;
   int64_t slot_task[2] = {0, 0};  // copy-thread task that last pushed each gradient slot
+  // The version of the Update that last pushed each gradient slot (fused push; 0: none): the
+  // daemon reads the slot until that Update is done.
+  int64_t slot_update[2] = {0, 0};
   int64_t pending_version = 0;    // Update issued, parameters not yet scattered
   int64_t pending_task = 0;
   int64_t rounds = 0;
@@ -492,7 +495,29 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   RETURN_IF_ERROR(Sync("gathering the cold gradients"));
   tm.copies += Since(t0);
   const float scale = static_cast<float>(1.0 / static_cast<double>(S));
-  slot_task[slot] = copier->Post([this, slot, t, scale]() -> absl::Status {
+  // At a round boundary the round's last push is folded into the Update (the daemon's fused
+  // boundary pass: no accumulator write and re-read for it), so the copy task that writes the
+  // slot then issues the Update itself. The task waits, before writing, for an Update still
+  // reading the slot, and before a fused Update, for the previous round's Update (the daemon
+  // runs one at a time); both are normally long done by then.
+  v1::AdamWHyper hyper;
+  uint32_t pslot = 0;
+  if (tm.boundary) {
+    hyper.set_lr(lr);
+    hyper.set_beta1(cfg.beta1);
+    hyper.set_beta2(cfg.beta2);
+    hyper.set_eps(cfg.eps);
+    hyper.set_weight_decay(cfg.weight_decay);
+    pslot = static_cast<uint32_t>(rounds++ % 2);
+  }
+  const v1::DType out = cfg.param_dtype;
+  const bool fuse = tm.boundary;
+  const int64_t slot_busy = slot_update[slot];    // an Update that still reads the slot
+  const int64_t prev_update = pending_version;    // an Update that may still run
+  slot_update[slot] = fuse ? t : 0;
+  slot_task[slot] = copier->Post([this, slot, t, scale, fuse, slot_busy, prev_update, hyper,
+                                  pslot, out]() -> absl::Status {
+    if (slot_busy > 0) RETURN_IF_ERROR(session->WaitUpdate(slot_busy).status());
     for (PState& ps : params) {
       if (ps.kind == PState::kDevice) continue;
       const int64_t n = ps.offload_numel();
@@ -501,22 +526,14 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
       else ops.Download(dst, ps.cold_bf16[slot].data(), (n + 1) / 2);
     }
     RETURN_IF_ERROR(Sync("copying the cold gradients to the host"));
-    return session->Push(t, slot, scale).status();
+    if (!fuse) return session->Push(t, slot, scale).status();
+    if (prev_update > 0) RETURN_IF_ERROR(session->WaitUpdate(prev_update).status());
+    return session->UpdateWithPush(t, hyper, pslot, out, slot, scale);
   });
 
   if (tm.boundary) {
     RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
-    v1::AdamWHyper hyper;
-    hyper.set_lr(lr);
-    hyper.set_beta1(cfg.beta1);
-    hyper.set_beta2(cfg.beta2);
-    hyper.set_eps(cfg.eps);
-    hyper.set_weight_decay(cfg.weight_decay);
-    const uint32_t pslot = static_cast<uint32_t>(rounds++ % 2);
-    const v1::DType out = cfg.param_dtype;
-    pending_task = copier->Post([this, t, hyper, pslot, out] {
-      return session->Update(t, hyper, pslot, out, /*column_steps=*/true);
-    });
+    pending_task = slot_task[slot];
     pending_version = t;
     if (await) RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
   }

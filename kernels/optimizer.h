@@ -89,6 +89,25 @@ class OptimizerKernel {
                             const void* grad, GradType type, int64_t rows, int64_t cols,
                             uint16_t* bf16_out) const = 0;
 
+  // AdamWColumns fused with the accumulation of one more gradient (the ZenFlow round's last push
+  // folded into its Update): for every element i of the row-major [rows, cols] block,
+  //   sum[i] = acc[i] + acc_scale * grad[i]   (acc_scale * grad[i] when acc is null)
+  // and then AdamWColumns's step with the gradient sum[i] (config.grad_scale multiplies it).
+  // Bit-identical to Accumulate(acc, grad, type, acc_scale, rows * cols, kAdd) (kOverwrite when
+  // acc is null) followed by AdamWColumns on the fp32 acc, except that acc is only read (null:
+  // the accumulator is logically zero, nothing pushed since the last Update). grad (fp32 or bf16
+  // per `type`) must not be null; acc, grad and bf16_out are laid out like param. All arrays are
+  // in the backend's memory; step_size, bc2_sqrt as for AdamWColumns. rows, cols >= 0.
+  //
+  // The default does exactly those two calls through a host-memory scratch copy of acc, so it
+  // is only right for backends whose memory is host memory; the CPU backends and the oracle
+  // override it with one fused pass, the CUDA backend with the two kernels on a device scratch.
+  virtual void AccumulateAdamWColumns(const AdamWConfig& config, const float* step_size,
+                                      const float* bc2_sqrt, float* param, float* m, float* v,
+                                      const float* acc, const void* grad, GradType type,
+                                      float acc_scale, int64_t rows, int64_t cols,
+                                      uint16_t* bf16_out) const;
+
   // The fused ZenFlow boundary pass: g = acc[i] + acc_scale * grad[i] (the round's last deferred
   // gradient, fp32 or bf16), then the AdamW step of `config` with that g (config.grad_scale
   // multiplies the sum), writing the bf16 copy if bf16_out is not null. acc is read, not written:

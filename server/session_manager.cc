@@ -648,6 +648,15 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
     return fail(absl::InvalidArgumentError("out_dtype: must be FP32 or BF16"));
   if (req.step() < 1)
     return fail(absl::InvalidArgumentError(absl::StrCat("step: ", req.step(), " is not >= 1")));
+  // The fused push (offload.proto): only at a column-step boundary, from a real slot.
+  const bool fuse = req.fuse_push();
+  if (fuse && !req.column_steps())
+    return fail(absl::InvalidArgumentError("fuse_push: only with column_steps"));
+  if (fuse && req.fused_grad_slot() > 1)
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("fused_grad_slot: ", req.fused_grad_slot(), " is not 0 or 1")));
+  const uint32_t grad_slot = req.fused_grad_slot();
+  const float push_scale = req.push_scale() == 0.0f ? 1.0f : req.push_scale();
   const v1::DType out = req.out_dtype() == v1::DTYPE_BF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
   {
     std::lock_guard<std::mutex> lock(s->mu);
@@ -670,14 +679,18 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
   cfg.step = req.step();
   const uint32_t slot = req.param_slot();
   const bool column_steps = req.column_steps();
-  s->strand->Post([this, s, cfg, slot, out, column_steps] {
+  s->strand->Post([this, s, cfg, slot, out, column_steps, fuse, grad_slot, push_scale] {
     const auto t0 = Clock::now();
     const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
     uint8_t* dst = s->ParamSlot(slot);
     float* out32 = reinterpret_cast<float*>(dst);
     uint16_t* out16 = reinterpret_cast<uint16_t*>(dst);
+    // With the fused push and nothing pushed since the last Update, the sums are the pushed
+    // gradients alone: the stale accumulator is neither read nor cleared.
+    const bool acc_zero = s->acc_stale;
     // No push since the last Update: the gradient is zero, not the stale sums.
-    ClearStaleAccumulator(s.get());
+    if (!fuse) ClearStaleAccumulator(s.get());
+    uint64_t fused_bytes = 0;
     if (!column_steps) {
       ParallelChunks(static_cast<int64_t>(s->total_elems), [&](int64_t b, int64_t e) {
         const int64_t n = e - b;
@@ -695,9 +708,20 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
         kernels::MakeColumnConstants(cfg, p.col_steps.data(), p.cols, step_size.data(),
                                      bc2.data());
         const uint64_t e = p.elem_offset;
-        k.AdamWColumns(cfg, step_size.data(), bc2.data(), s->master + e, s->m + e, s->v + e,
-                       s->acc + e, kernels::GradType::kFp32, p.rows, p.cols,
-                       out == v1::DTYPE_BF16 ? out16 + e : nullptr);
+        if (fuse) {
+          // The whole-slot push of grad_slot and this step in one pass (one read of the
+          // accumulator, no write): bit-identical to Accumulate and then AdamWColumns.
+          k.AccumulateAdamWColumns(cfg, step_size.data(), bc2.data(), s->master + e, s->m + e,
+                                   s->v + e, acc_zero ? nullptr : s->acc + e,
+                                   s->GradSlot(grad_slot) + p.grad_offset,
+                                   ToGradType(p.grad_dtype), push_scale, p.rows, p.cols,
+                                   out == v1::DTYPE_BF16 ? out16 + e : nullptr);
+          fused_bytes += p.numel * ElementBytes(p.grad_dtype);
+        } else {
+          k.AdamWColumns(cfg, step_size.data(), bc2.data(), s->master + e, s->m + e, s->v + e,
+                         s->acc + e, kernels::GradType::kFp32, p.rows, p.cols,
+                         out == v1::DTYPE_BF16 ? out16 + e : nullptr);
+        }
       }
       if (out == v1::DTYPE_FP32) {
         ParallelChunks(static_cast<int64_t>(s->total_elems), [&](int64_t b, int64_t e) {
@@ -711,6 +735,10 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
     counters_.update_ns.fetch_add(static_cast<int64_t>(secs * 1e9));
     counters_.updates.fetch_add(1);
     counters_.bytes_out.fetch_add(s->total_elems * (out == v1::DTYPE_BF16 ? 2 : 4));
+    if (fuse) {  // counted as the push it replaces
+      counters_.pushes.fetch_add(1);
+      counters_.bytes_in.fetch_add(fused_bytes);
+    }
     std::vector<Waiter> ready;
     WaitResult result;
     {
@@ -722,6 +750,7 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
       s->ready_dtype = out;
       s->last_update_seconds = secs;
       s->updates++;
+      if (fuse) s->pushes++;
       s->pushes_since_update = 0;
       result = {s->version, slot, out, secs};
       for (auto it = s->waiters.begin(); it != s->waiters.end();) {

@@ -129,28 +129,28 @@ class CpuKernel final : public OptimizerKernel {
   void AdamWColumns(const AdamWConfig& config, const float* step_size, const float* bc2_sqrt,
                     float* p, float* m, float* v, const void* grad, GradType type, int64_t rows,
                     int64_t cols, uint16_t* out) const override {
-    if (rows <= 0 || cols <= 0) return;
     const AdamWConstants c = MakeAdamWConstants(config);  // its step_size, bc2_sqrt are unused
     const size_t gs = GradTypeSize(type);
-    const int64_t seg = std::min(cols, kChunk);  // columns per task; a multiple of the vector
-    const int64_t segs = (cols + seg - 1) / seg;  // width when a row is split
-    const int64_t rows_per_task = std::max<int64_t>(1, kChunk / seg);
-    const int64_t tasks = (rows + rows_per_task - 1) / rows_per_task * segs;
-    auto task = [&](int64_t t) {
-      const int64_t r0 = t / segs * rows_per_task, c0 = t % segs * seg;
-      const int64_t nr = std::min(rows - r0, rows_per_task), nc = std::min(cols - c0, seg);
+    ColumnTasks(rows, cols, [&](int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
       const int64_t at = r0 * cols + c0;
       f_.adamw_cols(c, step_size + c0, bc2_sqrt + c0, p + at, m + at, v + at,
                     Offset(grad, at, gs), type, nr, nc, cols, out == nullptr ? nullptr : out + at);
-    };
-    if (tasks == 1) {
-      task(0);
-      return;
-    }
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, tasks),
-                      [&](const tbb::blocked_range<int64_t>& r) {
-                        for (int64_t t = r.begin(); t < r.end(); ++t) task(t);
-                      });
+    });
+  }
+
+  // The same tasks as AdamWColumns, each one fused pass over its block.
+  void AccumulateAdamWColumns(const AdamWConfig& config, const float* step_size,
+                              const float* bc2_sqrt, float* p, float* m, float* v,
+                              const float* acc, const void* grad, GradType type, float acc_scale,
+                              int64_t rows, int64_t cols, uint16_t* out) const override {
+    const AdamWConstants c = MakeAdamWConstants(config);  // its step_size, bc2_sqrt are unused
+    const size_t gs = GradTypeSize(type);
+    ColumnTasks(rows, cols, [&](int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
+      const int64_t at = r0 * cols + c0;
+      f_.acc_adamw_cols(c, step_size + c0, bc2_sqrt + c0, p + at, m + at, v + at,
+                        acc == nullptr ? nullptr : acc + at, Offset(grad, at, gs), type,
+                        acc_scale, nr, nc, cols, out == nullptr ? nullptr : out + at);
+    });
   }
 
   void AccumulateAdamW(const AdamWConfig& config, float* p, float* m, float* v, const float* acc,
@@ -208,6 +208,31 @@ class CpuKernel final : public OptimizerKernel {
   }
 
  private:
+  // Runs fn(r0, c0, nr, nc) over blocks [r0, +nr) x [c0, +nc) of a [rows, cols] array that
+  // cover it: whole rows (several when cols is small) or kChunk-column segments of a row when
+  // a row alone is longer (a multiple of the vector width). One block runs on the calling
+  // thread (no parallel overhead).
+  template <class Fn>
+  static void ColumnTasks(int64_t rows, int64_t cols, Fn fn) {
+    if (rows <= 0 || cols <= 0) return;
+    const int64_t seg = std::min(cols, kChunk);
+    const int64_t segs = (cols + seg - 1) / seg;
+    const int64_t rows_per_task = std::max<int64_t>(1, kChunk / seg);
+    const int64_t tasks = (rows + rows_per_task - 1) / rows_per_task * segs;
+    auto task = [&](int64_t t) {
+      const int64_t r0 = t / segs * rows_per_task, c0 = t % segs * seg;
+      fn(r0, c0, std::min(rows - r0, rows_per_task), std::min(cols - c0, seg));
+    };
+    if (tasks == 1) {
+      task(0);
+      return;
+    }
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, tasks),
+                      [&](const tbb::blocked_range<int64_t>& r) {
+                        for (int64_t t = r.begin(); t < r.end(); ++t) task(t);
+                      });
+  }
+
   const ChunkFns& f_;
 };
 

@@ -47,6 +47,11 @@ struct ChunkFns {
                      int64_t cols, int64_t ld, uint16_t* out);
   void (*acc_adamw)(const AdamWConstants& c, float* p, float* m, float* v, const float* acc,
                     const void* grad, GradType type, float acc_scale, int64_t n, uint16_t* out);
+  // adamw_cols on g = acc + acc_scale * grad (acc null: acc_scale * grad); acc like p.
+  void (*acc_adamw_cols)(const AdamWConstants& c, const float* step_size, const float* bc2_sqrt,
+                         float* p, float* m, float* v, const float* acc, const void* grad,
+                         GradType type, float acc_scale, int64_t rows, int64_t cols, int64_t ld,
+                         uint16_t* out);
   void (*to_bf16)(const float* src, uint16_t* dst, int64_t n);
   void (*from_bf16)(const uint16_t* src, float* dst, int64_t n);
   // Column scores of columns [c_begin, c_end) of G[rows, ld].
@@ -219,6 +224,50 @@ void AdamWColsT(const AdamWConstants& c, const float* step_size, const float* bc
   V::Fence();
 }
 
+// AdamWColsT on g = acc + acc_scale * grad (acc null: g = acc_scale * grad), the sum formed as
+// AccumulateT forms it, so the result is bit-identical to AccumulateT into acc and then AdamWColsT
+// on the fp32 acc. acc is laid out like p (row stride ld) and only read.
+template <class V>
+void AccAdamWColsT(const AdamWConstants& c, const float* step_size, const float* bc2_sqrt,
+                   float* p, float* m, float* v, const float* acc, const void* grad,
+                   GradType type, float acc_scale, int64_t rows, int64_t cols, int64_t ld,
+                   uint16_t* out) {
+  const size_t gs = GradTypeSize(type);
+  const typename V::F scale = V::Set1(c.grad_scale), ascale = V::Set1(acc_scale);
+  auto run = [&](auto bf16_tag, auto has_acc_tag) {
+    constexpr bool kBf16 = decltype(bf16_tag)::value;
+    constexpr bool kHasAcc = decltype(has_acc_tag)::value;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t at = r * ld;
+      TailArray arr[8] = {{p + at, 4, true},
+                          {m + at, 4, true},
+                          {v + at, 4, true},
+                          {const_cast<char*>(static_cast<const char*>(grad)) + at * gs, gs, false},
+                          {out == nullptr ? nullptr : out + at, 2, true},
+                          {const_cast<float*>(step_size), 4, false},
+                          {const_cast<float*>(bc2_sqrt), 4, false},
+                          {kHasAcc ? const_cast<float*>(acc) + at : nullptr, 4, false}};
+      ForEachVector<V::kMaxW>(cols, V::W, arr, [&](TailArray(&a)[8], int64_t i) {
+        typename V::F sum = V::Mul(ascale, LoadG<V, kBf16>(a[3].base, i));
+        if (kHasAcc) sum = V::Add(V::Load(static_cast<const float*>(a[7].base) + i), sum);
+        uint16_t* o = a[4].base == nullptr ? nullptr : static_cast<uint16_t*>(a[4].base) + i;
+        const ColumnSteps<V> steps{static_cast<const float*>(a[5].base) + i,
+                                   static_cast<const float*>(a[6].base) + i};
+        AdamWVec<V>(c, steps, V::Mul(scale, sum), static_cast<float*>(a[0].base) + i,
+                    static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i, o);
+      });
+    }
+  };
+  using T = std::true_type;
+  using Fa = std::false_type;
+  const bool bf16 = type == GradType::kBf16, has_acc = acc != nullptr;
+  if (bf16 && has_acc) run(T{}, T{});
+  else if (bf16) run(T{}, Fa{});
+  else if (has_acc) run(Fa{}, T{});
+  else run(Fa{}, Fa{});
+  V::Fence();
+}
+
 template <class V>
 void AccAdamWT(const AdamWConstants& c, float* p, float* m, float* v, const float* acc,
                const void* grad, GradType type, float acc_scale, int64_t n, uint16_t* out) {
@@ -328,8 +377,9 @@ void ColScoresT(const void* grad, GradType type, int64_t rows, int64_t c_begin, 
 
 template <class V>
 ChunkFns MakeChunkFns(const char* name) {
-  return ChunkFns{name,           &AccumulateT<V>, &AdamWT<V>,    &AdamWColsT<V>,
-                  &AccAdamWT<V>,  &ToBf16T<V>,     &FromBf16T<V>, &ColScoresT<V>};
+  return ChunkFns{name,          &AccumulateT<V>,      &AdamWT<V>,    &AdamWColsT<V>,
+                  &AccAdamWT<V>, &AccAdamWColsT<V>,    &ToBf16T<V>,   &FromBf16T<V>,
+                  &ColScoresT<V>};
 }
 
 }  // namespace

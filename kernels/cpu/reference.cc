@@ -40,6 +40,21 @@ void MakeColumnConstants(const AdamWConfig& config, const int64_t* steps, int64_
   }
 }
 
+void OptimizerKernel::AccumulateAdamWColumns(const AdamWConfig& config, const float* step_size,
+                                             const float* bc2_sqrt, float* param, float* m,
+                                             float* v, const float* acc, const void* grad,
+                                             GradType type, float acc_scale, int64_t rows,
+                                             int64_t cols, uint16_t* bf16_out) const {
+  if (rows <= 0 || cols <= 0) return;
+  const int64_t n = rows * cols;
+  std::vector<float> sum(static_cast<size_t>(n));
+  if (acc != nullptr) std::copy_n(acc, n, sum.data());
+  Accumulate(sum.data(), grad, type, acc_scale, n,
+             acc == nullptr ? AccumulateMode::kOverwrite : AccumulateMode::kAdd);
+  AdamWColumns(config, step_size, bc2_sqrt, param, m, v, sum.data(), GradType::kFp32, rows, cols,
+               bf16_out);
+}
+
 namespace {
 
 inline float LoadGrad(const void* grad, GradType type, int64_t i) {
@@ -92,6 +107,25 @@ class ScalarKernel final : public OptimizerKernel {
         k.bc2_sqrt = bc2_sqrt[col];
         const int64_t i = r * cols + col;
         AdamWElement(k, k.grad_scale * LoadGrad(grad, type, i), param + i, m + i, v + i,
+                     bf16_out == nullptr ? nullptr : bf16_out + i);
+      }
+    }
+  }
+
+  void AccumulateAdamWColumns(const AdamWConfig& c, const float* step_size,
+                              const float* bc2_sqrt, float* param, float* m, float* v,
+                              const float* acc, const void* grad, GradType type, float acc_scale,
+                              int64_t rows, int64_t cols, uint16_t* bf16_out) const override {
+    AdamWConstants k = MakeAdamWConstants(c);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t col = 0; col < cols; ++col) {
+        k.step_size = step_size[col];
+        k.bc2_sqrt = bc2_sqrt[col];
+        const int64_t i = r * cols + col;
+        // As Accumulate forms it: scale * grad, then added to the accumulator.
+        const float scaled = acc_scale * LoadGrad(grad, type, i);
+        const float sum = acc == nullptr ? scaled : acc[i] + scaled;
+        AdamWElement(k, k.grad_scale * sum, param + i, m + i, v + i,
                      bf16_out == nullptr ? nullptr : bf16_out + i);
       }
     }

@@ -529,6 +529,34 @@ class CudaOptimizerKernel final : public OptimizerKernel {
     }
   }
 
+  // Not fused here: the accumulator is copied into the workspace (or overwritten there when acc
+  // is null), the gradient accumulated into it and AdamWColumns run on it: the same two
+  // kernels as Accumulate + AdamWColumns, so bit-identical to them, without writing acc.
+  void AccumulateAdamWColumns(const AdamWConfig& config, const float* step_size,
+                              const float* bc2_sqrt, float* param, float* m, float* v,
+                              const float* acc, const void* grad, GradType type, float acc_scale,
+                              int64_t rows, int64_t cols, uint16_t* bf16_out) const override {
+    if (rows < 0 || cols < 0) {
+      Record("AccumulateAdamWColumns: need rows >= 0 and cols >= 0");
+      return;
+    }
+    if (rows == 0 || cols == 0) return;
+    const int64_t n = rows * cols;
+    const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+    // Held until every use of the workspace is enqueued (stream order protects the rest).
+    std::lock_guard<std::mutex> lock(ws_mu_);
+    float* sum = static_cast<float*>(WorkspaceLocked(AlignUp(bytes)));
+    if (sum == nullptr) return;
+    if (acc != nullptr &&
+        !Check("cudaMemcpyAsync (AccumulateAdamWColumns)",
+               cudaMemcpyAsync(sum, acc, bytes, cudaMemcpyDeviceToDevice, stream_)))
+      return;
+    Accumulate(sum, grad, type, acc_scale, n,
+               acc == nullptr ? AccumulateMode::kOverwrite : AccumulateMode::kAdd);
+    AdamWColumns(config, step_size, bc2_sqrt, param, m, v, sum, GradType::kFp32, rows, cols,
+                 bf16_out);
+  }
+
   void AccumulateAdamW(const AdamWConfig& config, float* param, float* m, float* v,
                        const float* acc, const void* grad, GradType type, float acc_scale,
                        int64_t n, uint16_t* bf16_out) const override {

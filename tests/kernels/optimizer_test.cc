@@ -305,6 +305,174 @@ TEST(OptimizerCpu, AdamWColumnsWithOneStepEqualsAdamW) {
   }
 }
 
+// The AdamWColumns test shapes: several tasks, many short rows per task, rows longer than one
+// task (split by columns).
+struct ColShape {
+  int64_t rows, cols;
+};
+std::vector<ColShape> ColumnShapes() {
+  std::vector<ColShape> shapes;
+  for (int64_t rows : {1, 7, 64}) {
+    for (int64_t cols : {1, 3, 17, 33, 1000}) shapes.push_back({rows, cols});
+  }
+  shapes.push_back({20000, 3});
+  shapes.push_back({2, 70001});
+  return shapes;
+}
+
+// One AccumulateAdamWColumns case (acc may be absent), two rounds at moving steps, with every
+// array starting one element in (misaligned). `fused` runs the kernel under test on state 2;
+// `want` produces the expected state 1.
+struct AccColCase {
+  int64_t rows, cols;
+  GradType type;
+  bool with_out, with_acc;
+};
+template <class Want, class Got>
+void RunAccColCase(const AccColCase& k, const std::string& what, Want want, Got got) {
+  const int64_t n = k.rows * k.cols;
+  const size_t off = 1;
+  std::vector<float> p = Random(n + off, 91), m = Random(n + off, 92, 0.01f),
+                     v = Random(n + off, 93, 0.001f);
+  for (float& x : v) x = x * x;
+  const std::vector<float> acc = Random(n + off, 94);
+  std::vector<float> g32 = Random(n + off, 95);
+  std::vector<uint16_t> g16 = ToBf16(g32);
+  std::vector<float> p2 = p, m2 = m, v2 = v, acc2 = acc;
+  std::vector<uint16_t> o1(n + off, 0), o2(n + off, 0);
+  const void* g = k.type == GradType::kBf16 ? static_cast<const void*>(g16.data() + off)
+                                            : static_cast<const void*>(g32.data() + off);
+  const AdamWConfig c = ColumnTestConfig();
+  std::vector<int64_t> steps = ColumnSteps(k.cols);
+  for (int round = 0; round < 2; ++round) {
+    const ColumnConstants kc = MakeColumns(c, steps);
+    want(c, kc, p.data() + off, m.data() + off, v.data() + off,
+         k.with_acc ? acc.data() + off : nullptr, g, k.with_out ? o1.data() + off : nullptr);
+    got(c, kc, p2.data() + off, m2.data() + off, v2.data() + off,
+        k.with_acc ? acc2.data() + off : nullptr, g, k.with_out ? o2.data() + off : nullptr);
+    for (int64_t& t : steps) ++t;
+  }
+  ExpectBitsEqual(p, p2, what + " param");
+  ExpectBitsEqual(m, m2, what + " m");
+  ExpectBitsEqual(v, v2, what + " v");
+  ExpectBitsEqual(o1, o2, what + " bf16 out");
+  ExpectBitsEqual(acc, acc2, what + " acc (must be read only)");
+  EXPECT_EQ(o2[0], 0) << what << ": wrote before the block";
+}
+
+std::string AccColName(const std::string& k, const AccColCase& c) {
+  return k + " " + std::to_string(c.rows) + "x" + std::to_string(c.cols) +
+         (c.type == GradType::kBf16 ? " bf16" : " fp32") + (c.with_out ? " +out" : "") +
+         (c.with_acc ? " +acc" : " no acc");
+}
+
+TEST(OptimizerCpu, AccumulateAdamWColumnsBitExactForEveryBackendAndShape) {
+  for (const OptimizerKernel* k : FastKernels()) {
+    for (const ColShape& s : ColumnShapes()) {
+      for (GradType type : {GradType::kFp32, GradType::kBf16}) {
+        for (bool with_out : {false, true}) {
+          for (bool with_acc : {false, true}) {
+            const AccColCase cs{s.rows, s.cols, type, with_out, with_acc};
+            auto run = [&](const OptimizerKernel& kern) {
+              return [&kern, cs](const AdamWConfig& c, const ColumnConstants& kc, float* p,
+                                 float* m, float* v, const float* acc, const void* g,
+                                 uint16_t* out) {
+                kern.AccumulateAdamWColumns(c, kc.step_size.data(), kc.bc2_sqrt.data(), p, m, v,
+                                            acc, g, cs.type, 0.25f, cs.rows, cs.cols, out);
+              };
+            };
+            RunAccColCase(cs, AccColName(k->name(), cs), run(ReferenceKernel()), run(*k));
+          }
+        }
+      }
+    }
+  }
+}
+
+// A kernel that forwards everything to the oracle except AccumulateAdamWColumns, so that the
+// OptimizerKernel default (Accumulate into a scratch copy + AdamWColumns) runs.
+class DefaultFusedKernel final : public OptimizerKernel {
+ public:
+  const OptimizerKernel& r = ReferenceKernel();
+  const char* name() const override { return "default"; }
+  void Accumulate(float* acc, const void* grad, GradType type, float scale, int64_t n,
+                  AccumulateMode mode) const override {
+    r.Accumulate(acc, grad, type, scale, n, mode);
+  }
+  void AdamW(const AdamWConfig& c, float* p, float* m, float* v, const void* g, GradType t,
+             int64_t n, uint16_t* o) const override {
+    r.AdamW(c, p, m, v, g, t, n, o);
+  }
+  void AdamWColumns(const AdamWConfig& c, const float* ss, const float* bc, float* p, float* m,
+                    float* v, const void* g, GradType t, int64_t rows, int64_t cols,
+                    uint16_t* o) const override {
+    r.AdamWColumns(c, ss, bc, p, m, v, g, t, rows, cols, o);
+  }
+  void AccumulateAdamW(const AdamWConfig& c, float* p, float* m, float* v, const float* acc,
+                       const void* g, GradType t, float s, int64_t n, uint16_t* o) const override {
+    r.AccumulateAdamW(c, p, m, v, acc, g, t, s, n, o);
+  }
+  void FloatToBf16(const float* src, uint16_t* dst, int64_t n) const override {
+    r.FloatToBf16(src, dst, n);
+  }
+  void Bf16ToFloat(const uint16_t* src, float* dst, int64_t n) const override {
+    r.Bf16ToFloat(src, dst, n);
+  }
+  void ColumnScores(const void* g, GradType t, int64_t rows, int64_t cols, int64_t ld, float* l1,
+                    float* l2) const override {
+    r.ColumnScores(g, t, rows, cols, ld, l1, l2);
+  }
+  void TopK(const float* s, int64_t n, int64_t k, int64_t* idx) const override {
+    r.TopK(s, n, k, idx);
+  }
+  void GatherColumns(const void* src, size_t es, int64_t rows, int64_t ld, const int64_t* idx,
+                     int64_t k, void* dst) const override {
+    r.GatherColumns(src, es, rows, ld, idx, k, dst);
+  }
+  void ScatterColumns(const void* src, size_t es, int64_t rows, int64_t ld, const int64_t* idx,
+                      int64_t k, void* dst) const override {
+    r.ScatterColumns(src, es, rows, ld, idx, k, dst);
+  }
+};
+
+TEST(OptimizerCpu, AccumulateAdamWColumnsOracleEqualsAccumulateThenAdamWColumns) {
+  // The contract, on the oracle (and on the OptimizerKernel default): Accumulate into the
+  // accumulator (kOverwrite when there is none: nothing pushed since the last Update), then
+  // AdamWColumns on it as an fp32 gradient.
+  const DefaultFusedKernel dflt;
+  const OptimizerKernel* fused[] = {&ReferenceKernel(), &dflt};
+  for (const OptimizerKernel* k : fused) {
+    for (const ColShape& s : ColumnShapes()) {
+      for (GradType type : {GradType::kFp32, GradType::kBf16}) {
+        for (bool with_out : {false, true}) {
+          for (bool with_acc : {false, true}) {
+            const AccColCase cs{s.rows, s.cols, type, with_out, with_acc};
+            const int64_t n = cs.rows * cs.cols;
+            auto separate = [cs, n](const AdamWConfig& c, const ColumnConstants& kc, float* p,
+                                    float* m, float* v, const float* acc, const void* g,
+                                    uint16_t* out) {
+              const OptimizerKernel& r = ReferenceKernel();
+              std::vector<float> sum(n, -1.0f);
+              if (acc != nullptr) std::memcpy(sum.data(), acc, n * sizeof(float));
+              r.Accumulate(sum.data(), g, cs.type, 0.25f, n,
+                           acc != nullptr ? AccumulateMode::kAdd : AccumulateMode::kOverwrite);
+              r.AdamWColumns(c, kc.step_size.data(), kc.bc2_sqrt.data(), p, m, v, sum.data(),
+                             GradType::kFp32, cs.rows, cs.cols, out);
+            };
+            auto one = [k, cs](const AdamWConfig& c, const ColumnConstants& kc, float* p,
+                               float* m, float* v, const float* acc, const void* g,
+                               uint16_t* out) {
+              k->AccumulateAdamWColumns(c, kc.step_size.data(), kc.bc2_sqrt.data(), p, m, v, acc,
+                                        g, cs.type, 0.25f, cs.rows, cs.cols, out);
+            };
+            RunAccColCase(cs, AccColName(k->name(), cs) + " vs separate", separate, one);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(OptimizerCpu, AccumulateAddAndOverwriteBitExact) {
   for (const OptimizerKernel* k : FastKernels()) {
     for (int64_t n : kSizes) {

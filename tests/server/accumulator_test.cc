@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "client/client.h"
+#include "common/bf16.h"
 #include "kernels/optimizer.h"
 #include "tests/support/daemon_process.h"
 #include "tests/support/hyper.h"
@@ -137,6 +138,121 @@ TEST_F(AccumulatorTest, CheckpointRightAfterAnUpdateHoldsAZeroAccumulator) {
   PushRange(b.get(), 2, Grad(8), 3, 11);
   model.Add(Grad(8), 3, 11);
   UpdateAndCheck(b.get(), &model, 2);
+}
+
+// The fused push (UpdateRequest.fuse_push): one session pushes and then updates, the other
+// folds the round's last push into the Update; parameters (fp32 and bf16 out, fp32 and bf16
+// gradients) must agree bit for bit, in rounds with and without earlier pushes, after a round
+// with no push at all (the stale accumulator) and after a partial push.
+TEST_F(AccumulatorTest, FusedPushUpdateEqualsPushThenUpdate) {
+  const std::vector<ParamSpec> specs = {{"w", {4, 8}, v1::DTYPE_FP32},
+                                        {"e", {3, 5, 7}, v1::DTYPE_BF16}};
+  auto open = [&](const char* name) {
+    auto s = client_->OpenSession(name, 0);
+    EXPECT_TRUE(s.ok());
+    EXPECT_TRUE((*s)->RegisterParams(specs).ok());
+    for (int64_t i = 0; i < kN; ++i) (*s)->StagingFp32("w")[i] = 0.1f * i - 1.0f;
+    for (int64_t i = 0; i < 105; ++i) (*s)->StagingFp32("e")[i] = 0.05f * i - 2.0f;
+    EXPECT_TRUE((*s)->LoadParams().ok());
+    return std::move(*s);
+  };
+  auto plain = open("plain"), fused = open("fused");
+  // Writes gradient `seed` into `slot` of both sessions.
+  auto write = [&](uint32_t slot, int seed) {
+    std::vector<float> g = Grad(seed), e(105);
+    std::mt19937 rng(seed + 1000);
+    std::normal_distribution<float> normal;
+    for (float& x : e) x = normal(rng);
+    for (Session* s : {plain.get(), fused.get()}) {
+      memcpy(s->GradSlot(slot, "w"), g.data(), kN * 4);
+      uint16_t* eb = static_cast<uint16_t*>(s->GradSlot(slot, "e"));
+      for (int64_t i = 0; i < 105; ++i) eb[i] = FloatToBf16(e[i]);
+    }
+  };
+  auto push_both = [&](int64_t step, uint32_t slot, float scale) {
+    ASSERT_TRUE(plain->Push(step, slot, scale).ok());
+    ASSERT_TRUE(fused->Push(step, slot, scale).ok());
+  };
+  int64_t step = 0;
+  // One boundary: the last push of the round (slot, scale) fused or not.
+  auto boundary = [&](uint32_t slot, float scale, v1::DType out) {
+    ++step;
+    ASSERT_TRUE(plain->Push(step, slot, scale).ok());
+    ASSERT_TRUE(plain->Update(step, Hyper(), step % 2, out, /*column_steps=*/true).ok());
+    ASSERT_TRUE(fused->UpdateWithPush(step, Hyper(), step % 2, out, slot, scale).ok());
+    auto a = plain->WaitUpdate(step);
+    auto b = fused->WaitUpdate(step);
+    ASSERT_TRUE(a.ok() && b.ok());
+    const size_t esize = out == v1::DTYPE_BF16 ? 2 : 4;
+    for (const char* name : {"w", "e"}) {
+      const int64_t n = std::string(name) == "w" ? kN : 105;
+      const void* pa = out == v1::DTYPE_BF16
+                           ? static_cast<const void*>(plain->ParamsBf16(a->param_slot(), name))
+                           : static_cast<const void*>(plain->ParamsFp32(a->param_slot(), name));
+      const void* pb = out == v1::DTYPE_BF16
+                           ? static_cast<const void*>(fused->ParamsBf16(b->param_slot(), name))
+                           : static_cast<const void*>(fused->ParamsFp32(b->param_slot(), name));
+      ASSERT_EQ(0, memcmp(pa, pb, n * esize)) << name << " after the update of step " << step;
+    }
+  };
+  // The first round right after LoadParams: the fused push alone.
+  write(0, 1);
+  boundary(0, 0.5f, v1::DTYPE_FP32);
+  // Earlier pushes in the round, then the fused one.
+  write(1, 2);
+  push_both(step + 1, 1, 0.25f);
+  write(0, 3);
+  push_both(step + 1, 0, 0.25f);
+  write(1, 4);
+  boundary(1, 0.25f, v1::DTYPE_BF16);
+  // Nothing pushed since the last Update (the accumulator is stale): the fused push alone.
+  write(0, 5);
+  boundary(0, 1.0f, v1::DTYPE_FP32);
+  // A partial push, then the fused one.
+  write(1, 6);
+  {
+    ++step;
+    for (Session* s : {plain.get(), fused.get()}) {
+      v1::PushGradientsRequest req;
+      req.set_step(step);
+      req.set_slot(1);
+      v1::GradRange* r = req.add_ranges();
+      r->set_param("w");
+      r->set_offset(4 * 4);
+      r->set_length(9 * 4);
+      r->set_first_element(4);
+      ASSERT_TRUE(s->Push(req).ok());
+    }
+    --step;
+  }
+  write(0, 7);
+  boundary(0, 0.5f, v1::DTYPE_BF16);
+  // A round with one push (the plain session's pushes counted as the fused session's).
+  write(1, 8);
+  boundary(1, 0.0f, v1::DTYPE_FP32);  // 0 means 1
+
+  auto sessions = client_->ListSessions();
+  ASSERT_TRUE(sessions.ok());
+  int64_t pushes[2] = {-1, -1};
+  for (const v1::SessionInfo& info : *sessions) {
+    if (info.name() == "plain") pushes[0] = info.pushes();
+    if (info.name() == "fused") pushes[1] = info.pushes();
+  }
+  EXPECT_EQ(pushes[0], pushes[1]);
+  EXPECT_EQ(pushes[0], 8);
+
+  // Refused: fuse_push without column_steps, and a slot that does not exist.
+  v1::UpdateRequest req;
+  req.set_step(step + 1);
+  *req.mutable_hyper() = Hyper();
+  req.set_fuse_push(true);
+  EXPECT_EQ(fused->Update(req).code(), absl::StatusCode::kInvalidArgument);
+  req.set_column_steps(true);
+  req.set_fused_grad_slot(2);
+  EXPECT_EQ(fused->Update(req).code(), absl::StatusCode::kInvalidArgument);
+  // Neither refusal took the step.
+  EXPECT_TRUE(fused->UpdateWithPush(step + 1, Hyper(), 0, v1::DTYPE_FP32, 0).ok());
+  EXPECT_TRUE(fused->WaitUpdate(step + 1).ok());
 }
 
 }  // namespace
