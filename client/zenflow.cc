@@ -156,6 +156,11 @@ struct PState {
   OpsBuffer cold_grad[2], cold_bf16[2], cold_params, cold_raw;
 
   int64_t offload_numel() const { return kind == kSplit ? rows * ncold : numel; }
+  // The fp32 gradient that goes to the daemon from gradient slot `slot`: the gathered cold
+  // columns of a split weight, or a whole offloaded parameter's own gradient.
+  const float* ColdFp32(uint32_t slot) const {
+    return kind == kSplit ? cold_grad[slot].data() : p.grad;
+  }
 };
 
 struct ZenFlowEngine::Impl {
@@ -176,6 +181,9 @@ struct ZenFlowEngine::Impl {
   // daemon reads the slot until that Update is done.
   int64_t slot_update[2] = {0, 0};
   int64_t pending_version = 0;    // Update issued, parameters not yet scattered
+  // The parameter slot that Update writes. Read from it, not from the slot WaitUpdate names:
+  // WaitUpdate answers with the newest version, which may already be the next round's.
+  uint32_t pending_pslot = 0;
   int64_t pending_task = 0;
   int64_t rounds = 0;
   std::unique_ptr<CopyThread> copier;
@@ -258,7 +266,9 @@ absl::Status ZenFlowEngine::Impl::Setup() {
     if (ps.kind != PState::kDevice) {
       const int64_t n = ps.offload_numel();
       for (int s = 0; s < 2; ++s) {
-        ps.cold_grad[s] = OpsBuffer(&ops, n);
+        // A whole offloaded parameter is read straight from its gradient buffer (sync-offload
+        // waits for the copy before Step returns); only split weights need a gather buffer.
+        if (ps.kind == PState::kSplit) ps.cold_grad[s] = OpsBuffer(&ops, n);
         if (cfg.grad_dtype == v1::DTYPE_BF16) ps.cold_bf16[s] = OpsBuffer(&ops, (n + 1) / 2);
       }
       if (ps.kind == PState::kSplit) ps.cold_params = OpsBuffer(&ops, n);
@@ -402,11 +412,11 @@ absl::Status ZenFlowEngine::Impl::ApplyPendingUpdate(StepTimings* tm) {
   if (pending_version == 0) return absl::OkStatus();
   auto t0 = Clock::now();
   RETURN_IF_ERROR(copier->WaitFor(pending_task));
-  ASSIGN_OR_RETURN(v1::WaitUpdateResponse ready, session->WaitUpdate(pending_version));
+  RETURN_IF_ERROR(session->WaitUpdate(pending_version).status());
   tm->stall += Since(t0);
   t0 = Clock::now();
   for (PState& ps : params)
-    if (ps.kind != PState::kDevice) RETURN_IF_ERROR(ScatterParams(ps, ready.param_slot(), tm));
+    if (ps.kind != PState::kDevice) RETURN_IF_ERROR(ScatterParams(ps, pending_pslot, tm));
   RETURN_IF_ERROR(Sync("scattering the daemon's parameters"));
   tm->copies += Since(t0);
   pending_version = 0;
@@ -485,11 +495,9 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     if (ps.kind == PState::kSplit)
       k.GatherColumns(ps.p.grad, 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
                       ps.cold_grad[slot].data());
-    else
-      ops.CopyFloats(ps.cold_grad[slot].data(), ps.p.grad, n);
     if (cfg.grad_dtype == v1::DTYPE_BF16)
-      k.FloatToBf16(ps.cold_grad[slot].data(),
-                    reinterpret_cast<uint16_t*>(ps.cold_bf16[slot].data()), n);
+      k.FloatToBf16(ps.ColdFp32(slot), reinterpret_cast<uint16_t*>(ps.cold_bf16[slot].data()),
+                    n);
     tm.bytes_to_host += n * DTypeBytes(cfg.grad_dtype);
   }
   RETURN_IF_ERROR(Sync("gathering the cold gradients"));
@@ -522,7 +530,7 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
       if (ps.kind == PState::kDevice) continue;
       const int64_t n = ps.offload_numel();
       float* dst = static_cast<float*>(session->GradSlot(slot, ps.p.name));
-      if (cfg.grad_dtype == v1::DTYPE_FP32) ops.Download(dst, ps.cold_grad[slot].data(), n);
+      if (cfg.grad_dtype == v1::DTYPE_FP32) ops.Download(dst, ps.ColdFp32(slot), n);
       else ops.Download(dst, ps.cold_bf16[slot].data(), (n + 1) / 2);
     }
     RETURN_IF_ERROR(Sync("copying the cold gradients to the host"));
@@ -535,6 +543,7 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
     pending_task = slot_task[slot];
     pending_version = t;
+    pending_pslot = pslot;
     if (await) RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
   }
   tm.total = Since(t_start);
@@ -743,6 +752,10 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   }
   if (!r.done()) return bad("trailing bytes");
   im.loaded = loaded != 0;
+  // The daemon's Restore puts the checkpointed parameters in parameter slot 0: the pending
+  // round reads them there, and the next Update must write the other slot.
+  im.pending_pslot = 0;
+  if (im.rounds % 2 == 0) ++im.rounds;
   if (im.offloading() && im.loaded)
     RETURN_IF_ERROR(im.session->Restore(tag, im.cfg.param_dtype).status());
   return absl::OkStatus();
