@@ -3,7 +3,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <sstream>
 #include <utility>
 
@@ -287,6 +289,62 @@ absl::StatusOr<v1::RestoreResponse> Session::Restore(const std::string& tag, v1:
   v1::RestoreResponse resp;
   RETURN_IF_ERROR(FromGrpc(client_->stub()->Restore(&ctx, req, &resp)));
   return resp;
+}
+
+absl::StatusOr<std::string> Session::ReadCheckpointBytes(const std::string& tag,
+                                                         bool delete_after) {
+  if (!region_) return absl::FailedPreconditionError("ReadCheckpointBytes before RegisterParams");
+  const uint8_t* staging = region_->data() + layout_.staging_offset();
+  std::string out;
+  for (uint64_t offset = 0;;) {
+    grpc::ClientContext ctx;
+    v1::ReadCheckpointRequest req;
+    *req.mutable_session() = ref_;
+    req.set_tag(tag);
+    req.set_offset(offset);
+    req.set_delete_after(delete_after);
+    v1::ReadCheckpointResponse resp;
+    RETURN_IF_ERROR(FromGrpc(client_->stub()->ReadCheckpoint(&ctx, req, &resp)));
+    if (offset == 0) out.reserve(resp.total_bytes());
+    out.append(reinterpret_cast<const char*>(staging), resp.length());
+    offset += resp.length();
+    if (offset >= resp.total_bytes()) break;
+    if (resp.length() == 0)
+      return absl::InternalError(absl::StrCat("ReadCheckpoint of '", tag, "' made no progress"));
+  }
+  return out;
+}
+
+absl::Status Session::WriteCheckpointBytes(const std::string& tag, const std::string& bytes) {
+  if (!region_) return absl::FailedPreconditionError("WriteCheckpointBytes before RegisterParams");
+  uint8_t* staging = region_->data() + layout_.staging_offset();
+  const uint64_t chunk = layout_.staging_bytes();
+  if (chunk == 0) return absl::FailedPreconditionError("the session has no staging area");
+  uint64_t offset = 0;
+  do {
+    const uint64_t n = std::min<uint64_t>(chunk, bytes.size() - offset);
+    memcpy(staging, bytes.data() + offset, n);
+    grpc::ClientContext ctx;
+    v1::WriteCheckpointRequest req;
+    *req.mutable_session() = ref_;
+    req.set_tag(tag);
+    req.set_offset(offset);
+    req.set_length(n);
+    req.set_total_bytes(bytes.size());
+    v1::WriteCheckpointResponse resp;
+    RETURN_IF_ERROR(FromGrpc(client_->stub()->WriteCheckpoint(&ctx, req, &resp)));
+    offset += n;
+  } while (offset < bytes.size());
+  return absl::OkStatus();
+}
+
+absl::Status Session::DeleteCheckpoint(const std::string& tag) {
+  grpc::ClientContext ctx;
+  v1::DeleteCheckpointRequest req;
+  *req.mutable_session() = ref_;
+  req.set_tag(tag);
+  v1::DeleteCheckpointResponse resp;
+  return FromGrpc(client_->stub()->DeleteCheckpoint(&ctx, req, &resp));
 }
 
 std::future<absl::StatusOr<v1::WaitUpdateResponse>> Session::WaitUpdateAsync(int64_t min_version) {

@@ -117,6 +117,14 @@ class Session {
   absl::StatusOr<v1::CheckpointResponse> Checkpoint(const std::string& tag);
   absl::StatusOr<v1::RestoreResponse> Restore(const std::string& tag,
                                               v1::DType out_dtype = v1::DTYPE_FP32);
+  // The bytes of checkpoint `tag` (as Checkpoint wrote it), moved through the staging area in
+  // chunks (offload.proto: ReadCheckpoint); with delete_after the daemon removes the file once
+  // it has been read. And the inverse: stores `bytes` (a whole checkpoint file, verified by the
+  // daemon) as `tag`, for a later Restore. Both need registered parameters and must not run
+  // while the staging area is in use (LoadParams, MigrateColumns).
+  absl::StatusOr<std::string> ReadCheckpointBytes(const std::string& tag, bool delete_after);
+  absl::Status WriteCheckpointBytes(const std::string& tag, const std::string& bytes);
+  absl::Status DeleteCheckpoint(const std::string& tag);
   absl::Status Close();
 
   const v1::SessionRef& ref() const { return ref_; }

@@ -192,7 +192,9 @@ struct ZenFlowEngine::Impl {
        const kernels::TransformerOps& o, Session* s)
       : cfg(c), k(kk), ops(o), session(s) {}
 
-  bool offloading() const { return cfg.mode != OffloadMode::kNoOffload; }
+  // Whether any state lives in the daemon: not in no-offload mode, nor in zenflow when every
+  // parameter stays on the device (1-D ones, weights with fewer than 3 cold columns).
+  bool offloading() const { return copier != nullptr; }
 
   absl::Status Sync(const char* what) {
     std::string err = ops.Synchronize();
@@ -281,7 +283,7 @@ absl::Status ZenFlowEngine::Impl::Setup() {
     }
   }
   RETURN_IF_ERROR(Sync("allocating the engine's buffers"));
-  if (!offloading() || specs.empty()) return absl::OkStatus();
+  if (cfg.mode == OffloadMode::kNoOffload || specs.empty()) return absl::OkStatus();
   if (session->layout().params_size() == 0) {
     RETURN_IF_ERROR(session->RegisterParams(specs));
   } else {
@@ -424,6 +426,13 @@ absl::Status ZenFlowEngine::Impl::ApplyPendingUpdate(StepTimings* tm) {
 }
 
 absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
+  for (const PState& ps : params)
+    if (ps.p.grad == nullptr && ps.kind != PState::kDevice)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "parameter '", ps.p.name, "' has no gradient in step ", step + 1, ", but ",
+          ps.kind == PState::kSplit ? "its cold columns" : "it",
+          " live in the daemon, whose round needs every step's gradient: give it a zero "
+          "gradient, or freeze it (requires_grad=False) for the whole run"));
   const auto t_start = Clock::now();
   StepTimings tm;
   const int64_t t = ++step;
@@ -455,6 +464,7 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   // The device's share: 1-D and device-only parameters whole, hot columns of split weights.
   auto t0 = Clock::now();
   for (PState& ps : params) {
+    if (ps.p.grad == nullptr) continue;  // a device parameter without a gradient this step
     if (ps.kind == PState::kDevice) {
       kernels::AdamWConfig a = adam;
       a.step = ++ps.dstep;
@@ -579,7 +589,6 @@ absl::StatusOr<std::unique_ptr<ZenFlowEngine>> ZenFlowEngine::Create(
         return Invalid(absl::StrCat(field, ".shape[", d, "]"),
                        absl::StrCat(p.shape[d], " is not >= 1"));
     if (p.value == nullptr) return Invalid(field + ".value", "null");
-    if (p.grad == nullptr) return Invalid(field + ".grad", "null");
     impl->index[p.name] = i;
     PState ps;
     ps.p = p;
@@ -759,6 +768,31 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   if (im.offloading() && im.loaded)
     RETURN_IF_ERROR(im.session->Restore(tag, im.cfg.param_dtype).status());
   return absl::OkStatus();
+}
+
+absl::Status ZenFlowEngine::SetBuffers(size_t index, float* value, const float* grad) {
+  if (index >= impl_->params.size())
+    return Invalid("index", absl::StrCat(index, " is not below ", impl_->params.size()));
+  if (value == nullptr) return Invalid("value", "null");
+  impl_->params[index].p.value = value;
+  impl_->params[index].p.grad = grad;
+  return absl::OkStatus();
+}
+
+absl::Status ZenFlowEngine::SetAdamW(double beta1, double beta2, double eps,
+                                     double weight_decay) {
+  ZenFlowConfig c = impl_->cfg;
+  c.beta1 = beta1;
+  c.beta2 = beta2;
+  c.eps = eps;
+  c.weight_decay = weight_decay;
+  RETURN_IF_ERROR(c.Validate());
+  impl_->cfg = c;
+  return absl::OkStatus();
+}
+
+bool ZenFlowEngine::OnDevice(size_t index) const {
+  return index < impl_->params.size() && impl_->params[index].kind == PState::kDevice;
 }
 
 int64_t ZenFlowEngine::step() const { return impl_->step; }

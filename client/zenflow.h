@@ -86,7 +86,7 @@ struct EngineParam {
   std::string name;
   std::vector<int64_t> shape;  // every dimension >= 1
   float* value = nullptr;      // backend memory, updated in place
-  const float* grad = nullptr;  // backend memory, read by Step
+  const float* grad = nullptr;  // backend memory, read by Step (may be null until SetBuffers)
 };
 
 // Where the time of one Step went (seconds) and what it moved (bytes between the device and the
@@ -130,6 +130,19 @@ class ZenFlowEngine {
   // parameters' grad buffers. Errors from the daemon or the backend are returned here (or by a
   // later Step for asynchronous work) and leave the engine failed.
   absl::Status Step(double lr);
+
+  // Points parameter `index` (the order of Create's params) at new buffers from the next Step on:
+  // frameworks that reallocate gradients (PyTorch's zero_grad(set_to_none=True)) call this
+  // before each Step. Neither buffer is read or written outside Step, Flush, Checkpoint, Restore
+  // and Column. `grad` == nullptr means the parameter has no gradient in the next Step: a
+  // parameter wholly on the device is then skipped (value, moments and step count unchanged, as
+  // torch.optim.AdamW skips it); one with columns in the daemon fails that Step with
+  // FailedPrecondition naming it (its round's gradient cannot be left out).
+  absl::Status SetBuffers(size_t index, float* value, const float* grad);
+  // Changes AdamW's betas, eps and weight decay from the next Step on (validated as in Create).
+  absl::Status SetAdamW(double beta1, double beta2, double eps, double weight_decay);
+  // Whether parameter `index` lives wholly on the device (its gradient may be absent).
+  bool OnDevice(size_t index) const;
 
   // Waits for all offload work and brings the cold columns to the newest Update's parameters.
   // Gradients pushed since the last round boundary stay in the daemon's accumulator (they are

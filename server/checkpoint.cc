@@ -188,35 +188,61 @@ absl::StatusOr<v1::CheckpointHeader> ReadCheckpointHeader(const std::string& pat
   return ReadHeaderFd(fd.fd, path, size, &header_end);
 }
 
+namespace {
+
+// Verifies an open checkpoint file: its header, that its size is what the header describes, and
+// the checksum of everything before the trailer. *header_end: where the arrays start.
+absl::StatusOr<v1::CheckpointHeader> VerifyFd(int fd, const std::string& path, uint64_t size,
+                                              uint64_t* header_end) {
+  ASSIGN_OR_RETURN(v1::CheckpointHeader header, ReadHeaderFd(fd, path, size, header_end));
+  const uint64_t want = *header_end + BodyBytes(header) + 8;
+  if (size != want)
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, " is ",
+                                            size < want ? "truncated" : "too long", ": ", size,
+                                            " bytes, its header describes ", want));
+  Checksum64 sum;
+  std::unique_ptr<char[]> buf(new char[kIoChunk]);
+  for (uint64_t off = 0; off < size - 8;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(kIoChunk, size - 8 - off));
+    RETURN_IF_ERROR(ReadAt(fd, buf.get(), n, off, path));
+    sum.Update(buf.get(), n);
+    off += n;
+  }
+  uint64_t stored = 0;
+  RETURN_IF_ERROR(ReadAt(fd, &stored, 8, size - 8, path));
+  if (stored != sum.Digest())
+    return absl::DataLossError(absl::StrFormat(
+        "checkpoint %s is corrupt: checksum %016x, the file says %016x", path, sum.Digest(),
+        stored));
+  return header;
+}
+
+absl::Status FsyncDir(const std::string& dir) {
+  Fd dfd;
+  dfd.fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd.fd < 0) return SysError("open", dir);
+  if (fsync(dfd.fd) != 0) return SysError("fsync", dir);
+  return absl::OkStatus();
+}
+
+std::string DirOf(const std::string& path) { return path.substr(0, path.rfind('/')); }
+
+// The upload of `path`: a hidden file next to it ('.' never starts a tag).
+std::string UploadPath(const std::string& path) {
+  return absl::StrCat(DirOf(path), "/.", path.substr(path.rfind('/') + 1), ".upload");
+}
+
+}  // namespace
+
 absl::Status ReadCheckpointArrays(const std::string& path, const v1::CheckpointHeader& expected,
                                   const std::vector<CheckpointArrays>& arrays) {
   Fd fd;
   ASSIGN_OR_RETURN(uint64_t size, OpenForRead(path, &fd));
   uint64_t header_end = 0;
-  ASSIGN_OR_RETURN(v1::CheckpointHeader header,
-                          ReadHeaderFd(fd.fd, path, size, &header_end));
+  // Pass 1: the size and the checksum.
+  ASSIGN_OR_RETURN(v1::CheckpointHeader header, VerifyFd(fd.fd, path, size, &header_end));
   if (header.SerializeAsString() != expected.SerializeAsString())
     return absl::AbortedError(absl::StrCat("checkpoint ", path, " changed while it was read"));
-  const uint64_t want = header_end + BodyBytes(header) + 8;
-  if (size != want)
-    return absl::DataLossError(absl::StrCat("checkpoint ", path, " is ",
-                                            size < want ? "truncated" : "too long", ": ", size,
-                                            " bytes, its header describes ", want));
-  // Pass 1: the checksum of everything before the trailer.
-  Checksum64 sum;
-  std::unique_ptr<char[]> buf(new char[kIoChunk]);
-  for (uint64_t off = 0; off < size - 8;) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(kIoChunk, size - 8 - off));
-    RETURN_IF_ERROR(ReadAt(fd.fd, buf.get(), n, off, path));
-    sum.Update(buf.get(), n);
-    off += n;
-  }
-  uint64_t stored = 0;
-  RETURN_IF_ERROR(ReadAt(fd.fd, &stored, 8, size - 8, path));
-  if (stored != sum.Digest())
-    return absl::DataLossError(absl::StrFormat(
-        "checkpoint %s is corrupt: checksum %016x, the file says %016x", path, sum.Digest(),
-        stored));
   // Pass 2: the arrays (same open file, so the same bytes).
   uint64_t off = header_end;
   for (const CheckpointArrays& a : arrays) {
@@ -226,6 +252,60 @@ absl::Status ReadCheckpointArrays(const std::string& path, const v1::CheckpointH
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> ReadCheckpointBytes(const std::string& path, uint64_t offset, void* dst,
+                                             uint64_t capacity, uint64_t* file_bytes) {
+  Fd fd;
+  ASSIGN_OR_RETURN(uint64_t size, OpenForRead(path, &fd));
+  *file_bytes = size;
+  if (offset > size)
+    return absl::InvalidArgumentError(
+        absl::StrCat("offset: ", offset, " is beyond the checkpoint's ", size, " bytes"));
+  const uint64_t n = std::min(capacity, size - offset);
+  RETURN_IF_ERROR(ReadAt(fd.fd, dst, n, offset, path));
+  return n;
+}
+
+absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offset,
+                                          const void* src, uint64_t length, uint64_t total) {
+  const std::string upload = UploadPath(path);
+  Fd fd;
+  fd.fd = open(upload.c_str(), O_RDWR | O_CLOEXEC | (offset == 0 ? O_CREAT | O_TRUNC : 0), 0600);
+  if (fd.fd < 0 && errno == ENOENT)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "offset: ", offset, " but no upload of ", path, " is in progress; start at offset 0"));
+  if (fd.fd < 0) return SysError("open", upload);
+  struct stat st;
+  if (fstat(fd.fd, &st) != 0) return SysError("fstat", upload);
+  if (static_cast<uint64_t>(st.st_size) != offset)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "offset: ", offset, " but the upload of ", path, " holds ", st.st_size,
+        " bytes; start again at offset 0"));
+  if (lseek(fd.fd, static_cast<off_t>(offset), SEEK_SET) < 0) return SysError("lseek", upload);
+  auto discard = [&](absl::Status s) {
+    unlink(upload.c_str());
+    return s;
+  };
+  absl::Status w = WriteAll(fd.fd, src, length, upload, nullptr);
+  if (!w.ok()) return discard(w);
+  if (offset + length < total) return false;
+  if (fsync(fd.fd) != 0) return discard(SysError("fsync", upload));
+  uint64_t header_end = 0;
+  absl::StatusOr<v1::CheckpointHeader> header = VerifyFd(fd.fd, upload, total, &header_end);
+  if (!header.ok()) return discard(header.status());
+  if (rename(upload.c_str(), path.c_str()) != 0)
+    return discard(SysError("rename", upload + " -> " + path));
+  RETURN_IF_ERROR(FsyncDir(DirOf(path)));
+  return true;
+}
+
+absl::Status DeleteCheckpointFile(const std::string& path) {
+  if (unlink(path.c_str()) != 0) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no checkpoint ", path));
+    return SysError("unlink", path);
+  }
+  return FsyncDir(DirOf(path));
 }
 
 }  // namespace stallfree

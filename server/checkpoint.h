@@ -60,4 +60,19 @@ absl::StatusOr<v1::CheckpointHeader> ReadCheckpointHeader(const std::string& pat
 absl::Status ReadCheckpointArrays(const std::string& path, const v1::CheckpointHeader& header,
                                   const std::vector<CheckpointArrays>& arrays);
 
+// Copies bytes [offset, offset + n) of the file into dst, n = min(capacity, size - offset), and
+// returns n. *file_bytes is the file's size. NotFound, InvalidArgument (offset beyond the end).
+absl::StatusOr<uint64_t> ReadCheckpointBytes(const std::string& path, uint64_t offset, void* dst,
+                                             uint64_t capacity, uint64_t* file_bytes);
+
+// Appends `length` bytes to the upload of `path` (a hidden file beside it; offset 0 starts a new
+// one, any other offset must equal its size: FailedPrecondition). When offset + length == total
+// the upload is fsynced, verified as ReadCheckpointArrays would (DataLoss, and the upload is
+// removed, if it fails) and renamed over `path` (then the directory is fsynced): returns true.
+absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offset,
+                                          const void* src, uint64_t length, uint64_t total);
+
+// Removes the checkpoint (NotFound if missing) and fsyncs the directory.
+absl::Status DeleteCheckpointFile(const std::string& path);
+
 }  // namespace stallfree

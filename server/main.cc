@@ -60,6 +60,7 @@ int Run(int argc, char** argv) {
   std::string pin = "best-effort";
   std::string log_level = "info";
   std::string state_dir = DefaultStateDir();
+  int64_t parent_pid = 0;
   FlagSet flags("stallfreed",
                 "the stallfree offload daemon: owns pinned host memory and applies AdamW to the "
                 "gradients trainers push through shared memory.");
@@ -76,6 +77,9 @@ int Run(int argc, char** argv) {
                   "directory for checkpoints (Checkpoint / Restore); created if missing; empty "
                   "disables them ($STATE_DIRECTORY, else $XDG_STATE_HOME/stallfree or "
                   "~/.local/state/stallfree, /var/lib/stallfree for root)");
+  flags.AddInt("parent_pid", &parent_pid,
+               "stop (as on SIGTERM) when this process, the daemon's parent, exits or is killed: "
+               "for a private daemon started by a trainer (0: never)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   LogLevel level;
   if (!ParseLogLevel(log_level, &level)) {
@@ -163,6 +167,24 @@ int Run(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   });
+  // A private daemon follows its parent: when the parent dies (even by SIGKILL) the daemon is
+  // re-parented, getppid() changes, and it stops as on SIGTERM.
+  std::thread parent_watch;
+  if (parent_pid > 0) {
+    if (getppid() != static_cast<pid_t>(parent_pid))
+      SF_LOG(kWarning, "--parent_pid %d: the parent is already gone (getppid %d); stopping",
+             parent_pid, getppid());
+    parent_watch = std::thread([&stop, parent_pid] {
+      while (!stop.load()) {
+        if (getppid() != static_cast<pid_t>(parent_pid)) {
+          SF_LOG(kInfo, "parent process %d is gone; stopping", parent_pid);
+          kill(getpid(), SIGTERM);
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    });
+  }
   int sig = 0;
   sigwait(&sigs, &sig);
   SF_LOG(kInfo, "signal %d: no new requests; finishing running updates", sig);
@@ -170,6 +192,7 @@ int Run(int argc, char** argv) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   stop.store(true);
   housekeeping.join();
+  if (parent_watch.joinable()) parent_watch.join();
   fd_server.Stop();
   unlink(socket.c_str());
   SF_LOG(kInfo, "stallfreed stopped");

@@ -125,6 +125,30 @@ grpc::ServerUnaryReactor* OffloadService::ListCheckpoints(grpc::CallbackServerCo
   return r;
 }
 
+grpc::ServerUnaryReactor* OffloadService::ReadCheckpoint(grpc::CallbackServerContext* ctx,
+                                                         const v1::ReadCheckpointRequest* req,
+                                                         v1::ReadCheckpointResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->ReadCheckpoint(*req, resp, Finisher(r));
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::WriteCheckpoint(grpc::CallbackServerContext* ctx,
+                                                          const v1::WriteCheckpointRequest* req,
+                                                          v1::WriteCheckpointResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->WriteCheckpoint(*req, resp, Finisher(r));
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::DeleteCheckpoint(grpc::CallbackServerContext* ctx,
+                                                           const v1::DeleteCheckpointRequest* req,
+                                                           v1::DeleteCheckpointResponse*) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->DeleteCheckpoint(*req, Finisher(r));
+  return r;
+}
+
 grpc::ServerUnaryReactor* OffloadService::GetStats(grpc::CallbackServerContext* ctx,
                                                    const v1::GetStatsRequest*,
                                                    v1::GetStatsResponse* resp) {

@@ -49,6 +49,15 @@ class OffloadService final : public v1::Offload::CallbackService {
   grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* ctx,
                                             const v1::ListCheckpointsRequest* req,
                                             v1::ListCheckpointsResponse* resp) override;
+  grpc::ServerUnaryReactor* ReadCheckpoint(grpc::CallbackServerContext* ctx,
+                                           const v1::ReadCheckpointRequest* req,
+                                           v1::ReadCheckpointResponse* resp) override;
+  grpc::ServerUnaryReactor* WriteCheckpoint(grpc::CallbackServerContext* ctx,
+                                            const v1::WriteCheckpointRequest* req,
+                                            v1::WriteCheckpointResponse* resp) override;
+  grpc::ServerUnaryReactor* DeleteCheckpoint(grpc::CallbackServerContext* ctx,
+                                             const v1::DeleteCheckpointRequest* req,
+                                             v1::DeleteCheckpointResponse* resp) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
                                      const v1::GetStatsRequest* req,
                                      v1::GetStatsResponse* resp) override;

@@ -903,7 +903,7 @@ void SessionManager::Checkpoint(const v1::CheckpointRequest& req, v1::Checkpoint
       arrays.push_back({s->master + e, s->m + e, s->v + e, s->acc + e, p.numel});
     }
     const auto t0 = Clock::now();
-    absl::StatusOr<CheckpointWritten> out = WriteCheckpoint(path, header, arrays);
+    absl::StatusOr<CheckpointWritten> out = stallfree::WriteCheckpoint(path, header, arrays);
     if (!out.ok()) {
       Reject(out.status());
       return done(out.status());
@@ -1000,6 +1000,93 @@ void SessionManager::Restore(const v1::RestoreRequest& req, v1::RestoreResponse*
     resp->set_bytes(file_bytes);
     SF_LOG(kInfo, "session %d: restored %s (version %d)", s->id, path, header.version());
     done(absl::OkStatus());
+  });
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindRegisteredForCheckpoint(
+    const v1::SessionRef& ref, const std::string& tag, const char* what) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> s, FindForCheckpoint(ref, tag));
+  std::lock_guard<std::mutex> lock(s->mu);
+  if (!s->registered)
+    return absl::FailedPreconditionError(absl::StrCat(what, " before RegisterParams"));
+  return s;
+}
+
+void SessionManager::ReadCheckpoint(const v1::ReadCheckpointRequest& req,
+                                    v1::ReadCheckpointResponse* resp,
+                                    std::function<void(absl::Status)> done) {
+  absl::StatusOr<std::shared_ptr<Session>> found =
+      FindRegisteredForCheckpoint(req.session(), req.tag(), "ReadCheckpoint");
+  if (!found.ok()) {
+    Reject(found.status());
+    return done(found.status());
+  }
+  std::shared_ptr<Session> s = *found;
+  const std::string path = CheckpointPath(options_.state_dir, req.tag());
+  s->strand->Post([this, s, path, req, resp, done] {
+    uint64_t total = 0;
+    absl::StatusOr<uint64_t> n = stallfree::ReadCheckpointBytes(path, req.offset(), s->Staging(),
+                                                     s->layout.staging_bytes(), &total);
+    absl::Status st = n.status();
+    if (st.ok() && req.delete_after() && req.offset() + *n == total)
+      st = DeleteCheckpointFile(path);
+    if (!st.ok()) {
+      Reject(st);
+      return done(st);
+    }
+    resp->set_total_bytes(total);
+    resp->set_length(*n);
+    done(absl::OkStatus());
+  });
+}
+
+void SessionManager::WriteCheckpoint(const v1::WriteCheckpointRequest& req,
+                                     v1::WriteCheckpointResponse* resp,
+                                     std::function<void(absl::Status)> done) {
+  auto fail = [&](absl::Status st) {
+    Reject(st);
+    done(st);
+  };
+  absl::StatusOr<std::shared_ptr<Session>> found =
+      FindRegisteredForCheckpoint(req.session(), req.tag(), "WriteCheckpoint");
+  if (!found.ok()) return fail(found.status());
+  std::shared_ptr<Session> s = *found;
+  if (req.length() > s->layout.staging_bytes())
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "length: ", req.length(), " bytes, the staging area holds ", s->layout.staging_bytes())));
+  if (req.offset() > req.total_bytes() || req.length() > req.total_bytes() - req.offset())
+    return fail(absl::InvalidArgumentError(absl::StrCat("offset + length: ", req.offset(), " + ",
+                                                        req.length(), " exceeds total_bytes ",
+                                                        req.total_bytes())));
+  const std::string path = CheckpointPath(options_.state_dir, req.tag());
+  s->strand->Post([this, s, path, req, resp, done] {
+    absl::StatusOr<bool> complete = WriteCheckpointChunk(path, req.offset(), s->Staging(),
+                                                         req.length(), req.total_bytes());
+    if (!complete.ok()) {
+      Reject(complete.status());
+      return done(complete.status());
+    }
+    resp->set_complete(*complete);
+    if (*complete)
+      SF_LOG(kInfo, "session %d: received checkpoint %s, %d bytes", s->id, path,
+             req.total_bytes());
+    done(absl::OkStatus());
+  });
+}
+
+void SessionManager::DeleteCheckpoint(const v1::DeleteCheckpointRequest& req,
+                                      std::function<void(absl::Status)> done) {
+  absl::StatusOr<std::shared_ptr<Session>> found = FindForCheckpoint(req.session(), req.tag());
+  if (!found.ok()) {
+    Reject(found.status());
+    return done(found.status());
+  }
+  std::shared_ptr<Session> s = *found;
+  const std::string path = CheckpointPath(options_.state_dir, req.tag());
+  s->strand->Post([this, path, done] {
+    absl::Status st = DeleteCheckpointFile(path);
+    if (!st.ok()) Reject(st);
+    done(st);
   });
 }
 

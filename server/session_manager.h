@@ -106,6 +106,14 @@ class SessionManager {
   void Restore(const v1::RestoreRequest& request, v1::RestoreResponse* response,
                std::function<void(absl::Status)> done);
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints();
+  // Checkpoint bytes through the staging area, and removal (offload.proto): on the strand.
+  void ReadCheckpoint(const v1::ReadCheckpointRequest& request,
+                      v1::ReadCheckpointResponse* response, std::function<void(absl::Status)> done);
+  void WriteCheckpoint(const v1::WriteCheckpointRequest& request,
+                       v1::WriteCheckpointResponse* response,
+                       std::function<void(absl::Status)> done);
+  void DeleteCheckpoint(const v1::DeleteCheckpointRequest& request,
+                        std::function<void(absl::Status)> done);
   // Calls done once the version is ready, the timeout passes, or the session goes away.
   void WaitUpdate(const v1::WaitUpdateRequest& request,
                   std::function<void(absl::StatusOr<WaitResult>)> done);
@@ -132,6 +140,10 @@ class SessionManager {
   // Find, plus the checks every checkpoint RPC makes: a state directory and a valid tag.
   absl::StatusOr<std::shared_ptr<Session>> FindForCheckpoint(const v1::SessionRef& ref,
                                                              const std::string& tag);
+  // FindForCheckpoint, plus a registered session (its staging area exists) for `what`.
+  absl::StatusOr<std::shared_ptr<Session>> FindRegisteredForCheckpoint(const v1::SessionRef& ref,
+                                                                       const std::string& tag,
+                                                                       const char* what);
   void Reclaim(uint64_t id, const std::string& why);
   void Reject(const absl::Status& s);
   // Runs the validated jobs on the session's strand, counts them, then calls done. `whole`: the

@@ -334,6 +334,108 @@ TEST_F(ZenFlowTest, SyncOffloadAndNoOffloadEqualDenseAdamW) {
   }
 }
 
+// What a framework front-end needs (the PyTorch optimizer): buffers that move between steps
+// (SetBuffers), a parameter without a gradient in a step (skipped when wholly on the device, as
+// torch.optim.AdamW skips it; refused, naming it, when columns live in the daemon), changed
+// betas / weight decay (SetAdamW), and a zenflow group whose parameters all stay on the device
+// (no daemon state at all: it must not touch the session).
+TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
+  const int seed = 4;
+  // A device-only zenflow group: a 1-D parameter and a weight too narrow to split.
+  {
+    std::vector<Tensor> model = {MakeModel(seed)[2], MakeModel(seed)[3]};
+    Dense dense(model);
+    std::unique_ptr<Session> session = NewSession("device-only");
+    const ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 0, false);
+    auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
+                                        kernels::CpuOps(), session.get());
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    for (int64_t t = 1; t <= 5; ++t) {
+      FillGrads(&model, t, seed);
+      ASSERT_TRUE((*engine)->Step(Lr(t)).ok()) << "step " << t;
+      dense.Step(t, seed, cfg);
+      EXPECT_FALSE((*engine)->last_timings().boundary);
+      for (size_t i = 0; i < model.size(); ++i)
+        ASSERT_EQ(0, memcmp(model[i].value.data(), dense.ts[i].value.data(),
+                            model[i].value.size() * 4)) << model[i].name << " step " << t;
+    }
+    EXPECT_EQ(session->layout().params_size(), 0);  // nothing was registered
+    EXPECT_TRUE((*engine)->Checkpoint("unused").ok());
+  }
+  // no-offload: buffers rebound every step to fresh copies; "bias" has no gradient in step 3.
+  {
+    std::vector<Tensor> model = MakeModel(seed);
+    std::vector<Tensor> ref = model;
+    std::vector<std::vector<float>> m(ref.size()), v(ref.size());
+    std::vector<int64_t> steps(ref.size(), 0);
+    for (size_t i = 0; i < ref.size(); ++i) {
+      m[i].assign(ref[i].value.size(), 0.0f);
+      v[i].assign(ref[i].value.size(), 0.0f);
+    }
+    ZenFlowConfig cfg = Config(OffloadMode::kNoOffload, 1, 0, false);
+    auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
+                                        kernels::CpuOps(), nullptr);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    for (int64_t t = 1; t <= 5; ++t) {
+      if (t == 4) {  // betas and weight decay change from step 4 on
+        cfg.beta1 = 0.8;
+        cfg.weight_decay = 0.2;
+        ASSERT_TRUE((*engine)->SetAdamW(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay).ok());
+      }
+      FillGrads(&model, t, seed);
+      // Fresh buffers, as PyTorch's zero_grad(set_to_none=True) and a reallocation give.
+      std::vector<std::vector<float>> values(model.size()), grads(model.size());
+      for (size_t i = 0; i < model.size(); ++i) {
+        values[i] = model[i].value;
+        grads[i] = model[i].grad;
+        const bool absent = t == 3 && model[i].name == "bias";
+        ASSERT_TRUE((*engine)->SetBuffers(i, values[i].data(),
+                                          absent ? nullptr : grads[i].data()).ok());
+      }
+      ASSERT_TRUE((*engine)->Step(Lr(t)).ok());
+      for (size_t i = 0; i < model.size(); ++i) {
+        model[i].value = values[i];
+        if (t == 3 && ref[i].name == "bias") continue;  // skipped: no step, no decay
+        kernels::AdamWConfig a;
+        a.lr = Lr(t);
+        a.beta1 = cfg.beta1;
+        a.beta2 = cfg.beta2;
+        a.eps = cfg.eps;
+        a.weight_decay = cfg.weight_decay;
+        a.step = ++steps[i];
+        kernels::ReferenceKernel().AdamW(a, ref[i].value.data(), m[i].data(), v[i].data(),
+                                         model[i].grad.data(), kernels::GradType::kFp32,
+                                         static_cast<int64_t>(ref[i].value.size()), nullptr);
+      }
+      for (size_t i = 0; i < model.size(); ++i)
+        ASSERT_EQ(0, memcmp(model[i].value.data(), ref[i].value.data(),
+                            model[i].value.size() * 4)) << model[i].name << " step " << t;
+    }
+    EXPECT_EQ(steps[3], 4);  // bias took 4 of the 5 steps
+    EXPECT_EQ((*engine)->SetAdamW(1.0, 0.999, 1e-8, 0).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ((*engine)->SetBuffers(9, model[0].value.data(), nullptr).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  // zenflow: a split weight without a gradient is refused by name, before anything runs.
+  {
+    std::vector<Tensor> model = MakeModel(seed);
+    std::unique_ptr<Session> session = NewSession("absent");
+    auto engine = ZenFlowEngine::Create(Config(OffloadMode::kZenFlow, 2, 0, false),
+                                        Params(&model), kernels::DefaultCpuKernel(),
+                                        kernels::CpuOps(), session.get());
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_FALSE((*engine)->OnDevice(0));
+    EXPECT_TRUE((*engine)->OnDevice(3));
+    FillGrads(&model, 1, seed);
+    ASSERT_TRUE((*engine)->Step(Lr(1)).ok());
+    ASSERT_TRUE((*engine)->SetBuffers(0, model[0].value.data(), nullptr).ok());
+    absl::Status st = (*engine)->Step(Lr(2));
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(st.message().find("'w1'"), std::string::npos) << st;
+    EXPECT_EQ((*engine)->step(), 1);
+  }
+}
+
 // With S = 4 and asynchronous updates the cold columns lag the awaited run by exactly one round:
 // after step t they hold what the awaited run held after step B(t) - S, B(t) = the last round
 // boundary <= t (the initial values while B(t) - S <= 0). Hot columns do not lag.

@@ -179,6 +179,110 @@ TEST_F(CheckpointTest, BadTagsCorruptAndTruncatedFilesAreRefused) {
   EXPECT_EQ(unreadable, 2);  // tiny, garbage (a bad body is only found by a full read)
 }
 
+// ReadCheckpoint / WriteCheckpoint move a checkpoint's bytes through the staging area in chunks
+// (the PyTorch optimizer's state_dict): the bytes read equal the file, bytes written back restore
+// a session that continues bit for bit, and a corrupt or out-of-order upload is refused and
+// leaves nothing behind.
+TEST_F(CheckpointTest, CheckpointBytesRoundTripThroughTheStagingArea) {
+  const std::string dir = tmp_ + "/ckpt";
+  Daemon d({"--threads", "2", "--state_dir", dir}, "info");
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok());
+  // 2560 elements: a 12 KiB staging area, a ~41 KB file, so the bytes move in 4 chunks.
+  const std::vector<ParamSpec> big = {{"w", {64, 40}, v1::DTYPE_FP32}};
+  auto open = [&](const std::string& name) {
+    auto s = (*client)->OpenSession(name, 0);
+    EXPECT_TRUE(s.ok());
+    EXPECT_TRUE((*s)->RegisterParams(big).ok());
+    float* w = (*s)->StagingFp32("w");
+    for (int i = 0; i < 2560; ++i) w[i] = 0.001f * i - 1.0f;
+    EXPECT_TRUE((*s)->LoadParams().ok());
+    return std::move(*s);
+  };
+  auto train = [](Session* s, int64_t t) {
+    std::mt19937 rng(static_cast<unsigned>(t));
+    std::normal_distribution<float> normal;
+    float* g = static_cast<float*>(s->GradSlot(0, "w"));
+    for (int i = 0; i < 2560; ++i) g[i] = normal(rng);
+    EXPECT_TRUE(s->Push(t, 0).ok());
+    EXPECT_TRUE(s->Update(t, Hyper(), 1, v1::DTYPE_FP32, /*column_steps=*/true).ok());
+    auto ready = s->WaitUpdate(t);
+    EXPECT_TRUE(ready.ok()) << ready.status();
+    const float* w = s->ParamsFp32(ready->param_slot(), "w");
+    return std::vector<float>(w, w + 2560);
+  };
+  auto a = open("a");
+  for (int64_t t = 1; t <= 2; ++t) train(a.get(), t);
+  ASSERT_GT(a->layout().staging_bytes(), 0u);
+  auto saved = a->Checkpoint("orig");
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  ASSERT_GT(saved->bytes(), 3 * a->layout().staging_bytes());
+  std::string on_disk;
+  {
+    std::ifstream f(saved->path(), std::ios::binary);
+    on_disk.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  auto bytes = a->ReadCheckpointBytes("orig", /*delete_after=*/false);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_EQ(*bytes, on_disk);
+  std::vector<std::vector<float>> expected;
+  for (int64_t t = 3; t <= 4; ++t) expected.push_back(train(a.get(), t));
+
+  // Written back under another tag: the same bytes, and a session restored from it continues
+  // as the uninterrupted one.
+  auto b = open("b");
+  ASSERT_TRUE(b->WriteCheckpointBytes("copy", *bytes).ok());
+  {
+    std::ifstream f(dir + "/copy.sfckpt", std::ios::binary);
+    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(f), {}), on_disk);
+  }
+  ASSERT_TRUE(b->Restore("copy").ok());
+  for (int64_t t = 3; t <= 4; ++t) EXPECT_EQ(train(b.get(), t), expected[t - 3]) << "step " << t;
+
+  // A corrupt upload (one flipped bit) or a truncated one is refused at its last chunk, and
+  // neither it nor its upload file stays.
+  std::string flipped = *bytes;
+  flipped[flipped.size() / 2] ^= 0x04;
+  EXPECT_EQ(b->WriteCheckpointBytes("bad", flipped).code(), Code::kDataLoss);
+  std::string cut = bytes->substr(0, bytes->size() - 8);
+  EXPECT_EQ(b->WriteCheckpointBytes("cut", cut).code(), Code::kDataLoss);
+  EXPECT_EQ(b->Restore("bad").status().code(), Code::kNotFound);
+  // Out of order: a chunk at an offset the upload has not reached; a chunk beyond the staging
+  // area; a bad tag.
+  v1::WriteCheckpointRequest req;
+  *req.mutable_session() = b->ref();
+  req.set_tag("gap");
+  req.set_offset(4096);
+  req.set_length(16);
+  req.set_total_bytes(bytes->size());
+  v1::WriteCheckpointResponse resp;
+  {
+    grpc::ClientContext ctx;
+    EXPECT_EQ((*client)->stub()->WriteCheckpoint(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  req.set_offset(0);
+  req.set_length(b->layout().staging_bytes() + 1);
+  req.set_total_bytes(b->layout().staging_bytes() + 1);
+  {
+    grpc::ClientContext ctx;
+    EXPECT_EQ((*client)->stub()->WriteCheckpoint(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  EXPECT_EQ(b->WriteCheckpointBytes("../x", *bytes).code(), Code::kInvalidArgument);
+  // Only orig.sfckpt and copy.sfckpt remain (no upload files).
+  EXPECT_EQ(system(("test $(ls -A " + dir + " | wc -l) -eq 2").c_str()), 0);
+
+  // delete_after removes the file once read; DeleteCheckpoint removes one; both then NOT_FOUND.
+  auto again = a->ReadCheckpointBytes("orig", /*delete_after=*/true);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, on_disk);
+  EXPECT_EQ(a->ReadCheckpointBytes("orig", false).status().code(), Code::kNotFound);
+  EXPECT_TRUE(b->DeleteCheckpoint("copy").ok());
+  EXPECT_EQ(b->DeleteCheckpoint("copy").code(), Code::kNotFound);
+  EXPECT_EQ(system(("test $(ls -A " + dir + " | wc -l) -eq 0").c_str()), 0);
+}
+
 TEST_F(CheckpointTest, WithoutStateDirectoryCheckpointsAreOff) {
   Daemon d({"--threads", "2", "--state_dir", ""}, "info");
   auto client = Client::Connect(d.socket());

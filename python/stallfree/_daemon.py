@@ -1,0 +1,134 @@
+"""Private stallfreed processes, and where the node's shared one listens."""
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import weakref
+
+from . import _stallfree
+from ._stallfree import Error
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def stallfreed_path():
+    """The stallfreed binary: $STALLFREE_STALLFREED, else the one shipped in this package."""
+    path = os.environ.get("STALLFREE_STALLFREED") or os.path.join(_HERE, "stallfreed")
+    if not os.access(path, os.X_OK):
+        raise Error(
+            "no stallfreed binary at %s: build the package with `bazel build "
+            "//python:stallfree_package` (it ships the daemon), or set STALLFREE_STALLFREED to "
+            "a stallfreed binary" % path)
+    return path
+
+
+def default_socket():
+    """Where the node's daemon listens by default (stallfreed's own default):
+    $XDG_RUNTIME_DIR/stallfree/stallfreed.sock, else /run/stallfree/stallfreed.sock."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    base = os.path.join(xdg, "stallfree") if xdg else "/run/stallfree"
+    return os.path.join(base, "stallfreed.sock")
+
+
+_live = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all():
+    for d in list(_live):
+        d.close()
+
+
+class Daemon:
+    """A private stallfreed, started now and stopped by close() (or `with`, or at exit).
+
+    socket: where it listens (default: a fresh temporary directory's stallfreed.sock);
+    state_dir: its checkpoint directory (default: inside that temporary directory);
+    threads: optimizer worker threads (0: all cores); log_level: its log level (its log goes to
+    `log_path`). The daemon runs with --parent_pid, so it stops by itself when this process
+    dies, even by SIGKILL: it never outlives its parent.
+    """
+
+    def __init__(self, socket=None, state_dir=None, threads=0, log_level="warning",
+                 pinned_mib=0, startup_timeout=30.0):
+        self._dir = tempfile.mkdtemp(prefix="stallfree-", dir="/tmp")
+        self.socket = socket or os.path.join(self._dir, "stallfreed.sock")
+        self.state_dir = state_dir or os.path.join(self._dir, "state")
+        self.log_path = os.path.join(self._dir, "stallfreed.log")
+        self._proc = None
+        args = [stallfreed_path(), "--socket", self.socket, "--state_dir", self.state_dir,
+                "--threads", str(int(threads)), "--log_level", log_level,
+                "--pinned_mib", str(int(pinned_mib)), "--parent_pid", str(os.getpid())]
+        with open(self.log_path, "wb") as log:
+            # Its own session: a Ctrl-C in the terminal reaches the trainer, which then closes
+            # the daemon in order, instead of killing the daemon under a running step.
+            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self._proc.pid
+        _live.add(self)
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self._proc.poll() is not None:
+                why = self._log_tail()
+                self._cleanup()
+                raise Error("stallfreed exited with code %d while starting (socket %s): %s"
+                            % (self._proc.returncode, self.socket, why))
+            if os.path.exists(self.socket):
+                try:
+                    if _stallfree.Client(self.socket, 500).health() == "SERVING":
+                        break
+                except Error:
+                    pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise Error("stallfreed did not answer on %s within %.0f s (log: %s)"
+                            % (self.socket, startup_timeout, self.log_path))
+            time.sleep(0.02)
+
+    def _log_tail(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-2000:].decode("utf-8", "replace").strip()
+        except OSError:
+            return "(no log)"
+
+    @property
+    def running(self):
+        return self._proc is not None and self._proc.poll() is None
+
+    def close(self, timeout=10.0):
+        """Stops the daemon (SIGTERM: it finishes running updates) and removes its directory."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+        _live.discard(self)
+        self._cleanup()
+
+    def _cleanup(self):
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __repr__(self):
+        return "stallfree.Daemon(socket=%r, pid=%r)" % (self.socket, self.pid)
