@@ -154,6 +154,9 @@ struct PState {
   OpsBuffer hot_idx_dev, cold_idx_dev, scores, topk_dev;  // int64 arrays as 2 floats each
   // kSplit and kOffloaded: the gathered gradients per gradient slot, and the parameters back.
   OpsBuffer cold_grad[2], cold_bf16[2], cold_params, cold_raw;
+  // kSplit and kOffloaded: steps of the current round in which the parameter had a gradient
+  // (SetBuffers with a null gradient: none); a round without any skips the daemon's update.
+  int64_t round_grads = 0;
 
   int64_t offload_numel() const { return kind == kSplit ? rows * ncold : numel; }
   // The fp32 gradient that goes to the daemon from gradient slot `slot`: the gathered cold
@@ -319,9 +322,17 @@ absl::Status ZenFlowEngine::Impl::LoadDaemon() {
 }
 
 absl::Status ZenFlowEngine::Impl::Select(PState& ps, bool initial, StepTimings* tm) {
+  // Without a gradient a reselection keeps the hot set; the first selection takes columns
+  // [0, k) (the top-k of all-zero scores).
+  if (ps.p.grad == nullptr && !initial) return absl::OkStatus();
   auto t0 = Clock::now();
-  k.ColumnScores(ps.p.grad, GradType::kFp32, ps.rows, ps.cols, ps.cols, nullptr,
-                 ps.scores.data());
+  if (ps.p.grad == nullptr) {
+    std::vector<float> zeros(ps.cols, 0.0f);
+    ops.Upload(ps.scores.data(), zeros.data(), ps.cols);
+  } else {
+    k.ColumnScores(ps.p.grad, GradType::kFp32, ps.rows, ps.cols, ps.cols, nullptr,
+                   ps.scores.data());
+  }
   if (reduce) RETURN_IF_ERROR(reduce(ps.p.name, ps.scores.data(), ps.cols));
   k.TopK(ps.scores.data(), ps.cols, ps.k, AsInts(ps.topk_dev));
   std::vector<int64_t> hot(ps.k);
@@ -426,13 +437,6 @@ absl::Status ZenFlowEngine::Impl::ApplyPendingUpdate(StepTimings* tm) {
 }
 
 absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
-  for (const PState& ps : params)
-    if (ps.p.grad == nullptr && ps.kind != PState::kDevice)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "parameter '", ps.p.name, "' has no gradient in step ", step + 1, ", but ",
-          ps.kind == PState::kSplit ? "its cold columns" : "it",
-          " live in the daemon, whose round needs every step's gradient: give it a zero "
-          "gradient, or freeze it (requires_grad=False) for the whole run"));
   const auto t_start = Clock::now();
   StepTimings tm;
   const int64_t t = ++step;
@@ -499,8 +503,15 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   RETURN_IF_ERROR(copier->WaitFor(slot_task[slot]));
   tm.stall += Since(t0);
   t0 = Clock::now();
-  for (PState& ps : params) {
+  std::vector<char> present(params.size(), 0);
+  for (size_t i = 0; i < params.size(); ++i) {
+    PState& ps = params[i];
     if (ps.kind == PState::kDevice) continue;
+    // A parameter without a gradient this step pushes zeros, written on the host by the copy
+    // task: it adds nothing to the round's mean.
+    if (ps.p.grad == nullptr) continue;
+    present[i] = 1;
+    ++ps.round_grads;
     const int64_t n = ps.offload_numel();
     if (ps.kind == PState::kSplit)
       k.GatherColumns(ps.p.grad, 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
@@ -520,7 +531,12 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   // runs one at a time); both are normally long done by then.
   v1::AdamWHyper hyper;
   uint32_t pslot = 0;
+  std::vector<std::string> skip;  // no gradient in the whole round: no step, no decay
   if (tm.boundary) {
+    for (PState& ps : params) {
+      if (ps.kind != PState::kDevice && ps.round_grads == 0) skip.push_back(ps.p.name);
+      ps.round_grads = 0;
+    }
     hyper.set_lr(lr);
     hyper.set_beta1(cfg.beta1);
     hyper.set_beta2(cfg.beta2);
@@ -534,19 +550,21 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   const int64_t prev_update = pending_version;    // an Update that may still run
   slot_update[slot] = fuse ? t : 0;
   slot_task[slot] = copier->Post([this, slot, t, scale, fuse, slot_busy, prev_update, hyper,
-                                  pslot, out]() -> absl::Status {
+                                  pslot, out, present, skip]() -> absl::Status {
     if (slot_busy > 0) RETURN_IF_ERROR(session->WaitUpdate(slot_busy).status());
-    for (PState& ps : params) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      PState& ps = params[i];
       if (ps.kind == PState::kDevice) continue;
       const int64_t n = ps.offload_numel();
       float* dst = static_cast<float*>(session->GradSlot(slot, ps.p.name));
-      if (cfg.grad_dtype == v1::DTYPE_FP32) ops.Download(dst, ps.ColdFp32(slot), n);
+      if (!present[i]) memset(dst, 0, n * DTypeBytes(cfg.grad_dtype));
+      else if (cfg.grad_dtype == v1::DTYPE_FP32) ops.Download(dst, ps.ColdFp32(slot), n);
       else ops.Download(dst, ps.cold_bf16[slot].data(), (n + 1) / 2);
     }
     RETURN_IF_ERROR(Sync("copying the cold gradients to the host"));
     if (!fuse) return session->Push(t, slot, scale).status();
     if (prev_update > 0) RETURN_IF_ERROR(session->WaitUpdate(prev_update).status());
-    return session->UpdateWithPush(t, hyper, pslot, out, slot, scale);
+    return session->UpdateWithPush(t, hyper, pslot, out, slot, scale, skip);
   });
 
   if (tm.boundary) {
@@ -662,7 +680,8 @@ class BlobReader {
   size_t pos_ = 0;
 };
 
-constexpr int64_t kBlobMagic = 0x315446574e455a53;  // "SZENWFT1"
+constexpr int64_t kBlobMagicV1 = 0x315446574e455a53;  // "SZENWFT1"
+constexpr int64_t kBlobMagic = 0x325446574e455a53;    // "SZENWFT2": + round_grads
 
 }  // namespace
 
@@ -696,7 +715,10 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
       w.I64(ps.dstep);
       w.Floats(download(ps.m));
       w.Floats(download(ps.v));
-    } else if (ps.kind == PState::kSplit) {
+    } else {
+      w.I64(ps.round_grads);
+    }
+    if (ps.kind == PState::kSplit) {
       w.Ints(ps.hot_idx);
       w.Ints(ps.cold_idx);
       w.Ints(ps.hot_steps);
@@ -718,7 +740,8 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   auto bad = [](const std::string& what) {
     return absl::DataLossError(absl::StrCat("state: ", what));
   };
-  if (!r.I64(&magic) || magic != kBlobMagic) return bad("not a ZenFlow engine checkpoint");
+  if (!r.I64(&magic) || (magic != kBlobMagic && magic != kBlobMagicV1))
+    return bad("not a ZenFlow engine checkpoint");
   if (!r.I64(&mode) || mode != static_cast<int64_t>(im.cfg.mode))
     return absl::InvalidArgumentError(absl::StrCat(
         "state: written in mode ", mode, ", this engine runs ", OffloadModeName(im.cfg.mode)));
@@ -740,7 +763,12 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
         return bad("truncated");
       im.ops.Upload(ps.m.data(), a.data(), ps.numel);
       im.ops.Upload(ps.v.data(), b.data(), ps.numel);
-    } else if (ps.kind == PState::kSplit) {
+    } else if (magic == kBlobMagic) {
+      if (!r.I64(&ps.round_grads)) return bad("truncated");
+    } else {
+      ps.round_grads = 1;  // version 1 engines always had every gradient
+    }
+    if (ps.kind == PState::kSplit) {
       const int64_t hot = ps.rows * ps.k;
       if (!r.Ints(&ps.hot_idx, ps.k) || !r.Ints(&ps.cold_idx, ps.ncold) ||
           !r.Ints(&ps.hot_steps, ps.k) || !r.Floats(&a, hot) || !r.Floats(&b, hot) ||

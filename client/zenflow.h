@@ -134,10 +134,13 @@ class ZenFlowEngine {
   // Points parameter `index` (the order of Create's params) at new buffers from the next Step on:
   // frameworks that reallocate gradients (PyTorch's zero_grad(set_to_none=True)) call this
   // before each Step. Neither buffer is read or written outside Step, Flush, Checkpoint, Restore
-  // and Column. `grad` == nullptr means the parameter has no gradient in the next Step: a
-  // parameter wholly on the device is then skipped (value, moments and step count unchanged, as
-  // torch.optim.AdamW skips it); one with columns in the daemon fails that Step with
-  // FailedPrecondition naming it (its round's gradient cannot be left out).
+  // and Column. `grad` == nullptr means the parameter has no gradient in the next Step, and is
+  // skipped as torch.optim.AdamW skips it: its device-side part (the whole parameter, or its hot
+  // columns) takes no step (value, moments, step counts unchanged) and a reselection keeps its
+  // hot set; its daemon-side part adds nothing to the round's gradient (the daemon's round
+  // gradient is the sum of the round's gradients over S), and a round in which it never had a
+  // gradient leaves it unchanged in the daemon (UpdateRequest.skip_params). In sync-offload
+  // (S = 1) that is exactly torch's skip.
   absl::Status SetBuffers(size_t index, float* value, const float* grad);
   // Changes AdamW's betas, eps and weight decay from the next Step on (validated as in Create).
   absl::Status SetAdamW(double beta1, double beta2, double eps, double weight_decay);

@@ -655,12 +655,24 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
   if (fuse && req.fused_grad_slot() > 1)
     return fail(absl::InvalidArgumentError(
         absl::StrCat("fused_grad_slot: ", req.fused_grad_slot(), " is not 0 or 1")));
+  if (req.skip_params_size() > 0 && !req.column_steps())
+    return fail(absl::InvalidArgumentError("skip_params: only with column_steps"));
   const uint32_t grad_slot = req.fused_grad_slot();
   const float push_scale = req.push_scale() == 0.0f ? 1.0f : req.push_scale();
   const v1::DType out = req.out_dtype() == v1::DTYPE_BF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+  std::vector<char> skip;  // the parameters this Update skips, by index
   {
     std::lock_guard<std::mutex> lock(s->mu);
     if (!s->registered) return fail(absl::FailedPreconditionError("Update before RegisterParams"));
+    skip.assign(s->params.size(), 0);
+    for (const std::string& name : req.skip_params()) {
+      auto it = s->index.find(name);
+      if (it == s->index.end())
+        return fail(absl::InvalidArgumentError(
+            absl::StrCat("skip_params: no parameter '", name, "' in session ", s->id)));
+      if (skip[it->second]++)
+        return fail(absl::InvalidArgumentError(absl::StrCat("skip_params: '", name, "' twice")));
+    }
     if (s->update_running)
       return fail(absl::AbortedError(absl::StrCat(
           "step: the update of step ", s->last_step, " is still running for session ", s->id)));
@@ -679,7 +691,7 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
   cfg.step = req.step();
   const uint32_t slot = req.param_slot();
   const bool column_steps = req.column_steps();
-  s->strand->Post([this, s, cfg, slot, out, column_steps, fuse, grad_slot, push_scale] {
+  s->strand->Post([this, s, cfg, slot, out, column_steps, fuse, grad_slot, push_scale, skip] {
     const auto t0 = Clock::now();
     const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
     uint8_t* dst = s->ParamSlot(slot);
@@ -701,7 +713,13 @@ absl::Status SessionManager::Update(const v1::UpdateRequest& req) {
       for (ParamInfo& p : s->params) std::fill(p.col_steps.begin(), p.col_steps.end(), cfg.step);
     } else {
       std::vector<float> step_size, bc2;
-      for (ParamInfo& p : s->params) {
+      for (size_t i = 0; i < s->params.size(); ++i) {
+        ParamInfo& p = s->params[i];
+        if (skip[i]) {  // unchanged; its current value goes out like the others'
+          if (out == v1::DTYPE_BF16)
+            k.FloatToBf16(s->master + p.elem_offset, out16 + p.elem_offset, p.numel);
+          continue;
+        }
         for (int64_t& t : p.col_steps) ++t;
         step_size.resize(p.col_steps.size());
         bc2.resize(p.col_steps.size());

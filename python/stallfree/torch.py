@@ -81,9 +81,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     Parameters must be dense fp32 tensors (CPU; CUDA in builds with the CUDA backend), all of a
     group on one device. requires_grad=False parameters are left out. A parameter whose .grad
-    is None in a step is skipped, as torch.optim.AdamW skips it, when it lives wholly on the
-    device (no-offload; 1-D parameters and the hot part in zenflow); a parameter with columns
-    in the daemon needs a gradient in every step (stallfree.Error names it otherwise).
+    is None in a step is skipped, as torch.optim.AdamW skips it: no step, no decay (in zenflow
+    its cold columns' round gradient, the sum of the round's gradients over update_interval,
+    gets nothing from that step, and a round without any gradient leaves them unchanged).
     `params` may also be (name, tensor) pairs (model.named_parameters()), for messages.
     """
 
@@ -249,14 +249,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 grads.append(g.data_ptr() if g is not None else 0)
             if not any(grads):
                 continue  # nothing to do, as torch's AdamW
-            for i, g in enumerate(grads):
-                if g == 0 and not engine.on_device(i):
-                    raise Error(
-                        "parameter '%s' has no gradient (.grad is None) in this step, but its "
-                        "optimizer state lives in stallfreed (mode %s), whose round needs a "
-                        "gradient every step: give it a zero gradient, freeze it for the whole "
-                        "run (requires_grad=False), or use mode='no-offload'"
-                        % (self._members[gi][i][0], self._config["mode"]))
             hyper = (float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
                      float(group["weight_decay"]))
             if hyper != engine._hyper:

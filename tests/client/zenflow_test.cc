@@ -335,10 +335,10 @@ TEST_F(ZenFlowTest, SyncOffloadAndNoOffloadEqualDenseAdamW) {
 }
 
 // What a framework front-end needs (the PyTorch optimizer): buffers that move between steps
-// (SetBuffers), a parameter without a gradient in a step (skipped when wholly on the device, as
-// torch.optim.AdamW skips it; refused, naming it, when columns live in the daemon), changed
-// betas / weight decay (SetAdamW), and a zenflow group whose parameters all stay on the device
-// (no daemon state at all: it must not touch the session).
+// (SetBuffers), a parameter without a gradient in a step (skipped, as torch.optim.AdamW skips
+// it, wherever its state lives), changed betas / weight decay (SetAdamW), and a zenflow group
+// whose parameters all stay on the device (no daemon state at all: it must not touch the
+// session).
 TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
   const int seed = 4;
   // A device-only zenflow group: a 1-D parameter and a weight too narrow to split.
@@ -362,8 +362,12 @@ TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
     EXPECT_EQ(session->layout().params_size(), 0);  // nothing was registered
     EXPECT_TRUE((*engine)->Checkpoint("unused").ok());
   }
-  // no-offload: buffers rebound every step to fresh copies; "bias" has no gradient in step 3.
-  {
+  // Buffers rebound every step to fresh copies; "bias" (on the device) has no gradient in steps
+  // 3 and 4, "w1" (split in zenflow, in the daemon in sync-offload) none in steps 4 and 5. Each
+  // mode at zero staleness equals AdamW that skips exactly those parameter-steps, bit for bit.
+  for (OffloadMode mode :
+       {OffloadMode::kNoOffload, OffloadMode::kSyncOffload, OffloadMode::kZenFlow}) {
+    SCOPED_TRACE(OffloadModeName(mode));
     std::vector<Tensor> model = MakeModel(seed);
     std::vector<Tensor> ref = model;
     std::vector<std::vector<float>> m(ref.size()), v(ref.size());
@@ -372,12 +376,17 @@ TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
       m[i].assign(ref[i].value.size(), 0.0f);
       v[i].assign(ref[i].value.size(), 0.0f);
     }
-    ZenFlowConfig cfg = Config(OffloadMode::kNoOffload, 1, 0, false);
+    ZenFlowConfig cfg = Config(mode, 1, 1, /*await=*/true);
+    std::unique_ptr<Session> session;
+    if (mode != OffloadMode::kNoOffload) session = NewSession("absent");
     auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
-                                        kernels::CpuOps(), nullptr);
+                                        kernels::CpuOps(), session.get());
     ASSERT_TRUE(engine.ok()) << engine.status();
-    for (int64_t t = 1; t <= 5; ++t) {
-      if (t == 4) {  // betas and weight decay change from step 4 on
+    auto absent = [](const std::string& name, int64_t t) {
+      return (name == "bias" && (t == 3 || t == 4)) || (name == "w1" && (t == 4 || t == 5));
+    };
+    for (int64_t t = 1; t <= 7; ++t) {
+      if (t == 6) {  // betas and weight decay change from step 6 on
         cfg.beta1 = 0.8;
         cfg.weight_decay = 0.2;
         ASSERT_TRUE((*engine)->SetAdamW(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay).ok());
@@ -388,14 +397,14 @@ TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
       for (size_t i = 0; i < model.size(); ++i) {
         values[i] = model[i].value;
         grads[i] = model[i].grad;
-        const bool absent = t == 3 && model[i].name == "bias";
         ASSERT_TRUE((*engine)->SetBuffers(i, values[i].data(),
-                                          absent ? nullptr : grads[i].data()).ok());
+                                          absent(model[i].name, t) ? nullptr : grads[i].data())
+                        .ok());
       }
-      ASSERT_TRUE((*engine)->Step(Lr(t)).ok());
+      ASSERT_TRUE((*engine)->Step(Lr(t)).ok()) << "step " << t;
       for (size_t i = 0; i < model.size(); ++i) {
         model[i].value = values[i];
-        if (t == 3 && ref[i].name == "bias") continue;  // skipped: no step, no decay
+        if (absent(ref[i].name, t)) continue;  // skipped: no step, no decay
         kernels::AdamWConfig a;
         a.lr = Lr(t);
         a.beta1 = cfg.beta1;
@@ -411,28 +420,11 @@ TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
         ASSERT_EQ(0, memcmp(model[i].value.data(), ref[i].value.data(),
                             model[i].value.size() * 4)) << model[i].name << " step " << t;
     }
-    EXPECT_EQ(steps[3], 4);  // bias took 4 of the 5 steps
+    EXPECT_EQ(steps[0], 5);  // w1 took 5 of the 7 steps
+    EXPECT_EQ(steps[3], 5);  // bias too
     EXPECT_EQ((*engine)->SetAdamW(1.0, 0.999, 1e-8, 0).code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ((*engine)->SetBuffers(9, model[0].value.data(), nullptr).code(),
               absl::StatusCode::kInvalidArgument);
-  }
-  // zenflow: a split weight without a gradient is refused by name, before anything runs.
-  {
-    std::vector<Tensor> model = MakeModel(seed);
-    std::unique_ptr<Session> session = NewSession("absent");
-    auto engine = ZenFlowEngine::Create(Config(OffloadMode::kZenFlow, 2, 0, false),
-                                        Params(&model), kernels::DefaultCpuKernel(),
-                                        kernels::CpuOps(), session.get());
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    EXPECT_FALSE((*engine)->OnDevice(0));
-    EXPECT_TRUE((*engine)->OnDevice(3));
-    FillGrads(&model, 1, seed);
-    ASSERT_TRUE((*engine)->Step(Lr(1)).ok());
-    ASSERT_TRUE((*engine)->SetBuffers(0, model[0].value.data(), nullptr).ok());
-    absl::Status st = (*engine)->Step(Lr(2));
-    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_NE(st.message().find("'w1'"), std::string::npos) << st;
-    EXPECT_EQ((*engine)->step(), 1);
   }
 }
 

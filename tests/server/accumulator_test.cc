@@ -255,5 +255,73 @@ TEST_F(AccumulatorTest, FusedPushUpdateEqualsPushThenUpdate) {
   EXPECT_TRUE(fused->WaitUpdate(step + 1).ok());
 }
 
+// UpdateRequest.skip_params: the skipped parameter's master, moments and column steps stay as
+// they were (the next Update continues as if the skipped one had never touched it), its values
+// still go out in the parameter slot, and the other parameter is updated as usual.
+TEST_F(AccumulatorTest, SkippedParametersAreLeftUnchanged) {
+  const std::vector<ParamSpec> specs = {{"w", {4, 8}, v1::DTYPE_FP32},
+                                        {"e", {3, 8}, v1::DTYPE_FP32}};
+  auto open = [&](const char* name) {
+    auto s = client_->OpenSession(name, 0);
+    EXPECT_TRUE(s.ok());
+    EXPECT_TRUE((*s)->RegisterParams(specs).ok());
+    for (int64_t i = 0; i < kN; ++i) (*s)->StagingFp32("w")[i] = 0.1f * i - 1.0f;
+    for (int64_t i = 0; i < 24; ++i) (*s)->StagingFp32("e")[i] = 0.05f * i - 2.0f;
+    EXPECT_TRUE((*s)->LoadParams().ok());
+    return std::move(*s);
+  };
+  // "skip" skips e in its step 2; "ref" never sees that step for e: e's update of step 2 in
+  // "skip" must equal e's second update in "ref", which takes the same gradients.
+  auto skip = open("skip"), ref = open("ref");
+  auto write = [&](Session* s, int seed) {
+    std::vector<float> g = Grad(seed);
+    memcpy(s->GradSlot(0, "w"), g.data(), kN * 4);
+    for (int64_t i = 0; i < 24; ++i) static_cast<float*>(s->GradSlot(0, "e"))[i] = g[i] * 0.5f;
+  };
+  auto update = [&](Session* s, int64_t step, std::vector<std::string> skipped) {
+    EXPECT_TRUE(s->UpdateWithPush(step, Hyper(), step % 2, v1::DTYPE_BF16, 0, 1.0f, skipped)
+                    .ok());
+    auto r = s->WaitUpdate(step);
+    EXPECT_TRUE(r.ok());
+    return r->param_slot();
+  };
+  write(skip.get(), 1);
+  update(skip.get(), 1, {});
+  const std::vector<uint16_t> e1(skip->ParamsBf16(1, "e"), skip->ParamsBf16(1, "e") + 24);
+  write(skip.get(), 2);
+  const uint32_t slot2 = update(skip.get(), 2, {"e"});
+  // e unchanged (its values written out again), w stepped.
+  EXPECT_EQ(std::vector<uint16_t>(skip->ParamsBf16(slot2, "e"), skip->ParamsBf16(slot2, "e") + 24),
+            e1);
+  EXPECT_NE(std::vector<uint16_t>(skip->ParamsBf16(slot2, "w"), skip->ParamsBf16(slot2, "w") + kN),
+            std::vector<uint16_t>(skip->ParamsBf16(1, "w"), skip->ParamsBf16(1, "w") + kN));
+  write(skip.get(), 3);
+  const uint32_t slot3 = update(skip.get(), 3, {});
+  // In "ref", e's steps are gradients 1 and 3 (and w is skipped in its step 2 instead, so its
+  // column steps match too: both parameters had two steps).
+  write(ref.get(), 1);
+  update(ref.get(), 1, {});
+  write(ref.get(), 3);
+  const uint32_t ref_slot = update(ref.get(), 2, {"w"});
+  EXPECT_EQ(std::vector<uint16_t>(skip->ParamsBf16(slot3, "e"), skip->ParamsBf16(slot3, "e") + 24),
+            std::vector<uint16_t>(ref->ParamsBf16(ref_slot, "e"), ref->ParamsBf16(ref_slot, "e") + 24));
+
+  // Refused: an unknown name, a name twice, skip_params without column_steps.
+  v1::UpdateRequest req;
+  req.set_step(10);
+  *req.mutable_hyper() = Hyper();
+  req.set_column_steps(true);
+  req.add_skip_params("nope");
+  EXPECT_EQ(skip->Update(req).code(), absl::StatusCode::kInvalidArgument);
+  req.clear_skip_params();
+  req.add_skip_params("w");
+  req.add_skip_params("w");
+  EXPECT_EQ(skip->Update(req).code(), absl::StatusCode::kInvalidArgument);
+  req.clear_skip_params();
+  req.add_skip_params("w");
+  req.set_column_steps(false);
+  EXPECT_EQ(skip->Update(req).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace stallfree
