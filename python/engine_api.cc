@@ -1,0 +1,284 @@
+#include "python/engine_api.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "client/zenflow.h"
+#include "kernels/ops.h"
+#include "kernels/optimizer.h"
+#include "trainer/data.h"
+#ifdef STALLFREE_CUDA
+#include "kernels/cuda/ops_cuda.h"
+#include "kernels/cuda/optimizer_cuda.h"
+#endif
+
+namespace stallfree {
+namespace api {
+namespace {
+
+void Check(const absl::Status& s) {
+  if (s.ok()) return;
+  throw Error(absl::StrCat(absl::StatusCodeToString(s.code()), ": ", s.message()));
+}
+
+template <typename T>
+T Take(absl::StatusOr<T> s) {
+  Check(s.status());
+  return std::move(*s);
+}
+
+class ConnectionImpl : public Connection {
+ public:
+  explicit ConnectionImpl(std::unique_ptr<Client> c) : client_(std::move(c)) {}
+  std::string Health() override { return Take(client_->Health()); }
+  std::map<std::string, double> Stats() override {
+    v1::Stats s = Take(client_->GetStats());
+    return {{"sessions", static_cast<double>(s.sessions())},
+            {"pinned_bytes", static_cast<double>(s.pinned_bytes())},
+            {"pushes", static_cast<double>(s.pushes())},
+            {"updates", static_cast<double>(s.updates())},
+            {"bytes_in", static_cast<double>(s.bytes_in())},
+            {"bytes_out", static_cast<double>(s.bytes_out())},
+            {"migrated_columns", static_cast<double>(s.migrated_columns())}};
+  }
+  Client* client() { return client_.get(); }
+
+ private:
+  std::unique_ptr<Client> client_;
+};
+
+ZenFlowConfig ToConfig(const EngineConfig& e) {
+  ZenFlowConfig c;
+  auto mode = ParseOffloadMode(e.mode);
+  if (!mode.ok()) throw InvalidArgument(absl::StrCat("mode: ", mode.status().message()));
+  c.mode = *mode;
+  c.topk_ratio = e.topk_ratio;
+  c.update_interval = e.update_interval;
+  c.select_interval = e.select_interval;
+  c.warmup_steps = e.warmup_steps;
+  c.await_updates = e.await_updates;
+  c.beta1 = e.beta1;
+  c.beta2 = e.beta2;
+  c.eps = e.eps;
+  c.weight_decay = e.weight_decay;
+  auto dtype = [](const std::string& s, const char* field) {
+    if (s == "fp32") return v1::DTYPE_FP32;
+    if (s == "bf16") return v1::DTYPE_BF16;
+    throw InvalidArgument(absl::StrCat(field, ": '", s, "' is not 'bf16' or 'fp32'"));
+  };
+  c.grad_dtype = dtype(e.grad_dtype, "grad_dtype");
+  c.param_dtype = dtype(e.param_dtype, "param_dtype");
+  absl::Status valid = c.Validate();
+  if (!valid.ok()) throw InvalidArgument(std::string(valid.message()));
+  return c;
+}
+
+class EngineImpl : public Engine {
+ public:
+  EngineImpl(std::shared_ptr<Connection> connection, const std::string& session_name, int rank,
+             const EngineConfig& config, const std::vector<ParamDesc>& params,
+             const std::string& device, uintptr_t stream)
+      : connection_(std::move(connection)) {
+    const ZenFlowConfig cfg = ToConfig(config);
+    if (device == "cpu") {
+      kernel_ = &kernels::DefaultCpuKernel();
+      ops_ = &kernels::CpuOps();
+    } else if (device == "cuda") {
+#ifdef STALLFREE_CUDA
+      std::string err;
+      own_kernel_ = kernels::cuda::NewCudaOptimizerKernel(reinterpret_cast<void*>(stream), &err);
+      if (!own_kernel_) throw Error("the CUDA optimizer backend: " + err);
+      own_ops_ = kernels::cuda::NewCudaOps(reinterpret_cast<void*>(stream), &err);
+      if (!own_ops_) throw Error("the CUDA ops backend: " + err);
+      kernel_ = own_kernel_.get();
+      ops_ = own_ops_.get();
+#else
+      (void)stream;
+      throw Error(
+          "this build of stallfree has no CUDA backend: CUDA tensors need the package built "
+          "with `bazel build --config=cuda //python:stallfree_package` (make gpu-check does)");
+#endif
+    } else {
+      throw InvalidArgument("device: '" + device + "' is not 'cpu' or 'cuda'");
+    }
+    std::vector<EngineParam> ps;
+    for (const ParamDesc& d : params)
+      ps.push_back({d.name, d.shape, reinterpret_cast<float*>(d.value), nullptr});
+    if (cfg.mode != OffloadMode::kNoOffload) {
+      auto* conn = dynamic_cast<ConnectionImpl*>(connection_.get());
+      if (conn == nullptr)
+        throw Error(absl::StrCat("mode ", OffloadModeName(cfg.mode),
+                                 " needs a daemon connection"));
+      session_ = Take(conn->client()->OpenSession(session_name, rank));
+    }
+    engine_ = Take(ZenFlowEngine::Create(cfg, std::move(ps), *kernel_, *ops_, session_.get()));
+  }
+
+  ~EngineImpl() override {
+    try {
+      Close();
+    } catch (...) {
+    }
+  }
+
+  void Step(double lr, const std::vector<uintptr_t>& values,
+            const std::vector<uintptr_t>& grads) override {
+    ZenFlowEngine& e = Live();
+    if (values.size() != grads.size()) throw InvalidArgument("values and grads differ in length");
+    for (size_t i = 0; i < values.size(); ++i)
+      Check(e.SetBuffers(i, reinterpret_cast<float*>(values[i]),
+                         reinterpret_cast<const float*>(grads[i])));
+    reduce_error_.clear();
+    absl::Status st = e.Step(lr);
+    if (!reduce_error_.empty()) throw Error("the score reduction failed: " + reduce_error_);
+    Check(st);
+  }
+
+  void Flush() override { Check(Live().Flush()); }
+  void SetAdamW(double beta1, double beta2, double eps, double wd) override {
+    absl::Status st = Live().SetAdamW(beta1, beta2, eps, wd);  // fails only on a bad value
+    if (!st.ok()) throw InvalidArgument(std::string(st.message()));
+  }
+  void SetValues(const std::vector<uintptr_t>& values) override {
+    ZenFlowEngine& e = Live();
+    for (size_t i = 0; i < values.size(); ++i)
+      Check(e.SetBuffers(i, reinterpret_cast<float*>(values[i]), nullptr));
+  }
+  bool OnDevice(size_t i) override { return Live().OnDevice(i); }
+  int64_t StepCount() override { return Live().step(); }
+  std::vector<int64_t> HotColumns(const std::string& name) override {
+    return Take(Live().HotColumns(name));
+  }
+  Timings LastTimings() override {
+    const StepTimings& t = Live().last_timings();
+    Timings out;
+    out.step = t.step;
+    out.optimizer = t.optimizer;
+    out.copies = t.copies;
+    out.stall = t.stall;
+    out.total = t.total;
+    out.bytes_to_host = t.bytes_to_host;
+    out.bytes_to_device = t.bytes_to_device;
+    out.boundary = t.boundary;
+    out.reselected = t.reselected;
+    out.migrated_columns = t.migrated_columns;
+    return out;
+  }
+
+  void SetScoreReduce(ScoreReduce fn) override {
+    ZenFlowEngine& e = Live();
+    if (!fn) {
+      e.set_score_reduce(nullptr);
+      return;
+    }
+    const kernels::TransformerOps* ops = ops_;
+    e.set_score_reduce([this, ops, fn](const std::string& name, float* scores,
+                                       int64_t cols) -> absl::Status {
+      std::vector<float> host(cols);
+      ops->Download(host.data(), scores, cols);
+      std::string err = ops->Synchronize();
+      if (!err.empty()) return absl::InternalError("downloading the column scores: " + err);
+      try {
+        fn(name, host.data(), cols);
+      } catch (const std::exception& ex) {
+        reduce_error_ = ex.what();
+        return absl::AbortedError("score reduction: " + reduce_error_);
+      }
+      ops->Upload(scores, host.data(), cols);
+      err = ops->Synchronize();
+      if (!err.empty()) return absl::InternalError("uploading the column scores: " + err);
+      return absl::OkStatus();
+    });
+  }
+
+  std::pair<std::string, std::string> Checkpoint() override {
+    ZenFlowEngine& e = Live();
+    const std::string tag = Tag();
+    std::string state = Take(e.Checkpoint(tag)), daemon;
+    // The daemon wrote a checkpoint only if it holds state (ZenFlowEngine::Checkpoint).
+    if (session_ && session_->layout().params_size() > 0 && e.step() > 0)
+      daemon = Take(session_->ReadCheckpointBytes(tag, /*delete_after=*/true));
+    return {std::move(state), std::move(daemon)};
+  }
+
+  void Restore(const std::string& state, const std::string& daemon) override {
+    ZenFlowEngine& e = Live();
+    const std::string tag = Tag();
+    if (!daemon.empty() && !session_)
+      throw InvalidArgument(
+          "the state holds a daemon checkpoint but this optimizer runs without a daemon "
+          "(no-offload)");
+    if (!daemon.empty()) Check(session_->WriteCheckpointBytes(tag, daemon));
+    absl::Status st = e.Restore(tag, state);
+    if (!daemon.empty()) {
+      absl::Status del = session_->DeleteCheckpoint(tag);
+      if (st.ok() && !del.ok() && del.code() != absl::StatusCode::kNotFound) st = del;
+    }
+    Check(st);
+  }
+
+  void Close() override {
+    if (!engine_) return;
+    engine_->Flush().IgnoreError();
+    engine_.reset();
+    if (session_) session_->Close().IgnoreError();
+    session_.reset();
+  }
+  bool closed() const override { return engine_ == nullptr; }
+
+ private:
+  ZenFlowEngine& Live() {
+    if (!engine_) throw Error("the optimizer is closed");
+    return *engine_;
+  }
+  // A checkpoint tag unique to this process and session (offload.proto's tag alphabet).
+  std::string Tag() {
+    static std::atomic<int64_t> counter{0};
+    return absl::StrCat("torch-", session_ ? session_->ref().session_id() : 0, "-", getpid(), "-",
+                        counter.fetch_add(1));
+  }
+
+  std::shared_ptr<Connection> connection_;
+  std::unique_ptr<Session> session_;
+  std::unique_ptr<kernels::OptimizerKernel> own_kernel_;
+  std::unique_ptr<kernels::TransformerOps> own_ops_;
+  const kernels::OptimizerKernel* kernel_ = nullptr;
+  const kernels::TransformerOps* ops_ = nullptr;
+  std::unique_ptr<ZenFlowEngine> engine_;
+  std::string reduce_error_;
+};
+
+}  // namespace
+
+std::shared_ptr<Connection> Connection::Open(const std::string& socket, int timeout_ms) {
+  return std::make_shared<ConnectionImpl>(Take(Client::Connect(socket, timeout_ms)));
+}
+
+std::unique_ptr<Engine> Engine::Create(std::shared_ptr<Connection> connection,
+                                       const std::string& session_name, int rank,
+                                       const EngineConfig& config,
+                                       const std::vector<ParamDesc>& params,
+                                       const std::string& device, uintptr_t stream) {
+  return std::make_unique<EngineImpl>(std::move(connection), session_name, rank, config, params,
+                                      device, stream);
+}
+
+std::string DefaultCorpusText(int64_t approx_bytes, uint32_t seed) {
+  return stallfree::DefaultCorpusText(approx_bytes, seed);
+}
+
+bool CudaEnabled() {
+#ifdef STALLFREE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace api
+}  // namespace stallfree

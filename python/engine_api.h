@@ -1,0 +1,114 @@
+// The engine facade under the Python binding: the client library and the ZenFlow engine behind
+// an interface of standard C++ types only (strings, vectors, pointers as integers, a stream
+// handle), with no gRPC, Abseil, Python or libtorch header in sight. The binding
+// (_stallfree.cc) is then a thin pybind11 layer that can be compiled against any Python
+// (Debian's 3.11 here, the GPU machine's own in make gpu-check) and linked against this facade,
+// built once as libstallfree_engine.so.
+//
+// Errors are thrown as stallfree::api::Error (code name and message of the absl::Status, e.g.
+// "FAILED_PRECONDITION: ...") or, for a bad argument, stallfree::api::InvalidArgument.
+// Thread safety: as ZenFlowEngine (one thread per Engine); Connection is thread safe.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace stallfree {
+namespace api {
+
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct InvalidArgument : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+// A connection to one stallfreed, shared by the engines that open sessions on it.
+class Connection {
+ public:
+  static std::shared_ptr<Connection> Open(const std::string& socket, int timeout_ms);
+  virtual ~Connection() = default;
+  virtual std::string Health() = 0;
+  virtual std::map<std::string, double> Stats() = 0;
+};
+
+// ZenFlowConfig in plain types; mode "zenflow" | "sync-offload" | "no-offload", dtypes
+// "bf16" | "fp32". Validated by Engine::Create (InvalidArgument naming the field).
+struct EngineConfig {
+  std::string mode = "zenflow";
+  double topk_ratio = 0.1;
+  int64_t update_interval = 4;
+  int64_t select_interval = 0;
+  int64_t warmup_steps = 0;
+  bool await_updates = false;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  std::string grad_dtype = "bf16";
+  std::string param_dtype = "bf16";
+};
+
+struct ParamDesc {
+  std::string name;
+  std::vector<int64_t> shape;
+  uintptr_t value = 0;  // fp32, contiguous, in the device's memory
+};
+
+// StepTimings of the last Step.
+struct Timings {
+  int64_t step = 0;
+  double optimizer = 0, copies = 0, stall = 0, total = 0;
+  uint64_t bytes_to_host = 0, bytes_to_device = 0;
+  bool boundary = false, reselected = false;
+  int64_t migrated_columns = 0;
+};
+
+// Reduces one weight's column scores (host memory, cols floats) in place, across data-parallel
+// replicas. Throwing aborts the Step (the exception's what() is in the Error).
+using ScoreReduce = std::function<void(const std::string& name, float* scores, int64_t cols)>;
+
+// One ZenFlow engine and (unless no-offload) its own session on `connection`.
+class Engine {
+ public:
+  // device: "cpu", or "cuda" in builds with the CUDA backend (kernels enqueued on `stream`, a
+  // cudaStream_t, e.g. PyTorch's current stream).
+  static std::unique_ptr<Engine> Create(std::shared_ptr<Connection> connection,
+                                        const std::string& session_name, int rank,
+                                        const EngineConfig& config,
+                                        const std::vector<ParamDesc>& params,
+                                        const std::string& device, uintptr_t stream);
+  virtual ~Engine() = default;
+
+  // Binds each parameter's value and gradient (0: no gradient this step; skipped as
+  // torch.optim.AdamW skips it) and runs ZenFlowEngine::Step(lr).
+  virtual void Step(double lr, const std::vector<uintptr_t>& values,
+                    const std::vector<uintptr_t>& grads) = 0;
+  virtual void Flush() = 0;
+  virtual void SetAdamW(double beta1, double beta2, double eps, double weight_decay) = 0;
+  virtual void SetValues(const std::vector<uintptr_t>& values) = 0;
+  virtual void SetScoreReduce(ScoreReduce fn) = 0;
+  virtual bool OnDevice(size_t index) = 0;
+  virtual int64_t StepCount() = 0;
+  virtual std::vector<int64_t> HotColumns(const std::string& name) = 0;
+  virtual Timings LastTimings() = 0;
+  // The engine's state and the daemon session's checkpoint bytes (empty without daemon state).
+  // Between Steps; does not change the run.
+  virtual std::pair<std::string, std::string> Checkpoint() = 0;
+  // The inverse, on a fresh engine (no Step yet) whose values hold the checkpointed values.
+  virtual void Restore(const std::string& state, const std::string& daemon) = 0;
+  // Waits for offload work, then closes the session. Any later call throws Error.
+  virtual void Close() = 0;
+  virtual bool closed() const = 0;
+};
+
+// The generated corpus of trainer/data.h (DefaultCorpusText).
+std::string DefaultCorpusText(int64_t approx_bytes, uint32_t seed);
+
+// Whether this build has the CUDA backend.
+bool CudaEnabled();
+
+}  // namespace api
+}  // namespace stallfree
