@@ -1,0 +1,86 @@
+"""pytest configuration for the stallfree Python tests.
+
+Run with Debian's interpreter (torch 1.13):
+    /usr/bin/python3 -m pytest tests/python
+The package is imported as installed, else from $STALLFREE_PYTHONPATH, else from
+<repository>/bazel-bin/python (where `bazel build //python:stallfree_package` puts it).
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_PKG_PATH = os.path.join(os.path.dirname(os.path.dirname(HERE)), "bazel-bin", "python")
+
+try:
+    import stallfree  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.environ.get("STALLFREE_PYTHONPATH", DEFAULT_PKG_PATH))
+    import stallfree  # noqa: F401
+import stallfree.torch  # noqa: F401,E402
+
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+# 2 cores shared with a build: keep torch single-threaded (models.train and the child scripts
+# call torch.set_num_threads(1) too). Do NOT put OMP_NUM_THREADS into the children's
+# environment: with OMP_NUM_THREADS=1 set at start-up, torch 1.13's CPU backward rounds
+# differently from a process that calls torch.set_num_threads(1) at run time (measured: the
+# same 14 AdamW steps end with ~2500 parameters 1 ulp apart), which would break the bit-exact
+# comparisons between a parent and its child. Children inherit the parent's environment as is.
+torch.set_num_threads(1)
+
+# The directory stallfree was imported from, for child processes.
+PKG_PATH = os.path.dirname(os.path.dirname(os.path.abspath(stallfree.__file__)))
+PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+
+
+def child_env(**extra):
+    """The environment for a child Python: the package and this directory on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([PKG_PATH, HERE])
+    env.pop("STALLFREE_SOCKET", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_python(script, *args, timeout=120, env=None, check=True):
+    """Runs `script` (a file in this directory, or source text) in a fresh /usr/bin/python3;
+    returns the CompletedProcess (text stdout/stderr). Output goes through files, not pipes, so
+    a grandchild (a daemon) that inherits them cannot keep this call waiting. check: fail the
+    test on a non-zero exit, showing the child's output."""
+    path = os.path.join(HERE, script)
+    cmd = [PYTHON, path] if os.path.exists(path) else [PYTHON, "-c", script]
+    cmd += [str(a) for a in args]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        rc = subprocess.run(cmd, env=env or child_env(), stdout=out, stderr=err,
+                            timeout=timeout).returncode
+        out.seek(0)
+        err.seek(0)
+        proc = subprocess.CompletedProcess(cmd, rc, out.read(), err.read())
+    if check and proc.returncode != 0:
+        pytest.fail(f"child {cmd} exited {proc.returncode}\n"
+                    f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def sock_dir():
+    """A short directory for unix socket paths (sun_path holds at most 107 bytes; pytest's
+    tmp_path can be longer, e.g. under Bazel's TEST_TMPDIR)."""
+    path = tempfile.mkdtemp(prefix="sf-test-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    """A private stallfreed for the test module (its own socket and state_dir)."""
+    state_dir = tmp_path_factory.mktemp("stallfreed-state")
+    with stallfree.Daemon(state_dir=str(state_dir), threads=1) as d:
+        yield d

@@ -1,0 +1,174 @@
+"""The documented errors and skips of ZenFlowAdamW: non-fp32 and sparse parameters, invalid
+hyper-parameters, requires_grad=False, .grad None in a step (against torch.optim.AdamW), and a
+step after close()."""
+import re
+
+import pytest
+import torch
+
+import models
+import stallfree
+from stallfree.torch import ZenFlowAdamW
+
+FP32 = dict(grad_dtype="fp32", param_dtype="fp32")
+ZENFLOW_EXACT = dict(mode="zenflow", topk_ratio=0.25, update_interval=1, select_interval=2,
+                     await_updates=True, **FP32)
+MODES = {"no-offload": dict(mode="no-offload", **FP32), "zenflow": ZENFLOW_EXACT}
+
+
+def make_opt(params, daemon, **kw):
+    socket = None if kw.get("mode") == "no-offload" else daemon.socket
+    return ZenFlowAdamW(params, socket=socket, **kw)
+
+
+def one_step(model, opt, step=1):
+    opt.zero_grad(set_to_none=True)
+    models.loss_fn(model, models.batch(0, step)).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
+def test_bf16_parameter_is_named(mode, named, daemon):
+    model = models.make_model(0)
+    model.up.to(torch.bfloat16)  # up.weight (the 4th parameter) and up.bias
+    params = list(model.named_parameters()) if named else list(model.parameters())
+    with pytest.raises(stallfree.Error) as err:
+        opt = make_opt(params, daemon, **MODES[mode])  # at construction ...
+        try:
+            one_step(model, opt)  # ... or at the latest at the first step
+        finally:
+            opt.close()
+    msg = str(err.value)
+    assert "bfloat16" in msg, msg
+    if named:
+        assert "up.weight" in msg, msg
+    else:  # "param_groups[0][3]" or "param_groups[0] #3"
+        assert re.search(r"param_groups\[0\](\[3\]| #3)", msg), msg
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_sparse_gradient_is_named_at_step(mode, daemon):
+    model = models.make_model(0, sparse_embedding=True)
+    opt = make_opt(list(model.named_parameters()), daemon, **MODES[mode])  # accepted here
+    try:
+        before = models.snapshot(model)
+        opt.zero_grad(set_to_none=True)
+        models.loss_fn(model, models.batch(0, 1)).backward()
+        assert model.emb.weight.grad.is_sparse
+        with pytest.raises(stallfree.Error) as err:
+            opt.step()
+        assert "emb.weight" in str(err.value), str(err.value)
+        assert "sparse" in str(err.value), str(err.value)
+        # The refused step changed nothing.
+        for name, p in model.named_parameters():
+            assert torch.equal(p, before[name]), name
+    finally:
+        opt.close()
+
+
+BAD_HYPER = [
+    (dict(lr=-1e-3), "lr"),
+    (dict(betas=(1.0, 0.999)), "betas"),
+    (dict(betas=(0.9, -0.1)), "betas"),
+    (dict(eps=0.0), "eps"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(mode="zero3"), "mode"),
+    (dict(grad_dtype="fp16"), "grad_dtype"),
+    (dict(param_dtype="fp64"), "param_dtype"),
+    (dict(topk_ratio=0.0), "topk_ratio"),
+    (dict(topk_ratio=1.5), "topk_ratio"),
+    (dict(update_interval=0), "update_interval"),
+]
+
+
+@pytest.mark.parametrize("kwargs,arg", BAD_HYPER, ids=[f"{a}={list(k.values())[0]}"
+                                                       for k, a in BAD_HYPER])
+def test_invalid_hyperparameter_is_value_error_naming_it(kwargs, arg, daemon):
+    model = models.make_model(0)
+    with pytest.raises(ValueError) as err:
+        ZenFlowAdamW(model.parameters(), socket=daemon.socket, **kwargs).close()
+    assert re.search(r"\b%s\b" % arg, str(err.value)), str(err.value)
+    # The same in a param group (lr, betas, eps, weight_decay are per group).
+    if arg in ("lr", "betas", "eps", "weight_decay"):
+        groups = models.param_groups(model)
+        groups[1].update(kwargs)
+        with pytest.raises(ValueError) as err:
+            ZenFlowAdamW(groups, socket=daemon.socket).close()
+        assert re.search(r"\b%s\b" % arg, str(err.value)), str(err.value)
+
+
+def test_boundary_hyperparameters_are_accepted(daemon):
+    model = models.make_model(0)
+    with ZenFlowAdamW(model.parameters(), lr=0.0, betas=(0.0, 0.0), weight_decay=0.0,
+                      topk_ratio=1.0, update_interval=1, socket=daemon.socket) as opt:
+        one_step(model, opt)
+
+
+def exact_factory(daemon, mode):
+    return lambda groups: make_opt(groups, daemon, **MODES[mode])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_requires_grad_false_is_skipped(mode, daemon):
+    def frozen_model():
+        model = models.make_model(0)
+        model.up.weight.requires_grad_(False)  # a 2-D weight (offloaded if it were trained)
+        model.norm.bias.requires_grad_(False)  # a 1-D one
+        return model
+
+    init = models.snapshot(models.make_model(0))
+    run = models.train(exact_factory(daemon, mode), 8, model=frozen_model())
+    ref = models.train(models.adamw_factory(), 8, model=frozen_model())
+    for name in ("up.weight", "norm.bias"):
+        assert torch.equal(run.params[name], init[name]), name
+    for name, d in models.max_abs_diff(run.params, ref.params).items():
+        assert d <= models.PARAM_ATOL, (name, d)
+        if name not in ("up.weight", "norm.bias"):
+            assert not torch.equal(run.params[name], init[name]), name  # the rest trains
+
+
+SKIP_STEPS = (3, 4, 7)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("skipped", ["up.weight", "norm.weight"])
+def test_grad_none_is_skipped_like_torch_adamw(mode, skipped, daemon):
+    """At steps 3, 4 and 7 the parameter's .grad is None: it must not change in those steps
+    (no update, no weight decay), and since torch's AdamW also does not count them in the
+    parameter's step (bias correction), the whole run must match torch's AdamW run with the
+    same skips. up.weight: a 2-D weight (hot columns on the device, the rest in the daemon in
+    zenflow); norm.weight: a 1-D parameter."""
+
+    def drop(step, model, opt):
+        if step in SKIP_STEPS:
+            dict(model.named_parameters())[skipped].grad = None
+
+    def watch(step, model, opt, extra):
+        extra.setdefault("values", {})[step] = dict(model.named_parameters())[skipped].clone()
+
+    run = models.train(exact_factory(daemon, mode), 8, before_step=drop, after_step=watch)
+    ref = models.train(models.adamw_factory(), 8, before_step=drop, after_step=watch)
+    values = run.extra["values"]
+    for step in SKIP_STEPS:
+        assert torch.equal(values[step], values[step - 1]), f"{skipped} changed at step {step}"
+    assert not torch.equal(values[5], values[4])  # and it trains in the other steps
+    for step, (a, b) in enumerate(zip(run.losses, ref.losses), 1):
+        assert models.rel_diff(a, b) <= models.LOSS_RTOL, (step, a, b)
+    for name, d in models.max_abs_diff(run.params, ref.params).items():
+        assert d <= models.PARAM_ATOL, (name, d)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_step_after_close_is_an_error(mode, daemon):
+    model = models.make_model(0)
+    opt = make_opt(model.parameters(), daemon, **MODES[mode])
+    one_step(model, opt)
+    opt.close()
+    before = models.snapshot(model)
+    opt.zero_grad(set_to_none=True)
+    models.loss_fn(model, models.batch(0, 2)).backward()
+    with pytest.raises(stallfree.Error):
+        opt.step()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
