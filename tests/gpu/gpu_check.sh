@@ -22,7 +22,7 @@ BUNDLE=gpu-check-bundle
 TARGETS=(//tests/kernels:optimizer_cuda_test //tests/kernels:ops_cuda_test //bench:gpu_bench
   //tests/parallel:nccl_test //tests/parallel:tsp_nccl_test //tests/parallel:tpsp_nccl_test
   //tests/parallel:model_nccl_test //tests/trainer:trainer_cuda_test //trainer:trainer
-  //server:stallfreed)
+  //server:stallfreed //python:libstallfree_engine.so)
 
 echo "gpu-check: building ${TARGETS[*]} (--config=cuda)"
 # shellcheck disable=SC2086  # BAZEL may hold startup flags
@@ -31,13 +31,43 @@ $BAZEL build --config=cuda ${BAZEL_BUILD_FLAGS:-} "${TARGETS[@]}"
 BIN=$($BAZEL info --config=cuda ${BAZEL_BUILD_FLAGS:-} bazel-bin 2>/dev/null)
 
 rm -rf "$BUNDLE"
-mkdir -p "$BUNDLE/bin" "$BUNDLE/lib" "$BUNDLE/tests/testdata"
+mkdir -p "$BUNDLE/bin" "$BUNDLE/lib" "$BUNDLE/tests/testdata" "$BUNDLE/python/stallfree" \
+  "$BUNDLE/tests/python" "$BUNDLE/include"
+# The PyTorch front-end: the package's Python files, the engine facade library (CUDA backend),
+# stallfreed, and the binding's source, which run.sh compiles there against that machine's own
+# Python (the GPU machine's PyTorch is not Debian's).
+cp python/stallfree/*.py "$BUNDLE/python/stallfree/"
+cp python/_stallfree.cc python/engine_api.h "$BUNDLE/python/"
+cp tests/python/*.py "$BUNDLE/tests/python/"
+cp tests/gpu/hf_causal_lm.py "$BUNDLE/tests/python/"
+cat >"$BUNDLE/python/build_binding.sh" <<'BUILD_SH'
+#!/usr/bin/env bash
+# Compiles the binding (_stallfree.cc, over engine_api.h) against python3 (or $1) and links it to
+# libstallfree_engine.so beside the package, then imports it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:-python3}
+inc=$("$PY" -m pybind11 --includes 2>/dev/null) ||
+  inc="-Iinclude $("$PY" -c 'import sysconfig; print("-I" + sysconfig.get_paths()["include"])')"
+suffix=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+# shellcheck disable=SC2086  # $inc holds several flags
+g++ -O2 -std=c++17 -shared -fPIC -fvisibility=hidden $inc -I. python/_stallfree.cc \
+  -o "python/stallfree/_stallfree$suffix" -Lpython/stallfree -lstallfree_engine \
+  -Wl,-rpath,'$ORIGIN'
+PYTHONPATH=python "$PY" -c "import stallfree; assert stallfree.cuda_enabled; print('stallfree', stallfree.__file__, 'with the CUDA backend')"
+BUILD_SH
+cp -r /usr/include/pybind11 "$BUNDLE/include/"  # used only if that Python has no pybind11
 for t in "${TARGETS[@]}"; do
   path=${t#//}
   path=${path/://}
-  cp -L "$BIN/$path" "$BUNDLE/bin/"
-  chmod u+w "$BUNDLE/bin/$(basename "$path")"
+  case $path in
+    *.so) dest="$BUNDLE/python/stallfree" ;;
+    *) dest="$BUNDLE/bin" ;;
+  esac
+  cp -L "$BIN/$path" "$dest/"
+  chmod u+w "$dest/$(basename "$path")"
 done
+cp "$BUNDLE/bin/stallfreed" "$BUNDLE/python/stallfree/"
 # The testdata, from the test's runfiles (exactly what Bazel gives it).
 cp -rL "$BIN/tests/kernels/optimizer_cuda_test.runfiles/stallfree/tests/testdata/torch" \
   "$BUNDLE/tests/testdata/"
@@ -49,7 +79,7 @@ system_lib='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|lib
 system_lib+='|libstdc\+\+\.|libgcc_s\.)'
 cuda_lib='^(libcuda\.|libcudart|libcublas|libnccl|libnvidia|libnvrtc|libnvJitLink)'
 missing=0
-for b in "$BUNDLE"/bin/*; do
+for b in "$BUNDLE"/bin/* "$BUNDLE"/python/stallfree/libstallfree_engine.so; do
   while read -r name arrow target _; do
     [[ "$arrow" == "=>" ]] || continue
     if [[ "$target" == "not" ]]; then
@@ -73,8 +103,11 @@ cat >"$BUNDLE/run.sh" <<'RUN_SH'
 #!/usr/bin/env bash
 # Runs the stallfree GPU checks in this bundle: the CUDA optimizer kernel test, the CUDA ops
 # test, the GPU benchmark, the NCCL test, the TSP-, TP+SP- and TP x CP-on-NCCL tests, the
-# model-on-NCCL test and the trainer on GPUs (bin/trainer with bin/stallfreed), each under a
-# timeout (510 s in all). Needs an
+# model-on-NCCL test, the trainer on GPUs (bin/trainer with bin/stallfreed), then the PyTorch
+# front-end: the binding compiled against this machine's python3 (torch_build), the pytest
+# suite on CUDA tensors (torch_tests) and a Hugging Face causal LM trained with ZenFlowAdamW
+# (hf_causal_lm), each under a timeout (770 s in all; `run.sh NAME...` runs only those
+# checks, e.g. `run.sh torch_build torch_tests hf_causal_lm`). Needs an
 # NVIDIA GPU, its driver (CUDA 13 or newer) and the CUDA 13 runtime, cuBLAS and NCCL
 # (/usr/local/cuda/lib64, or on LD_LIBRARY_PATH). Exit status 0 when every binary passed (or skipped for want of a device).
 # GPU_CHECK_LOG_DIR=<dir> also writes each binary's output to <dir>/<name>.log.
@@ -86,15 +119,21 @@ LOG_DIR=${GPU_CHECK_LOG_DIR:-}
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 failed=0
 summary=()
+only=("$@")
+# run NAME LIMIT [COMMAND...]: COMMAND defaults to bin/NAME.
 run() {
   local name=$1 limit=$2
+  shift 2
+  local cmd=("$@")
+  [[ ${#cmd[@]} == 0 ]] && cmd=("bin/$name")
+  if [[ ${#only[@]} -gt 0 && " ${only[*]} " != *" $name "* ]]; then return; fi
   local log=${LOG_DIR:+$LOG_DIR/$name.log} tmp_log=""
   if [[ -z "$log" ]]; then
     tmp_log=$(mktemp "${TMPDIR:-/tmp}/gpu-check-$name.XXXXXX")
     log=$tmp_log
   fi
   echo "=== $name (timeout ${limit}s)"
-  if ldd "bin/$name" | grep -q "not found"; then
+  if [[ -x "bin/$name" ]] && ldd "bin/$name" | grep -q "not found"; then
     echo "$name: missing shared libraries:"
     ldd "bin/$name" | grep "not found"
     summary+=("FAIL $name (missing libraries)")
@@ -102,7 +141,7 @@ run() {
     return
   fi
   local start=$SECONDS rc
-  timeout --kill-after=10 "$limit" "bin/$name" 2>&1 | tee "$log"
+  timeout --kill-after=10 "$limit" "${cmd[@]}" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   local took=$((SECONDS - start))
   if [[ $rc == 0 ]]; then
@@ -128,6 +167,16 @@ run tsp_nccl_test 40
 run tpsp_nccl_test 40
 run model_nccl_test 60
 run trainer_cuda_test 120
+# The PyTorch front-end on this machine's python3 (its own PyTorch, CUDA build).
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+run torch_build 120 bash python/build_binding.sh "$PY"
+run torch_tests 150 bash -c 'if ! "$0" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "SKIP: $0 sees no CUDA device"; exit 0; fi
+  STALLFREE_TEST_DEVICE=cuda exec "$0" -m pytest -q -p no:cacheprovider \
+  tests/python/test_adamw_equivalence.py tests/python/test_errors.py \
+  tests/python/test_state_dict.py' "$PY"
+run hf_causal_lm 90 "$PY" tests/python/hf_causal_lm.py
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 exit $failed
