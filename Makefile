@@ -47,6 +47,8 @@ bench: deps
 	$(BAZEL) run //bench:tsp_bench
 	$(BAZEL) run //bench:offload_bench
 	$(BAZEL) run //bench:train_bench -- --quick
+	$(BAZEL) build //python:stallfree_package
+	PYTHONPATH=bazel-bin/python /usr/bin/python3 bench/torch_bench.py
 
 gpu-check: deps
 	BAZEL="$(BAZEL)" ./tests/gpu/gpu_check.sh
