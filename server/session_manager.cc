@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include <tbb/blocked_range.h>
@@ -168,6 +169,10 @@ class Session {
   uint64_t total_elems = 0;
   v1::RegionLayout layout;
   std::vector<Waiter> waiters;
+  // Checkpoint tags this session wrote (Checkpoint, WriteCheckpoint): the only ones its
+  // ReadCheckpoint and DeleteCheckpoint may touch, and the only existing ones WriteCheckpoint
+  // may replace, so these RPCs reach no other session's files.
+  std::set<std::string> own_tags;
   uint64_t reserved_bytes = 0;
   uint64_t pinned_bytes = 0;
 
@@ -866,6 +871,12 @@ void SessionManager::MigrateColumns(const v1::MigrateColumnsRequest& req,
 
 namespace {
 
+absl::Status NotOwn(const Session& s, const std::string& tag, const char* what) {
+  return absl::PermissionDeniedError(
+      absl::StrCat("tag: checkpoint '", tag, "' was not written by session ", s.id, "; ", what,
+                   " reaches only the session's own checkpoints"));
+}
+
 v1::ParamSpec SpecOf(const ParamInfo& p) {
   v1::ParamSpec spec;
   spec.set_name(p.name);
@@ -901,7 +912,7 @@ void SessionManager::Checkpoint(const v1::CheckpointRequest& req, v1::Checkpoint
       return fail(absl::FailedPreconditionError("Checkpoint before RegisterParams"));
   }
   const std::string path = CheckpointPath(options_.state_dir, req.tag());
-  s->strand->Post([this, s, path, resp, done] {
+  s->strand->Post([this, s, path, tag = req.tag(), resp, done] {
     // The file holds the logical accumulator: zero after an Update.
     ClearStaleAccumulator(s.get());
     v1::CheckpointHeader header;
@@ -930,6 +941,10 @@ void SessionManager::Checkpoint(const v1::CheckpointRequest& req, v1::Checkpoint
     resp->set_bytes(out->bytes);
     resp->set_checksum(absl::StrCat(absl::Hex(out->checksum, absl::kZeroPad16)));
     resp->set_version(header.version());
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->own_tags.insert(tag);
+    }
     SF_LOG(kInfo, "session %d: checkpoint %s, %d bytes in %.3f s", s->id, out->path, out->bytes,
            Seconds(Clock::now() - t0));
     done(absl::OkStatus());
@@ -1021,12 +1036,13 @@ void SessionManager::Restore(const v1::RestoreRequest& req, v1::RestoreResponse*
   });
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindRegisteredForCheckpoint(
-    const v1::SessionRef& ref, const std::string& tag, const char* what) {
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindOwnCheckpoint(
+    const v1::SessionRef& ref, const std::string& tag, const char* what, bool must_own) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> s, FindForCheckpoint(ref, tag));
   std::lock_guard<std::mutex> lock(s->mu);
   if (!s->registered)
     return absl::FailedPreconditionError(absl::StrCat(what, " before RegisterParams"));
+  if (must_own && s->own_tags.count(tag) == 0) return NotOwn(*s, tag, what);
   return s;
 }
 
@@ -1034,7 +1050,7 @@ void SessionManager::ReadCheckpoint(const v1::ReadCheckpointRequest& req,
                                     v1::ReadCheckpointResponse* resp,
                                     std::function<void(absl::Status)> done) {
   absl::StatusOr<std::shared_ptr<Session>> found =
-      FindRegisteredForCheckpoint(req.session(), req.tag(), "ReadCheckpoint");
+      FindOwnCheckpoint(req.session(), req.tag(), "ReadCheckpoint", /*must_own=*/true);
   if (!found.ok()) {
     Reject(found.status());
     return done(found.status());
@@ -1046,8 +1062,11 @@ void SessionManager::ReadCheckpoint(const v1::ReadCheckpointRequest& req,
     absl::StatusOr<uint64_t> n = stallfree::ReadCheckpointBytes(path, req.offset(), s->Staging(),
                                                      s->layout.staging_bytes(), &total);
     absl::Status st = n.status();
-    if (st.ok() && req.delete_after() && req.offset() + *n == total)
+    if (st.ok() && req.delete_after() && req.offset() + *n == total) {
       st = DeleteCheckpointFile(path);
+      std::lock_guard<std::mutex> lock(s->mu);
+      if (st.ok()) s->own_tags.erase(req.tag());
+    }
     if (!st.ok()) {
       Reject(st);
       return done(st);
@@ -1066,7 +1085,7 @@ void SessionManager::WriteCheckpoint(const v1::WriteCheckpointRequest& req,
     done(st);
   };
   absl::StatusOr<std::shared_ptr<Session>> found =
-      FindRegisteredForCheckpoint(req.session(), req.tag(), "WriteCheckpoint");
+      FindOwnCheckpoint(req.session(), req.tag(), "WriteCheckpoint", /*must_own=*/false);
   if (!found.ok()) return fail(found.status());
   std::shared_ptr<Session> s = *found;
   if (req.length() > s->layout.staging_bytes())
@@ -1078,6 +1097,19 @@ void SessionManager::WriteCheckpoint(const v1::WriteCheckpointRequest& req,
                                                         req.total_bytes())));
   const std::string path = CheckpointPath(options_.state_dir, req.tag());
   s->strand->Post([this, s, path, req, resp, done] {
+    // A new upload may replace only a checkpoint of this session's own.
+    if (req.offset() == 0 && access(path.c_str(), F_OK) == 0) {
+      bool own;
+      {
+        std::lock_guard<std::mutex> lock(s->mu);
+        own = s->own_tags.count(req.tag()) > 0;
+      }
+      if (!own) {
+        absl::Status st = NotOwn(*s, req.tag(), "WriteCheckpoint");
+        Reject(st);
+        return done(st);
+      }
+    }
     absl::StatusOr<bool> complete = WriteCheckpointChunk(path, req.offset(), s->Staging(),
                                                          req.length(), req.total_bytes());
     if (!complete.ok()) {
@@ -1085,24 +1117,34 @@ void SessionManager::WriteCheckpoint(const v1::WriteCheckpointRequest& req,
       return done(complete.status());
     }
     resp->set_complete(*complete);
-    if (*complete)
+    if (*complete) {
+      {
+        std::lock_guard<std::mutex> lock(s->mu);
+        s->own_tags.insert(req.tag());
+      }
       SF_LOG(kInfo, "session %d: received checkpoint %s, %d bytes", s->id, path,
              req.total_bytes());
+    }
     done(absl::OkStatus());
   });
 }
 
 void SessionManager::DeleteCheckpoint(const v1::DeleteCheckpointRequest& req,
                                       std::function<void(absl::Status)> done) {
-  absl::StatusOr<std::shared_ptr<Session>> found = FindForCheckpoint(req.session(), req.tag());
+  absl::StatusOr<std::shared_ptr<Session>> found =
+      FindOwnCheckpoint(req.session(), req.tag(), "DeleteCheckpoint", /*must_own=*/true);
   if (!found.ok()) {
     Reject(found.status());
     return done(found.status());
   }
   std::shared_ptr<Session> s = *found;
   const std::string path = CheckpointPath(options_.state_dir, req.tag());
-  s->strand->Post([this, path, done] {
+  s->strand->Post([this, s, tag = req.tag(), path, done] {
     absl::Status st = DeleteCheckpointFile(path);
+    if (st.ok()) {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->own_tags.erase(tag);
+    }
     if (!st.ok()) Reject(st);
     done(st);
   });

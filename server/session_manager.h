@@ -140,10 +140,11 @@ class SessionManager {
   // Find, plus the checks every checkpoint RPC makes: a state directory and a valid tag.
   absl::StatusOr<std::shared_ptr<Session>> FindForCheckpoint(const v1::SessionRef& ref,
                                                              const std::string& tag);
-  // FindForCheckpoint, plus a registered session (its staging area exists) for `what`.
-  absl::StatusOr<std::shared_ptr<Session>> FindRegisteredForCheckpoint(const v1::SessionRef& ref,
-                                                                       const std::string& tag,
-                                                                       const char* what);
+  // FindForCheckpoint, plus a registered session (its staging area exists) for `what`, and,
+  // with must_own, a tag the session wrote itself (PermissionDenied otherwise).
+  absl::StatusOr<std::shared_ptr<Session>> FindOwnCheckpoint(const v1::SessionRef& ref,
+                                                             const std::string& tag,
+                                                             const char* what, bool must_own);
   void Reclaim(uint64_t id, const std::string& why);
   void Reject(const absl::Status& s);
   // Runs the validated jobs on the session's strand, counts them, then calls done. `whole`: the

@@ -181,8 +181,8 @@ TEST_F(CheckpointTest, BadTagsCorruptAndTruncatedFilesAreRefused) {
 
 // ReadCheckpoint / WriteCheckpoint move a checkpoint's bytes through the staging area in chunks
 // (the PyTorch optimizer's state_dict): the bytes read equal the file, bytes written back restore
-// a session that continues bit for bit, and a corrupt or out-of-order upload is refused and
-// leaves nothing behind.
+// a session that continues bit for bit, a corrupt or out-of-order upload is refused and leaves
+// nothing behind, and no session reaches another's checkpoint through them.
 TEST_F(CheckpointTest, CheckpointBytesRoundTripThroughTheStagingArea) {
   const std::string dir = tmp_ + "/ckpt";
   Daemon d({"--threads", "2", "--state_dir", dir}, "info");
@@ -270,16 +270,25 @@ TEST_F(CheckpointTest, CheckpointBytesRoundTripThroughTheStagingArea) {
               grpc::StatusCode::INVALID_ARGUMENT);
   }
   EXPECT_EQ(b->WriteCheckpointBytes("../x", *bytes).code(), Code::kInvalidArgument);
+  // A session reaches only its own checkpoints with these RPCs: b did not write "orig".
+  EXPECT_EQ(b->ReadCheckpointBytes("orig", false).status().code(), Code::kPermissionDenied);
+  EXPECT_EQ(b->DeleteCheckpoint("orig").code(), Code::kPermissionDenied);
+  EXPECT_EQ(b->WriteCheckpointBytes("orig", flipped).code(), Code::kPermissionDenied);
+  {
+    std::ifstream f(dir + "/orig.sfckpt", std::ios::binary);
+    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(f), {}), on_disk);
+  }
   // Only orig.sfckpt and copy.sfckpt remain (no upload files).
   EXPECT_EQ(system(("test $(ls -A " + dir + " | wc -l) -eq 2").c_str()), 0);
 
-  // delete_after removes the file once read; DeleteCheckpoint removes one; both then NOT_FOUND.
+  // delete_after removes the file once read; DeleteCheckpoint removes one; the tag is then no
+  // longer the session's: PERMISSION_DENIED, which tells nothing about other sessions' files.
   auto again = a->ReadCheckpointBytes("orig", /*delete_after=*/true);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(*again, on_disk);
-  EXPECT_EQ(a->ReadCheckpointBytes("orig", false).status().code(), Code::kNotFound);
+  EXPECT_EQ(a->ReadCheckpointBytes("orig", false).status().code(), Code::kPermissionDenied);
   EXPECT_TRUE(b->DeleteCheckpoint("copy").ok());
-  EXPECT_EQ(b->DeleteCheckpoint("copy").code(), Code::kNotFound);
+  EXPECT_EQ(b->DeleteCheckpoint("copy").code(), Code::kPermissionDenied);
   EXPECT_EQ(system(("test $(ls -A " + dir + " | wc -l) -eq 0").c_str()), 0);
 }
 
