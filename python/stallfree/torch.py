@@ -8,6 +8,8 @@ node's stallfreed; the engine does all the work on the tensors' own memory (data
 of it is re-implemented here. See the README, "Using stallfree from PyTorch".
 """
 
+import atexit
+import os
 import sys
 import weakref
 
@@ -18,8 +20,6 @@ from . import _stallfree
 from ._daemon import Daemon, default_socket
 from ._stallfree import Error
 
-import os
-
 _MODES = ("zenflow", "sync-offload", "no-offload")
 _DTYPES = ("bf16", "fp32")
 _STATE_VERSION = 1
@@ -28,17 +28,17 @@ _STATE_VERSION = 1
 def _connect(socket, explicit):
     """A client for `socket`; when it does not answer and it was not given explicitly, a client
     for a private daemon (returned too, to be stopped with the optimizer)."""
-    try:
-        if os.path.exists(socket):
+    why = "the socket does not exist"
+    if os.path.exists(socket):
+        try:
             return _stallfree.Client(socket, 3000), None
-        if explicit:
-            raise Error("UNAVAILABLE: the socket does not exist")
-    except Error as e:
-        if explicit:
-            raise Error(
-                "no stallfreed answers at %s (%s): start one with `stallfreed --socket %s`, or "
-                "pass socket=None to use $STALLFREE_SOCKET / the node's default socket and "
-                "otherwise a private daemon" % (socket, e, socket)) from None
+        except Error as e:
+            why = str(e)
+    if explicit:
+        raise Error(
+            "no stallfreed answers at %s (%s): start one with `stallfreed --socket %s`, or pass "
+            "socket=None to use $STALLFREE_SOCKET or the node's default socket, and otherwise a "
+            "private daemon" % (socket, why, socket))
     daemon = Daemon()
     print("stallfree: no stallfreed answers at %s; started a private one (pid %d) on %s; it "
           "stops with this optimizer" % (socket, daemon.pid, daemon.socket), file=sys.stderr)
@@ -413,14 +413,12 @@ def _sum_timings(ts):
 _live = weakref.WeakSet()
 
 
+@atexit.register
 def _close_all():
+    """At exit, every open optimizer finishes its offload work and closes its sessions before
+    the private daemons stop (atexit runs this before _daemon's handler, registered earlier)."""
     for opt in list(_live):
         try:
             opt.close()
         except Exception:
             pass
-
-
-import atexit  # noqa: E402
-
-atexit.register(_close_all)

@@ -19,6 +19,8 @@ import torch
 
 import models
 from conftest import HERE, PYTHON, child_env
+from ddp_worker import ZENFLOW
+from stallfree.torch import ZenFlowAdamW
 
 STEPS = 12  # selections at steps 1, 3, 5, 7, 9, 11: five reselections
 SEED = 5
@@ -82,7 +84,7 @@ def assert_same_hot_sets(ranks):
             assert cols == sorted(set(cols)) and len(cols) >= 1, (step + 1, name, cols)
 
 
-def test_ddp_matches_single_process_whole_batch(tmp_path):
+def test_ddp_matches_single_process_whole_batch(tmp_path, daemon):
     ranks = run_ranks("ddp", tmp_path)
     assert ranks[0]["daemon_socket"] != ranks[1]["daemon_socket"]  # two private daemons
     assert_same_hot_sets(ranks)
@@ -94,6 +96,17 @@ def test_ddp_matches_single_process_whole_batch(tmp_path):
     hot = ranks[0]["hot"]
     assert any(hot[s][0] != hot[s - 1][0] for s in range(1, STEPS)), hot
 
+    # One process with the same global batch: ZenFlowAdamW with the ranks' configuration, and
+    # torch.optim.AdamW (which the zero-staleness configuration must equal within tolerance).
+    single = models.train(lambda g: ZenFlowAdamW(g, socket=daemon.socket, **ZENFLOW), STEPS,
+                          seed=SEED)
+    single_diffs = models.max_abs_diff(ranks[0]["params"], single.params)
+    print("DDP vs one-process ZenFlowAdamW:", {n: f"{d:.3g}" for n, d in single_diffs.items()})
+    for name, d in single_diffs.items():
+        assert d <= PARAM_ATOL, (name, d)
+    for step in range(STEPS):
+        global_loss = sum(r["losses"][step] for r in ranks) / WORLD
+        assert models.rel_diff(global_loss, single.losses[step]) <= LOSS_RTOL, step + 1
     ref = models.train(models.adamw_factory(), STEPS, seed=SEED)
     for step in range(STEPS):
         global_loss = sum(r["losses"][step] for r in ranks) / WORLD
