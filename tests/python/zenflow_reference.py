@@ -1,0 +1,182 @@
+"""A reference ZenFlow optimizer in plain PyTorch, written from ARCHITECTURE.md's description
+("The ZenFlow engine"), without stallfree: the independent check of the engine.
+
+The algorithm, per parameter group, with t = 1, 2, ... the group's steps, S = update_interval,
+W = warmup_steps, k = max(1, round_half_up(topk_ratio * cols)) for a weight of `cols` input
+columns (its last dimension; rows = the product of the others):
+
+- 1-D parameters, and weights with fewer than 3 cold columns (cols - k < 3), are plain AdamW
+  every step, with their own step count.
+- Every other weight is split by column. Selection at t = 1, and at every t > W with
+  (t - W - 1) % select_interval == 0: per-column score = sum over rows of grad^2; the k highest
+  are hot (ties to the lower column).
+- Hot columns: AdamW every step with the step's gradient; each column has its own step count
+  (bias correction) and its own m, v.
+- Cold columns: their gradient is averaged over the round, acc += g / S; at the round's last
+  step (a boundary: (t - W) % S == 0) AdamW runs on them once with the round's mean gradient and
+  the boundary step's lr, each column with its own step count.
+- Staleness: the model sees a cold column's value as of the previous round's update (the
+  update of round R lands in the model at the boundary of round R+1), unless await_updates, in
+  which case the update lands at once. A reselection first lands the pending update, so it sees
+  current values.
+- Reselection is exact: every column keeps its fp32 value, m, v and step count whether it is hot
+  or cold, so here a reselection only changes which columns are hot.
+- Warm-up (t <= W): S = 1 and awaited, no reselection after t = 1.
+- close() lands the pending update (the end of training).
+
+AdamW is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, then the Adam step with
+bias corrections 1 - beta^t), written out here with a per-column t.
+"""
+import math
+
+import torch
+
+
+def _k_of(ratio, cols):
+    return min(cols, max(1, int(math.floor(ratio * cols + 0.5))))
+
+
+def _adamw_(p, g, m, v, steps, lr, beta1, beta2, eps, wd):
+    """In place, on 2-D [rows, n] slices with a step count per column (steps: [n] int64, already
+    incremented), or on any shape with a scalar steps."""
+    p.mul_(1 - lr * wd)
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    t = steps.to(torch.float64)
+    bc1 = 1 - beta1 ** t
+    bc2 = 1 - beta2 ** t
+    step_size = (lr / bc1).to(p.dtype)
+    denom = (v.sqrt() / bc2.sqrt().to(p.dtype)).add_(eps)
+    p.addcdiv_(m * step_size, denom, value=-1.0)
+
+
+class _Split:
+    """One weight viewed as [rows, cols]: every column's fp32 master, m, v, step count; which
+    are hot; the cold accumulator; the values the model sees of the cold columns."""
+
+    def __init__(self, p, k):
+        self.cols = p.shape[-1]
+        self.k = k
+        self.master = p.detach().reshape(-1, self.cols).clone()
+        self.m = torch.zeros_like(self.master)
+        self.v = torch.zeros_like(self.master)
+        self.steps = torch.zeros(self.cols, dtype=torch.int64)
+        self.hot = torch.zeros(self.cols, dtype=torch.bool)
+        self.acc = torch.zeros_like(self.master)
+        self.pending = None  # the masters an update produced that the model does not see yet
+
+
+class ReferenceZenFlow(torch.optim.Optimizer):
+    """ZenFlow as described above; no daemon, no C++. Same constructor arguments as
+    stallfree.torch.ZenFlowAdamW's (the transfer dtypes do not apply: everything is fp32)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+                 topk_ratio=0.1, update_interval=4, select_interval=None, warmup_steps=0,
+                 await_updates=False, lr_scale=1.0, cold_scale=1.0):
+        # lr_scale, cold_scale: deliberate errors (every lr scaled; the cold accumulation scaled),
+        # for showing that a test's tolerance catches a slightly wrong reference.
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.ratio = topk_ratio
+        self.S = update_interval
+        self.select_interval = select_interval or 4 * update_interval
+        self.W = warmup_steps
+        self.await_updates = await_updates
+        self.t = [0] * len(self.param_groups)
+        self.reselections = 0
+        self.lr_scale, self.cold_scale = lr_scale, cold_scale
+
+    def _split(self, p):
+        st = self.state[p]
+        if "split" not in st and "dense" not in st:
+            k = _k_of(self.ratio, p.shape[-1])
+            if p.dim() >= 2 and p.shape[-1] - k >= 3:
+                st["split"] = _Split(p, k)
+            else:
+                st["dense"] = True
+                st["m"] = torch.zeros_like(p)
+                st["v"] = torch.zeros_like(p)
+                st["step"] = torch.zeros((), dtype=torch.int64)
+        return st.get("split")
+
+    def hot_columns(self, p):
+        sp = self.state[p].get("split")
+        if sp is None:
+            return list(range(p.shape[-1]))
+        return torch.nonzero(sp.hot).flatten().tolist()
+
+    @torch.no_grad()
+    def close(self):
+        """The end of training: the model takes the newest update's cold values (gradients of an
+        unfinished round stay unapplied), as ZenFlowAdamW.close() does."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                sp = self.state[p].get("split") if p in self.state else None
+                if sp is not None and sp.pending is not None:
+                    view = p.data.view(-1, sp.cols)
+                    view[:, ~sp.hot] = sp.pending[:, ~sp.hot]
+                    sp.pending = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            self.t[gi] += 1
+            t = self.t[gi]
+            warm = t <= self.W
+            S = 1 if warm else self.S
+            await_ = self.await_updates or warm
+            boundary = warm or (t - self.W) % self.S == 0
+            select = t == 1 or (t > self.W and (t - self.W - 1) % self.select_interval == 0)
+            lr, (b1, b2), eps, wd = (group["lr"] * self.lr_scale, group["betas"], group["eps"],
+                                     group["weight_decay"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                sp = self._split(p)
+                if sp is None:  # wholly on the device: AdamW
+                    st = self.state[p]
+                    st["step"] += 1
+                    _adamw_(p.data, p.grad, st["m"], st["v"], st["step"], lr, b1, b2, eps, wd)
+                    continue
+                g = p.grad.reshape(-1, sp.cols)
+                view = p.data.view(-1, sp.cols)
+                if select:
+                    if sp.pending is not None:  # land the pending update first
+                        cold = ~sp.hot
+                        view[:, cold] = sp.pending[:, cold]
+                        sp.pending = None
+                    scores = (g * g).sum(0)
+                    order = sorted(range(sp.cols), key=lambda c: (-scores[c].item(), c))
+                    sp.hot.zero_()
+                    sp.hot[order[:sp.k]] = True
+                    if t > 1:
+                        self.reselections += 1
+                    # Exact migration: every column keeps its master, m, v and step; the model
+                    # shows the masters of the hot columns.
+                    view[:, sp.hot] = sp.master[:, sp.hot]
+                hot, cold = sp.hot, ~sp.hot
+                # Hot columns: AdamW now.
+                sp.steps[hot] += 1
+                mh, mm, mv = sp.master[:, hot], sp.m[:, hot], sp.v[:, hot]
+                _adamw_(mh, g[:, hot], mm, mv, sp.steps[hot], lr, b1, b2, eps, wd)
+                sp.master[:, hot], sp.m[:, hot], sp.v[:, hot] = mh, mm, mv
+                view[:, hot] = mh
+                # Cold columns: the round's mean gradient, applied at the boundary.
+                sp.acc[:, cold] += g[:, cold] / S * self.cold_scale
+                if boundary:
+                    sp.steps[cold] += 1
+                    mc, mmc, mvc = sp.master[:, cold], sp.m[:, cold], sp.v[:, cold]
+                    _adamw_(mc, sp.acc[:, cold], mmc, mvc, sp.steps[cold], lr, b1, b2, eps, wd)
+                    sp.master[:, cold], sp.m[:, cold], sp.v[:, cold] = mc, mmc, mvc
+                    sp.acc.zero_()
+                    if await_:
+                        view[:, cold] = mc
+                    else:
+                        if sp.pending is not None:
+                            view[:, cold] = sp.pending[:, cold]
+                        sp.pending = sp.master.clone()
+        return loss
