@@ -14,6 +14,8 @@
 #include <fstream>
 #include <memory>
 #include <numeric>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -329,6 +331,117 @@ std::string RankFile(const TrainOptions& o, const std::string& tag, int rank) {
   return absl::StrCat(o.out_dir, "/checkpoints/", tag, ".rank", rank, ".trainer");
 }
 
+// ---- --dump_init (TrainOptions::dump_init) ----
+
+// The batches a run trains and evaluates on, [steps, B, T] and [eval batches, B, T] each.
+struct DumpedBatches {
+  std::vector<int32_t> tokens, targets, eval_tokens, eval_targets;
+};
+
+void AppendLe32(std::string* out, uint32_t x) {
+  const char b[4] = {static_cast<char>(x & 0xff), static_cast<char>((x >> 8) & 0xff),
+                     static_cast<char>((x >> 16) & 0xff), static_cast<char>(x >> 24)};
+  out->append(b, 4);
+}
+
+std::string LittleEndian(const std::vector<float>& v) {
+  std::string out;
+  out.reserve(v.size() * 4);
+  for (float x : v) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    AppendLe32(&out, bits);
+  }
+  return out;
+}
+
+std::string LittleEndian(const std::vector<int32_t>& v) {
+  std::string out;
+  out.reserve(v.size() * 4);
+  for (int32_t x : v) AppendLe32(&out, static_cast<uint32_t>(x));
+  return out;
+}
+
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') absl::StrAppend(&out, "\\", std::string(1, c));
+    else if (c < 0x20) absl::StrAppend(&out, absl::StrFormat("\\u%04x", c));
+    else out += static_cast<char>(c);
+  }
+  return out + "\"";
+}
+
+template <class T>
+std::string JsonList(const std::vector<T>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if constexpr (std::is_floating_point_v<T>) {
+      absl::StrAppend(&out, i > 0 ? ", " : "", absl::StrFormat("%.17g", v[i]));
+    } else {
+      absl::StrAppend(&out, i > 0 ? ", " : "", v[i]);
+    }
+  }
+  return out + "]";
+}
+
+// Writes the dump directory: manifest.json, one <name>.f32 per tensor (downloaded from the
+// backend), the batches. `lrs`: the rate of steps 1..steps; `eval_steps`: the evaluated steps.
+absl::Status WriteInitDump(const TrainOptions& o, const parallel::ModelConfig& cfg, int64_t B,
+                           int64_t T, const Corpus& corpus, const std::vector<Tensor>& tensors,
+                           const RankDevice& dev, const DumpedBatches& batches,
+                           const std::vector<double>& lrs, const std::vector<int64_t>& eval_steps) {
+  RETURN_IF_ERROR(MakeDirs(o.dump_init));
+  const std::string dir = o.dump_init + "/";
+  std::string list;
+  for (const Tensor& t : tensors) {
+    std::vector<float> host(t.numel);
+    dev.ops().Download(host.data(), t.value, t.numel);
+    RETURN_IF_ERROR(dev.Synchronize());
+    const std::string file = t.name + ".f32";
+    RETURN_IF_ERROR(WriteFileAtomically(dir + file, LittleEndian(host)));
+    absl::StrAppend(&list, list.empty() ? "" : ",\n", "    {\"name\": ", JsonString(t.name),
+                    ", \"shape\": ", JsonList(t.shape), ", \"file\": ", JsonString(file), "}");
+  }
+  const int64_t eval_n = static_cast<int64_t>(batches.eval_tokens.size()) / (B * T);
+  std::string batch_list;
+  for (const auto& [name, data, n] :
+       {std::make_tuple("tokens", &batches.tokens, o.steps),
+        std::make_tuple("targets", &batches.targets, o.steps),
+        std::make_tuple("eval_tokens", &batches.eval_tokens, eval_n),
+        std::make_tuple("eval_targets", &batches.eval_targets, eval_n)}) {
+    const std::string file = absl::StrCat(name, ".i32");
+    RETURN_IF_ERROR(WriteFileAtomically(dir + file, LittleEndian(*data)));
+    absl::StrAppend(&batch_list, batch_list.empty() ? "" : ",\n", "    \"", name,
+                    "\": {\"file\": ", JsonString(file),
+                    ", \"shape\": ", JsonList<int64_t>({n, B, T}), ", \"dtype\": \"int32\"}");
+  }
+  const ZenFlowConfig& e = o.engine;
+  std::string manifest = absl::StrCat(
+      "{\n  \"format\": \"stallfree-trainer-init/1\",\n",
+      absl::StrFormat("  \"model\": {\"layers\": %d, \"d_model\": %d, \"heads\": %d, \"d_ff\": %d, "
+                      "\"vocab\": %d, \"seq_len\": %d, \"max_seq\": %d, \"positions\": \"%s\", "
+                      "\"tied_head\": %s, \"norm_eps\": %.17g},\n",
+                      cfg.layers, cfg.C, cfg.H, cfg.FF, cfg.vocab, T, cfg.max_seq,
+                      cfg.learned_positions ? "learned" : "none",
+                      cfg.tied_head ? "true" : "false", static_cast<double>(cfg.eps)),
+      absl::StrFormat("  \"optimizer\": {\"mode\": \"%s\", \"lr\": %.17g, \"lr_warmup\": %d, "
+                      "\"min_lr_ratio\": %.17g, \"steps\": %d, \"clip\": %.17g, "
+                      "\"weight_decay\": %.17g, \"beta1\": %.17g, \"beta2\": %.17g, "
+                      "\"eps\": %.17g,\n    \"lr_per_step\": ",
+                      OffloadModeName(e.mode), o.lr, o.lr_warmup, o.min_lr_ratio, o.steps, o.clip,
+                      e.weight_decay, e.beta1, e.beta2, e.eps),
+      JsonList(lrs), "},\n",
+      absl::StrFormat("  \"data\": {\"source\": %s, \"batch\": %d, \"seed\": %d, "
+                      "\"train_tokens\": %d, \"eval_tokens\": %d, \"eval_every\": %d, "
+                      "\"eval_batches\": %d, \"eval_steps\": ",
+                      JsonString(corpus.source), B, o.seed, corpus.train.size(),
+                      corpus.eval.size(), o.eval_every, eval_n),
+      JsonList(eval_steps), "},\n  \"tensors\": [\n", list, "\n  ],\n  \"batches\": {\n",
+      batch_list, "\n  }\n}\n");
+  return WriteFileAtomically(dir + "manifest.json", manifest);
+}
+
 // Sum over ranks of one double (through the float communicator in two halves, so the sum keeps
 // double precision for values of similar magnitude).
 absl::StatusOr<double> AllReduceSum(parallel::Communicator* comm, double x) {
@@ -396,6 +509,14 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
   if (o.steps < 1) return absl::InvalidArgumentError("steps: must be >= 1");
   if (!o.init_from.empty() && !o.resume.empty())
     return absl::InvalidArgumentError("init_from: cannot be combined with --resume");
+  if (!o.dump_init.empty() && D != 1)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dump_init: writes a single rank's whole model, and this run has ", D,
+        " ranks; run it with --nproc 1"));
+  if (!o.dump_init.empty() && !o.resume.empty())
+    return absl::InvalidArgumentError(
+        "dump_init: writes a run's starting point, and a resumed run starts from a checkpoint's "
+        "optimizer state; drop --resume (--init_from is fine: its weights are dumped)");
   RETURN_IF_ERROR(o.engine.Validate());
 
   // Data.
@@ -538,7 +659,57 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
     std::fflush(stdout);
   }
 
+  const int64_t last_step = o.stop_at > 0 ? std::min(o.stop_at, o.steps) : o.steps;
+  auto evaluates = [&](int64_t step) {
+    return (o.eval_every > 0 && step % o.eval_every == 0) || step == last_step;
+  };
+  const int64_t eval_n =
+      have_eval ? std::max<int64_t>(
+                      1, std::min(o.eval_batches, std::max(eval_batcher->full_batches_per_epoch(),
+                                                           static_cast<int64_t>(1))))
+                : 0;
   std::vector<int32_t> tokens(B * T), targets(B * T);
+
+  // --dump_init: the batches of steps 1..steps and of an evaluation, drawn by the batchers
+  // themselves (then rewound), the weights, the configuration. The loop below checks that it
+  // trains and evaluates on exactly these batches.
+  DumpedBatches dumped;
+  if (!o.dump_init.empty()) {
+    const int64_t position = batcher.position();
+    for (int64_t step = 1; step <= o.steps; ++step) {
+      batcher.Next(tokens.data(), targets.data());
+      dumped.tokens.insert(dumped.tokens.end(), tokens.begin(), tokens.end());
+      dumped.targets.insert(dumped.targets.end(), targets.begin(), targets.end());
+    }
+    batcher.Seek(position);
+    if (have_eval) eval_batcher->Seek(0);
+    for (int64_t i = 0; i < eval_n; ++i) {
+      eval_batcher->Next(tokens.data(), targets.data());
+      dumped.eval_tokens.insert(dumped.eval_tokens.end(), tokens.begin(), tokens.end());
+      dumped.eval_targets.insert(dumped.eval_targets.end(), targets.begin(), targets.end());
+    }
+    std::vector<double> lrs;
+    std::vector<int64_t> eval_steps;
+    for (int64_t step = 1; step <= o.steps; ++step) {
+      lrs.push_back(LearningRate(o, step));
+      if (step <= last_step && evaluates(step) && have_eval) eval_steps.push_back(step);
+    }
+    RETURN_IF_ERROR(
+        WriteInitDump(o, cfg, B, T, corpus, tensors, *dev, dumped, lrs, eval_steps));
+    if (lead) {
+      printf("wrote the initial weights, configuration and batches to %s\n", o.dump_init.c_str());
+      std::fflush(stdout);
+    }
+  }
+  // Whether the current tokens / targets are batch `index` of the dumped ones (true without a
+  // dump).
+  auto is_dumped = [&](const std::vector<int32_t>& want_tokens,
+                       const std::vector<int32_t>& want_targets, int64_t index) {
+    if (o.dump_init.empty()) return true;
+    const int64_t at = index * B * T;
+    return std::equal(tokens.begin(), tokens.end(), want_tokens.begin() + at) &&
+           std::equal(targets.begin(), targets.end(), want_targets.begin() + at);
+  };
   // The model's forward on this rank's device (the CPU API on host memory, the view form on a
   // GPU); cache may be null (no backward).
   auto forward = [&](parallel::DistributedCache* cache) -> absl::StatusOr<double> {
@@ -549,16 +720,16 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
     if (!have_eval) return std::nan("");
     Batcher& eb = *eval_batcher;
     eb.Seek(0);
-    const int64_t n = std::max<int64_t>(
-        1, std::min(o.eval_batches, std::max(eb.full_batches_per_epoch(),
-                                             static_cast<int64_t>(1))));
     double sum = 0;
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < eval_n; ++i) {
       eb.Next(tokens.data(), targets.data());
+      if (!is_dumped(dumped.eval_tokens, dumped.eval_targets, i))
+        return absl::InternalError(absl::StrCat(
+            "dump_init: evaluation batch ", i, " differs from the dumped one (a trainer bug)"));
       ASSIGN_OR_RETURN(double loss, forward(nullptr));
       sum += loss;
     }
-    return sum / static_cast<double>(n);
+    return sum / static_cast<double>(eval_n);
   };
   auto checkpoint = [&](int64_t step) -> absl::Status {
     const std::string tag = absl::StrCat(o.run_name, "-step", step);
@@ -587,10 +758,12 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
   double sum_step = 0, sum_compute = 0, sum_opt = 0, sum_copies = 0, sum_stall = 0;
   double sum_traffic = 0;
   int64_t timed = 0;
-  const int64_t last_step = o.stop_at > 0 ? std::min(o.stop_at, o.steps) : o.steps;
   for (int64_t step = start + 1; step <= last_step; ++step) {
     const auto t0 = Clock::now();
     batcher.Next(tokens.data(), targets.data());
+    if (!is_dumped(dumped.tokens, dumped.targets, step - 1))
+      return absl::InternalError(absl::StrCat(
+          "dump_init: step ", step, "'s batch differs from the dumped one (a trainer bug)"));
     for (const Tensor& t : tensors) ops.Fill(t.grad, t.numel, 0.0f);
     parallel::DistributedCache cache;
     ASSIGN_OR_RETURN(double loss, forward(&cache));
@@ -633,7 +806,7 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
     if (step == 1) first_loss = loss;
     losses.push_back(loss);
     double eval = std::nan("");
-    if ((o.eval_every > 0 && step % o.eval_every == 0) || step == last_step) {
+    if (evaluates(step)) {
       ASSIGN_OR_RETURN(eval, evaluate());
       last_eval = eval;
     }

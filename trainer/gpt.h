@@ -73,6 +73,28 @@ struct TrainOptions {
   // Weights only (fresh optimizer and data order) from another run's checkpoint, given as its
   // path without the ".rank<r>.trainer" suffix, e.g. runs/a/checkpoints/a-step400.
   std::string init_from;
+  // Writes the run's starting point into this directory (single rank only, not with --resume),
+  // then trains as usual: a re-implementation elsewhere (tests/python/test_trainer_vs_torch.py)
+  // loads it and follows the run step by step. Files (every number little-endian):
+  //   manifest.json  format "stallfree-trainer-init/1"; "model" (layers, d_model, heads, d_ff,
+  //                  vocab, seq_len, max_seq, positions, tied_head, norm_eps), "optimizer"
+  //                  (mode, lr, lr_warmup, min_lr_ratio, steps, clip, weight_decay, beta1,
+  //                  beta2, eps, and lr_per_step: the rate of steps 1..steps), "data" (source,
+  //                  batch, seed, token counts, eval_every, eval_steps: the steps after whose
+  //                  update the eval loss is measured, eval_batches), "tensors" (name, shape,
+  //                  file, in the engine's order) and "batches" (file, shape, dtype).
+  //   <name>.f32     each weight, float32 row-major, after initialisation (or --init_from):
+  //                  embedding [vocab, C]; pos_embedding [max_seq, C] (learned positions);
+  //                  per block l: block<l>.ln1, .ln2 [C], .wqkv [3C, C] = the rows of Wq, Wk,
+  //                  Wv, .wo [C, C], .wgu [2 FF, C] = the rows of Wg, Wu, .wd [C, FF]; ln_f [C];
+  //                  head [vocab, C] (untied head). Every W is [out, in] as in F.linear.
+  //   tokens.i32, targets.i32            int32 [steps, B, T]: the batch of each step 1..steps.
+  //   eval_tokens.i32, eval_targets.i32  int32 [eval_batches, B, T]: every evaluation's batches.
+  // The math is parallel/reference_block.h's; the schedule LearningRate's (gpt.cc); clipping
+  // scales every gradient by float(clip / norm) when the fp64 global norm exceeds clip; AdamW
+  // (kernels/optimizer.h) decays every tensor, 1-D ones included. The run checks that each
+  // batch it trains and evaluates on is the dumped one.
+  std::string dump_init;
   std::string socket;            // stallfreed's socket (zenflow, sync-offload)
   bool quiet = false;            // no per-step lines
   std::string device = "cpu";    // cpu | cuda (CUDA builds only; GPU LOCAL_RANK)

@@ -71,6 +71,9 @@ int Run(int argc, char** argv) {
   flags.AddInt("lr_warmup", &o.lr_warmup, "linear learning-rate warm-up steps");
   flags.AddDouble("clip", &o.clip, "clip gradients to this global norm (0: off)");
   flags.AddDouble("weight_decay", &o.engine.weight_decay, "AdamW weight decay");
+  flags.AddDouble("beta1", &o.engine.beta1, "AdamW's first-moment decay, in [0, 1)");
+  flags.AddDouble("beta2", &o.engine.beta2, "AdamW's second-moment decay, in [0, 1)");
+  flags.AddDouble("eps", &o.engine.eps, "AdamW's epsilon, > 0");
   flags.AddInt("seed", &seed, "initialisation and data-order seed");
   flags.AddString("mode", &mode, "optimizer offload: zenflow, sync-offload or no-offload");
   flags.AddDouble("topk_ratio", &o.engine.topk_ratio, "ZenFlow: hot share of each weight's columns");
@@ -98,6 +101,10 @@ int Run(int argc, char** argv) {
   flags.AddString("init_from", &o.init_from,
                   "start from another run's weights (fresh optimizer): <out_dir>/checkpoints/"
                   "<run>-step<N>, any mode");
+  flags.AddString("dump_init", &o.dump_init,
+                  "write the initial weights (float32), the batches of every step (int32) and "
+                  "the configuration (manifest.json) into this directory, then train as usual "
+                  "(--nproc 1; the format is in trainer/gpt.h)");
   flags.AddString("socket", &o.socket, "stallfreed's gRPC socket");
   flags.AddInt("nproc", &nproc, "TSP ranks to start locally (ignored under an external launcher)");
   flags.AddBool("quiet", &o.quiet, "no per-step progress lines");
@@ -131,6 +138,12 @@ int Run(int argc, char** argv) {
   o.seed = static_cast<uint32_t>(seed);
   if (absl::Status st = trainer::CheckDeviceName(o.device); !st.ok()) {
     fprintf(stderr, "trainer: --%s\n", std::string(st.message()).c_str());
+    return 2;
+  }
+
+  if (nproc > 1 && !o.dump_init.empty()) {
+    fprintf(stderr, "trainer: --dump_init writes a single rank's whole model; run it with "
+                    "--nproc 1\n");
     return 2;
   }
 

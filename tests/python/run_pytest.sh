@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "${TEST_SRCDIR}/${TEST_WORKSPACE}"
 export STALLFREE_PYTHONPATH="$PWD/python"
+# The trainer binary, for the tests that run it (in the runfiles of the rules that depend on it).
+if [[ -x trainer/trainer ]]; then export STALLFREE_TRAINER="$PWD/trainer/trainer"; fi
 export PYTHONDONTWRITEBYTECODE=1
 export HOME="${TEST_TMPDIR:-/tmp}"
 unset STALLFREE_SOCKET
