@@ -33,6 +33,15 @@
 // step count to the daemon, the column entering takes the daemon's (MigrateColumns swaps them in
 // place), with no reset and no rounding.
 //
+// Cold warm-up: the daemon updates the cold columns once per round with the round's mean
+// gradient, so a cold column's first Adam steps (where Adam's moment estimates rest on a few
+// samples) come S times later in the run than a per-step column's and miss the learning-rate
+// warm-up, which lasts a given number of *steps*: measured, those early per-round steps at the
+// peak rate caused ZenFlow's own loss spikes (tests/python/zenflow_reference.py has the
+// algorithm). So the daemon's rate ramps up linearly over the first `cold_warmup` rounds of S > 1
+// (round r at lr * min(1, r / cold_warmup)). With S = 1 (and in warm-up and sync-offload) there
+// is no ramp: every column then steps every step, as in no-offload.
+//
 // Modes, on the same code path: `zenflow` (above); `sync-offload` (ZeRO-Offload: every parameter,
 // 1-D ones too, lives in the daemon; every step pushes every gradient, runs the Update and waits
 // for it); `no-offload` (plain AdamW on the device; the quality reference; no session needed).
@@ -62,12 +71,19 @@ enum class OffloadMode { kZenFlow, kSyncOffload, kNoOffload };
 const char* OffloadModeName(OffloadMode mode);  // "zenflow", "sync-offload", "no-offload"
 absl::StatusOr<OffloadMode> ParseOffloadMode(const std::string& name);
 
+// The cold warm-up's default length in rounds (ZenFlowConfig::cold_warmup), chosen by measurement
+// (README, "Known behaviour").
+inline constexpr int64_t kDefaultColdWarmup = 20;
+
 struct ZenFlowConfig {
   OffloadMode mode = OffloadMode::kZenFlow;
   double topk_ratio = 0.1;     // hot share of each weight's columns, in (0, 1]
   int64_t update_interval = 4;  // S >= 1: steps per daemon Update
   int64_t select_interval = 0;  // steps between reselections, a multiple of S; 0 means 4 S
   int64_t warmup_steps = 0;     // >= 0: steps with S = 1 and awaited updates
+  // >= 0: the daemon's lr ramps up over the first cold_warmup rounds of S > 1 (round r of them
+  // runs at lr * min(1, r / cold_warmup)); 0: off. See "Cold warm-up" above.
+  int64_t cold_warmup = kDefaultColdWarmup;
   bool await_updates = false;   // wait for each round's Update at its boundary (no staleness)
   // AdamW (decoupled weight decay); lr comes with each Step.
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;

@@ -68,7 +68,10 @@ def test_resume_in_fresh_process_is_bit_exact(name, checkpoints, tmp_path):
     assert [t["boundary"] for t in timings] == [s % 4 == 0 for s in range(1, STEPS + 1)]
     assert not timings[SAVE_AT - 1]["boundary"]
     assert timings[9 - 1]["reselected"], timings
-    assert ref.losses[-1] < ref.losses[0] - 0.25  # it trains (4.19 -> 3.84), not stays put
+    # It trains, not stays put: 4.19 -> 4.02 in these 14 steps (3.84 without the cold warm-up,
+    # which holds the daemon's rate at 10-40% of lr over the first rounds; its round counter is
+    # part of the state that must survive the resume).
+    assert ref.losses[-1] < ref.losses[0] - 0.1
 
     # Asking for the state dict does not change the run's own trajectory.
     assert_bitwise_equal(saved.losses, saved.params, ref.losses, ref.params, "saving run")

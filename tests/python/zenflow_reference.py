@@ -22,6 +22,8 @@ columns (its last dimension; rows = the product of the others):
 - Reselection is exact: every column keeps its fp32 value, m, v and step count whether it is hot
   or cold, so here a reselection only changes which columns are hot.
 - Warm-up (t <= W): S = 1 and awaited, no reselection after t = 1.
+- Cold warm-up: with S > 1, the r-th round's cold update (counted per group, from the first
+  round after warm-up) runs at lr * min(1, r / cold_warmup) (0: off).
 - close() lands the pending update (the end of training).
 
 AdamW is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, then the Adam step with
@@ -72,7 +74,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  topk_ratio=0.1, update_interval=4, select_interval=None, warmup_steps=0,
-                 await_updates=False, lr_scale=1.0, cold_scale=1.0):
+                 await_updates=False, cold_warmup=20, lr_scale=1.0, cold_scale=1.0):
         # lr_scale, cold_scale: deliberate errors (every lr scaled; the cold accumulation scaled),
         # for showing that a test's tolerance catches a slightly wrong reference.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -83,6 +85,8 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         self.W = warmup_steps
         self.await_updates = await_updates
         self.t = [0] * len(self.param_groups)
+        self.cold_warmup = cold_warmup
+        self.cold_rounds = [0] * len(self.param_groups)
         self.reselections = 0
         self.lr_scale, self.cold_scale = lr_scale, cold_scale
 
@@ -133,6 +137,11 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             select = t == 1 or (t > self.W and (t - self.W - 1) % self.select_interval == 0)
             lr, (b1, b2), eps, wd = (group["lr"] * self.lr_scale, group["betas"], group["eps"],
                                      group["weight_decay"])
+            cold_lr = lr
+            if boundary and S > 1:
+                self.cold_rounds[gi] += 1
+                if self.cold_warmup > 0:
+                    cold_lr = lr * min(1.0, self.cold_rounds[gi] / self.cold_warmup)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -170,7 +179,8 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 if boundary:
                     sp.steps[cold] += 1
                     mc, mmc, mvc = sp.master[:, cold], sp.m[:, cold], sp.v[:, cold]
-                    _adamw_(mc, sp.acc[:, cold], mmc, mvc, sp.steps[cold], lr, b1, b2, eps, wd)
+                    _adamw_(mc, sp.acc[:, cold], mmc, mvc, sp.steps[cold], cold_lr, b1, b2, eps,
+                            wd)
                     sp.master[:, cold], sp.m[:, cold], sp.v[:, cold] = mc, mmc, mvc
                     sp.acc.zero_()
                     if await_:
