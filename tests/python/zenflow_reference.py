@@ -23,7 +23,9 @@ columns (its last dimension; rows = the product of the others):
   or cold, so here a reselection only changes which columns are hot.
 - Warm-up (t <= W): S = 1 and awaited, no reselection after t = 1.
 - Cold warm-up: with S > 1, the r-th round's cold update (counted per group, from the first
-  round after warm-up) runs at lr * min(1, r / cold_warmup) (0: off).
+  round after warm-up) runs at lr * min(1, r / cold_warmup) (0: off). cold_warmup="auto" is a
+  variant the engine does not have (bench/zenflow_variants.py measures it): round r runs at
+  min(lr, the lr of step r), the user's own warm-up counted in rounds.
 - close() lands the pending update (the end of training).
 
 AdamW is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, then the Adam step with
@@ -87,6 +89,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         self.t = [0] * len(self.param_groups)
         self.cold_warmup = cold_warmup
         self.cold_rounds = [0] * len(self.param_groups)
+        self.lr_history = [[] for _ in self.param_groups]
         self.reselections = 0
         self.lr_scale, self.cold_scale = lr_scale, cold_scale
 
@@ -138,10 +141,14 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             lr, (b1, b2), eps, wd = (group["lr"] * self.lr_scale, group["betas"], group["eps"],
                                      group["weight_decay"])
             cold_lr = lr
+            self.lr_history[gi].append(lr)
             if boundary and S > 1:
                 self.cold_rounds[gi] += 1
-                if self.cold_warmup > 0:
-                    cold_lr = lr * min(1.0, self.cold_rounds[gi] / self.cold_warmup)
+                r = self.cold_rounds[gi]
+                if self.cold_warmup == "auto":
+                    cold_lr = min(lr, self.lr_history[gi][r - 1])
+                elif self.cold_warmup > 0:
+                    cold_lr = lr * min(1.0, r / self.cold_warmup)
             for p in group["params"]:
                 if p.grad is None:
                     continue
