@@ -73,7 +73,7 @@ struct Options {
   int64_t steps = 0;
   int64_t vocab = 128, dim = 96, heads = 4, ff = 256, layers = 2, seq = 64, batch = 8;
   double lr = 3e-3, weight_decay = 0.01;
-  int64_t zen_warmup = 0;
+  int64_t zen_warmup = kDefaultWarmupSteps;
   int64_t cold_warmup = kDefaultColdWarmup;
   // Part 1 (a): pre-training (no-offload) then fine-tuning in each mode.
   int64_t pretrain_steps = 0, finetune_steps = 0, finetune_zen_warmup = -1;
@@ -137,6 +137,7 @@ ZenFlowConfig EngineConfig(const Options& o, OffloadMode mode, int64_t select_in
   c.beta2 = 0.95;
   c.grad_dtype = v1::DTYPE_BF16;
   c.param_dtype = v1::DTYPE_BF16;
+  c.warmup_steps = 0;  // part 2 times the steady state; part 1 sets its own (--zen_warmup)
   return c;
 }
 

@@ -38,20 +38,26 @@ def load_example():
 
 
 VARIANTS = {
-    # name: ReferenceZenFlow arguments (ratio 0.1 unless given)
-    "S4 async, no cold warm-up": dict(update_interval=4, cold_warmup=0),
-    "S4 async (default: cold warm-up 20)": dict(update_interval=4),
-    "S4 async, cold warm-up 10": dict(update_interval=4, cold_warmup=10),
-    "S4 async, cold warm-up 40": dict(update_interval=4, cold_warmup=40),
-    "S4 async, cold warm-up auto": dict(update_interval=4, cold_warmup="auto"),
-    "S4 awaited, cold warm-up auto": dict(update_interval=4, await_updates=True,
-                                          cold_warmup="auto"),
-    "S4 awaited, no cold warm-up": dict(update_interval=4, await_updates=True, cold_warmup=0),
-    "S4 awaited, no warm-up, no reselection": dict(update_interval=4, await_updates=True,
-                                                   cold_warmup=0, select_interval=10**6),
-    "S4 awaited (cold warm-up 20)": dict(update_interval=4, await_updates=True),
-    "S1 async (one step stale)": dict(update_interval=1),
-    "S1 awaited (= AdamW)": dict(update_interval=1, await_updates=True),
+    # name: ReferenceZenFlow arguments (ratio 0.1; W = warmup_steps, the engine warm-up of exact
+    # AdamW steps; cold = cold_warmup, the daemon's lr ramp in rounds)
+    "S4 async, W 0, cold 0 (the engine before)": dict(update_interval=4, warmup_steps=0,
+                                                      cold_warmup=0),
+    "S4 async, W 0, cold 10": dict(update_interval=4, warmup_steps=0, cold_warmup=10),
+    "S4 async, W 0, cold 20": dict(update_interval=4, warmup_steps=0, cold_warmup=20),
+    "S4 async, W 0, cold auto": dict(update_interval=4, warmup_steps=0, cold_warmup="auto"),
+    "S4 async, W 20, cold 0 (the default)": dict(update_interval=4, warmup_steps=20,
+                                                 cold_warmup=0),
+    "S4 async, W 40, cold 0": dict(update_interval=4, warmup_steps=40, cold_warmup=0),
+    "S4 awaited, W 0, cold 0": dict(update_interval=4, await_updates=True, warmup_steps=0,
+                                    cold_warmup=0),
+    "S4 awaited, W 0, cold 0, no reselection": dict(update_interval=4, await_updates=True,
+                                                    warmup_steps=0, cold_warmup=0,
+                                                    select_interval=10**6),
+    "S4 awaited, W 20, cold 0": dict(update_interval=4, await_updates=True, warmup_steps=20,
+                                     cold_warmup=0),
+    "S1 async, W 0 (one step stale)": dict(update_interval=1, warmup_steps=0),
+    "S1 async, W 20": dict(update_interval=1, warmup_steps=20),
+    "S1 awaited, W 0 (= AdamW)": dict(update_interval=1, await_updates=True, warmup_steps=0),
 }
 
 
@@ -128,7 +134,7 @@ def main():
         ev = statistics.mean(r[1] for r in table[name])
         jmax = max(r[2] for r in table[name])
         print(f"{name:<42} {ev:14.3f} {jmax:15.1f}")
-        key = name.split(" (")[0].replace(",", "").replace(" ", "_").replace("=", "").replace("-", "_").lower()
+        key = name.split(" (")[0].replace(",", "").replace(" ", "_").lower()
         print(f"FIGURE zenflow_variant_{key}_eval_vs_adamw {ev:.4f} x")
         print(f"FIGURE zenflow_variant_{key}_max_own_jump {jmax:.1f} x")
     print(f"zenflow_variants: {time.time() - t0:.0f} s")

@@ -33,7 +33,15 @@
 // step count to the daemon, the column entering takes the daemon's (MigrateColumns swaps them in
 // place), with no reset and no rounding.
 //
-// Cold warm-up: the daemon updates the cold columns once per round with the round's mean
+// Warm-up: the first `warmup_steps` steps run with S = 1 and awaited updates, which is exact
+// AdamW on every column (the daemon's part too), before the rounds begin. Measured, this is what
+// keeps ZenFlow from its own loss spikes: a cold column's first per-round Adam steps, with
+// moments from a few samples, otherwise come at the peak learning rate on 90% of the columns at
+// once (bench/zenflow_variants.py). After the warm-up every column's moments rest on
+// `warmup_steps` gradients. The cost is a synchronous step (the daemon's update waited for) during
+// those steps.
+//
+// Cold warm-up (off by default): the daemon updates the cold columns once per round with the round's mean
 // gradient, so a cold column's first Adam steps (where Adam's moment estimates rest on a few
 // samples) come S times later in the run than a per-step column's and miss the learning-rate
 // warm-up, which lasts a given number of *steps*: measured, those early per-round steps at the
@@ -71,16 +79,20 @@ enum class OffloadMode { kZenFlow, kSyncOffload, kNoOffload };
 const char* OffloadModeName(OffloadMode mode);  // "zenflow", "sync-offload", "no-offload"
 absl::StatusOr<OffloadMode> ParseOffloadMode(const std::string& name);
 
-// The cold warm-up's default length in rounds (ZenFlowConfig::cold_warmup), chosen by measurement
-// (README, "Known behaviour").
-inline constexpr int64_t kDefaultColdWarmup = 20;
+// The defaults of the engine's two warm-ups, chosen by measurement (README, "Known behaviour"):
+// 20 steps of exact AdamW (S = 1, awaited) before ZenFlow proper, and no cold warm-up (which the
+// engine warm-up made unnecessary).
+inline constexpr int64_t kDefaultWarmupSteps = 20;
+inline constexpr int64_t kDefaultColdWarmup = 0;
 
 struct ZenFlowConfig {
   OffloadMode mode = OffloadMode::kZenFlow;
   double topk_ratio = 0.1;     // hot share of each weight's columns, in (0, 1]
   int64_t update_interval = 4;  // S >= 1: steps per daemon Update
   int64_t select_interval = 0;  // steps between reselections, a multiple of S; 0 means 4 S
-  int64_t warmup_steps = 0;     // >= 0: steps with S = 1 and awaited updates
+  // >= 0: first steps with S = 1 and awaited updates (every column steps every step, as in
+  // no-offload); see "Warm-up" above.
+  int64_t warmup_steps = kDefaultWarmupSteps;
   // >= 0: the daemon's lr ramps up over the first cold_warmup rounds of S > 1 (round r of them
   // runs at lr * min(1, r / cold_warmup)); 0: off. See "Cold warm-up" above.
   int64_t cold_warmup = kDefaultColdWarmup;

@@ -14,7 +14,7 @@ trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null; rm -rf "$dir"' E
 for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
 echo "== stallfreed on $sock (pid $daemon)"
 ./bazel-bin/trainer/trainer --socket "$sock" --preset demo --nproc 2 --mode zenflow \
-  --steps "${DEMO_STEPS:-50}" --eval_every 10 --lr 2e-3 --out_dir "$out" --run_name demo "$@"
+  --steps "${DEMO_STEPS:-50}" --batch 8 --eval_every 10 --lr 2e-3 --out_dir "$out" --run_name demo "$@"
 echo
 echo "== stallfreectl stats"
 ./bazel-bin/client/stallfreectl --socket "$sock" stats

@@ -73,7 +73,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     "sync-offload" (every parameter's optimizer state in the daemon, ZeRO-Offload style) or
     "no-offload" (AdamW in place, no daemon). grad_dtype / param_dtype: what crosses to and
     from the daemon ("bf16" or "fp32"). select_interval: steps between reselections (None:
-    4 * update_interval). warmup_steps: first steps with update_interval 1 and awaited updates.
+    4 * update_interval). warmup_steps: first steps with update_interval 1 and awaited updates
+    (exact AdamW while the moments are young; 20 by measurement, README "Known behaviour").
     cold_warmup: rounds over which the daemon's learning rate ramps up (None: the engine's
     default; 0: off; see the README, "The ZenFlow engine").
 
@@ -91,7 +92,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  mode="zenflow", topk_ratio=0.1, update_interval=4, select_interval=None,
-                 warmup_steps=0, await_updates=False, grad_dtype="bf16", param_dtype="bf16",
+                 warmup_steps=20, await_updates=False, grad_dtype="bf16", param_dtype="bf16",
                  socket=None, session_name=None, cold_warmup=None):
         _check_hyper(lr, betas, eps, weight_decay, "")
         if mode not in _MODES:

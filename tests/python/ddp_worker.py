@@ -24,7 +24,8 @@ import stallfree
 from stallfree.torch import ZenFlowAdamW
 
 ZENFLOW = dict(mode="zenflow", topk_ratio=0.25, update_interval=1, select_interval=2,
-               await_updates=True, grad_dtype="fp32", param_dtype="fp32")
+               await_updates=True, grad_dtype="fp32", param_dtype="fp32",
+               warmup_steps=0)  # reselections from step 3 on
 
 
 def main():

@@ -41,7 +41,7 @@ MODES = {
     # topk 0.25: 8 of emb's and up's 32 columns and 12 of down's 48 are hot; a reselection
     # (with migrations through the daemon) every 2 steps.
     "zenflow": dict(mode="zenflow", topk_ratio=0.25, update_interval=1, select_interval=2,
-                    await_updates=True),
+                    await_updates=True, warmup_steps=0),  # reselections from step 3 on
 }
 
 

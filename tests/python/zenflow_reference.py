@@ -75,8 +75,8 @@ class ReferenceZenFlow(torch.optim.Optimizer):
     stallfree.torch.ZenFlowAdamW's (the transfer dtypes do not apply: everything is fp32)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 topk_ratio=0.1, update_interval=4, select_interval=None, warmup_steps=0,
-                 await_updates=False, cold_warmup=20, lr_scale=1.0, cold_scale=1.0):
+                 topk_ratio=0.1, update_interval=4, select_interval=None, warmup_steps=20,
+                 await_updates=False, cold_warmup=0, lr_scale=1.0, cold_scale=1.0):
         # lr_scale, cold_scale: deliberate errors (every lr scaled; the cold accumulation scaled),
         # for showing that a test's tolerance catches a slightly wrong reference.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
