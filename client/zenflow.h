@@ -41,14 +41,10 @@
 // `warmup_steps` gradients. The cost is a synchronous step (the daemon's update waited for) during
 // those steps.
 //
-// Cold warm-up (off by default): the daemon updates the cold columns once per round with the round's mean
-// gradient, so a cold column's first Adam steps (where Adam's moment estimates rest on a few
-// samples) come S times later in the run than a per-step column's and miss the learning-rate
-// warm-up, which lasts a given number of *steps*: measured, those early per-round steps at the
-// peak rate caused ZenFlow's own loss spikes (tests/python/zenflow_reference.py has the
-// algorithm). So the daemon's rate ramps up linearly over the first `cold_warmup` rounds of S > 1
-// (round r at lr * min(1, r / cold_warmup)). With S = 1 (and in warm-up and sync-offload) there
-// is no ramp: every column then steps every step, as in no-offload.
+// Cold warm-up (an option, off by default): the daemon's rate ramps up linearly over its first
+// `cold_warmup` rounds of S > 1 (round r at lr * min(1, r / cold_warmup)), another answer to the
+// same cause; measured, it helps the loss less than the warm-up, leaves the spikes, and costs in
+// short runs. With S = 1 (and in warm-up and sync-offload) there is no ramp.
 //
 // Modes, on the same code path: `zenflow` (above); `sync-offload` (ZeRO-Offload: every parameter,
 // 1-D ones too, lives in the daemon; every step pushes every gradient, runs the Update and waits
