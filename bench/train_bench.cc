@@ -102,7 +102,7 @@ int Run(int argc, char** argv) {
                 "trains one model in zenflow, sync-offload and no-offload modes (same data, "
                 "seed and schedule) and prints the comparison.");
   flags.AddBool("quick", &quick, "fewer steps (within 180 s on 2 cores)");
-  flags.AddInt("steps", &steps, "steps per mode (0: 60 quick, 200 otherwise)");
+  flags.AddInt("steps", &steps, "steps per mode from scratch (0: 200 quick, 500 otherwise)");
   flags.AddInt("nproc", &nproc, "TSP ranks per run");
   flags.AddInt("layers", &layers, "model blocks");
   flags.AddInt("d_model", &d_model, "model width");
@@ -120,7 +120,7 @@ int Run(int argc, char** argv) {
                "fine-tuning comparison: steps per mode from the pre-trained weights (0: 40, 100)");
   flags.AddDouble("finetune_lr", &finetune_lr, "fine-tuning comparison: peak learning rate");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
-  if (steps == 0) steps = quick ? 60 : 200;
+  if (steps == 0) steps = quick ? 200 : 500;
   if (pretrain_steps == 0) pretrain_steps = quick ? 60 : 200;
   if (finetune_steps == 0) finetune_steps = quick ? 40 : 100;
 
