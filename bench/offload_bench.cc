@@ -74,7 +74,6 @@ struct Options {
   int64_t vocab = 128, dim = 96, heads = 4, ff = 256, layers = 2, seq = 64, batch = 8;
   double lr = 3e-3, weight_decay = 0.01;
   int64_t zen_warmup = kDefaultWarmupSteps;
-  int64_t cold_warmup = kDefaultColdWarmup;
   // Part 1 (a): pre-training (no-offload) then fine-tuning in each mode.
   int64_t pretrain_steps = 0, finetune_steps = 0, finetune_zen_warmup = -1;
   double finetune_lr = 3e-4;
@@ -299,7 +298,6 @@ Part1Result RunPart1Mode(const Options& o, OffloadMode mode, Client* client,
   }
   ZenFlowConfig zcfg = EngineConfig(o, mode, 0);
   zcfg.warmup_steps = o.zen_warmup;
-  zcfg.cold_warmup = o.cold_warmup;
   auto engine = ZenFlowEngine::Create(zcfg, params, kernels::DefaultCpuKernel(),
                                       ops, session.get());
   if (!engine.ok()) {
@@ -679,8 +677,6 @@ int Run(int argc, char** argv) {
   flags.AddInt("seq", &o.seq, "part 1: sequence length T");
   flags.AddInt("batch", &o.batch, "part 1: sequences per step B");
   flags.AddDouble("lr", &o.lr, "part 1: peak AdamW learning rate (warm-up 10%, cosine to 10%)");
-  flags.AddInt("cold_warmup", &o.cold_warmup,
-               "part 1: the engine's cold_warmup (rounds of the daemon's lr ramp) in zenflow");
   flags.AddInt("zen_warmup", &o.zen_warmup,
                "part 1: the engine's warmup_steps (steps at S = 1 with awaited updates) in zenflow");
   flags.AddInt("pretrain_steps", &o.pretrain_steps,

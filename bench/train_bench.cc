@@ -112,7 +112,7 @@ int Run(int argc, char** argv) {
   flags.AddInt("batch", &batch, "sequences per step");
   flags.AddString("out_dir", &out_dir, "where the runs' metrics and the plot go");
   flags.AddString("zenflow_args", &zenflow_args,
-                  "extra trainer flags for the zenflow runs (e.g. \"--cold_warmup 0\"), to "
+                  "extra trainer flags for the zenflow runs (e.g. \"--engine_warmup 0\"), to "
                   "measure a ZenFlow setting against no-offload in the same run");
   flags.AddInt("pretrain_steps", &pretrain_steps,
                "fine-tuning comparison: no-offload pre-training steps (0: 60 quick, 200; -1: skip)");

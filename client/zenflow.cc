@@ -6,7 +6,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -122,7 +121,6 @@ absl::Status ZenFlowConfig::Validate() const {
                    absl::StrCat(select_interval, " is not a positive multiple of update_interval ",
                                 update_interval, " (or 0 for 4 x update_interval)"));
   if (warmup_steps < 0) return Invalid("warmup_steps", absl::StrCat(warmup_steps, " is negative"));
-  if (cold_warmup < 0) return Invalid("cold_warmup", absl::StrCat(cold_warmup, " is negative"));
   if (!(beta1 >= 0.0 && beta1 < 1.0)) return Invalid("beta1", "must be in [0, 1)");
   if (!(beta2 >= 0.0 && beta2 < 1.0)) return Invalid("beta2", "must be in [0, 1)");
   if (!(eps > 0.0) || !std::isfinite(eps)) return Invalid("eps", "must be finite and > 0");
@@ -191,7 +189,6 @@ struct ZenFlowEngine::Impl {
   uint32_t pending_pslot = 0;
   int64_t pending_task = 0;
   int64_t rounds = 0;
-  int64_t cold_rounds = 0;  // zenflow rounds of S > 1 so far (the cold warm-up's clock)
   std::unique_ptr<CopyThread> copier;
 
   Impl(const ZenFlowConfig& c, const kernels::OptimizerKernel& kk,
@@ -535,19 +532,12 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   v1::AdamWHyper hyper;
   uint32_t pslot = 0;
   std::vector<std::string> skip;  // no gradient in the whole round: no step, no decay
-  double cold_lr = lr;
-  if (tm.boundary && cfg.mode == OffloadMode::kZenFlow && S > 1) {
-    ++cold_rounds;
-    if (cfg.cold_warmup > 0)
-      cold_lr = lr * std::min(1.0, static_cast<double>(cold_rounds) /
-                                       static_cast<double>(cfg.cold_warmup));
-  }
   if (tm.boundary) {
     for (PState& ps : params) {
       if (ps.kind != PState::kDevice && ps.round_grads == 0) skip.push_back(ps.p.name);
       ps.round_grads = 0;
     }
-    hyper.set_lr(cold_lr);
+    hyper.set_lr(lr);
     hyper.set_beta1(cfg.beta1);
     hyper.set_beta2(cfg.beta2);
     hyper.set_eps(cfg.eps);
@@ -691,7 +681,7 @@ class BlobReader {
 };
 
 constexpr int64_t kBlobMagicV1 = 0x315446574e455a53;  // "SZENWFT1"
-constexpr int64_t kBlobMagic = 0x325446574e455a53;    // "SZENWFT2": + cold_rounds, round_grads
+constexpr int64_t kBlobMagic = 0x325446574e455a53;    // "SZENWFT2": + round_grads
 
 }  // namespace
 
@@ -714,7 +704,6 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
   w.I64(static_cast<int64_t>(im.cfg.mode));
   w.I64(im.step);
   w.I64(im.rounds);
-  w.I64(im.cold_rounds);
   w.I64(im.pending_version);
   w.I64(im.loaded ? 1 : 0);
   w.I64(static_cast<int64_t>(im.params.size()));
@@ -756,12 +745,8 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   if (!r.I64(&mode) || mode != static_cast<int64_t>(im.cfg.mode))
     return absl::InvalidArgumentError(absl::StrCat(
         "state: written in mode ", mode, ", this engine runs ", OffloadModeName(im.cfg.mode)));
-  if (!r.I64(&im.step) || !r.I64(&im.rounds))
-    return bad("truncated");
-  // Version 1 engines had no cold warm-up: continue those runs at the full rate.
-  im.cold_rounds = std::numeric_limits<int64_t>::max() / 2;
-  if (magic == kBlobMagic && !r.I64(&im.cold_rounds)) return bad("truncated");
-  if (!r.I64(&im.pending_version) || !r.I64(&loaded) || !r.I64(&nparams))
+  if (!r.I64(&im.step) || !r.I64(&im.rounds) || !r.I64(&im.pending_version) || !r.I64(&loaded) ||
+      !r.I64(&nparams))
     return bad("truncated");
   if (nparams != static_cast<int64_t>(im.params.size()))
     return absl::InvalidArgumentError(absl::StrCat("state: ", nparams, " parameters, the engine has ",

@@ -41,11 +41,6 @@
 // `warmup_steps` gradients. The cost is a synchronous step (the daemon's update waited for) during
 // those steps.
 //
-// Cold warm-up (an option, off by default): the daemon's rate ramps up linearly over its first
-// `cold_warmup` rounds of S > 1 (round r at lr * min(1, r / cold_warmup)), another answer to the
-// same cause; measured, it helps the loss less than the warm-up, leaves the spikes, and costs in
-// short runs. With S = 1 (and in warm-up and sync-offload) there is no ramp.
-//
 // Modes, on the same code path: `zenflow` (above); `sync-offload` (ZeRO-Offload: every parameter,
 // 1-D ones too, lives in the daemon; every step pushes every gradient, runs the Update and waits
 // for it); `no-offload` (plain AdamW on the device; the quality reference; no session needed).
@@ -75,11 +70,9 @@ enum class OffloadMode { kZenFlow, kSyncOffload, kNoOffload };
 const char* OffloadModeName(OffloadMode mode);  // "zenflow", "sync-offload", "no-offload"
 absl::StatusOr<OffloadMode> ParseOffloadMode(const std::string& name);
 
-// The defaults of the engine's two warm-ups, chosen by measurement (README, "Known behaviour"):
-// 20 steps of exact AdamW (S = 1, awaited) before ZenFlow proper, and no cold warm-up (which the
-// engine warm-up made unnecessary).
+// The engine warm-up's default, chosen by measurement (README, "Known behaviour"): 20 steps of
+// exact AdamW (S = 1, awaited) before ZenFlow proper.
 inline constexpr int64_t kDefaultWarmupSteps = 20;
-inline constexpr int64_t kDefaultColdWarmup = 0;
 
 struct ZenFlowConfig {
   OffloadMode mode = OffloadMode::kZenFlow;
@@ -89,9 +82,6 @@ struct ZenFlowConfig {
   // >= 0: first steps with S = 1 and awaited updates (every column steps every step, as in
   // no-offload); see "Warm-up" above.
   int64_t warmup_steps = kDefaultWarmupSteps;
-  // >= 0: the daemon's lr ramps up over the first cold_warmup rounds of S > 1 (round r of them
-  // runs at lr * min(1, r / cold_warmup)); 0: off. See "Cold warm-up" above.
-  int64_t cold_warmup = kDefaultColdWarmup;
   bool await_updates = false;   // wait for each round's Update at its boundary (no staleness)
   // AdamW (decoupled weight decay); lr comes with each Step.
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;

@@ -42,8 +42,6 @@ stallfree::api::EngineConfig ConfigFrom(const py::dict& d) {
   c.update_interval = d["update_interval"].cast<int64_t>();
   c.select_interval = d["select_interval"].cast<int64_t>();
   c.warmup_steps = d["warmup_steps"].cast<int64_t>();
-  if (d.contains("cold_warmup") && !d["cold_warmup"].is_none())
-    c.cold_warmup = d["cold_warmup"].cast<int64_t>();
   c.await_updates = d["await_updates"].cast<bool>();
   c.beta1 = d["beta1"].cast<double>();
   c.beta2 = d["beta2"].cast<double>();

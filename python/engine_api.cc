@@ -61,7 +61,6 @@ ZenFlowConfig ToConfig(const EngineConfig& e) {
   c.update_interval = e.update_interval;
   c.select_interval = e.select_interval;
   c.warmup_steps = e.warmup_steps;
-  if (e.cold_warmup >= 0) c.cold_warmup = e.cold_warmup;
   c.await_updates = e.await_updates;
   c.beta1 = e.beta1;
   c.beta2 = e.beta2;

@@ -45,7 +45,6 @@ struct EngineConfig {
   int64_t update_interval = 4;
   int64_t select_interval = 0;
   int64_t warmup_steps = 0;
-  int64_t cold_warmup = -1;  // rounds; -1: the engine's default (kDefaultColdWarmup)
   bool await_updates = false;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   std::string grad_dtype = "bf16";

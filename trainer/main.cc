@@ -81,8 +81,6 @@ int Run(int argc, char** argv) {
                "ZenFlow: steps per daemon update (S)");
   flags.AddInt("select_interval", &o.engine.select_interval,
                "ZenFlow: steps between reselections, a multiple of S (0: 4 S)");
-  flags.AddInt("cold_warmup", &o.engine.cold_warmup,
-               "ZenFlow: rounds over which the daemon's learning rate ramps up (0: off)");
   flags.AddInt("engine_warmup", &o.engine.warmup_steps,
                "ZenFlow: first steps with synchronous full updates");
   flags.AddBool("await_updates", &o.engine.await_updates,

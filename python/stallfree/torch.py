@@ -75,8 +75,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     from the daemon ("bf16" or "fp32"). select_interval: steps between reselections (None:
     4 * update_interval). warmup_steps: first steps with update_interval 1 and awaited updates
     (exact AdamW while the moments are young; 20 by measurement, README "Known behaviour").
-    cold_warmup: rounds over which the daemon's learning rate ramps up (None: the engine's
-    default; 0: off; see the README, "The ZenFlow engine").
 
     socket: the daemon's socket; None means $STALLFREE_SOCKET, else the node's default socket,
     and if no daemon answers there a private one is started (and stopped with the optimizer).
@@ -93,7 +91,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  mode="zenflow", topk_ratio=0.1, update_interval=4, select_interval=None,
                  warmup_steps=20, await_updates=False, grad_dtype="bf16", param_dtype="bf16",
-                 socket=None, session_name=None, cold_warmup=None):
+                 socket=None, session_name=None):
         _check_hyper(lr, betas, eps, weight_decay, "")
         if mode not in _MODES:
             raise ValueError("mode: %r is not one of %s" % (mode, ", ".join(_MODES)))
@@ -106,8 +104,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 select_interval % update_interval != 0):
             raise ValueError("select_interval: %r is not a positive multiple of update_interval "
                              "(%d)" % (select_interval, update_interval))
-        if cold_warmup is not None and (int(cold_warmup) != cold_warmup or cold_warmup < 0):
-            raise ValueError("cold_warmup: %r is not an integer >= 0" % (cold_warmup,))
         if int(warmup_steps) != warmup_steps or warmup_steps < 0:
             raise ValueError("warmup_steps: %r is not an integer >= 0" % (warmup_steps,))
         for field, value in (("grad_dtype", grad_dtype), ("param_dtype", param_dtype)):
@@ -117,7 +113,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             update_interval=int(update_interval),
                             select_interval=int(select_interval or 0),
                             warmup_steps=int(warmup_steps), await_updates=bool(await_updates),
-                            cold_warmup=None if cold_warmup is None else int(cold_warmup),
                             grad_dtype=grad_dtype, param_dtype=param_dtype)
         self._session_name = session_name or "torch"
         self._engines = []   # per param group: _stallfree.Engine or None (no trainable params)

@@ -80,9 +80,6 @@ ZenFlowConfig Config(OffloadMode mode, int64_t S, int64_t select, bool await) {
   c.select_interval = select;
   c.await_updates = await;
   c.weight_decay = 0.05;
-  // The per-column model below has no cold warm-up (tests/python/test_zenflow_reference.py
-  // checks it against an independent reference).
-  c.cold_warmup = 0;
   c.warmup_steps = 0;  // the tests that want the engine warm-up set it
   return c;
 }

@@ -18,9 +18,9 @@ from stallfree.torch import ZenFlowAdamW
 STEPS = 14
 SAVE_AT = 6
 SEED = 3
-# No engine warm-up (the rounds begin at once); a cold warm-up, whose round count is state.
+# No engine warm-up: the rounds begin at once.
 ZENFLOW = dict(mode="zenflow", update_interval=4, select_interval=8, topk_ratio=0.1,
-               warmup_steps=0, cold_warmup=10)
+               warmup_steps=0)
 CONFIGS = {
     "fp32": dict(ZENFLOW, grad_dtype="fp32", param_dtype="fp32"),
     "bf16": dict(ZENFLOW),  # the default transfers (grad_dtype, param_dtype "bf16")
@@ -70,10 +70,7 @@ def test_resume_in_fresh_process_is_bit_exact(name, checkpoints, tmp_path):
     assert [t["boundary"] for t in timings] == [s % 4 == 0 for s in range(1, STEPS + 1)]
     assert not timings[SAVE_AT - 1]["boundary"]
     assert timings[9 - 1]["reselected"], timings
-    # It trains, not stays put: 4.19 -> 4.02 in these 14 steps (3.84 without the cold warm-up,
-    # which holds the daemon's rate at 10-30% of lr over these rounds; its round counter is part
-    # of the state that must survive the resume).
-    assert ref.losses[-1] < ref.losses[0] - 0.1
+    assert ref.losses[-1] < ref.losses[0] - 0.25  # it trains (4.19 -> 3.84), not stays put
 
     # Asking for the state dict does not change the run's own trajectory.
     assert_bitwise_equal(saved.losses, saved.params, ref.losses, ref.params, "saving run")

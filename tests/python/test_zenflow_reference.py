@@ -25,9 +25,9 @@ SEED = 11
 
 
 def config(S, await_updates):
-    # No engine warm-up, so the rounds begin at once; the cold warm-up on, so it is checked.
+    # No engine warm-up, so the rounds begin at once.
     return dict(topk_ratio=0.25, update_interval=S, select_interval=2 * S,
-                await_updates=await_updates, warmup_steps=0, cold_warmup=10)
+                await_updates=await_updates, warmup_steps=0)
 
 
 def run_engine(daemon, S, await_updates, record_hot=None):

@@ -22,10 +22,9 @@ columns (its last dimension; rows = the product of the others):
 - Reselection is exact: every column keeps its fp32 value, m, v and step count whether it is hot
   or cold, so here a reselection only changes which columns are hot.
 - Warm-up (t <= W): S = 1 and awaited, no reselection after t = 1.
-- Cold warm-up: with S > 1, the r-th round's cold update (counted per group, from the first
-  round after warm-up) runs at lr * min(1, r / cold_warmup) (0: off). cold_warmup="auto" is a
-  variant the engine does not have (bench/zenflow_variants.py measures it): round r runs at
-  min(lr, the lr of step r), the user's own warm-up counted in rounds.
+- cold_warmup (a variant the engine does not have; bench/zenflow_variants.py measures it):
+  with S > 1 the r-th round's cold update runs at lr * min(1, r / cold_warmup) (0: off, the
+  engine), or with "auto" at min(lr, the lr of step r).
 - close() lands the pending update (the end of training).
 
 AdamW is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, then the Adam step with
