@@ -110,6 +110,49 @@ absl::StatusOr<uint64_t> OpenForRead(const std::string& path, Fd* fd) {
   return static_cast<uint64_t>(st.st_size);
 }
 
+absl::Status FsyncDir(const std::string& dir) {
+  Fd dfd;
+  dfd.fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd.fd < 0) return SysError("open", dir);
+  if (fsync(dfd.fd) != 0) return SysError("fsync", dir);
+  return absl::OkStatus();
+}
+
+std::string DirOf(const std::string& path) { return path.substr(0, path.rfind('/')); }
+
+// Verifies an open checkpoint file: its header, that its size is what the header describes, and
+// the checksum of everything before the trailer. *header_end: where the arrays start.
+absl::StatusOr<v1::CheckpointHeader> VerifyFd(int fd, const std::string& path, uint64_t size,
+                                              uint64_t* header_end) {
+  ASSIGN_OR_RETURN(v1::CheckpointHeader header, ReadHeaderFd(fd, path, size, header_end));
+  const uint64_t want = *header_end + BodyBytes(header) + 8;
+  if (size != want)
+    return absl::DataLossError(absl::StrCat("checkpoint ", path, " is ",
+                                            size < want ? "truncated" : "too long", ": ", size,
+                                            " bytes, its header describes ", want));
+  Checksum64 sum;
+  std::unique_ptr<char[]> buf(new char[kIoChunk]);
+  for (uint64_t off = 0; off < size - 8;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(kIoChunk, size - 8 - off));
+    RETURN_IF_ERROR(ReadAt(fd, buf.get(), n, off, path));
+    sum.Update(buf.get(), n);
+    off += n;
+  }
+  uint64_t stored = 0;
+  RETURN_IF_ERROR(ReadAt(fd, &stored, 8, size - 8, path));
+  if (stored != sum.Digest())
+    return absl::DataLossError(absl::StrFormat(
+        "checkpoint %s is corrupt: checksum %016x, the file says %016x", path, sum.Digest(),
+        stored));
+  return header;
+}
+
+// A hidden file next to `path` ('.' never starts a tag, so it is never a checkpoint):
+// <dir>/.<name><suffix>, for temporary files and uploads.
+std::string HiddenSibling(const std::string& path, const std::string& suffix) {
+  return absl::StrCat(DirOf(path), "/.", path.substr(path.rfind('/') + 1), suffix);
+}
+
 }  // namespace
 
 absl::Status ValidateCheckpointTag(const std::string& tag) {
@@ -136,9 +179,7 @@ std::string CheckpointPath(const std::string& dir, const std::string& tag) {
 absl::StatusOr<CheckpointWritten> WriteCheckpoint(const std::string& path,
                                                   const v1::CheckpointHeader& header,
                                                   const std::vector<CheckpointArrays>& arrays) {
-  const std::string dir = path.substr(0, path.rfind('/'));
-  const std::string tmp = absl::StrCat(dir, "/.", path.substr(path.rfind('/') + 1), ".tmp.",
-                                       getpid());
+  const std::string tmp = HiddenSibling(path, absl::StrCat(".tmp.", getpid()));
   Fd fd;
   fd.fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd.fd < 0) return SysError("open", tmp);
@@ -168,10 +209,7 @@ absl::StatusOr<CheckpointWritten> WriteCheckpoint(const std::string& path,
   }
   fd.fd = -1;
   if (rename(tmp.c_str(), path.c_str()) != 0) return fail(SysError("rename", tmp + " -> " + path));
-  Fd dfd;
-  dfd.fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd.fd < 0) return SysError("open", dir);
-  if (fsync(dfd.fd) != 0) return SysError("fsync", dir);
+  RETURN_IF_ERROR(FsyncDir(DirOf(path)));
   CheckpointWritten out;
   out.path = path;
   out.bytes = 16 + header_bytes + BodyBytes(header) + 8;
@@ -188,51 +226,6 @@ absl::StatusOr<v1::CheckpointHeader> ReadCheckpointHeader(const std::string& pat
   return ReadHeaderFd(fd.fd, path, size, &header_end);
 }
 
-namespace {
-
-// Verifies an open checkpoint file: its header, that its size is what the header describes, and
-// the checksum of everything before the trailer. *header_end: where the arrays start.
-absl::StatusOr<v1::CheckpointHeader> VerifyFd(int fd, const std::string& path, uint64_t size,
-                                              uint64_t* header_end) {
-  ASSIGN_OR_RETURN(v1::CheckpointHeader header, ReadHeaderFd(fd, path, size, header_end));
-  const uint64_t want = *header_end + BodyBytes(header) + 8;
-  if (size != want)
-    return absl::DataLossError(absl::StrCat("checkpoint ", path, " is ",
-                                            size < want ? "truncated" : "too long", ": ", size,
-                                            " bytes, its header describes ", want));
-  Checksum64 sum;
-  std::unique_ptr<char[]> buf(new char[kIoChunk]);
-  for (uint64_t off = 0; off < size - 8;) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(kIoChunk, size - 8 - off));
-    RETURN_IF_ERROR(ReadAt(fd, buf.get(), n, off, path));
-    sum.Update(buf.get(), n);
-    off += n;
-  }
-  uint64_t stored = 0;
-  RETURN_IF_ERROR(ReadAt(fd, &stored, 8, size - 8, path));
-  if (stored != sum.Digest())
-    return absl::DataLossError(absl::StrFormat(
-        "checkpoint %s is corrupt: checksum %016x, the file says %016x", path, sum.Digest(),
-        stored));
-  return header;
-}
-
-absl::Status FsyncDir(const std::string& dir) {
-  Fd dfd;
-  dfd.fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd.fd < 0) return SysError("open", dir);
-  if (fsync(dfd.fd) != 0) return SysError("fsync", dir);
-  return absl::OkStatus();
-}
-
-std::string DirOf(const std::string& path) { return path.substr(0, path.rfind('/')); }
-
-// The upload of `path`: a hidden file next to it ('.' never starts a tag).
-std::string UploadPath(const std::string& path) {
-  return absl::StrCat(DirOf(path), "/.", path.substr(path.rfind('/') + 1), ".upload");
-}
-
-}  // namespace
 
 absl::Status ReadCheckpointArrays(const std::string& path, const v1::CheckpointHeader& expected,
                                   const std::vector<CheckpointArrays>& arrays) {
@@ -269,7 +262,7 @@ absl::StatusOr<uint64_t> ReadCheckpointBytes(const std::string& path, uint64_t o
 
 absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offset,
                                           const void* src, uint64_t length, uint64_t total) {
-  const std::string upload = UploadPath(path);
+  const std::string upload = HiddenSibling(path, ".upload");
   Fd fd;
   fd.fd = open(upload.c_str(), O_RDWR | O_CLOEXEC | (offset == 0 ? O_CREAT | O_TRUNC : 0), 0600);
   if (fd.fd < 0 && errno == ENOENT)
