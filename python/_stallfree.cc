@@ -76,7 +76,7 @@ PYBIND11_MODULE(_stallfree, m) {
       .def("health", &Connection::Health, py::call_guard<py::gil_scoped_release>())
       .def("stats", &Connection::Stats, py::call_guard<py::gil_scoped_release>());
 
-  py::class_<Engine>(m, "Engine", py::dynamic_attr())
+  py::class_<Engine>(m, "Engine")
       .def(py::init([](std::shared_ptr<Connection> client, const std::string& session_name,
                        int rank, const py::dict& config, const py::list& params,
                        const std::string& device, uintptr_t stream) {

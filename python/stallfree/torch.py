@@ -117,6 +117,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._session_name = session_name or "torch"
         self._engines = []   # per param group: _stallfree.Engine or None (no trainable params)
         self._members = []   # per param group: [(name, tensor)] the engine's parameters
+        self._hypers = []    # per param group: the (beta1, beta2, eps, weight_decay) its engine has
         self._names = {}     # id(tensor) -> name
         self._last_timings = {}
         self._closed = False
@@ -193,13 +194,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             "device's parameters in their own group" % (desc, p.device, device))
             members.append((name, p))
         self._members.append(members)
+        self._hypers.append(_hyper_of(group))
         self._engines.append(self._make_engine(gi, members, device) if members else None)
 
     def _make_engine(self, gi, members, device):
         group = self.param_groups[gi]
         config = dict(self._config)
-        config.update(beta1=float(group["betas"][0]), beta2=float(group["betas"][1]),
-                      eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+        config.update(zip(("beta1", "beta2", "eps", "weight_decay"), _hyper_of(group)))
         stream = 0
         if device.type == "cuda":
             stream = torch.cuda.current_stream(device).cuda_stream
@@ -208,7 +209,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             "%s/g%d" % (self._session_name, gi)
         engine = _stallfree.Engine(self._client, name, _rank(), config, specs, device.type,
                                    stream)
-        engine._hyper = (config["beta1"], config["beta2"], config["eps"], config["weight_decay"])
         if (torch.distributed.is_available() and torch.distributed.is_initialized() and
                 torch.distributed.get_world_size() > 1 and config["mode"] == "zenflow"):
             engine.set_score_reduce(_all_reduce_scores)
@@ -250,17 +250,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 grads.append(g.data_ptr() if g is not None else 0)
             if not any(grads):
                 continue  # nothing to do, as torch's AdamW
-            hyper = (float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
-                     float(group["weight_decay"]))
-            if hyper != engine._hyper:
-                _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                             "param_groups[%d]." % gi)
+            # A scheduler may change any of them between steps.
+            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                         "param_groups[%d]." % gi)
+            hyper = _hyper_of(group)
+            if hyper != self._hypers[gi]:
                 engine.set_adamw(*hyper)
-                engine._hyper = hyper
-            lr = group["lr"]
-            if lr < 0:
-                raise ValueError("param_groups[%d].lr: %r is negative" % (gi, lr))
-            engine.step(float(lr), values, grads)
+                self._hypers[gi] = hyper
+            engine.step(float(group["lr"]), values, grads)
             timings.append(engine.last_timings())
         if timings:
             self._last_timings = _sum_timings(timings)
@@ -354,6 +351,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 members = self._members[gi]
                 engine = self._make_engine(gi, members, members[0][1].device)
                 self._engines[gi] = engine
+                self._hypers[gi] = _hyper_of(self.param_groups[gi])
             engine.set_values([p.data_ptr() for _, p in self._members[gi]])
             engine.restore(entry["engine"], entry["daemon"])
 
@@ -399,6 +397,12 @@ def _check_hyper(lr, betas, eps, weight_decay, where):
         raise ValueError("%seps: %r is not > 0" % (where, eps))
     if not weight_decay >= 0.0:
         raise ValueError("%sweight_decay: %r is not >= 0" % (where, weight_decay))
+
+
+def _hyper_of(group):
+    """What a group's engine is configured with besides lr: (beta1, beta2, eps, weight_decay)."""
+    return (float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
+            float(group["weight_decay"]))
 
 
 def _sum_timings(ts):

@@ -142,3 +142,26 @@ def test_tolerance_covers_rounding_noise(reference):
     print(f"1-ulp noise: params {worst_param:.3g}, losses {worst_loss:.3g} relative")
     assert 0 < worst_param <= PARAM_ATOL / 2
     assert worst_loss <= LOSS_RTOL / 10
+
+
+@pytest.mark.parametrize("mode", ["no-offload", "sync-offload"])
+def test_betas_and_weight_decay_changed_between_steps(daemon, mode):
+    """Changing a group's betas, eps and weight decay mid-run (as a scheduler may) reaches the
+    engine from the next step on, as it reaches torch.optim.AdamW; a run that ignored the change
+    would differ by far more than the tolerance (ignoring the change moves a parameter by 0.061)."""
+
+    def change(step, model, opt):
+        if step == 8:
+            for g in opt.param_groups:
+                g["betas"] = (0.8, 0.95)
+                g["eps"] = 1e-6
+                g["weight_decay"] = g["weight_decay"] * 2 + 0.01
+
+    ref = models.train(models.adamw_factory(), STEPS, before_step=change)
+    got = models.train(stallfree_factory(daemon, **MODES[mode]), STEPS, before_step=change)
+    unchanged = models.train(stallfree_factory(daemon, **MODES[mode]), STEPS)
+    for step, (a, b) in enumerate(zip(got.losses, ref.losses), 1):
+        assert models.rel_diff(a, b) <= LOSS_RTOL, (step, a, b)
+    for name, d in models.max_abs_diff(got.params, ref.params).items():
+        assert d <= PARAM_ATOL, (name, d)
+    assert max(models.max_abs_diff(unchanged.params, ref.params).values()) > 10 * PARAM_ATOL
