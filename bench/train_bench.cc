@@ -95,7 +95,7 @@ int Run(int argc, char** argv) {
   int64_t steps = 0, nproc = 2, layers = 4, d_model = 128, heads = 4, d_ff = 384, seq_len = 64,
           batch = 8;
   std::string out_dir = "/tmp/stallfree-train-bench";
-  std::string zenflow_args;
+  std::string zenflow_args, jumps;
   int64_t pretrain_steps = 0, finetune_steps = 0;
   double finetune_lr = 3e-4;
   FlagSet flags("train_bench",
@@ -119,7 +119,32 @@ int Run(int argc, char** argv) {
   flags.AddInt("finetune_steps", &finetune_steps,
                "fine-tuning comparison: steps per mode from the pre-trained weights (0: 40, 100)");
   flags.AddDouble("finetune_lr", &finetune_lr, "fine-tuning comparison: peak learning rate");
+  flags.AddString("jumps", &jumps,
+                  "RUN_DIR[,BASELINE_DIR]: only print the largest gradient-norm jump of a trainer "
+                  "run (a step's norm over the median of its previous 10, from metrics.csv), at "
+                  "steps where the baseline run's own jump stays below 3x");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
+  if (!jumps.empty()) {
+    const size_t comma = jumps.find(',');
+    const std::string run = jumps.substr(0, comma);
+    if (ReadGradNorms(run + "/metrics.csv").size() <= 10) {
+      fprintf(stderr, "train_bench: --jumps: %s/metrics.csv is missing or has <= 10 steps\n",
+              run.c_str());
+      return 1;
+    }
+    int64_t at = 0;
+    double j = 0;
+    if (comma == std::string::npos) {  // every step counts
+      const std::vector<double> all = NormJumps(ReadGradNorms(run + "/metrics.csv"));
+      const auto it = std::max_element(all.begin(), all.end());
+      j = *it;
+      at = (it - all.begin()) + 1;
+    } else {
+      j = MaxOwnJump(run + "/metrics.csv", jumps.substr(comma + 1) + "/metrics.csv", &at);
+    }
+    printf("largest gradient-norm jump of %s: %.1fx at step %ld\n", run.c_str(), j, (long)at);
+    return 0;
+  }
   if (steps == 0) steps = quick ? 200 : 500;
   if (pretrain_steps == 0) pretrain_steps = quick ? 60 : 200;
   if (finetune_steps == 0) finetune_steps = quick ? 40 : 100;
