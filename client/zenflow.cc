@@ -111,6 +111,17 @@ absl::StatusOr<OffloadMode> ParseOffloadMode(const std::string& name) {
   return Invalid("mode", absl::StrCat("'", name, "' is not zenflow, sync-offload or no-offload"));
 }
 
+kernels::AdamWConfig ZenFlowConfig::AdamW(double lr, int64_t t) const {
+  kernels::AdamWConfig a;
+  a.lr = lr;
+  a.beta1 = beta1;
+  a.beta2 = beta2;
+  a.eps = eps;
+  a.weight_decay = weight_decay;
+  a.step = t;
+  return a;
+}
+
 absl::Status ZenFlowConfig::Validate() const {
   if (!(topk_ratio > 0.0 && topk_ratio <= 1.0))
     return Invalid("topk_ratio", absl::StrCat(topk_ratio, " is outside (0, 1]"));
@@ -211,17 +222,6 @@ struct ZenFlowEngine::Impl {
   void UploadInts(const OpsBuffer& dst, const std::vector<int64_t>& src) {
     ops.Upload(dst.data(), reinterpret_cast<const float*>(src.data()),
                2 * static_cast<int64_t>(src.size()));
-  }
-
-  kernels::AdamWConfig Adam(double lr, int64_t t) const {
-    kernels::AdamWConfig a;
-    a.lr = lr;
-    a.beta1 = cfg.beta1;
-    a.beta2 = cfg.beta2;
-    a.eps = cfg.eps;
-    a.weight_decay = cfg.weight_decay;
-    a.step = t;
-    return a;
   }
 
   absl::Status Setup();
@@ -450,7 +450,7 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   const bool select =
       cfg.mode == OffloadMode::kZenFlow &&
       (t == 1 || (t > W && (t - W - 1) % cfg.EffectiveSelectInterval() == 0));
-  const kernels::AdamWConfig adam = Adam(lr, t);
+  const kernels::AdamWConfig adam = cfg.AdamW(lr, t);
 
   if (offloading() && !loaded) {
     // Step 1: the first selection defines which columns the daemon holds; then load them.

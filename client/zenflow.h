@@ -91,6 +91,8 @@ struct ZenFlowConfig {
 
   // OK, or InvalidArgument naming the field.
   absl::Status Validate() const;
+  // The AdamW kernels' configuration of a step with learning rate lr and step count t.
+  kernels::AdamWConfig AdamW(double lr, int64_t t) const;
   int64_t EffectiveSelectInterval() const {
     return select_interval == 0 ? 4 * update_interval : select_interval;
   }

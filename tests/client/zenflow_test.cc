@@ -86,18 +86,6 @@ ZenFlowConfig Config(OffloadMode mode, int64_t S, int64_t select, bool await) {
 
 double Lr(int64_t t) { return 1e-2 / (1.0 + 0.1 * t); }
 
-// AdamW's hyper-parameters of step t in the engine's configuration.
-kernels::AdamWConfig AdamOf(const ZenFlowConfig& c, double lr, int64_t t) {
-  kernels::AdamWConfig a;
-  a.lr = lr;
-  a.beta1 = c.beta1;
-  a.beta2 = c.beta2;
-  a.eps = c.eps;
-  a.weight_decay = c.weight_decay;
-  a.step = t;
-  return a;
-}
-
 // Dense AdamW on every parameter, the oracle kernel: the quality reference.
 struct Dense {
   std::vector<Tensor> ts;
@@ -110,7 +98,7 @@ struct Dense {
   }
   void Step(int64_t t, int seed, const ZenFlowConfig& c) {
     FillGrads(&ts, t, seed);
-    const kernels::AdamWConfig a = AdamOf(c, Lr(t), t);
+    const kernels::AdamWConfig a = c.AdamW(Lr(t), t);
     for (size_t i = 0; i < ts.size(); ++i)
       kernels::ReferenceKernel().AdamW(a, ts[i].value.data(), m[i].data(), v[i].data(),
                                        ts[i].grad.data(), kernels::GradType::kFp32,
@@ -229,7 +217,7 @@ struct PerColumnZenFlow {
       mm[r] = m[i][r * cols + c];
       vv[r] = v[i][r * cols + c];
     }
-    const kernels::AdamWConfig a = AdamOf(cfg, lr, ++steps[i][c]);
+    const kernels::AdamWConfig a = cfg.AdamW(lr, ++steps[i][c]);
     kernels::ReferenceKernel().AdamW(a, p.data(), mm.data(), vv.data(), g.data(),
                                      kernels::GradType::kFp32, rows, nullptr);
     for (int64_t r = 0; r < rows; ++r) {
@@ -406,7 +394,7 @@ TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
       for (size_t i = 0; i < model.size(); ++i) {
         model[i].value = values[i];
         if (absent(ref[i].name, t)) continue;  // skipped: no step, no decay
-        const kernels::AdamWConfig a = AdamOf(cfg, Lr(t), ++steps[i]);
+        const kernels::AdamWConfig a = cfg.AdamW(Lr(t), ++steps[i]);
         kernels::ReferenceKernel().AdamW(a, ref[i].value.data(), m[i].data(), v[i].data(),
                                          model[i].grad.data(), kernels::GradType::kFp32,
                                          static_cast<int64_t>(ref[i].value.size()), nullptr);
