@@ -25,13 +25,7 @@ def main():
     print("DAEMON_SOCKET", d.socket, flush=True)
     print("OPT_SOCKET", opt.socket, flush=True)
     print("DAEMON_CMDLINE", cmdline, flush=True)
-    losses = []
-    for step in range(1, 7):
-        opt.zero_grad(set_to_none=True)
-        loss = models.loss_fn(model, models.batch(0, step))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = models.plain_steps(model, opt, 6)
     print("LOSSES", " ".join(repr(x) for x in losses), flush=True)
     if how == "hang":
         print("READY", flush=True)

@@ -162,6 +162,18 @@ def train(opt_factory, steps, seed=0, *, model=None, rows=None, total_steps=None
     return TrainResult(losses, snapshot(model), extra)
 
 
+def plain_steps(model, opt, steps, seed=0):
+    """Steps 1..steps of the run `seed` with an existing optimizer, no scheduler; the losses."""
+    losses = []
+    for step in range(1, steps + 1):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch(seed, step))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def max_abs_diff(a, b):
     """{name: max |a - b|} over two parameter dicts with the same names."""
     assert a.keys() == b.keys()

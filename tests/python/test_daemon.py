@@ -129,13 +129,7 @@ def test_daemon_context_manager(tmp_path):
                           await_updates=True) as opt:
             assert opt.daemon is None  # it uses the running daemon, starts none
             assert opt.socket == d.socket
-            losses = []
-            for step in range(1, 4):
-                opt.zero_grad(set_to_none=True)
-                loss = models.loss_fn(model, models.batch(0, step))
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
+            losses = models.plain_steps(model, opt, 3)
             assert losses[-1] < losses[0]
         pid = d.pid
     # close() sends SIGTERM and waits: the daemon has exited (and been reaped) when it returns.
