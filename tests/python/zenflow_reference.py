@@ -25,6 +25,8 @@ columns (its last dimension; rows = the product of the others):
 - cold_warmup (a variant the engine does not have; bench/zenflow_variants.py measures it):
   with S > 1 the r-th round's cold update runs at lr * min(1, r / cold_warmup) (0: off, the
   engine), or with "auto" at min(lr, the lr of step r).
+- cold_lr_scale (a variant, measured by bench/zenflow_variants.py): with S > 1 the cold update
+  runs at lr * cold_lr_scale.
 - close() lands the pending update (the end of training).
 
 AdamW is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, then the Adam step with
@@ -75,7 +77,8 @@ class ReferenceZenFlow(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  topk_ratio=0.1, update_interval=4, select_interval=None, warmup_steps=20,
-                 await_updates=False, cold_warmup=0, lr_scale=1.0, cold_scale=1.0):
+                 await_updates=False, cold_warmup=0, cold_lr_scale=1.0, lr_scale=1.0,
+                 cold_scale=1.0):
         # lr_scale, cold_scale: deliberate errors (every lr scaled; the cold accumulation scaled),
         # for showing that a test's tolerance catches a slightly wrong reference.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -87,6 +90,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         self.await_updates = await_updates
         self.t = [0] * len(self.param_groups)
         self.cold_warmup = cold_warmup
+        self.cold_lr_scale = cold_lr_scale
         self.cold_rounds = [0] * len(self.param_groups)
         self.lr_history = [[] for _ in self.param_groups]
         self.reselections = 0
@@ -139,15 +143,15 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             select = t == 1 or (t > self.W and (t - self.W - 1) % self.select_interval == 0)
             lr, (b1, b2), eps, wd = (group["lr"] * self.lr_scale, group["betas"], group["eps"],
                                      group["weight_decay"])
-            cold_lr = lr
+            cold_lr = lr * (self.cold_lr_scale if S > 1 else 1.0)
             self.lr_history[gi].append(lr)
             if boundary and S > 1:
                 self.cold_rounds[gi] += 1
                 r = self.cold_rounds[gi]
                 if self.cold_warmup == "auto":
-                    cold_lr = min(lr, self.lr_history[gi][r - 1])
+                    cold_lr = min(cold_lr, self.lr_history[gi][r - 1])
                 elif self.cold_warmup > 0:
-                    cold_lr = lr * min(1.0, r / self.cold_warmup)
+                    cold_lr = cold_lr * min(1.0, r / self.cold_warmup)
             for p in group["params"]:
                 if p.grad is None:
                     continue
