@@ -64,6 +64,7 @@ constexpr OffloadMode kModes[] = {OffloadMode::kNoOffload, OffloadMode::kSyncOff
                                   OffloadMode::kZenFlow};
 
 struct Options {
+  std::string stallfreed;
   bool quick = false;
   int64_t part = 0;  // 0: both
   int64_t seed = 1;
@@ -664,6 +665,8 @@ int Run(int argc, char** argv) {
       "modeled H100 + PCIe Gen5 device with the daemon doing its real work (step time, stall, "
       "host traffic). Ends with FIGURE lines.");
   flags.AddBool("quick", &o.quick, "fewer steps (finishes within 120 s on 2 cores)");
+  flags.AddString("stallfreed", &o.stallfreed,
+                  "the stallfreed binary (default: found beside this one, or in its runfiles)");
   flags.AddInt("part", &o.part, "0: both parts; 1: small-model training only; 2: modeled device only");
   flags.AddInt("seed", &o.seed, "seed of weights, data and modeled gradients");
   flags.AddDouble("ratio", &o.ratio, "zenflow: hot share of each weight's columns");
@@ -733,7 +736,9 @@ int Run(int argc, char** argv) {
   }
   const auto t_run = Clock::now();
 
+  testing::SetBinary("server/stallfreed", o.stallfreed);
   testing::Daemon daemon({"--pin", "off"}, "warning");
+  if (!daemon.started()) return 1;  // the Daemon said where it looked
   auto client_or = Client::Connect(daemon.socket());
   if (!client_or.ok()) {
     fprintf(stderr, "%s\n", client_or.status().ToString().c_str());

@@ -123,6 +123,11 @@ int Run(int argc, char** argv) {
                   "RUN_DIR[,BASELINE_DIR]: only print the largest gradient-norm jump of a trainer "
                   "run (a step's norm over the median of its previous 10, from metrics.csv), at "
                   "steps where the baseline run's own jump stays below 3x");
+  std::string stallfreed, trainer_bin;
+  flags.AddString("stallfreed", &stallfreed,
+                  "the stallfreed binary (default: found beside this one, or in its runfiles)");
+  flags.AddString("trainer", &trainer_bin,
+                  "the trainer binary (default: found beside this one, or in its runfiles)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   if (!jumps.empty()) {
     const size_t comma = jumps.find(',');
@@ -149,7 +154,16 @@ int Run(int argc, char** argv) {
   if (pretrain_steps == 0) pretrain_steps = quick ? 60 : 200;
   if (finetune_steps == 0) finetune_steps = quick ? 40 : 100;
 
+  testing::SetBinary("trainer/trainer", trainer_bin);
+  const std::string trainer = testing::FindBinary("trainer/trainer");
+  if (trainer.empty()) {
+    fprintf(stderr, "train_bench: %s\n",
+            testing::MissingBinaryMessage("trainer/trainer", "//trainer", "--trainer").c_str());
+    return 1;
+  }
+  testing::SetBinary("server/stallfreed", stallfreed);
   testing::Daemon daemon({"--threads", "2"}, "warning");
+  if (!daemon.started()) return 1;  // the Daemon said where it looked
   const std::vector<std::string> modes = {"no-offload", "sync-offload", "zenflow"};
   std::map<std::string, std::map<std::string, double>> summary;
   std::vector<std::pair<std::string, std::string>> plots;
@@ -162,7 +176,7 @@ int Run(int argc, char** argv) {
                    const std::string& extra) {
     const std::string dir = absl::StrCat(out_dir, "/", name);
     std::string cmd = absl::StrCat(
-        "trainer/trainer --preset tiny --quiet --mode ", mode, " --layers ", layers,
+        trainer, " --preset tiny --quiet --mode ", mode, " --layers ", layers,
         " --d_model ", d_model, " --heads ", heads, " --d_ff ", d_ff, " --seq_len ", seq_len,
         " --batch ", batch, " --steps ", n, " --nproc ", nproc, " --eval_every ",
         std::max<int64_t>(n / 4, 1), " --eval_batches 8 --socket ", daemon.socket(),

@@ -31,9 +31,14 @@ int Run(int argc, char** argv) {
                 "shared-memory push vs protobuf bytes vs memcpy, 4 MiB to 256 MiB; small-RPC latency");
   flags.AddBool("quick", &quick, "fewer repetitions (finishes within 30 s)");
   flags.AddInt("reps", &reps, "repetitions per payload (median is reported)");
+  std::string stallfreed;
+  flags.AddString("stallfreed", &stallfreed,
+                  "the stallfreed binary (default: found beside this one, or in its runfiles)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   if (quick) reps = 3;
+  testing::SetBinary("server/stallfreed", stallfreed);
   testing::Daemon daemon({}, "warning");
+  if (!daemon.started()) return 1;  // the Daemon said where it looked
   auto client = Client::Connect(daemon.socket());
   if (!client.ok()) {
     fprintf(stderr, "%s\n", client.status().ToString().c_str());

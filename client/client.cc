@@ -64,18 +64,63 @@ absl::StatusOr<v1::Stats> Client::GetStats() {
   return resp.stats();
 }
 
+Client::~Client() {
+  if (caller_conn_ >= 0) close(caller_conn_);
+}
+
+absl::StatusOr<v1::CallerRef> Client::Caller() {
+  std::lock_guard<std::mutex> lock(caller_mu_);
+  if (caller_conn_ >= 0) return caller_;
+  ASSIGN_OR_RETURN(v1::Stats stats, GetStats());
+  ASSIGN_OR_RETURN(int conn, ConnectUnix(stats.fd_socket()));
+  std::string reply;
+  int fd = -1;
+  absl::Status st = SendWithFd(conn, "CALLER\n", -1);
+  if (st.ok()) st = RecvWithFd(conn, 512, &reply, &fd);
+  if (fd >= 0) close(fd);
+  std::istringstream in(reply.rfind("OK ", 0) == 0 ? reply.substr(3) : "");
+  uint64_t id = 0;
+  std::string token;
+  if (st.ok() && !(in >> id >> token)) {
+    while (!reply.empty() && reply.back() == '\n') reply.pop_back();
+    st = absl::PermissionDeniedError(absl::StrCat("the daemon's fd socket ", stats.fd_socket(),
+                                                  " refused a caller credential: ", reply));
+  }
+  if (!st.ok()) {
+    close(conn);
+    return st;
+  }
+  caller_conn_ = conn;
+  caller_.set_caller_id(id);
+  caller_.set_token(token);
+  return caller_;
+}
+
 absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions() {
+  v1::ListSessionsRequest req;
+  ASSIGN_OR_RETURN(*req.mutable_caller(), Caller());
   grpc::ClientContext ctx;
   v1::ListSessionsResponse resp;
-  RETURN_IF_ERROR(FromGrpc(stub_->ListSessions(&ctx, v1::ListSessionsRequest(), &resp)));
+  RETURN_IF_ERROR(FromGrpc(stub_->ListSessions(&ctx, req, &resp)));
   return std::vector<v1::SessionInfo>(resp.sessions().begin(), resp.sessions().end());
 }
 
 absl::StatusOr<v1::ListCheckpointsResponse> Client::ListCheckpoints() {
+  v1::ListCheckpointsRequest req;
+  ASSIGN_OR_RETURN(*req.mutable_caller(), Caller());
   grpc::ClientContext ctx;
   v1::ListCheckpointsResponse resp;
-  RETURN_IF_ERROR(FromGrpc(stub_->ListCheckpoints(&ctx, v1::ListCheckpointsRequest(), &resp)));
+  RETURN_IF_ERROR(FromGrpc(stub_->ListCheckpoints(&ctx, req, &resp)));
   return resp;
+}
+
+absl::Status Client::DeleteCheckpoint(const std::string& tag) {
+  v1::DeleteCheckpointRequest req;
+  ASSIGN_OR_RETURN(*req.mutable_caller(), Caller());
+  req.set_tag(tag);
+  grpc::ClientContext ctx;
+  v1::DeleteCheckpointResponse resp;
+  return FromGrpc(stub_->DeleteCheckpoint(&ctx, req, &resp));
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& name, int rank) {

@@ -20,6 +20,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -52,9 +53,17 @@ class Client {
   // grpc.health.v1 status of the daemon: "SERVING" when all is well.
   absl::StatusOr<std::string> Health();
   absl::StatusOr<v1::Stats> GetStats();
+  // This process's sessions and checkpoints (root: every uid's). Both present the caller
+  // credential below.
   absl::StatusOr<std::vector<v1::SessionInfo>> ListSessions();
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints();
+  // Removes checkpoint `tag` of this process's uid (offload.proto, DeleteCheckpoint).
+  absl::Status DeleteCheckpoint(const std::string& tag);
+  // The daemon's proof of this process's uid (offload.proto, CallerRef): obtained once from the
+  // fd socket, whose connection the Client keeps open while it lives.
+  absl::StatusOr<v1::CallerRef> Caller();
 
+  ~Client();
   v1::Offload::Stub* stub() { return stub_.get(); }
   const std::string& socket_path() const { return socket_path_; }
 
@@ -63,6 +72,9 @@ class Client {
   std::string socket_path_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Offload::Stub> stub_;
+  std::mutex caller_mu_;
+  int caller_conn_ = -1;  // guarded by caller_mu_
+  v1::CallerRef caller_;  // guarded by caller_mu_
 };
 
 class Session {

@@ -39,17 +39,27 @@ int Run(int argc, char** argv) {
   std::string socket = DefaultSocket();
   std::string output = "table";
   FlagSet flags("stallfreectl",
-                "admin CLI for stallfreed.\n\nUsage: stallfreectl [flags] health|stats|sessions|checkpoints");
+                "admin CLI for stallfreed.\n\nUsage: stallfreectl [flags] COMMAND\n"
+                "  health                     the daemon's health (exit 0 iff SERVING)\n"
+                "  stats                      daemon-wide counters\n"
+                "  sessions                   your sessions (root: every uid's)\n"
+                "  checkpoints                your checkpoints (root: every uid's)\n"
+                "  delete-checkpoint TAG      removes your checkpoint TAG");
   flags.AddString("socket", &socket, "the daemon's gRPC unix socket");
   flags.AddString("o", &output, "output format: table or json");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
-  if (flags.positional().size() != 1 || (output != "table" && output != "json")) {
+  const std::vector<std::string>& args = flags.positional();
+  const std::string cmd = args.empty() ? "" : args[0];
+  const size_t want_args = cmd == "delete-checkpoint" ? 2 : 1;
+  if (args.size() != want_args || (output != "table" && output != "json")) {
     fprintf(stderr, "%s", flags.Help().c_str());
     return 2;
   }
-  const std::string cmd = flags.positional()[0];
-  if (cmd != "health" && cmd != "stats" && cmd != "sessions" && cmd != "checkpoints") {
-    fprintf(stderr, "stallfreectl: unknown command '%s' (health, stats, sessions, checkpoints)\n",
+  if (cmd != "health" && cmd != "stats" && cmd != "sessions" && cmd != "checkpoints" &&
+      cmd != "delete-checkpoint") {
+    fprintf(stderr,
+            "stallfreectl: unknown command '%s' (health, stats, sessions, checkpoints, "
+            "delete-checkpoint)\n",
             cmd.c_str());
     return 2;
   }
@@ -97,6 +107,15 @@ int Run(int argc, char** argv) {
     printf("%-22s %ld\n", "migrated columns", (long)st.migrated_columns());
     return 0;
   }
+  if (cmd == "delete-checkpoint") {
+    absl::Status st = (*client)->DeleteCheckpoint(args[1]);
+    if (!st.ok()) {
+      fprintf(stderr, "stallfreectl: delete-checkpoint: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    printf("deleted checkpoint %s\n", args[1].c_str());
+    return 0;
+  }
   if (cmd == "checkpoints") {
     auto c = (*client)->ListCheckpoints();
     if (!c.ok()) {
@@ -108,19 +127,19 @@ int Run(int argc, char** argv) {
       return 0;
     }
     printf("state directory %s\n", c->state_dir().c_str());
-    printf("%-24s %-12s %-16s %-5s %-8s %-12s %-10s %s\n", "TAG", "SIZE", "SESSION", "RANK",
-           "PARAMS", "ELEMENTS", "VERSION", "MODIFIED");
+    printf("%-6s %-24s %-12s %-16s %-5s %-8s %-12s %-10s %s\n", "UID", "TAG", "SIZE", "SESSION",
+           "RANK", "PARAMS", "ELEMENTS", "VERSION", "MODIFIED");
     for (const auto& k : c->checkpoints()) {
       char when[32] = "-";
       time_t t = static_cast<time_t>(k.mtime_unix());
       struct tm tm;
       if (t > 0 && localtime_r(&t, &tm) != nullptr) strftime(when, sizeof when, "%F %T", &tm);
       if (!k.error().empty()) {
-        printf("%-24s %-12s unreadable: %s\n", k.tag().c_str(), Bytes(k.bytes()).c_str(),
-               k.error().c_str());
+        printf("%-6u %-24s %-12s unusable: %s\n", k.owner_uid(), k.tag().c_str(),
+               Bytes(k.bytes()).c_str(), k.error().c_str());
         continue;
       }
-      printf("%-24s %-12s %-16s %-5d %-8ld %-12ld %-10ld %s\n", k.tag().c_str(),
+      printf("%-6u %-24s %-12s %-16s %-5d %-8ld %-12ld %-10ld %s\n", k.owner_uid(), k.tag().c_str(),
              Bytes(k.bytes()).c_str(), k.session_name().c_str(), k.rank(), (long)k.params(),
              (long)k.param_elements(), (long)k.version(), when);
     }
@@ -140,8 +159,9 @@ int Run(int argc, char** argv) {
   printf("%-6s %-16s %-5s %-8s %-6s %-8s %-12s %-10s %-8s %-8s %-8s\n", "ID", "NAME", "RANK", "PID",
          "UID", "PARAMS", "ELEMENTS", "PINNED", "STEP", "PUSHES", "UPDATES");
   for (const auto& s : *list) {
-    printf("%-6lu %-16s %-5d %-8ld %-6u %-8ld %-12ld %-10s %-8ld %-8ld %-8ld\n",
-           (unsigned long)s.session_id(), s.name().c_str(), s.rank(), (long)s.pid(), s.uid(),
+    printf("%-6lu %-16s %-5d %-8ld %-6s %-8ld %-12ld %-10s %-8ld %-8ld %-8ld\n",
+           (unsigned long)s.session_id(), s.name().c_str(), s.rank(), (long)s.pid(),
+           s.attached() ? std::to_string(s.uid()).c_str() : "-",
            (long)s.params(), (long)s.param_elements(), Bytes(s.pinned_bytes()).c_str(),
            (long)s.last_step(), (long)s.pushes(), (long)s.updates());
   }

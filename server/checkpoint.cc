@@ -1,10 +1,12 @@
 #include "server/checkpoint.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 
@@ -18,6 +20,7 @@ namespace {
 
 constexpr char kMagic[8] = {'S', 'F', 'C', 'K', 'P', 'T', '1', '\n'};
 constexpr size_t kIoChunk = size_t{8} << 20;
+constexpr char kExt[] = ".sfckpt";
 
 absl::Status SysError(const std::string& call, const std::string& object) {
   return ErrnoStatus(call, object);
@@ -172,8 +175,103 @@ absl::Status ValidateCheckpointTag(const std::string& tag) {
   return absl::OkStatus();
 }
 
-std::string CheckpointPath(const std::string& dir, const std::string& tag) {
-  return absl::StrCat(dir, "/", tag, ".sfckpt");
+std::string OwnerDir(const std::string& state_dir, uid_t uid) {
+  return absl::StrCat(state_dir, "/", uid);
+}
+
+std::string CheckpointPath(const std::string& state_dir, uid_t uid, const std::string& tag) {
+  return absl::StrCat(OwnerDir(state_dir, uid), "/", tag, kExt);
+}
+
+absl::Status EnsureOwnerDir(const std::string& state_dir, uid_t uid) {
+  const std::string dir = OwnerDir(state_dir, uid);
+  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return SysError("mkdir", dir);
+  struct stat st;
+  if (lstat(dir.c_str(), &st) != 0) return SysError("lstat", dir);
+  if (!S_ISDIR(st.st_mode))
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, " is not a directory; remove it so that stallfreed can keep uid ", uid,
+        "'s checkpoints there"));
+  if ((st.st_mode & 07777) != 0700 && chmod(dir.c_str(), 0700) != 0) return SysError("chmod", dir);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointFiles(const std::string& state_dir,
+                                                                    uid_t uid, bool all) {
+  // (directory, owner, owned): every uid directory for `all`, else the caller's own.
+  struct Dir {
+    std::string path;
+    uid_t owner;
+    bool owned;
+  };
+  std::vector<Dir> dirs;
+  if (all) {
+    dirs.push_back({state_dir, 0, false});
+    DIR* d = opendir(state_dir.c_str());
+    if (d == nullptr) return SysError("opendir", state_dir);
+    while (struct dirent* e = readdir(d)) {
+      const std::string name = e->d_name;
+      if (name.empty() || name.size() > 10 ||
+          name.find_first_not_of("0123456789") != std::string::npos)
+        continue;
+      dirs.push_back({state_dir + "/" + name, static_cast<uid_t>(std::stoul(name)), true});
+    }
+    closedir(d);
+  } else {
+    dirs.push_back({OwnerDir(state_dir, uid), uid, true});
+  }
+  std::vector<v1::CheckpointInfo> out;
+  for (const Dir& dir : dirs) {
+    DIR* d = opendir(dir.path.c_str());
+    if (d == nullptr) {
+      if (errno == ENOENT) continue;  // this uid never wrote a checkpoint
+      return SysError("opendir", dir.path);
+    }
+    std::vector<std::string> tags;
+    const std::string ext = kExt;
+    while (struct dirent* e = readdir(d)) {
+      const std::string name = e->d_name;
+      if (name.size() > ext.size() && name[0] != '.' &&
+          name.compare(name.size() - ext.size(), ext.size(), ext) == 0)
+        tags.push_back(name.substr(0, name.size() - ext.size()));
+    }
+    closedir(d);
+    std::sort(tags.begin(), tags.end());
+    for (const std::string& tag : tags) {
+      v1::CheckpointInfo info;
+      info.set_tag(tag);
+      info.set_owner_uid(dir.owner);
+      const std::string path = absl::StrCat(dir.path, "/", tag, kExt);
+      struct stat st;
+      if (stat(path.c_str(), &st) == 0)
+        info.set_mtime_unix(static_cast<double>(st.st_mtim.tv_sec) + st.st_mtim.tv_nsec * 1e-9);
+      uint64_t bytes = 0;
+      absl::StatusOr<v1::CheckpointHeader> h = ReadCheckpointHeader(path, &bytes);
+      info.set_bytes(bytes);
+      if (!dir.owned) {
+        info.set_error(absl::StrCat(
+            "no owner (written by stallfreed 0.1.0): move it to ", state_dir,
+            "/<uid>/ to give it to that uid's sessions"));
+      } else if (!h.ok()) {
+        info.set_error(std::string(h.status().message()));
+      }
+      if (h.ok()) {
+        info.set_session_name(h->session_name());
+        info.set_rank(h->rank());
+        info.set_version(h->version());
+        info.set_params(h->params_size());
+        int64_t elems = 0;
+        for (const auto& p : h->params()) {
+          int64_t n = 1;
+          for (int64_t dim : p.spec().shape()) n *= dim;
+          elems += n;
+        }
+        info.set_param_elements(elems);
+      }
+      out.push_back(std::move(info));
+    }
+  }
+  return out;
 }
 
 absl::StatusOr<CheckpointWritten> WriteCheckpoint(const std::string& path,
@@ -261,7 +359,8 @@ absl::StatusOr<uint64_t> ReadCheckpointBytes(const std::string& path, uint64_t o
 }
 
 absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offset,
-                                          const void* src, uint64_t length, uint64_t total) {
+                                          const void* src, uint64_t length, uint64_t total,
+                                          uid_t owner) {
   const std::string upload = HiddenSibling(path, ".upload");
   Fd fd;
   fd.fd = open(upload.c_str(), O_RDWR | O_CLOEXEC | (offset == 0 ? O_CREAT | O_TRUNC : 0), 0600);
@@ -287,6 +386,10 @@ absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offs
   uint64_t header_end = 0;
   absl::StatusOr<v1::CheckpointHeader> header = VerifyFd(fd.fd, upload, total, &header_end);
   if (!header.ok()) return discard(header.status());
+  if (header->has_owner_uid() && header->owner_uid() != owner)
+    return discard(absl::PermissionDeniedError(absl::StrCat(
+        "checkpoint ", path, " belongs to uid ", header->owner_uid(), ", not to uid ", owner,
+        "; checkpoint bytes move only between processes of one uid")));
   if (rename(upload.c_str(), path.c_str()) != 0)
     return discard(SysError("rename", upload + " -> " + path));
   RETURN_IF_ERROR(FsyncDir(DirOf(path)));

@@ -12,6 +12,8 @@
 // anything is handed to the caller's arrays.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -26,8 +28,17 @@ namespace stallfree {
 // OK iff tag is 1..128 bytes of [A-Za-z0-9._-], does not start with '.' and has no "..".
 absl::Status ValidateCheckpointTag(const std::string& tag);
 
-// <dir>/<tag>.sfckpt
-std::string CheckpointPath(const std::string& dir, const std::string& tag);
+// Checkpoints belong to a uid (offload.proto, CallerRef): <state_dir>/<uid>/<tag>.sfckpt.
+std::string OwnerDir(const std::string& state_dir, uid_t uid);
+std::string CheckpointPath(const std::string& state_dir, uid_t uid, const std::string& tag);
+
+// Creates <state_dir>/<uid> (0700) if missing; fails unless it is a directory (not a link).
+absl::Status EnsureOwnerDir(const std::string& state_dir, uid_t uid);
+
+// The checkpoints of `uid` (all: every uid's, and the unowned files of stallfreed 0.1.0 in
+// state_dir itself), sorted by owner and tag, with what their headers say.
+absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointFiles(const std::string& state_dir,
+                                                                    uid_t uid, bool all);
 
 // One parameter's four fp32 state arrays of numel elements.
 struct CheckpointArrays {
@@ -69,8 +80,10 @@ absl::StatusOr<uint64_t> ReadCheckpointBytes(const std::string& path, uint64_t o
 // one, any other offset must equal its size: FailedPrecondition). When offset + length == total
 // the upload is fsynced, verified as ReadCheckpointArrays would (DataLoss, and the upload is
 // removed, if it fails) and renamed over `path` (then the directory is fsynced): returns true.
+// A file whose header names another owner than `owner` is refused (PermissionDenied).
 absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offset,
-                                          const void* src, uint64_t length, uint64_t total);
+                                          const void* src, uint64_t length, uint64_t total,
+                                          uid_t owner);
 
 // Removes the checkpoint (NotFound if missing) and fsyncs the directory.
 absl::Status DeleteCheckpointFile(const std::string& path);

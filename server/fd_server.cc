@@ -62,11 +62,21 @@ void FdServer::Handshake(int conn) {
   if (!cred.ok()) return reply_error(cred.status());
   absl::StatusOr<std::string> line = ReadLine(conn, 256);
   if (!line.ok()) return reply_error(line.status());
+  if (*line == "CALLER") {  // a caller credential for the peer's uid, while this stays open
+    const v1::CallerRef caller = sessions_->NewCaller(cred->uid, cred->pid);
+    if (!SendWithFd(conn, absl::StrCat("OK ", caller.caller_id(), " ", caller.token(), "\n"), -1)
+             .ok() ||
+        !Watch(conn, Peer{true, caller.caller_id()})) {
+      close(conn);
+      sessions_->DropCaller(caller.caller_id());
+    }
+    return;
+  }
   std::istringstream in(*line);
   uint64_t id = 0;
   std::string token;
   if (!(in >> id >> token)) {
-    return reply_error(absl::InvalidArgumentError("expected '<session_id> <token>'"));
+    return reply_error(absl::InvalidArgumentError("expected '<session_id> <token>' or 'CALLER'"));
   }
   auto fd = sessions_->Attach(id, token, cred->uid, cred->pid);
   if (!fd.ok()) return reply_error(fd.status());
@@ -76,16 +86,24 @@ void FdServer::Handshake(int conn) {
     sessions_->OnConnectionClosed(id);
     return;
   }
+  if (!Watch(conn, Peer{false, id})) {
+    close(conn);
+    sessions_->OnConnectionClosed(id);
+  }
+}
+
+bool FdServer::Watch(int conn, Peer peer) {
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP | EPOLLHUP;
   ev.data.fd = conn;
   if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, conn, &ev) != 0) {
-    ErrnoStatus("epoll_ctl(ADD)", absl::StrCat("connection of session ", id)).IgnoreError();
-    close(conn);
-    sessions_->OnConnectionClosed(id);
-    return;
+    ErrnoStatus("epoll_ctl(ADD)", absl::StrCat("connection of ", peer.caller ? "caller " : "session ",
+                                               peer.id))
+        .IgnoreError();
+    return false;
   }
-  attached_[conn] = id;
+  attached_[conn] = peer;
+  return true;
 }
 
 void FdServer::Loop() {
@@ -114,11 +132,12 @@ void FdServer::Loop() {
       ssize_t r = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
       if (r > 0 && !(events[i].events & (EPOLLHUP | EPOLLRDHUP))) continue;
       auto it = attached_.find(fd);
-      uint64_t id = it == attached_.end() ? 0 : it->second;
+      const Peer peer = it == attached_.end() ? Peer{} : it->second;
       epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
       close(fd);
       if (it != attached_.end()) attached_.erase(it);
-      if (id != 0) sessions_->OnConnectionClosed(id);
+      if (peer.id != 0 && peer.caller) sessions_->DropCaller(peer.id);
+      if (peer.id != 0 && !peer.caller) sessions_->OnConnectionClosed(peer.id);
     }
   }
 }

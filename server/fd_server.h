@@ -1,7 +1,10 @@
 // FdServer: the side unix socket that hands a session's memfd to its process (SCM_RIGHTS) and
 // then watches the connection: when it closes, the session is reclaimed.
-// Protocol: the client sends "<session_id> <token>\n"; the daemon checks SO_PEERCRED against
-// the session's uid and answers "OK <region_bytes>\n" with the fd, or "ERR <message>\n".
+// Protocol: the client sends "<session_id> <token>\n"; the daemon checks the token, makes the
+// peer's SO_PEERCRED uid and pid the session's, and answers "OK <region_bytes>\n" with the fd,
+// or "ERR <message>\n". Or it sends "CALLER\n" and receives "OK <caller_id> <token>\n", a
+// caller credential for its uid (offload.proto, CallerRef). Either stays valid while the
+// connection stays open.
 #pragma once
 
 #include <atomic>
@@ -26,8 +29,15 @@ class FdServer {
   void Stop();
 
  private:
+  // What an open connection stands for: a session (its liveness) or a caller credential.
+  struct Peer {
+    bool caller = false;
+    uint64_t id = 0;
+  };
   void Loop();
   void Handshake(int conn);
+  // Watches conn for its close (then the session is reclaimed or the caller dropped).
+  bool Watch(int conn, Peer peer);
 
   SessionManager* sessions_;
   std::string path_;
@@ -36,7 +46,7 @@ class FdServer {
   int wake_fd_ = -1;
   std::atomic<bool> stop_{false};
   std::thread thread_;
-  std::map<int, uint64_t> attached_;  // connection fd -> session id; Loop thread only.
+  std::map<int, Peer> attached_;  // connection fd -> what it stands for; Loop thread only.
 };
 
 }  // namespace stallfree

@@ -116,12 +116,10 @@ grpc::ServerUnaryReactor* OffloadService::Restore(grpc::CallbackServerContext* c
 }
 
 grpc::ServerUnaryReactor* OffloadService::ListCheckpoints(grpc::CallbackServerContext* ctx,
-                                                          const v1::ListCheckpointsRequest*,
+                                                          const v1::ListCheckpointsRequest* req,
                                                           v1::ListCheckpointsResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  auto out = sessions_->ListCheckpoints();
-  if (out.ok()) *resp = std::move(*out);
-  r->Finish(ToGrpc(out.status()));
+  sessions_->ListCheckpoints(*req, resp, Finisher(r));
   return r;
 }
 
@@ -159,11 +157,13 @@ grpc::ServerUnaryReactor* OffloadService::GetStats(grpc::CallbackServerContext* 
 }
 
 grpc::ServerUnaryReactor* OffloadService::ListSessions(grpc::CallbackServerContext* ctx,
-                                                       const v1::ListSessionsRequest*,
+                                                       const v1::ListSessionsRequest* req,
                                                        v1::ListSessionsResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  for (auto& s : sessions_->ListSessions()) *resp->add_sessions() = std::move(s);
-  r->Finish(grpc::Status::OK);
+  auto out = sessions_->ListSessions(req->caller());
+  if (out.ok())
+    for (auto& s : *out) *resp->add_sessions() = std::move(s);
+  r->Finish(ToGrpc(out.status()));
   return r;
 }
 

@@ -86,21 +86,6 @@ bool ProcessAlive(pid_t pid) {
   return state != 'Z' && state != 'X';
 }
 
-absl::StatusOr<uid_t> ProcessUid(pid_t pid) {
-  std::ifstream f(absl::StrCat("/proc/", pid, "/status"));
-  if (!f) return absl::InvalidArgumentError(absl::StrCat("pid: no process ", pid, " is visible to the daemon"));
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind("Uid:", 0) == 0) {
-      std::istringstream in(line.substr(4));
-      long uid = -1;
-      in >> uid;
-      if (uid >= 0) return static_cast<uid_t>(uid);
-    }
-  }
-  return absl::InternalError(absl::StrCat("no Uid line in /proc/", pid, "/status"));
-}
-
 }  // namespace
 
 struct ParamInfo {
@@ -123,11 +108,11 @@ struct Waiter {
 
 class Session {
  public:
-  Session(uint64_t id, std::string token, const v1::OpenSessionRequest& req, uid_t uid,
+  Session(uint64_t id, std::string token, const v1::OpenSessionRequest& req,
           tbb::task_arena* arena, std::atomic<uint64_t>* reserved, DaemonCounters* counters)
       : id(id), token(std::move(token)), name(req.name()), rank(req.rank()),
-        pid(static_cast<pid_t>(req.pid())), uid(uid), created(Clock::now()),
-        strand(std::make_shared<Strand>(arena)), reserved_(reserved), counters_(counters) {}
+        created(Clock::now()), strand(std::make_shared<Strand>(arena)),
+        pid(static_cast<pid_t>(req.pid())), reserved_(reserved), counters_(counters) {}
 
   ~Session() {
     if (reserved_bytes > 0) reserved_->fetch_sub(reserved_bytes);
@@ -146,12 +131,15 @@ class Session {
   const std::string token;
   const std::string name;
   const int32_t rank;
-  const pid_t pid;
-  const uid_t uid;
   const Clock::time_point created;
   const std::shared_ptr<Strand> strand;
 
   std::mutex mu;  // guards everything below.
+  // The opener's pid until the attach, then the kernel's pid of the attached process.
+  pid_t pid;
+  // The kernel's uid of the attached process (SO_PEERCRED): set once by Attach; nothing that
+  // needs an owner (checkpoints, listings) works before.
+  uid_t uid = static_cast<uid_t>(-1);
   bool registering = false;
   bool registered = false;
   bool attached = false;
@@ -169,10 +157,6 @@ class Session {
   uint64_t total_elems = 0;
   v1::RegionLayout layout;
   std::vector<Waiter> waiters;
-  // Checkpoint tags this session wrote (Checkpoint, WriteCheckpoint): the only ones its
-  // ReadCheckpoint and DeleteCheckpoint may touch, and the only existing ones WriteCheckpoint
-  // may replace, so these RPCs reach no other session's files.
-  std::set<std::string> own_tags;
   uint64_t reserved_bytes = 0;
   uint64_t pinned_bytes = 0;
 
@@ -203,6 +187,63 @@ void SessionManager::Reject(const absl::Status& s) {
   SF_LOG(kDebug, "rejected request: %s", s.ToString());
 }
 
+void SessionManager::Fail(const absl::Status& s, const std::function<void(absl::Status)>& done) {
+  Reject(s);
+  done(s);
+}
+
+void SessionManager::RunDetached(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++detached_running_;
+  }
+  arena_->enqueue([this, fn = std::move(fn)] {
+    fn();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--detached_running_ == 0) detached_cv_.notify_all();
+  });
+}
+
+absl::StatusOr<uid_t> SessionManager::CallerUid(const v1::CallerRef& caller, const char* what) {
+  if (caller.caller_id() == 0)
+    return absl::UnauthenticatedError(absl::StrCat(
+        what, ": no caller credential; get one from the fd socket (send \"CALLER\\n\", "
+        "offload.proto: CallerRef), as stallfreectl does"));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = callers_.find(caller.caller_id());
+  if (it == callers_.end() || it->second.token != caller.token())
+    return absl::PermissionDeniedError(
+        absl::StrCat("caller: no caller ", caller.caller_id(), " with that token"));
+  return it->second.uid;
+}
+
+absl::StatusOr<uid_t> SessionManager::Identify(const v1::CallerRef& caller,
+                                               const v1::SessionRef& session, const char* what) {
+  if (session.session_id() == 0) return CallerUid(caller, what);
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(session));
+  std::lock_guard<std::mutex> lock(s->mu);
+  if (!s->attached)
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": session ", s->id, " has not attached to the fd socket, so its uid is unknown"));
+  return s->uid;
+}
+
+v1::CallerRef SessionManager::NewCaller(uid_t peer_uid, pid_t peer_pid) {
+  v1::CallerRef ref;
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = next_id_++;
+  ref.set_caller_id(id);
+  ref.set_token(NewToken());
+  callers_[id] = Caller{ref.token(), peer_uid};
+  SF_LOG(kDebug, "caller %d: uid %d pid %d", id, peer_uid, peer_pid);
+  return ref;
+}
+
+void SessionManager::DropCaller(uint64_t caller_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  callers_.erase(caller_id);
+}
+
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::Find(const v1::SessionRef& ref) {
   if (draining_.load()) return absl::UnavailableError("stallfreed is shutting down");
   std::lock_guard<std::mutex> lock(mu_);
@@ -228,23 +269,26 @@ absl::StatusOr<v1::OpenSessionResponse> SessionManager::Open(const v1::OpenSessi
     Reject(bad);
     return bad;
   }
-  absl::StatusOr<uid_t> uid = ProcessUid(static_cast<pid_t>(req.pid()));
-  if (!uid.ok()) {
-    Reject(uid.status());
-    return uid.status();
+  // The pid only keeps an unattached session alive (Housekeeping); it grants nothing.
+  if (!ProcessAlive(static_cast<pid_t>(req.pid()))) {
+    absl::Status st = absl::InvalidArgumentError(absl::StrCat(
+        "pid: no process ", req.pid(), " is visible to the daemon (a trainer in another pid "
+        "namespace needs the daemon's, e.g. hostPID in Kubernetes)"));
+    Reject(st);
+    return st;
   }
   v1::OpenSessionResponse resp;
   std::lock_guard<std::mutex> lock(mu_);
   uint64_t id = next_id_++;
-  auto session = std::make_shared<Session>(id, NewToken(), req, *uid, arena_, &reserved_bytes_,
+  auto session = std::make_shared<Session>(id, NewToken(), req, arena_, &reserved_bytes_,
                                            &counters_);
   sessions_[id] = session;
   counters_.sessions_opened.fetch_add(1);
   resp.mutable_session()->set_session_id(id);
   resp.mutable_session()->set_token(session->token);
   resp.set_fd_socket(options_.fd_socket_path);
-  SF_LOG(kInfo, "session %d opened: name '%s' rank %d pid %d uid %d", id, req.name(), req.rank(),
-         req.pid(), *uid);
+  SF_LOG(kInfo, "session %d opened: name '%s' rank %d pid %d", id, req.name(), req.rank(),
+         req.pid());
   return resp;
 }
 
@@ -288,8 +332,7 @@ void SessionManager::Reclaim(uint64_t id, const std::string& why) {
   }
   for (Waiter& w : waiters) w.done(absl::AbortedError("session reclaimed"));
   counters_.sessions_reclaimed.fetch_add(1);
-  SF_LOG(kWarning, "session %d ('%s', pid %d) reclaimed: %s; %d bytes freed", id, s->name,
-         s->pid, why, bytes);
+  SF_LOG(kWarning, "session %d ('%s') reclaimed: %s; %d bytes freed", id, s->name, why, bytes);
 }
 
 void SessionManager::RegisterParams(const v1::RegisterParamsRequest& req,
@@ -871,12 +914,6 @@ void SessionManager::MigrateColumns(const v1::MigrateColumnsRequest& req,
 
 namespace {
 
-absl::Status NotOwn(const Session& s, const std::string& tag, const char* what) {
-  return absl::PermissionDeniedError(
-      absl::StrCat("tag: checkpoint '", tag, "' was not written by session ", s.id, "; ", what,
-                   " reaches only the session's own checkpoints"));
-}
-
 v1::ParamSpec SpecOf(const ParamInfo& p) {
   v1::ParamSpec spec;
   spec.set_name(p.name);
@@ -885,40 +922,59 @@ v1::ParamSpec SpecOf(const ParamInfo& p) {
   return spec;
 }
 
+// A session's parameters against a checkpoint header's: FailedPrecondition naming the first
+// difference.
+absl::Status MatchHeader(const Session& s, const v1::CheckpointHeader& header,
+                         const std::string& tag) {
+  if (header.params_size() != static_cast<int>(s.params.size()))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tag: checkpoint '", tag, "' has ", header.params_size(),
+        " parameters, the session registered ", s.params.size()));
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    const v1::CheckpointHeader::Param& hp = header.params(static_cast<int>(i));
+    if (hp.spec().SerializeAsString() != SpecOf(s.params[i]).SerializeAsString() ||
+        hp.col_steps_size() != s.params[i].cols)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tag: parameter ", i, " of checkpoint '", tag, "' is '", hp.spec().name(),
+          "' with another name, shape or dtype than the session's '", s.params[i].name, "'"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindForCheckpoint(
-    const v1::SessionRef& ref, const std::string& tag) {
+absl::StatusOr<SessionManager::Owned> SessionManager::FindForCheckpoint(
+    const v1::SessionRef& ref, const std::string& tag, const char* what) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> s, Find(ref));
   if (options_.state_dir.empty())
     return absl::FailedPreconditionError(
         "stallfreed runs without a state directory; start it with --state_dir DIR");
   RETURN_IF_ERROR(ValidateCheckpointTag(tag));
-  return s;
+  std::lock_guard<std::mutex> lock(s->mu);
+  if (!s->registered)
+    return absl::FailedPreconditionError(absl::StrCat(what, " before RegisterParams"));
+  if (!s->attached)
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, " before the session's process attached to the fd socket (a checkpoint belongs "
+        "to the uid the kernel reports for that process)"));
+  return Owned{s, s->uid, CheckpointPath(options_.state_dir, s->uid, tag)};
 }
 
 void SessionManager::Checkpoint(const v1::CheckpointRequest& req, v1::CheckpointResponse* resp,
                                 std::function<void(absl::Status)> done) {
-  auto fail = [&](absl::Status st) {
-    Reject(st);
-    done(st);
-  };
-  absl::StatusOr<std::shared_ptr<Session>> found = FindForCheckpoint(req.session(), req.tag());
-  if (!found.ok()) return fail(found.status());
-  std::shared_ptr<Session> s = *found;
-  {
-    std::lock_guard<std::mutex> lock(s->mu);
-    if (!s->registered)
-      return fail(absl::FailedPreconditionError("Checkpoint before RegisterParams"));
-  }
-  const std::string path = CheckpointPath(options_.state_dir, req.tag());
-  s->strand->Post([this, s, path, tag = req.tag(), resp, done] {
+  absl::StatusOr<Owned> found = FindForCheckpoint(req.session(), req.tag(), "Checkpoint");
+  if (!found.ok()) return Fail(found.status(), done);
+  std::shared_ptr<Session> s = found->session;
+  s->strand->Post([this, s, uid = found->uid, path = found->path, resp, done] {
+    absl::Status dir = EnsureOwnerDir(options_.state_dir, uid);
+    if (!dir.ok()) return Fail(dir, done);
     // The file holds the logical accumulator: zero after an Update.
     ClearStaleAccumulator(s.get());
     v1::CheckpointHeader header;
     std::vector<CheckpointArrays> arrays;
     header.set_session_name(s->name);
     header.set_rank(s->rank);
+    header.set_owner_uid(uid);
     {
       std::lock_guard<std::mutex> lock(s->mu);
       header.set_last_step(s->last_step);
@@ -933,18 +989,11 @@ void SessionManager::Checkpoint(const v1::CheckpointRequest& req, v1::Checkpoint
     }
     const auto t0 = Clock::now();
     absl::StatusOr<CheckpointWritten> out = stallfree::WriteCheckpoint(path, header, arrays);
-    if (!out.ok()) {
-      Reject(out.status());
-      return done(out.status());
-    }
+    if (!out.ok()) return Fail(out.status(), done);
     resp->set_path(out->path);
     resp->set_bytes(out->bytes);
     resp->set_checksum(absl::StrCat(absl::Hex(out->checksum, absl::kZeroPad16)));
     resp->set_version(header.version());
-    {
-      std::lock_guard<std::mutex> lock(s->mu);
-      s->own_tags.insert(tag);
-    }
     SF_LOG(kInfo, "session %d: checkpoint %s, %d bytes in %.3f s", s->id, out->path, out->bytes,
            Seconds(Clock::now() - t0));
     done(absl::OkStatus());
@@ -953,56 +1002,45 @@ void SessionManager::Checkpoint(const v1::CheckpointRequest& req, v1::Checkpoint
 
 void SessionManager::Restore(const v1::RestoreRequest& req, v1::RestoreResponse* resp,
                              std::function<void(absl::Status)> done) {
-  auto fail = [&](absl::Status st) {
-    Reject(st);
-    done(st);
-  };
-  absl::StatusOr<std::shared_ptr<Session>> found = FindForCheckpoint(req.session(), req.tag());
-  if (!found.ok()) return fail(found.status());
-  std::shared_ptr<Session> s = *found;
   if (req.out_dtype() != v1::DTYPE_UNSPECIFIED && req.out_dtype() != v1::DTYPE_FP32 &&
       req.out_dtype() != v1::DTYPE_BF16)
-    return fail(absl::InvalidArgumentError("out_dtype: must be FP32 or BF16"));
+    return Fail(absl::InvalidArgumentError("out_dtype: must be FP32 or BF16"), done);
+  absl::StatusOr<Owned> found = FindForCheckpoint(req.session(), req.tag(), "Restore");
+  if (!found.ok()) return Fail(found.status(), done);
+  std::shared_ptr<Session> s = found->session;
   const v1::DType out = req.out_dtype() == v1::DTYPE_BF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
-  const std::string path = CheckpointPath(options_.state_dir, req.tag());
-  uint64_t file_bytes = 0;
-  absl::StatusOr<v1::CheckpointHeader> header = ReadCheckpointHeader(path, &file_bytes);
-  if (!header.ok()) return fail(header.status());
   {
     std::lock_guard<std::mutex> lock(s->mu);
-    if (!s->registered)
-      return fail(absl::FailedPreconditionError("Restore before RegisterParams"));
     if (s->update_running)
-      return fail(absl::AbortedError(absl::StrCat(
-          "the update of step ", s->last_step, " is still running for session ", s->id)));
-    if (header->params_size() != static_cast<int>(s->params.size()))
-      return fail(absl::FailedPreconditionError(absl::StrCat(
-          "tag: checkpoint '", req.tag(), "' has ", header->params_size(),
-          " parameters, the session registered ", s->params.size())));
-    for (size_t i = 0; i < s->params.size(); ++i) {
-      const v1::CheckpointHeader::Param& hp = header->params(static_cast<int>(i));
-      if (hp.spec().SerializeAsString() != SpecOf(s->params[i]).SerializeAsString() ||
-          hp.col_steps_size() != s->params[i].cols)
-        return fail(absl::FailedPreconditionError(absl::StrCat(
-            "tag: parameter ", i, " of checkpoint '", req.tag(), "' is '", hp.spec().name(),
-            "' with another name, shape or dtype than the session's '", s->params[i].name,
-            "'")));
-    }
+      return Fail(absl::AbortedError(absl::StrCat("the update of step ", s->last_step,
+                                                  " is still running for session ", s->id)),
+                  done);
     s->update_running = true;  // no Update, Migrate or LoadParams until the restore is done
   }
-  s->strand->Post([this, s, path, header = *header, out, resp, done, file_bytes] {
-    std::vector<CheckpointArrays> arrays;
-    for (const ParamInfo& p : s->params) {
-      const uint64_t e = p.elem_offset;
-      arrays.push_back({s->master + e, s->m + e, s->v + e, s->acc + e, p.numel});
+  // Every file access on the strand, none on the gRPC thread.
+  s->strand->Post([this, s, uid = found->uid, path = found->path, tag = req.tag(), out, resp,
+                   done] {
+    uint64_t file_bytes = 0;
+    absl::StatusOr<v1::CheckpointHeader> header = ReadCheckpointHeader(path, &file_bytes);
+    absl::Status st = header.status();
+    if (st.ok() && header->has_owner_uid() && header->owner_uid() != uid)
+      st = absl::PermissionDeniedError(absl::StrCat("tag: checkpoint '", tag,
+                                                    "' belongs to uid ", header->owner_uid()));
+    if (st.ok()) st = MatchHeader(*s, *header, tag);
+    if (st.ok()) {
+      std::vector<CheckpointArrays> arrays;
+      for (const ParamInfo& p : s->params) {
+        const uint64_t e = p.elem_offset;
+        arrays.push_back({s->master + e, s->m + e, s->v + e, s->acc + e, p.numel});
+      }
+      st = ReadCheckpointArrays(path, *header, arrays);
     }
-    absl::Status st = ReadCheckpointArrays(path, header, arrays);
     if (st.ok()) {
       s->acc_stale = false;  // the accumulator now holds the checkpoint's
       uint8_t* dst = s->ParamSlot(0);
       for (size_t i = 0; i < s->params.size(); ++i) {
         ParamInfo& p = s->params[i];
-        const auto& steps = header.params(static_cast<int>(i)).col_steps();
+        const auto& steps = header->params(static_cast<int>(i)).col_steps();
         p.col_steps.assign(steps.begin(), steps.end());
         const float* src = s->master + p.elem_offset;
         if (out == v1::DTYPE_BF16)
@@ -1016,61 +1054,37 @@ void SessionManager::Restore(const v1::RestoreRequest& req, v1::RestoreResponse*
       std::lock_guard<std::mutex> lock(s->mu);
       s->update_running = false;
       if (st.ok()) {
-        s->last_step = header.last_step();
-        s->version = header.version();
+        s->last_step = header->last_step();
+        s->version = header->version();
         s->updated_once = true;
         s->ready_slot = 0;
         s->ready_dtype = out;
         s->pushes_since_update = 0;
       }
     }
-    if (!st.ok()) {
-      Reject(st);
-      return done(st);
-    }
-    resp->set_version(header.version());
-    resp->set_last_step(header.last_step());
+    if (!st.ok()) return Fail(st, done);
+    resp->set_version(header->version());
+    resp->set_last_step(header->last_step());
     resp->set_bytes(file_bytes);
-    SF_LOG(kInfo, "session %d: restored %s (version %d)", s->id, path, header.version());
+    SF_LOG(kInfo, "session %d: restored %s (version %d)", s->id, path, header->version());
     done(absl::OkStatus());
   });
-}
-
-absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindOwnCheckpoint(
-    const v1::SessionRef& ref, const std::string& tag, const char* what, bool must_own) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Session> s, FindForCheckpoint(ref, tag));
-  std::lock_guard<std::mutex> lock(s->mu);
-  if (!s->registered)
-    return absl::FailedPreconditionError(absl::StrCat(what, " before RegisterParams"));
-  if (must_own && s->own_tags.count(tag) == 0) return NotOwn(*s, tag, what);
-  return s;
 }
 
 void SessionManager::ReadCheckpoint(const v1::ReadCheckpointRequest& req,
                                     v1::ReadCheckpointResponse* resp,
                                     std::function<void(absl::Status)> done) {
-  absl::StatusOr<std::shared_ptr<Session>> found =
-      FindOwnCheckpoint(req.session(), req.tag(), "ReadCheckpoint", /*must_own=*/true);
-  if (!found.ok()) {
-    Reject(found.status());
-    return done(found.status());
-  }
-  std::shared_ptr<Session> s = *found;
-  const std::string path = CheckpointPath(options_.state_dir, req.tag());
-  s->strand->Post([this, s, path, req, resp, done] {
+  absl::StatusOr<Owned> found = FindForCheckpoint(req.session(), req.tag(), "ReadCheckpoint");
+  if (!found.ok()) return Fail(found.status(), done);
+  std::shared_ptr<Session> s = found->session;
+  s->strand->Post([this, s, path = found->path, req, resp, done] {
     uint64_t total = 0;
     absl::StatusOr<uint64_t> n = stallfree::ReadCheckpointBytes(path, req.offset(), s->Staging(),
-                                                     s->layout.staging_bytes(), &total);
+                                                                s->layout.staging_bytes(), &total);
     absl::Status st = n.status();
-    if (st.ok() && req.delete_after() && req.offset() + *n == total) {
+    if (st.ok() && req.delete_after() && req.offset() + *n == total)
       st = DeleteCheckpointFile(path);
-      std::lock_guard<std::mutex> lock(s->mu);
-      if (st.ok()) s->own_tags.erase(req.tag());
-    }
-    if (!st.ok()) {
-      Reject(st);
-      return done(st);
-    }
+    if (!st.ok()) return Fail(st, done);
     resp->set_total_bytes(total);
     resp->set_length(*n);
     done(absl::OkStatus());
@@ -1080,121 +1094,77 @@ void SessionManager::ReadCheckpoint(const v1::ReadCheckpointRequest& req,
 void SessionManager::WriteCheckpoint(const v1::WriteCheckpointRequest& req,
                                      v1::WriteCheckpointResponse* resp,
                                      std::function<void(absl::Status)> done) {
-  auto fail = [&](absl::Status st) {
-    Reject(st);
-    done(st);
-  };
-  absl::StatusOr<std::shared_ptr<Session>> found =
-      FindOwnCheckpoint(req.session(), req.tag(), "WriteCheckpoint", /*must_own=*/false);
-  if (!found.ok()) return fail(found.status());
-  std::shared_ptr<Session> s = *found;
+  absl::StatusOr<Owned> found = FindForCheckpoint(req.session(), req.tag(), "WriteCheckpoint");
+  if (!found.ok()) return Fail(found.status(), done);
+  std::shared_ptr<Session> s = found->session;
   if (req.length() > s->layout.staging_bytes())
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "length: ", req.length(), " bytes, the staging area holds ", s->layout.staging_bytes())));
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+                    "length: ", req.length(), " bytes, the staging area holds ",
+                    s->layout.staging_bytes())),
+                done);
   if (req.offset() > req.total_bytes() || req.length() > req.total_bytes() - req.offset())
-    return fail(absl::InvalidArgumentError(absl::StrCat("offset + length: ", req.offset(), " + ",
+    return Fail(absl::InvalidArgumentError(absl::StrCat("offset + length: ", req.offset(), " + ",
                                                         req.length(), " exceeds total_bytes ",
-                                                        req.total_bytes())));
-  const std::string path = CheckpointPath(options_.state_dir, req.tag());
-  s->strand->Post([this, s, path, req, resp, done] {
-    // A new upload may replace only a checkpoint of this session's own.
-    if (req.offset() == 0 && access(path.c_str(), F_OK) == 0) {
-      bool own;
-      {
-        std::lock_guard<std::mutex> lock(s->mu);
-        own = s->own_tags.count(req.tag()) > 0;
-      }
-      if (!own) {
-        absl::Status st = NotOwn(*s, req.tag(), "WriteCheckpoint");
-        Reject(st);
-        return done(st);
-      }
-    }
+                                                        req.total_bytes())),
+                done);
+  s->strand->Post([this, s, uid = found->uid, path = found->path, req, resp, done] {
+    absl::Status dir = EnsureOwnerDir(options_.state_dir, uid);
+    if (!dir.ok()) return Fail(dir, done);
     absl::StatusOr<bool> complete = WriteCheckpointChunk(path, req.offset(), s->Staging(),
-                                                         req.length(), req.total_bytes());
-    if (!complete.ok()) {
-      Reject(complete.status());
-      return done(complete.status());
-    }
+                                                         req.length(), req.total_bytes(), uid);
+    if (!complete.ok()) return Fail(complete.status(), done);
     resp->set_complete(*complete);
-    if (*complete) {
-      {
-        std::lock_guard<std::mutex> lock(s->mu);
-        s->own_tags.insert(req.tag());
-      }
+    if (*complete)
       SF_LOG(kInfo, "session %d: received checkpoint %s, %d bytes", s->id, path,
              req.total_bytes());
-    }
     done(absl::OkStatus());
   });
 }
 
 void SessionManager::DeleteCheckpoint(const v1::DeleteCheckpointRequest& req,
                                       std::function<void(absl::Status)> done) {
-  absl::StatusOr<std::shared_ptr<Session>> found =
-      FindOwnCheckpoint(req.session(), req.tag(), "DeleteCheckpoint", /*must_own=*/true);
-  if (!found.ok()) {
-    Reject(found.status());
-    return done(found.status());
+  if (req.session().session_id() != 0) {  // a session: on its strand, after its queued work
+    absl::StatusOr<Owned> found = FindForCheckpoint(req.session(), req.tag(), "DeleteCheckpoint");
+    if (!found.ok()) return Fail(found.status(), done);
+    found->session->strand->Post([this, path = found->path, done] {
+      absl::Status st = DeleteCheckpointFile(path);
+      if (!st.ok()) return Fail(st, done);
+      done(st);
+    });
+    return;
   }
-  std::shared_ptr<Session> s = *found;
-  const std::string path = CheckpointPath(options_.state_dir, req.tag());
-  s->strand->Post([this, s, tag = req.tag(), path, done] {
+  absl::StatusOr<uid_t> uid = CallerUid(req.caller(), "DeleteCheckpoint");
+  absl::Status st = uid.status();
+  if (st.ok() && options_.state_dir.empty())
+    st = absl::FailedPreconditionError(
+        "stallfreed runs without a state directory; start it with --state_dir DIR");
+  if (st.ok()) st = ValidateCheckpointTag(req.tag());
+  if (!st.ok()) return Fail(st, done);
+  RunDetached([this, path = CheckpointPath(options_.state_dir, *uid, req.tag()), done] {
     absl::Status st = DeleteCheckpointFile(path);
-    if (st.ok()) {
-      std::lock_guard<std::mutex> lock(s->mu);
-      s->own_tags.erase(tag);
-    }
-    if (!st.ok()) Reject(st);
+    if (!st.ok()) return Fail(st, done);
     done(st);
   });
 }
 
-absl::StatusOr<v1::ListCheckpointsResponse> SessionManager::ListCheckpoints() {
-  v1::ListCheckpointsResponse resp;
-  if (options_.state_dir.empty())
-    return absl::FailedPreconditionError(
+void SessionManager::ListCheckpoints(const v1::ListCheckpointsRequest& req,
+                                     v1::ListCheckpointsResponse* resp,
+                                     std::function<void(absl::Status)> done) {
+  absl::StatusOr<uid_t> uid = Identify(req.caller(), req.session(), "ListCheckpoints");
+  absl::Status st = uid.status();
+  if (st.ok() && options_.state_dir.empty())
+    st = absl::FailedPreconditionError(
         "stallfreed runs without a state directory; start it with --state_dir DIR");
-  resp.set_state_dir(options_.state_dir);
-  DIR* dir = opendir(options_.state_dir.c_str());
-  if (dir == nullptr) return ErrnoStatus("opendir", options_.state_dir);
-  std::vector<std::string> tags;
-  while (struct dirent* e = readdir(dir)) {
-    std::string name = e->d_name;
-    const std::string ext = ".sfckpt";
-    if (name.size() > ext.size() && name[0] != '.' &&
-        name.compare(name.size() - ext.size(), ext.size(), ext) == 0)
-      tags.push_back(name.substr(0, name.size() - ext.size()));
-  }
-  closedir(dir);
-  std::sort(tags.begin(), tags.end());
-  for (const std::string& tag : tags) {
-    v1::CheckpointInfo* info = resp.add_checkpoints();
-    info->set_tag(tag);
-    const std::string path = CheckpointPath(options_.state_dir, tag);
-    struct stat st;
-    if (stat(path.c_str(), &st) == 0)
-      info->set_mtime_unix(static_cast<double>(st.st_mtim.tv_sec) + st.st_mtim.tv_nsec * 1e-9);
-    uint64_t bytes = 0;
-    absl::StatusOr<v1::CheckpointHeader> h = ReadCheckpointHeader(path, &bytes);
-    info->set_bytes(bytes);
-    if (!h.ok()) {
-      info->set_error(std::string(h.status().message()));
-      continue;
-    }
-    info->set_session_name(h->session_name());
-    info->set_rank(h->rank());
-    info->set_version(h->version());
-    info->set_params(h->params_size());
-    int64_t elems = 0;
-    for (const auto& p : h->params()) {
-      int64_t n = 1;
-      for (int64_t d : p.spec().shape()) n *= d;
-      elems += n;
-    }
-    info->set_param_elements(elems);
-  }
-  return resp;
+  if (!st.ok()) return Fail(st, done);
+  // Directory reads and header reads: off the gRPC thread.
+  RunDetached([this, uid = *uid, resp, done] {
+    absl::StatusOr<std::vector<v1::CheckpointInfo>> list =
+        ListCheckpointFiles(options_.state_dir, uid, /*all=*/uid == 0);
+    if (!list.ok()) return Fail(list.status(), done);
+    resp->set_state_dir(options_.state_dir);
+    for (v1::CheckpointInfo& info : *list) *resp->add_checkpoints() = std::move(info);
+    done(absl::OkStatus());
+  });
 }
 
 void SessionManager::WaitUpdate(const v1::WaitUpdateRequest& req,
@@ -1237,16 +1207,14 @@ absl::StatusOr<std::pair<int, uint64_t>> SessionManager::Attach(uint64_t session
   }
   if (s->token != token)
     return absl::PermissionDeniedError(absl::StrCat("wrong token for session ", session_id));
-  if (peer_uid != 0 && peer_uid != s->uid)
-    return absl::PermissionDeniedError(absl::StrCat(
-        "uid ", peer_uid, " (pid ", peer_pid, ") may not attach to session ", session_id,
-        " of uid ", s->uid));
   std::lock_guard<std::mutex> lock(s->mu);
   if (!s->registered)
     return absl::FailedPreconditionError("attach after RegisterParams: the region is not laid out");
   if (s->attached)
     return absl::FailedPreconditionError(absl::StrCat("session ", session_id, " is already attached"));
   s->attached = true;
+  s->uid = peer_uid;  // from SO_PEERCRED: the kernel's, never the request's
+  s->pid = peer_pid;
   SF_LOG(kInfo, "session %d attached by pid %d uid %d", session_id, peer_pid, peer_uid);
   return std::make_pair(s->region->fd(), s->region->size());
 }
@@ -1262,8 +1230,8 @@ void SessionManager::Housekeeping() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, s] : sessions_) {
-      check.emplace_back(id, s->pid);
       std::lock_guard<std::mutex> slock(s->mu);
+      check.emplace_back(id, s->pid);
       for (auto it = s->waiters.begin(); it != s->waiters.end();) {
         if (it->deadline <= now) {
           auto done = std::move(it->done);
@@ -1293,9 +1261,24 @@ void SessionManager::Drain() {
     for (auto& [id, s] : sessions_) all.push_back(s);
   }
   for (auto& s : all) s->strand->WaitIdle();
+  std::unique_lock<std::mutex> lock(mu_);
+  detached_cv_.wait(lock, [this] { return detached_running_ == 0; });
 }
 
-std::vector<v1::SessionInfo> SessionManager::ListSessions() {
+absl::StatusOr<std::vector<v1::SessionInfo>> SessionManager::ListSessions(
+    const v1::CallerRef& caller) {
+  absl::StatusOr<uid_t> uid = CallerUid(caller, "ListSessions");
+  if (!uid.ok()) {
+    Reject(uid.status());
+    return uid.status();
+  }
+  std::vector<v1::SessionInfo> out;
+  for (v1::SessionInfo& info : AllSessions())
+    if (*uid == 0 || (info.attached() && info.uid() == *uid)) out.push_back(std::move(info));
+  return out;
+}
+
+std::vector<v1::SessionInfo> SessionManager::AllSessions() {
   std::vector<std::shared_ptr<Session>> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1310,7 +1293,7 @@ std::vector<v1::SessionInfo> SessionManager::ListSessions() {
     info.set_name(s->name);
     info.set_rank(s->rank);
     info.set_pid(s->pid);
-    info.set_uid(s->uid);
+    if (s->attached) info.set_uid(s->uid);
     info.set_attached(s->attached);
     info.set_params(static_cast<int64_t>(s->params.size()));
     int64_t elems = 0;
@@ -1331,7 +1314,7 @@ std::vector<v1::SessionInfo> SessionManager::ListSessions() {
 
 v1::Stats SessionManager::GetStats() {
   v1::Stats st;
-  std::vector<v1::SessionInfo> sessions = ListSessions();
+  std::vector<v1::SessionInfo> sessions = AllSessions();
   st.set_sessions(static_cast<int64_t>(sessions.size()));
   int64_t params = 0, elems = 0;
   for (const auto& s : sessions) {
@@ -1358,6 +1341,7 @@ v1::Stats SessionManager::GetStats() {
   st.set_version("stallfreed 0.1.0");
   st.set_mlock_enabled(options_.pin != PinPolicy::kOff);
   st.set_migrated_columns(counters_.migrated_columns.load());
+  st.set_fd_socket(options_.fd_socket_path);
   return st;
 }
 

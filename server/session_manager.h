@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -105,7 +106,10 @@ class SessionManager {
                   std::function<void(absl::Status)> done);
   void Restore(const v1::RestoreRequest& request, v1::RestoreResponse* response,
                std::function<void(absl::Status)> done);
-  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints();
+  // The caller's checkpoints (root: all); the file reads run on the arena.
+  void ListCheckpoints(const v1::ListCheckpointsRequest& request,
+                       v1::ListCheckpointsResponse* response,
+                       std::function<void(absl::Status)> done);
   // Checkpoint bytes through the staging area, and removal (offload.proto): on the strand.
   void ReadCheckpoint(const v1::ReadCheckpointRequest& request,
                       v1::ReadCheckpointResponse* response, std::function<void(absl::Status)> done);
@@ -119,14 +123,20 @@ class SessionManager {
                   std::function<void(absl::StatusOr<WaitResult>)> done);
 
   v1::Stats GetStats();
-  std::vector<v1::SessionInfo> ListSessions();
+  // The sessions of the caller's uid (root: all).
+  absl::StatusOr<std::vector<v1::SessionInfo>> ListSessions(const v1::CallerRef& caller);
 
-  // The fd hand-off: checks the token and the peer's uid, returns the memfd (still owned by the
-  // session) and its size. On success the connection `sock` becomes the session's liveness
-  // channel: OnConnectionClosed(session_id) must be called when it closes.
+  // The fd hand-off: checks the token, makes the peer's kernel-reported uid and pid the
+  // session's, returns the memfd (still owned by the session) and its size. On success the
+  // connection becomes the session's liveness channel: OnConnectionClosed(session_id) must be
+  // called when it closes.
   absl::StatusOr<std::pair<int, uint64_t>> Attach(uint64_t session_id, const std::string& token,
                                                   uid_t peer_uid, pid_t peer_pid);
   void OnConnectionClosed(uint64_t session_id);
+  // A caller credential for the peer's uid (offload.proto, CallerRef), valid until
+  // DropCaller(caller_id), which the fd socket calls when the connection closes.
+  v1::CallerRef NewCaller(uid_t peer_uid, pid_t peer_pid);
+  void DropCaller(uint64_t caller_id);
 
   // Reclaims sessions whose opener process is gone and expires WaitUpdate timeouts.
   // Called periodically by the daemon's housekeeping thread.
@@ -137,16 +147,29 @@ class SessionManager {
 
  private:
   absl::StatusOr<std::shared_ptr<Session>> Find(const v1::SessionRef& ref);
-  // Find, plus the checks every checkpoint RPC makes: a state directory and a valid tag.
-  absl::StatusOr<std::shared_ptr<Session>> FindForCheckpoint(const v1::SessionRef& ref,
-                                                             const std::string& tag);
-  // FindForCheckpoint, plus a registered session (its staging area exists) for `what`, and,
-  // with must_own, a tag the session wrote itself (PermissionDenied otherwise).
-  absl::StatusOr<std::shared_ptr<Session>> FindOwnCheckpoint(const v1::SessionRef& ref,
-                                                             const std::string& tag,
-                                                             const char* what, bool must_own);
+  // A session's checkpoint `tag`: the session, its uid and the file's path.
+  struct Owned {
+    std::shared_ptr<Session> session;
+    uid_t uid;
+    std::string path;
+  };
+  // Find, plus what every checkpoint RPC (`what`) needs: a state directory, a valid tag, a
+  // registered session (its staging area exists) whose process attached (its uid is known).
+  absl::StatusOr<Owned> FindForCheckpoint(const v1::SessionRef& ref, const std::string& tag,
+                                          const char* what);
+  // The uid of a caller credential (PermissionDenied for a wrong token, Unauthenticated for none).
+  absl::StatusOr<uid_t> CallerUid(const v1::CallerRef& caller, const char* what);
+  // The uid behind a request: its session's if it names one (attached), else its caller's.
+  absl::StatusOr<uid_t> Identify(const v1::CallerRef& caller, const v1::SessionRef& session,
+                                 const char* what);
+  // Runs fn on the arena (file I/O off the gRPC threads); Drain waits for it.
+  void RunDetached(std::function<void()> fn);
   void Reclaim(uint64_t id, const std::string& why);
   void Reject(const absl::Status& s);
+  // Reject(s), then done(s).
+  void Fail(const absl::Status& s, const std::function<void(absl::Status)>& done);
+  // Every session, whatever its uid (GetStats, ListSessions).
+  std::vector<v1::SessionInfo> AllSessions();
   // Runs the validated jobs on the session's strand, counts them, then calls done. `whole`: the
   // jobs cover every element of every parameter (a whole-slot push).
   void PostAccumulate(std::shared_ptr<Session> s, std::vector<AccumulateJob> jobs, bool whole,
@@ -163,6 +186,13 @@ class SessionManager {
   std::mutex mu_;
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::shared_ptr<Session>> sessions_;
+  struct Caller {
+    std::string token;
+    uid_t uid;
+  };
+  std::map<uint64_t, Caller> callers_;
+  int64_t detached_running_ = 0;  // RunDetached tasks not finished yet
+  std::condition_variable detached_cv_;
 };
 
 }  // namespace stallfree

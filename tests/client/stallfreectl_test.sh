@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# stallfreectl against a real daemon: health, stats and sessions in both formats, and the
-# errors a user gets for no daemon or a bad command.
+# stallfreectl against a real daemon: health, stats, sessions and checkpoints in both formats,
+# delete-checkpoint, what another uid sees (as uid 65534, when run as root), and the errors a user
+# gets for no daemon or a bad command.
 set -euo pipefail
 daemon=server/stallfreed
 ctl=client/stallfreectl
@@ -38,10 +39,37 @@ $ctl --socket "$sock" stats | grep -Eq "^sessions +1 " || fail "stats table"
 [ -d "$dir/state" ] || fail "--state_dir was not created"
 ckpt=$($ctl --socket "$sock" checkpoints)
 grep -q "state directory $dir/state" <<<"$ckpt" || fail "checkpoints table: $ckpt"
-printf 'SFCKPT1\n' > "$dir/state/broken.sfckpt"
+me=$(id -u)
+mkdir -p -m 0700 "$dir/state/$me"
+printf 'SFCKPT1\n' > "$dir/state/$me/broken.sfckpt"
+printf 'SFCKPT1\n' > "$dir/state/legacy.sfckpt"   # stallfreed 0.1.0's flat layout: no owner
 ckpt=$($ctl --socket "$sock" checkpoints)
-grep -Eq "^broken +.*unreadable: .*truncated" <<<"$ckpt" || fail "broken checkpoint: $ckpt"
+grep -Eq "^$me +broken +.*unusable: .*truncated" <<<"$ckpt" || fail "broken checkpoint: $ckpt"
 $ctl --socket "$sock" -o json checkpoints | grep -q '"tag": "broken"' || fail "json checkpoints"
+if [ "$me" = 0 ]; then
+  grep -Eq "^0 +legacy +.*unusable: no owner" <<<"$ckpt" || fail "legacy checkpoint: $ckpt"
+fi
+$ctl --socket "$sock" delete-checkpoint broken | grep -q "deleted checkpoint broken" ||
+  fail "delete-checkpoint"
+[ ! -e "$dir/state/$me/broken.sfckpt" ] || fail "delete-checkpoint left the file"
+out=$($ctl --socket "$sock" delete-checkpoint broken 2>&1) && fail "second delete succeeded"
+grep -q "NOT_FOUND" <<<"$out" || fail "second delete: $out"
+$ctl --socket "$sock" delete-checkpoint ../x >/dev/null 2>&1 && fail "path-like tag accepted"
+$ctl --socket "$sock" delete-checkpoint >/dev/null 2>&1 && fail "delete-checkpoint without a tag"
+
+# Another uid sees none of root's sessions or checkpoints, and cannot delete them.
+if [ "$me" = 0 ] && command -v setpriv >/dev/null; then
+  chmod 0755 "$dir"
+  printf 'SFCKPT1\n' > "$dir/state/0/mine.sfckpt"
+  nobody() { setpriv --reuid 65534 --regid 65534 --clear-groups "$@"; }
+  t=$(nobody $ctl --socket "$sock" sessions) || fail "sessions as 65534"
+  [ "$(wc -l <<<"$t")" = 1 ] || fail "uid 65534 sees root's session: $t"
+  t=$(nobody $ctl --socket "$sock" checkpoints) || fail "checkpoints as 65534"
+  grep -q "mine\|legacy" <<<"$t" && fail "uid 65534 sees root's checkpoints: $t"
+  out=$(nobody $ctl --socket "$sock" delete-checkpoint mine 2>&1) && fail "65534 deleted mine"
+  grep -q "NOT_FOUND" <<<"$out" || fail "65534's delete: $out"
+  [ -e "$dir/state/0/mine.sfckpt" ] || fail "root's checkpoint is gone"
+fi
 
 kill -TERM $dpid
 wait $dpid || fail "daemon exit status $?"

@@ -1,13 +1,19 @@
 // Checkpoint / Restore against a real stallfreed: a restored session continues bit for bit like
 // the uninterrupted one; bad tags, corrupt, truncated and mismatched checkpoints are refused
-// with the documented codes and change nothing.
+// with the documented codes and change nothing; checkpoints belong to the uid that wrote them,
+// and another uid (a child as 65534) can neither see, read, restore, replace nor delete them.
+#include <grp.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -24,6 +30,16 @@ using Code = absl::StatusCode;
 using testing::Daemon;
 
 v1::AdamWHyper Hyper() { return testing::TestHyper(0.01); }
+
+// Where this process's checkpoints live: <state_dir>/<uid>.
+std::string OwnDir(const std::string& state_dir) {
+  return state_dir + "/" + std::to_string(getuid());
+}
+
+std::string FileBytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
 
 const std::vector<ParamSpec> kParams = {{"w", {16, 9}, v1::DTYPE_FP32},
                                         {"b", {9}, v1::DTYPE_BF16}};
@@ -79,11 +95,13 @@ TEST_F(CheckpointTest, RestoredSessionContinuesBitForBit) {
   for (int64_t t = 1; t <= 3; ++t) Train(a.get(), t);
   auto saved = a->Checkpoint("run1.step-3");
   ASSERT_TRUE(saved.ok()) << saved.status();
-  EXPECT_EQ(saved->path(), dir + "/run1.step-3.sfckpt");
+  EXPECT_EQ(saved->path(), OwnDir(dir) + "/run1.step-3.sfckpt");
   EXPECT_EQ(saved->version(), 3);
   struct stat st;
   ASSERT_EQ(stat(saved->path().c_str(), &st), 0);
   EXPECT_EQ(static_cast<uint64_t>(st.st_size), saved->bytes());
+  ASSERT_EQ(stat(OwnDir(dir).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0700u) << "the uid's checkpoint directory";
   // The uninterrupted run.
   std::vector<std::vector<float>> expected;
   for (int64_t t = 4; t <= 6; ++t) expected.push_back(Train(a.get(), t));
@@ -112,7 +130,8 @@ TEST_F(CheckpointTest, RestoredSessionContinuesBitForBit) {
   EXPECT_EQ(list->checkpoints(0).session_name(), "a");
   EXPECT_EQ(list->checkpoints(0).params(), 2);
   EXPECT_EQ(list->checkpoints(0).param_elements(), 153);
-  EXPECT_EQ(system(("test $(ls -A " + dir + " | wc -l) -eq 1").c_str()), 0);
+  EXPECT_EQ(list->checkpoints(0).owner_uid(), getuid());
+  EXPECT_EQ(system(("test $(ls -A " + OwnDir(dir) + " | wc -l) -eq 1").c_str()), 0);
 }
 
 TEST_F(CheckpointTest, BadTagsCorruptAndTruncatedFilesAreRefused) {
@@ -139,7 +158,7 @@ TEST_F(CheckpointTest, BadTagsCorruptAndTruncatedFilesAreRefused) {
   }
   ASSERT_EQ(bytes.size(), saved->bytes());
   auto write = [&](const std::string& tag, const std::string& content) {
-    std::ofstream f(dir + "/" + tag + ".sfckpt", std::ios::binary);
+    std::ofstream f(OwnDir(dir) + "/" + tag + ".sfckpt", std::ios::binary);
     f.write(content.data(), content.size());
   };
   std::string flipped = bytes;
@@ -233,7 +252,7 @@ TEST_F(CheckpointTest, CheckpointBytesRoundTripThroughTheStagingArea) {
   auto b = open("b");
   ASSERT_TRUE(b->WriteCheckpointBytes("copy", *bytes).ok());
   {
-    std::ifstream f(dir + "/copy.sfckpt", std::ios::binary);
+    std::ifstream f(OwnDir(dir) + "/copy.sfckpt", std::ios::binary);
     EXPECT_EQ(std::string(std::istreambuf_iterator<char>(f), {}), on_disk);
   }
   ASSERT_TRUE(b->Restore("copy").ok());
@@ -270,26 +289,135 @@ TEST_F(CheckpointTest, CheckpointBytesRoundTripThroughTheStagingArea) {
               grpc::StatusCode::INVALID_ARGUMENT);
   }
   EXPECT_EQ(b->WriteCheckpointBytes("../x", *bytes).code(), Code::kInvalidArgument);
-  // A session reaches only its own checkpoints with these RPCs: b did not write "orig".
-  EXPECT_EQ(b->ReadCheckpointBytes("orig", false).status().code(), Code::kPermissionDenied);
-  EXPECT_EQ(b->DeleteCheckpoint("orig").code(), Code::kPermissionDenied);
-  EXPECT_EQ(b->WriteCheckpointBytes("orig", flipped).code(), Code::kPermissionDenied);
-  {
-    std::ifstream f(dir + "/orig.sfckpt", std::ios::binary);
-    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(f), {}), on_disk);
-  }
+  // Sessions of one uid share its checkpoints (a resumed job reads its earlier run's): b reads
+  // a's "orig"; a corrupt upload over it is refused and leaves it as it was.
+  auto of_a = b->ReadCheckpointBytes("orig", false);
+  ASSERT_TRUE(of_a.ok()) << of_a.status();
+  EXPECT_EQ(*of_a, on_disk);
+  EXPECT_EQ(b->WriteCheckpointBytes("orig", flipped).code(), Code::kDataLoss);
+  EXPECT_EQ(FileBytes(OwnDir(dir) + "/orig.sfckpt"), on_disk);
   // Only orig.sfckpt and copy.sfckpt remain (no upload files).
-  EXPECT_EQ(system(("test $(ls -A " + dir + " | wc -l) -eq 2").c_str()), 0);
+  EXPECT_EQ(system(("test $(ls -A " + OwnDir(dir) + " | wc -l) -eq 2").c_str()), 0);
 
-  // delete_after removes the file once read; DeleteCheckpoint removes one; the tag is then no
-  // longer the session's: PERMISSION_DENIED, which tells nothing about other sessions' files.
+  // delete_after removes the file once read; DeleteCheckpoint removes one; then NOT_FOUND.
   auto again = a->ReadCheckpointBytes("orig", /*delete_after=*/true);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(*again, on_disk);
-  EXPECT_EQ(a->ReadCheckpointBytes("orig", false).status().code(), Code::kPermissionDenied);
+  EXPECT_EQ(a->ReadCheckpointBytes("orig", false).status().code(), Code::kNotFound);
   EXPECT_TRUE(b->DeleteCheckpoint("copy").ok());
-  EXPECT_EQ(b->DeleteCheckpoint("copy").code(), Code::kPermissionDenied);
-  EXPECT_EQ(system(("test $(ls -A " + dir + " | wc -l) -eq 0").c_str()), 0);
+  EXPECT_EQ(b->DeleteCheckpoint("copy").code(), Code::kNotFound);
+  EXPECT_EQ(system(("test $(ls -A " + OwnDir(dir) + " | wc -l) -eq 0").c_str()), 0);
+}
+
+// The attack of issue 13, as uid 65534 against root's checkpoint "secret" (tenant_probe.cc runs
+// it): with its own session and with one that names root's pid in OpenSession, every attempt on
+// "secret" is refused (NOT_FOUND: a tag names only the caller's own files; FAILED_PRECONDITION
+// before the spoofed session attached, when its uid is not known yet), its own checkpoint under
+// the same tag lands in its own directory, it sees none of root's sessions or checkpoints, root
+// sees its session with the kernel's uid and pid, and root's file is byte for byte unchanged and
+// still restores.
+TEST_F(CheckpointTest, AnotherUidCannotSeeReadRestoreReplaceOrDeleteACheckpoint) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run the probe under another uid";
+  const std::string dir = tmp_ + "/ckpt";
+  chmod(tmp_.c_str(), 0755);
+  Daemon d({"--threads", "2", "--state_dir", dir}, "info");
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok());
+  auto victim = Open(client->get(), "victim");
+  Train(victim.get(), 1);
+  auto saved = victim->Checkpoint("secret");
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  const std::string secret = FileBytes(saved->path());
+  ASSERT_EQ(secret.size(), saved->bytes());
+
+  // uid 65534 cannot reach the runfiles under /root: run a copy from the test's directory.
+  const std::string built = testing::FindBinary("tests/server/tenant_probe");
+  ASSERT_FALSE(built.empty());
+  const std::string probe = tmp_ + "/tenant_probe";
+  ASSERT_EQ(system(("cp " + built + " " + probe + " && chmod 0755 " + probe).c_str()), 0);
+  signal(SIGPIPE, SIG_IGN);
+  int out[2], in[2];
+  ASSERT_EQ(pipe(out), 0);
+  ASSERT_EQ(pipe(in), 0);
+  const std::string victim_pid = std::to_string(getpid());
+  pid_t child = fork();
+  if (child == 0) {
+    dup2(out[1], 1);
+    dup2(in[0], 0);
+    if (setgroups(0, nullptr) != 0 || setgid(65534) != 0 || setuid(65534) != 0) _exit(120);
+    execl(probe.c_str(), probe.c_str(), d.socket().c_str(), victim_pid.c_str(), "secret",
+          static_cast<char*>(nullptr));
+    _exit(121);
+  }
+  close(out[1]);
+  close(in[0]);
+  FILE* from = fdopen(out[0], "r");
+  std::map<std::string, std::string> said;  // attempt -> "CODE [detail]"
+  char line[4096];
+  std::string attached;
+  while (fgets(line, sizeof line, from) != nullptr) {
+    std::string l(line);
+    if (!l.empty() && l.back() == '\n') l.pop_back();
+    const size_t sp = l.find(' ');
+    if (l.rfind("attached ", 0) == 0) {
+      attached = l.substr(sp + 1);
+      break;
+    }
+    said[l.substr(0, sp)] = sp == std::string::npos ? "" : l.substr(sp + 1);
+  }
+  if (attached.empty()) {  // the probe stopped early: say how
+    int status = 0;
+    waitpid(child, &status, 0);
+    FAIL() << "the probe exited before it attached: status " << WEXITSTATUS(status)
+           << " (120: setuid, 121: exec; 2-7: its setup)";
+  }
+  // While the probe holds its sessions: root sees them, with the kernel's uid and pid.
+  auto sessions = (*client)->ListSessions();
+  ASSERT_TRUE(sessions.ok()) << sessions.status();
+  int spoofed = 0;
+  for (const v1::SessionInfo& info : *sessions) {
+    if (info.name() != "spoofed" && info.name() != "own") continue;
+    ++spoofed;
+    EXPECT_EQ(info.uid(), 65534u) << info.name();
+    EXPECT_EQ(info.pid(), child) << info.name() << ": the kernel's pid, not the claimed one";
+  }
+  EXPECT_EQ(spoofed, 2);
+  ASSERT_EQ(write(in[1], "done\n", 5), 5);
+  close(in[1]);
+  fclose(from);
+  int status = 0;
+  waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  ASSERT_EQ(WEXITSTATUS(status), 0) << "the probe's setup failed";
+  ASSERT_FALSE(attached.empty());
+
+  auto code = [&](const std::string& attempt) {
+    auto it = said.find(attempt);
+    return it == said.end() ? std::string("(missing)") : it->second.substr(0, it->second.find(' '));
+  };
+  EXPECT_EQ(said["list-checkpoints"], "OK []");
+  EXPECT_EQ(said["list-sessions"], "OK []");
+  EXPECT_EQ(code("spoofed-open"), "OK");
+  EXPECT_EQ(code("spoofed-register"), "OK");
+  EXPECT_EQ(code("spoofed-restore-before-attach"), "FAILED_PRECONDITION");
+  EXPECT_EQ(code("spoofed-checkpoint-before-attach"), "FAILED_PRECONDITION");
+  EXPECT_EQ(code("spoofed-read-before-attach"), "FAILED_PRECONDITION");
+  EXPECT_EQ(code("spoofed-attach"), "OK");
+  for (const char* attempt : {"spoofed-restore", "spoofed-read", "spoofed-delete", "own-restore",
+                              "own-read", "own-delete", "caller-delete"})
+    EXPECT_EQ(code(attempt), "NOT_FOUND") << attempt;
+  EXPECT_EQ(said["own-checkpoint"], "OK " + dir + "/65534/secret.sfckpt");
+  EXPECT_EQ(code("own-upload"), "OK");
+
+  // Root's file is unchanged, root's listing shows both owners, and root still restores it.
+  EXPECT_EQ(FileBytes(saved->path()), secret);
+  auto list = (*client)->ListCheckpoints();
+  ASSERT_TRUE(list.ok());
+  std::set<std::string> owners;
+  for (const auto& k : list->checkpoints()) owners.insert(k.tag() + "@" + std::to_string(k.owner_uid()));
+  EXPECT_EQ(owners, (std::set<std::string>{"secret@0", "secret@65534"}));
+  auto again = Open(client->get(), "victim-again");
+  EXPECT_TRUE(again->Restore("secret").ok());
 }
 
 TEST_F(CheckpointTest, WithoutStateDirectoryCheckpointsAreOff) {

@@ -1,5 +1,6 @@
 // Daemon: starts a real stallfreed process on a fresh socket under /tmp for tests and
-// benchmarks, and kills it on destruction. The binary path is relative to the runfiles root.
+// benchmarks, and kills it on destruction. The binary: FindBinary("server/stallfreed")
+// (binaries.h); when there is none, started() is false and error() says where it looked.
 #pragma once
 
 #include <fcntl.h>
@@ -15,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/binaries.h"
+
 namespace stallfree {
 namespace testing {
 
@@ -27,8 +30,13 @@ class Daemon {
     chmod(dir_.c_str(), 0755);  // other uids must reach the fd socket to be refused by it.
     socket_ = dir_ + "/d.sock";
     log_ = dir_ + "/daemon.log";
-    std::vector<std::string> args = {"server/stallfreed", "--socket", socket_, "--log_level",
-                                     log_level};
+    const std::string binary = FindBinary("server/stallfreed");
+    if (binary.empty()) {
+      error_ = MissingBinaryMessage("server/stallfreed", "//server:stallfreed", "--stallfreed");
+      fprintf(stderr, "%s\n", error_.c_str());
+      return;
+    }
+    std::vector<std::string> args = {binary, "--socket", socket_, "--log_level", log_level};
     bool has_state_dir = false;
     for (auto& e : extra) {
       has_state_dir = has_state_dir || e == "--state_dir";
@@ -64,6 +72,7 @@ class Daemon {
   }
   // SIGTERM and wait; returns the exit status.
   int Terminate() {
+    if (pid_ <= 0) return -1;
     kill(pid_, SIGTERM);
     int status = 0;
     waitpid(pid_, &status, 0);
@@ -80,13 +89,16 @@ class Daemon {
     pclose(f);
     return out;
   }
+  // False when no stallfreed binary was found (error() says where it looked).
+  bool started() const { return pid_ > 0; }
+  const std::string& error() const { return error_; }
   const std::string& socket() const { return socket_; }
   // The daemon's private temporary directory (removed with the daemon), e.g. for --state_dir.
   const std::string& dir() const { return dir_; }
   pid_t pid() const { return pid_; }
 
  private:
-  std::string dir_, socket_, log_;
+  std::string dir_, socket_, log_, error_;
   pid_t pid_ = -1;
 };
 
