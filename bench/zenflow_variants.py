@@ -4,7 +4,7 @@ torch.optim.AdamW on the same model, data and seed: the experiments behind the e
 warm-up and the causes of ZenFlow's own loss spikes (README, "Known behaviour").
 
     /usr/bin/python3 bench/zenflow_variants.py [--steps 200] [--lr 3e-3] [--beta2 0.95] \\
-        [--seeds 1,2,3] [--variants NAME,...]
+        [--seeds 1,2,3] [--variants "NAME;..."]
 
 The model is examples/torch_gpt.py's GPT (4 layers, d_model 128, 0.87M parameters, 8 x 64 bytes a
 step, warm-up 10 steps + cosine, clip 1.0, weight decay 0.1 on the linear weights) on the
@@ -62,7 +62,43 @@ VARIANTS = {
     "S1 async, W 0 (one step stale)": dict(update_interval=1, warmup_steps=0),
     "S1 async, W 20": dict(update_interval=1, warmup_steps=20),
     "S1 awaited, W 0 (= AdamW)": dict(update_interval=1, await_updates=True, warmup_steps=0),
+    # Not ZenFlow: torch.optim.AdamW whose model sees every parameter one step late (the
+    # staleness of S1 async on all columns, without hot columns or reselection).
+    "AdamW one step stale (all columns)": dict(stale_adamw=True),
+    "AdamW one step stale, predicted": dict(stale_adamw=True, predict=True),
+    "S1 async, W 20, predicted": dict(update_interval=1, warmup_steps=20, predict_cold=True),
+    "S4 async, W 20, predicted": dict(update_interval=4, warmup_steps=20, predict_cold=True),
 }
+
+
+class StaleAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW on fp32 masters that the model sees one step late: the forward of
+    step t + 1 uses the masters after the update of step t - 1 (with predict, extrapolated one
+    step: 2 * that - the masters after step t - 2)."""
+
+    def __init__(self, params, predict=False, **kw):
+        super().__init__(params, **kw)
+        self.predict = predict
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        old = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                master = st.get("master")
+                if master is None:
+                    master = p.data.clone()
+                old[p] = master
+                p.data = master.clone()
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                st["master"] = p.data
+                prev = st.get("landed", old[p])
+                st["landed"] = old[p]
+                p.data = 2 * old[p] - prev if self.predict else old[p]
 
 
 def run(tg, text, make_opt, steps, lr, seed):
@@ -99,7 +135,7 @@ def main():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--beta2", type=float, default=0.95)
     p.add_argument("--seeds", default="1,2,3")
-    p.add_argument("--variants", default="", help="comma-separated substrings of names")
+    p.add_argument("--variants", default="", help="semicolon-separated substrings of names")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -112,7 +148,7 @@ def main():
     text = stallfree.default_corpus_text()
     seeds = [int(s) for s in args.seeds.split(",")]
     betas = (0.9, args.beta2)
-    wanted = [v for v in args.variants.split(",") if v]
+    wanted = [v for v in args.variants.split(";") if v]
     names = [n for n in VARIANTS if not wanted or any(w in n for w in wanted)]
     print(f"zenflow_variants: {args.steps} steps, lr {args.lr}, betas {betas}, seeds {seeds}")
     t0 = time.time()
@@ -124,9 +160,12 @@ def main():
         for name in names:
             kw = dict(topk_ratio=0.1)
             kw.update(VARIANTS[name])
-            r = run(tg, text, lambda g: zr.ReferenceZenFlow(g, lr=args.lr, betas=betas, eps=1e-8,
-                                                            **kw),
-                    args.steps, args.lr, seed)
+            if kw.pop("stale_adamw", False):
+                make = lambda g: StaleAdamW(g, lr=args.lr, betas=betas, eps=1e-8,
+                                            predict=kw.get("predict", False))
+            else:
+                make = lambda g: zr.ReferenceZenFlow(g, lr=args.lr, betas=betas, eps=1e-8, **kw)
+            r = run(tg, text, make, args.steps, args.lr, seed)
             j = jumps(r["norms"])
             own = max((j[i], i + 1) for i in range(len(j)) if ref_j[i] < 3)
             table[name].append((r["train"] / ref["train"], r["eval"] / ref["eval"], own[0]))

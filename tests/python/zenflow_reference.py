@@ -27,6 +27,9 @@ columns (its last dimension; rows = the product of the others):
   engine), or with "auto" at min(lr, the lr of step r).
 - cold_lr_scale (a variant, measured by bench/zenflow_variants.py): with S > 1 the cold update
   runs at lr * cold_lr_scale.
+- predict_cold (a variant): when a stale update lands (not awaited), the model is given the
+  cold columns extrapolated one round ahead, 2 * new - previous (the masters landed before),
+  instead of the new masters; reselection and close() land exact masters.
 - close() lands the pending update (the end of training).
 
 AdamW is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, then the Adam step with
@@ -69,6 +72,7 @@ class _Split:
         self.hot = torch.zeros(self.cols, dtype=torch.bool)
         self.acc = torch.zeros_like(self.master)
         self.pending = None  # the masters an update produced that the model does not see yet
+        self.landed = self.master.clone()  # the masters the model was last given exactly
 
 
 class ReferenceZenFlow(torch.optim.Optimizer):
@@ -77,8 +81,8 @@ class ReferenceZenFlow(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  topk_ratio=0.1, update_interval=4, select_interval=None, warmup_steps=20,
-                 await_updates=False, cold_warmup=0, cold_lr_scale=1.0, lr_scale=1.0,
-                 cold_scale=1.0):
+                 await_updates=False, cold_warmup=0, cold_lr_scale=1.0, predict_cold=False,
+                 lr_scale=1.0, cold_scale=1.0):
         # lr_scale, cold_scale: deliberate errors (every lr scaled; the cold accumulation scaled),
         # for showing that a test's tolerance catches a slightly wrong reference.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -91,6 +95,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         self.t = [0] * len(self.param_groups)
         self.cold_warmup = cold_warmup
         self.cold_lr_scale = cold_lr_scale
+        self.predict_cold = predict_cold
         self.cold_rounds = [0] * len(self.param_groups)
         self.lr_history = [[] for _ in self.param_groups]
         self.reselections = 0
@@ -168,6 +173,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                         cold = ~sp.hot
                         view[:, cold] = sp.pending[:, cold]
                         sp.pending = None
+                    sp.landed = sp.master.clone()
                     scores = (g * g).sum(0)
                     order = sorted(range(sp.cols), key=lambda c: (-scores[c].item(), c))
                     sp.hot.zero_()
@@ -197,6 +203,10 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                         view[:, cold] = mc
                     else:
                         if sp.pending is not None:
-                            view[:, cold] = sp.pending[:, cold]
+                            if self.predict_cold:  # one round ahead: the last update again
+                                view[:, cold] = (2 * sp.pending - sp.landed)[:, cold]
+                            else:
+                                view[:, cold] = sp.pending[:, cold]
+                            sp.landed = sp.pending
                         sp.pending = sp.master.clone()
         return loss
