@@ -1,35 +1,39 @@
-// SessionManager: the daemon's sessions, their regions and optimizer state, and the work on them.
+// SessionManager: the daemon's registry of sessions (OffloadSession), who may use them (session
+// tokens, caller credentials, uids), and the validation of every request.
 //
-// Each session owns a memfd region (two gradient slots, two parameter slots, a staging area) and
-// pinned fp32 state (master, m, v, accumulator), all laid out flat: parameter i occupies
-// elements [e_i, e_i + numel_i) of every fp32 array, e_i a multiple of 16.
-//
-// Every operation validates its request completely before it touches memory, then runs the
-// work on the session's Strand inside the oneTBB arena and reports through `done`. No method
+// Every operation validates its request completely before it touches memory, then posts the
+// work to the session's Strand inside the oneTBB arena and reports through `done`. No method
 // blocks on optimizer work; `done` runs on an arena thread (or inline for errors).
+//
+// Lifetimes: a closed or reclaimed session leaves the registry at once, and its strand closes
+// (it refuses new work; a request that found the session just before fails as if it had not),
+// but the manager keeps the session in closing_ until the strand has run its last task: then
+// the session's memory is released and the session dropped. Drain closes every strand and waits
+// for all of them, closing ones included, and for the RunDetached tasks; once it has returned
+// (the destructor drains too) no task that uses the manager is queued or running, so the
+// manager and then the arena may go.
 // Thread safe.
 #pragma once
 
 #include <sys/types.h>
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <tbb/task_arena.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "common/region.h"
-#include "kernels/optimizer.h"
-#include "server/strand.h"
+#include "server/offload_session.h"
 #include "stallfree/v1/offload.pb.h"
 
 namespace stallfree {
@@ -43,43 +47,12 @@ struct DaemonOptions {
   std::string state_dir;
 };
 
-// Daemon-wide counters, read by GetStats.
-struct DaemonCounters {
-  std::atomic<int64_t> sessions_opened{0};
-  std::atomic<int64_t> sessions_closed{0};
-  std::atomic<int64_t> sessions_reclaimed{0};
-  std::atomic<uint64_t> pinned_bytes{0};
-  std::atomic<int64_t> pushes{0};
-  std::atomic<int64_t> updates{0};
-  std::atomic<int64_t> accumulate_ns{0};
-  std::atomic<int64_t> update_ns{0};
-  std::atomic<uint64_t> bytes_in{0};
-  std::atomic<uint64_t> bytes_out{0};
-  std::atomic<int64_t> rejected{0};
-  std::atomic<int64_t> migrated_columns{0};
-};
-
-struct WaitResult {
-  int64_t version = 0;
-  uint32_t slot = 0;
-  v1::DType dtype = v1::DTYPE_FP32;
-  double update_seconds = 0;
-};
-
-class Session;
-
-// One contiguous run of gradient elements to add into an accumulator.
-struct AccumulateJob {
-  float* acc;
-  const uint8_t* src;
-  kernels::GradType type;
-  int64_t count;
-};
-
 class SessionManager {
  public:
+  using Done = std::function<void(absl::Status)>;
+
   SessionManager(DaemonOptions options, tbb::task_arena* arena);
-  ~SessionManager();
+  ~SessionManager();  // Drain()
   SessionManager(const SessionManager&) = delete;
   SessionManager& operator=(const SessionManager&) = delete;
 
@@ -88,39 +61,32 @@ class SessionManager {
   absl::StatusOr<uint64_t> Close(const v1::SessionRef& ref);
 
   void RegisterParams(const v1::RegisterParamsRequest& request, v1::RegisterParamsResponse* response,
-                      std::function<void(absl::Status)> done);
-  void LoadParams(const v1::LoadParamsRequest& request, std::function<void(absl::Status)> done);
+                      Done done);
+  void LoadParams(const v1::LoadParamsRequest& request, Done done);
   void PushGradients(const v1::PushGradientsRequest& request, v1::PushGradientsResponse* response,
-                     std::function<void(absl::Status)> done);
+                     Done done);
   void PushGradientsInline(const v1::PushGradientsInlineRequest& request,
-                           v1::PushGradientsResponse* response,
-                           std::function<void(absl::Status)> done);
+                           v1::PushGradientsResponse* response, Done done);
   // Validates and starts the update; returns at once. The result is observed by WaitUpdate.
   absl::Status Update(const v1::UpdateRequest& request);
   // Swaps the state of some columns with the staging area (offload.proto, MigrateColumns).
   void MigrateColumns(const v1::MigrateColumnsRequest& request,
-                      v1::MigrateColumnsResponse* response,
-                      std::function<void(absl::Status)> done);
+                      v1::MigrateColumnsResponse* response, Done done);
   // Checkpoint files (offload.proto): written / read on the session's strand.
   void Checkpoint(const v1::CheckpointRequest& request, v1::CheckpointResponse* response,
-                  std::function<void(absl::Status)> done);
-  void Restore(const v1::RestoreRequest& request, v1::RestoreResponse* response,
-               std::function<void(absl::Status)> done);
+                  Done done);
+  void Restore(const v1::RestoreRequest& request, v1::RestoreResponse* response, Done done);
   // The caller's checkpoints (root: all); the file reads run on the arena.
   void ListCheckpoints(const v1::ListCheckpointsRequest& request,
-                       v1::ListCheckpointsResponse* response,
-                       std::function<void(absl::Status)> done);
+                       v1::ListCheckpointsResponse* response, Done done);
   // Checkpoint bytes through the staging area, and removal (offload.proto): on the strand.
   void ReadCheckpoint(const v1::ReadCheckpointRequest& request,
-                      v1::ReadCheckpointResponse* response, std::function<void(absl::Status)> done);
+                      v1::ReadCheckpointResponse* response, Done done);
   void WriteCheckpoint(const v1::WriteCheckpointRequest& request,
-                       v1::WriteCheckpointResponse* response,
-                       std::function<void(absl::Status)> done);
-  void DeleteCheckpoint(const v1::DeleteCheckpointRequest& request,
-                        std::function<void(absl::Status)> done);
+                       v1::WriteCheckpointResponse* response, Done done);
+  void DeleteCheckpoint(const v1::DeleteCheckpointRequest& request, Done done);
   // Calls done once the version is ready, the timeout passes, or the session goes away.
-  void WaitUpdate(const v1::WaitUpdateRequest& request,
-                  std::function<void(absl::StatusOr<WaitResult>)> done);
+  void WaitUpdate(const v1::WaitUpdateRequest& request, OffloadSession::WaitDone done);
 
   v1::Stats GetStats();
   // The sessions of the caller's uid (root: all).
@@ -142,57 +108,79 @@ class SessionManager {
   // Called periodically by the daemon's housekeeping thread.
   void Housekeeping();
 
-  // Refuses new work (UNAVAILABLE) and waits for all queued and running work to finish.
+  // Refuses new work (UNAVAILABLE) and waits for all queued and running work to finish: every
+  // session's, closing ones included, and the RunDetached tasks.
   void Drain();
 
  private:
-  absl::StatusOr<std::shared_ptr<Session>> Find(const v1::SessionRef& ref);
+  // The session `ref` names, for the request `what`: Unavailable while draining, NotFound,
+  // PermissionDenied for a wrong token, and with needs_registered FailedPrecondition
+  // ("<what> before RegisterParams") until it has registered. The one lookup of every RPC.
+  absl::StatusOr<std::shared_ptr<OffloadSession>> Lookup(const v1::SessionRef& ref,
+                                                         const char* what, bool needs_registered)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Posts work to the session's strand. If the strand refuses it (the session closed, or the
+  // daemon drains), the error a new request would get. The caller holds a reference to s.
+  absl::Status Post(const OffloadSession& s, std::function<void()> work) ABSL_LOCKS_EXCLUDED(mu_);
+  // Post, or Fail(that error, done).
+  void PostOrFail(const OffloadSession& s, std::function<void()> work, const Done& done);
   // A session's checkpoint `tag`: the session, its uid and the file's path.
   struct Owned {
-    std::shared_ptr<Session> session;
+    std::shared_ptr<OffloadSession> session;
     uid_t uid;
     std::string path;
   };
-  // Find, plus what every checkpoint RPC (`what`) needs: a state directory, a valid tag, a
+  // Lookup, plus what every checkpoint RPC (`what`) needs: a state directory, a valid tag, a
   // registered session (its staging area exists) whose process attached (its uid is known).
-  absl::StatusOr<Owned> FindForCheckpoint(const v1::SessionRef& ref, const std::string& tag,
-                                          const char* what);
+  absl::StatusOr<Owned> LookupForCheckpoint(const v1::SessionRef& ref, const std::string& tag,
+                                            const char* what);
   // The uid of a caller credential (PermissionDenied for a wrong token, Unauthenticated for none).
-  absl::StatusOr<uid_t> CallerUid(const v1::CallerRef& caller, const char* what);
+  absl::StatusOr<uid_t> CallerUid(const v1::CallerRef& caller, const char* what)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The uid behind a request: its session's if it names one (attached), else its caller's.
   absl::StatusOr<uid_t> Identify(const v1::CallerRef& caller, const v1::SessionRef& session,
                                  const char* what);
-  // Runs fn on the arena (file I/O off the gRPC threads); Drain waits for it.
-  void RunDetached(std::function<void()> fn);
+  // Runs fn on the arena (file I/O off the gRPC threads); Drain waits for it. Unavailable (fn
+  // dropped) while draining.
+  absl::Status RunDetached(std::function<void()> fn) ABSL_LOCKS_EXCLUDED(mu_);
+  // Moves session `id` from the registry to closing_; null if it is not registered (any more).
+  std::shared_ptr<OffloadSession> Unregister(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Closes the strand of an unregistered session; once its last task has run, releases the
+  // session's memory and drops it from closing_.
+  void Retire(const std::shared_ptr<OffloadSession>& s) ABSL_LOCKS_EXCLUDED(mu_);
   void Reclaim(uint64_t id, const std::string& why);
   void Reject(const absl::Status& s);
   // Reject(s), then done(s).
-  void Fail(const absl::Status& s, const std::function<void(absl::Status)>& done);
-  // Every session, whatever its uid (GetStats, ListSessions).
-  std::vector<v1::SessionInfo> AllSessions();
-  // Runs the validated jobs on the session's strand, counts them, then calls done. `whole`: the
-  // jobs cover every element of every parameter (a whole-slot push).
-  void PostAccumulate(std::shared_ptr<Session> s, std::vector<AccumulateJob> jobs, bool whole,
-                      float scale, uint64_t bytes, v1::PushGradientsResponse* resp,
-                      std::function<void(absl::Status)> done);
+  void Fail(const absl::Status& s, const Done& done);
+  // The registered sessions.
+  std::vector<std::shared_ptr<OffloadSession>> OpenSessions() ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs a push's plan on the session's strand, then calls done (or fails with the plan's error).
+  void PostAccumulate(std::shared_ptr<OffloadSession> s, absl::StatusOr<PushPlan> plan,
+                      v1::PushGradientsResponse* resp, Done done);
+  // Drain's condition: no closing session, no RunDetached task left.
+  bool Settled() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return closing_.empty() && detached_running_ == 0;
+  }
 
   const DaemonOptions options_;
-  tbb::task_arena* arena_;
+  tbb::task_arena* const arena_;
+  // Used by the sessions' work: declared before the sessions so that they outlive them.
   DaemonCounters counters_;
-  std::chrono::steady_clock::time_point start_;
-  std::atomic<bool> draining_{false};
-  std::atomic<uint64_t> reserved_bytes_{0};
+  PinnedBudget budget_;
+  const std::chrono::steady_clock::time_point start_;
 
-  std::mutex mu_;
-  uint64_t next_id_ = 1;
-  std::map<uint64_t, std::shared_ptr<Session>> sessions_;
+  mutable absl::Mutex mu_;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, std::shared_ptr<OffloadSession>> sessions_ ABSL_GUARDED_BY(mu_);
+  // Closed or reclaimed sessions whose strand may still run tasks.
+  std::map<uint64_t, std::shared_ptr<OffloadSession>> closing_ ABSL_GUARDED_BY(mu_);
   struct Caller {
     std::string token;
     uid_t uid;
   };
-  std::map<uint64_t, Caller> callers_;
-  int64_t detached_running_ = 0;  // RunDetached tasks not finished yet
-  std::condition_variable detached_cv_;
+  std::map<uint64_t, Caller> callers_ ABSL_GUARDED_BY(mu_);
+  int64_t detached_running_ ABSL_GUARDED_BY(mu_) = 0;  // RunDetached tasks not finished yet
 };
 
 }  // namespace stallfree

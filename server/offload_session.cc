@@ -1,0 +1,598 @@
+#include "server/offload_session.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+
+namespace stallfree {
+namespace {
+
+using Clock = OffloadSession::Clock;
+constexpr uint64_t kPage = 4096;
+constexpr int64_t kChunk = int64_t{1} << 16;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+int64_t Nanos(Clock::duration d) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
+}
+
+// Runs fn(begin, end) over [0, n) in chunks, in parallel on the current arena.
+template <typename Fn>
+void ParallelChunks(int64_t n, Fn fn) {
+  if (n <= kChunk) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, kChunk),
+                    [&](const tbb::blocked_range<int64_t>& r) { fn(r.begin(), r.end()); });
+}
+
+v1::ParamSpec SpecOf(const ParamLayout& p) {
+  v1::ParamSpec spec;
+  spec.set_name(p.name);
+  for (int64_t d : p.shape) spec.add_shape(d);
+  spec.set_grad_dtype(p.grad_dtype);
+  return spec;
+}
+
+// A layout's parameters against a checkpoint header's: FailedPrecondition naming the first
+// difference.
+absl::Status MatchHeader(const SessionLayout& layout, const v1::CheckpointHeader& header,
+                         const std::string& tag) {
+  const std::vector<ParamLayout>& params = layout.params;
+  if (header.params_size() != static_cast<int>(params.size()))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tag: checkpoint '", tag, "' has ", header.params_size(),
+        " parameters, the session registered ", params.size()));
+  for (size_t i = 0; i < params.size(); ++i) {
+    const v1::CheckpointHeader::Param& hp = header.params(static_cast<int>(i));
+    if (hp.spec().SerializeAsString() != SpecOf(params[i]).SerializeAsString() ||
+        hp.col_steps_size() != params[i].cols)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tag: parameter ", i, " of checkpoint '", tag, "' is '", hp.spec().name(),
+          "' with another name, shape or dtype than the session's '", params[i].name, "'"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status PinnedBudget::Reserve(uint64_t bytes) {
+  const uint64_t before = reserved_.fetch_add(bytes);
+  if (limit_ == 0 || before + bytes <= limit_) return absl::OkStatus();
+  reserved_.fetch_sub(bytes);
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "params: the session needs ", bytes, " bytes of pinned memory, but only ",
+      limit_ - std::min(before, limit_), " of the daemon's budget of ", limit_,
+      " bytes are free"));
+}
+
+OffloadSession::OffloadSession(uint64_t id, std::string token, std::string name, int32_t rank,
+                               pid_t pid, Env env)
+    : id_(id), token_(std::move(token)), name_(std::move(name)), rank_(rank),
+      created_(Clock::now()), env_(env), strand_(std::make_shared<Strand>(env.arena)),
+      pid_(pid) {}
+
+OffloadSession::~OffloadSession() { Release(); }
+
+void OffloadSession::Release() {
+  std::unique_ptr<MappedRegion> region, state;
+  uint64_t reserved, pinned;
+  {
+    absl::MutexLock lock(&mu_);
+    region = std::move(region_);
+    state = std::move(state_);
+    master_ = m_ = v_ = acc_ = nullptr;
+    reserved = std::exchange(reserved_bytes_, 0);
+    pinned = std::exchange(pinned_bytes_, 0);
+  }
+  // Unmapped before the counters say so.
+  region.reset();
+  state.reset();
+  if (reserved > 0) env_.budget->Release(reserved);
+  if (pinned > 0) env_.counters->pinned_bytes.fetch_sub(pinned);
+}
+
+// ---- Control.
+
+absl::Status OffloadSession::BeginRegister(uint64_t layout_bytes) {
+  absl::MutexLock lock(&mu_);
+  if (registered_ || registering_)
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", id_, " already registered its parameters"));
+  if (absl::Status st = env_.budget->Reserve(layout_bytes); !st.ok()) return st;
+  registering_ = true;
+  reserved_bytes_ = layout_bytes;
+  return absl::OkStatus();
+}
+
+const SessionLayout* OffloadSession::layout() const {
+  absl::MutexLock lock(&mu_);
+  return registered_ ? layout_.get() : nullptr;
+}
+
+absl::StatusOr<std::pair<int, uint64_t>> OffloadSession::Attach(uid_t uid, pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return absl::NotFoundError(absl::StrCat("no session ", id_));
+  if (!registered_)
+    return absl::FailedPreconditionError("attach after RegisterParams: the region is not laid out");
+  if (attached_)
+    return absl::FailedPreconditionError(absl::StrCat("session ", id_, " is already attached"));
+  attached_ = true;
+  uid_ = uid;  // from SO_PEERCRED: the kernel's, never the request's
+  pid_ = pid;
+  SF_LOG(kInfo, "session %d attached by pid %d uid %d", id_, pid, uid);
+  return std::make_pair(region_->fd(), region_->size());
+}
+
+absl::Status OffloadSession::CheckLoadable() const {
+  absl::MutexLock lock(&mu_);
+  if (updated_once_ || update_running_)
+    return absl::FailedPreconditionError(
+        "LoadParams after the first Update would discard optimizer state");
+  return absl::OkStatus();
+}
+
+absl::Status OffloadSession::BeginUpdate(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (update_running_)
+    return absl::AbortedError(absl::StrCat("step: the update of step ", last_step_,
+                                           " is still running for session ", id_));
+  if (step <= last_step_)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step: ", step, " is not after the last update's step ", last_step_));
+  update_running_ = true;
+  last_step_ = step;
+  return absl::OkStatus();
+}
+
+absl::Status OffloadSession::CheckMigratable() const {
+  absl::MutexLock lock(&mu_);
+  if (update_running_)
+    return absl::AbortedError(absl::StrCat("the update of step ", last_step_,
+                                           " is still running for session ", id_,
+                                           "; wait for it before migrating columns"));
+  if (pushes_since_update_ > 0)
+    return absl::FailedPreconditionError(absl::StrCat(
+        pushes_since_update_, " gradient pushes since the last Update are pending; "
+        "migrate columns only between an Update and the next push"));
+  return absl::OkStatus();
+}
+
+absl::Status OffloadSession::BeginRestore() {
+  absl::MutexLock lock(&mu_);
+  if (update_running_)
+    return absl::AbortedError(absl::StrCat("the update of step ", last_step_,
+                                           " is still running for session ", id_));
+  update_running_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status OffloadSession::Wait(int64_t min_version, Clock::time_point deadline,
+                                  const WaitDone& done) {
+  WaitResult ready;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return absl::AbortedError(closed_message_);
+    if (version_ == 0 || version_ < min_version) {
+      if (!update_running_ && last_step_ < min_version)
+        return absl::FailedPreconditionError(
+            absl::StrCat("min_version: ", min_version,
+                         " was never requested by an Update (last step ", last_step_, ")"));
+      waiters_.push_back(Waiter{min_version, deadline, done});
+      return absl::OkStatus();
+    }
+    ready = {version_, ready_slot_, ready_dtype_, last_update_seconds_};  // the newest version
+  }
+  done(ready);
+  return absl::OkStatus();
+}
+
+void OffloadSession::ExpireWaiters(Clock::time_point now) {
+  std::vector<Waiter> expired;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->deadline <= now) {
+        expired.push_back(std::move(*it));
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (Waiter& w : expired)
+    w.done(absl::DeadlineExceededError(absl::StrCat("min_version: version ", w.min_version,
+                                                    " not ready before timeout_ms")));
+}
+
+uint64_t OffloadSession::MarkClosed(const std::string& waiter_message) {
+  std::vector<Waiter> waiters;
+  uint64_t bytes;
+  {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+    closed_message_ = waiter_message;
+    waiters.swap(waiters_);
+    bytes = reserved_bytes_;
+  }
+  for (Waiter& w : waiters) w.done(absl::AbortedError(waiter_message));
+  return bytes;
+}
+
+pid_t OffloadSession::pid() const {
+  absl::MutexLock lock(&mu_);
+  return pid_;
+}
+
+std::optional<uid_t> OffloadSession::uid() const {
+  absl::MutexLock lock(&mu_);
+  if (!attached_) return std::nullopt;
+  return uid_;
+}
+
+v1::SessionInfo OffloadSession::Info() const {
+  v1::SessionInfo info;
+  absl::MutexLock lock(&mu_);
+  info.set_session_id(id_);
+  info.set_name(name_);
+  info.set_rank(rank_);
+  info.set_pid(pid_);
+  if (attached_) info.set_uid(uid_);
+  info.set_attached(attached_);
+  if (registered_) {
+    info.set_params(static_cast<int64_t>(layout_->params.size()));
+    int64_t elems = 0;
+    for (const ParamLayout& p : layout_->params) elems += p.numel;
+    info.set_param_elements(elems);
+    info.set_region_bytes(layout_->region.region_bytes());
+  }
+  info.set_pinned_bytes(pinned_bytes_);
+  info.set_last_step(last_step_);
+  info.set_version(version_);
+  info.set_pushes(pushes_);
+  info.set_updates(updates_);
+  info.set_update_running(update_running_);
+  info.set_age_seconds(Seconds(Clock::now() - created_));
+  return info;
+}
+
+// ---- Work.
+
+uint8_t* OffloadSession::GradSlot(uint32_t s) const {
+  const v1::RegionLayout& l = layout_->region;
+  return region_->data() + l.grad_slot_offset() + s * l.grad_slot_bytes();
+}
+
+uint8_t* OffloadSession::ParamSlot(uint32_t s) const {
+  const v1::RegionLayout& l = layout_->region;
+  return region_->data() + l.param_slot_offset() + s * l.param_slot_bytes();
+}
+
+float* OffloadSession::Staging() const {
+  return reinterpret_cast<float*>(region_->data() + layout_->region.staging_offset());
+}
+
+std::vector<CheckpointArrays> OffloadSession::StateArrays() const {
+  std::vector<CheckpointArrays> arrays;
+  for (const ParamLayout& p : layout_->params) {
+    const uint64_t e = p.elem_offset;
+    arrays.push_back({master_ + e, m_ + e, v_ + e, acc_ + e, p.numel});
+  }
+  return arrays;
+}
+
+bool OffloadSession::PrepareAccumulator(AccumulatorUse use) {
+  const bool stale = acc_stale_;
+  switch (use) {
+    case AccumulatorUse::kWholePush:
+      // Every element of every parameter is written: the stale sums are overwritten (no
+      // clearing pass; the padding between parameters is never written and stays zero).
+      acc_stale_ = false;
+      return stale;
+    case AccumulatorUse::kFusedUpdate:
+      // Nothing pushed since the last Update: the sums are the fused push's gradients alone;
+      // the stale accumulator is neither read nor cleared.
+      acc_stale_ = true;
+      return stale;
+    case AccumulatorUse::kRestored:
+      acc_stale_ = false;
+      return false;
+    case AccumulatorUse::kPartialPush:
+    case AccumulatorUse::kUpdate:  // no push since the last Update: a zero gradient
+    case AccumulatorUse::kSnapshot:  // the file holds the logical accumulator
+      if (stale) {
+        ParallelChunks(static_cast<int64_t>(layout_->total_elems), [&](int64_t b, int64_t e) {
+          memset(acc_ + b, 0, (e - b) * sizeof(float));
+        });
+      }
+      // An Update consumes the sums: logically zero after it.
+      acc_stale_ = use == AccumulatorUse::kUpdate;
+      return false;
+  }
+  return false;
+}
+
+absl::Status OffloadSession::Allocate(SessionLayout layout) {
+  const v1::RegionLayout& rl = layout.region;
+  auto region = MappedRegion::CreateMemfd(absl::StrCat("stallfree-session-", id_),
+                                          rl.region_bytes(), env_.pin);
+  absl::StatusOr<std::unique_ptr<MappedRegion>> state =
+      region.ok() ? MappedRegion::CreateAnonymous(absl::StrCat("session ", id_, " state"),
+                                                  layout.state_bytes, env_.pin)
+                  : region.status();
+  if (region.ok() && state.ok()) {
+    // Write every page of the region once now (before mu_ is taken: this takes seconds for
+    // GBs): on a VM whose memory is backed lazily the first write to a 4 KiB page costs far
+    // more than the write (~3-5 s/GB; MAP_POPULATE of shmem does not back it), and the slots'
+    // first writes would otherwise land in the first steps' pushes and updates. The state is
+    // already backed: CreateAnonymous populates it with huge pages.
+    uint8_t* base = (*region)->data();
+    ParallelChunks(static_cast<int64_t>((*region)->size() / kPage), [&](int64_t b, int64_t e) {
+      memset(base + b * kPage, 0, (e - b) * kPage);
+    });
+  }
+  absl::MutexLock lock(&mu_);
+  registering_ = false;
+  if (!region.ok() || !state.ok()) {
+    env_.budget->Release(reserved_bytes_);
+    reserved_bytes_ = 0;
+    return region.ok() ? state.status() : region.status();
+  }
+  const uint64_t elems = layout.total_elems;
+  col_steps_.clear();
+  for (const ParamLayout& p : layout.params) col_steps_.emplace_back(p.cols, 0);
+  region_ = std::move(*region);
+  state_ = std::move(*state);
+  float* base = reinterpret_cast<float*>(state_->data());
+  master_ = base;
+  m_ = base + elems;
+  v_ = base + 2 * elems;
+  acc_ = base + 3 * elems;
+  layout_ = std::make_unique<const SessionLayout>(std::move(layout));
+  registered_ = true;
+  pinned_bytes_ = region_->size() + state_->size();
+  env_.counters->pinned_bytes.fetch_add(pinned_bytes_);
+  SF_LOG(kInfo, "session %d registered %d parameters, %d elements; region %d bytes%s", id_,
+         layout_->params.size(), elems, rl.region_bytes(),
+         region_->locked() ? " (mlocked)" : " (not mlocked)");
+  return absl::OkStatus();
+}
+
+void OffloadSession::LoadParams(const std::vector<size_t>& which) {
+  for (size_t i : which) {
+    const ParamLayout& p = layout_->params[i];
+    const uint64_t e = p.elem_offset;
+    const float* src = Staging() + e;
+    ParallelChunks(p.numel, [&](int64_t b, int64_t end) {
+      memcpy(master_ + e + b, src + b, (end - b) * sizeof(float));
+      memset(m_ + e + b, 0, (end - b) * sizeof(float));
+      memset(v_ + e + b, 0, (end - b) * sizeof(float));
+      memset(acc_ + e + b, 0, (end - b) * sizeof(float));
+    });
+    col_steps_[i].assign(static_cast<size_t>(p.cols), 0);
+  }
+}
+
+int64_t OffloadSession::Accumulate(const PushPlan& plan) {
+  const auto t0 = Clock::now();
+  const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
+  const bool overwrite =
+      PrepareAccumulator(plan.whole ? AccumulatorUse::kWholePush : AccumulatorUse::kPartialPush);
+  const kernels::AccumulateMode mode =
+      overwrite ? kernels::AccumulateMode::kOverwrite : kernels::AccumulateMode::kAdd;
+  for (const AccumulateJob& j : plan.jobs) {
+    const uint8_t* src = j.data != nullptr ? j.data : region_->data() + j.region_offset;
+    // The kernel runs in parallel over this arena itself.
+    k.Accumulate(acc_ + j.acc_offset, src, j.type, plan.scale, j.count, mode);
+  }
+  env_.counters->accumulate_ns.fetch_add(Nanos(Clock::now() - t0));
+  env_.counters->pushes.fetch_add(1);
+  env_.counters->bytes_in.fetch_add(plan.bytes);
+  absl::MutexLock lock(&mu_);
+  pushes_++;
+  return ++pushes_since_update_;
+}
+
+void OffloadSession::Update(const UpdatePlan& plan) {
+  const auto t0 = Clock::now();
+  const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
+  const kernels::AdamWConfig& cfg = plan.config;
+  const bool bf16 = plan.out == v1::DTYPE_BF16;
+  uint8_t* dst = ParamSlot(plan.param_slot);
+  float* out32 = reinterpret_cast<float*>(dst);
+  uint16_t* out16 = reinterpret_cast<uint16_t*>(dst);
+  const bool acc_zero =
+      PrepareAccumulator(plan.fuse_push ? AccumulatorUse::kFusedUpdate : AccumulatorUse::kUpdate);
+  const int64_t total = static_cast<int64_t>(layout_->total_elems);
+  uint64_t fused_bytes = 0;
+  if (!plan.column_steps) {
+    ParallelChunks(total, [&](int64_t b, int64_t e) {
+      const int64_t n = e - b;
+      k.AdamW(cfg, master_ + b, m_ + b, v_ + b, acc_ + b, kernels::GradType::kFp32, n,
+              bf16 ? out16 + b : nullptr);
+      if (!bf16) memcpy(out32 + b, master_ + b, n * sizeof(float));
+    });
+    for (std::vector<int64_t>& steps : col_steps_) std::fill(steps.begin(), steps.end(), cfg.step);
+  } else {
+    std::vector<float> step_size, bc2;
+    for (size_t i = 0; i < layout_->params.size(); ++i) {
+      const ParamLayout& p = layout_->params[i];
+      const uint64_t e = p.elem_offset;
+      if (plan.skip[i]) {  // unchanged; its current value goes out like the others'
+        if (bf16) k.FloatToBf16(master_ + e, out16 + e, p.numel);
+        continue;
+      }
+      std::vector<int64_t>& steps = col_steps_[i];
+      for (int64_t& t : steps) ++t;
+      step_size.resize(steps.size());
+      bc2.resize(steps.size());
+      kernels::MakeColumnConstants(cfg, steps.data(), p.cols, step_size.data(), bc2.data());
+      if (plan.fuse_push) {
+        // The whole-slot push of grad_slot and this step in one pass (one read of the
+        // accumulator, no write): bit-identical to Accumulate and then AdamWColumns.
+        k.AccumulateAdamWColumns(cfg, step_size.data(), bc2.data(), master_ + e, m_ + e, v_ + e,
+                                 acc_zero ? nullptr : acc_ + e,
+                                 GradSlot(plan.grad_slot) + p.grad_offset, p.grad_type(),
+                                 plan.push_scale, p.rows, p.cols, bf16 ? out16 + e : nullptr);
+        fused_bytes += p.numel * p.grad_element_bytes();
+      } else {
+        k.AdamWColumns(cfg, step_size.data(), bc2.data(), master_ + e, m_ + e, v_ + e, acc_ + e,
+                       kernels::GradType::kFp32, p.rows, p.cols, bf16 ? out16 + e : nullptr);
+      }
+    }
+    if (!bf16) {
+      ParallelChunks(total, [&](int64_t b, int64_t e) {
+        memcpy(out32 + b, master_ + b, (e - b) * sizeof(float));
+      });
+    }
+  }
+  const double secs = Seconds(Clock::now() - t0);
+  DaemonCounters* counters = env_.counters;
+  counters->update_ns.fetch_add(static_cast<int64_t>(secs * 1e9));
+  counters->updates.fetch_add(1);
+  counters->bytes_out.fetch_add(layout_->total_elems * (bf16 ? 2 : 4));
+  if (plan.fuse_push) {  // counted as the push it replaces
+    counters->pushes.fetch_add(1);
+    counters->bytes_in.fetch_add(fused_bytes);
+  }
+  std::vector<Waiter> ready;
+  WaitResult result;
+  {
+    absl::MutexLock lock(&mu_);
+    update_running_ = false;
+    updated_once_ = true;
+    version_ = cfg.step;
+    ready_slot_ = plan.param_slot;
+    ready_dtype_ = plan.out;
+    last_update_seconds_ = secs;
+    updates_++;
+    if (plan.fuse_push) pushes_++;
+    pushes_since_update_ = 0;
+    result = {version_, plan.param_slot, plan.out, secs};
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->min_version <= version_) {
+        ready.push_back(std::move(*it));
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  SF_LOG(kDebug, "session %d: update of step %d done in %.3f s", id_, cfg.step, secs);
+  for (Waiter& w : ready) w.done(result);
+}
+
+std::vector<int64_t> OffloadSession::Migrate(const MigratePlan& plan) {
+  const std::vector<int64_t>& columns = plan.columns;
+  const ParamLayout& p = layout_->params[plan.param];
+  const int64_t n = static_cast<int64_t>(columns.size());
+  float* staging = Staging() + p.elem_offset;
+  float* state[3] = {master_ + p.elem_offset, m_ + p.elem_offset, v_ + p.elem_offset};
+  for (int a = 0; a < 3; ++a) {
+    float* block = staging + a * p.rows * n;
+    for (int64_t r = 0; r < p.rows; ++r) {
+      float* row = state[a] + r * p.cols;
+      for (int64_t j = 0; j < n; ++j) std::swap(block[r * n + j], row[columns[j]]);
+    }
+  }
+  std::vector<int64_t>& col_steps = col_steps_[plan.param];
+  std::vector<int64_t> previous(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) {
+    previous[j] = col_steps[columns[j]];
+    col_steps[columns[j]] = plan.steps[j];
+  }
+  env_.counters->migrated_columns.fetch_add(2 * n);
+  return previous;
+}
+
+absl::StatusOr<CheckpointWritten> OffloadSession::Snapshot(const std::string& path, uid_t owner,
+                                                           int64_t* version) {
+  PrepareAccumulator(AccumulatorUse::kSnapshot);
+  v1::CheckpointHeader header;
+  header.set_session_name(name_);
+  header.set_rank(rank_);
+  header.set_owner_uid(owner);
+  {
+    absl::MutexLock lock(&mu_);
+    header.set_last_step(last_step_);
+    header.set_version(version_);
+  }
+  for (size_t i = 0; i < layout_->params.size(); ++i) {
+    v1::CheckpointHeader::Param* hp = header.add_params();
+    *hp->mutable_spec() = SpecOf(layout_->params[i]);
+    for (int64_t t : col_steps_[i]) hp->add_col_steps(t);
+  }
+  const auto t0 = Clock::now();
+  absl::StatusOr<CheckpointWritten> out = WriteCheckpoint(path, header, StateArrays());
+  if (!out.ok()) return out.status();
+  SF_LOG(kInfo, "session %d: checkpoint %s, %d bytes in %.3f s", id_, out->path, out->bytes,
+         Seconds(Clock::now() - t0));
+  *version = header.version();
+  return out;
+}
+
+absl::StatusOr<v1::CheckpointHeader> OffloadSession::Restore(const std::string& path,
+                                                             uid_t owner, const std::string& tag,
+                                                             v1::DType out,
+                                                             uint64_t* file_bytes) {
+  absl::StatusOr<v1::CheckpointHeader> header = ReadCheckpointHeader(path, file_bytes);
+  absl::Status st = header.status();
+  if (st.ok() && header->has_owner_uid() && header->owner_uid() != owner)
+    st = absl::PermissionDeniedError(
+        absl::StrCat("tag: checkpoint '", tag, "' belongs to uid ", header->owner_uid()));
+  if (st.ok()) st = MatchHeader(*layout_, *header, tag);
+  if (st.ok()) st = ReadCheckpointArrays(path, *header, StateArrays());
+  if (st.ok()) {
+    PrepareAccumulator(AccumulatorUse::kRestored);
+    uint8_t* dst = ParamSlot(0);
+    for (size_t i = 0; i < layout_->params.size(); ++i) {
+      const ParamLayout& p = layout_->params[i];
+      const auto& steps = header->params(static_cast<int>(i)).col_steps();
+      col_steps_[i].assign(steps.begin(), steps.end());
+      const float* src = master_ + p.elem_offset;
+      if (out == v1::DTYPE_BF16)
+        kernels::DefaultCpuKernel().FloatToBf16(
+            src, reinterpret_cast<uint16_t*>(dst) + p.elem_offset, p.numel);
+      else
+        memcpy(reinterpret_cast<float*>(dst) + p.elem_offset, src, p.numel * sizeof(float));
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    update_running_ = false;
+    if (st.ok()) {
+      last_step_ = header->last_step();
+      version_ = header->version();
+      updated_once_ = true;
+      ready_slot_ = 0;
+      ready_dtype_ = out;
+      pushes_since_update_ = 0;
+    }
+  }
+  if (!st.ok()) return st;
+  SF_LOG(kInfo, "session %d: restored %s (version %d)", id_, path, header->version());
+  return header;
+}
+
+absl::StatusOr<uint64_t> OffloadSession::ReadBytes(const std::string& path, uint64_t offset,
+                                                   uint64_t* total) {
+  return ReadCheckpointBytes(path, offset, Staging(), layout_->region.staging_bytes(), total);
+}
+
+absl::StatusOr<bool> OffloadSession::WriteBytes(const std::string& path, uint64_t offset,
+                                                uint64_t length, uint64_t total, uid_t owner) {
+  absl::StatusOr<bool> complete =
+      WriteCheckpointChunk(path, offset, Staging(), length, total, owner);
+  if (complete.ok() && *complete)
+    SF_LOG(kInfo, "session %d: received checkpoint %s, %d bytes", id_, path, total);
+  return complete;
+}
+
+}  // namespace stallfree

@@ -1,0 +1,344 @@
+// OffloadSession: one trainer session of stallfreed, its memory and its optimizer state.
+//
+// A session owns a memfd region (two gradient slots, two parameter slots, a staging area) and
+// pinned fp32 state (master, m, v, accumulator), all laid out flat: parameter i occupies
+// elements [e_i, e_i + numel_i) of every fp32 array, e_i a multiple of 16 (LayOutParams in
+// requests.h).
+//
+// Two kinds of methods, two rules:
+//  - Control methods (attach, claims of an update, versions, counters, waiters) are thread
+//    safe: they take mu_, which guards the control state, and never block on optimizer work.
+//  - Work methods (Allocate, LoadParams, Accumulate, Update, Migrate, Snapshot, Restore,
+//    ReadBytes, WriteBytes) touch the memory and the fp32 state. Each runs on strand(): one at a
+//    time, in the order they were posted, never two at once (a caller that owns the session
+//    alone, with nothing posted to its strand, may call them directly). Their comments say
+//    "On the strand".
+// The layout and the memory are set once, by Allocate; Release frees the memory once the strand
+// has closed and gone idle (or the destructor does).
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <tbb/task_arena.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/region.h"
+#include "kernels/optimizer.h"
+#include "server/checkpoint.h"
+#include "server/strand.h"
+#include "stallfree/v1/offload.pb.h"
+
+namespace stallfree {
+
+// Daemon-wide counters, read by GetStats.
+struct DaemonCounters {
+  std::atomic<int64_t> sessions_opened{0};
+  std::atomic<int64_t> sessions_closed{0};
+  std::atomic<int64_t> sessions_reclaimed{0};
+  std::atomic<uint64_t> pinned_bytes{0};
+  std::atomic<int64_t> pushes{0};
+  std::atomic<int64_t> updates{0};
+  std::atomic<int64_t> accumulate_ns{0};
+  std::atomic<int64_t> update_ns{0};
+  std::atomic<uint64_t> bytes_in{0};
+  std::atomic<uint64_t> bytes_out{0};
+  std::atomic<int64_t> rejected{0};
+  std::atomic<int64_t> migrated_columns{0};
+};
+
+// The daemon's budget of pinned memory: every session's region and state together. Thread safe.
+class PinnedBudget {
+ public:
+  explicit PinnedBudget(uint64_t limit_bytes) : limit_(limit_bytes) {}
+  // Takes `bytes` (a session's region and state) from the budget; ResourceExhausted, naming
+  // what is free, if they do not fit. A limit of 0 is no limit.
+  absl::Status Reserve(uint64_t bytes);
+  void Release(uint64_t bytes) { reserved_.fetch_sub(bytes); }
+
+ private:
+  const uint64_t limit_;
+  std::atomic<uint64_t> reserved_{0};
+};
+
+// The newest version an Update made ready (WaitUpdate's answer).
+struct WaitResult {
+  int64_t version = 0;
+  uint32_t slot = 0;
+  v1::DType dtype = v1::DTYPE_FP32;
+  double update_seconds = 0;
+};
+
+// One parameter as RegisterParams laid it out.
+struct ParamLayout {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  v1::DType grad_dtype = v1::DTYPE_FP32;
+  uint64_t elem_offset = 0;    // into every fp32 array and the fp32 parameter slot.
+  uint64_t grad_offset = 0;    // bytes into each gradient slot.
+  int64_t rows = 1, cols = 1;  // [product of the leading dimensions, last dimension]
+
+  kernels::GradType grad_type() const {
+    return grad_dtype == v1::DTYPE_BF16 ? kernels::GradType::kBf16 : kernels::GradType::kFp32;
+  }
+  uint64_t grad_element_bytes() const { return grad_dtype == v1::DTYPE_BF16 ? 2 : 4; }
+};
+
+// A session's parameters and memory layout: made by LayOutParams (requests.h), immutable
+// afterwards.
+struct SessionLayout {
+  std::vector<ParamLayout> params;
+  std::map<std::string, size_t> index;  // name -> position in params
+  uint64_t total_elems = 0;             // of every fp32 array, padding included
+  uint64_t state_bytes = 0;             // master, m, v, accumulator
+  v1::RegionLayout region;
+
+  // The position of parameter `name` in params, or -1.
+  int64_t Find(const std::string& name) const {
+    auto it = index.find(name);
+    return it == index.end() ? -1 : static_cast<int64_t>(it->second);
+  }
+  // What the session pins: its region and its state.
+  uint64_t pinned_bytes() const { return region.region_bytes() + state_bytes; }
+};
+
+// One contiguous run of gradient elements to add into the accumulator.
+struct AccumulateJob {
+  uint64_t acc_offset;  // elements into the accumulator
+  // The gradient: `data` if not null (an inline push's bytes, valid until the push is done),
+  // else region_offset bytes into the session's region (a gradient slot).
+  const uint8_t* data;
+  uint64_t region_offset;
+  kernels::GradType type;
+  int64_t count;
+};
+
+// A validated push (PushGradients, PushGradientsInline).
+struct PushPlan {
+  std::vector<AccumulateJob> jobs;
+  bool whole = false;  // the jobs cover every element of every parameter (a whole-slot push)
+  float scale = 1.0f;
+  uint64_t bytes = 0;  // the gradient bytes the jobs read
+};
+
+// A validated Update (offload.proto, UpdateRequest).
+struct UpdatePlan {
+  kernels::AdamWConfig config;  // config.step: the request's step
+  uint32_t param_slot = 0;
+  v1::DType out = v1::DTYPE_FP32;
+  bool column_steps = false;
+  bool fuse_push = false;  // the whole-slot push of grad_slot with push_scale, in the same pass
+  uint32_t grad_slot = 0;
+  float push_scale = 1.0f;
+  std::vector<char> skip;  // per parameter: left unchanged by this Update (column steps only)
+};
+
+// A validated MigrateColumns: columns[j] of parameter `param` takes steps[j].
+struct MigratePlan {
+  size_t param = 0;  // position in the layout
+  std::vector<int64_t> columns;
+  std::vector<int64_t> steps;
+};
+
+class OffloadSession {
+ public:
+  using Clock = std::chrono::steady_clock;
+  using WaitDone = std::function<void(absl::StatusOr<WaitResult>)>;
+
+  // What a session uses of the daemon; all of it must outlive the session.
+  struct Env {
+    tbb::task_arena* arena;
+    PinnedBudget* budget;
+    DaemonCounters* counters;
+    PinPolicy pin;
+  };
+
+  // `pid`: the opener's claim, replaced by the kernel's at Attach.
+  OffloadSession(uint64_t id, std::string token, std::string name, int32_t rank, pid_t pid,
+                 Env env);
+  ~OffloadSession();  // Release()
+  OffloadSession(const OffloadSession&) = delete;
+  OffloadSession& operator=(const OffloadSession&) = delete;
+
+  uint64_t id() const { return id_; }
+  const std::string& token() const { return token_; }
+  const std::string& name() const { return name_; }
+  // Where the work methods run.
+  Strand& strand() const { return *strand_; }
+
+  // ---- Control (thread safe).
+
+  // Claims the registration and reserves `layout_bytes` of the budget; FailedPrecondition if
+  // the session registered (or is registering), ResourceExhausted if the budget is short. The
+  // claim ends with Allocate.
+  absl::Status BeginRegister(uint64_t layout_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // The layout once the session has registered (valid while the session lives), else null.
+  const SessionLayout* layout() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Makes the peer's kernel-reported uid and pid the session's; returns the region's fd (still
+  // the session's) and size. NotFound once the session closed.
+  absl::StatusOr<std::pair<int, uint64_t>> Attach(uid_t uid, pid_t pid) ABSL_LOCKS_EXCLUDED(mu_);
+  // FailedPrecondition once an Update ran or runs (LoadParams would discard optimizer state).
+  absl::Status CheckLoadable() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Claims the Update of `step`: Aborted while an update or restore runs, FailedPrecondition
+  // unless step is after the last one. The claim ends with Update.
+  absl::Status BeginUpdate(int64_t step) ABSL_LOCKS_EXCLUDED(mu_);
+  // FailedPrecondition / Aborted unless columns may move now: no update running, no push since
+  // the last Update.
+  absl::Status CheckMigratable() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Claims the session for a Restore (no Update, Migrate or LoadParams until it is done);
+  // Aborted while an update runs. The claim ends with Restore.
+  absl::Status BeginRestore() ABSL_LOCKS_EXCLUDED(mu_);
+  // Calls done at once with the newest version if it is >= min_version, else when an Update
+  // makes it ready, at ExpireWaiters after `deadline`, or at MarkClosed. An error (and done is
+  // not called) if no Update up to min_version was requested, or the session closed.
+  absl::Status Wait(int64_t min_version, Clock::time_point deadline, const WaitDone& done)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Fails the waiters whose deadline is before `now` (DeadlineExceeded).
+  void ExpireWaiters(Clock::time_point now) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the session for its clients: its waiters fail with Aborted(waiter_message), Wait and
+  // Attach refuse from now on. Returns the bytes it reserved (freed by Release). Work already
+  // posted still runs; the caller closes the strand.
+  uint64_t MarkClosed(const std::string& waiter_message) ABSL_LOCKS_EXCLUDED(mu_);
+  // The process that keeps the session alive (the opener's pid until the attach).
+  pid_t pid() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The kernel's uid of the attached process; none before the attach.
+  std::optional<uid_t> uid() const ABSL_LOCKS_EXCLUDED(mu_);
+  // For ListSessions and GetStats.
+  v1::SessionInfo Info() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Frees the region and the state, gives their reservation back to the budget and their
+  // bytes to the pinned counter. Only once no work method can run any more (the strand closed
+  // and idle, or the session being destroyed); idempotent.
+  void Release() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // ---- Work: each on the strand.
+
+  // On the strand. Creates and backs the region and the state of `layout` (BeginRegister came
+  // first), then publishes the layout: the session is registered. On failure the reservation
+  // goes back and the session may register again.
+  absl::Status Allocate(SessionLayout layout) ABSL_LOCKS_EXCLUDED(mu_);
+  // On the strand. Parameters `which` (positions in the layout) take their values from the
+  // staging area; their moments, accumulator and column steps start from zero.
+  void LoadParams(const std::vector<size_t>& which);
+  // On the strand. Adds plan.scale * each job's gradient into the accumulator. Returns the
+  // pushes since the last Update, this one included.
+  int64_t Accumulate(const PushPlan& plan) ABSL_LOCKS_EXCLUDED(mu_);
+  // On the strand. The AdamW step of `plan` (BeginUpdate came first): master, moments, column
+  // steps, the parameter slot; then the version is ready and its waiters are called.
+  void Update(const UpdatePlan& plan) ABSL_LOCKS_EXCLUDED(mu_);
+  // On the strand. Swaps the master, m and v values of the plan's n columns with the three
+  // [rows, n] blocks at the parameter's staging offset, sets the columns' step counts to the
+  // plan's and returns their previous ones.
+  std::vector<int64_t> Migrate(const MigratePlan& plan);
+  // On the strand. Writes the checkpoint file `path` of the state (the accumulator as it is
+  // logically), owned by `owner`. *version: the version it holds.
+  absl::StatusOr<CheckpointWritten> Snapshot(const std::string& path, uid_t owner,
+                                             int64_t* version) ABSL_LOCKS_EXCLUDED(mu_);
+  // On the strand (BeginRestore came first). Reads checkpoint `tag` at `path` into the state if
+  // `owner` owns it and its parameters are the session's, and writes the parameters to
+  // parameter slot 0 as `out`. Returns its header; *file_bytes: the file's size. Nothing
+  // changes unless it succeeds.
+  absl::StatusOr<v1::CheckpointHeader> Restore(const std::string& path, uid_t owner,
+                                               const std::string& tag, v1::DType out,
+                                               uint64_t* file_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // On the strand. Copies file bytes from `offset` into the staging area (as many as fit);
+  // returns how many. *total: the file's size.
+  absl::StatusOr<uint64_t> ReadBytes(const std::string& path, uint64_t offset, uint64_t* total);
+  // On the strand. Appends `length` bytes from the staging area to the upload of `path`
+  // (WriteCheckpointChunk); true when the file is complete.
+  absl::StatusOr<bool> WriteBytes(const std::string& path, uint64_t offset, uint64_t length,
+                                  uint64_t total, uid_t owner);
+
+ private:
+  // How a work method is about to use the accumulator.
+  enum class AccumulatorUse {
+    kPartialPush,  // adds into some elements
+    kWholePush,    // writes every element of every parameter
+    kUpdate,       // the step's gradient; logically zero after it
+    kFusedUpdate,  // the step's gradient with the fused push's; logically zero after it
+    kSnapshot,     // written to a checkpoint
+    kRestored,     // a checkpoint's accumulator was just read into it
+  };
+  // The accumulator's one state machine (acc_stale_). After an Update the accumulator is
+  // logically zero but still holds the round's sums: a whole-slot push then overwrites it
+  // instead of a clearing pass, and a fused Update does not read it; anything else that reads
+  // or adds to it zeroes it first. Returns true when the caller must treat the accumulator as
+  // zero without reading it (kWholePush: overwrite; kFusedUpdate: no accumulator). On the
+  // strand.
+  bool PrepareAccumulator(AccumulatorUse use);
+
+  uint8_t* GradSlot(uint32_t slot) const;
+  uint8_t* ParamSlot(uint32_t slot) const;
+  float* Staging() const;
+  std::vector<CheckpointArrays> StateArrays() const;
+
+  const uint64_t id_;
+  const std::string token_;
+  const std::string name_;
+  const int32_t rank_;
+  const Clock::time_point created_;
+  const Env env_;
+  const std::shared_ptr<Strand> strand_;
+
+  mutable absl::Mutex mu_;
+  // The opener's pid until the attach, then the kernel's pid of the attached process.
+  pid_t pid_ ABSL_GUARDED_BY(mu_);
+  // The kernel's uid of the attached process (SO_PEERCRED): set once by Attach; nothing that
+  // needs an owner (checkpoints, listings) works before.
+  uid_t uid_ ABSL_GUARDED_BY(mu_) = static_cast<uid_t>(-1);
+  bool registering_ ABSL_GUARDED_BY(mu_) = false;
+  bool registered_ ABSL_GUARDED_BY(mu_) = false;
+  bool attached_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  std::string closed_message_ ABSL_GUARDED_BY(mu_);
+  bool update_running_ ABSL_GUARDED_BY(mu_) = false;  // an Update or a Restore
+  bool updated_once_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t last_step_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t version_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t ready_slot_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::DType ready_dtype_ ABSL_GUARDED_BY(mu_) = v1::DTYPE_FP32;
+  double last_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t pushes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t updates_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t pushes_since_update_ ABSL_GUARDED_BY(mu_) = 0;
+  struct Waiter {
+    int64_t min_version;
+    Clock::time_point deadline;
+    WaitDone done;
+  };
+  std::vector<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+  uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t pinned_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Set once by Allocate, on the strand, under mu_ together with registered_; immutable until
+  // Release empties the memory (layout_ stays until destruction). The work methods read them
+  // without mu_ (they run after Allocate, on the same strand); anything else reads them under
+  // mu_ once registered_ is set (Attach, Info, layout()).
+  std::unique_ptr<const SessionLayout> layout_;
+  std::unique_ptr<MappedRegion> region_;
+  std::unique_ptr<MappedRegion> state_;
+  float* master_ = nullptr;
+  float* m_ = nullptr;
+  float* v_ = nullptr;
+  float* acc_ = nullptr;
+
+  // Work state: touched only by the work methods, on the strand.
+  std::vector<std::vector<int64_t>> col_steps_;  // per parameter, per column: AdamW steps taken
+  bool acc_stale_ = false;                        // see PrepareAccumulator
+};
+
+}  // namespace stallfree

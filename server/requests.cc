@@ -1,0 +1,272 @@
+#include "server/requests.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/bounds.h"
+
+namespace stallfree {
+namespace {
+
+constexpr uint64_t kPage = 4096;
+constexpr uint64_t kElemAlign = 16;  // 64 bytes of fp32.
+constexpr int64_t kMaxNumel = int64_t{1} << 40;
+
+}  // namespace
+
+absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req) {
+  if (req.params_size() == 0) return absl::InvalidArgumentError("params: empty");
+  SessionLayout out;
+  uint64_t elems = 0, grad_bytes = 0;
+  for (int i = 0; i < req.params_size(); ++i) {
+    const v1::ParamSpec& p = req.params(i);
+    const std::string field = absl::StrCat("params[", i, "]");
+    if (p.name().empty() || p.name().size() > 1024)
+      return absl::InvalidArgumentError(field + ".name: empty or longer than 1024 bytes");
+    if (out.index.count(p.name()))
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".name: duplicate parameter '", p.name(), "'"));
+    if (p.shape_size() == 0 || p.shape_size() > 8)
+      return absl::InvalidArgumentError(field + ".shape: needs 1 to 8 dimensions");
+    int64_t numel = 1;
+    for (int d = 0; d < p.shape_size(); ++d) {
+      if (p.shape(d) < 1 || p.shape(d) > kMaxNumel || numel > kMaxNumel / p.shape(d))
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".shape[", d, "]: ", p.shape(d),
+            " is not a dimension >= 1, or the parameter exceeds 2^40 elements"));
+      numel *= p.shape(d);
+    }
+    if (p.grad_dtype() != v1::DTYPE_FP32 && p.grad_dtype() != v1::DTYPE_BF16)
+      return absl::InvalidArgumentError(field + ".grad_dtype: must be FP32 or BF16");
+    ParamLayout info;
+    info.name = p.name();
+    info.shape.assign(p.shape().begin(), p.shape().end());
+    info.numel = numel;
+    info.grad_dtype = p.grad_dtype();
+    info.elem_offset = elems;
+    info.grad_offset = grad_bytes;
+    info.cols = p.shape(p.shape_size() - 1);
+    info.rows = numel / info.cols;
+    uint64_t padded, padded_bytes;
+    if (!AlignUp(static_cast<uint64_t>(numel), kElemAlign, &padded) ||
+        !AddOverflow(elems, padded, &elems) ||
+        !MulOverflow(padded, info.grad_element_bytes(), &padded_bytes) ||
+        !AddOverflow(grad_bytes, padded_bytes, &grad_bytes) || elems > (uint64_t{1} << 44))
+      return absl::InvalidArgumentError("params: total size overflows");
+    out.index[info.name] = out.params.size();
+    out.params.push_back(std::move(info));
+  }
+  uint64_t gslot, pslot;
+  AlignUp(grad_bytes, kPage, &gslot);
+  AlignUp(elems * 4, kPage, &pslot);
+  v1::RegionLayout& layout = out.region;
+  layout.set_region_bytes(2 * gslot + 3 * pslot);
+  layout.set_grad_slot_offset(0);
+  layout.set_grad_slot_bytes(gslot);
+  layout.set_param_slot_offset(2 * gslot);
+  layout.set_param_slot_bytes(pslot);
+  layout.set_staging_offset(2 * gslot + 2 * pslot);
+  layout.set_staging_bytes(pslot);
+  for (const ParamLayout& p : out.params) {
+    v1::ParamLayout* pl = layout.add_params();
+    pl->set_name(p.name);
+    pl->set_numel(p.numel);
+    pl->set_grad_offset(p.grad_offset);
+    pl->set_param_offset_fp32(p.elem_offset * 4);
+    pl->set_param_offset_bf16(p.elem_offset * 2);
+    pl->set_staging_offset(p.elem_offset * 4);
+  }
+  out.total_elems = elems;
+  out.state_bytes = 4 * elems * 4;
+  return out;
+}
+
+absl::StatusOr<std::vector<size_t>> PlanLoad(const v1::LoadParamsRequest& req,
+                                             const SessionLayout& layout) {
+  std::vector<size_t> which;
+  if (req.names_size() == 0)
+    for (size_t i = 0; i < layout.params.size(); ++i) which.push_back(i);
+  for (int i = 0; i < req.names_size(); ++i) {
+    const int64_t p = layout.Find(req.names(i));
+    if (p < 0)
+      return absl::NotFoundError(
+          absl::StrCat("names[", i, "]: no parameter '", req.names(i), "'"));
+    which.push_back(static_cast<size_t>(p));
+  }
+  return which;
+}
+
+absl::StatusOr<PushPlan> PlanPush(const v1::PushGradientsRequest& req,
+                                  const SessionLayout& layout) {
+  if (req.slot() > 1)
+    return absl::InvalidArgumentError(absl::StrCat("slot: ", req.slot(), " is not 0 or 1"));
+  const uint64_t slot_bytes = layout.region.grad_slot_bytes();
+  const uint64_t slot = layout.region.grad_slot_offset() + req.slot() * slot_bytes;
+  PushPlan plan;
+  plan.whole = req.ranges_size() == 0;
+  plan.scale = req.scale() == 0.0f ? 1.0f : req.scale();
+  if (plan.whole) {
+    for (const ParamLayout& p : layout.params) {
+      plan.jobs.push_back({p.elem_offset, nullptr, slot + p.grad_offset, p.grad_type(), p.numel});
+      plan.bytes += p.numel * p.grad_element_bytes();
+    }
+  }
+  for (int i = 0; i < req.ranges_size(); ++i) {
+    const v1::GradRange& r = req.ranges(i);
+    const std::string field = absl::StrCat("ranges[", i, "]");
+    const int64_t which = layout.Find(r.param());
+    if (which < 0)
+      return absl::NotFoundError(absl::StrCat(field, ".param: no parameter '", r.param(), "'"));
+    const ParamLayout& p = layout.params[which];
+    if (r.dtype() != v1::DTYPE_UNSPECIFIED && r.dtype() != p.grad_dtype)
+      return absl::FailedPreconditionError(absl::StrCat(
+          field, ".dtype: ", v1::DType_Name(r.dtype()), " but '", p.name, "' was registered with ",
+          v1::DType_Name(p.grad_dtype)));
+    const uint64_t esize = p.grad_element_bytes();
+    absl::Status st = CheckRange(r.offset(), r.length(), slot_bytes, field + ".offset/length");
+    if (!st.ok()) return st;
+    if (r.offset() % esize != 0 || r.length() % esize != 0)
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".offset/length: not a multiple of the ", esize, "-byte element"));
+    const uint64_t count = r.length() / esize;
+    st = CheckRange(r.first_element(), count, static_cast<uint64_t>(p.numel),
+                    field + ".first_element");
+    if (!st.ok())
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".first_element: elements [", r.first_element(), ", +", count,
+          ") are outside parameter '", p.name, "' of ", p.numel, " elements"));
+    plan.jobs.push_back({p.elem_offset + r.first_element(), nullptr, slot + r.offset(),
+                         p.grad_type(), static_cast<int64_t>(count)});
+    plan.bytes += r.length();
+  }
+  return plan;
+}
+
+absl::StatusOr<PushPlan> PlanPush(const v1::PushGradientsInlineRequest& req,
+                                  const SessionLayout& layout) {
+  const int64_t which = layout.Find(req.param());
+  if (which < 0)
+    return absl::NotFoundError(absl::StrCat("param: no parameter '", req.param(), "'"));
+  const ParamLayout& p = layout.params[which];
+  const uint64_t esize = p.grad_element_bytes();
+  if (req.data().size() % esize != 0 || req.data().size() / esize > static_cast<uint64_t>(p.numel))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data: ", req.data().size(), " bytes is not a whole number of elements within '", p.name,
+        "'"));
+  PushPlan plan;
+  const int64_t count = static_cast<int64_t>(req.data().size() / esize);
+  plan.jobs.push_back({p.elem_offset, reinterpret_cast<const uint8_t*>(req.data().data()), 0,
+                       p.grad_type(), count});
+  plan.whole = layout.params.size() == 1 && count == p.numel;
+  plan.scale = req.scale() == 0.0f ? 1.0f : req.scale();
+  plan.bytes = req.data().size();
+  return plan;
+}
+
+absl::StatusOr<UpdatePlan> PlanUpdate(const v1::UpdateRequest& req, const SessionLayout& layout,
+                                      uint64_t session_id) {
+  const v1::AdamWHyper& h = req.hyper();
+  if (!(h.lr() >= 0.0) || !std::isfinite(h.lr()))
+    return absl::InvalidArgumentError("hyper.lr: must be finite and >= 0");
+  if (!(h.beta1() >= 0.0 && h.beta1() < 1.0))
+    return absl::InvalidArgumentError("hyper.beta1: must be in [0, 1)");
+  if (!(h.beta2() >= 0.0 && h.beta2() < 1.0))
+    return absl::InvalidArgumentError("hyper.beta2: must be in [0, 1)");
+  if (!(h.eps() > 0.0) || !std::isfinite(h.eps()))
+    return absl::InvalidArgumentError("hyper.eps: must be finite and > 0");
+  if (!(h.weight_decay() >= 0.0) || !std::isfinite(h.weight_decay()))
+    return absl::InvalidArgumentError("hyper.weight_decay: must be finite and >= 0");
+  if (req.param_slot() > 1)
+    return absl::InvalidArgumentError(
+        absl::StrCat("param_slot: ", req.param_slot(), " is not 0 or 1"));
+  if (req.out_dtype() != v1::DTYPE_UNSPECIFIED && req.out_dtype() != v1::DTYPE_FP32 &&
+      req.out_dtype() != v1::DTYPE_BF16)
+    return absl::InvalidArgumentError("out_dtype: must be FP32 or BF16");
+  if (req.step() < 1)
+    return absl::InvalidArgumentError(absl::StrCat("step: ", req.step(), " is not >= 1"));
+  // The fused push (offload.proto): only at a column-step boundary, from a real slot.
+  if (req.fuse_push() && !req.column_steps())
+    return absl::InvalidArgumentError("fuse_push: only with column_steps");
+  if (req.fuse_push() && req.fused_grad_slot() > 1)
+    return absl::InvalidArgumentError(
+        absl::StrCat("fused_grad_slot: ", req.fused_grad_slot(), " is not 0 or 1"));
+  if (req.skip_params_size() > 0 && !req.column_steps())
+    return absl::InvalidArgumentError("skip_params: only with column_steps");
+  UpdatePlan plan;
+  plan.skip.assign(layout.params.size(), 0);
+  for (const std::string& name : req.skip_params()) {
+    const int64_t i = layout.Find(name);
+    if (i < 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("skip_params: no parameter '", name, "' in session ", session_id));
+    if (plan.skip[i]++)
+      return absl::InvalidArgumentError(absl::StrCat("skip_params: '", name, "' twice"));
+  }
+  plan.config.lr = h.lr();
+  plan.config.beta1 = h.beta1();
+  plan.config.beta2 = h.beta2();
+  plan.config.eps = h.eps();
+  plan.config.weight_decay = h.weight_decay();
+  plan.config.step = req.step();
+  plan.param_slot = req.param_slot();
+  plan.out = req.out_dtype() == v1::DTYPE_BF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+  plan.column_steps = req.column_steps();
+  plan.fuse_push = req.fuse_push();
+  plan.grad_slot = req.fused_grad_slot();
+  plan.push_scale = req.push_scale() == 0.0f ? 1.0f : req.push_scale();
+  return plan;
+}
+
+
+absl::StatusOr<MigratePlan> PlanMigrate(const v1::MigrateColumnsRequest& req,
+                                        const SessionLayout& layout) {
+  const int64_t which = layout.Find(req.param());
+  if (which < 0)
+    return absl::NotFoundError(absl::StrCat("param: no parameter '", req.param(), "'"));
+  const ParamLayout& p = layout.params[which];
+  const int64_t n = req.columns_size();
+  if (n == 0) return absl::InvalidArgumentError("columns: empty");
+  if (req.steps_size() != n)
+    return absl::InvalidArgumentError(
+        absl::StrCat("steps: ", req.steps_size(), " step counts for ", n, " columns"));
+  // 3 blocks of [rows, n] must fit in the parameter's staging area of rows * cols floats.
+  if (n > p.cols / 3)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "columns: ", n, " columns of '", p.name, "' need ", 3 * n * p.rows,
+        " staging floats, but the parameter's staging area holds ", p.numel, "; move at most ",
+        p.cols / 3, " columns per call"));
+  std::vector<bool> seen(static_cast<size_t>(p.cols), false);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t c = req.columns(j);
+    if (c < 0 || c >= p.cols)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "columns[", j, "]: ", c, " is outside [0, ", p.cols, ") of '", p.name, "'"));
+    if (seen[c])
+      return absl::InvalidArgumentError(
+          absl::StrCat("columns[", j, "]: column ", c, " appears twice"));
+    seen[c] = true;
+    if (req.steps(j) < 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("steps[", j, "]: ", req.steps(j), " is negative"));
+  }
+  MigratePlan plan;
+  plan.param = static_cast<size_t>(which);
+  plan.columns.assign(req.columns().begin(), req.columns().end());
+  plan.steps.assign(req.steps().begin(), req.steps().end());
+  return plan;
+}
+
+absl::Status CheckChunk(const v1::WriteCheckpointRequest& req, const SessionLayout& layout) {
+  const uint64_t staging_bytes = layout.region.staging_bytes();
+  if (req.length() > staging_bytes)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "length: ", req.length(), " bytes, the staging area holds ", staging_bytes));
+  if (req.offset() > req.total_bytes() || req.length() > req.total_bytes() - req.offset())
+    return absl::InvalidArgumentError(absl::StrCat("offset + length: ", req.offset(), " + ",
+                                                   req.length(), " exceeds total_bytes ",
+                                                   req.total_bytes()));
+  return absl::OkStatus();
+}
+
+}  // namespace stallfree

@@ -1,0 +1,44 @@
+// The checks of stallfreed's requests that need nothing but the request and the session's
+// layout. Each turns a request into the plan of its work (offload_session.h), or returns the
+// error naming the first bad field: InvalidArgument, NotFound for an unknown parameter,
+// FailedPrecondition for a dtype other than the registered one. None touches memory or session
+// state; SessionManager calls them after its Lookup and before the session's own checks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/offload_session.h"
+#include "stallfree/v1/offload.pb.h"
+
+namespace stallfree {
+
+// The parameters of a RegisterParams request, laid out (offload_session.h, SessionLayout).
+absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& request);
+
+// The positions of the parameters a LoadParams request names (none named: all).
+absl::StatusOr<std::vector<size_t>> PlanLoad(const v1::LoadParamsRequest& request,
+                                             const SessionLayout& layout);
+
+// A push from a gradient slot: its ranges (none: the whole slot) as accumulator jobs.
+absl::StatusOr<PushPlan> PlanPush(const v1::PushGradientsRequest& request,
+                                  const SessionLayout& layout);
+// A push of the request's own bytes. The jobs point into request.data().
+absl::StatusOr<PushPlan> PlanPush(const v1::PushGradientsInlineRequest& request,
+                                  const SessionLayout& layout);
+
+// An Update's hyper-parameters, slots, dtype and options (session_id: for the messages).
+absl::StatusOr<UpdatePlan> PlanUpdate(const v1::UpdateRequest& request,
+                                      const SessionLayout& layout, uint64_t session_id);
+
+// A MigrateColumns request's parameter, columns and step counts.
+absl::StatusOr<MigratePlan> PlanMigrate(const v1::MigrateColumnsRequest& request,
+                                        const SessionLayout& layout);
+
+// A WriteCheckpoint chunk: it fits the staging area and the file's total_bytes.
+absl::Status CheckChunk(const v1::WriteCheckpointRequest& request, const SessionLayout& layout);
+
+}  // namespace stallfree

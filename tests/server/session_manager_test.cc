@@ -1,0 +1,225 @@
+// SessionManager in process, without the daemon: the lifetimes of closed sessions. A session's
+// strand task is held inside its `done` (on an arena thread) while more work waits behind it;
+// then the session is closed or reclaimed and the manager destroyed. The manager must wait for
+// that work, which uses it, and a closed session's memory must go right after its last task.
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <tbb/task_arena.h>
+
+#include "server/session_manager.h"
+
+namespace stallfree {
+namespace {
+
+using Code = absl::StatusCode;
+using namespace std::chrono_literals;
+
+constexpr int64_t kNumel = 1 << 16;
+
+// Calls f(done) and waits for done.
+absl::Status Call(const std::function<void(SessionManager::Done)>& f) {
+  std::promise<absl::Status> p;
+  std::future<absl::Status> fut = p.get_future();
+  f([&p](absl::Status s) { p.set_value(s); });
+  return fut.get();
+}
+
+class SessionManagerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/stallfree-manager-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    DaemonOptions options;
+    options.pin = PinPolicy::kOff;
+    options.state_dir = dir_;
+    options.worker_threads = 2;
+    manager_ = std::make_unique<SessionManager>(options, &arena_);
+  }
+  void TearDown() override {
+    if (!released_once_) Release();
+    manager_.reset();
+    if (system(("rm -rf " + dir_).c_str()) != 0) perror("rm");
+  }
+
+  // An open session of one parameter of kNumel elements, registered and loaded.
+  v1::SessionRef OpenLoaded() {
+    v1::OpenSessionRequest open;
+    open.set_name("lifetime");
+    open.set_pid(getpid());
+    absl::StatusOr<v1::OpenSessionResponse> opened = manager_->Open(open);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    v1::RegisterParamsRequest reg;
+    *reg.mutable_session() = opened->session();
+    v1::ParamSpec* p = reg.add_params();
+    p->set_name("w");
+    p->add_shape(kNumel);
+    p->set_grad_dtype(v1::DTYPE_FP32);
+    v1::RegisterParamsResponse layout;
+    EXPECT_TRUE(Call([&](auto done) { manager_->RegisterParams(reg, &layout, done); }).ok());
+    v1::LoadParamsRequest load;
+    *load.mutable_session() = opened->session();
+    EXPECT_TRUE(Call([&](auto done) { manager_->LoadParams(load, done); }).ok());
+    return opened->session();
+  }
+
+  // Holds the session's strand: a whole-slot push whose done blocks until release() is called.
+  // Returns once the push is running; push_status_ gets its status.
+  void HoldStrand(const v1::SessionRef& ref) {
+    push_.set_step(1);
+    *push_.mutable_session() = ref;
+    std::promise<void> entered;
+    manager_->PushGradients(push_, &push_resp_, [this, &entered](absl::Status s) {
+      push_status_ = s;
+      entered.set_value();
+      if (s.ok()) released_.wait();  // an error comes inline, on this thread
+    });
+    entered.get_future().wait();
+    ASSERT_TRUE(push_status_.ok()) << push_status_;
+  }
+  void Release() {
+    released_once_ = true;
+    release_.set_value();
+  }
+
+  // Queues an Update behind the held push, and a waiter for it.
+  void QueueUpdate(const v1::SessionRef& ref) {
+    v1::UpdateRequest update;
+    *update.mutable_session() = ref;
+    update.set_step(1);
+    update.mutable_hyper()->set_lr(1e-3);
+    update.mutable_hyper()->set_beta1(0.9);
+    update.mutable_hyper()->set_beta2(0.999);
+    update.mutable_hyper()->set_eps(1e-8);
+    ASSERT_TRUE(manager_->Update(update).ok());
+    v1::WaitUpdateRequest wait;
+    *wait.mutable_session() = ref;
+    wait.set_min_version(1);
+    manager_->WaitUpdate(wait, [this](absl::StatusOr<WaitResult> r) { wait_status_ = r.status(); });
+  }
+
+  // Destroys the manager on another thread; returns that thread. destroyed_ is set when done.
+  std::thread DestroyManager() {
+    return std::thread([this] {
+      manager_.reset();
+      destroyed_.store(true);
+    });
+  }
+
+  tbb::task_arena arena_{2, 0};
+  std::string dir_;
+  std::unique_ptr<SessionManager> manager_;
+  v1::PushGradientsRequest push_;
+  v1::PushGradientsResponse push_resp_;
+  absl::Status push_status_ = absl::UnknownError("not called");
+  absl::Status wait_status_ = absl::UnknownError("not called");
+  std::promise<void> release_;
+  std::shared_future<void> released_ = release_.get_future().share();
+  bool released_once_ = false;
+  std::atomic<bool> destroyed_{false};
+};
+
+// Close while a task runs and another waits behind it, then destroy the manager: the destructor
+// waits for both (the queued Update counts into the manager when it runs).
+TEST_F(SessionManagerTest, DestroyingTheManagerWaitsForAClosedSessionsWork) {
+  const v1::SessionRef ref = OpenLoaded();
+  ASSERT_NO_FATAL_FAILURE(HoldStrand(ref));
+  ASSERT_NO_FATAL_FAILURE(QueueUpdate(ref));
+  absl::StatusOr<uint64_t> freed = manager_->Close(ref);
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_GT(*freed, uint64_t{kNumel} * 4 * 4);
+  EXPECT_EQ(wait_status_.code(), Code::kAborted);  // the waiter goes with the close
+  v1::Stats stats = manager_->GetStats();
+  EXPECT_EQ(stats.sessions(), 0);
+  EXPECT_EQ(stats.sessions_closed(), 1);
+  EXPECT_GT(stats.pinned_bytes(), 0u);  // the running push still uses the memory
+
+  std::thread destroyer = DestroyManager();
+  std::this_thread::sleep_for(300ms);
+  EXPECT_FALSE(destroyed_.load()) << "the manager went while a closed session's task ran";
+  Release();
+  destroyer.join();
+  EXPECT_TRUE(destroyed_.load());
+  EXPECT_TRUE(push_status_.ok()) << push_status_;
+}
+
+// The memory of a reclaimed session goes right after its last task (nobody calls Housekeeping
+// here), the queued Update still runs, and the session is gone for new requests at once.
+TEST_F(SessionManagerTest, ReclaimedSessionsMemoryGoesAfterItsLastTask) {
+  const v1::SessionRef ref = OpenLoaded();
+  ASSERT_NO_FATAL_FAILURE(HoldStrand(ref));
+  ASSERT_NO_FATAL_FAILURE(QueueUpdate(ref));
+  manager_->OnConnectionClosed(ref.session_id());
+  EXPECT_EQ(wait_status_.code(), Code::kAborted);
+  v1::PushGradientsResponse resp;
+  EXPECT_EQ(Call([&](auto done) { manager_->PushGradients(push_, &resp, done); }).code(),
+            Code::kNotFound);
+  v1::Stats stats = manager_->GetStats();
+  EXPECT_EQ(stats.sessions(), 0);
+  EXPECT_EQ(stats.sessions_reclaimed(), 1);
+  EXPECT_GT(stats.pinned_bytes(), 0u);
+  EXPECT_EQ(stats.updates(), 0);
+
+  Release();
+  for (int i = 0; i < 500 && manager_->GetStats().pinned_bytes() > 0; ++i)
+    std::this_thread::sleep_for(10ms);
+  stats = manager_->GetStats();
+  EXPECT_EQ(stats.pinned_bytes(), 0u);
+  EXPECT_EQ(stats.updates(), 1);  // it ran before the memory went
+  EXPECT_EQ(stats.pushes(), 1);
+}
+
+// A RunDetached task (a caller's ListCheckpoints) holds the destructor too.
+TEST_F(SessionManagerTest, DestroyingTheManagerWaitsForDetachedWork) {
+  const v1::CallerRef caller = manager_->NewCaller(getuid(), getpid());
+  v1::ListCheckpointsRequest list;
+  *list.mutable_caller() = caller;
+  v1::ListCheckpointsResponse resp;
+  std::promise<void> entered;
+  absl::Status listed = absl::UnknownError("not called");
+  manager_->ListCheckpoints(list, &resp, [&](absl::Status s) {
+    listed = s;
+    entered.set_value();
+    if (s.ok()) released_.wait();  // an error comes inline, on this thread
+  });
+  entered.get_future().wait();
+  ASSERT_TRUE(listed.ok()) << listed;
+  std::thread destroyer = DestroyManager();
+  std::this_thread::sleep_for(300ms);
+  EXPECT_FALSE(destroyed_.load()) << "the manager went while a detached task ran";
+  Release();
+  destroyer.join();
+  EXPECT_TRUE(destroyed_.load());
+}
+
+// After Drain every request is refused (UNAVAILABLE), also the ones that run detached.
+TEST_F(SessionManagerTest, DrainRefusesNewWork) {
+  const v1::SessionRef ref = OpenLoaded();
+  manager_->Drain();
+  push_.set_step(1);
+  *push_.mutable_session() = ref;
+  v1::PushGradientsResponse resp;
+  EXPECT_EQ(Call([&](auto done) { manager_->PushGradients(push_, &resp, done); }).code(),
+            Code::kUnavailable);
+  v1::OpenSessionRequest open;
+  open.set_pid(getpid());
+  EXPECT_EQ(manager_->Open(open).status().code(), Code::kUnavailable);
+  v1::DeleteCheckpointRequest del;
+  *del.mutable_caller() = manager_->NewCaller(getuid(), getpid());
+  del.set_tag("x");
+  EXPECT_EQ(Call([&](auto done) { manager_->DeleteCheckpoint(del, done); }).code(),
+            Code::kUnavailable);
+  EXPECT_EQ(manager_->GetStats().sessions(), 1);
+}
+
+}  // namespace
+}  // namespace stallfree
