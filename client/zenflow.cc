@@ -731,6 +731,12 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
   return w.out;
 }
 
+absl::Status ZenFlowEngine::DeleteCheckpoint(const std::string& tag) {
+  Impl& im = *impl_;
+  if (!im.offloading() || im.session == nullptr) return absl::OkStatus();
+  return im.session->DeleteCheckpoint(tag);
+}
+
 absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& state) {
   Impl& im = *impl_;
   if (im.step != 0)

@@ -189,6 +189,9 @@ class ZenFlowEngine {
   // the engine from `state`. The run then continues exactly as the checkpointed one would have.
   // InvalidArgument / DataLoss when `state` does not belong to this engine's configuration.
   absl::Status Restore(const std::string& tag, const std::string& state);
+  // Removes the daemon's checkpoint `tag` (this uid's; NotFound if there is none). OK without
+  // a daemon (no-offload, or nothing offloaded).
+  absl::Status DeleteCheckpoint(const std::string& tag);
 
   // Called on every weight's per-column scores (backend memory, cols floats) before top-k:
   // data-parallel replicas all-reduce them here so that they agree on the selection.

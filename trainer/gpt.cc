@@ -1,5 +1,6 @@
 #include "trainer/gpt.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -331,6 +332,49 @@ std::string RankFile(const TrainOptions& o, const std::string& tag, int rank) {
   return absl::StrCat(o.out_dir, "/checkpoints/", tag, ".rank", rank, ".trainer");
 }
 
+// The steps of this run's checkpoints that `rank` holds (<run>-step<N>.rank<r>.trainer), oldest
+// first.
+std::vector<int64_t> RunCheckpointSteps(const TrainOptions& o, int rank) {
+  std::vector<int64_t> steps;
+  const std::string dir = o.out_dir + "/checkpoints";
+  const std::string prefix = o.run_name + "-step";
+  const std::string suffix = absl::StrCat(".rank", rank, ".trainer");
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return steps;
+  while (struct dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.size() <= prefix.size() + suffix.size() || name.rfind(prefix, 0) != 0 ||
+        name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    const std::string n = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+    if (n.empty() || n.size() > 18 || n.find_first_not_of("0123456789") != std::string::npos)
+      continue;
+    steps.push_back(std::stoll(n));
+  }
+  closedir(d);
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+// Removes this rank's checkpoints of the run beyond the newest o.keep_checkpoints: its trainer
+// file and the daemon's state of the same tag. A failure is reported, not fatal: training goes
+// on with the files left behind.
+void PruneCheckpoints(const TrainOptions& o, int rank, ZenFlowEngine* engine) {
+  if (o.keep_checkpoints <= 0) return;
+  const std::vector<int64_t> steps = RunCheckpointSteps(o, rank);
+  if (static_cast<int64_t>(steps.size()) <= o.keep_checkpoints) return;
+  for (size_t i = 0; i + o.keep_checkpoints < steps.size(); ++i) {
+    const std::string tag = absl::StrCat(o.run_name, "-step", steps[i]);
+    absl::Status st = engine->DeleteCheckpoint(absl::StrCat(tag, ".r", rank));
+    if (!st.ok() && !absl::IsNotFound(st))
+      SF_LOG(kWarning, "rank %d: could not remove the daemon's checkpoint %s.r%d: %s", rank, tag,
+             rank, st.ToString());
+    const std::string file = RankFile(o, tag, rank);
+    if (unlink(file.c_str()) != 0 && errno != ENOENT)
+      ErrnoStatus("unlink", file).IgnoreError();  // logs the errno and the file
+  }
+}
+
 // ---- --dump_init (TrainOptions::dump_init) ----
 
 // The batches a run trains and evaluates on, [steps, B, T] and [eval batches, B, T] each.
@@ -507,6 +551,8 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
   const int64_t T = o.seq_len > 0 ? o.seq_len : preset.seq_len;
   const int64_t B = o.batch > 0 ? o.batch : preset.batch;
   if (o.steps < 1) return absl::InvalidArgumentError("steps: must be >= 1");
+  if (o.keep_checkpoints < 0)
+    return absl::InvalidArgumentError("keep_checkpoints: must be >= 0 (0 keeps every one)");
   if (!o.init_from.empty() && !o.resume.empty())
     return absl::InvalidArgumentError("init_from: cannot be combined with --resume");
   if (!o.dump_init.empty() && D != 1)
@@ -744,7 +790,8 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
     RETURN_IF_ERROR(dev->Synchronize());
     ASSIGN_OR_RETURN(st.engine, engine->Checkpoint(absl::StrCat(tag, ".r", rank)));
     RETURN_IF_ERROR(WriteFileAtomically(RankFile(o, tag, rank), EncodeState(st)));
-    RETURN_IF_ERROR(comm->Barrier());
+    RETURN_IF_ERROR(comm->Barrier());  // every rank holds the new one before any old one goes
+    PruneCheckpoints(o, rank, engine.get());
     if (lead) {
       printf("checkpoint '%s' written (step %ld; resume with --resume %s)\n", tag.c_str(),
              (long)step, tag.c_str());
@@ -803,7 +850,7 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
     RETURN_IF_ERROR(engine->Step(lr));
     const StepTimings& tm = engine->last_timings();
     const double step_s = Since(t0);
-    if (step == 1) first_loss = loss;
+    if (step == start + 1) first_loss = loss;  // this process's first step (a resume's too)
     losses.push_back(loss);
     double eval = std::nan("");
     if (evaluates(step)) {
@@ -855,20 +902,26 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
                                      absl::StrCat(o.run_name, ": ", o.preset, ", D=", D));
     std::string summary = absl::StrFormat(
         "{\"mode\": \"%s\", \"D\": %d, \"preset\": \"%s\", \"params\": %ld, \"steps\": %ld, "
-        "\"first_loss\": %.6f, \"final_train_loss\": %.6f, \"final_eval_loss\": %.6f, "
+        "\"first_step\": %ld, \"last_step\": %ld, \"first_loss\": %.6f, \"final_train_loss\": %.6f, \"final_eval_loss\": %.6f, "
         "\"tokens_per_s\": %.3f, \"step_s\": %.6f, \"compute_s\": %.6f, \"optimizer_s\": %.6f, "
         "\"copies_s\": %.6f, \"stall_s\": %.6f, \"stall_share\": %.6f, "
         "\"host_traffic_per_step_over_bf16_model\": %.6f}\n",
         OffloadModeName(o.engine.mode), D, o.preset, (long)params_total, (long)o.steps,
-        first_loss, final_loss, last_eval, static_cast<double>(B * T) * steps_done / sum_step,
+        (long)(start + 1), (long)last_step, first_loss, final_loss, last_eval, static_cast<double>(B * T) * steps_done / sum_step,
         sum_step / steps_done, sum_compute / steps_done, sum_opt / steps_done,
         sum_copies / steps_done, sum_stall / steps_done, sum_stall / std::max(sum_step, 1e-12),
         sum_traffic / std::max<double>(n, 1) / model_bf16);
     RETURN_IF_ERROR(WriteFileAtomically(o.out_dir + "/summary.json", summary));
-    printf("\n== summary: %s, %s, D = %d, %.2fM parameters, %ld steps\n", o.run_name.c_str(),
-           OffloadModeName(o.engine.mode), D, params_total / 1e6, (long)o.steps);
-    printf("  train loss   %.4f -> %.4f (mean of the last %ld steps)\n", first_loss, final_loss,
-           (long)tail);
+    const std::string ran =
+        start == 0 && last_step == o.steps
+            ? absl::StrCat(o.steps, " steps")
+            : absl::StrCat("steps ", start + 1, "-", last_step, " of ", o.steps,
+                           start > 0 ? absl::StrCat(" (resumed after step ", start, ")") : "",
+                           last_step < o.steps ? " (stopped early: --stop_at)" : "");
+    printf("\n== summary: %s, %s, D = %d, %.2fM parameters, %s\n", o.run_name.c_str(),
+           OffloadModeName(o.engine.mode), D, params_total / 1e6, ran.c_str());
+    printf("  train loss   %.4f -> %.4f (step %ld -> the mean of the last %ld steps)\n",
+           first_loss, final_loss, (long)(start + 1), (long)tail);
     printf("  eval loss    %.4f\n", last_eval);
     printf("  throughput   %.0f tokens/s\n", static_cast<double>(B * T) * steps_done / sum_step);
     printf("  step time    %.3f s: compute %.3f, optimizer %.3f, copies %.3f, stall %.3f "

@@ -12,6 +12,8 @@
 // <out_dir>/checkpoints/<tag>.rank<r>.trainer (its shard, the engine's state, the data position,
 // a checksum; temporary file, fsync, rename, directory fsync) and the daemon writes its state as
 // <tag>.r<r>.  --resume <tag> continues from there exactly as the uninterrupted run would.
+// After each checkpoint only the run's newest --keep_checkpoints stay: each rank removes its
+// older trainer files and the daemon's checkpoints of the same tags.
 //
 // Devices (trainer/device.h): with device "cpu" the shard, its gradients and the engine's
 // device-side state are host memory, the model's collectives run over the Gloo group. With
@@ -69,6 +71,7 @@ struct TrainOptions {
   std::string out_dir = "train-out";
   std::string run_name = "run";
   int64_t checkpoint_every = 0;  // 0: only at the end
+  int64_t keep_checkpoints = 3;  // the newest N of this run stay (trainer and daemon); 0: all
   std::string resume;            // a checkpoint tag written by an earlier run
   // Weights only (fresh optimizer and data order) from another run's checkpoint, given as its
   // path without the ".rank<r>.trainer" suffix, e.g. runs/a/checkpoints/a-step400.

@@ -97,6 +97,8 @@ int Run(int argc, char** argv) {
   flags.AddString("run_name", &o.run_name, "names the run's checkpoints and daemon sessions");
   flags.AddInt("checkpoint_every", &o.checkpoint_every,
                "checkpoint every N steps (0: at the end only)");
+  flags.AddInt("keep_checkpoints", &o.keep_checkpoints,
+               "keep the run's newest N checkpoints, trainer files and the daemon's (0: all)");
   flags.AddString("resume", &o.resume, "continue from this checkpoint tag (<run>-step<N>)");
   flags.AddString("init_from", &o.init_from,
                   "start from another run's weights (fresh optimizer): <out_dir>/checkpoints/"

@@ -97,11 +97,59 @@ TEST_F(TrainerTest, ResumeEqualsUninterruptedRun) {
   EXPECT_NE(resumed.output.find("resumed from checkpoint 'part-step10' at step 10"),
             std::string::npos)
       << resumed.output;
+  // Both summaries say which steps ran, and the resumed one's first loss is step 11's, not nan.
+  EXPECT_NE(first.output.find("steps 1-10 of 20 (stopped early: --stop_at)"), std::string::npos)
+      << first.output;
+  EXPECT_NE(resumed.output.find("steps 11-20 of 20 (resumed after step 10)"), std::string::npos)
+      << resumed.output;
+  EXPECT_EQ(resumed.output.find("train loss   nan"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("(step 11 -> the mean of the last 10 steps)"), std::string::npos)
+      << resumed.output;
   std::vector<double> a = Losses(Csv("full")), b = Losses(Csv("part"));
   // The resumed run appends steps 11..20 to the first run's 1..10.
   ASSERT_EQ(a.size(), 20u);
   ASSERT_EQ(b.size(), 20u);
   for (int i = 0; i < 20; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+}
+
+// --keep_checkpoints N: after each checkpoint only the run's newest N stay, the trainer's files
+// of every rank and the daemon's state files of the same tags; 0 keeps every one.
+TEST_F(TrainerTest, KeepCheckpointsRemovesOlderTrainerAndDaemonFiles) {
+  auto list = [](const std::string& dir) {
+    std::vector<std::string> names;
+    testing::ProcessRun ls = testing::RunShell("ls -1 " + dir);
+    std::istringstream in(ls.output);
+    for (std::string line; std::getline(in, line);)
+      if (!line.empty()) names.push_back(line);
+    return names;
+  };
+  const std::string daemon_dir = daemon_->dir() + "/state/" + std::to_string(getuid());
+  TrainerRun kept = Trainer(Cat(Base("keep", 14), {"--nproc", "2", "--checkpoint_every", "2",
+                                                   "--keep_checkpoints", "2", "--stop_at", "12"}));
+  ASSERT_EQ(kept.code, 0) << kept.output;
+  EXPECT_EQ(list(out_ + "/keep/checkpoints"),
+            (std::vector<std::string>{"keep-step10.rank0.trainer", "keep-step10.rank1.trainer",
+                                      "keep-step12.rank0.trainer", "keep-step12.rank1.trainer"}));
+  EXPECT_EQ(list(daemon_dir), (std::vector<std::string>{"keep-step10.r0.sfckpt",
+                                                        "keep-step10.r1.sfckpt",
+                                                        "keep-step12.r0.sfckpt",
+                                                        "keep-step12.r1.sfckpt"}));
+  // The newest resumes, and the resumed run prunes the same way.
+  TrainerRun resumed = Trainer(Cat(Base("keep", 14), {"--nproc", "2", "--resume", "keep-step12",
+                                                      "--checkpoint_every", "2",
+                                                      "--keep_checkpoints", "2"}));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_EQ(list(daemon_dir), (std::vector<std::string>{"keep-step12.r0.sfckpt",
+                                                        "keep-step12.r1.sfckpt",
+                                                        "keep-step14.r0.sfckpt",
+                                                        "keep-step14.r1.sfckpt"}));
+  TrainerRun all = Trainer(Cat(Base("all", 6), {"--checkpoint_every", "2",
+                                                "--keep_checkpoints", "0"}));
+  ASSERT_EQ(all.code, 0) << all.output;
+  EXPECT_EQ(list(out_ + "/all/checkpoints").size(), 3u);
+  TrainerRun bad = Trainer(Cat(Base("bad", 2), {"--keep_checkpoints", "-1"}));
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.output.find("keep_checkpoints: must be >= 0"), std::string::npos) << bad.output;
 }
 
 TEST_F(TrainerTest, InitFromStartsAnyModeFromAnotherRunsWeights) {
