@@ -13,7 +13,14 @@ CUDA_TARGETS := //kernels:optimizer_cuda //kernels:ops_cuda //tests/kernels:opti
   //tests/parallel:tsp_nccl_test //tests/parallel:tpsp_nccl_test //tests/parallel:model_nccl_test \
   //tests/trainer:trainer_cuda_test
 
-.PHONY: deps build test demo bench gpu-check clean
+# What runs under the sanitizers: the daemon, the client library and the ZenFlow engine.
+SANITIZED_TESTS := //tests/server/... //tests/client/...
+ASAN_FLAGS := --config=asan \
+  --test_env=LSAN_OPTIONS=suppressions=$(CURDIR)/tests/sanitizers/lsan.supp
+TSAN_FLAGS := --config=tsan \
+  --test_env=TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$(CURDIR)/tests/sanitizers/tsan.supp
+
+.PHONY: deps build test test-tsan demo bench gpu-check clean
 
 deps:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q "install ok installed" || echo $$p; done); \
@@ -28,6 +35,7 @@ build: deps
 
 test: deps
 	$(BAZEL) test //...
+	$(BAZEL) test $(ASAN_FLAGS) $(SANITIZED_TESTS)
 	@if [ -x $(NVCC) ]; then \
 	  echo "nvcc found: building and linking the --config=cuda configuration"; \
 	  $(BAZEL) build --config=cuda //... $(CUDA_TARGETS) && \
@@ -36,6 +44,9 @@ test: deps
 	  ./bazel-bin/tests/parallel/tpsp_nccl_test && ./bazel-bin/tests/parallel/model_nccl_test && \
 	  ./bazel-bin/tests/trainer/trainer_cuda_test; \
 	else echo "nvcc not found: skipping the CUDA configuration"; fi
+
+test-tsan: deps
+	$(BAZEL) test $(TSAN_FLAGS) $(SANITIZED_TESTS)
 
 demo: deps
 	$(BAZEL) build //:stallfreed //:stallfreectl //:trainer

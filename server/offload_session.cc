@@ -85,7 +85,7 @@ void OffloadSession::Release() {
   std::unique_ptr<MappedRegion> region, state;
   uint64_t reserved, pinned;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     region = std::move(region_);
     state = std::move(state_);
     master_ = m_ = v_ = acc_ = nullptr;
@@ -102,7 +102,7 @@ void OffloadSession::Release() {
 // ---- Control.
 
 absl::Status OffloadSession::BeginRegister(uint64_t layout_bytes) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (registered_ || registering_)
     return absl::FailedPreconditionError(
         absl::StrCat("session ", id_, " already registered its parameters"));
@@ -113,12 +113,12 @@ absl::Status OffloadSession::BeginRegister(uint64_t layout_bytes) {
 }
 
 const SessionLayout* OffloadSession::layout() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return registered_ ? layout_.get() : nullptr;
 }
 
 absl::StatusOr<std::pair<int, uint64_t>> OffloadSession::Attach(uid_t uid, pid_t pid) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (closed_) return absl::NotFoundError(absl::StrCat("no session ", id_));
   if (!registered_)
     return absl::FailedPreconditionError("attach after RegisterParams: the region is not laid out");
@@ -132,7 +132,7 @@ absl::StatusOr<std::pair<int, uint64_t>> OffloadSession::Attach(uid_t uid, pid_t
 }
 
 absl::Status OffloadSession::CheckLoadable() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (updated_once_ || update_running_)
     return absl::FailedPreconditionError(
         "LoadParams after the first Update would discard optimizer state");
@@ -140,7 +140,7 @@ absl::Status OffloadSession::CheckLoadable() const {
 }
 
 absl::Status OffloadSession::BeginUpdate(int64_t step) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (update_running_)
     return absl::AbortedError(absl::StrCat("step: the update of step ", last_step_,
                                            " is still running for session ", id_));
@@ -153,7 +153,7 @@ absl::Status OffloadSession::BeginUpdate(int64_t step) {
 }
 
 absl::Status OffloadSession::CheckMigratable() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (update_running_)
     return absl::AbortedError(absl::StrCat("the update of step ", last_step_,
                                            " is still running for session ", id_,
@@ -166,7 +166,7 @@ absl::Status OffloadSession::CheckMigratable() const {
 }
 
 absl::Status OffloadSession::BeginRestore() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (update_running_)
     return absl::AbortedError(absl::StrCat("the update of step ", last_step_,
                                            " is still running for session ", id_));
@@ -178,7 +178,7 @@ absl::Status OffloadSession::Wait(int64_t min_version, Clock::time_point deadlin
                                   const WaitDone& done) {
   WaitResult ready;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (closed_) return absl::AbortedError(closed_message_);
     if (version_ == 0 || version_ < min_version) {
       if (!update_running_ && last_step_ < min_version)
@@ -197,7 +197,7 @@ absl::Status OffloadSession::Wait(int64_t min_version, Clock::time_point deadlin
 void OffloadSession::ExpireWaiters(Clock::time_point now) {
   std::vector<Waiter> expired;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto it = waiters_.begin(); it != waiters_.end();) {
       if (it->deadline <= now) {
         expired.push_back(std::move(*it));
@@ -216,7 +216,7 @@ uint64_t OffloadSession::MarkClosed(const std::string& waiter_message) {
   std::vector<Waiter> waiters;
   uint64_t bytes;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     closed_ = true;
     closed_message_ = waiter_message;
     waiters.swap(waiters_);
@@ -227,19 +227,19 @@ uint64_t OffloadSession::MarkClosed(const std::string& waiter_message) {
 }
 
 pid_t OffloadSession::pid() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return pid_;
 }
 
 std::optional<uid_t> OffloadSession::uid() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (!attached_) return std::nullopt;
   return uid_;
 }
 
 v1::SessionInfo OffloadSession::Info() const {
   v1::SessionInfo info;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   info.set_session_id(id_);
   info.set_name(name_);
   info.set_rank(rank_);
@@ -338,7 +338,7 @@ absl::Status OffloadSession::Allocate(SessionLayout layout) {
       memset(base + b * kPage, 0, (e - b) * kPage);
     });
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   registering_ = false;
   if (!region.ok() || !state.ok()) {
     env_.budget->Release(reserved_bytes_);
@@ -395,7 +395,7 @@ int64_t OffloadSession::Accumulate(const PushPlan& plan) {
   env_.counters->accumulate_ns.fetch_add(Nanos(Clock::now() - t0));
   env_.counters->pushes.fetch_add(1);
   env_.counters->bytes_in.fetch_add(plan.bytes);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   pushes_++;
   return ++pushes_since_update_;
 }
@@ -465,7 +465,7 @@ void OffloadSession::Update(const UpdatePlan& plan) {
   std::vector<Waiter> ready;
   WaitResult result;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     update_running_ = false;
     updated_once_ = true;
     version_ = cfg.step;
@@ -520,7 +520,7 @@ absl::StatusOr<CheckpointWritten> OffloadSession::Snapshot(const std::string& pa
   header.set_rank(rank_);
   header.set_owner_uid(owner);
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     header.set_last_step(last_step_);
     header.set_version(version_);
   }
@@ -565,7 +565,7 @@ absl::StatusOr<v1::CheckpointHeader> OffloadSession::Restore(const std::string& 
     }
   }
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     update_running_ = false;
     if (st.ok()) {
       last_step_ = header->last_step();

@@ -35,7 +35,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "common/region.h"
 #include "kernels/optimizer.h"
 #include "server/checkpoint.h"
@@ -294,7 +294,7 @@ class OffloadSession {
   const Env env_;
   const std::shared_ptr<Strand> strand_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   // The opener's pid until the attach, then the kernel's pid of the attached process.
   pid_t pid_ ABSL_GUARDED_BY(mu_);
   // The kernel's uid of the attached process (SO_PEERCRED): set once by Attach; nothing that

@@ -103,6 +103,8 @@ absl::StatusOr<PushPlan> PlanPush(const v1::PushGradientsRequest& req,
     return absl::InvalidArgumentError(absl::StrCat("slot: ", req.slot(), " is not 0 or 1"));
   const uint64_t slot_bytes = layout.region.grad_slot_bytes();
   const uint64_t slot = layout.region.grad_slot_offset() + req.slot() * slot_bytes;
+  if (!std::isfinite(req.scale()))
+    return absl::InvalidArgumentError("scale: must be finite (0 means 1)");
   PushPlan plan;
   plan.whole = req.ranges_size() == 0;
   plan.scale = req.scale() == 0.0f ? 1.0f : req.scale();
@@ -154,6 +156,8 @@ absl::StatusOr<PushPlan> PlanPush(const v1::PushGradientsInlineRequest& req,
     return absl::InvalidArgumentError(absl::StrCat(
         "data: ", req.data().size(), " bytes is not a whole number of elements within '", p.name,
         "'"));
+  if (!std::isfinite(req.scale()))
+    return absl::InvalidArgumentError("scale: must be finite (0 means 1)");
   PushPlan plan;
   const int64_t count = static_cast<int64_t>(req.data().size() / esize);
   plan.jobs.push_back({p.elem_offset, reinterpret_cast<const uint8_t*>(req.data().data()), 0,
@@ -214,6 +218,8 @@ absl::StatusOr<UpdatePlan> PlanUpdate(const v1::UpdateRequest& req, const Sessio
   plan.column_steps = req.column_steps();
   plan.fuse_push = req.fuse_push();
   plan.grad_slot = req.fused_grad_slot();
+  if (!std::isfinite(req.push_scale()))
+    return absl::InvalidArgumentError("push_scale: must be finite (0 means 1)");
   plan.push_scale = req.push_scale() == 0.0f ? 1.0f : req.push_scale();
   return plan;
 }

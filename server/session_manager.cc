@@ -86,7 +86,7 @@ absl::StatusOr<std::shared_ptr<OffloadSession>> SessionManager::Lookup(const v1:
                                                                        bool needs_registered) {
   std::shared_ptr<OffloadSession> s;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (draining_) return ShuttingDown();
     auto it = sessions_.find(ref.session_id());
     if (it == sessions_.end()) return NoSession(ref.session_id());
@@ -102,7 +102,7 @@ absl::StatusOr<std::shared_ptr<OffloadSession>> SessionManager::Lookup(const v1:
 
 absl::Status SessionManager::Post(const OffloadSession& s, std::function<void()> work) {
   if (s.strand().Post(std::move(work))) return absl::OkStatus();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return draining_ ? ShuttingDown() : NoSession(s.id());
 }
 
@@ -114,7 +114,7 @@ void SessionManager::PostOrFail(const OffloadSession& s, std::function<void()> w
 
 absl::Status SessionManager::RunDetached(std::function<void()> fn) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (draining_) return ShuttingDown();
     ++detached_running_;
   }
@@ -123,7 +123,7 @@ absl::Status SessionManager::RunDetached(std::function<void()> fn) {
   arena_->enqueue([this, task] {
     (*task)();
     *task = nullptr;
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     --detached_running_;
   });
   return absl::OkStatus();
@@ -134,7 +134,7 @@ absl::StatusOr<uid_t> SessionManager::CallerUid(const v1::CallerRef& caller, con
     return absl::UnauthenticatedError(absl::StrCat(
         what, ": no caller credential; get one from the fd socket (send \"CALLER\\n\", "
         "offload.proto: CallerRef), as stallfreectl does"));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = callers_.find(caller.caller_id());
   if (it == callers_.end() || it->second.token != caller.token())
     return absl::PermissionDeniedError(
@@ -155,7 +155,7 @@ absl::StatusOr<uid_t> SessionManager::Identify(const v1::CallerRef& caller,
 
 v1::CallerRef SessionManager::NewCaller(uid_t peer_uid, pid_t peer_pid) {
   v1::CallerRef ref;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   const uint64_t id = next_id_++;
   ref.set_caller_id(id);
   ref.set_token(NewToken());
@@ -165,7 +165,7 @@ v1::CallerRef SessionManager::NewCaller(uid_t peer_uid, pid_t peer_pid) {
 }
 
 void SessionManager::DropCaller(uint64_t caller_id) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   callers_.erase(caller_id);
 }
 
@@ -182,7 +182,7 @@ absl::StatusOr<v1::OpenSessionResponse> SessionManager::Open(const v1::OpenSessi
         "namespace needs the daemon's, e.g. hostPID in Kubernetes)"));
   v1::OpenSessionResponse resp;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (draining_) bad = ShuttingDown();
     if (bad.ok()) {
       const uint64_t id = next_id_++;
@@ -206,7 +206,7 @@ absl::StatusOr<v1::OpenSessionResponse> SessionManager::Open(const v1::OpenSessi
 }
 
 std::shared_ptr<OffloadSession> SessionManager::Unregister(uint64_t id) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return nullptr;
   std::shared_ptr<OffloadSession> s = std::move(it->second);
@@ -221,7 +221,7 @@ void SessionManager::Retire(const std::shared_ptr<OffloadSession>& s) {
   OffloadSession* session = s.get();
   session->strand().Close([this, session] {
     session->Release();
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     closing_.erase(session->id());
   });
 }
@@ -491,7 +491,7 @@ absl::StatusOr<std::pair<int, uint64_t>> SessionManager::Attach(uint64_t session
                                                                 uid_t peer_uid, pid_t peer_pid) {
   std::shared_ptr<OffloadSession> s;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
     if (it == sessions_.end())
       return absl::NotFoundError(absl::StrCat("no session ", session_id));
@@ -508,7 +508,7 @@ void SessionManager::OnConnectionClosed(uint64_t session_id) {
 
 std::vector<std::shared_ptr<OffloadSession>> SessionManager::OpenSessions() {
   std::vector<std::shared_ptr<OffloadSession>> all;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (auto& [id, s] : sessions_) all.push_back(s);
   return all;
 }
@@ -526,15 +526,15 @@ void SessionManager::Housekeeping() {
 void SessionManager::Drain() {
   std::vector<std::shared_ptr<OffloadSession>> open;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     draining_ = true;
     for (auto& [id, s] : sessions_) open.push_back(s);
   }
   // From here no strand takes new work; each finishes what it has.
   for (const auto& s : open) s->strand().Close(nullptr);
   for (const auto& s : open) s->strand().WaitIdle();
-  absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(this, &SessionManager::Settled));
+  MutexLock lock(&mu_);
+  mu_.Await([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return Settled(); });
 }
 
 absl::StatusOr<std::vector<v1::SessionInfo>> SessionManager::ListSessions(

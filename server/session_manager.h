@@ -31,7 +31,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "common/region.h"
 #include "server/offload_session.h"
 #include "stallfree/v1/offload.pb.h"
@@ -169,7 +169,7 @@ class SessionManager {
   PinnedBudget budget_;
   const std::chrono::steady_clock::time_point start_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, std::shared_ptr<OffloadSession>> sessions_ ABSL_GUARDED_BY(mu_);

@@ -1,0 +1,409 @@
+// A bounded randomized client against a real stallfreed (under --config=asan in `make test`, a
+// daemon built with AddressSanitizer and UBSan): >= 5,000 requests from fixed seeds, each an RPC
+// with hostile field values (offset + length overflow, 2^63, NaN / inf hyper-parameters and
+// scales, path-like and NUL-containing tags and names, wrong tokens and ids, out-of-order calls,
+// raw garbage bodies). Every answer must carry a code that offload.proto documents for requests
+// (INTERNAL would mean a system call failed), the daemon must still be running, and afterwards a
+// good session must train normally: one AdamW step gives the value computed here by hand.
+#include <signal.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <type_traits>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <grpcpp/generic/generic_stub.h>
+#include <gtest/gtest.h>
+
+#include "client/client.h"
+#include "tests/support/daemon_process.h"
+
+namespace stallfree {
+namespace {
+
+using grpc::StatusCode;
+
+constexpr int kRequestsPerSeed = 1300;
+constexpr int kSeeds = 4;  // 5,200 requests
+
+class Fuzzer {
+ public:
+  Fuzzer(Client* client, uint64_t seed) : client_(client), rng_(seed) {}
+
+  // Sessions the fuzzer may aim at with their real tokens (some registered, some not).
+  void AddTarget(const v1::SessionRef& ref) { targets_.push_back(ref); }
+
+  // One random request; returns its code.
+  StatusCode Next(std::string* method) {
+    switch (Pick(17)) {
+      case 0: *method = "OpenSession"; return Call(&v1::Offload::Stub::OpenSession, OpenReq());
+      case 1: *method = "CloseSession"; {
+        v1::CloseSessionRequest r;
+        *r.mutable_session() = Ref(/*allow_real=*/Pick(10) == 0);  // rarely a real one
+        return Call(&v1::Offload::Stub::CloseSession, r);
+      }
+      case 2: *method = "RegisterParams"; {
+        v1::RegisterParamsRequest r;
+        *r.mutable_session() = Ref(true);
+        const int n = Pick(4);
+        for (int i = 0; i < n; ++i) *r.add_params() = Spec();
+        return Call(&v1::Offload::Stub::RegisterParams, r);
+      }
+      case 3: *method = "LoadParams"; {
+        v1::LoadParamsRequest r;
+        *r.mutable_session() = Ref(true);
+        if (Pick(2)) r.add_names(Name());
+        return Call(&v1::Offload::Stub::LoadParams, r);
+      }
+      case 4: *method = "PushGradients"; {
+        v1::PushGradientsRequest r;
+        *r.mutable_session() = Ref(true);
+        r.set_step(I64());
+        r.set_slot(static_cast<uint32_t>(U64()));
+        r.set_scale(F32());
+        const int n = Pick(3);
+        for (int i = 0; i < n; ++i) {
+          v1::GradRange* g = r.add_ranges();
+          g->set_param(Name());
+          g->set_offset(U64());
+          g->set_length(U64());
+          g->set_first_element(U64());
+          g->set_dtype(static_cast<v1::DType>(Pick(5)));
+        }
+        return Call(&v1::Offload::Stub::PushGradients, r);
+      }
+      case 5: *method = "PushGradientsInline"; {
+        v1::PushGradientsInlineRequest r;
+        *r.mutable_session() = Ref(true);
+        r.set_param(Name());
+        r.set_data(Bytes(Pick(3) == 0 ? 4096 : 64));
+        r.set_scale(F32());
+        return Call(&v1::Offload::Stub::PushGradientsInline, r);
+      }
+      case 6: *method = "Update"; {
+        v1::UpdateRequest r;
+        *r.mutable_session() = Ref(true);
+        r.set_step(I64());
+        v1::AdamWHyper* h = r.mutable_hyper();
+        h->set_lr(F64());
+        h->set_beta1(F64());
+        h->set_beta2(F64());
+        h->set_eps(F64());
+        h->set_weight_decay(F64());
+        r.set_param_slot(static_cast<uint32_t>(U64()));
+        r.set_out_dtype(static_cast<v1::DType>(Pick(5)));
+        r.set_column_steps(Pick(2));
+        r.set_fuse_push(Pick(2));
+        r.set_fused_grad_slot(static_cast<uint32_t>(U64()));
+        r.set_push_scale(F32());
+        if (Pick(3) == 0) r.add_skip_params(Name());
+        return Call(&v1::Offload::Stub::Update, r);
+      }
+      case 7: *method = "WaitUpdate"; {
+        v1::WaitUpdateRequest r;
+        *r.mutable_session() = Ref(true);
+        r.set_min_version(I64());
+        r.set_timeout_ms(static_cast<uint32_t>(Pick(50)));  // a hostile timeout is the client's own wait
+        return Call(&v1::Offload::Stub::WaitUpdate, r);
+      }
+      case 8: *method = "MigrateColumns"; {
+        v1::MigrateColumnsRequest r;
+        *r.mutable_session() = Ref(true);
+        r.set_param(Name());
+        const int n = Pick(4);
+        for (int i = 0; i < n; ++i) {
+          r.add_columns(I64());
+          if (Pick(4)) r.add_steps(I64());
+        }
+        return Call(&v1::Offload::Stub::MigrateColumns, r);
+      }
+      case 9: *method = "Checkpoint"; {
+        v1::CheckpointRequest r;
+        *r.mutable_session() = Ref(true);
+        r.set_tag(Tag());
+        return Call(&v1::Offload::Stub::Checkpoint, r);
+      }
+      case 10: *method = "Restore"; {
+        v1::RestoreRequest r;
+        *r.mutable_session() = Ref(true);
+        r.set_tag(Tag());
+        r.set_out_dtype(static_cast<v1::DType>(Pick(5)));
+        return Call(&v1::Offload::Stub::Restore, r);
+      }
+      case 11: *method = "ListCheckpoints"; {
+        v1::ListCheckpointsRequest r;
+        if (Pick(2)) *r.mutable_session() = Ref(true);
+        if (Pick(2)) *r.mutable_caller() = Caller();
+        return Call(&v1::Offload::Stub::ListCheckpoints, r);
+      }
+      case 12: *method = "ReadCheckpoint"; {
+        v1::ReadCheckpointRequest r;
+        *r.mutable_session() = Ref(true);
+        r.set_tag(Tag());
+        r.set_offset(U64());
+        r.set_delete_after(Pick(2));
+        return Call(&v1::Offload::Stub::ReadCheckpoint, r);
+      }
+      case 13: *method = "WriteCheckpoint"; {
+        v1::WriteCheckpointRequest r;
+        *r.mutable_session() = Ref(true);
+        r.set_tag(Tag());
+        r.set_offset(U64());
+        r.set_length(U64());
+        r.set_total_bytes(U64());
+        return Call(&v1::Offload::Stub::WriteCheckpoint, r);
+      }
+      case 14: *method = "DeleteCheckpoint"; {
+        v1::DeleteCheckpointRequest r;
+        if (Pick(2)) *r.mutable_session() = Ref(true);
+        else *r.mutable_caller() = Caller();
+        r.set_tag(Tag());
+        return Call(&v1::Offload::Stub::DeleteCheckpoint, r);
+      }
+      case 15: *method = "ListSessions"; {
+        v1::ListSessionsRequest r;
+        if (Pick(2)) *r.mutable_caller() = Caller();
+        return Call(&v1::Offload::Stub::ListSessions, r);
+      }
+      default: *method = "garbage"; return Garbage(method);
+    }
+  }
+
+ private:
+  int Pick(int n) { return static_cast<int>(rng_() % static_cast<uint64_t>(n)); }
+
+  uint64_t U64() {
+    static const uint64_t kEdge[] = {0, 1, 2, 3, 4, 7, 8, 15, 16, 4095, 4096, 65536,
+                                     (uint64_t{1} << 31), (uint64_t{1} << 32) - 1,
+                                     (uint64_t{1} << 40), (uint64_t{1} << 63),
+                                     (uint64_t{1} << 63) - 1, ~uint64_t{0}, ~uint64_t{0} - 3};
+    if (Pick(3)) return kEdge[Pick(sizeof kEdge / sizeof kEdge[0])];
+    return rng_() >> Pick(64);
+  }
+  int64_t I64() { return static_cast<int64_t>(U64()) * (Pick(4) == 0 ? -1 : 1); }
+  double F64() {
+    static const double kEdge[] = {0.0, -0.0, 1e-3, 0.9, 0.999, 1.0, -1.0, 1e-308, 1e308,
+                                   std::numeric_limits<double>::infinity(),
+                                   -std::numeric_limits<double>::infinity(),
+                                   std::numeric_limits<double>::quiet_NaN(),
+                                   std::numeric_limits<double>::denorm_min()};
+    return kEdge[Pick(sizeof kEdge / sizeof kEdge[0])];
+  }
+  float F32() { return static_cast<float>(F64()); }
+
+  std::string Name() {
+    static const char* kNames[] = {"w", "b", "", "w\0x", "../w", "w/..", "x", "a b"};
+    std::string n = kNames[Pick(8)];
+    if (Pick(8) == 0) n.push_back('\0');
+    if (Pick(16) == 0) n = std::string(2000, 'n');
+    return n;
+  }
+  std::string Tag() {
+    static const char* kTags[] = {"t", "ok.tag-1", "", ".", "..", "../etc/passwd", "a/b", "/abs",
+                                  ".hidden", "x..y", "sp ace", "0", "65534"};
+    std::string t = kTags[Pick(13)];
+    if (Pick(8) == 0) t += std::string(1, '\0') + "nul";
+    if (Pick(16) == 0) t = std::string(Pick(2) ? 128 : 129, 't');
+    return t;
+  }
+  std::string Bytes(size_t max) {
+    std::string b(static_cast<size_t>(Pick(static_cast<int>(max) + 1)), '\0');
+    for (char& c : b) c = static_cast<char>(rng_());
+    return b;
+  }
+  v1::ParamSpec Spec() {
+    v1::ParamSpec s;
+    s.set_name(Name());
+    const int dims = Pick(10);
+    for (int d = 0; d < dims; ++d)
+      s.add_shape(Pick(3) ? static_cast<int64_t>(1 + Pick(64)) : I64());
+    s.set_grad_dtype(static_cast<v1::DType>(Pick(5)));
+    return s;
+  }
+  v1::SessionRef Ref(bool allow_real) {
+    v1::SessionRef r;
+    if (allow_real && !targets_.empty() && Pick(3)) {
+      r = targets_[Pick(static_cast<int>(targets_.size()))];
+      if (Pick(6) == 0) r.set_token(r.token().substr(0, Pick(32)) + "ff");  // a wrong token
+      return r;
+    }
+    r.set_session_id(U64());
+    r.set_token(Pick(2) ? "" : std::string(32, 'a'));
+    return r;
+  }
+  v1::CallerRef Caller() {
+    v1::CallerRef c;
+    if (Pick(2)) {
+      auto real = client_->Caller();
+      if (real.ok()) c = *real;
+      if (Pick(3) == 0) c.set_token("0" + c.token());
+      return c;
+    }
+    c.set_caller_id(U64());
+    // Printable: a string field with invalid UTF-8 does not parse, which the garbage bodies
+    // already cover.
+    std::string token = Bytes(40);
+    for (char& ch : token) ch = static_cast<char>('!' + static_cast<unsigned char>(ch) % 90);
+    c.set_token(token);
+    return c;
+  }
+  v1::OpenSessionRequest OpenReq() {
+    v1::OpenSessionRequest r;
+    r.set_name(Pick(8) ? Name() : std::string(300, 'n'));
+    r.set_rank(static_cast<int32_t>(I64()));
+    r.set_pid(Pick(2) ? static_cast<int64_t>(getpid()) : I64());
+    return r;
+  }
+
+  template <typename Req, typename Resp>
+  StatusCode Call(grpc::Status (v1::Offload::Stub::*rpc)(grpc::ClientContext*, const Req&, Resp*),
+                  const Req& req) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    Resp resp;
+    grpc::Status st = (client_->stub()->*rpc)(&ctx, req, &resp);
+    if constexpr (std::is_same<Resp, v1::OpenSessionResponse>::value) {
+      // New sessions join the targets (their tokens are real).
+      if (st.ok() && targets_.size() < 64) targets_.push_back(resp.session());
+    }
+    return st.error_code();
+  }
+
+  // Raw bytes as the body of a random method (the generic stub skips protobuf).
+  StatusCode Garbage(std::string* method) {
+    static const char* kMethods[] = {"OpenSession", "RegisterParams", "PushGradients", "Update",
+                                     "MigrateColumns", "Checkpoint", "WriteCheckpoint",
+                                     "ListSessions", "NoSuchMethod"};
+    *method = std::string("garbage:") + kMethods[Pick(9)];
+    grpc::GenericStub stub(channel());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    const std::string body = Bytes(256);
+    grpc::Slice slice(body);
+    grpc::ByteBuffer request(&slice, 1), response;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    grpc::Status result;
+    stub.UnaryCall(&ctx, "/stallfree.v1.Offload/" + method->substr(8), grpc::StubOptions(),
+                   &request, &response, [&](grpc::Status s) {
+                     std::lock_guard<std::mutex> lock(mu);
+                     result = s;
+                     done = true;
+                     cv.notify_all();
+                   });
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+    return result.error_code();
+  }
+
+  std::shared_ptr<grpc::Channel> channel() {
+    if (!channel_)
+      channel_ = grpc::CreateChannel("unix:" + client_->socket_path(),
+                                     grpc::InsecureChannelCredentials());
+    return channel_;
+  }
+
+  Client* client_;
+  std::mt19937_64 rng_;
+  std::vector<v1::SessionRef> targets_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+TEST(Fuzz, HostileRequestsGetDocumentedCodesAndTheDaemonServesOn) {
+  testing::Daemon d({"--threads", "2", "--pinned_mib", "256"}, "warning");
+  ASSERT_TRUE(d.started()) << d.error();
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok()) << client.status();
+  // Targets: a registered, loaded and updated session; a registered one; an open one.
+  auto trained = (*client)->OpenSession("fuzz-trained", 0);
+  ASSERT_TRUE(trained.ok());
+  ASSERT_TRUE((*trained)->RegisterParams({{"w", {8, 16}, v1::DTYPE_FP32},
+                                          {"b", {16}, v1::DTYPE_BF16}}).ok());
+  ASSERT_TRUE((*trained)->LoadParams().ok());
+  auto registered = (*client)->OpenSession("fuzz-registered", 1);
+  ASSERT_TRUE(registered.ok());
+  ASSERT_TRUE((*registered)->RegisterParams({{"w", {4, 9}, v1::DTYPE_BF16}}).ok());
+  auto open = (*client)->OpenSession("fuzz-open", 2);
+  ASSERT_TRUE(open.ok());
+
+  // The codes a request may get (offload.proto); garbage bodies may also get gRPC's own
+  // UNIMPLEMENTED (no such method) or INTERNAL (the body does not parse).
+  const std::set<StatusCode> documented = {
+      StatusCode::OK, StatusCode::INVALID_ARGUMENT, StatusCode::NOT_FOUND,
+      StatusCode::PERMISSION_DENIED, StatusCode::UNAUTHENTICATED, StatusCode::FAILED_PRECONDITION,
+      StatusCode::ABORTED, StatusCode::RESOURCE_EXHAUSTED, StatusCode::DEADLINE_EXCEEDED,
+      StatusCode::DATA_LOSS};
+  std::map<std::string, std::map<int, int>> seen;  // method -> code -> count
+  int requests = 0;
+  for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
+    Fuzzer f(client->get(), seed);
+    for (const auto* s : {trained->get(), registered->get(), open->get()}) f.AddTarget(s->ref());
+    for (int i = 0; i < kRequestsPerSeed; ++i, ++requests) {
+      std::string method;
+      const StatusCode code = f.Next(&method);
+      seen[method][code]++;
+      const bool garbage = method.rfind("garbage:", 0) == 0;
+      const bool ok = documented.count(code) > 0 ||
+                      (garbage && (code == StatusCode::UNIMPLEMENTED || code == StatusCode::INTERNAL));
+      ASSERT_TRUE(ok) << "seed " << seed << " request " << i << ": " << method << " got code "
+                      << code << "\n" << d.Log();
+      ASSERT_EQ(kill(d.pid(), 0), 0) << "the daemon died at seed " << seed << " request " << i;
+    }
+  }
+  EXPECT_GE(requests, 5000);
+  for (const auto& [method, codes] : seen) {
+    std::string line = method + ":";
+    for (const auto& [code, n] : codes) line += " " + std::to_string(code) + "x" + std::to_string(n);
+    printf("%s\n", line.c_str());
+  }
+
+  // The daemon serves a good session normally: one AdamW step of w = 1 with gradient 0.5, lr
+  // 0.01, betas (0.9, 0.999), eps 1e-8, no decay: m^ = 0.5, v^ = 0.25, w = 1 - 0.01 * 0.5 /
+  // (0.5 + 1e-8).
+  auto good = (*client)->OpenSession("good", 0);
+  ASSERT_TRUE(good.ok()) << good.status();
+  ASSERT_TRUE((*good)->RegisterParams({{"w", {4}, v1::DTYPE_FP32}}).ok());
+  float* w0 = (*good)->StagingFp32("w");
+  for (int i = 0; i < 4; ++i) w0[i] = 1.0f;
+  ASSERT_TRUE((*good)->LoadParams().ok());
+  float* g = static_cast<float*>((*good)->GradSlot(0, "w"));
+  for (int i = 0; i < 4; ++i) g[i] = 0.5f;
+  ASSERT_TRUE((*good)->Push(1, 0).ok());
+  v1::AdamWHyper h;
+  h.set_lr(0.01);
+  h.set_beta1(0.9);
+  h.set_beta2(0.999);
+  h.set_eps(1e-8);
+  ASSERT_TRUE((*good)->Update(1, h, 1).ok());
+  auto ready = (*good)->WaitUpdate(1);
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  const float* w = (*good)->ParamsFp32(ready->param_slot(), "w");
+  const double want = 1.0 - 0.01 * 0.5 / (0.5 + 1e-8);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(w[i], want, 1e-6) << i;
+  // A non-finite scale never reaches the accumulator.
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(),
+                    std::numeric_limits<float>::infinity()}) {
+    EXPECT_EQ((*good)->Push(2, 0, bad).status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ((*good)
+                  ->UpdateWithPush(2, h, 0, v1::DTYPE_FP32, /*grad_slot=*/0, /*push_scale=*/bad)
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  auto stats = (*client)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_GT(stats->rejected_requests(), 1000);
+}
+
+}  // namespace
+}  // namespace stallfree
