@@ -190,7 +190,10 @@ class Fuzzer {
     if (Pick(3)) return kEdge[Pick(sizeof kEdge / sizeof kEdge[0])];
     return rng_() >> Pick(64);
   }
-  int64_t I64() { return static_cast<int64_t>(U64()) * (Pick(4) == 0 ? -1 : 1); }
+  int64_t I64() {  // negated in unsigned arithmetic (no signed overflow at -2^63)
+    const uint64_t u = U64();
+    return static_cast<int64_t>(Pick(4) == 0 ? uint64_t{0} - u : u);
+  }
   double F64() {
     static const double kEdge[] = {0.0, -0.0, 1e-3, 0.9, 0.999, 1.0, -1.0, 1e-308, 1e308,
                                    std::numeric_limits<double>::infinity(),
