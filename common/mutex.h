@@ -5,7 +5,6 @@
 // Await(cond) blocks until cond() holds, re-checking it whenever another thread unlocks.
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -22,8 +21,10 @@ class ABSL_LOCKABLE Mutex {
 
   void Lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() { mu_.lock(); }
   void Unlock() ABSL_UNLOCK_FUNCTION() {
+    // Notify before unlocking: once unlocked, a waiter may return from Await and destroy the
+    // object that holds this mutex (found by TSan: ~SessionManager after Drain's Await).
+    if (waiters_ > 0) cv_.notify_all();
     mu_.unlock();
-    if (waiters_.load(std::memory_order_acquire) > 0) cv_.notify_all();
   }
   // With the mutex held: releases it until cond() holds (checked under the mutex), then returns
   // with it held again. Waits in slices, so a condition made true without an Unlock (none here)
@@ -40,7 +41,7 @@ class ABSL_LOCKABLE Mutex {
  private:
   std::mutex mu_;
   std::condition_variable cv_;
-  std::atomic<int> waiters_{0};  // threads in Await (changed under mu_)
+  int waiters_ = 0;  // threads in Await; read and written under mu_
 };
 
 class ABSL_SCOPED_LOCKABLE MutexLock {

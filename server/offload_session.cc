@@ -7,6 +7,8 @@
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
+#include "common/tbb_sync.h"
+
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 
@@ -29,7 +31,7 @@ void ParallelChunks(int64_t n, Fn fn) {
     if (n > 0) fn(0, n);
     return;
   }
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, kChunk),
+  stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, n, kChunk),
                     [&](const tbb::blocked_range<int64_t>& r) { fn(r.begin(), r.end()); });
 }
 

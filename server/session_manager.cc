@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/tbb_sync.h"
 #include "common/status.h"
 #include "server/checkpoint.h"
 #include "server/requests.h"
@@ -120,7 +121,9 @@ absl::Status SessionManager::RunDetached(std::function<void()> fn) {
   }
   // What fn holds goes before the count does: nothing of the task outlives the wait in Drain.
   auto task = std::make_shared<std::function<void()>>(std::move(fn));
+  TsanRelease(task.get());  // TBB's hand-off, made visible to TSan (common/tbb_sync.h)
   arena_->enqueue([this, task] {
+    TsanAcquire(task.get());
     (*task)();
     *task = nullptr;
     MutexLock lock(&mu_);

@@ -1,5 +1,7 @@
 #include "server/strand.h"
 
+#include "common/tbb_sync.h"
+
 namespace stallfree {
 
 bool Strand::Post(std::function<void()> task) {
@@ -11,7 +13,11 @@ bool Strand::Post(std::function<void()> task) {
     running_ = true;
   }
   std::shared_ptr<Strand> self = shared_from_this();
-  arena_->enqueue([self] { self->Drain(); });
+  TsanRelease(this);  // TBB's hand-off, made visible to TSan (common/tbb_sync.h)
+  arena_->enqueue([self] {
+    TsanAcquire(self.get());
+    self->Drain();
+  });
   return true;
 }
 

@@ -14,6 +14,8 @@
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
+#include "common/tbb_sync.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -48,7 +50,7 @@ void ParallelFor(int64_t n, int64_t work_per_item, const Fn& fn) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, grain),
+  stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, n, grain),
                     [&](const tbb::blocked_range<int64_t>& r) {
                       for (int64_t i = r.begin(); i < r.end(); ++i) fn(i);
                     });

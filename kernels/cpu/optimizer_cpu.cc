@@ -5,6 +5,8 @@
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
+#include "common/tbb_sync.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -63,7 +65,7 @@ void ParallelChunks(int64_t n, Fn fn) {
     return;
   }
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, chunks), [&](const tbb::blocked_range<int64_t>& r) {
+  stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, chunks), [&](const tbb::blocked_range<int64_t>& r) {
     const int64_t b = r.begin() * kChunk;
     const int64_t e = std::min(n, r.end() * kChunk);
     fn(b, e - b);
@@ -77,7 +79,7 @@ const char* Offset(const void* p, int64_t elems, size_t elem_size) {
 template <class T>
 void GatherT(const T* src, int64_t rows, int64_t ld, const int64_t* idx, int64_t k, T* dst) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, rows, grain),
+  stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, rows, grain),
                     [&](const tbb::blocked_range<int64_t>& r) {
                       for (int64_t i = r.begin(); i < r.end(); ++i) {
                         const T* s = src + i * ld;
@@ -90,7 +92,7 @@ void GatherT(const T* src, int64_t rows, int64_t ld, const int64_t* idx, int64_t
 template <class T>
 void ScatterT(const T* src, int64_t rows, int64_t ld, const int64_t* idx, int64_t k, T* dst) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, rows, grain),
+  stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, rows, grain),
                     [&](const tbb::blocked_range<int64_t>& r) {
                       for (int64_t i = r.begin(); i < r.end(); ++i) {
                         const T* s = src + i * k;
@@ -178,7 +180,7 @@ class CpuKernel final : public OptimizerKernel {
     // so the result is the same for any thread count.
     constexpr int64_t kBlock = 512;
     const int64_t blocks = (cols + kBlock - 1) / kBlock;
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, blocks),
+    stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, blocks),
                       [&](const tbb::blocked_range<int64_t>& r) {
                         const int64_t cb = r.begin() * kBlock;
                         const int64_t ce = std::min(cols, r.end() * kBlock);
@@ -227,7 +229,7 @@ class CpuKernel final : public OptimizerKernel {
       task(0);
       return;
     }
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, tasks),
+    stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, tasks),
                       [&](const tbb::blocked_range<int64_t>& r) {
                         for (int64_t t = r.begin(); t < r.end(); ++t) task(t);
                       });

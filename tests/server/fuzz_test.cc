@@ -26,6 +26,7 @@
 #include <gtest/gtest.h>
 
 #include "client/client.h"
+#include "common/tbb_sync.h"
 #include "tests/support/daemon_process.h"
 
 namespace stallfree {
@@ -298,8 +299,11 @@ class Fuzzer {
     std::condition_variable cv;
     bool done = false;
     grpc::Status result;
+    static char handoff;  // gRPC's callback hand-off, made visible to TSan
+    TsanRelease(&handoff);
     stub.UnaryCall(&ctx, "/stallfree.v1.Offload/" + method->substr(8), grpc::StubOptions(),
                    &request, &response, [&](grpc::Status s) {
+                     TsanAcquire(&handoff);
                      std::lock_guard<std::mutex> lock(mu);
                      result = s;
                      done = true;
