@@ -33,9 +33,11 @@ deps:
 build: deps
 	$(BAZEL) build //:stallfreed //:stallfreectl //...
 
+# The sanitizer run comes first: bazel-bin points at the last configuration built, and users
+# expect the plain one there after make test.
 test: deps
-	$(BAZEL) test //...
 	$(BAZEL) test $(ASAN_FLAGS) $(SANITIZED_TESTS)
+	$(BAZEL) test //...
 	@if [ -x $(NVCC) ]; then \
 	  echo "nvcc found: building and linking the --config=cuda configuration"; \
 	  $(BAZEL) build --config=cuda //... $(CUDA_TARGETS) && \
@@ -47,6 +49,7 @@ test: deps
 
 test-tsan: deps
 	$(BAZEL) test $(TSAN_FLAGS) $(SANITIZED_TESTS)
+	$(BAZEL) build //...  # bazel-bin back to the plain configuration
 
 demo: deps
 	$(BAZEL) build //:stallfreed //:stallfreectl //:trainer
@@ -55,6 +58,7 @@ demo: deps
 bench: deps
 	$(BAZEL) run //bench:optimizer_bench
 	$(BAZEL) run //bench:transport_bench
+	$(BAZEL) run //bench:load_bench
 	$(BAZEL) run //bench:tsp_bench
 	$(BAZEL) run //bench:offload_bench
 	$(BAZEL) run //bench:train_bench -- --quick

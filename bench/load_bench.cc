@@ -1,17 +1,19 @@
 // load_bench: one stallfreed under load. Eight trainer processes (tiny preset, zenflow, each its
 // own seed) train at once while a ninth client floods the daemon with bad ranges and wrong
 // tokens and a tenth opens sessions and SIGKILLs their owners; a probe client times push and
-// update round trips meanwhile. Then:
+// update round trips meanwhile. The load runs twice. Then:
 //   - every trainer's losses must equal, step for step, the same trainer run alone on the same
 //     daemon before the load (nothing lost or crossed between sessions);
-//   - once every session is gone, the daemon's RSS must be back near its baseline (taken after
-//     the runs alone, when the allocator has seen sessions come and go).
+//   - once every session is gone the daemon's RSS is read: after the runs alone, after round 1
+//     and after round 2. Round 1 may raise it once (allocator arenas of threads the sequential
+//     runs left idle); round 2's growth is what would grow with the work.
 //
 //   bazel run //bench:load_bench [-- --quick]    (also: bazel-bin/bench/load_bench from the root)
 //
-// Prints FIGURE load_trainers_identical (trainers whose losses equal their run alone, of
-// --trainers), load_rss_growth_bytes, load_push_p50_ms / _p99_ms, load_update_p50_ms / _p99_ms,
-// load_rejected_requests and load_sessions_killed.
+// Prints FIGURE load_trainers_identical (trainer runs under load whose losses equal their run
+// alone, of 2 x --trainers), load_rss_growth_bytes (round 2), load_rss_growth_first_round_bytes,
+// load_push_p50_ms / _p99_ms, load_update_p50_ms / _p99_ms, load_rejected_requests and
+// load_sessions_killed. Exit status 0 iff every run matched and no session was left.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -91,14 +93,14 @@ int Run(int argc, char** argv) {
                 "latency under load");
   flags.AddBool("quick", &quick, "a short run (about 30 s here; default about 2 min)");
   flags.AddInt("trainers", &trainers, "concurrent trainer processes");
-  flags.AddInt("steps", &steps, "steps per trainer (0: 24 quick, 96 otherwise)");
+  flags.AddInt("steps", &steps, "steps per trainer (0: 96 quick, 320 otherwise)");
   flags.AddString("out_dir", &out_dir, "where the trainers' runs go");
   flags.AddString("stallfreed", &stallfreed, "the stallfreed binary (default: found beside this one)");
   flags.AddString("trainer", &trainer_bin, "the trainer binary (default: found beside this one)");
   flags.AddString("session_holder", &holder_bin,
                   "the session-holder test binary (default: found beside this one)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
-  if (steps <= 0) steps = quick ? 24 : 96;
+  if (steps <= 0) steps = quick ? 96 : 320;
   if (trainers < 1) {
     fprintf(stderr, "load_bench: --trainers must be >= 1\n");
     return 2;
@@ -153,121 +155,133 @@ int Run(int argc, char** argv) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const uint64_t rss_base = RssBytes(daemon.pid());
 
-  // 2. All at once, with the flooder, the killer and the probe.
+  // 2. All at once, with the flooder, the killer and the probe; twice. The first round may raise
+  // the RSS once (allocator arenas of threads that the runs alone left idle); the second
+  // shows whether anything grows with the work.
   std::atomic<bool> stop{false};
   std::atomic<int64_t> flooded{0}, killed{0};
   std::vector<double> push_ms, update_ms;
-  std::thread flooder([&] {
-    auto c = Client::Connect(daemon.socket());
-    if (!c.ok()) return;
-    auto s = (*c)->OpenSession("flooder", 9);
-    if (!s.ok() || !(*s)->RegisterParams({{"w", {64, 64}, v1::DTYPE_BF16}}).ok()) return;
-    std::mt19937_64 rng(9);
-    while (!stop.load()) {
-      v1::PushGradientsRequest r;
-      *r.mutable_session() = (*s)->ref();
-      if (rng() % 4 == 0) {  // someone else's session, or a wrong token
-        r.mutable_session()->set_session_id(rng() % 64);
-        r.mutable_session()->set_token(std::string(32, 'f'));
-      }
-      r.set_slot(static_cast<uint32_t>(rng() % 3));
-      v1::GradRange* g = r.add_ranges();
-      g->set_param(rng() % 2 ? "w" : "nope");
-      g->set_offset(rng() % 2 ? ~uint64_t{0} - 1 : rng() % 100000);
-      g->set_length(rng() % 2 ? ~uint64_t{0} : (rng() % 100000) * 2);
-      g->set_first_element(rng() % 10000);
-      grpc::ClientContext ctx;
-      v1::PushGradientsResponse resp;
-      (*c)->stub()->PushGradients(&ctx, r, &resp);
-      flooded++;
-    }
-  });
-  std::thread killer([&] {
-    while (!stop.load()) {
-      const std::string ready = absl::StrCat(out_dir, "/holder.ready");
-      unlink(ready.c_str());
-      pid_t pid = Spawn(absl::StrCat("exec ", holder, " ", daemon.socket(), " 65536 > ", ready));
-      for (int i = 0; i < 200 && !stop.load(); ++i) {
-        std::ifstream f(ready);
-        std::string word;
-        if (f >> word && word == "ready") break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-      killed++;
-    }
-  });
-  std::thread probe([&] {
-    auto s = client.OpenSession("probe", 10);
-    if (!s.ok() || !(*s)->RegisterParams({{"w", {256, 256}, v1::DTYPE_BF16}}).ok() ||
-        !(*s)->LoadParams().ok())
-      return;
-    v1::AdamWHyper h;
-    h.set_lr(1e-3);
-    h.set_beta1(0.9);
-    h.set_beta2(0.999);
-    h.set_eps(1e-8);
-    for (int64_t step = 1; !stop.load(); ++step) {
-      auto t0 = Clock::now();
-      if (!(*s)->Push(step, 0).ok()) return;
-      push_ms.push_back(Ms(Clock::now() - t0));
-      t0 = Clock::now();
-      if (!(*s)->Update(step, h, step % 2, v1::DTYPE_BF16, true).ok()) return;
-      if (!(*s)->WaitUpdate(step).ok()) return;
-      update_ms.push_back(Ms(Clock::now() - t0));
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  });
-  const auto t_load = Clock::now();
-  std::vector<pid_t> pids;
-  for (int64_t i = 0; i < trainers; ++i) pids.push_back(Spawn(command(i, "load")));
-  int failed = 0;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-  }
-  const double load_s = std::chrono::duration<double>(Clock::now() - t_load).count();
-  stop.store(true);
-  flooder.join();
-  killer.join();
-  probe.join();
-  printf("under load: %ld trainers in %.1f s (%d failed), %ld flooding requests, %ld sessions "
-         "killed with their owners\n",
-         (long)trainers, load_s, failed, (long)flooded.load(), (long)killed.load());
-
-  // 3. Losses against the runs alone.
-  int identical = 0;
-  for (int64_t i = 0; i < trainers; ++i) {
-    const auto alone = LossColumn(absl::StrCat(out_dir, "/alone-", i, "/metrics.csv"));
-    const auto load = LossColumn(absl::StrCat(out_dir, "/load-", i, "/metrics.csv"));
-    const bool same = !alone.empty() && alone == load;
-    identical += same;
-    if (!same)
-      printf("trainer %ld: its losses under load differ from its run alone (%zu and %zu steps; "
-             "see %s/load-%ld.log)\n",
-             (long)i, alone.size(), load.size(), out_dir.c_str(), (long)i);
-  }
-
-  // 4. The daemon's memory once every session is gone.
-  uint64_t rss_after = 0;
+  int identical = 0, failed = 0;
   int64_t sessions = -1;
-  for (int i = 0; i < 100; ++i) {
-    auto st = client.GetStats();
-    sessions = st.ok() ? st->sessions() : -1;
-    if (sessions == 0) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  uint64_t rss_round[2] = {0, 0};
+  for (int round = 0; round < 2; ++round) {
+    stop.store(false);
+    std::thread flooder([&] {
+      auto c = Client::Connect(daemon.socket());
+      if (!c.ok()) return;
+      auto s = (*c)->OpenSession("flooder", 9);
+      if (!s.ok() || !(*s)->RegisterParams({{"w", {64, 64}, v1::DTYPE_BF16}}).ok()) return;
+      std::mt19937_64 rng(9 + round);
+      while (!stop.load()) {
+        v1::PushGradientsRequest r;
+        *r.mutable_session() = (*s)->ref();
+        if (rng() % 4 == 0) {  // someone else's session, or a wrong token
+          r.mutable_session()->set_session_id(rng() % 64);
+          r.mutable_session()->set_token(std::string(32, 'f'));
+        }
+        r.set_slot(static_cast<uint32_t>(rng() % 3));
+        v1::GradRange* g = r.add_ranges();
+        g->set_param(rng() % 2 ? "w" : "nope");
+        g->set_offset(rng() % 2 ? ~uint64_t{0} - 1 : rng() % 100000);
+        g->set_length(rng() % 2 ? ~uint64_t{0} : (rng() % 100000) * 2);
+        g->set_first_element(rng() % 10000);
+        grpc::ClientContext ctx;
+        v1::PushGradientsResponse resp;
+        (*c)->stub()->PushGradients(&ctx, r, &resp);
+        flooded++;
+      }
+    });
+    std::thread killer([&] {
+      while (!stop.load()) {
+        const std::string ready = absl::StrCat(out_dir, "/holder.ready");
+        unlink(ready.c_str());
+        pid_t pid = Spawn(absl::StrCat("exec ", holder, " ", daemon.socket(), " 65536 > ", ready));
+        for (int i = 0; i < 200 && !stop.load(); ++i) {
+          std::ifstream f(ready);
+          std::string word;
+          if (f >> word && word == "ready") break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+        killed++;
+      }
+    });
+    std::thread probe([&] {
+      auto s = client.OpenSession("probe", 10);
+      if (!s.ok() || !(*s)->RegisterParams({{"w", {256, 256}, v1::DTYPE_BF16}}).ok() ||
+          !(*s)->LoadParams().ok())
+        return;
+      v1::AdamWHyper h;
+      h.set_lr(1e-3);
+      h.set_beta1(0.9);
+      h.set_beta2(0.999);
+      h.set_eps(1e-8);
+      for (int64_t step = 1; !stop.load(); ++step) {
+        auto t0 = Clock::now();
+        if (!(*s)->Push(step, 0).ok()) return;
+        push_ms.push_back(Ms(Clock::now() - t0));
+        t0 = Clock::now();
+        if (!(*s)->Update(step, h, step % 2, v1::DTYPE_BF16, true).ok()) return;
+        if (!(*s)->WaitUpdate(step).ok()) return;
+        update_ms.push_back(Ms(Clock::now() - t0));
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    });
+    const auto t_load = Clock::now();
+    const std::string phase = absl::StrCat("load", round + 1);
+    std::vector<pid_t> pids;
+    for (int64_t i = 0; i < trainers; ++i) pids.push_back(Spawn(command(i, phase)));
+    for (pid_t pid : pids) {
+      int status = 0;
+      waitpid(pid, &status, 0);
+      failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+    const double load_s = std::chrono::duration<double>(Clock::now() - t_load).count();
+    stop.store(true);
+    flooder.join();
+    killer.join();
+    probe.join();
+    printf("round %d under load: %ld trainers in %.1f s (%d failed so far), %ld flooding "
+           "requests and %ld sessions killed with their owners so far\n",
+           round + 1, (long)trainers, load_s, failed, (long)flooded.load(), (long)killed.load());
+
+    // Losses against the runs alone.
+    for (int64_t i = 0; i < trainers; ++i) {
+      const auto alone = LossColumn(absl::StrCat(out_dir, "/alone-", i, "/metrics.csv"));
+      const auto load = LossColumn(absl::StrCat(out_dir, "/", phase, "-", i, "/metrics.csv"));
+      const bool same = !alone.empty() && alone == load;
+      identical += same;
+      if (!same)
+        printf("trainer %ld: its losses in %s differ from its run alone (%zu and %zu steps; "
+               "see %s/%s-%ld.log)\n",
+               (long)i, phase.c_str(), alone.size(), load.size(), out_dir.c_str(), phase.c_str(),
+               (long)i);
+    }
+    // The daemon's memory once every session is gone.
+    for (int i = 0; i < 100; ++i) {
+      auto st = client.GetStats();
+      sessions = st.ok() ? st->sessions() : -1;
+      if (sessions == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    rss_round[round] = RssBytes(daemon.pid());
+    if (sessions != 0) break;
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  rss_after = RssBytes(daemon.pid());
   auto stats = client.GetStats();
-  printf("daemon RSS: %.1f MiB after the runs alone, %.1f MiB after the load (%ld sessions "
-         "left)\n",
-         rss_base / 1048576.0, rss_after / 1048576.0, (long)sessions);
-  printf("FIGURE load_trainers_identical %d of %ld\n", identical, (long)trainers);
-  printf("FIGURE load_rss_growth_bytes %lld bytes\n",
-         static_cast<long long>(rss_after) - static_cast<long long>(rss_base));
+  printf("daemon RSS: %.1f MiB after the runs alone, %.1f MiB after round 1, %.1f MiB after "
+         "round 2 (%ld sessions left)\n",
+         rss_base / 1048576.0, rss_round[0] / 1048576.0, rss_round[1] / 1048576.0,
+         (long)sessions);
+  auto growth = [](uint64_t a, uint64_t b) {
+    return static_cast<long long>(b) - static_cast<long long>(a);
+  };
+  printf("FIGURE load_trainers_identical %d of %ld\n", identical, (long)(2 * trainers));
+  printf("FIGURE load_rss_growth_bytes %lld bytes (round 2, after round 1)\n",
+         growth(rss_round[0], rss_round[1]));
+  printf("FIGURE load_rss_growth_first_round_bytes %lld bytes (round 1, after the runs alone)\n",
+         growth(rss_base, rss_round[0]));
   printf("FIGURE load_push_p50_ms %.3f ms\n", Percentile(push_ms, 0.50));
   printf("FIGURE load_push_p99_ms %.3f ms\n", Percentile(push_ms, 0.99));
   printf("FIGURE load_update_p50_ms %.3f ms\n", Percentile(update_ms, 0.50));
@@ -275,7 +289,7 @@ int Run(int argc, char** argv) {
   printf("FIGURE load_rejected_requests %lld\n",
          stats.ok() ? static_cast<long long>(stats->rejected_requests()) : -1LL);
   printf("FIGURE load_sessions_killed %ld\n", (long)killed.load());
-  return identical == trainers && failed == 0 && sessions == 0 ? 0 : 1;
+  return identical == 2 * trainers && failed == 0 && sessions == 0 ? 0 : 1;
 }
 
 }  // namespace
