@@ -15,6 +15,8 @@
 #include <fstream>
 #include <memory>
 #include <numeric>
+#include <thread>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -544,7 +546,52 @@ absl::StatusOr<parallel::ModelConfig> ModelFromOptions(const TrainOptions& o, in
   return cfg;
 }
 
-absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int local_rank) {
+namespace {
+
+// Where a run stands for recovery: the newest checkpoint every rank holds.
+struct Progress {
+  std::string checkpoint;  // its tag ("" before the first)
+  int64_t checkpoint_step = 0;
+  bool daemon_lost = false;  // the attempt ended because every rank agreed the daemon was gone
+};
+
+// A status of a daemon call that means the daemon went away (or came back without the session):
+// the connection is gone, or the session is unknown to the daemon answering now.
+bool IsDaemonLoss(const absl::Status& st) {
+  if (st.ok()) return false;
+  if (absl::IsUnavailable(st)) return true;
+  const std::string m(st.message());
+  return (absl::IsNotFound(st) && m.find("no session") != std::string::npos) ||
+         (absl::IsAborted(st) && (m.find("session closed") != std::string::npos ||
+                                  m.find("session reclaimed") != std::string::npos));
+}
+
+// Collective: st is this rank's result of a daemon call. If any rank lost the daemon, every rank
+// marks progress->daemon_lost and returns UNAVAILABLE (RunRank then waits for the daemon or
+// explains how to resume); otherwise this rank's own st.
+absl::Status AgreeOnDaemon(parallel::Communicator* comm, Progress* progress, absl::Status st) {
+  ASSIGN_OR_RETURN(double lost, AllReduceSum(comm, IsDaemonLoss(st) ? 1.0 : 0.0));
+  if (lost == 0) return st;
+  progress->daemon_lost = true;
+  return absl::UnavailableError(IsDaemonLoss(st) ? std::string(st.message())
+                                                 : "another rank lost stallfreed");
+}
+
+// Rewrites metrics.csv without the rows after `step` (a resumed run writes them again).
+absl::Status TruncateMetrics(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  if (!in) return absl::OkStatus();
+  std::string line, kept;
+  bool header = true;
+  while (std::getline(in, line)) {
+    if (header || std::atoll(line.c_str()) <= step) kept += line + "\n";
+    header = false;
+  }
+  return WriteFileAtomically(path, kept);
+}
+
+absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, int local_rank,
+                          Progress* progress) {
   const int rank = comm->rank(), D = comm->size();
   const bool lead = rank == 0;
   ASSIGN_OR_RETURN(Preset preset, FindPreset(o.preset));
@@ -656,7 +703,8 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
       ops.Upload(tensors[i].value, st.tensors[i].data(), tensors[i].numel);
     }
     RETURN_IF_ERROR(dev->Synchronize());
-    RETURN_IF_ERROR(engine->Restore(absl::StrCat(o.resume, ".r", rank), st.engine));
+    RETURN_IF_ERROR(
+        AgreeOnDaemon(comm, progress, engine->Restore(absl::StrCat(o.resume, ".r", rank), st.engine)));
     batcher.Seek(st.data_position);
     start = st.step;
     if (lead) printf("resumed from checkpoint '%s' at step %ld\n", o.resume.c_str(), (long)start);
@@ -689,6 +737,7 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
   RETURN_IF_ERROR(MakeDirs(o.out_dir + "/checkpoints"));
   if (lead) {
     const bool append = start > 0;
+    if (append) RETURN_IF_ERROR(TruncateMetrics(csv_path, start));
     csv = std::fopen(csv_path.c_str(), append ? "a" : "w");
     if (csv == nullptr) return ErrnoStatus("fopen", csv_path);
     if (!append)
@@ -788,9 +837,13 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
       ops.Download(st.tensors.back().data(), t.value, t.numel);
     }
     RETURN_IF_ERROR(dev->Synchronize());
-    ASSIGN_OR_RETURN(st.engine, engine->Checkpoint(absl::StrCat(tag, ".r", rank)));
+    absl::StatusOr<std::string> engine_state = engine->Checkpoint(absl::StrCat(tag, ".r", rank));
+    RETURN_IF_ERROR(AgreeOnDaemon(comm, progress, engine_state.status()));
+    st.engine = std::move(*engine_state);
     RETURN_IF_ERROR(WriteFileAtomically(RankFile(o, tag, rank), EncodeState(st)));
     RETURN_IF_ERROR(comm->Barrier());  // every rank holds the new one before any old one goes
+    progress->checkpoint = tag;
+    progress->checkpoint_step = step;
     PruneCheckpoints(o, rank, engine.get());
     if (lead) {
       printf("checkpoint '%s' written (step %ld; resume with --resume %s)\n", tag.c_str(),
@@ -847,7 +900,7 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
       }
     }
     const double lr = LearningRate(o, step);
-    RETURN_IF_ERROR(engine->Step(lr));
+    RETURN_IF_ERROR(AgreeOnDaemon(comm, progress, engine->Step(lr)));
     const StepTimings& tm = engine->last_timings();
     const double step_s = Since(t0);
     if (step == start + 1) first_loss = loss;  // this process's first step (a resume's too)
@@ -885,7 +938,7 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
     if ((o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || step == last_step)
       RETURN_IF_ERROR(checkpoint(step));
   }
-  RETURN_IF_ERROR(engine->Flush());
+  RETURN_IF_ERROR(AgreeOnDaemon(comm, progress, engine->Flush()));
   // Traffic over every rank (each moves its own shards): one all-reduce for the whole run.
   ASSIGN_OR_RETURN(sum_traffic, AllReduceSum(comm, sum_traffic));
 
@@ -937,6 +990,83 @@ absl::Status RunRank(const TrainOptions& o, parallel::Communicator* comm, int lo
     std::fflush(stdout);
   }
   return comm->Barrier();
+}
+
+// Waits up to `seconds` for a daemon that answers SERVING at `socket`.
+absl::Status WaitForDaemon(const std::string& socket, int64_t seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  absl::Status last = absl::UnavailableError("not tried");
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto client = Client::Connect(socket, 1000);
+    if (client.ok()) {
+      auto health = (*client)->Health();
+      if (health.ok() && *health == "SERVING") return absl::OkStatus();
+      last = health.ok() ? absl::UnavailableError(*health) : health.status();
+    } else {
+      last = client.status();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  return last;
+}
+
+// The error of a run whose daemon is gone for good: the socket, the last checkpoint and the
+// command that continues from it.
+absl::Status DaemonGone(const TrainOptions& o, const Progress& p, const absl::Status& cause,
+                        const std::string& why) {
+  std::string next;
+  if (p.checkpoint.empty()) {
+    next = absl::StrCat("no checkpoint was written yet: restart stallfreed and run the same "
+                        "command again (--checkpoint_every N loses less next time)");
+  } else {
+    next = absl::StrCat("the last checkpoint is '", p.checkpoint, "' (step ", p.checkpoint_step,
+                        "): restart stallfreed (stallfreed --socket ", o.socket,
+                        " --state_dir <the same directory>) and continue with: ",
+                        o.command_line.empty() ? "trainer <the same flags>" : o.command_line,
+                        " --resume ", p.checkpoint);
+  }
+  return absl::UnavailableError(absl::StrCat("stallfreed at ", o.socket, " went away (",
+                                             cause.message(), ")", why, "; ", next));
+}
+
+}  // namespace
+
+absl::Status RunRank(const TrainOptions& options, parallel::Communicator* comm, int local_rank) {
+  TrainOptions o = options;
+  Progress progress;
+  progress.checkpoint = o.resume;
+  for (;;) {
+    progress.daemon_lost = false;
+    absl::Status st = TrainAttempt(o, comm, local_rank, &progress);
+    if (st.ok() || !progress.daemon_lost) return st;
+    // Every rank is here: the loss was agreed on (AgreeOnDaemon).
+    const bool lead = comm->rank() == 0;
+    if (o.reconnect_s <= 0) return DaemonGone(o, progress, st, "");
+    if (lead) {
+      printf("stallfreed at %s went away (%s); waiting up to %ld s for it (--reconnect_s)\n",
+             o.socket.c_str(), std::string(st.message()).c_str(), (long)o.reconnect_s);
+      std::fflush(stdout);
+    }
+    const absl::Status back = WaitForDaemon(o.socket, o.reconnect_s);
+    ASSIGN_OR_RETURN(double missing, AllReduceSum(comm, back.ok() ? 0.0 : 1.0));
+    if (missing > 0)
+      return DaemonGone(o, progress, st,
+                        absl::StrCat(" and did not answer within --reconnect_s ", o.reconnect_s,
+                                     " s (", back.ok() ? "on another rank" : back.message(), ")"));
+    if (!progress.checkpoint.empty()) {
+      o.resume = progress.checkpoint;
+      o.init_from.clear();
+    }
+    if (lead) {
+      if (progress.checkpoint.empty())
+        printf("stallfreed is back; no checkpoint yet, so the run starts over\n");
+      else
+        printf("stallfreed is back; continuing from checkpoint '%s' (step %ld): the steps since "
+               "are computed again\n",
+               progress.checkpoint.c_str(), (long)progress.checkpoint_step);
+      std::fflush(stdout);
+    }
+  }
 }
 
 }  // namespace trainer

@@ -72,6 +72,10 @@ struct TrainOptions {
   std::string run_name = "run";
   int64_t checkpoint_every = 0;  // 0: only at the end
   int64_t keep_checkpoints = 3;  // the newest N of this run stay (trainer and daemon); 0: all
+  // When the daemon goes away: wait this long for it to come back, then continue from the last
+  // checkpoint (computing the steps since again); 0: fail at once, naming the --resume command.
+  int64_t reconnect_s = 60;
+  std::string command_line;      // how this run was started, for the --resume hint
   std::string resume;            // a checkpoint tag written by an earlier run
   // Weights only (fresh optimizer and data order) from another run's checkpoint, given as its
   // path without the ".rank<r>.trainer" suffix, e.g. runs/a/checkpoints/a-step400.

@@ -97,6 +97,9 @@ int Run(int argc, char** argv) {
   flags.AddString("run_name", &o.run_name, "names the run's checkpoints and daemon sessions");
   flags.AddInt("checkpoint_every", &o.checkpoint_every,
                "checkpoint every N steps (0: at the end only)");
+  flags.AddInt("reconnect_s", &o.reconnect_s,
+               "if stallfreed goes away, wait this long for it (systemd restarts it) and continue "
+               "from the last checkpoint; 0: stop at once and print the --resume command");
   flags.AddInt("keep_checkpoints", &o.keep_checkpoints,
                "keep the run's newest N checkpoints, trainer files and the daemon's (0: all)");
   flags.AddString("resume", &o.resume, "continue from this checkpoint tag (<run>-step<N>)");
@@ -115,6 +118,17 @@ int Run(int argc, char** argv) {
                       ? "cpu, or cuda: each rank on GPU LOCAL_RANK (NCCL between the GPUs)"
                       : "cpu (this binary was built without CUDA; --config=cuda adds cuda)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
+  // The command line without --resume, for the hint a run prints when the daemon is gone.
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--resume" || arg == "-resume") {
+      ++i;
+      continue;
+    }
+    if (arg.rfind("--resume=", 0) == 0) continue;
+    const bool plain = arg.find_first_of(" \t'\"$\\") == std::string::npos && !arg.empty();
+    o.command_line += (i == 0 ? "" : " ") + (plain ? arg : "'" + arg + "'");
+  }
   if (!flags.positional().empty()) {
     fprintf(stderr, "trainer: unexpected argument '%s'\n", flags.positional()[0].c_str());
     return 2;

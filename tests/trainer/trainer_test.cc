@@ -3,6 +3,8 @@
 // run continues exactly like the uninterrupted one, and a user's mistakes get errors they can act
 // on.
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -150,6 +152,120 @@ TEST_F(TrainerTest, KeepCheckpointsRemovesOlderTrainerAndDaemonFiles) {
   TrainerRun bad = Trainer(Cat(Base("bad", 2), {"--keep_checkpoints", "-1"}));
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.output.find("keep_checkpoints: must be >= 0"), std::string::npos) << bad.output;
+}
+
+// Starts a command in the background (its own process group); returns its pid.
+pid_t Spawn(const std::string& cmd) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return pid;
+}
+
+// A stallfreed of the test's own, at a fixed socket and state directory, that the test kills
+// and starts again (as systemd's Restart=on-failure would).
+class OwnDaemon {
+ public:
+  explicit OwnDaemon(const std::string& dir) : dir_(dir), socket_(dir + "/d.sock") {
+    mkdir(dir.c_str(), 0755);
+  }
+  ~OwnDaemon() { Kill(); }
+  void Start() {
+    pid_ = Spawn("exec server/stallfreed --socket " + socket_ + " --state_dir " + dir_ +
+                 "/state --threads 2 --log_level warning 2>>" + dir_ + "/daemon.log");
+    for (int i = 0; i < 200; ++i) {
+      struct stat st;
+      if (stat(socket_.c_str(), &st) == 0) return;
+      usleep(25000);
+    }
+  }
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+  const std::string& socket() const { return socket_; }
+
+ private:
+  std::string dir_, socket_;
+  pid_t pid_ = -1;
+};
+
+// Waits until the run's metrics.csv has `rows` steps (false after 60 s).
+bool WaitForSteps(const std::string& csv, size_t rows) {
+  for (int i = 0; i < 6000; ++i) {
+    std::ifstream f(csv);
+    size_t n = 0;
+    for (std::string line; std::getline(f, line);) ++n;
+    if (n >= rows + 1) return true;
+    usleep(10000);
+  }
+  return false;
+}
+
+// --reconnect_s: the daemon is SIGKILLed mid-run and started again; the trainer waits for it,
+// continues from its last checkpoint (computing the steps since again), and its losses equal an
+// uninterrupted run's, every one of them.
+TEST_F(TrainerTest, ADaemonKilledMidRunIsWaitedForAndTheRunEqualsAnUninterruptedOne) {
+  const std::vector<std::string> flags = {"--nproc", "2", "--checkpoint_every", "5"};
+  TrainerRun ref = Trainer(Cat(Base("ref", 60), flags));
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  OwnDaemon own(daemon_->dir() + "/own");
+  own.Start();
+  std::vector<std::string> args = Cat(Base("rec", 60), flags);
+  for (size_t i = 0; i + 1 < args.size(); ++i)
+    if (args[i] == "--socket") args[i + 1] = own.socket();
+  std::string cmd = "exec trainer/trainer";
+  for (const std::string& a : args) cmd += " '" + a + "'";
+  cmd += " --reconnect_s 30 > " + out_ + "/rec.log 2>&1";
+  const pid_t trainer = Spawn(cmd);
+  ASSERT_TRUE(WaitForSteps(Csv("rec"), 12)) << "the run did not reach step 12";
+  own.Kill();
+  usleep(300000);
+  own.Start();
+  int status = 0;
+  waitpid(trainer, &status, 0);
+  const std::string log = testing::RunShell("cat " + out_ + "/rec.log").output;
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << log;
+  EXPECT_NE(log.find("went away"), std::string::npos) << log;
+  EXPECT_NE(log.find("waiting up to 30 s for it (--reconnect_s)"), std::string::npos) << log;
+  EXPECT_NE(log.find("stallfreed is back; continuing from checkpoint 'rec-step"),
+            std::string::npos)
+      << log;
+  const std::vector<double> a = Losses(Csv("ref")), b = Losses(Csv("rec"));
+  ASSERT_EQ(a.size(), 60u);
+  ASSERT_EQ(b.size(), 60u) << "metrics.csv must hold each step once";
+  for (int i = 0; i < 60; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+}
+
+// Without the daemon coming back within --reconnect_s, the run stops with an error that names
+// the socket, the last checkpoint and the command that continues from it.
+TEST_F(TrainerTest, ADaemonThatStaysAwayEndsTheRunWithTheResumeCommand) {
+  OwnDaemon own(daemon_->dir() + "/gone");
+  own.Start();
+  testing::RunShell("mkdir -p " + out_);
+  std::vector<std::string> args = Cat(Base("gone", 400), {"--checkpoint_every", "5"});
+  for (size_t i = 0; i + 1 < args.size(); ++i)
+    if (args[i] == "--socket") args[i + 1] = own.socket();
+  std::string cmd = "exec trainer/trainer";
+  for (const std::string& a : args) cmd += " '" + a + "'";
+  cmd += " --reconnect_s 1 > " + out_ + "/gone.log 2>&1";
+  const pid_t trainer = Spawn(cmd);
+  ASSERT_TRUE(WaitForSteps(Csv("gone"), 12));
+  own.Kill();
+  int status = 0;
+  waitpid(trainer, &status, 0);
+  const std::string log = testing::RunShell("cat " + out_ + "/gone.log").output;
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << log;
+  EXPECT_NE(log.find("stallfreed at " + own.socket() + " went away"), std::string::npos) << log;
+  EXPECT_NE(log.find("did not answer within --reconnect_s 1 s"), std::string::npos) << log;
+  EXPECT_NE(log.find("the last checkpoint is 'gone-step"), std::string::npos) << log;
+  EXPECT_NE(log.find("continue with: trainer/trainer --preset tiny"), std::string::npos) << log;
+  EXPECT_NE(log.find(" --resume gone-step"), std::string::npos) << log;
 }
 
 TEST_F(TrainerTest, InitFromStartsAnyModeFromAnotherRunsWeights) {
