@@ -93,14 +93,14 @@ int Run(int argc, char** argv) {
                 "latency under load");
   flags.AddBool("quick", &quick, "a short run (about 30 s here; default about 2 min)");
   flags.AddInt("trainers", &trainers, "concurrent trainer processes");
-  flags.AddInt("steps", &steps, "steps per trainer (0: 96 quick, 320 otherwise)");
+  flags.AddInt("steps", &steps, "steps per trainer (0: 96 quick, 640 otherwise)");
   flags.AddString("out_dir", &out_dir, "where the trainers' runs go");
   flags.AddString("stallfreed", &stallfreed, "the stallfreed binary (default: found beside this one)");
   flags.AddString("trainer", &trainer_bin, "the trainer binary (default: found beside this one)");
   flags.AddString("session_holder", &holder_bin,
                   "the session-holder test binary (default: found beside this one)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
-  if (steps <= 0) steps = quick ? 96 : 320;
+  if (steps <= 0) steps = quick ? 96 : 640;
   if (trainers < 1) {
     fprintf(stderr, "load_bench: --trainers must be >= 1\n");
     return 2;
