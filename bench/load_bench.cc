@@ -33,6 +33,7 @@
 #include "client/client.h"
 #include "common/flags.h"
 #include "tests/support/daemon_process.h"
+#include "tests/support/spawn.h"
 
 namespace stallfree {
 namespace {
@@ -72,17 +73,6 @@ double Percentile(std::vector<double> v, double q) {
   return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
 }
 
-// Starts a command in the background (its own process group); returns its pid.
-pid_t Spawn(const std::string& cmd) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  return pid;
-}
-
 int Run(int argc, char** argv) {
   bool quick = false;
   int64_t trainers = 8, steps = 0;
@@ -95,7 +85,8 @@ int Run(int argc, char** argv) {
   flags.AddInt("trainers", &trainers, "concurrent trainer processes");
   flags.AddInt("steps", &steps, "steps per trainer (0: 96 quick, 640 otherwise)");
   flags.AddString("out_dir", &out_dir, "where the trainers' runs go");
-  flags.AddString("stallfreed", &stallfreed, "the stallfreed binary (default: found beside this one)");
+  flags.AddString("stallfreed", &stallfreed,
+                  "the stallfreed binary (default: found beside this one)");
   flags.AddString("trainer", &trainer_bin, "the trainer binary (default: found beside this one)");
   flags.AddString("session_holder", &holder_bin,
                   "the session-holder test binary (default: found beside this one)");
@@ -195,7 +186,8 @@ int Run(int argc, char** argv) {
       while (!stop.load()) {
         const std::string ready = absl::StrCat(out_dir, "/holder.ready");
         unlink(ready.c_str());
-        pid_t pid = Spawn(absl::StrCat("exec ", holder, " ", daemon.socket(), " 65536 > ", ready));
+        pid_t pid = testing::Spawn(
+            absl::StrCat("exec ", holder, " ", daemon.socket(), " 65536 > ", ready));
         for (int i = 0; i < 200 && !stop.load(); ++i) {
           std::ifstream f(ready);
           std::string word;
@@ -231,7 +223,7 @@ int Run(int argc, char** argv) {
     const auto t_load = Clock::now();
     const std::string phase = absl::StrCat("load", round + 1);
     std::vector<pid_t> pids;
-    for (int64_t i = 0; i < trainers; ++i) pids.push_back(Spawn(command(i, phase)));
+    for (int64_t i = 0; i < trainers; ++i) pids.push_back(testing::Spawn(command(i, phase)));
     for (pid_t pid : pids) {
       int status = 0;
       waitpid(pid, &status, 0);

@@ -703,8 +703,8 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
       ops.Upload(tensors[i].value, st.tensors[i].data(), tensors[i].numel);
     }
     RETURN_IF_ERROR(dev->Synchronize());
-    RETURN_IF_ERROR(
-        AgreeOnDaemon(comm, progress, engine->Restore(absl::StrCat(o.resume, ".r", rank), st.engine)));
+    RETURN_IF_ERROR(AgreeOnDaemon(
+        comm, progress, engine->Restore(absl::StrCat(o.resume, ".r", rank), st.engine)));
     batcher.Seek(st.data_position);
     start = st.step;
     if (lead) printf("resumed from checkpoint '%s' at step %ld\n", o.resume.c_str(), (long)start);
@@ -955,12 +955,14 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
                                      absl::StrCat(o.run_name, ": ", o.preset, ", D=", D));
     std::string summary = absl::StrFormat(
         "{\"mode\": \"%s\", \"D\": %d, \"preset\": \"%s\", \"params\": %ld, \"steps\": %ld, "
-        "\"first_step\": %ld, \"last_step\": %ld, \"first_loss\": %.6f, \"final_train_loss\": %.6f, \"final_eval_loss\": %.6f, "
+        "\"first_step\": %ld, \"last_step\": %ld, \"first_loss\": %.6f, "
+        "\"final_train_loss\": %.6f, \"final_eval_loss\": %.6f, "
         "\"tokens_per_s\": %.3f, \"step_s\": %.6f, \"compute_s\": %.6f, \"optimizer_s\": %.6f, "
         "\"copies_s\": %.6f, \"stall_s\": %.6f, \"stall_share\": %.6f, "
         "\"host_traffic_per_step_over_bf16_model\": %.6f}\n",
         OffloadModeName(o.engine.mode), D, o.preset, (long)params_total, (long)o.steps,
-        (long)(start + 1), (long)last_step, first_loss, final_loss, last_eval, static_cast<double>(B * T) * steps_done / sum_step,
+        (long)(start + 1), (long)last_step, first_loss, final_loss, last_eval,
+        static_cast<double>(B * T) * steps_done / sum_step,
         sum_step / steps_done, sum_compute / steps_done, sum_opt / steps_done,
         sum_copies / steps_done, sum_stall / steps_done, sum_stall / std::max(sum_step, 1e-12),
         sum_traffic / std::max<double>(n, 1) / model_bf16);

@@ -414,7 +414,8 @@ TEST_F(CheckpointTest, AnotherUidCannotSeeReadRestoreReplaceOrDeleteACheckpoint)
   auto list = (*client)->ListCheckpoints();
   ASSERT_TRUE(list.ok());
   std::set<std::string> owners;
-  for (const auto& k : list->checkpoints()) owners.insert(k.tag() + "@" + std::to_string(k.owner_uid()));
+  for (const auto& k : list->checkpoints())
+    owners.insert(k.tag() + "@" + std::to_string(k.owner_uid()));
   EXPECT_EQ(owners, (std::set<std::string>{"secret@0", "secret@65534"}));
   auto again = Open(client->get(), "victim-again");
   EXPECT_TRUE(again->Restore("secret").ok());

@@ -114,7 +114,8 @@ class Fuzzer {
         v1::WaitUpdateRequest r;
         *r.mutable_session() = Ref(true);
         r.set_min_version(I64());
-        r.set_timeout_ms(static_cast<uint32_t>(Pick(50)));  // a hostile timeout is the client's own wait
+        // A long timeout would only be the client's own wait.
+        r.set_timeout_ms(static_cast<uint32_t>(Pick(50)));
         return Call(&v1::Offload::Stub::WaitUpdate, r);
       }
       case 8: *method = "MigrateColumns"; {
@@ -361,8 +362,9 @@ TEST(Fuzz, HostileRequestsGetDocumentedCodesAndTheDaemonServesOn) {
       const StatusCode code = f.Next(&method);
       seen[method][code]++;
       const bool garbage = method.rfind("garbage:", 0) == 0;
-      const bool ok = documented.count(code) > 0 ||
-                      (garbage && (code == StatusCode::UNIMPLEMENTED || code == StatusCode::INTERNAL));
+      const bool ok =
+          documented.count(code) > 0 ||
+          (garbage && (code == StatusCode::UNIMPLEMENTED || code == StatusCode::INTERNAL));
       ASSERT_TRUE(ok) << "seed " << seed << " request " << i << ": " << method << " got code "
                       << code << "\n" << d.Log();
       ASSERT_EQ(kill(d.pid(), 0), 0) << "the daemon died at seed " << seed << " request " << i;
@@ -371,7 +373,8 @@ TEST(Fuzz, HostileRequestsGetDocumentedCodesAndTheDaemonServesOn) {
   EXPECT_GE(requests, 5000);
   for (const auto& [method, codes] : seen) {
     std::string line = method + ":";
-    for (const auto& [code, n] : codes) line += " " + std::to_string(code) + "x" + std::to_string(n);
+    for (const auto& [code, n] : codes)
+      line += " " + std::to_string(code) + "x" + std::to_string(n);
     printf("%s\n", line.c_str());
   }
 

@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/support/daemon_process.h"
+#include "tests/support/spawn.h"
 #include "tests/trainer/trainer_process.h"
 
 namespace stallfree {
@@ -154,17 +155,6 @@ TEST_F(TrainerTest, KeepCheckpointsRemovesOlderTrainerAndDaemonFiles) {
   EXPECT_NE(bad.output.find("keep_checkpoints: must be >= 0"), std::string::npos) << bad.output;
 }
 
-// Starts a command in the background (its own process group); returns its pid.
-pid_t Spawn(const std::string& cmd) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  return pid;
-}
-
 // A stallfreed of the test's own, at a fixed socket and state directory, that the test kills
 // and starts again (as systemd's Restart=on-failure would).
 class OwnDaemon {
@@ -174,7 +164,7 @@ class OwnDaemon {
   }
   ~OwnDaemon() { Kill(); }
   void Start() {
-    pid_ = Spawn("exec server/stallfreed --socket " + socket_ + " --state_dir " + dir_ +
+    pid_ = testing::Spawn("exec server/stallfreed --socket " + socket_ + " --state_dir " + dir_ +
                  "/state --threads 2 --log_level warning 2>>" + dir_ + "/daemon.log");
     for (int i = 0; i < 200; ++i) {
       struct stat st;
@@ -194,6 +184,15 @@ class OwnDaemon {
   std::string dir_, socket_;
   pid_t pid_ = -1;
 };
+
+// "exec trainer/trainer ARGS" with the --socket of args replaced by `socket`.
+std::string OnSocket(std::vector<std::string> args, const std::string& socket) {
+  for (size_t i = 0; i + 1 < args.size(); ++i)
+    if (args[i] == "--socket") args[i + 1] = socket;
+  std::string cmd = "exec trainer/trainer";
+  for (const std::string& a : args) cmd += " '" + a + "'";
+  return cmd;
+}
 
 // Waits until the run's metrics.csv has `rows` steps (false after 60 s).
 bool WaitForSteps(const std::string& csv, size_t rows) {
@@ -216,13 +215,9 @@ TEST_F(TrainerTest, ADaemonKilledMidRunIsWaitedForAndTheRunEqualsAnUninterrupted
   ASSERT_EQ(ref.code, 0) << ref.output;
   OwnDaemon own(daemon_->dir() + "/own");
   own.Start();
-  std::vector<std::string> args = Cat(Base("rec", 60), flags);
-  for (size_t i = 0; i + 1 < args.size(); ++i)
-    if (args[i] == "--socket") args[i + 1] = own.socket();
-  std::string cmd = "exec trainer/trainer";
-  for (const std::string& a : args) cmd += " '" + a + "'";
-  cmd += " --reconnect_s 30 > " + out_ + "/rec.log 2>&1";
-  const pid_t trainer = Spawn(cmd);
+  const pid_t trainer = testing::Spawn(
+      OnSocket(Cat(Base("rec", 60), flags), own.socket()) + " --reconnect_s 30 > " + out_ +
+      "/rec.log 2>&1");
   ASSERT_TRUE(WaitForSteps(Csv("rec"), 12)) << "the run did not reach step 12";
   own.Kill();
   usleep(300000);
@@ -248,13 +243,9 @@ TEST_F(TrainerTest, ADaemonThatStaysAwayEndsTheRunWithTheResumeCommand) {
   OwnDaemon own(daemon_->dir() + "/gone");
   own.Start();
   testing::RunShell("mkdir -p " + out_);
-  std::vector<std::string> args = Cat(Base("gone", 400), {"--checkpoint_every", "5"});
-  for (size_t i = 0; i + 1 < args.size(); ++i)
-    if (args[i] == "--socket") args[i + 1] = own.socket();
-  std::string cmd = "exec trainer/trainer";
-  for (const std::string& a : args) cmd += " '" + a + "'";
-  cmd += " --reconnect_s 1 > " + out_ + "/gone.log 2>&1";
-  const pid_t trainer = Spawn(cmd);
+  const pid_t trainer = testing::Spawn(
+      OnSocket(Cat(Base("gone", 400), {"--checkpoint_every", "5"}), own.socket()) +
+      " --reconnect_s 1 > " + out_ + "/gone.log 2>&1");
   ASSERT_TRUE(WaitForSteps(Csv("gone"), 12));
   own.Kill();
   int status = 0;
