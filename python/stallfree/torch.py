@@ -257,11 +257,26 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if hyper != self._hypers[gi]:
                 engine.set_adamw(*hyper)
                 self._hypers[gi] = hyper
-            engine.step(float(group["lr"]), values, grads)
+            try:
+                engine.step(float(group["lr"]), values, grads)
+            except Error as e:
+                raise self._explain(e) from e
             timings.append(engine.last_timings())
         if timings:
             self._last_timings = _sum_timings(timings)
         return loss
+
+    def _explain(self, e):
+        """The engine's error, or, when the daemon went away, what was lost and how to go on."""
+        msg = str(e)
+        if not (msg.startswith("UNAVAILABLE") or "no session" in msg):
+            return e
+        return Error(
+            "stallfreed at %s went away (%s): the daemon's part of this optimizer's state (the "
+            "cold columns' fp32 values and moments) went with it, so this optimizer cannot go "
+            "on. Restart stallfreed, build the model and a new ZenFlowAdamW, and load the model's "
+            "and the optimizer's state_dict() saved before (they carry the daemon's part)"
+            % (self.socket, msg))
 
     @property
     def last_timings(self):

@@ -172,3 +172,21 @@ def test_step_after_close_is_an_error(mode, daemon):
         opt.step()
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_daemon_gone_names_the_socket_and_how_to_resume():
+    """A daemon killed mid-training: the next step raises stallfree.Error naming the socket, what
+    was lost and the state_dict way back, not the bare 'UNAVAILABLE: Socket closed'."""
+    import os
+    import signal
+    with stallfree.Daemon(threads=1) as d:
+        model = models.make_model(0)
+        opt = ZenFlowAdamW(model.parameters(), socket=d.socket, **ZENFLOW_EXACT)
+        one_step(model, opt, 1)
+        os.kill(d.pid, signal.SIGKILL)
+        with pytest.raises(stallfree.Error) as err:
+            for step in range(2, 5):
+                one_step(model, opt, step)
+        msg = str(err.value)
+        assert msg.startswith("stallfreed at %s went away (" % d.socket), msg
+        assert "state_dict()" in msg and "Restart stallfreed" in msg, msg
