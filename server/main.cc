@@ -19,6 +19,7 @@
 #include "kernels/optimizer.h"
 #include "server/fd_server.h"
 #include "server/offload_service.h"
+#include "server/service_notify.h"
 #include "server/session_manager.h"
 
 namespace {
@@ -160,6 +161,29 @@ int Run(int argc, char** argv) {
          socket, fd_socket, opts.worker_threads, pinned_mib, pin,
          kernels::DefaultCpuKernel().name());
 
+  // systemd (Type=notify): READY once both sockets listen; the watchdog is fed only while a
+  // GetStats through the daemon's own socket answers.
+  auto self_channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
+  auto self_stub = v1::Offload::NewStub(self_channel);
+  ServiceNotifier notifier(
+      [&]() -> absl::Status {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+        v1::GetStatsResponse resp;
+        const grpc::Status st = self_stub->GetStats(&ctx, v1::GetStatsRequest(), &resp);
+        return st.ok() ? absl::OkStatus()
+                       : absl::UnavailableError(absl::StrCat("GetStats: ", st.error_message()));
+      },
+      [&] {
+        const v1::Stats st = sessions.GetStats();
+        return absl::StrCat(st.sessions(), " sessions, ", st.pinned_bytes() >> 20,
+                            " MiB pinned", st.pinned_budget_bytes() > 0
+                                ? absl::StrCat(" of ", st.pinned_budget_bytes() >> 20, " MiB")
+                                : std::string(),
+                            ", ", st.updates(), " updates");
+      });
+  notifier.Ready();
+
   std::atomic<bool> stop{false};
   std::thread housekeeping([&] {
     while (!stop.load()) {
@@ -188,6 +212,7 @@ int Run(int argc, char** argv) {
   int sig = 0;
   sigwait(&sigs, &sig);
   SF_LOG(kInfo, "signal %d: no new requests; finishing running updates", sig);
+  notifier.Stopping();
   sessions.Drain();  // new requests get UNAVAILABLE; queued and running work completes.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   stop.store(true);
