@@ -18,6 +18,7 @@
 #include "common/status.h"
 #include "kernels/optimizer.h"
 #include "server/fd_server.h"
+#include "server/metrics.h"
 #include "server/offload_service.h"
 #include "server/service_notify.h"
 #include "server/session_manager.h"
@@ -62,6 +63,7 @@ int Run(int argc, char** argv) {
   std::string log_level = "info";
   std::string state_dir = DefaultStateDir();
   int64_t parent_pid = 0;
+  std::string metrics_address;
   FlagSet flags("stallfreed",
                 "the stallfree offload daemon: owns pinned host memory and applies AdamW to the "
                 "gradients trainers push through shared memory.");
@@ -81,6 +83,10 @@ int Run(int argc, char** argv) {
   flags.AddInt("parent_pid", &parent_pid,
                "stop (as on SIGTERM) when this process, the daemon's parent, exits or is killed: "
                "for a private daemon started by a trainer (0: never)");
+  flags.AddString("metrics_address", &metrics_address,
+                  "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464; "
+                  "port 0: any free one, logged); empty: off. Every uid's session names appear "
+                  "there: bind it where only the node's monitoring reaches");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   LogLevel level;
   if (!ParseLogLevel(log_level, &level)) {
@@ -161,6 +167,17 @@ int Run(int argc, char** argv) {
          socket, fd_socket, opts.worker_threads, pinned_mib, pin,
          kernels::DefaultCpuKernel().name());
 
+  MetricsServer metrics(&sessions);
+  if (!metrics_address.empty()) {
+    absl::Status m = metrics.Start(metrics_address);
+    if (!m.ok()) {
+      SF_LOG(kError, "%s", m.ToString());
+      return 1;
+    }
+    const std::string host = metrics_address.substr(0, metrics_address.rfind(':'));
+    SF_LOG(kInfo, "metrics on http://%s:%d/metrics", host, metrics.port());
+  }
+
   // systemd (Type=notify): READY once both sockets listen; the watchdog is fed only while a
   // GetStats through the daemon's own socket answers.
   auto self_channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
@@ -214,6 +231,7 @@ int Run(int argc, char** argv) {
   SF_LOG(kInfo, "signal %d: no new requests; finishing running updates", sig);
   notifier.Stopping();
   sessions.Drain();  // new requests get UNAVAILABLE; queued and running work completes.
+  metrics.Stop();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   stop.store(true);
   housekeeping.join();

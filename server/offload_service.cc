@@ -7,11 +7,17 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-namespace {
-std::function<void(absl::Status)> Finisher(grpc::ServerUnaryReactor* r) {
-  return [r](absl::Status s) { r->Finish(ToGrpc(s)); };
+// Finishes the reactor, counting an error by method and code (the metrics' rejections).
+void OffloadService::Finish(grpc::ServerUnaryReactor* r, const char* method,
+                            const absl::Status& s) {
+  if (!s.ok()) sessions_->counters().rejections.Add(method, static_cast<int>(s.code()));
+  r->Finish(ToGrpc(s));
 }
-}  // namespace
+
+std::function<void(absl::Status)> OffloadService::Finisher(grpc::ServerUnaryReactor* r,
+                                                           const char* method) {
+  return [this, r, method](absl::Status s) { Finish(r, method, s); };
+}
 
 grpc::ServerUnaryReactor* OffloadService::OpenSession(grpc::CallbackServerContext* ctx,
                                                       const v1::OpenSessionRequest* req,
@@ -19,7 +25,7 @@ grpc::ServerUnaryReactor* OffloadService::OpenSession(grpc::CallbackServerContex
   auto* r = ctx->DefaultReactor();
   auto out = sessions_->Open(*req);
   if (out.ok()) *resp = std::move(*out);
-  r->Finish(ToGrpc(out.status()));
+  Finish(r, "OpenSession", out.status());
   return r;
 }
 
@@ -29,7 +35,7 @@ grpc::ServerUnaryReactor* OffloadService::CloseSession(grpc::CallbackServerConte
   auto* r = ctx->DefaultReactor();
   auto out = sessions_->Close(req->session());
   if (out.ok()) resp->set_freed_bytes(*out);
-  r->Finish(ToGrpc(out.status()));
+  Finish(r, "CloseSession", out.status());
   return r;
 }
 
@@ -37,7 +43,7 @@ grpc::ServerUnaryReactor* OffloadService::RegisterParams(grpc::CallbackServerCon
                                                          const v1::RegisterParamsRequest* req,
                                                          v1::RegisterParamsResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  sessions_->RegisterParams(*req, resp, Finisher(r));
+  sessions_->RegisterParams(*req, resp, Finisher(r, "RegisterParams"));
   return r;
 }
 
@@ -45,7 +51,7 @@ grpc::ServerUnaryReactor* OffloadService::LoadParams(grpc::CallbackServerContext
                                                      const v1::LoadParamsRequest* req,
                                                      v1::LoadParamsResponse*) {
   auto* r = ctx->DefaultReactor();
-  sessions_->LoadParams(*req, Finisher(r));
+  sessions_->LoadParams(*req, Finisher(r, "LoadParams"));
   return r;
 }
 
@@ -53,7 +59,7 @@ grpc::ServerUnaryReactor* OffloadService::PushGradients(grpc::CallbackServerCont
                                                         const v1::PushGradientsRequest* req,
                                                         v1::PushGradientsResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  sessions_->PushGradients(*req, resp, Finisher(r));
+  sessions_->PushGradients(*req, resp, Finisher(r, "PushGradients"));
   return r;
 }
 
@@ -61,7 +67,7 @@ grpc::ServerUnaryReactor* OffloadService::PushGradientsInline(
     grpc::CallbackServerContext* ctx, const v1::PushGradientsInlineRequest* req,
     v1::PushGradientsResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  sessions_->PushGradientsInline(*req, resp, Finisher(r));
+  sessions_->PushGradientsInline(*req, resp, Finisher(r, "PushGradientsInline"));
   return r;
 }
 
@@ -71,7 +77,7 @@ grpc::ServerUnaryReactor* OffloadService::Update(grpc::CallbackServerContext* ct
   auto* r = ctx->DefaultReactor();
   absl::Status st = sessions_->Update(*req);
   if (st.ok()) resp->set_version(req->step());
-  r->Finish(ToGrpc(st));
+  Finish(r, "Update", st);
   return r;
 }
 
@@ -79,14 +85,14 @@ grpc::ServerUnaryReactor* OffloadService::WaitUpdate(grpc::CallbackServerContext
                                                      const v1::WaitUpdateRequest* req,
                                                      v1::WaitUpdateResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  sessions_->WaitUpdate(*req, [r, resp](absl::StatusOr<WaitResult> res) {
+  sessions_->WaitUpdate(*req, [this, r, resp](absl::StatusOr<WaitResult> res) {
     if (res.ok()) {
       resp->set_version(res->version);
       resp->set_param_slot(res->slot);
       resp->set_dtype(res->dtype);
       resp->set_update_seconds(res->update_seconds);
     }
-    r->Finish(ToGrpc(res.status()));
+    Finish(r, "WaitUpdate", res.status());
   });
   return r;
 }
@@ -95,7 +101,7 @@ grpc::ServerUnaryReactor* OffloadService::MigrateColumns(grpc::CallbackServerCon
                                                          const v1::MigrateColumnsRequest* req,
                                                          v1::MigrateColumnsResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  sessions_->MigrateColumns(*req, resp, Finisher(r));
+  sessions_->MigrateColumns(*req, resp, Finisher(r, "MigrateColumns"));
   return r;
 }
 
@@ -103,7 +109,7 @@ grpc::ServerUnaryReactor* OffloadService::Checkpoint(grpc::CallbackServerContext
                                                      const v1::CheckpointRequest* req,
                                                      v1::CheckpointResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  sessions_->Checkpoint(*req, resp, Finisher(r));
+  sessions_->Checkpoint(*req, resp, Finisher(r, "Checkpoint"));
   return r;
 }
 
@@ -111,7 +117,7 @@ grpc::ServerUnaryReactor* OffloadService::Restore(grpc::CallbackServerContext* c
                                                   const v1::RestoreRequest* req,
                                                   v1::RestoreResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  sessions_->Restore(*req, resp, Finisher(r));
+  sessions_->Restore(*req, resp, Finisher(r, "Restore"));
   return r;
 }
 
@@ -119,7 +125,7 @@ grpc::ServerUnaryReactor* OffloadService::ListCheckpoints(grpc::CallbackServerCo
                                                           const v1::ListCheckpointsRequest* req,
                                                           v1::ListCheckpointsResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  sessions_->ListCheckpoints(*req, resp, Finisher(r));
+  sessions_->ListCheckpoints(*req, resp, Finisher(r, "ListCheckpoints"));
   return r;
 }
 
@@ -127,7 +133,7 @@ grpc::ServerUnaryReactor* OffloadService::ReadCheckpoint(grpc::CallbackServerCon
                                                          const v1::ReadCheckpointRequest* req,
                                                          v1::ReadCheckpointResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  sessions_->ReadCheckpoint(*req, resp, Finisher(r));
+  sessions_->ReadCheckpoint(*req, resp, Finisher(r, "ReadCheckpoint"));
   return r;
 }
 
@@ -135,7 +141,7 @@ grpc::ServerUnaryReactor* OffloadService::WriteCheckpoint(grpc::CallbackServerCo
                                                           const v1::WriteCheckpointRequest* req,
                                                           v1::WriteCheckpointResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  sessions_->WriteCheckpoint(*req, resp, Finisher(r));
+  sessions_->WriteCheckpoint(*req, resp, Finisher(r, "WriteCheckpoint"));
   return r;
 }
 
@@ -143,7 +149,7 @@ grpc::ServerUnaryReactor* OffloadService::DeleteCheckpoint(grpc::CallbackServerC
                                                            const v1::DeleteCheckpointRequest* req,
                                                            v1::DeleteCheckpointResponse*) {
   auto* r = ctx->DefaultReactor();
-  sessions_->DeleteCheckpoint(*req, Finisher(r));
+  sessions_->DeleteCheckpoint(*req, Finisher(r, "DeleteCheckpoint"));
   return r;
 }
 
@@ -163,7 +169,7 @@ grpc::ServerUnaryReactor* OffloadService::ListSessions(grpc::CallbackServerConte
   auto out = sessions_->ListSessions(req->caller());
   if (out.ok())
     for (auto& s : *out) *resp->add_sessions() = std::move(s);
-  r->Finish(ToGrpc(out.status()));
+  Finish(r, "ListSessions", out.status());
   return r;
 }
 

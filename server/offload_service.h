@@ -66,6 +66,9 @@ class OffloadService final : public v1::Offload::CallbackService {
                                          v1::ListSessionsResponse* resp) override;
 
  private:
+  void Finish(grpc::ServerUnaryReactor* r, const char* method, const absl::Status& s);
+  std::function<void(absl::Status)> Finisher(grpc::ServerUnaryReactor* r, const char* method);
+
   SessionManager* sessions_;
 };
 

@@ -394,7 +394,10 @@ int64_t OffloadSession::Accumulate(const PushPlan& plan) {
     // The kernel runs in parallel over this arena itself.
     k.Accumulate(acc_ + j.acc_offset, src, j.type, plan.scale, j.count, mode);
   }
-  env_.counters->accumulate_ns.fetch_add(Nanos(Clock::now() - t0));
+  const auto took = Clock::now() - t0;
+  env_.counters->accumulate_ns.fetch_add(Nanos(took));
+  env_.counters->push_seconds.Observe(Seconds(took));
+  env_.counters->push_bytes.Observe(static_cast<double>(plan.bytes));
   env_.counters->pushes.fetch_add(1);
   env_.counters->bytes_in.fetch_add(plan.bytes);
   MutexLock lock(&mu_);
@@ -458,6 +461,7 @@ void OffloadSession::Update(const UpdatePlan& plan) {
   const double secs = Seconds(Clock::now() - t0);
   DaemonCounters* counters = env_.counters;
   counters->update_ns.fetch_add(static_cast<int64_t>(secs * 1e9));
+  counters->update_seconds.Observe(secs);
   counters->updates.fetch_add(1);
   counters->bytes_out.fetch_add(layout_->total_elems * (bf16 ? 2 : 4));
   if (plan.fuse_push) {  // counted as the push it replaces
@@ -492,6 +496,7 @@ void OffloadSession::Update(const UpdatePlan& plan) {
 }
 
 std::vector<int64_t> OffloadSession::Migrate(const MigratePlan& plan) {
+  const auto t0 = Clock::now();
   const std::vector<int64_t>& columns = plan.columns;
   const ParamLayout& p = layout_->params[plan.param];
   const int64_t n = static_cast<int64_t>(columns.size());
@@ -511,6 +516,7 @@ std::vector<int64_t> OffloadSession::Migrate(const MigratePlan& plan) {
     col_steps[columns[j]] = plan.steps[j];
   }
   env_.counters->migrated_columns.fetch_add(2 * n);
+  env_.counters->migrate_seconds.Observe(Seconds(Clock::now() - t0));
   return previous;
 }
 
@@ -534,8 +540,11 @@ absl::StatusOr<CheckpointWritten> OffloadSession::Snapshot(const std::string& pa
   const auto t0 = Clock::now();
   absl::StatusOr<CheckpointWritten> out = WriteCheckpoint(path, header, StateArrays());
   if (!out.ok()) return out.status();
+  const double took = Seconds(Clock::now() - t0);
+  env_.counters->checkpoint_seconds.Observe(took);
+  env_.counters->checkpoint_bytes.Observe(static_cast<double>(out->bytes));
   SF_LOG(kInfo, "session %d: checkpoint %s, %d bytes in %.3f s", id_, out->path, out->bytes,
-         Seconds(Clock::now() - t0));
+         took);
   *version = header.version();
   return out;
 }

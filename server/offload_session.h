@@ -25,6 +25,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -35,6 +36,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/histogram.h"
 #include "common/mutex.h"
 #include "common/region.h"
 #include "kernels/optimizer.h"
@@ -43,6 +45,24 @@
 #include "stallfree/v1/offload.pb.h"
 
 namespace stallfree {
+
+// Requests answered with an error, by RPC method and code (counted at the gRPC edge). Thread
+// safe.
+class RejectionCounts {
+ public:
+  void Add(const std::string& method, int code) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++counts_[{method, code}];
+  }
+  std::map<std::pair<std::string, int>, int64_t> Snapshot() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return counts_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, int>, int64_t> counts_;
+};
 
 // Daemon-wide counters, read by GetStats.
 struct DaemonCounters {
@@ -58,6 +78,14 @@ struct DaemonCounters {
   std::atomic<uint64_t> bytes_out{0};
   std::atomic<int64_t> rejected{0};
   std::atomic<int64_t> migrated_columns{0};
+  // Latencies and sizes, for the Prometheus endpoint (server/metrics.h).
+  Histogram push_seconds{Histogram::Exponential(1e-5, 4, 12)};       // 10 us .. 42 s
+  Histogram push_bytes{Histogram::Exponential(1024, 4, 14)};         // 1 KiB .. 64 GiB
+  Histogram update_seconds{Histogram::Exponential(1e-5, 4, 12)};
+  Histogram migrate_seconds{Histogram::Exponential(1e-5, 4, 12)};
+  Histogram checkpoint_seconds{Histogram::Exponential(1e-4, 4, 12)};  // 100 us .. 7 min
+  Histogram checkpoint_bytes{Histogram::Exponential(1024, 4, 16)};   // 1 KiB .. 1 TiB
+  RejectionCounts rejections;
 };
 
 // The daemon's budget of pinned memory: every session's region and state together. Thread safe.

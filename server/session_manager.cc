@@ -540,6 +540,12 @@ void SessionManager::Drain() {
   mu_.Await([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return Settled(); });
 }
 
+std::vector<v1::SessionInfo> SessionManager::AllSessionInfo() {
+  std::vector<v1::SessionInfo> out;
+  for (const auto& s : OpenSessions()) out.push_back(s->Info());
+  return out;
+}
+
 absl::StatusOr<std::vector<v1::SessionInfo>> SessionManager::ListSessions(
     const v1::CallerRef& caller) {
   absl::StatusOr<uid_t> uid = CallerUid(caller, "ListSessions");

@@ -89,8 +89,12 @@ class SessionManager {
   void WaitUpdate(const v1::WaitUpdateRequest& request, OffloadSession::WaitDone done);
 
   v1::Stats GetStats();
+  // The daemon-wide counters and histograms (the metrics endpoint, the gRPC edge's rejections).
+  DaemonCounters& counters() { return counters_; }
   // The sessions of the caller's uid (root: all).
   absl::StatusOr<std::vector<v1::SessionInfo>> ListSessions(const v1::CallerRef& caller);
+  // Every session, whatever its uid: for the metrics endpoint, an operator's interface.
+  std::vector<v1::SessionInfo> AllSessionInfo();
 
   // The fd hand-off: checks the token, makes the peer's kernel-reported uid and pid the
   // session's, returns the memfd (still owned by the session) and its size. On success the
