@@ -114,6 +114,16 @@ absl::StatusOr<v1::ListCheckpointsResponse> Client::ListCheckpoints() {
   return resp;
 }
 
+absl::StatusOr<uint64_t> Client::CloseSession(uint64_t session_id) {
+  v1::CloseSessionRequest req;
+  ASSIGN_OR_RETURN(*req.mutable_caller(), Caller());
+  req.mutable_session()->set_session_id(session_id);
+  grpc::ClientContext ctx;
+  v1::CloseSessionResponse resp;
+  RETURN_IF_ERROR(FromGrpc(stub_->CloseSession(&ctx, req, &resp)));
+  return resp.freed_bytes();
+}
+
 absl::Status Client::DeleteCheckpoint(const std::string& tag) {
   v1::DeleteCheckpointRequest req;
   ASSIGN_OR_RETURN(*req.mutable_caller(), Caller());

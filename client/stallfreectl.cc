@@ -2,6 +2,8 @@
 #include <cstdio>
 #include <ctime>
 #include <string>
+#include <thread>
+#include <chrono>
 
 #include <google/protobuf/util/json_util.h>
 
@@ -34,6 +36,38 @@ std::string Bytes(uint64_t b) {
   return absl::StrFormat("%d B", b);
 }
 
+// The stats command's output once; 0, or the exit code of a failure (reported).
+int PrintStats(stallfree::Client* client, const std::string& output) {
+  using namespace stallfree;
+  auto s = client->GetStats();
+  if (!s.ok()) {
+    fprintf(stderr, "stallfreectl: stats: %s\n", s.status().ToString().c_str());
+    return 1;
+  }
+  if (output == "json") {
+    printf("%s", Json(*s).c_str());
+    return 0;
+  }
+  const v1::Stats& st = *s;
+  printf("%-22s %s\n", "version", st.version().c_str());
+  printf("%-22s %.1f s\n", "uptime", st.uptime_seconds());
+  printf("%-22s %d\n", "worker_threads", st.worker_threads());
+  printf("%-22s %ld (opened %ld, closed %ld, reclaimed %ld)\n", "sessions", (long)st.sessions(),
+         (long)st.sessions_opened(), (long)st.sessions_closed(), (long)st.sessions_reclaimed());
+  printf("%-22s %ld (%ld elements, %s fp32)\n", "params", (long)st.params(),
+         (long)st.param_elements(), Bytes(st.param_bytes()).c_str());
+  printf("%-22s %s of %s%s\n", "pinned", Bytes(st.pinned_bytes()).c_str(),
+         st.pinned_budget_bytes() ? Bytes(st.pinned_budget_bytes()).c_str() : "unlimited",
+         st.mlock_enabled() ? "" : " (mlock off)");
+  printf("%-22s %ld (%.3f s accumulating)\n", "pushes", (long)st.pushes(), st.accumulate_seconds());
+  printf("%-22s %ld (%.3f s in AdamW)\n", "updates", (long)st.updates(), st.update_seconds());
+  printf("%-22s %s in, %s out\n", "bytes moved", Bytes(st.bytes_in()).c_str(),
+         Bytes(st.bytes_out()).c_str());
+  printf("%-22s %ld\n", "rejected requests", (long)st.rejected_requests());
+  printf("%-22s %ld\n", "migrated columns", (long)st.migrated_columns());
+  return 0;
+}
+
 int Run(int argc, char** argv) {
   using namespace stallfree;
   std::string socket = DefaultSocket();
@@ -44,23 +78,32 @@ int Run(int argc, char** argv) {
                 "  stats                      daemon-wide counters\n"
                 "  sessions                   your sessions (root: every uid's)\n"
                 "  checkpoints                your checkpoints (root: every uid's)\n"
-                "  delete-checkpoint TAG      removes your checkpoint TAG");
+                "  delete-checkpoint TAG      removes your checkpoint TAG\n"
+                "  close SESSION_ID           closes one of your sessions (root: anyone's)");
   flags.AddString("socket", &socket, "the daemon's gRPC unix socket");
   flags.AddString("o", &output, "output format: table or json");
+  double watch = 0;
+  int64_t iterations = 0;
+  flags.AddDouble("watch", &watch, "stats: print again every SECONDS until Ctrl-C (0: once)");
+  flags.AddInt("iterations", &iterations, "stats --watch: stop after N prints (0: never)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   const std::vector<std::string>& args = flags.positional();
   const std::string cmd = args.empty() ? "" : args[0];
-  const size_t want_args = cmd == "delete-checkpoint" ? 2 : 1;
+  const size_t want_args = cmd == "delete-checkpoint" || cmd == "close" ? 2 : 1;
   if (args.size() != want_args || (output != "table" && output != "json")) {
     fprintf(stderr, "%s", flags.Help().c_str());
     return 2;
   }
   if (cmd != "health" && cmd != "stats" && cmd != "sessions" && cmd != "checkpoints" &&
-      cmd != "delete-checkpoint") {
+      cmd != "delete-checkpoint" && cmd != "close") {
     fprintf(stderr,
             "stallfreectl: unknown command '%s' (health, stats, sessions, checkpoints, "
-            "delete-checkpoint)\n",
+            "delete-checkpoint, close)\n",
             cmd.c_str());
+    return 2;
+  }
+  if (watch < 0 || iterations < 0 || (watch > 0 && cmd != "stats")) {
+    fprintf(stderr, "stallfreectl: --watch SECONDS (> 0) and --iterations N go with stats\n");
     return 2;
   }
   auto client = Client::Connect(socket);
@@ -79,32 +122,28 @@ int Run(int argc, char** argv) {
     return *h == "SERVING" ? 0 : 1;
   }
   if (cmd == "stats") {
-    auto s = (*client)->GetStats();
-    if (!s.ok()) {
-      fprintf(stderr, "stallfreectl: stats: %s\n", s.status().ToString().c_str());
+    for (int64_t n = 1;; ++n) {
+      if (int code = PrintStats(client->get(), output); code != 0) return code;
+      if (watch <= 0 || (iterations > 0 && n >= iterations)) return 0;
+      std::fflush(stdout);
+      std::this_thread::sleep_for(std::chrono::duration<double>(watch));
+      if (output == "table") printf("\n");
+    }
+  }
+  if (cmd == "close") {
+    char* end = nullptr;
+    const unsigned long long id = strtoull(args[1].c_str(), &end, 10);
+    if (args[1].empty() || *end != '\0' || id == 0) {
+      fprintf(stderr, "stallfreectl: close: '%s' is not a session id (see stallfreectl sessions)\n",
+              args[1].c_str());
+      return 2;
+    }
+    auto freed = (*client)->CloseSession(id);
+    if (!freed.ok()) {
+      fprintf(stderr, "stallfreectl: close: %s\n", freed.status().ToString().c_str());
       return 1;
     }
-    if (output == "json") {
-      printf("%s", Json(*s).c_str());
-      return 0;
-    }
-    const v1::Stats& st = *s;
-    printf("%-22s %s\n", "version", st.version().c_str());
-    printf("%-22s %.1f s\n", "uptime", st.uptime_seconds());
-    printf("%-22s %d\n", "worker_threads", st.worker_threads());
-    printf("%-22s %ld (opened %ld, closed %ld, reclaimed %ld)\n", "sessions", (long)st.sessions(),
-           (long)st.sessions_opened(), (long)st.sessions_closed(), (long)st.sessions_reclaimed());
-    printf("%-22s %ld (%ld elements, %s fp32)\n", "params", (long)st.params(),
-           (long)st.param_elements(), Bytes(st.param_bytes()).c_str());
-    printf("%-22s %s of %s%s\n", "pinned", Bytes(st.pinned_bytes()).c_str(),
-           st.pinned_budget_bytes() ? Bytes(st.pinned_budget_bytes()).c_str() : "unlimited",
-           st.mlock_enabled() ? "" : " (mlock off)");
-    printf("%-22s %ld (%.3f s accumulating)\n", "pushes", (long)st.pushes(), st.accumulate_seconds());
-    printf("%-22s %ld (%.3f s in AdamW)\n", "updates", (long)st.updates(), st.update_seconds());
-    printf("%-22s %s in, %s out\n", "bytes moved", Bytes(st.bytes_in()).c_str(),
-           Bytes(st.bytes_out()).c_str());
-    printf("%-22s %ld\n", "rejected requests", (long)st.rejected_requests());
-    printf("%-22s %ld\n", "migrated columns", (long)st.migrated_columns());
+    printf("closed session %llu (%s freed)\n", id, Bytes(*freed).c_str());
     return 0;
   }
   if (cmd == "delete-checkpoint") {

@@ -33,7 +33,7 @@ grpc::ServerUnaryReactor* OffloadService::CloseSession(grpc::CallbackServerConte
                                                        const v1::CloseSessionRequest* req,
                                                        v1::CloseSessionResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  auto out = sessions_->Close(req->session());
+  auto out = sessions_->Close(*req);
   if (out.ok()) resp->set_freed_bytes(*out);
   Finish(r, "CloseSession", out.status());
   return r;

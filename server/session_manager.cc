@@ -229,13 +229,35 @@ void SessionManager::Retire(const std::shared_ptr<OffloadSession>& s) {
   });
 }
 
-absl::StatusOr<uint64_t> SessionManager::Close(const v1::SessionRef& ref) {
-  ASSIGN_OR_RETURN(std::shared_ptr<OffloadSession> found, Lookup(ref, "CloseSession", false));
+absl::StatusOr<uint64_t> SessionManager::Close(const v1::CloseSessionRequest& req) {
+  std::shared_ptr<OffloadSession> found;
+  std::string by = "its client";
+  if (req.session().token().empty() && req.caller().caller_id() != 0) {  // an administrator
+    absl::StatusOr<uid_t> uid = CallerUid(req.caller(), "CloseSession");
+    if (!uid.ok()) {
+      Reject(uid.status());
+      return uid.status();
+    }
+    {
+      MutexLock lock(&mu_);
+      auto it = sessions_.find(req.session().session_id());
+      if (it != sessions_.end()) found = it->second;
+    }
+    const std::optional<uid_t> owner = found ? found->uid() : std::nullopt;
+    if (found == nullptr || (*uid != 0 && owner != *uid)) {
+      absl::Status st = NoSession(req.session().session_id());
+      Reject(st);
+      return st;
+    }
+    by = absl::StrCat("uid ", *uid, " (stallfreectl close)");
+  } else {
+    ASSIGN_OR_RETURN(found, Lookup(req.session(), "CloseSession", false));
+  }
   std::shared_ptr<OffloadSession> s = Unregister(found->id());
   if (s == nullptr) return NoSession(found->id());  // reclaimed meanwhile
   const uint64_t bytes = s->MarkClosed("session closed while waiting");
   counters_.sessions_closed.fetch_add(1);
-  SF_LOG(kInfo, "session %d closed by its client; %d bytes freed", s->id(), bytes);
+  SF_LOG(kInfo, "session %d closed by %s; %d bytes freed", s->id(), by, bytes);
   // Queued work still runs; the memory goes after the last task.
   Retire(s);
   return bytes;

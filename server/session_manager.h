@@ -58,7 +58,7 @@ class SessionManager {
 
   absl::StatusOr<v1::OpenSessionResponse> Open(const v1::OpenSessionRequest& request);
   // Closes after the session's queued work finishes; the region is freed then.
-  absl::StatusOr<uint64_t> Close(const v1::SessionRef& ref);
+  absl::StatusOr<uint64_t> Close(const v1::CloseSessionRequest& request);
 
   void RegisterParams(const v1::RegisterParamsRequest& request, v1::RegisterParamsResponse* response,
                       Done done);

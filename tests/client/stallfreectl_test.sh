@@ -71,6 +71,23 @@ if [ "$me" = 0 ] && command -v setpriv >/dev/null; then
   [ -e "$dir/state/0/mine.sfckpt" ] || fail "root's checkpoint is gone"
 fi
 
+# stats --watch prints every interval, --iterations times.
+n=$($ctl --socket "$sock" --watch 0.1 --iterations 3 stats | grep -c "^version ")
+[ "$n" = 3 ] || fail "stats --watch 0.1 --iterations 3 printed $n times"
+$ctl --socket "$sock" --watch 0.1 health >/dev/null 2>&1 && fail "--watch accepted with health"
+
+# close: another uid cannot close root's session (it cannot see it); root closes it; the
+# holder's session is then gone, and a bad id is refused.
+sid=$(awk '/ready/ {print $2}' "$dir/holder.out")
+if [ "$me" = 0 ] && command -v setpriv >/dev/null; then
+  out=$(nobody $ctl --socket "$sock" close "$sid" 2>&1) && fail "uid 65534 closed root's session"
+  grep -q "NOT_FOUND" <<<"$out" || fail "65534's close: $out"
+fi
+$ctl --socket "$sock" close "$sid" | grep -q "closed session $sid" || fail "close"
+$ctl --socket "$sock" sessions | grep -Eq "^$sid +holder" && fail "the closed session is listed"
+$ctl --socket "$sock" close "$sid" >/dev/null 2>&1 && fail "closing it twice succeeded"
+$ctl --socket "$sock" close abc >/dev/null 2>&1 && fail "close abc accepted"
+
 kill -TERM $dpid
 wait $dpid || fail "daemon exit status $?"
 dpid=
