@@ -61,6 +61,7 @@ int Run(int argc, char** argv) {
   int64_t pinned_mib = 0;
   std::string pin = "best-effort";
   std::string log_level = "info";
+  std::string log_format = "text";
   std::string state_dir = DefaultStateDir();
   int64_t parent_pid = 0;
   std::string metrics_address;
@@ -76,6 +77,8 @@ int Run(int argc, char** argv) {
   flags.AddString("pin", &pin,
                   "mlock policy: require (fail if mlock fails), best-effort (warn), off");
   flags.AddString("log_level", &log_level, "debug, info, warning or error");
+  flags.AddString("log_format", &log_format,
+                  "text, or json: one JSON object a line (time, level, file, line, message)");
   flags.AddString("state_dir", &state_dir,
                   "directory for checkpoints (Checkpoint / Restore); created if missing; empty "
                   "disables them ($STATE_DIRECTORY, else $XDG_STATE_HOME/stallfree or "
@@ -95,6 +98,12 @@ int Run(int argc, char** argv) {
     return 2;
   }
   SetLogLevel(level);
+  LogFormat format;
+  if (!ParseLogFormat(log_format, &format)) {
+    fprintf(stderr, "stallfreed: --log_format: '%s' is not text or json\n", log_format.c_str());
+    return 2;
+  }
+  SetLogFormat(format);
   DaemonOptions opts;
   if (pin == "require") opts.pin = PinPolicy::kRequire;
   else if (pin == "best-effort") opts.pin = PinPolicy::kBestEffort;

@@ -91,4 +91,23 @@ $ctl --socket "$sock" close abc >/dev/null 2>&1 && fail "close abc accepted"
 kill -TERM $dpid
 wait $dpid || fail "daemon exit status $?"
 dpid=
+
+# --log_format json: every line of the daemon's log is one JSON object.
+$daemon --socket "$dir/j.sock" --state_dir "$dir/state" --log_format json 2>"$dir/json.log" &
+dpid=$!
+for _ in $(seq 100); do [ -S "$dir/j.sock" ] && break; sleep 0.05; done
+kill -TERM $dpid
+wait $dpid || fail "json daemon exit status $?"
+dpid=
+/usr/bin/python3 - "$dir/json.log" <<'PY' || fail "json log: $(cat "$dir/json.log")"
+import json, sys
+lines = open(sys.argv[1]).read().splitlines()
+assert len(lines) >= 3, lines
+for l in lines:
+    o = json.loads(l)
+    assert set(o) == {"time", "level", "file", "line", "message"}, o
+assert any(json.loads(l)["message"].startswith("stallfreed serving on unix:") for l in lines)
+assert json.loads(lines[-1])["message"] == "stallfreed stopped", lines[-1]
+PY
+$daemon --log_format yaml >/dev/null 2>&1 && fail "--log_format yaml accepted"
 echo PASS
