@@ -5,7 +5,7 @@ NVCC := /usr/local/cuda/bin/nvcc
 APT_PACKAGES := bazel-bootstrap g++ protobuf-compiler protobuf-compiler-grpc libprotobuf-dev \
   libgrpc++-dev libabsl-dev libtbb-dev libgloo-dev libopenblas-dev libgtest-dev libgmock-dev \
   libbenchmark-dev gnuplot-nox python3-torch python3-pytest pybind11-dev python3-dev \
-  libsystemd-dev systemd libcivetweb-dev prometheus
+  libsystemd-dev systemd libcivetweb-dev prometheus python3-yaml
 
 # The CUDA backends, their GPU tests and the GPU benchmark (tagged manual: CI builds and links
 # them with nvcc; the tests print SKIP without a device).

@@ -52,6 +52,10 @@ std::string NewToken() {
   return token;
 }
 
+// How long an unattached session whose named pid is not visible (a trainer in another pid
+// namespace, or a dead one) may take to attach.
+constexpr double kAttachGraceSeconds = 300;
+
 // Liveness of a process, from /proc. Zombies count as gone.
 bool ProcessAlive(pid_t pid) {
   std::ifstream f(absl::StrCat("/proc/", pid, "/stat"));
@@ -178,11 +182,8 @@ absl::StatusOr<v1::OpenSessionResponse> SessionManager::Open(const v1::OpenSessi
     bad = absl::InvalidArgumentError(absl::StrCat("pid: ", req.pid(), " is not a process id"));
   else if (req.name().size() > 256)
     bad = absl::InvalidArgumentError("name: longer than 256 bytes");
-  // The pid only keeps an unattached session alive (Housekeeping); it grants nothing.
-  else if (!ProcessAlive(static_cast<pid_t>(req.pid())))
-    bad = absl::InvalidArgumentError(absl::StrCat(
-        "pid: no process ", req.pid(), " is visible to the daemon (a trainer in another pid "
-        "namespace needs the daemon's, e.g. hostPID in Kubernetes)"));
+  // The pid only keeps an unattached session alive (Housekeeping); it grants nothing. It may
+  // be invisible here: a trainer in a container names its own pid namespace's.
   v1::OpenSessionResponse resp;
   {
     MutexLock lock(&mu_);
@@ -544,7 +545,16 @@ void SessionManager::Housekeeping() {
   for (const auto& s : open) s->ExpireWaiters(now);
   for (const auto& s : open) {
     const pid_t pid = s->pid();
-    if (!ProcessAlive(pid)) Reclaim(s->id(), absl::StrCat("process ", pid, " is gone"));
+    if (ProcessAlive(pid)) continue;
+    const v1::SessionInfo info = s->Info();
+    if (info.attached()) {  // the kernel's pid: gone for sure
+      Reclaim(s->id(), absl::StrCat("process ", pid, " is gone"));
+    } else if (info.age_seconds() > kAttachGraceSeconds) {
+      // The pid OpenSession named is not visible: a dead opener, or one in another pid
+      // namespace that never attached.
+      Reclaim(s->id(), absl::StrCat("not attached within ", kAttachGraceSeconds,
+                                    " s, and its process ", pid, " is not visible"));
+    }
   }
 }
 

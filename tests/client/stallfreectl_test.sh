@@ -71,6 +71,22 @@ if [ "$me" = 0 ] && command -v setpriv >/dev/null; then
   [ -e "$dir/state/0/mine.sfckpt" ] || fail "root's checkpoint is gone"
 fi
 
+# A trainer in its own pid namespace (as in a container without hostPID) names a pid the daemon
+# cannot resolve; it still opens, attaches, and is then listed with the kernel's pid.
+if [ "$me" = 0 ] && unshare --pid --fork --mount-proc true 2>/dev/null; then
+  unshare --pid --fork --mount-proc $holder "$sock" 123 > "$dir/ns.out" &
+  nspid=$!
+  for _ in $(seq 100); do grep -q ready "$dir/ns.out" 2>/dev/null && break; sleep 0.05; done
+  grep -q ready "$dir/ns.out" || fail "a session from another pid namespace did not open"
+  nsid=$(awk '/ready/ {print $2}' "$dir/ns.out")
+  row=$($ctl --socket "$sock" sessions | awk -v id="$nsid" '$1 == id')
+  hostpid=$(pgrep -f "^$holder $sock 123$" | head -1)
+  [ -n "$row" ] && [ "$(awk '{print $4}' <<<"$row")" = "$hostpid" ] ||
+    fail "the namespaced session's pid: '$row', host pid $hostpid"
+  kill -9 $nspid 2>/dev/null || true
+  pkill -9 -f "^$holder $sock 123$" || true
+fi
+
 # stats --watch prints every interval, --iterations times.
 n=$($ctl --socket "$sock" --watch 0.1 --iterations 3 stats | grep -c "^version ")
 [ "$n" = 3 ] || fail "stats --watch 0.1 --iterations 3 printed $n times"

@@ -130,11 +130,17 @@ class SessionManagerTest : public ::testing::Test {
 
 // Close while a task runs and another waits behind it, then destroy the manager: the destructor
 // waits for both (the queued Update counts into the manager when it runs).
+v1::CloseSessionRequest CloseRequest(const v1::SessionRef& ref) {
+  v1::CloseSessionRequest req;
+  *req.mutable_session() = ref;
+  return req;
+}
+
 TEST_F(SessionManagerTest, DestroyingTheManagerWaitsForAClosedSessionsWork) {
   const v1::SessionRef ref = OpenLoaded();
   ASSERT_NO_FATAL_FAILURE(HoldStrand(ref));
   ASSERT_NO_FATAL_FAILURE(QueueUpdate(ref));
-  absl::StatusOr<uint64_t> freed = manager_->Close(ref);
+  absl::StatusOr<uint64_t> freed = manager_->Close(CloseRequest(ref));
   ASSERT_TRUE(freed.ok()) << freed.status();
   EXPECT_GT(*freed, uint64_t{kNumel} * 4 * 4);
   EXPECT_EQ(wait_status_.code(), Code::kAborted);  // the waiter goes with the close
