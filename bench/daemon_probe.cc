@@ -168,7 +168,8 @@ int main(int argc, char** argv) {
   printf("stats: pushes %lld accumulate_seconds %.3f updates %lld update_seconds %.3f\n",
          (long long)stats.pushes(), stats.accumulate_seconds(), (long long)stats.updates(),
          stats.update_seconds());
-  v1::SessionRef close = ref;
+  v1::CloseSessionRequest close;
+  *close.mutable_session() = ref;
   (void)sm.Close(close);
   sm.Drain();
   fflush(stdout);

@@ -124,6 +124,15 @@ absl::StatusOr<uint64_t> Client::CloseSession(uint64_t session_id) {
   return resp.freed_bytes();
 }
 
+absl::StatusOr<std::string> Client::Metrics() {
+  v1::GetMetricsRequest req;
+  ASSIGN_OR_RETURN(*req.mutable_caller(), Caller());
+  grpc::ClientContext ctx;
+  v1::GetMetricsResponse resp;
+  RETURN_IF_ERROR(FromGrpc(stub_->GetMetrics(&ctx, req, &resp)));
+  return resp.text();
+}
+
 absl::Status Client::DeleteCheckpoint(const std::string& tag) {
   v1::DeleteCheckpointRequest req;
   ASSIGN_OR_RETURN(*req.mutable_caller(), Caller());

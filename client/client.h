@@ -62,6 +62,8 @@ class Client {
   // Closes session `session_id` of this process's uid (root: any), as an administrator
   // (offload.proto, CloseSessionRequest); returns the bytes it freed.
   absl::StatusOr<uint64_t> CloseSession(uint64_t session_id);
+  // The daemon's Prometheus text (root or the daemon's uid; offload.proto, GetMetrics).
+  absl::StatusOr<std::string> Metrics();
   // The daemon's proof of this process's uid (offload.proto, CallerRef): obtained once from the
   // fd socket, whose connection the Client keeps open while it lives.
   absl::StatusOr<v1::CallerRef> Caller();

@@ -1,4 +1,9 @@
 // stallfreectl: admin CLI for stallfreed (health, stats, sessions, checkpoints).
+#include <poll.h>
+#include <termios.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <ctime>
 #include <string>
@@ -68,6 +73,83 @@ int PrintStats(stallfree::Client* client, const std::string& output) {
   return 0;
 }
 
+// top: a live view until q or Ctrl-C (or --iterations refreshes): rates from GetStats deltas,
+// then a line per session. On a terminal the screen is redrawn and keys are read raw.
+int Top(stallfree::Client* client, double interval, int64_t iterations) {
+  using namespace stallfree;
+  const bool tty = isatty(STDOUT_FILENO) && isatty(STDIN_FILENO);
+  struct termios saved {};
+  if (tty) {
+    tcgetattr(STDIN_FILENO, &saved);
+    struct termios raw = saved;
+    raw.c_lflag &= ~static_cast<tcflag_t>(ICANON | ECHO);
+    raw.c_cc[VMIN] = 0;
+    raw.c_cc[VTIME] = 0;
+    tcsetattr(STDIN_FILENO, TCSANOW, &raw);
+  }
+  auto restore = [&] {
+    if (tty) tcsetattr(STDIN_FILENO, TCSANOW, &saved);
+  };
+  absl::StatusOr<v1::Stats> prev = client->GetStats();
+  auto t_prev = std::chrono::steady_clock::now();
+  for (int64_t n = 1;; ++n) {
+    // Wait one interval, returning early on q.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(interval);
+    while (std::chrono::steady_clock::now() < until) {
+      struct pollfd p = {STDIN_FILENO, POLLIN, 0};
+      if (tty && poll(&p, 1, 50) > 0) {
+        char ch = 0;
+        if (read(STDIN_FILENO, &ch, 1) == 1 && (ch == 'q' || ch == 'Q' || ch == 3)) {
+          restore();
+          return 0;
+        }
+      } else if (!tty) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    }
+    absl::StatusOr<v1::Stats> st = client->GetStats();
+    auto sessions = client->ListSessions();
+    if (!st.ok() || !prev.ok() || !sessions.ok()) {
+      restore();
+      fprintf(stderr, "stallfreectl: top: %s\n",
+              (!st.ok() ? st.status() : !prev.ok() ? prev.status() : sessions.status())
+                  .ToString()
+                  .c_str());
+      return 1;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    const double dt = std::chrono::duration<double>(now - t_prev).count();
+    std::string out = tty ? "\033[H\033[2J" : "";
+    out += absl::StrFormat(
+        "stallfreed %s  up %.0f s  %d workers   (q to quit)\n"
+        "pushes/s %8.1f   updates/s %8.1f   in %7.3f GB/s   out %7.3f GB/s\n"
+        "sessions %ld   pinned %s of %s   rejected %ld\n\n",
+        st->version(), st->uptime_seconds(), st->worker_threads(),
+        (st->pushes() - prev->pushes()) / dt, (st->updates() - prev->updates()) / dt,
+        (st->bytes_in() - prev->bytes_in()) / dt / 1e9,
+        (st->bytes_out() - prev->bytes_out()) / dt / 1e9, (long)st->sessions(),
+        Bytes(st->pinned_bytes()),
+        st->pinned_budget_bytes() ? Bytes(st->pinned_budget_bytes()) : std::string("unlimited"),
+        (long)st->rejected_requests());
+    out += absl::StrFormat("%-6s %-18s %-5s %-8s %-8s %-8s %-9s %-7s %s\n", "ID", "NAME", "RANK",
+                           "PID", "STEP", "VERSION", "STALENESS", "UPDATE", "PINNED");
+    for (const v1::SessionInfo& s : *sessions) {
+      out += absl::StrFormat("%-6d %-18s %-5d %-8d %-8d %-8d %-9d %-7s %s\n", s.session_id(),
+                             s.name().substr(0, 18), s.rank(), s.pid(), s.last_step(), s.version(),
+                             std::max<int64_t>(0, s.last_step() - s.version()),
+                             s.update_running() ? "running" : "-", Bytes(s.pinned_bytes()));
+    }
+    fputs(out.c_str(), stdout);
+    std::fflush(stdout);
+    prev = st;
+    t_prev = now;
+    if (iterations > 0 && n >= iterations) {
+      restore();
+      return 0;
+    }
+  }
+}
+
 int Run(int argc, char** argv) {
   using namespace stallfree;
   std::string socket = DefaultSocket();
@@ -79,13 +161,18 @@ int Run(int argc, char** argv) {
                 "  sessions                   your sessions (root: every uid's)\n"
                 "  checkpoints                your checkpoints (root: every uid's)\n"
                 "  delete-checkpoint TAG      removes your checkpoint TAG\n"
-                "  close SESSION_ID           closes one of your sessions (root: anyone's)");
+                "  close SESSION_ID           closes one of your sessions (root: anyone's)\n"
+                "  top                        a live view (every --watch seconds, default 1) until q\n"
+                "  metrics                    the Prometheus text (root or the daemon's uid), e.g.\n"
+                "                             for node_exporter's textfile collector");
   flags.AddString("socket", &socket, "the daemon's gRPC unix socket");
   flags.AddString("o", &output, "output format: table or json");
   double watch = 0;
   int64_t iterations = 0;
-  flags.AddDouble("watch", &watch, "stats: print again every SECONDS until Ctrl-C (0: once)");
-  flags.AddInt("iterations", &iterations, "stats --watch: stop after N prints (0: never)");
+  flags.AddDouble("watch", &watch,
+                  "stats: print again every SECONDS until Ctrl-C (0: once); top: the refresh "
+                  "interval (0: 1 s)");
+  flags.AddInt("iterations", &iterations, "stats --watch, top: stop after N prints (0: never)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   const std::vector<std::string>& args = flags.positional();
   const std::string cmd = args.empty() ? "" : args[0];
@@ -95,15 +182,16 @@ int Run(int argc, char** argv) {
     return 2;
   }
   if (cmd != "health" && cmd != "stats" && cmd != "sessions" && cmd != "checkpoints" &&
-      cmd != "delete-checkpoint" && cmd != "close") {
+      cmd != "delete-checkpoint" && cmd != "close" && cmd != "top" && cmd != "metrics") {
     fprintf(stderr,
             "stallfreectl: unknown command '%s' (health, stats, sessions, checkpoints, "
-            "delete-checkpoint, close)\n",
+            "delete-checkpoint, close, top, metrics)\n",
             cmd.c_str());
     return 2;
   }
-  if (watch < 0 || iterations < 0 || (watch > 0 && cmd != "stats")) {
-    fprintf(stderr, "stallfreectl: --watch SECONDS (> 0) and --iterations N go with stats\n");
+  if (watch < 0 || iterations < 0 || (watch > 0 && cmd != "stats" && cmd != "top")) {
+    fprintf(stderr,
+            "stallfreectl: --watch SECONDS (> 0) and --iterations N go with stats and top\n");
     return 2;
   }
   auto client = Client::Connect(socket);
@@ -129,6 +217,16 @@ int Run(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::duration<double>(watch));
       if (output == "table") printf("\n");
     }
+  }
+  if (cmd == "top") return Top(client->get(), watch > 0 ? watch : 1.0, iterations);
+  if (cmd == "metrics") {
+    auto text = (*client)->Metrics();
+    if (!text.ok()) {
+      fprintf(stderr, "stallfreectl: metrics: %s\n", text.status().ToString().c_str());
+      return 1;
+    }
+    fputs(text->c_str(), stdout);
+    return 0;
   }
   if (cmd == "close") {
     char* end = nullptr;

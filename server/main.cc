@@ -157,7 +157,7 @@ int Run(int argc, char** argv) {
     SF_LOG(kError, "cannot serve the fd socket %s: %s", fd_socket, st.ToString());
     return 1;
   }
-  OffloadService service(&sessions);
+  OffloadService service(&sessions, [&sessions] { return RenderMetrics(&sessions); });
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());

@@ -173,4 +173,14 @@ grpc::ServerUnaryReactor* OffloadService::ListSessions(grpc::CallbackServerConte
   return r;
 }
 
+grpc::ServerUnaryReactor* OffloadService::GetMetrics(grpc::CallbackServerContext* ctx,
+                                                     const v1::GetMetricsRequest* req,
+                                                     v1::GetMetricsResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  absl::Status st = sessions_->AuthorizeOperator(req->caller(), "GetMetrics");
+  if (st.ok()) resp->set_text(metrics_());
+  Finish(r, "GetMetrics", st);
+  return r;
+}
+
 }  // namespace stallfree

@@ -12,7 +12,9 @@ grpc::Status ToGrpc(const absl::Status& s);
 
 class OffloadService final : public v1::Offload::CallbackService {
  public:
-  explicit OffloadService(SessionManager* sessions) : sessions_(sessions) {}
+  // metrics: renders the Prometheus text (server/metrics.h) for GetMetrics.
+  OffloadService(SessionManager* sessions, std::function<std::string()> metrics)
+      : sessions_(sessions), metrics_(std::move(metrics)) {}
 
   grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
                                         const v1::OpenSessionRequest* req,
@@ -61,6 +63,9 @@ class OffloadService final : public v1::Offload::CallbackService {
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
                                      const v1::GetStatsRequest* req,
                                      v1::GetStatsResponse* resp) override;
+  grpc::ServerUnaryReactor* GetMetrics(grpc::CallbackServerContext* ctx,
+                                       const v1::GetMetricsRequest* req,
+                                       v1::GetMetricsResponse* resp) override;
   grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
                                          const v1::ListSessionsRequest* req,
                                          v1::ListSessionsResponse* resp) override;
@@ -70,6 +75,7 @@ class OffloadService final : public v1::Offload::CallbackService {
   std::function<void(absl::Status)> Finisher(grpc::ServerUnaryReactor* r, const char* method);
 
   SessionManager* sessions_;
+  std::function<std::string()> metrics_;
 };
 
 }  // namespace stallfree

@@ -572,6 +572,17 @@ void SessionManager::Drain() {
   mu_.Await([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return Settled(); });
 }
 
+absl::Status SessionManager::AuthorizeOperator(const v1::CallerRef& caller, const char* what) {
+  absl::StatusOr<uid_t> uid = CallerUid(caller, what);
+  absl::Status st = uid.status();
+  if (st.ok() && *uid != 0 && *uid != getuid())
+    st = absl::PermissionDeniedError(absl::StrCat(
+        what, ": shows every uid's sessions, so only root and the daemon's uid (", getuid(),
+        ") may ask; uid ", *uid, " may not"));
+  if (!st.ok()) Reject(st);
+  return st;
+}
+
 std::vector<v1::SessionInfo> SessionManager::AllSessionInfo() {
   std::vector<v1::SessionInfo> out;
   for (const auto& s : OpenSessions()) out.push_back(s->Info());

@@ -93,6 +93,8 @@ class SessionManager {
   DaemonCounters& counters() { return counters_; }
   // The sessions of the caller's uid (root: all).
   absl::StatusOr<std::vector<v1::SessionInfo>> ListSessions(const v1::CallerRef& caller);
+  // OK for a caller credential of root or of the daemon's own uid (the operator).
+  absl::Status AuthorizeOperator(const v1::CallerRef& caller, const char* what);
   // Every session, whatever its uid: for the metrics endpoint, an operator's interface.
   std::vector<v1::SessionInfo> AllSessionInfo();
 

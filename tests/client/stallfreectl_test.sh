@@ -87,6 +87,34 @@ if [ "$me" = 0 ] && unshare --pid --fork --mount-proc true 2>/dev/null; then
   pkill -9 -f "^$holder $sock 123$" || true
 fi
 
+sid=$(awk '/ready/ {print $2}' "$dir/holder.out")
+# top: without a terminal, --iterations refreshes of rates and sessions; in tmux, a live screen
+# that q ends. metrics: the Prometheus text, for root and the daemon's uid only.
+out=$($ctl --socket "$sock" --watch 0.1 --iterations 2 top)
+[ "$(grep -c "^pushes/s" <<<"$out")" = 2 ] || fail "top --iterations 2: $out"
+grep -Eq "^$sid +holder +7 " <<<"$out" || fail "top lacks the holder's session: $out"
+if command -v tmux >/dev/null; then
+  tmux -L sftest new-session -d -s top -x 150 -y 30 "$PWD/$ctl --socket $sock --watch 0.2 top"
+  for _ in $(seq 50); do
+    screen=$(tmux -L sftest capture-pane -p -t top 2>/dev/null || true)
+    grep -q "holder" <<<"$screen" && break
+    sleep 0.1
+  done
+  grep -q "pushes/s" <<<"$screen" && grep -q "(q to quit)" <<<"$screen" ||
+    fail "top in tmux: $screen"
+  grep -Eq "^$sid +holder" <<<"$screen" || fail "top in tmux lacks the session: $screen"
+  tmux -L sftest send-keys -t top q
+  for _ in $(seq 50); do tmux -L sftest has-session -t top 2>/dev/null || break; sleep 0.1; done
+  tmux -L sftest has-session -t top 2>/dev/null && { tmux -L sftest kill-server; fail "q did not end top"; }
+  tmux -L sftest kill-server 2>/dev/null || true
+fi
+metrics=$($ctl --socket "$sock" metrics)
+grep -q "^stallfree_build_info{" <<<"$metrics" || fail "stallfreectl metrics: $metrics"
+if [ "$me" = 0 ] && command -v setpriv >/dev/null; then
+  out=$(nobody $ctl --socket "$sock" metrics 2>&1) && fail "uid 65534 got the metrics"
+  grep -q "PERMISSION_DENIED" <<<"$out" || fail "65534's metrics: $out"
+fi
+
 # stats --watch prints every interval, --iterations times.
 n=$($ctl --socket "$sock" --watch 0.1 --iterations 3 stats | grep -c "^version ")
 [ "$n" = 3 ] || fail "stats --watch 0.1 --iterations 3 printed $n times"
@@ -94,7 +122,6 @@ $ctl --socket "$sock" --watch 0.1 health >/dev/null 2>&1 && fail "--watch accept
 
 # close: another uid cannot close root's session (it cannot see it); root closes it; the
 # holder's session is then gone, and a bad id is refused.
-sid=$(awk '/ready/ {print $2}' "$dir/holder.out")
 if [ "$me" = 0 ] && command -v setpriv >/dev/null; then
   out=$(nobody $ctl --socket "$sock" close "$sid" 2>&1) && fail "uid 65534 closed root's session"
   grep -q "NOT_FOUND" <<<"$out" || fail "65534's close: $out"
