@@ -102,6 +102,10 @@ std::string RenderMetrics(SessionManager* sessions) {
       st.params());
   One(&out, "stallfree_param_elements", "gauge", "Elements of those parameters.",
       st.param_elements());
+  One(&out, "stallfree_param_bytes", "gauge", "fp32 master bytes of those parameters.",
+      static_cast<double>(st.param_bytes()));
+  One(&out, "stallfree_mlock_enabled", "gauge", "1 unless stallfreed runs with --pin off.",
+      st.mlock_enabled() ? 1 : 0);
   One(&out, "stallfree_pinned_bytes", "gauge",
       "Bytes of the sessions' regions and optimizer state (pinned when mlock is on).",
       st.pinned_bytes());

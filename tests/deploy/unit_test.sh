@@ -27,8 +27,9 @@ grep -q -- "--socket /run/stallfree/stallfreed.sock" "$unit" || fail "the socket
 grep -qx "StateDirectory=stallfree" "$unit" || fail "StateDirectory"
 grep -qx "NoNewPrivileges=yes" "$unit" || fail "NoNewPrivileges"
 grep -qx "ProtectSystem=strict" "$unit" || fail "ProtectSystem=strict"
+grep -q -- "--metrics_address 127.0.0.1:9464" "$unit" || fail "the unit does not turn metrics on"
 # Every flag in ExecStart is one stallfreed knows.
-for f in $(grep '^ExecStart=' "$unit" | grep -o -- '--[a-z_]*'); do
+for f in $(sed -n '/^ExecStart=/,/[^\\]$/p' "$unit" | grep -o -- '--[a-z_]*'); do
   "$daemon" --help 2>&1 | grep -q -- "$f" || fail "ExecStart uses $f, which stallfreed does not know"
 done
 echo PASS
