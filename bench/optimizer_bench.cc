@@ -70,6 +70,83 @@ __attribute__((target("avx2"))) void Stream4r3wAvx2(float* p, const float* g, fl
   }
   for (; i < n; ++i) p[i] += 0 * g[i], m[i] += 0 * g[i], v[i] += 0 * g[i];
 }
+// Variant: four vectors an iteration (more loads in flight).
+__attribute__((target("avx512f"))) void Stream4r3wUnrolledAvx512(float* p, const float* g, float* m,
+                                                                  float* v, int64_t n) {
+  int64_t i = 0;
+  const __m512 zero = _mm512_setzero_ps();
+  for (; i + 64 <= n; i += 64) {
+    __m512 x[4];
+    for (int k = 0; k < 4; ++k) x[k] = _mm512_mul_ps(_mm512_loadu_ps(g + i + 16 * k), zero);
+    for (int k = 0; k < 4; ++k) {
+      const int64_t j = i + 16 * k;
+      _mm512_storeu_ps(p + j, _mm512_add_ps(_mm512_loadu_ps(p + j), x[k]));
+      _mm512_storeu_ps(m + j, _mm512_add_ps(_mm512_loadu_ps(m + j), x[k]));
+      _mm512_storeu_ps(v + j, _mm512_add_ps(_mm512_loadu_ps(v + j), x[k]));
+    }
+  }
+  Stream4r3wAvx512(p + i, g + i, m + i, v + i, n - i);
+}
+// Variant: non-temporal stores (the written lines bypass the caches), where p, m and v share
+// their alignment within a 64-byte line (they do for arrays allocated alike).
+__attribute__((target("avx512f"))) void Stream4r3wNtAvx512(float* p, const float* g, float* m,
+                                                            float* v, int64_t n) {
+  const uintptr_t phase = reinterpret_cast<uintptr_t>(p) & 63;
+  if ((reinterpret_cast<uintptr_t>(m) & 63) != phase ||
+      (reinterpret_cast<uintptr_t>(v) & 63) != phase || phase % 4 != 0)
+    return Stream4r3wAvx512(p, g, m, v, n);
+  int64_t head = phase == 0 ? 0 : std::min<int64_t>(n, (64 - phase) / 4);
+  Stream4r3wAvx512(p, g, m, v, head);
+  int64_t i = head;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(g + i), _mm512_setzero_ps());
+    _mm512_stream_ps(p + i, _mm512_add_ps(_mm512_load_ps(p + i), x));
+    _mm512_stream_ps(m + i, _mm512_add_ps(_mm512_load_ps(m + i), x));
+    _mm512_stream_ps(v + i, _mm512_add_ps(_mm512_load_ps(v + i), x));
+  }
+  _mm_sfence();
+  Stream4r3wAvx512(p + i, g + i, m + i, v + i, n - i);
+}
+
+// The patterns of the bf16 AdamW (p, m, v, bf16 g read; p, m, v, bf16 copy written) and of the
+// fused boundary pass (p, m, v, acc, g read; p, m, v, bf16 copy written), streamed with trivial
+// arithmetic: their own limits.
+__attribute__((target("avx512f,avx512bw"))) void StreamBf16Avx512(float* p, const uint16_t* g16,
+                                                                  float* m, float* v,
+                                                                  uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i gb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g16 + i));
+    const __m512 x = _mm512_mul_ps(
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(gb), 16)),
+        _mm512_setzero_ps());
+    const __m512 np = _mm512_add_ps(_mm512_loadu_ps(p + i), x);
+    _mm512_storeu_ps(p + i, np);
+    _mm512_storeu_ps(m + i, _mm512_add_ps(_mm512_loadu_ps(m + i), x));
+    _mm512_storeu_ps(v + i, _mm512_add_ps(_mm512_loadu_ps(v + i), x));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(np), 16)));
+  }
+  for (; i < n; ++i) out[i] = static_cast<uint16_t>(g16[i] & 0), p[i] += 0, m[i] += 0, v[i] += 0;
+}
+__attribute__((target("avx512f,avx512bw"))) void StreamFusedAvx512(float* p, const float* acc,
+                                                                   const float* g, float* m,
+                                                                   float* v, uint16_t* out,
+                                                                   int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(g + i), _mm512_loadu_ps(acc + i)),
+                                   _mm512_setzero_ps());
+    const __m512 np = _mm512_add_ps(_mm512_loadu_ps(p + i), x);
+    _mm512_storeu_ps(p + i, np);
+    _mm512_storeu_ps(m + i, _mm512_add_ps(_mm512_loadu_ps(m + i), x));
+    _mm512_storeu_ps(v + i, _mm512_add_ps(_mm512_loadu_ps(v + i), x));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(np), 16)));
+  }
+  for (; i < n; ++i) out[i] = 0, p[i] += 0 * (g[i] + acc[i]), m[i] += 0, v[i] += 0;
+}
+
 void Stream4r3w(float* p, const float* g, float* m, float* v, int64_t n) {
   static const bool avx512 = __builtin_cpu_supports("avx512f");
   static const bool avx2 = __builtin_cpu_supports("avx2");
@@ -192,13 +269,63 @@ int Main(int argc, char** argv) {
   const double kFusedBytes = 16 + 4 + 12 + 2;  // p, m, v, acc, g read; p, m, v, bf16 written
   const double kSeparateBytes = 12 + 28 + 6;   // accumulate; AdamW from acc; cast
 
-  auto limit_all = [&] {
-    ParallelChunks(n, [&](int64_t b, int64_t len) { Stream4r3w(p + b, g + b, m + b, v + b, len); });
+  // The limit is the fastest of a few streaming variants of the same access pattern, each
+  // the best of reps runs: 32K-element chunks as the kernels use (plain, unrolled, with
+  // non-temporal stores) and one contiguous range per thread. If a kernel still measures
+  // above 1 of it, the limit is not one: say so.
+  using StreamFn = void (*)(float*, const float*, float*, float*, int64_t);
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  struct Variant {
+    std::string name;
+    std::function<void()> run;
   };
-  auto limit_one = single([&] { Stream4r3w(p, g, m, v, n); });
-  const double t_limit = Best(reps, limit_all);
+  auto chunked = [&](StreamFn f) {
+    return [&, f] { ParallelChunks(n, [&](int64_t b, int64_t len) { f(p + b, g + b, m + b, v + b, len); }); };
+  };
+  auto contiguous = [&](StreamFn f) {
+    return [&, f] {
+      const int64_t per = (n + threads - 1) / threads;
+      tbb::parallel_for(
+          tbb::blocked_range<int64_t>(0, threads, 1),
+          [&](const tbb::blocked_range<int64_t>& r) {
+            for (int64_t t = r.begin(); t < r.end(); ++t) {
+              const int64_t b = t * per, len = std::min(n, b + per) - b;
+              if (len > 0) f(p + b, g + b, m + b, v + b, len);
+            }
+          },
+          tbb::simple_partitioner());
+    };
+  };
+  std::vector<Variant> variants = {{"32K chunks", chunked(&Stream4r3w)},
+                                   {"one contiguous range a thread", contiguous(&Stream4r3w)}};
+  if (avx512) {
+    variants.push_back({"32K chunks, unrolled x4", chunked(&Stream4r3wUnrolledAvx512)});
+    variants.push_back({"32K chunks, non-temporal stores", chunked(&Stream4r3wNtAvx512)});
+    variants.push_back({"contiguous, unrolled x4", contiguous(&Stream4r3wUnrolledAvx512)});
+    variants.push_back({"contiguous, non-temporal stores", contiguous(&Stream4r3wNtAvx512)});
+  }
+  std::vector<double> variant_t;
+  size_t fastest = 0;
+  for (size_t i = 0; i < variants.size(); ++i) {
+    variant_t.push_back(Best(reps, variants[i].run));
+    if (variant_t[i] < variant_t[fastest]) fastest = i;
+  }
+  const std::function<void()> limit_all = variants[fastest].run;
+  // One thread: the fastest of the plain, unrolled and non-temporal loops.
+  std::vector<StreamFn> one_fns = {&Stream4r3w};
+  if (avx512) {
+    one_fns.push_back(&Stream4r3wUnrolledAvx512);
+    one_fns.push_back(&Stream4r3wNtAvx512);
+  }
+  std::function<void()> limit_one;
+  double t_limit1 = 1e30;
+  for (StreamFn f : one_fns) {
+    std::function<void()> run = single([&, f] { f(p, g, m, v, n); });
+    const double t = Best(reps, run);
+    if (t < t_limit1) t_limit1 = t, limit_one = run;
+  }
+  const double t_limit = variant_t[fastest];
   const double limit_gbs = n * kAdamWBytes / t_limit / 1e9;
-  const double t_limit1 = Best(reps, limit_one);
   const double limit1_gbs = n * kAdamWBytes / t_limit1 / 1e9;
   const double t_triad = Best(reps, [&] {
     ParallelChunks(n, [&](int64_t b, int64_t len) { Triad(a.acc.data() + b, p + b, g + b, len); });
@@ -220,9 +347,48 @@ int Main(int argc, char** argv) {
   };
   // Fraction of the limit's bandwidth: (bytes / t_kernel) / (28 bytes / t_limit).
   auto frac = [&](const Paired& r, double bytes) { return r.limit_over_kernel * bytes / kAdamWBytes; };
+
   const Paired fp32 = MeasurePaired(reps, limit_all, [&] { adamw(fast, false); });
   const Paired fp32_1 = MeasurePaired(reps, limit_one, single([&] { adamw(fast, false); }));
-  const Paired bf16 = MeasurePaired(reps, limit_all, [&] { adamw(fast, true); });
+  // The bf16 and fused kernels against limits of their own access patterns (AVX-512 machines;
+  // elsewhere the 4r/3w limit scaled by bytes, as before). Each is the better of the two
+  // partitions, chosen as for the 4r/3w limit.
+  const bool own_limits = avx512 && __builtin_cpu_supports("avx512bw");
+  // Against a limit of the kernel's own pattern the bytes are the same: the time ratio.
+  auto own = [&](const Paired& r, double bytes) {
+    return own_limits ? r.limit_over_kernel : frac(r, bytes);
+  };
+  uint16_t* g16 = a.g16.data();
+  uint16_t* out16 = a.out16.data();
+  float* acc = a.acc.data();
+  auto pick = [&](std::function<void(int64_t, int64_t)> body) {
+    std::function<void()> chunks = [&, body] { ParallelChunks(n, body); };
+    std::function<void()> ranges = [&, body] {
+      const int64_t per = (n + threads - 1) / threads;
+      tbb::parallel_for(
+          tbb::blocked_range<int64_t>(0, threads, 1),
+          [&](const tbb::blocked_range<int64_t>& r) {
+            for (int64_t t = r.begin(); t < r.end(); ++t) {
+              const int64_t b = t * per, len = std::min(n, b + per) - b;
+              if (len > 0) body(b, len);
+            }
+          },
+          tbb::simple_partitioner());
+    };
+    return Best(reps, chunks) <= Best(reps, ranges) ? chunks : ranges;
+  };
+  const std::function<void()> limit_bf16 =
+      own_limits ? pick([&](int64_t b, int64_t len) {
+        StreamBf16Avx512(p + b, g16 + b, m + b, v + b, out16 + b, len);
+      })
+                 : limit_all;
+  const std::function<void()> limit_fused =
+      own_limits ? pick([&](int64_t b, int64_t len) {
+        StreamFusedAvx512(p + b, acc + b, g + b, m + b, v + b, out16 + b, len);
+      })
+                 : limit_all;
+  const double t_limit_bf16 = Best(reps, limit_bf16), t_limit_fused = Best(reps, limit_fused);
+  const Paired bf16 = MeasurePaired(reps, limit_bf16, [&] { adamw(fast, true); });
   const Paired bf16_1 = MeasurePaired(reps, limit_one, single([&] { adamw(fast, true); }));
   const Paired scalar_run = MeasurePaired(quick ? 1 : 2, limit_one, [&] { adamw(scalar, false); });
 
@@ -240,13 +406,21 @@ int Main(int argc, char** argv) {
     fast.AdamW(c, p, m, v, a.acc.data(), GradType::kFp32, n, nullptr);
     fast.FloatToBf16(p, a.out16.data(), n);
   };
-  const Paired fused = MeasurePaired(reps, limit_all, fused_fn);
+  const Paired fused = MeasurePaired(reps, limit_fused, fused_fn);
   // Fused against separate in alternation as well (separate plays the "limit" role here).
   const Paired fused_vs_sep = MeasurePaired(reps, separate_fn, fused_fn);
   const Paired separate = MeasurePaired(reps, limit_all, separate_fn);
 
   printf("\n%-58s %10s  %13s  %10s\n", "", "time", "rate", "bandwidth");
-  Row("streaming limit, 4 read / 3 write, all threads", n, kAdamWBytes, t_limit, -1);
+  if (own_limits) {
+    Row("streaming limit of the bf16 AdamW pattern, all threads", n, kAdamWBf16Bytes,
+        t_limit_bf16, -1);
+    Row("streaming limit of the fused boundary pattern, all threads", n, kFusedBytes,
+        t_limit_fused, -1);
+  }
+  for (size_t i = 0; i < variants.size(); ++i)
+    Row(("streaming 4r/3w, " + variants[i].name + (i == fastest ? " = limit" : "")).c_str(), n,
+        kAdamWBytes, variant_t[i], -1);
   Row("streaming limit, 4 read / 3 write, 1 thread", n, kAdamWBytes, t_limit1, -1);
   printf("%-58s %8.3f s  %24.2f GB/s  (4r/3w limit is %.2fx the triad)\n",
          "STREAM triad, all threads (for comparison)", t_triad, triad_gbs, limit_gbs / triad_gbs);
@@ -254,13 +428,13 @@ int Main(int argc, char** argv) {
   Row("AdamW fp32 grad, 1 thread (vs 1-thread limit)", n, kAdamWBytes, fp32_1.best,
       frac(fp32_1, kAdamWBytes));
   Row("AdamW bf16 grad + bf16 params out, all threads", n, kAdamWBf16Bytes, bf16.best,
-      frac(bf16, kAdamWBf16Bytes));
+      own(bf16, kAdamWBf16Bytes));
   Row("AdamW bf16 grad + bf16 params out, 1 thread", n, kAdamWBf16Bytes, bf16_1.best,
       frac(bf16_1, kAdamWBf16Bytes));
   Row("AdamW fp32, scalar oracle (1 thread)", n, kAdamWBytes, scalar_run.best,
       frac(scalar_run, kAdamWBytes));
   Row("boundary: fused accumulate + AdamW + bf16, all threads", n, kFusedBytes, fused.best,
-      frac(fused, kFusedBytes));
+      own(fused, kFusedBytes));
   Row("boundary: separate accumulate, AdamW, cast passes", n, kSeparateBytes, separate.best,
       frac(separate, kSeparateBytes));
   const double t_fp32 = fp32.best, t_fp32_1 = fp32_1.best, t_bf16 = bf16.best;
@@ -310,8 +484,15 @@ int Main(int argc, char** argv) {
   printf("FIGURE adamw_fp32_1thread_fraction_of_1thread_limit %.3f ratio\n",
          frac(fp32_1, kAdamWBytes));
   printf("FIGURE adamw_bf16_gelem_per_s %.3f Gelem/s\n", n / t_bf16 / 1e9);
-  printf("FIGURE adamw_bf16_fraction_of_stream_limit %.3f ratio\n", frac(bf16, kAdamWBf16Bytes));
+  printf("FIGURE adamw_bf16_fraction_of_stream_limit %.3f ratio\n", own(bf16, kAdamWBf16Bytes));
   printf("FIGURE adamw_vs_scalar %.2f x\n", t_scalar / t_fp32);
+  double worst = 0;
+  for (double f : {frac(fp32, kAdamWBytes), frac(fp32_1, kAdamWBytes),
+                   own(bf16, kAdamWBf16Bytes), own(fused, kFusedBytes),
+                   frac(separate, kSeparateBytes)})
+    worst = std::max(worst, f);
+  printf("FIGURE max_kernel_fraction_of_stream_limit %.3f ratio (a limit is one if <= 1.02)\n",
+         worst);
   printf("FIGURE fused_boundary_gelem_per_s %.3f Gelem/s\n", n / t_fused / 1e9);
   printf("FIGURE fused_boundary_vs_separate_passes %.2f x\n", fused_vs_sep.limit_over_kernel);
   printf("FIGURE accumulate_4096x4096_fraction_of_adamw %.3f ratio\n", t_w_acc / t_w_adamw);
