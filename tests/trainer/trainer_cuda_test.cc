@@ -42,40 +42,19 @@ constexpr double kResumeTolerance = 1e-6;
 constexpr int kSteps = 30;
 constexpr int kStopAt = 15;
 
-bool Exists(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0;
-}
-
-std::string SelfPath() {
-  char buf[PATH_MAX];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) return "";
-  buf[n] = '\0';
-  return buf;
-}
-
-// The absolute path of a binary: <self>.runfiles/stallfree/<runfile>, else <self's dir>/<name>.
-std::string FindBinary(const std::string& runfile, const std::string& name) {
-  const std::string self = SelfPath();
-  const std::string in_runfiles = self + ".runfiles/stallfree/" + runfile;
-  if (Exists(in_runfiles)) return in_runfiles;
-  const std::string sibling = self.substr(0, self.rfind('/') + 1) + name;
-  if (Exists(sibling)) return sibling;
-  return "";
-}
-
 using Run = testing::ProcessRun;
 Run Shell(const std::string& cmd) { return testing::RunShell(cmd); }
 std::vector<double> Losses(const std::string& csv) { return testing::MetricsLosses(csv); }
 
 int Main() {
   // The binaries first, so that a broken build or bundle shows even without a device.
-  const std::string trainer = FindBinary("trainer/trainer", "trainer");
-  const std::string daemon_bin = FindBinary("server/stallfreed", "stallfreed");
+  // From this binary's runfiles (bazel build), or next to it in a gpu-check bundle
+  // (tests/support/binaries.h).
+  const std::string trainer = testing::FindBinary("trainer/trainer");
+  const std::string daemon_bin = testing::FindBinary("server/stallfreed");
   if (trainer.empty() || daemon_bin.empty()) {
     std::printf("FAIL: cannot find the trainer ('%s') or stallfreed ('%s') for %s\n",
-                trainer.c_str(), daemon_bin.c_str(), SelfPath().c_str());
+                trainer.c_str(), daemon_bin.c_str(), testing::SelfExecutable().c_str());
     return 1;
   }
   std::printf("trainer %s, stallfreed %s\n", trainer.c_str(), daemon_bin.c_str());
