@@ -54,7 +54,7 @@ struct ModeledDeviceSpec {
   double hbm_bytes_per_s = 3.0e12;  // effective HBM bandwidth of element-wise kernels
   double pcie_bytes_per_s = 50e9;   // effective host<->device bandwidth, each direction
   double launch_seconds = 4e-6;     // per operation
-  int64_t virtual_threshold_bytes = int64_t{1} << 20;
+  int64_t virtual_threshold_bytes = int64_t{64} << 10;
   uint64_t reserve_bytes = uint64_t{4} << 40;  // virtual address space
   double score_sigma = 2.0;
   double score_rho = 0.998;

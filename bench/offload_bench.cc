@@ -537,6 +537,8 @@ struct Part2Result {
   double setup = 0, fill = 0;
   uint64_t daemon_rss_kb = 0;
   int64_t daemon_elems = 0, reselections = 0, migrated = 0;
+  // Mean stall of the timed steps that reselected, and of the others.
+  double stall_reselect = 0, stall_other = 0;
   // Daemon-side, over the timed steps (GetStats deltas).
   int64_t pushes = 0, updates = 0;
   double accumulate_s = 0, update_s = 0;
@@ -625,8 +627,11 @@ Part2Result RunPart2Mode(const Options& o, OffloadMode mode, Client* client, pid
     stall.push_back(tm.stall);
     traffic.push_back(static_cast<double>(tm.bytes_to_host + tm.bytes_to_device));
     r.reselections += tm.reselected ? 1 : 0;
+    (tm.reselected ? r.stall_reselect : r.stall_other) += tm.stall;
     r.migrated += tm.migrated_columns;
   }
+  if (r.reselections > 0) r.stall_reselect /= r.reselections;
+  if (timed > r.reselections) r.stall_other /= timed - r.reselections;
   if (session) {
     auto st = client->GetStats();
     if (st.ok()) {
@@ -1117,8 +1122,10 @@ int Run(int argc, char** argv) {
     }
     if (p2[2].ok)
       printf("zenflow timed steps: %lld reselection(s), %lld columns migrated (both "
-             "directions); device memory modeled: peak %.1f GiB virtual\n",
-             (long long)p2[2].reselections, (long long)p2[2].migrated, p2[2].device_virtual_gib);
+             "directions), stall %.1f ms in a reselection step and %.1f ms in any other; device "
+             "memory modeled: peak %.1f GiB virtual\n",
+             (long long)p2[2].reselections, (long long)p2[2].migrated,
+             1e3 * p2[2].stall_reselect, 1e3 * p2[2].stall_other, p2[2].device_virtual_gib);
     printf("\n");
     have2 = p2[1].ok && p2[2].ok;
   }

@@ -68,6 +68,23 @@ VARIANTS = {
     "AdamW one step stale, predicted": dict(stale_adamw=True, predict=True),
     "S1 async, W 20, predicted": dict(update_interval=1, warmup_steps=20, predict_cold=True),
     "S4 async, W 20, predicted": dict(update_interval=4, warmup_steps=20, predict_cold=True),
+    "S4 async, W 20, sqrt rule": dict(update_interval=4, warmup_steps=20, sqrt_rule=True),
+    "S4 async, W 20, sqrt rule, migrate v": dict(update_interval=4, warmup_steps=20,
+                                                 sqrt_rule=True, migrate_v=True),
+    "S4 awaited, W 20, sqrt rule": dict(update_interval=4, warmup_steps=20, sqrt_rule=True,
+                                        await_updates=True),
+    "S4 async, W 20, migrate v": dict(update_interval=4, warmup_steps=20, migrate_v=True),
+    "S4 awaited, W 20, cold frozen": dict(update_interval=4, warmup_steps=20, await_updates=True,
+                                          cold_lr_scale=0.0),
+    "S4 awaited, W 20, cold lr x0.5": dict(update_interval=4, warmup_steps=20,
+                                           await_updates=True, cold_lr_scale=0.5),
+    "S4 async, W 20, ratio 0.2": dict(update_interval=4, warmup_steps=20, topk_ratio=0.2),
+    "S4 async, W 20, ratio 0.3": dict(update_interval=4, warmup_steps=20, topk_ratio=0.3),
+    "S4 async, W 20, ratio 0.5": dict(update_interval=4, warmup_steps=20, topk_ratio=0.5),
+    "S2 awaited, W 20": dict(update_interval=2, warmup_steps=20, await_updates=True),
+    "S4 async, W 20, select snr": dict(update_interval=4, warmup_steps=20, select_by="snr"),
+    "S4 async, W 20, sqrt rule, select snr": dict(update_interval=4, warmup_steps=20,
+                                                  sqrt_rule=True, select_by="snr"),
 }
 
 
@@ -120,7 +137,7 @@ def run(tg, text, make_opt, steps, lr, seed):
     if hasattr(opt, "close"):
         opt.close()
     return dict(train=statistics.mean(losses[-10:]), eval=tg.evaluate(model, batches),
-                norms=norms)
+                norms=norms, losses=losses)
 
 
 def jumps(norms):
@@ -137,6 +154,7 @@ def main():
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--variants", default="", help="semicolon-separated substrings of names")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--curves", default="", help="write each run's losses and norms (JSON) here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     try:
@@ -153,6 +171,7 @@ def main():
     print(f"zenflow_variants: {args.steps} steps, lr {args.lr}, betas {betas}, seeds {seeds}")
     t0 = time.time()
     table = {n: [] for n in names}
+    curves = {}
     for seed in seeds:
         ref = run(tg, text, lambda g: torch.optim.AdamW(g, lr=args.lr, betas=betas, eps=1e-8),
                   args.steps, args.lr, seed)
@@ -166,6 +185,11 @@ def main():
             else:
                 make = lambda g: zr.ReferenceZenFlow(g, lr=args.lr, betas=betas, eps=1e-8, **kw)
             r = run(tg, text, make, args.steps, args.lr, seed)
+            if args.curves:
+                import json
+                curves[f"{seed} {name}"] = dict(loss=r["losses"], norm=r["norms"])
+                curves[f"{seed} AdamW"] = dict(loss=ref["losses"], norm=ref["norms"])
+                Path(args.curves).write_text(json.dumps(curves))
             j = jumps(r["norms"])
             own = max((j[i], i + 1) for i in range(len(j)) if ref_j[i] < 3)
             table[name].append((r["train"] / ref["train"], r["eval"] / ref["eval"], own[0]))

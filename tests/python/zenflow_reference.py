@@ -44,15 +44,19 @@ def _k_of(ratio, cols):
     return min(cols, max(1, int(math.floor(ratio * cols + 0.5))))
 
 
-def _adamw_(p, g, m, v, steps, lr, beta1, beta2, eps, wd):
+def _adamw_(p, g, m, v, steps, lr, beta1, beta2, eps, wd, bc=None):
     """In place, on 2-D [rows, n] slices with a step count per column (steps: [n] int64, already
-    incremented), or on any shape with a scalar steps."""
+    incremented), or on any shape with a scalar steps. bc: (bc1, bc2) given instead of
+    1 - beta ** steps (the sqrt_rule variant's per-column products)."""
     p.mul_(1 - lr * wd)
     m.mul_(beta1).add_(g, alpha=1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    t = steps.to(torch.float64)
-    bc1 = 1 - beta1 ** t
-    bc2 = 1 - beta2 ** t
+    if bc is None:
+        t = steps.to(torch.float64)
+        bc1 = 1 - beta1 ** t
+        bc2 = 1 - beta2 ** t
+    else:
+        bc1, bc2 = bc
     step_size = (lr / bc1).to(p.dtype)
     denom = (v.sqrt() / bc2.sqrt().to(p.dtype)).add_(eps)
     p.addcdiv_(m * step_size, denom, value=-1.0)
@@ -69,6 +73,8 @@ class _Split:
         self.m = torch.zeros_like(self.master)
         self.v = torch.zeros_like(self.master)
         self.steps = torch.zeros(self.cols, dtype=torch.int64)
+        self.prod1 = torch.ones(self.cols, dtype=torch.float64)  # sqrt_rule: prod of beta1s
+        self.prod2 = torch.ones(self.cols, dtype=torch.float64)
         self.hot = torch.zeros(self.cols, dtype=torch.bool)
         self.acc = torch.zeros_like(self.master)
         self.pending = None  # the masters an update produced that the model does not see yet
@@ -82,7 +88,8 @@ class ReferenceZenFlow(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  topk_ratio=0.1, update_interval=4, select_interval=None, warmup_steps=20,
                  await_updates=False, cold_warmup=0, cold_lr_scale=1.0, predict_cold=False,
-                 lr_scale=1.0, cold_scale=1.0):
+                 lr_scale=1.0, cold_scale=1.0, sqrt_rule=False, migrate_v=False,
+                 select_by="grad"):
         # lr_scale, cold_scale: deliberate errors (every lr scaled; the cold accumulation scaled),
         # for showing that a test's tolerance catches a slightly wrong reference.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -100,6 +107,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         self.lr_history = [[] for _ in self.param_groups]
         self.reselections = 0
         self.lr_scale, self.cold_scale = lr_scale, cold_scale
+        self.sqrt_rule, self.migrate_v, self.select_by = sqrt_rule, migrate_v, select_by
 
     def _split(self, p):
         st = self.state[p]
@@ -174,7 +182,13 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                         view[:, cold] = sp.pending[:, cold]
                         sp.pending = None
                     sp.landed = sp.master.clone()
-                    scores = (g * g).sum(0)
+                    if self.select_by == "snr" and t > 1:
+                        scores = (sp.m * sp.m / (sp.v + 1e-30)).sum(0)
+                    elif self.select_by == "update" and t > 1:
+                        scores = (sp.m * sp.m / (sp.v.sqrt() + eps) ** 2).sum(0)
+                    else:
+                        scores = (g * g).sum(0)
+                    was_hot = sp.hot.clone()
                     order = sorted(range(sp.cols), key=lambda c: (-scores[c].item(), c))
                     sp.hot.zero_()
                     sp.hot[order[:sp.k]] = True
@@ -183,20 +197,36 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                     # Exact migration: every column keeps its master, m, v and step; the model
                     # shows the masters of the hot columns.
                     view[:, sp.hot] = sp.master[:, sp.hot]
+                    if self.migrate_v and t > 1 and S > 1:
+                        sp.v[:, sp.hot & ~was_hot] *= S
+                        sp.v[:, was_hot & ~sp.hot] /= S
                 hot, cold = sp.hot, ~sp.hot
                 # Hot columns: AdamW now.
                 sp.steps[hot] += 1
+                sp.prod1[hot] *= b1
+                sp.prod2[hot] *= b2
                 mh, mm, mv = sp.master[:, hot], sp.m[:, hot], sp.v[:, hot]
-                _adamw_(mh, g[:, hot], mm, mv, sp.steps[hot], lr, b1, b2, eps, wd)
+                bc = ((1 - sp.prod1[hot]), (1 - sp.prod2[hot])) if self.sqrt_rule else None
+                _adamw_(mh, g[:, hot], mm, mv, sp.steps[hot], lr, b1, b2, eps, wd, bc)
                 sp.master[:, hot], sp.m[:, hot], sp.v[:, hot] = mh, mm, mv
                 view[:, hot] = mh
                 # Cold columns: the round's mean gradient, applied at the boundary.
                 sp.acc[:, cold] += g[:, cold] / S * self.cold_scale
                 if boundary:
                     sp.steps[cold] += 1
+                    cb1, cb2, ceps, clr, cwd = b1, b2, eps, cold_lr, wd
+                    if self.sqrt_rule and S > 1:  # Adam's SDE scaling rule for a batch S x
+                        cb1 = max(0.0, 1 - S * (1 - b1))
+                        cb2 = max(0.0, 1 - S * (1 - b2))
+                        ceps = eps / math.sqrt(S)
+                        clr = cold_lr * math.sqrt(S)
+                        cwd = wd * math.sqrt(S)  # the decay, a drift, scales with S
+                    sp.prod1[cold] *= cb1
+                    sp.prod2[cold] *= cb2
+                    bc = ((1 - sp.prod1[cold]), (1 - sp.prod2[cold])) if self.sqrt_rule else None
                     mc, mmc, mvc = sp.master[:, cold], sp.m[:, cold], sp.v[:, cold]
-                    _adamw_(mc, sp.acc[:, cold], mmc, mvc, sp.steps[cold], cold_lr, b1, b2, eps,
-                            wd)
+                    _adamw_(mc, sp.acc[:, cold], mmc, mvc, sp.steps[cold], clr, cb1, cb2, ceps,
+                            cwd, bc)
                     sp.master[:, cold], sp.m[:, cold], sp.v[:, cold] = mc, mmc, mvc
                     sp.acc.zero_()
                     if await_:
