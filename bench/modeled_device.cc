@@ -304,6 +304,18 @@ void ModeledDevice::AccumulateAdamW(const kernels::AdamWConfig& config, float* p
   Hbm(n * (28.0 + (grad ? Sz(type) : 0.0) + (bf16_out ? 2.0 : 0.0)));
 }
 
+void ModeledDevice::AccumulateAdamWColumns(const kernels::AdamWConfig& config,
+                                           const float* step_size, const float* bc2_sqrt,
+                                           float* param, float* m, float* v, const float* acc,
+                                           const void* grad, GradType type, float acc_scale,
+                                           int64_t rows, int64_t cols, uint16_t* bf16_out) const {
+  if (!AnyVirtual({step_size, bc2_sqrt, param, m, v, acc, grad, bf16_out}))
+    CpuK().AccumulateAdamWColumns(config, step_size, bc2_sqrt, param, m, v, acc, grad, type,
+                                  acc_scale, rows, cols, bf16_out);
+  Hbm(static_cast<double>(rows) * cols *
+      (24.0 + (acc ? 4.0 : 0.0) + Sz(type) + (bf16_out ? 2.0 : 0.0)));
+}
+
 void ModeledDevice::FloatToBf16(const float* src, uint16_t* dst, int64_t n) const {
   if (!AnyVirtual({src, dst})) CpuK().FloatToBf16(src, dst, n);
   Hbm(6.0 * n);

@@ -129,6 +129,15 @@ class Session {
   absl::StatusOr<std::vector<int64_t>> MigrateColumns(const std::string& param,
                                                       const std::vector<int64_t>& columns,
                                                       const std::vector<int64_t>& steps);
+  // The same in the middle of a round for several parameters in one call
+  // (MigrateColumnsRequest.handover): a fourth staging block receives the outgoing columns'
+  // accumulated gradient; the response has their step counts (moves[0]'s in steps, the others'
+  // in more) and whether those blocks are zero (pushes == 0). moves must not be empty.
+  struct ColumnMove {
+    std::string param;
+    std::vector<int64_t> columns, steps;
+  };
+  absl::StatusOr<v1::MigrateColumnsResponse> HandOverColumns(const std::vector<ColumnMove>& moves);
   absl::StatusOr<v1::WaitUpdateResponse> WaitUpdate(int64_t min_version, uint32_t timeout_ms = 0);
   std::future<absl::StatusOr<v1::WaitUpdateResponse>> WaitUpdateAsync(int64_t min_version);
   // Writes the session's optimizer state to the daemon's state directory as `tag`, and reads

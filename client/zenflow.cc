@@ -199,6 +199,10 @@ struct ZenFlowEngine::Impl {
   // WaitUpdate answers with the newest version, which may already be the next round's.
   uint32_t pending_pslot = 0;
   int64_t pending_task = 0;
+  // The copy-thread task that waits for Update `prefetched_version` and uploads its parameters
+  // into the split weights' cold buffers ahead of the boundary that lands them (0: none).
+  int64_t prefetch_task = 0;
+  int64_t prefetched_version = 0;
   int64_t rounds = 0;
   std::unique_ptr<CopyThread> copier;
 
@@ -226,9 +230,16 @@ struct ZenFlowEngine::Impl {
 
   absl::Status Setup();
   absl::Status LoadDaemon();
-  absl::Status Select(PState& ps, bool initial, StepTimings* tm);
+  absl::Status SelectInitial(PState& ps, StepTimings* tm);
+  // Enqueues the scores and top-k of ps's gradient and their download into *hot (valid after a
+  // Sync).
+  absl::Status EnqueueTopColumns(PState& ps, std::vector<int64_t>* hot);
+  absl::Status Reselect(const kernels::AdamWConfig& adam, float scale, StepTimings* tm);
+  std::vector<OpsBuffer> keep_alive;  // buffers an enqueued operation still reads
   absl::Status ApplyPendingUpdate(StepTimings* tm);
-  absl::Status ScatterParams(PState& ps, uint32_t slot, StepTimings* tm);
+  // The parameters of slot `slot` into ps's values (uploaded: already in ps's cold buffers).
+  absl::Status ScatterParams(PState& ps, uint32_t slot, bool uploaded, StepTimings* tm);
+  void UploadParams(PState& ps, uint32_t slot);
   absl::Status DoStep(double lr);
 };
 
@@ -321,11 +332,7 @@ absl::Status ZenFlowEngine::Impl::LoadDaemon() {
   return absl::OkStatus();
 }
 
-absl::Status ZenFlowEngine::Impl::Select(PState& ps, bool initial, StepTimings* tm) {
-  // Without a gradient a reselection keeps the hot set; the first selection takes columns
-  // [0, k) (the top-k of all-zero scores).
-  if (ps.p.grad == nullptr && !initial) return absl::OkStatus();
-  auto t0 = Clock::now();
+absl::Status ZenFlowEngine::Impl::EnqueueTopColumns(PState& ps, std::vector<int64_t>* hot) {
   if (ps.p.grad == nullptr) {
     std::vector<float> zeros(ps.cols, 0.0f);
     ops.Upload(ps.scores.data(), zeros.data(), ps.cols);
@@ -335,85 +342,196 @@ absl::Status ZenFlowEngine::Impl::Select(PState& ps, bool initial, StepTimings* 
   }
   if (reduce) RETURN_IF_ERROR(reduce(ps.p.name, ps.scores.data(), ps.cols));
   k.TopK(ps.scores.data(), ps.cols, ps.k, AsInts(ps.topk_dev));
-  std::vector<int64_t> hot(ps.k);
-  ops.Download(reinterpret_cast<float*>(hot.data()), ps.topk_dev.data(), 2 * ps.k);
-  RETURN_IF_ERROR(Sync("selecting hot columns"));
-  if (initial) {
-    ps.hot_idx = hot;
-    ps.hot_steps.assign(ps.k, 0);
-    ps.cold_idx.resize(ps.ncold);
-    kernels::ComplementIndices(hot.data(), ps.k, ps.cols, ps.cold_idx.data());
-    UploadInts(ps.hot_idx_dev, ps.hot_idx);
-    UploadInts(ps.cold_idx_dev, ps.cold_idx);
-    k.GatherColumns(ps.p.value, 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
-                    ps.hot_master.data());
-    tm->optimizer += Since(t0);
-    return Sync("initialising the hot columns");
-  }
-  tm->optimizer += Since(t0);
-
-  // Pair the hot positions whose column leaves with the compact positions whose column enters.
-  std::vector<char> is_new(ps.cols, 0);
-  for (int64_t c : hot) is_new[c] = 1;
-  std::vector<int64_t> leaving, entering;
-  for (int64_t i = 0; i < ps.k; ++i)
-    if (!is_new[ps.hot_idx[i]]) leaving.push_back(i);
-  for (int64_t j = 0; j < ps.ncold; ++j)
-    if (is_new[ps.cold_idx[j]]) entering.push_back(j);
-  if (leaving.size() != entering.size())
-    return absl::InternalError(absl::StrCat("reselection of '", ps.p.name, "': ", leaving.size(),
-                                            " columns leave but ", entering.size(), " enter"));
-  if (leaving.empty()) return absl::OkStatus();
-  t0 = Clock::now();
-  const int64_t batch = ps.ncold / 3;  // the daemon's staging limit: 3 rows*n <= rows*ncold
-  float* staging = session->StagingFp32(ps.p.name);
-  float* hot_state[3] = {ps.hot_master.data(), ps.hot_m.data(), ps.hot_v.data()};
-  for (size_t b0 = 0; b0 < leaving.size(); b0 += batch) {
-    const int64_t n = std::min<int64_t>(batch, leaving.size() - b0);
-    std::vector<int64_t> pos(leaving.begin() + b0, leaving.begin() + b0 + n);
-    std::vector<int64_t> cols(entering.begin() + b0, entering.begin() + b0 + n);
-    std::vector<int64_t> steps(n);
-    for (int64_t q = 0; q < n; ++q) steps[q] = ps.hot_steps[pos[q]];
-    OpsBuffer pos_dev = Ints(n), tmp(&ops, 3 * ps.rows * n);
-    UploadInts(pos_dev, pos);
-    for (int a = 0; a < 3; ++a)
-      k.GatherColumns(hot_state[a], 4, ps.rows, ps.k, AsInts(pos_dev), n,
-                      tmp.data() + a * ps.rows * n);
-    ops.Download(staging, tmp.data(), 3 * ps.rows * n);
-    RETURN_IF_ERROR(Sync("gathering the leaving columns' state"));
-    ASSIGN_OR_RETURN(std::vector<int64_t> got, session->MigrateColumns(ps.p.name, cols, steps));
-    ops.Upload(tmp.data(), staging, 3 * ps.rows * n);
-    for (int a = 0; a < 3; ++a)
-      k.ScatterColumns(tmp.data() + a * ps.rows * n, 4, ps.rows, ps.k, AsInts(pos_dev), n,
-                       hot_state[a]);
-    RETURN_IF_ERROR(Sync("scattering the entering columns' state"));
-    for (int64_t q = 0; q < n; ++q) {
-      std::swap(ps.hot_idx[pos[q]], ps.cold_idx[cols[q]]);
-      ps.hot_steps[pos[q]] = got[q];
-    }
-    tm->bytes_to_host += 3 * ps.rows * n * 4;
-    tm->bytes_to_device += 3 * ps.rows * n * 4;
-  }
-  UploadInts(ps.hot_idx_dev, ps.hot_idx);
-  UploadInts(ps.cold_idx_dev, ps.cold_idx);
-  // The entering columns' values are the daemon's fp32 masters from now on.
-  k.ScatterColumns(ps.hot_master.data(), 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
-                   ps.p.value);
-  tm->migrated_columns += 2 * static_cast<int64_t>(leaving.size());
-  tm->stall += Since(t0);
-  return Sync("migrating columns");
+  hot->resize(ps.k);
+  ops.Download(reinterpret_cast<float*>(hot->data()), ps.topk_dev.data(), 2 * ps.k);
+  return absl::OkStatus();
 }
 
-absl::Status ZenFlowEngine::Impl::ScatterParams(PState& ps, uint32_t slot, StepTimings* tm) {
+absl::Status ZenFlowEngine::Impl::SelectInitial(PState& ps, StepTimings* tm) {
+  // Without a gradient the first selection takes columns [0, k) (the top-k of all-zero scores).
+  auto t0 = Clock::now();
+  std::vector<int64_t> hot;
+  RETURN_IF_ERROR(EnqueueTopColumns(ps, &hot));
+  RETURN_IF_ERROR(Sync("selecting hot columns"));
+  ps.hot_idx = hot;
+  ps.hot_steps.assign(ps.k, 0);
+  ps.cold_idx.resize(ps.ncold);
+  kernels::ComplementIndices(hot.data(), ps.k, ps.cols, ps.cold_idx.data());
+  UploadInts(ps.hot_idx_dev, ps.hot_idx);
+  UploadInts(ps.cold_idx_dev, ps.cold_idx);
+  k.GatherColumns(ps.p.value, 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+                  ps.hot_master.data());
+  absl::Status st = Sync("initialising the hot columns");
+  tm->optimizer += Since(t0);
+  return st;
+}
+
+absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, float scale,
+                                           StepTimings* tm) {
+  // At a round boundary, after this step's updates and pushes, from this step's gradient (a
+  // parameter without one keeps its hot set).
+  auto t0 = Clock::now();
+  struct Move {
+    PState* ps;
+    std::vector<int64_t> hot, leaving, entering;  // hot positions leaving, compact positions
+    size_t done = 0;                               // entering, paired in order
+  };
+  std::vector<Move> moves;
+  for (PState& ps : params) {
+    if (ps.kind != PState::kSplit || ps.p.grad == nullptr) continue;
+    moves.push_back(Move{&ps});
+    RETURN_IF_ERROR(EnqueueTopColumns(ps, &moves.back().hot));
+  }
+  RETURN_IF_ERROR(Sync("selecting hot columns"));
+  for (Move& mv : moves) {
+    PState& ps = *mv.ps;
+    std::vector<char> is_new(ps.cols, 0);
+    for (int64_t c : mv.hot) is_new[c] = 1;
+    for (int64_t i = 0; i < ps.k; ++i)
+      if (!is_new[ps.hot_idx[i]]) mv.leaving.push_back(i);
+    for (int64_t j = 0; j < ps.ncold; ++j)
+      if (is_new[ps.cold_idx[j]]) mv.entering.push_back(j);
+    if (mv.leaving.size() != mv.entering.size())
+      return absl::InternalError(absl::StrCat("reselection of '", ps.p.name, "': ",
+                                              mv.leaving.size(), " columns leave but ",
+                                              mv.entering.size(), " enter"));
+  }
+  tm->optimizer += Since(t0);
+  // The handover (MigrateColumnsRequest.handover), while the daemon may still be busy with the
+  // previous round's Update: the leaving columns' state goes to the daemon, which hands back the
+  // entering columns' state from before this round's Update with their accumulated gradient;
+  // their round's AdamW step is taken here, exactly as the daemon's fused Update would take it,
+  // and the daemon's Update leaves the arrived columns alone. One call for every parameter, in
+  // rounds of what fits each parameter's staging area (4 blocks of [rows, n]).
+  const GradType gtype = cfg.grad_dtype == v1::DTYPE_BF16 ? GradType::kBf16 : GradType::kFp32;
+  struct Batch {
+    Move* mv;
+    int64_t n = 0;
+    std::vector<int64_t> pos, cols, steps;
+    OpsBuffer pos_dev, tmp, grad, graw, ss, bc2;
+  };
+  for (;;) {
+    t0 = Clock::now();
+    std::vector<Batch> batches;
+    std::vector<Session::ColumnMove> request;
+    for (Move& mv : moves) {
+      PState& ps = *mv.ps;
+      const int64_t left = static_cast<int64_t>(mv.leaving.size() - mv.done);
+      if (left == 0) continue;
+      Batch b;
+      b.mv = &mv;
+      b.n = std::min<int64_t>(ps.ncold / 4, left);
+      const int64_t n = b.n, rn = ps.rows * n;
+      b.pos.assign(mv.leaving.begin() + mv.done, mv.leaving.begin() + mv.done + n);
+      b.cols.assign(mv.entering.begin() + mv.done, mv.entering.begin() + mv.done + n);
+      std::vector<int64_t> in_cols(n);
+      b.steps.resize(n);
+      for (int64_t q = 0; q < n; ++q) {
+        b.steps[q] = ps.hot_steps[b.pos[q]];
+        in_cols[q] = ps.cold_idx[b.cols[q]];
+      }
+      b.pos_dev = Ints(n);
+      OpsBuffer in_dev = Ints(n);
+      b.tmp = OpsBuffer(&ops, 4 * rn);
+      b.grad = OpsBuffer(&ops, rn);
+      b.graw = OpsBuffer(&ops, (rn + 1) / 2);
+      b.ss = OpsBuffer(&ops, n);
+      b.bc2 = OpsBuffer(&ops, n);
+      UploadInts(b.pos_dev, b.pos);
+      UploadInts(in_dev, in_cols);
+      const float* hot_state[3] = {ps.hot_master.data(), ps.hot_m.data(), ps.hot_v.data()};
+      for (int a = 0; a < 3; ++a)
+        k.GatherColumns(hot_state[a], 4, ps.rows, ps.k, AsInts(b.pos_dev), n,
+                        b.tmp.data() + a * rn);
+      // The entering columns' gradient of this step, as the daemon received it.
+      k.GatherColumns(ps.p.grad, 4, ps.rows, ps.cols, AsInts(in_dev), n, b.grad.data());
+      if (gtype == GradType::kBf16)
+        k.FloatToBf16(b.grad.data(), reinterpret_cast<uint16_t*>(b.graw.data()), rn);
+      ops.Download(session->StagingFp32(ps.p.name), b.tmp.data(), 3 * rn);
+      // in_dev's last use is enqueued: kept until the Sync below.
+      request.push_back({ps.p.name, b.cols, b.steps});
+      batches.push_back(std::move(b));
+      batches.back().mv->done += n;
+      keep_alive.push_back(std::move(in_dev));
+    }
+    if (batches.empty()) break;
+    RETURN_IF_ERROR(Sync("gathering the leaving columns' state"));
+    keep_alive.clear();
+    tm->optimizer += Since(t0);
+    t0 = Clock::now();
+    absl::StatusOr<v1::MigrateColumnsResponse> got = session->HandOverColumns(request);
+    tm->stall += Since(t0);
+    RETURN_IF_ERROR(got.status());
+    t0 = Clock::now();
+    const bool acc_zero = got->pushes() == 0;
+    for (size_t i = 0; i < batches.size(); ++i) {
+      Batch& b = batches[i];
+      PState& ps = *b.mv->ps;
+      const int64_t n = b.n, rn = ps.rows * n;
+      const auto& out_steps = i == 0 ? got->steps() : got->more(static_cast<int>(i - 1)).steps();
+      if (out_steps.size() != n)
+        return absl::InternalError(absl::StrCat("handover of '", ps.p.name, "': ",
+                                                out_steps.size(), " step counts for ", n,
+                                                " columns"));
+      std::vector<int64_t> in_steps(n);
+      for (int64_t q = 0; q < n; ++q) in_steps[q] = out_steps[q] + 1;
+      std::vector<float> ss_h(n), bc2_h(n);
+      kernels::MakeColumnConstants(adam, in_steps.data(), n, ss_h.data(), bc2_h.data());
+      ops.Upload(b.ss.data(), ss_h.data(), n);
+      ops.Upload(b.bc2.data(), bc2_h.data(), n);
+      ops.Upload(b.tmp.data(), session->StagingFp32(ps.p.name), 4 * rn);
+      k.AccumulateAdamWColumns(
+          adam, b.ss.data(), b.bc2.data(), b.tmp.data(), b.tmp.data() + rn, b.tmp.data() + 2 * rn,
+          acc_zero ? nullptr : b.tmp.data() + 3 * rn,
+          gtype == GradType::kBf16 ? static_cast<const void*>(b.graw.data()) : b.grad.data(),
+          gtype, scale, ps.rows, n, nullptr);
+      float* hot_state[3] = {ps.hot_master.data(), ps.hot_m.data(), ps.hot_v.data()};
+      for (int a = 0; a < 3; ++a)
+        k.ScatterColumns(b.tmp.data() + a * rn, 4, ps.rows, ps.k, AsInts(b.pos_dev), n,
+                         hot_state[a]);
+      for (int64_t q = 0; q < n; ++q) {
+        std::swap(ps.hot_idx[b.pos[q]], ps.cold_idx[b.cols[q]]);
+        ps.hot_steps[b.pos[q]] = in_steps[q];
+      }
+      tm->bytes_to_host += 3 * rn * 4;
+      tm->bytes_to_device += 4 * rn * 4;
+      tm->migrated_columns += 2 * n;
+    }
+    RETURN_IF_ERROR(Sync("taking the entering columns' round step"));
+    tm->optimizer += Since(t0);
+  }
+  t0 = Clock::now();
+  for (Move& mv : moves) {
+    if (mv.leaving.empty()) continue;
+    PState& ps = *mv.ps;
+    UploadInts(ps.hot_idx_dev, ps.hot_idx);
+    UploadInts(ps.cold_idx_dev, ps.cold_idx);
+    // The entering columns' values are their fresh masters from now on.
+    k.ScatterColumns(ps.hot_master.data(), 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+                     ps.p.value);
+  }
+  absl::Status st = Sync("migrating columns");
+  tm->optimizer += Since(t0);
+  return st;
+}
+
+void ZenFlowEngine::Impl::UploadParams(PState& ps, uint32_t slot) {
   const int64_t n = ps.offload_numel();
   float* dst = ps.kind == PState::kSplit ? ps.cold_params.data() : ps.p.value;
-  if (cfg.param_dtype == v1::DTYPE_FP32) {
+  if (cfg.param_dtype == v1::DTYPE_FP32)
     ops.Upload(dst, session->ParamsFp32(slot, ps.p.name), n);
-  } else {
+  else
     ops.Upload(ps.cold_raw.data(),
                reinterpret_cast<const float*>(session->ParamsBf16(slot, ps.p.name)), (n + 1) / 2);
+}
+
+absl::Status ZenFlowEngine::Impl::ScatterParams(PState& ps, uint32_t slot, bool uploaded,
+                                                StepTimings* tm) {
+  const int64_t n = ps.offload_numel();
+  float* dst = ps.kind == PState::kSplit ? ps.cold_params.data() : ps.p.value;
+  if (!uploaded) UploadParams(ps, slot);
+  if (cfg.param_dtype != v1::DTYPE_FP32)
     k.Bf16ToFloat(reinterpret_cast<const uint16_t*>(ps.cold_raw.data()), dst, n);
-  }
   if (ps.kind == PState::kSplit)
     k.ScatterColumns(ps.cold_params.data(), 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
                      ps.ncold, ps.p.value);
@@ -424,12 +542,19 @@ absl::Status ZenFlowEngine::Impl::ScatterParams(PState& ps, uint32_t slot, StepT
 absl::Status ZenFlowEngine::Impl::ApplyPendingUpdate(StepTimings* tm) {
   if (pending_version == 0) return absl::OkStatus();
   auto t0 = Clock::now();
-  RETURN_IF_ERROR(copier->WaitFor(pending_task));
-  RETURN_IF_ERROR(session->WaitUpdate(pending_version).status());
+  const bool uploaded = prefetched_version == pending_version;
+  if (uploaded) {
+    RETURN_IF_ERROR(copier->WaitFor(prefetch_task));
+  } else {
+    RETURN_IF_ERROR(copier->WaitFor(pending_task));
+    RETURN_IF_ERROR(session->WaitUpdate(pending_version).status());
+  }
+  prefetched_version = 0;
   tm->stall += Since(t0);
   t0 = Clock::now();
   for (PState& ps : params)
-    if (ps.kind != PState::kDevice) RETURN_IF_ERROR(ScatterParams(ps, pending_pslot, tm));
+    if (ps.kind != PState::kDevice)
+      RETURN_IF_ERROR(ScatterParams(ps, pending_pslot, uploaded, tm));
   RETURN_IF_ERROR(Sync("scattering the daemon's parameters"));
   tm->copies += Since(t0);
   pending_version = 0;
@@ -447,22 +572,19 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   const int64_t S = (warm || sync) ? 1 : cfg.update_interval;
   const bool await = cfg.await_updates || warm || sync;
   tm.boundary = offloading() && (warm || sync || (t - W) % cfg.update_interval == 0);
-  const bool select =
-      cfg.mode == OffloadMode::kZenFlow &&
-      (t == 1 || (t > W && (t - W - 1) % cfg.EffectiveSelectInterval() == 0));
+  // Reselection at the end of a round boundary step t >= max(W, 1) with (t - W) a multiple of
+  // select_interval (the last warm-up step, then every select_interval steps), from this step's
+  // gradient, after this step's updates.
+  const bool reselect = cfg.mode == OffloadMode::kZenFlow && offloading() && tm.boundary &&
+                        t >= std::max<int64_t>(W, 1) &&
+                        (t - W) % cfg.EffectiveSelectInterval() == 0;
   const kernels::AdamWConfig adam = cfg.AdamW(lr, t);
 
   if (offloading() && !loaded) {
     // Step 1: the first selection defines which columns the daemon holds; then load them.
     for (PState& ps : params)
-      if (ps.kind == PState::kSplit) RETURN_IF_ERROR(Select(ps, /*initial=*/true, &tm));
+      if (ps.kind == PState::kSplit) RETURN_IF_ERROR(SelectInitial(ps, &tm));
     RETURN_IF_ERROR(LoadDaemon());
-  } else if (select) {
-    // Migration needs the daemon's state complete: the previous round's Update applied.
-    RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
-    for (PState& ps : params)
-      if (ps.kind == PState::kSplit) RETURN_IF_ERROR(Select(ps, /*initial=*/false, &tm));
-    tm.reselected = true;
   }
 
   // The device's share: 1-D and device-only parameters whole, hot columns of split weights.
@@ -524,6 +646,17 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   RETURN_IF_ERROR(Sync("gathering the cold gradients"));
   tm.copies += Since(t0);
   const float scale = static_cast<float>(1.0 / static_cast<double>(S));
+  if (reselect) {
+    // The previous round's Update lands first, through the compact positions as they are; the
+    // handovers then go to the daemon after this round's earlier pushes (the copy thread's
+    // previous task) and before this step's fused Update.
+    RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
+    t0 = Clock::now();
+    RETURN_IF_ERROR(copier->WaitFor(slot_task[slot ^ 1u]));
+    tm.stall += Since(t0);
+    RETURN_IF_ERROR(Reselect(adam, scale, &tm));
+    tm.reselected = true;
+  }
   // At a round boundary the round's last push is folded into the Update (the daemon's fused
   // boundary pass: no accumulator write and re-read for it), so the copy task that writes the
   // slot then issues the Update itself. The task waits, before writing, for an Update still
@@ -573,6 +706,21 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     pending_version = t;
     pending_pslot = pslot;
     if (await) RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
+  }
+  // Before the step that lands a pending Update, the copy thread uploads its parameters while
+  // the caller computes that step (zenflow: only split weights go through the daemon).
+  const int64_t u = t + 1;
+  if (cfg.mode == OffloadMode::kZenFlow && pending_version > 0 && prefetched_version == 0 &&
+      u > W && (u - W) % cfg.update_interval == 0) {
+    const int64_t v = pending_version;
+    const uint32_t from = pending_pslot;
+    prefetch_task = copier->Post([this, v, from]() -> absl::Status {
+      RETURN_IF_ERROR(session->WaitUpdate(v).status());
+      for (PState& ps : params)
+        if (ps.kind == PState::kSplit) UploadParams(ps, from);
+      return Sync("uploading the daemon's parameters");
+    });
+    prefetched_version = v;
   }
   tm.total = Since(t_start);
   last = tm;
@@ -798,6 +946,7 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   // The daemon's Restore puts the checkpointed parameters in parameter slot 0: the pending
   // round reads them there, and the next Update must write the other slot.
   im.pending_pslot = 0;
+  im.prefetched_version = 0;
   if (im.rounds % 2 == 0) ++im.rounds;
   if (im.offloading() && im.loaded)
     RETURN_IF_ERROR(im.session->Restore(tag, im.cfg.param_dtype).status());

@@ -10,6 +10,7 @@
 #include "common/tbb_sync.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/bf16.h"
 #include "common/log.h"
 
 namespace stallfree {
@@ -425,6 +426,10 @@ void OffloadSession::Update(const UpdatePlan& plan) {
       if (!bf16) memcpy(out32 + b, master_ + b, n * sizeof(float));
     });
     for (std::vector<int64_t>& steps : col_steps_) std::fill(steps.begin(), steps.end(), cfg.step);
+    if (!handed_over_.empty()) {
+      LandHandovers(bf16 ? out16 : nullptr);
+      if (!bf16) memcpy(out32, master_, total * sizeof(float));
+    }
   } else {
     std::vector<float> step_size, bc2;
     for (size_t i = 0; i < layout_->params.size(); ++i) {
@@ -452,6 +457,9 @@ void OffloadSession::Update(const UpdatePlan& plan) {
                        kernels::GradType::kFp32, p.rows, p.cols, bf16 ? out16 + e : nullptr);
       }
     }
+    // Columns handed over in this round arrived from the device with the round's step taken
+    // there: their state replaces what the pass computed for them.
+    LandHandovers(bf16 ? out16 : nullptr);
     if (!bf16) {
       ParallelChunks(total, [&](int64_t b, int64_t e) {
         memcpy(out32 + b, master_ + b, (e - b) * sizeof(float));
@@ -495,7 +503,7 @@ void OffloadSession::Update(const UpdatePlan& plan) {
   for (Waiter& w : ready) w.done(result);
 }
 
-std::vector<int64_t> OffloadSession::Migrate(const MigratePlan& plan) {
+MigrateResult OffloadSession::Migrate(const MigratePlan& plan) {
   const auto t0 = Clock::now();
   const std::vector<int64_t>& columns = plan.columns;
   const ParamLayout& p = layout_->params[plan.param];
@@ -509,19 +517,148 @@ std::vector<int64_t> OffloadSession::Migrate(const MigratePlan& plan) {
       for (int64_t j = 0; j < n; ++j) std::swap(block[r * n + j], row[columns[j]]);
     }
   }
+  MigrateResult result;
   std::vector<int64_t>& col_steps = col_steps_[plan.param];
-  std::vector<int64_t> previous(static_cast<size_t>(n));
+  result.steps.resize(static_cast<size_t>(n));
   for (int64_t j = 0; j < n; ++j) {
-    previous[j] = col_steps[columns[j]];
+    result.steps[j] = col_steps[columns[j]];
     col_steps[columns[j]] = plan.steps[j];
   }
   env_.counters->migrated_columns.fetch_add(2 * n);
   env_.counters->migrate_seconds.Observe(Seconds(Clock::now() - t0));
-  return previous;
+  return result;
+}
+
+namespace {
+// Rows [r0, r1) of item `item`: column-strided work split so that both cores share a big
+// parameter's rows.
+struct RowSpan {
+  size_t item;
+  int64_t r0, r1;
+};
+void AddRowSpans(size_t item, int64_t rows, int64_t n, std::vector<RowSpan>* spans) {
+  const int64_t chunk = std::max<int64_t>(64, 65536 / std::max<int64_t>(1, n));
+  for (int64_t r = 0; r < rows; r += chunk) spans->push_back({item, r, std::min(rows, r + chunk)});
+}
+template <typename Fn>
+void ForEachSpan(const std::vector<RowSpan>& spans, Fn fn) {
+  stallfree::ParallelFor(tbb::blocked_range<size_t>(0, spans.size(), 1),
+                         [&](const tbb::blocked_range<size_t>& r) {
+                           for (size_t i = r.begin(); i < r.end(); ++i) fn(spans[i]);
+                         });
+}
+}  // namespace
+
+std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePlan>& plans) {
+  const auto t0 = Clock::now();
+  // The incoming state waits in handed_over_ until the round's Update has run (which then writes
+  // it in place of whatever that Update computed for these columns); the outgoing state, with
+  // the columns' share of the round (the accumulator as it is logically), goes to the four
+  // staging blocks.
+  if (handed_over_.empty()) handed_over_.resize(layout_->params.size());
+  std::vector<MigrateResult> results(plans.size());
+  std::vector<float*> blocks(plans.size());
+  std::vector<RowSpan> spans;
+  int64_t pushes = 0;
+  if (!acc_stale_) {
+    MutexLock lock(&mu_);
+    pushes = std::max<int64_t>(1, pushes_since_update_);
+  }
+  int64_t moved = 0;
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const MigratePlan& plan = plans[i];
+    const ParamLayout& p = layout_->params[plan.param];
+    const int64_t n = static_cast<int64_t>(plan.columns.size());
+    HandedOver& h = handed_over_[plan.param];
+    h.columns.insert(h.columns.end(), plan.columns.begin(), plan.columns.end());
+    h.steps.insert(h.steps.end(), plan.steps.begin(), plan.steps.end());
+    h.blocks.emplace_back(3 * p.rows * n);
+    blocks[i] = h.blocks.back().data();
+    for (int64_t c : plan.columns) results[i].steps.push_back(col_steps_[plan.param][c]);
+    results[i].pushes = pushes;
+    AddRowSpans(i, p.rows, n, &spans);
+    moved += n;
+  }
+  ForEachSpan(spans, [&](const RowSpan& sp) {
+    const MigratePlan& plan = plans[sp.item];
+    const ParamLayout& p = layout_->params[plan.param];
+    const int64_t n = static_cast<int64_t>(plan.columns.size());
+    const int64_t* cols = plan.columns.data();
+    float* staging = Staging() + p.elem_offset;
+    const float* from[4] = {master_ + p.elem_offset, m_ + p.elem_offset, v_ + p.elem_offset,
+                            acc_ + p.elem_offset};
+    for (int a = 0; a < 4; ++a) {
+      float* block = staging + a * p.rows * n;
+      if (a < 3)
+        memcpy(blocks[sp.item] + (a * p.rows + sp.r0) * n, block + sp.r0 * n,
+               (sp.r1 - sp.r0) * n * sizeof(float));
+      for (int64_t r = sp.r0; r < sp.r1; ++r) {
+        const float* row = from[a] + r * p.cols;
+        float* out = block + r * n;
+        if (a == 3 && acc_stale_) {
+          std::fill(out, out + n, 0.0f);
+          continue;
+        }
+        for (int64_t j = 0; j < n; ++j) out[j] = row[cols[j]];
+      }
+    }
+  });
+  env_.counters->migrated_columns.fetch_add(2 * moved);
+  env_.counters->migrate_seconds.Observe(Seconds(Clock::now() - t0));
+  return results;
+}
+
+void OffloadSession::LandHandovers(uint16_t* out16) {
+  struct Item {
+    size_t param;
+    const int64_t* cols;
+    int64_t n;
+    const float* values;
+  };
+  std::vector<Item> items;
+  std::vector<RowSpan> spans;
+  for (size_t i = 0; i < handed_over_.size(); ++i) {
+    const HandedOver& h = handed_over_[i];
+    const ParamLayout& p = layout_->params[i];
+    size_t first = 0;  // h.columns[first..] belong to the current block
+    for (const std::vector<float>& block : h.blocks) {
+      const int64_t n = static_cast<int64_t>(block.size()) / (3 * p.rows);
+      AddRowSpans(items.size(), p.rows, n, &spans);
+      items.push_back({i, h.columns.data() + first, n, block.data()});
+      first += n;
+    }
+  }
+  ForEachSpan(spans, [&](const RowSpan& sp) {
+    const Item& it = items[sp.item];
+    const ParamLayout& p = layout_->params[it.param];
+    float* state[3] = {master_ + p.elem_offset, m_ + p.elem_offset, v_ + p.elem_offset};
+    for (int a = 0; a < 3; ++a)
+      for (int64_t r = sp.r0; r < sp.r1; ++r) {
+        float* row = state[a] + r * p.cols;
+        const float* in = it.values + (a * p.rows + r) * it.n;
+        for (int64_t j = 0; j < it.n; ++j) row[it.cols[j]] = in[j];
+      }
+    if (out16 != nullptr)
+      for (int64_t r = sp.r0; r < sp.r1; ++r) {
+        const float* row = state[0] + r * p.cols;
+        uint16_t* out = out16 + p.elem_offset + r * p.cols;
+        for (int64_t j = 0; j < it.n; ++j) out[it.cols[j]] = FloatToBf16(row[it.cols[j]]);
+      }
+  });
+  for (size_t i = 0; i < handed_over_.size(); ++i) {
+    const HandedOver& h = handed_over_[i];
+    for (size_t j = 0; j < h.columns.size(); ++j) col_steps_[i][h.columns[j]] = h.steps[j];
+  }
+  handed_over_.clear();
 }
 
 absl::StatusOr<CheckpointWritten> OffloadSession::Snapshot(const std::string& path, uid_t owner,
                                                            int64_t* version) {
+  for (const HandedOver& h : handed_over_)
+    if (!h.columns.empty())
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session ", id_, " handed columns over in the middle of a round; checkpoint after the "
+          "round's Update"));
   PrepareAccumulator(AccumulatorUse::kSnapshot);
   v1::CheckpointHeader header;
   header.set_session_name(name_);
@@ -588,6 +725,7 @@ absl::StatusOr<v1::CheckpointHeader> OffloadSession::Restore(const std::string& 
     }
   }
   if (!st.ok()) return st;
+  handed_over_.clear();
   SF_LOG(kInfo, "session %d: restored %s (version %d)", id_, path, header->version());
   return header;
 }

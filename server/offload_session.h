@@ -180,6 +180,14 @@ struct MigratePlan {
   size_t param = 0;  // position in the layout
   std::vector<int64_t> columns;
   std::vector<int64_t> steps;
+  bool handover = false;  // MigrateColumnsRequest.handover
+};
+
+// What a handover Migrate returns: the outgoing step counts, and how many pushes the handed-over
+// accumulator block holds (0: it is zero).
+struct MigrateResult {
+  std::vector<int64_t> steps;
+  int64_t pushes = 0;
 };
 
 class OffloadSession {
@@ -271,7 +279,12 @@ class OffloadSession {
   // On the strand. Swaps the master, m and v values of the plan's n columns with the three
   // [rows, n] blocks at the parameter's staging offset, sets the columns' step counts to the
   // plan's and returns their previous ones.
-  std::vector<int64_t> Migrate(const MigratePlan& plan);
+  MigrateResult Migrate(const MigratePlan& plan);
+  // On the strand. The handovers of `plans` (MigrateColumnsRequest.handover; distinct
+  // parameters): each column's state and accumulated gradient go to the four staging blocks,
+  // and the three incoming blocks are kept for the next Update to write in place of what it
+  // computes for those columns.
+  std::vector<MigrateResult> HandOver(const std::vector<MigratePlan>& plans);
   // On the strand. Writes the checkpoint file `path` of the state (the accumulator as it is
   // logically), owned by `owner`. *version: the version it holds.
   absl::StatusOr<CheckpointWritten> Snapshot(const std::string& path, uid_t owner,
@@ -367,6 +380,17 @@ class OffloadSession {
   // Work state: touched only by the work methods, on the strand.
   std::vector<std::vector<int64_t>> col_steps_;  // per parameter, per column: AdamW steps taken
   bool acc_stale_ = false;                        // see PrepareAccumulator
+  // Per parameter: the columns handed over since the last Update (Migrate with handover), their
+  // incoming step counts and state (per call, [3][rows][n]: master, m, v), which that Update
+  // writes after its pass (LandHandovers).
+  struct HandedOver {
+    std::vector<int64_t> columns, steps;
+    std::vector<std::vector<float>> blocks;
+  };
+  std::vector<HandedOver> handed_over_;
+  // On the strand: writes the handed-over columns' state and step counts, and their values to
+  // out16 (the parameter slot, bf16) unless null; clears handed_over_.
+  void LandHandovers(uint16_t* out16);
 };
 
 }  // namespace stallfree

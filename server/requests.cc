@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/bounds.h"
+#include "common/status.h"
 
 namespace stallfree {
 namespace {
@@ -225,42 +226,69 @@ absl::StatusOr<UpdatePlan> PlanUpdate(const v1::UpdateRequest& req, const Sessio
 }
 
 
-absl::StatusOr<MigratePlan> PlanMigrate(const v1::MigrateColumnsRequest& req,
-                                        const SessionLayout& layout) {
-  const int64_t which = layout.Find(req.param());
+namespace {
+absl::StatusOr<MigratePlan> PlanOneMigration(const std::string& param,
+                                             const google::protobuf::RepeatedField<int64_t>& cols,
+                                             const google::protobuf::RepeatedField<int64_t>& steps,
+                                             bool handover, const SessionLayout& layout) {
+  const int64_t which = layout.Find(param);
   if (which < 0)
-    return absl::NotFoundError(absl::StrCat("param: no parameter '", req.param(), "'"));
+    return absl::NotFoundError(absl::StrCat("param: no parameter '", param, "'"));
   const ParamLayout& p = layout.params[which];
-  const int64_t n = req.columns_size();
-  if (n == 0) return absl::InvalidArgumentError("columns: empty");
-  if (req.steps_size() != n)
-    return absl::InvalidArgumentError(
-        absl::StrCat("steps: ", req.steps_size(), " step counts for ", n, " columns"));
-  // 3 blocks of [rows, n] must fit in the parameter's staging area of rows * cols floats.
-  if (n > p.cols / 3)
+  const int64_t n = cols.size();
+  if (n == 0) return absl::InvalidArgumentError(absl::StrCat("columns of '", p.name, "': empty"));
+  if (steps.size() != n)
+    return absl::InvalidArgumentError(absl::StrCat("steps of '", p.name, "': ", steps.size(),
+                                                   " step counts for ", n, " columns"));
+  // 3 blocks of [rows, n] (4 for a handover) must fit in the parameter's staging area of
+  // rows * cols floats.
+  const int64_t blocks = handover ? 4 : 3;
+  if (n > p.cols / blocks)
     return absl::InvalidArgumentError(absl::StrCat(
-        "columns: ", n, " columns of '", p.name, "' need ", 3 * n * p.rows,
+        "columns: ", n, " columns of '", p.name, "' need ", blocks * n * p.rows,
         " staging floats, but the parameter's staging area holds ", p.numel, "; move at most ",
-        p.cols / 3, " columns per call"));
+        p.cols / blocks, " columns per call"));
   std::vector<bool> seen(static_cast<size_t>(p.cols), false);
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t c = req.columns(j);
+    const int64_t c = cols[j];
     if (c < 0 || c >= p.cols)
       return absl::InvalidArgumentError(absl::StrCat(
           "columns[", j, "]: ", c, " is outside [0, ", p.cols, ") of '", p.name, "'"));
     if (seen[c])
       return absl::InvalidArgumentError(
-          absl::StrCat("columns[", j, "]: column ", c, " appears twice"));
+          absl::StrCat("columns[", j, "]: column ", c, " of '", p.name, "' appears twice"));
     seen[c] = true;
-    if (req.steps(j) < 0)
+    if (steps[j] < 0)
       return absl::InvalidArgumentError(
-          absl::StrCat("steps[", j, "]: ", req.steps(j), " is negative"));
+          absl::StrCat("steps[", j, "] of '", p.name, "': ", steps[j], " is negative"));
   }
   MigratePlan plan;
   plan.param = static_cast<size_t>(which);
-  plan.columns.assign(req.columns().begin(), req.columns().end());
-  plan.steps.assign(req.steps().begin(), req.steps().end());
+  plan.columns.assign(cols.begin(), cols.end());
+  plan.steps.assign(steps.begin(), steps.end());
+  plan.handover = handover;
   return plan;
+}
+}  // namespace
+
+absl::StatusOr<std::vector<MigratePlan>> PlanMigrate(const v1::MigrateColumnsRequest& req,
+                                                     const SessionLayout& layout) {
+  if (req.more_size() > 0 && !req.handover())
+    return absl::InvalidArgumentError("more: only a handover names further parameters");
+  std::vector<MigratePlan> plans;
+  ASSIGN_OR_RETURN(MigratePlan first, PlanOneMigration(req.param(), req.columns(), req.steps(),
+                                                       req.handover(), layout));
+  plans.push_back(std::move(first));
+  for (const v1::ColumnHandover& h : req.more()) {
+    ASSIGN_OR_RETURN(MigratePlan plan,
+                     PlanOneMigration(h.param(), h.columns(), h.steps(), true, layout));
+    for (const MigratePlan& earlier : plans)
+      if (earlier.param == plan.param)
+        return absl::InvalidArgumentError(
+            absl::StrCat("more: parameter '", h.param(), "' appears twice"));
+    plans.push_back(std::move(plan));
+  }
+  return plans;
 }
 
 absl::Status CheckChunk(const v1::WriteCheckpointRequest& req, const SessionLayout& layout) {

@@ -34,9 +34,10 @@ absl::StatusOr<PushPlan> PlanPush(const v1::PushGradientsInlineRequest& request,
 absl::StatusOr<UpdatePlan> PlanUpdate(const v1::UpdateRequest& request,
                                       const SessionLayout& layout, uint64_t session_id);
 
-// A MigrateColumns request's parameter, columns and step counts.
-absl::StatusOr<MigratePlan> PlanMigrate(const v1::MigrateColumnsRequest& request,
-                                        const SessionLayout& layout);
+// A MigrateColumns request's parameter, columns and step counts; a handover's further
+// parameters (request.more) follow, in order.
+absl::StatusOr<std::vector<MigratePlan>> PlanMigrate(const v1::MigrateColumnsRequest& request,
+                                                     const SessionLayout& layout);
 
 // A WriteCheckpoint chunk: it fits the staging area and the file's total_bytes.
 absl::Status CheckChunk(const v1::WriteCheckpointRequest& request, const SessionLayout& layout);

@@ -183,11 +183,12 @@ TEST_F(ZenFlowTest, ZeroStalenessEqualsDenseAdamWAcrossMigrations) {
 }
 
 // The ZenFlow algorithm per column, as the reference for S > 1: every column carries its own
-// value, m, v and step wherever it lives. A round of S steps starts with a selection (at step 1
-// and every select_interval steps) from the scores of that step's gradient; hot columns take an
-// AdamW step on every gradient, cold columns accumulate scale * g (scale = 1 / S) and take one
-// AdamW step on the sum at the round's end. Migration moves state and changes nothing, so the
-// engine (awaited, fp32 transfers) must produce exactly these values at every step.
+// value, m, v and step wherever it lives. Hot columns take an AdamW step on every gradient, cold
+// columns accumulate scale * g (scale = 1 / S) and take one AdamW step on the sum at the round's
+// end. The hot set is selected at step 1 (before its updates) and at the end of every
+// select_interval-th step (after its updates) from the scores of that step's gradient.
+// Migration moves state and changes nothing, so the engine (awaited, fp32 transfers) must
+// produce exactly these values at every step.
 struct PerColumnZenFlow {
   std::vector<Tensor> ts;
   std::vector<std::vector<float>> m, v, acc;
@@ -229,14 +230,14 @@ struct PerColumnZenFlow {
   void Step(int64_t t, int seed) {
     FillGrads(&ts, t, seed);
     const int64_t S = cfg.update_interval;
-    const bool select = t == 1 || (t - 1) % cfg.EffectiveSelectInterval() == 0;
+    const bool reselect = t % cfg.EffectiveSelectInterval() == 0;
     const float scale = static_cast<float>(1.0 / static_cast<double>(S));
     for (size_t i = 0; i < ts.size(); ++i) {
       Tensor& x = ts[i];
       const int64_t rows = x.rows(), cols = x.cols();
       int64_t k;
       const bool split = Split(x, cfg.topk_ratio, &k);
-      if (split && select) {
+      auto select = [&] {
         std::vector<float> scores(cols);
         kernels::ReferenceKernel().ColumnScores(x.grad.data(), kernels::GradType::kFp32, rows,
                                                 cols, cols, nullptr, scores.data());
@@ -244,7 +245,8 @@ struct PerColumnZenFlow {
         kernels::ReferenceKernel().TopK(scores.data(), cols, k, top.data());
         std::fill(hot[i].begin(), hot[i].end(), 0);
         for (int64_t c : top) hot[i][c] = 1;
-      }
+      };
+      if (split && t == 1) select();
       for (int64_t c = 0; c < cols; ++c) {
         std::vector<float> g = ColumnOf(x.grad, rows, cols, c);
         if (!split || hot[i][c]) {
@@ -260,6 +262,7 @@ struct PerColumnZenFlow {
           for (int64_t r = 0; r < rows; ++r) acc[i][r * cols + c] = 0.0f;
         }
       }
+      if (split && reselect) select();
     }
   }
 };

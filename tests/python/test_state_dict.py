@@ -69,7 +69,7 @@ def test_resume_in_fresh_process_is_bit_exact(name, checkpoints, tmp_path):
     # boundaries and a reselection.
     assert [t["boundary"] for t in timings] == [s % 4 == 0 for s in range(1, STEPS + 1)]
     assert not timings[SAVE_AT - 1]["boundary"]
-    assert timings[9 - 1]["reselected"], timings
+    assert timings[8 - 1]["reselected"], timings
     assert ref.losses[-1] < ref.losses[0] - 0.25  # it trains (4.19 -> 3.84), not stays put
 
     # Asking for the state dict does not change the run's own trajectory.

@@ -7,9 +7,11 @@ columns (its last dimension; rows = the product of the others):
 
 - 1-D parameters, and weights with fewer than 3 cold columns (cols - k < 3), are plain AdamW
   every step, with their own step count.
-- Every other weight is split by column. Selection at t = 1, and at every t > W with
-  (t - W - 1) % select_interval == 0: per-column score = sum over rows of grad^2; the k highest
-  are hot (ties to the lower column).
+- Every other weight is split by column. Selection at t = 1 before the step's updates, and
+  after the step's updates at every t >= max(W, 1) with (t - W) % select_interval == 0 (a round
+  boundary: the last warm-up step, then every select_interval steps): per-column score = sum
+  over rows of grad^2 of step t's gradient; the k highest are hot (ties to the lower column)
+  from step t + 1 on.
 - Hot columns: AdamW every step with the step's gradient; each column has its own step count
   (bias correction) and its own m, v.
 - Cold columns: their gradient is averaged over the round, acc += g / S; at the round's last
@@ -17,8 +19,8 @@ columns (its last dimension; rows = the product of the others):
   the boundary step's lr, each column with its own step count.
 - Staleness: the model sees a cold column's value as of the previous round's update (the
   update of round R lands in the model at the boundary of round R+1), unless await_updates, in
-  which case the update lands at once. A reselection first lands the pending update, so it sees
-  current values.
+  which case the update lands at once. A column that enters the hot set shows its current
+  value (its master) at once; a column that leaves it keeps showing its current value.
 - Reselection is exact: every column keeps its fp32 value, m, v and step count whether it is hot
   or cold, so here a reselection only changes which columns are hot.
 - Warm-up (t <= W): S = 1 and awaited, no reselection after t = 1.
@@ -29,7 +31,7 @@ columns (its last dimension; rows = the product of the others):
   runs at lr * cold_lr_scale.
 - predict_cold (a variant): when a stale update lands (not awaited), the model is given the
   cold columns extrapolated one round ahead, 2 * new - previous (the masters landed before),
-  instead of the new masters; reselection and close() land exact masters.
+  instead of the new masters; close() lands exact masters.
 - close() lands the pending update (the end of training).
 
 AdamW is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, then the Adam step with
@@ -153,7 +155,8 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             S = 1 if warm else self.S
             await_ = self.await_updates or warm
             boundary = warm or (t - self.W) % self.S == 0
-            select = t == 1 or (t > self.W and (t - self.W - 1) % self.select_interval == 0)
+            select = t == 1
+            reselect = t >= max(self.W, 1) and (t - self.W) % self.select_interval == 0
             lr, (b1, b2), eps, wd = (group["lr"] * self.lr_scale, group["betas"], group["eps"],
                                      group["weight_decay"])
             cold_lr = lr * (self.cold_lr_scale if S > 1 else 1.0)
@@ -176,12 +179,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                     continue
                 g = p.grad.reshape(-1, sp.cols)
                 view = p.data.view(-1, sp.cols)
-                if select:
-                    if sp.pending is not None:  # land the pending update first
-                        cold = ~sp.hot
-                        view[:, cold] = sp.pending[:, cold]
-                        sp.pending = None
-                    sp.landed = sp.master.clone()
+                def choose():
                     if self.select_by == "snr" and t > 1:
                         scores = (sp.m * sp.m / (sp.v + 1e-30)).sum(0)
                     elif self.select_by == "update" and t > 1:
@@ -192,14 +190,15 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                     order = sorted(range(sp.cols), key=lambda c: (-scores[c].item(), c))
                     sp.hot.zero_()
                     sp.hot[order[:sp.k]] = True
-                    if t > 1:
-                        self.reselections += 1
                     # Exact migration: every column keeps its master, m, v and step; the model
                     # shows the masters of the hot columns.
                     view[:, sp.hot] = sp.master[:, sp.hot]
                     if self.migrate_v and t > 1 and S > 1:
                         sp.v[:, sp.hot & ~was_hot] *= S
                         sp.v[:, was_hot & ~sp.hot] /= S
+
+                if select:
+                    choose()
                 hot, cold = sp.hot, ~sp.hot
                 # Hot columns: AdamW now.
                 sp.steps[hot] += 1
@@ -239,4 +238,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                                 view[:, cold] = sp.pending[:, cold]
                             sp.landed = sp.pending
                         sp.pending = sp.master.clone()
+                if reselect:
+                    choose()
+                    self.reselections += 1
         return loss

@@ -115,7 +115,7 @@ class Fuzzer {
         *r.mutable_session() = Ref(true);
         r.set_min_version(I64());
         // A long timeout would only be the client's own wait.
-        r.set_timeout_ms(static_cast<uint32_t>(Pick(50)));
+        r.set_timeout_ms(static_cast<uint32_t>(1 + Pick(50)));  // 0 would mean 60 s
         return Call(&v1::Offload::Stub::WaitUpdate, r);
       }
       case 8: *method = "MigrateColumns"; {
@@ -126,6 +126,15 @@ class Fuzzer {
         for (int i = 0; i < n; ++i) {
           r.add_columns(I64());
           if (Pick(4)) r.add_steps(I64());
+        }
+        r.set_handover(Pick(2) == 0);
+        for (int m = Pick(3); m > 0; --m) {
+          v1::ColumnHandover* h = r.add_more();
+          h->set_param(Name());
+          for (int i = Pick(3); i > 0; --i) {
+            h->add_columns(I64());
+            if (Pick(4)) h->add_steps(I64());
+          }
         }
         return Call(&v1::Offload::Stub::MigrateColumns, r);
       }
@@ -353,14 +362,17 @@ TEST(Fuzz, HostileRequestsGetDocumentedCodesAndTheDaemonServesOn) {
       StatusCode::ABORTED, StatusCode::RESOURCE_EXHAUSTED, StatusCode::DEADLINE_EXCEEDED,
       StatusCode::DATA_LOSS};
   std::map<std::string, std::map<int, int>> seen;  // method -> code -> count
+  std::map<std::string, double> spent;              // method -> seconds
   int requests = 0;
   for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
     Fuzzer f(client->get(), seed);
     for (const auto* s : {trained->get(), registered->get(), open->get()}) f.AddTarget(s->ref());
     for (int i = 0; i < kRequestsPerSeed; ++i, ++requests) {
       std::string method;
+      const auto t0 = std::chrono::steady_clock::now();
       const StatusCode code = f.Next(&method);
       seen[method][code]++;
+      spent[method] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const bool garbage = method.rfind("garbage:", 0) == 0;
       const bool ok =
           documented.count(code) > 0 ||
@@ -375,7 +387,7 @@ TEST(Fuzz, HostileRequestsGetDocumentedCodesAndTheDaemonServesOn) {
     std::string line = method + ":";
     for (const auto& [code, n] : codes)
       line += " " + std::to_string(code) + "x" + std::to_string(n);
-    printf("%s\n", line.c_str());
+    printf("%s (%.2f s)\n", line.c_str(), spent[method]);
   }
 
   // The daemon serves a good session normally: one AdamW step of w = 1 with gradient 0.5, lr

@@ -374,7 +374,7 @@ TEST_F(OffloadSessionTest, MigrateSwapsColumnsWithTheStagingAreaAndTheirSteps) {
   std::vector<float> blocks(3 * rows * k);
   for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = 1.0f + 0.125f * static_cast<float>(i);
   memcpy(staging, blocks.data(), blocks.size() * 4);
-  EXPECT_EQ(r.s->Migrate({0, columns, {5, 6}}), (std::vector<int64_t>{1, 1}));
+  EXPECT_EQ(r.s->Migrate({0, columns, {5, 6}}).steps, (std::vector<int64_t>{1, 1}));
   EXPECT_EQ(counters_.migrated_columns.load(), 4);
 
   // The staging blocks now hold the columns' previous state.
@@ -412,6 +412,96 @@ TEST_F(OffloadSessionTest, MigrateSwapsColumnsWithTheStagingAreaAndTheirSteps) {
   Update(r, Plan(r, 2, true));
   model.Step(2, {}, 1.0f, elem_steps);
   ExpectNear(model.p, r.ParamSlot(0), "params after step 2");
+}
+
+// A handover in the middle of a round: the outgoing columns' state from before the round's
+// Update and their accumulated gradient go out; the round's fused Update steps every other
+// column (fused push included) and leaves the incoming ones exactly as they arrived, in the
+// state, their step counts and the bf16 parameter slot.
+TEST_F(OffloadSessionTest, HandOverMidRoundHandsTheRoundOutAndKeepsTheIncomingColumns) {
+  Registered r = Register(1, {{"w", {4, 9}, v1::DTYPE_FP32}});
+  const size_t n = r.layout->total_elems;
+  const int64_t rows = 4, cols = 9;
+  Model model(n);
+  for (int i = 0; i < 36; ++i) model.p[i] = 0.02f * i - 0.3f;
+  Load(r, model);
+  auto grad = [&](int seed) {
+    std::vector<float> g = Normal(n, seed);
+    std::fill(g.begin() + 36, g.end(), 0.0f);
+    return g;
+  };
+  // Round 1 (steps 1-2): a push of g1, then the fused Update with g2.
+  const std::vector<float> g1 = grad(21), g2 = grad(22), g3 = grad(23), g4 = grad(24);
+  r.WriteGrad(0, g1);
+  r.PushAll(0, 0.5f);
+  r.WriteGrad(1, g2);
+  UpdatePlan fused = Plan(r, 2, true);
+  fused.fuse_push = true;
+  fused.grad_slot = 1;
+  fused.push_scale = 0.5f;
+  Update(r, fused);
+  for (size_t i = 0; i < n; ++i) model.acc[i] = 0.5f * g1[i];
+  model.Step(1, g2, 0.5f);
+  // Round 2: a push of g3, then a handover of columns 6 and 1 before the round's Update.
+  r.WriteGrad(0, g3);
+  r.PushAll(0, 0.5f);
+  for (size_t i = 0; i < n; ++i) model.acc[i] = 0.5f * g3[i];
+  const std::vector<int64_t> columns = {6, 1};
+  const int64_t k = 2;
+  float* staging = r.Staging("w");
+  std::vector<float> incoming(3 * rows * k);
+  for (size_t i = 0; i < incoming.size(); ++i) incoming[i] = 0.5f - 0.0625f * static_cast<float>(i);
+  memcpy(staging, incoming.data(), incoming.size() * 4);
+  std::vector<MigrateResult> got = r.s->HandOver({MigratePlan{0, columns, {9, 4}, true}});
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].steps, (std::vector<int64_t>{1, 1}));
+  EXPECT_EQ(got[0].pushes, 1);
+  // Out: value, m, v after round 1, and the round's accumulated gradient (0.5 * g3).
+  const std::vector<float>* out[4] = {&model.p, &model.m, &model.v, &model.acc};
+  for (int a = 0; a < 4; ++a)
+    for (int64_t row = 0; row < rows; ++row)
+      for (int64_t j = 0; j < k; ++j) {
+        const float want = (*out[a])[row * cols + columns[j]];
+        ASSERT_NEAR(staging[a * rows * k + row * k + j], want, 2e-6f + 2e-5f * std::fabs(want))
+            << "block " << a << " row " << row << " column " << columns[j];
+      }
+  int64_t version = 0;
+  absl::StatusOr<CheckpointWritten> refused =
+      r.s->Snapshot(dir_ + "/refused.sfckpt", getuid(), &version);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition)
+      << "a checkpoint between a handover and the round's Update must be refused";
+  // The round's fused Update (g4, bf16 out): every other column steps at step 2; columns 6 and
+  // 1 hold what arrived.
+  r.WriteGrad(1, g4);
+  fused = Plan(r, 4, true, 1);
+  fused.fuse_push = true;
+  fused.grad_slot = 1;
+  fused.push_scale = 0.5f;
+  fused.out = v1::DTYPE_BF16;
+  Update(r, fused);
+  std::vector<int64_t> elem_steps(n, 2);
+  model.Step(4, g4, 0.5f, elem_steps);
+  std::vector<float>* state[3] = {&model.p, &model.m, &model.v};
+  for (int a = 0; a < 3; ++a)
+    for (int64_t row = 0; row < rows; ++row)
+      for (int64_t j = 0; j < k; ++j)
+        (*state[a])[row * cols + columns[j]] = incoming[a * rows * k + row * k + j];
+  FileState f = Snapshot(r, "after");
+  for (size_t i = 0; i < 36; ++i) {
+    const bool moved = i % cols == 6 || i % cols == 1;
+    if (moved) {
+      EXPECT_EQ(f.master[i], model.p[i]) << i;
+      EXPECT_EQ(f.m[i], model.m[i]) << i;
+      EXPECT_EQ(f.v[i], model.v[i]) << i;
+    } else {
+      ASSERT_NEAR(f.master[i], model.p[i], 2e-6f + 2e-5f * std::fabs(model.p[i])) << i;
+    }
+    const uint16_t* slot = reinterpret_cast<const uint16_t*>(r.ParamSlot(1));
+    EXPECT_EQ(slot[i], FloatToBf16(f.master[i])) << "bf16 parameter " << i;
+  }
+  const auto& steps = f.header.params(0).col_steps();
+  EXPECT_EQ(std::vector<int64_t>(steps.begin(), steps.end()),
+            (std::vector<int64_t>{2, 4, 2, 2, 2, 2, 9, 2, 2}));
 }
 
 TEST_F(OffloadSessionTest, SnapshotRestoresIntoAnotherSessionExactly) {
