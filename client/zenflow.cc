@@ -211,7 +211,7 @@ struct ZenFlowEngine::Impl {
       : cfg(c), k(kk), ops(o), session(s) {}
 
   // Whether any state lives in the daemon: not in no-offload mode, nor in zenflow when every
-  // parameter stays on the device (1-D ones, weights with fewer than 3 cold columns).
+  // parameter stays on the device (1-D ones, weights with fewer than 4 cold columns).
   bool offloading() const { return copier != nullptr; }
 
   absl::Status Sync(const char* what) {
@@ -255,7 +255,7 @@ absl::Status ZenFlowEngine::Impl::Setup() {
     } else if (cfg.mode == OffloadMode::kZenFlow && ps.p.shape.size() >= 2) {
       ps.k = std::clamp<int64_t>(std::llround(cfg.topk_ratio * ps.cols), 1, ps.cols);
       ps.ncold = ps.cols - ps.k;
-      ps.kind = ps.ncold >= 3 ? PState::kSplit : PState::kDevice;
+      ps.kind = ps.ncold >= 4 ? PState::kSplit : PState::kDevice;
     } else {
       ps.kind = PState::kDevice;
     }

@@ -6,14 +6,13 @@
 // memory (host for the CPU backend, device memory for CUDA), owned by the caller. A parameter of
 // two or more dimensions is a weight W[rows, cols] (rows = the product of the leading
 // dimensions) split by column (input channel); a 1-D parameter (norm, bias) is always updated on
-// the device. In `zenflow` mode a weight with fewer than 3 cold columns stays wholly on the
+// the device. In `zenflow` mode a weight with fewer than 4 cold columns stays wholly on the
 // device too (it cannot migrate through the daemon's staging area; see MigrateColumns).
 //
 // One Step(lr) per training step, after the backward has written the gradients:
-// - selection (at step 1, then at the first step of every select_interval-th round): per-column
-//   scores (sum of squares, through the optional ScoreReduce hook, so data-parallel replicas can
-//   all-reduce the scores — never the gradients), then the top k = round(ratio * cols) columns
-//   (at least 1) are the hot set;
+// - selection at step 1 (before its updates): per-column scores (sum of squares, through the
+//   optional ScoreReduce hook, so data-parallel replicas can all-reduce the scores — never the
+//   gradients), then the top k = round(ratio * cols) columns (at least 1) are the hot set;
 // - hot columns: AdamW on the device now, with their fp32 master, moments and int64 step counts
 //   kept on the device (OptimizerKernel::AdamWColumns), written into the value buffer;
 // - cold columns: gathered into a contiguous buffer and handed to the engine's copy thread, which
@@ -21,17 +20,24 @@
 //   (PushGradients, scale 1/S: the daemon accumulates the round's mean gradient) while the caller
 //   computes the next step;
 // - every S = update_interval steps (a round boundary) the copy thread starts the daemon's Update
-//   (per-column step counts). The engine first waits for the previous round's Update and scatters
-//   its parameters into the cold columns. Hot columns are never written by the daemon's output.
+//   (per-column step counts) with the round's last push folded in. The engine first lands the
+//   previous round's Update: the copy thread has already uploaded its parameters during the
+//   step before (it waits for that Update first), and the engine scatters them into the cold
+//   columns. Hot columns are never written by the daemon's output.
+// - reselection, at the end of a boundary step t >= max(W, 1) with (t - W) a multiple of
+//   select_interval, from step t's scores: the new hot set applies from step t + 1. It is not a
+//   sync point: the previous round's Update lands as at any boundary, then one MigrateColumns
+//   handover (all parameters; offload.proto) goes to the daemon after this round's pushes and
+//   before its Update, which may still be queued behind the previous one. The leaving columns
+//   hand their fp32 value, m, v and step count to the daemon; the entering columns come back with
+//   theirs from before this round's Update and their accumulated gradient, and the engine takes
+//   their round step on the device (AccumulateAdamWColumns with this step's gradient, exactly
+//   the daemon's fused pass), so they enter current; the daemon's Update leaves the arrived
+//   columns as they came. No reset, no rounding.
 // Bounded staleness: after Step(t) at the end of round R, the cold columns hold the daemon's
 // parameters after round R-1 (one round, S steps, behind the gradients already pushed); with
 // await_updates (and during warm-up, and in sync-offload) the engine waits for round R's Update
-// instead, so there is no staleness. A round that begins with a reselection first waits for the
-// previous round's Update (migration needs the daemon's state complete), so its cold columns are
-// current as well.
-// Reselection migrates state exactly: a column leaving the hot set hands its fp32 value, m, v and
-// step count to the daemon, the column entering takes the daemon's (MigrateColumns swaps them in
-// place), with no reset and no rounding.
+// instead, so there is no staleness. A column that enters the hot set is current at once.
 //
 // Warm-up: the first `warmup_steps` steps run with S = 1 and awaited updates, which is exact
 // AdamW on every column (the daemon's part too), before the rounds begin. Measured, this is what

@@ -206,7 +206,7 @@ struct PerColumnZenFlow {
   }
   static bool Split(const Tensor& t, double ratio, int64_t* k) {
     *k = std::clamp<int64_t>(std::llround(ratio * t.cols()), 1, t.cols());
-    return t.shape.size() >= 2 && t.cols() - *k >= 3;
+    return t.shape.size() >= 2 && t.cols() - *k >= 4;
   }
   // One AdamW step of column c of tensor i on gradient column g (rows floats).
   void UpdateColumn(size_t i, int64_t c, const std::vector<float>& g, double lr) {

@@ -5,7 +5,7 @@ The algorithm, per parameter group, with t = 1, 2, ... the group's steps, S = up
 W = warmup_steps, k = max(1, round_half_up(topk_ratio * cols)) for a weight of `cols` input
 columns (its last dimension; rows = the product of the others):
 
-- 1-D parameters, and weights with fewer than 3 cold columns (cols - k < 3), are plain AdamW
+- 1-D parameters, and weights with fewer than 4 cold columns (cols - k < 4), are plain AdamW
   every step, with their own step count.
 - Every other weight is split by column. Selection at t = 1 before the step's updates, and
   after the step's updates at every t >= max(W, 1) with (t - W) % select_interval == 0 (a round
@@ -115,7 +115,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         st = self.state[p]
         if "split" not in st and "dense" not in st:
             k = _k_of(self.ratio, p.shape[-1])
-            if p.dim() >= 2 and p.shape[-1] - k >= 3:
+            if p.dim() >= 2 and p.shape[-1] - k >= 4:
                 st["split"] = _Split(p, k)
             else:
                 st["dense"] = True
