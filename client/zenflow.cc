@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/status.h"
 
 namespace stallfree {
@@ -205,6 +206,15 @@ struct ZenFlowEngine::Impl {
   int64_t prefetched_version = 0;
   int64_t rounds = 0;
   std::unique_ptr<CopyThread> copier;
+  // The copy thread's backend: ops on a stream of its own where the backend has one (CUDA), so
+  // its copies overlap the caller's compute; else ops itself.
+  std::unique_ptr<kernels::TransformerOps> copy_stream;
+  const kernels::TransformerOps& CopyOps() const { return copy_stream ? *copy_stream : ops; }
+  absl::Status CopySync(const char* what) const {
+    std::string err = CopyOps().Synchronize();
+    if (!err.empty()) return absl::InternalError(absl::StrCat(what, ": ", err));
+    return absl::OkStatus();
+  }
 
   Impl(const ZenFlowConfig& c, const kernels::OptimizerKernel& kk,
        const kernels::TransformerOps& o, Session* s)
@@ -239,7 +249,7 @@ struct ZenFlowEngine::Impl {
   absl::Status ApplyPendingUpdate(StepTimings* tm);
   // The parameters of slot `slot` into ps's values (uploaded: already in ps's cold buffers).
   absl::Status ScatterParams(PState& ps, uint32_t slot, bool uploaded, StepTimings* tm);
-  void UploadParams(PState& ps, uint32_t slot);
+  void UploadParams(const kernels::TransformerOps& on, PState& ps, uint32_t slot);
   absl::Status DoStep(double lr);
 };
 
@@ -312,6 +322,10 @@ absl::Status ZenFlowEngine::Impl::Setup() {
             "parameters through the engine"));
     }
   }
+  std::string why;
+  copy_stream = ops.NewCopyStream(&why);
+  if (copy_stream == nullptr && !why.empty())
+    SF_LOG(kWarning, "zenflow: no copy stream (%s); copies share the compute stream", why);
   copier = std::make_unique<CopyThread>();
   return absl::OkStatus();
 }
@@ -515,21 +529,22 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
   return st;
 }
 
-void ZenFlowEngine::Impl::UploadParams(PState& ps, uint32_t slot) {
+void ZenFlowEngine::Impl::UploadParams(const kernels::TransformerOps& on, PState& ps,
+                                       uint32_t slot) {
   const int64_t n = ps.offload_numel();
   float* dst = ps.kind == PState::kSplit ? ps.cold_params.data() : ps.p.value;
   if (cfg.param_dtype == v1::DTYPE_FP32)
-    ops.Upload(dst, session->ParamsFp32(slot, ps.p.name), n);
+    on.Upload(dst, session->ParamsFp32(slot, ps.p.name), n);
   else
-    ops.Upload(ps.cold_raw.data(),
-               reinterpret_cast<const float*>(session->ParamsBf16(slot, ps.p.name)), (n + 1) / 2);
+    on.Upload(ps.cold_raw.data(),
+              reinterpret_cast<const float*>(session->ParamsBf16(slot, ps.p.name)), (n + 1) / 2);
 }
 
 absl::Status ZenFlowEngine::Impl::ScatterParams(PState& ps, uint32_t slot, bool uploaded,
                                                 StepTimings* tm) {
   const int64_t n = ps.offload_numel();
   float* dst = ps.kind == PState::kSplit ? ps.cold_params.data() : ps.p.value;
-  if (!uploaded) UploadParams(ps, slot);
+  if (!uploaded) UploadParams(ops, ps, slot);
   if (cfg.param_dtype != v1::DTYPE_FP32)
     k.Bf16ToFloat(reinterpret_cast<const uint16_t*>(ps.cold_raw.data()), dst, n);
   if (ps.kind == PState::kSplit)
@@ -691,10 +706,10 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
       const int64_t n = ps.offload_numel();
       float* dst = static_cast<float*>(session->GradSlot(slot, ps.p.name));
       if (!present[i]) memset(dst, 0, n * DTypeBytes(cfg.grad_dtype));
-      else if (cfg.grad_dtype == v1::DTYPE_FP32) ops.Download(dst, ps.ColdFp32(slot), n);
-      else ops.Download(dst, ps.cold_bf16[slot].data(), (n + 1) / 2);
+      else if (cfg.grad_dtype == v1::DTYPE_FP32) CopyOps().Download(dst, ps.ColdFp32(slot), n);
+      else CopyOps().Download(dst, ps.cold_bf16[slot].data(), (n + 1) / 2);
     }
-    RETURN_IF_ERROR(Sync("copying the cold gradients to the host"));
+    RETURN_IF_ERROR(CopySync("copying the cold gradients to the host"));
     if (!fuse) return session->Push(t, slot, scale).status();
     if (prev_update > 0) RETURN_IF_ERROR(session->WaitUpdate(prev_update).status());
     return session->UpdateWithPush(t, hyper, pslot, out, slot, scale, skip);
@@ -717,8 +732,8 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     prefetch_task = copier->Post([this, v, from]() -> absl::Status {
       RETURN_IF_ERROR(session->WaitUpdate(v).status());
       for (PState& ps : params)
-        if (ps.kind == PState::kSplit) UploadParams(ps, from);
-      return Sync("uploading the daemon's parameters");
+        if (ps.kind == PState::kSplit) UploadParams(CopyOps(), ps, from);
+      return CopySync("uploading the daemon's parameters");
     });
     prefetched_version = v;
   }

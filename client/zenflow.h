@@ -53,9 +53,12 @@
 // Warm-up steps run `zenflow` with S = 1 and await_updates.
 //
 // Threads: Step, Flush and the accessors must be called from one thread. The engine owns a copy
-// thread that talks to the daemon. On a CUDA backend the copies are enqueued on the backend's
-// stream (a dedicated copy stream is future work). The session, kernels and ops must outlive the
-// engine.
+// thread that talks to the daemon. Its copies (the cold gradients down, the next update's
+// parameters up) go through ops.NewCopyStream() where the backend has one (CUDA: a non-blocking
+// stream of its own, so they overlap the caller's compute), else through ops. They need no
+// events: every buffer they read or write is handed over at a host synchronisation (the engine
+// synchronises its stream before it posts a copy, and waits for the copy task before it uses
+// the copied buffer). The session, kernels and ops must outlive the engine.
 #pragma once
 
 #include <cstdint>

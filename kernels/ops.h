@@ -102,6 +102,14 @@ class TransformerOps {
   virtual void Add(const float* a, const float* b, int64_t n, float* out) const = 0;
 
   virtual std::string Synchronize() const { return ""; }
+  // A backend on a stream of its own on the same device, for copies that should overlap this
+  // backend's work (the ZenFlow engine's copy thread); its memory is this backend's. Null when
+  // the backend has no such thing (host backends: nothing to overlap), or on failure (*error
+  // says why): then use this backend.
+  virtual std::unique_ptr<TransformerOps> NewCopyStream(std::string* error) const {
+    (void)error;
+    return nullptr;
+  }
 
   // Memory in the backend's memory space (host for CpuOps(), device for a CUDA backend). The
   // copies move bits exactly (they may carry int32 data reinterpreted as float). A CUDA backend

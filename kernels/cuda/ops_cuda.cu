@@ -787,7 +787,13 @@ __global__ void __launch_bounds__(kAttnThreads) AttentionBackwardQKernel(AttnPar
 class CudaOps final : public TransformerOps {
  public:
   CudaOps(cudaStream_t stream, cublasHandle_t handle) : stream_(stream), handle_(handle) {}
-  ~CudaOps() override { cublasDestroy(handle_); }
+  ~CudaOps() override {
+    cublasDestroy(handle_);
+    if (owns_stream_) cudaStreamDestroy(stream_);
+  }
+
+  std::unique_ptr<TransformerOps> NewCopyStream(std::string* error) const override;
+  bool owns_stream_ = false;  // a copy stream's backend destroys its stream
 
   const char* name() const override { return "cuda"; }
 
@@ -1205,6 +1211,24 @@ std::unique_ptr<TransformerOps> NewCudaOps(void* stream, std::string* error) {
     return nullptr;
   }
   return std::make_unique<CudaOps>(s, handle);
+}
+
+std::unique_ptr<TransformerOps> CudaOps::NewCopyStream(std::string* error) const {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  cudaStream_t s = nullptr;
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (e != cudaSuccess) {
+    *error = CudaErr("cudaStreamCreateWithFlags (copy stream)", e);
+    return nullptr;
+  }
+  std::unique_ptr<TransformerOps> ops = NewCudaOps(s, error);
+  if (ops == nullptr) {
+    cudaStreamDestroy(s);
+    return nullptr;
+  }
+  static_cast<CudaOps*>(ops.get())->owns_stream_ = true;
+  return ops;
 }
 
 bool OpsDeviceAvailable(std::string* why) {
