@@ -539,6 +539,8 @@ struct Part2Result {
   int64_t daemon_elems = 0, reselections = 0, migrated = 0;
   // Mean stall of the timed steps that reselected, and of the others.
   double stall_reselect = 0, stall_other = 0;
+  // The [rows, cols] blocks the daemon updates (zenflow: each split weight's cold columns).
+  std::vector<std::pair<int64_t, int64_t>> daemon_shapes;
   // Daemon-side, over the timed steps (GetStats deltas).
   int64_t pushes = 0, updates = 0;
   double accumulate_s = 0, update_s = 0;
@@ -587,6 +589,14 @@ Part2Result RunPart2Mode(const Options& o, OffloadMode mode, Client* client, pid
   }
   if (session) {
     for (const auto& pl : session->layout().params()) r.daemon_elems += pl.numel();
+    for (const BigParam& p : ps) {
+      int64_t numel = 1;
+      for (int64_t d : p.shape) numel *= d;
+      const int64_t cols = p.shape.back(), rows = numel / cols;
+      const int64_t k = std::clamp<int64_t>(std::llround(o.ratio * cols), 1, cols);
+      if (mode == OffloadMode::kZenFlow && p.shape.size() >= 2 && cols - k >= 4)
+        r.daemon_shapes.push_back({rows, cols - k});
+    }
     const auto t_fill = Clock::now();
     FillGradSlots(o, session.get(), ps, mode == OffloadMode::kZenFlow, dev->spec().score_sigma);
     // The daemon writes its bf16 parameters into either parameter slot; touch both once now so
@@ -661,23 +671,34 @@ Part2Result RunPart2Mode(const Options& o, OffloadMode mode, Client* client, pid
 
 // The fused boundary kernel's own rate in this process (the daemon's update without the daemon):
 // AccumulateAdamWColumns with bf16 gradients and bf16 output, as the zenflow daemon runs it, on
-// `elems` elements (at most 64M) shaped [rows, 1280], best of 3; elements per second.
-double FusedKernelRate(int64_t elems) {
-  const int64_t cols = 1280, rows = std::max<int64_t>(1, std::min<int64_t>(elems, 64 << 20) / cols);
-  const int64_t n = rows * cols;
+// the daemon's own blocks (`shapes`, in order, up to 64M elements), best of 3 passes; elements
+// per second.
+double FusedKernelRate(const std::vector<std::pair<int64_t, int64_t>>& shapes) {
+  std::vector<std::pair<int64_t, int64_t>> use;
+  int64_t n = 0;
+  for (const auto& sh : shapes) {
+    if (n + sh.first * sh.second > (int64_t{64} << 20) && !use.empty()) break;
+    use.push_back(sh);
+    n += sh.first * sh.second;
+  }
   std::vector<float> p(n, 0.5f), m(n, 0.0f), v(n, 0.0f), acc(n, 0.01f);
   std::vector<uint16_t> g(n, FloatToBf16(0.02f)), out(n);
-  std::vector<int64_t> steps(cols, 7);
-  std::vector<float> ss(cols), bc2(cols);
   kernels::AdamWConfig cfg;
   cfg.lr = 1e-4;
-  kernels::MakeColumnConstants(cfg, steps.data(), cols, ss.data(), bc2.data());
   const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
   double best = 1e30;
   for (int rep = 0; rep < 4; ++rep) {
     const auto t0 = Clock::now();
-    k.AccumulateAdamWColumns(cfg, ss.data(), bc2.data(), p.data(), m.data(), v.data(), acc.data(),
-                             g.data(), kernels::GradType::kBf16, 0.25f, rows, cols, out.data());
+    int64_t e = 0;
+    for (const auto& [rows, cols] : use) {
+      std::vector<int64_t> steps(cols, 7 + rep);
+      std::vector<float> ss(cols), bc2(cols);
+      kernels::MakeColumnConstants(cfg, steps.data(), cols, ss.data(), bc2.data());
+      k.AccumulateAdamWColumns(cfg, ss.data(), bc2.data(), p.data() + e, m.data() + e,
+                               v.data() + e, acc.data() + e, g.data() + e,
+                               kernels::GradType::kBf16, 0.25f, rows, cols, out.data() + e);
+      e += rows * cols;
+    }
     if (rep > 0) best = std::min(best, Since(t0));  // the first touches the pages
   }
   return static_cast<double>(n) / best;
@@ -1223,7 +1244,7 @@ int Run(int argc, char** argv) {
       // The daemon's per-round update (zenflow: the cold elements, fused with the round's last
       // push, bf16 out; from GetStats) against the same kernel alone, measured now.
       const double daemon_rate = zen.daemon_elems * zen.updates / zen.update_s;
-      const double kernel_rate = FusedKernelRate(zen.daemon_elems);
+      const double kernel_rate = FusedKernelRate(zen.daemon_shapes);
       printf("FIGURE daemon_update_gelem_per_s %.3f Gelem/s\n", daemon_rate / 1e9);
       printf("FIGURE fused_kernel_gelem_per_s %.3f Gelem/s\n", kernel_rate / 1e9);
       printf("FIGURE daemon_update_fraction_of_fused_kernel %.3f ratio\n",
