@@ -162,7 +162,8 @@ struct PState {
   // kSplit: hot_idx[i] is the column at hot position i, cold_idx[j] the column at the daemon's
   // compact position j; hot_steps[i] the hot column's AdamW step count.
   std::vector<int64_t> hot_idx, cold_idx, hot_steps;
-  OpsBuffer hot_master, hot_m, hot_v, hot_grad, hot_ss, hot_bc2;
+  OpsBuffer hot_master, hot_m, hot_v, hot_grad;
+  int64_t consts_at = 0;  // its hot columns' AdamW constants in Impl::hot_consts: ss, then bc2
   OpsBuffer hot_idx_dev, cold_idx_dev, scores, topk_dev;  // int64 arrays as 2 floats each
   // kSplit and kOffloaded: the gathered gradients per gradient slot, and the parameters back.
   OpsBuffer cold_grad[2], cold_bf16[2], cold_params, cold_raw;
@@ -206,6 +207,10 @@ struct ZenFlowEngine::Impl {
   int64_t prefetched_version = 0;
   int64_t rounds = 0;
   std::unique_ptr<CopyThread> copier;
+  // Every split weight's per-column AdamW constants of a step (step size, sqrt of the second
+  // bias correction), made on the host and uploaded in one copy.
+  std::vector<float> hot_consts_host;
+  OpsBuffer hot_consts;
   // The copy thread's backend: ops on a stream of its own where the backend has one (CUDA), so
   // its copies overlap the caller's compute; else ops itself.
   std::unique_ptr<kernels::TransformerOps> copy_stream;
@@ -279,8 +284,8 @@ absl::Status ZenFlowEngine::Impl::Setup() {
         ps.hot_m = OpsBuffer(&ops, ps.rows * ps.k);
         ps.hot_v = OpsBuffer(&ops, ps.rows * ps.k);
         ps.hot_grad = OpsBuffer(&ops, ps.rows * ps.k);
-        ps.hot_ss = OpsBuffer(&ops, ps.k);
-        ps.hot_bc2 = OpsBuffer(&ops, ps.k);
+        ps.consts_at = static_cast<int64_t>(hot_consts_host.size());
+        hot_consts_host.resize(hot_consts_host.size() + 2 * ps.k);
         ps.hot_idx_dev = Ints(ps.k);
         ps.cold_idx_dev = Ints(ps.ncold);
         ps.scores = OpsBuffer(&ops, ps.cols);
@@ -322,6 +327,7 @@ absl::Status ZenFlowEngine::Impl::Setup() {
             "parameters through the engine"));
     }
   }
+  hot_consts = OpsBuffer(&ops, static_cast<int64_t>(hot_consts_host.size()));
   std::string why;
   copy_stream = ops.NewCopyStream(&why);
   if (copy_stream == nullptr && !why.empty())
@@ -604,6 +610,16 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
 
   // The device's share: 1-D and device-only parameters whole, hot columns of split weights.
   auto t0 = Clock::now();
+  if (!hot_consts_host.empty()) {
+    for (PState& ps : params) {
+      if (ps.kind != PState::kSplit || ps.p.grad == nullptr) continue;
+      for (int64_t& s : ps.hot_steps) ++s;
+      float* c = hot_consts_host.data() + ps.consts_at;
+      kernels::MakeColumnConstants(adam, ps.hot_steps.data(), ps.k, c, c + ps.k);
+    }
+    ops.Upload(hot_consts.data(), hot_consts_host.data(),
+               static_cast<int64_t>(hot_consts_host.size()));
+  }
   for (PState& ps : params) {
     if (ps.p.grad == nullptr) continue;  // a device parameter without a gradient this step
     if (ps.kind == PState::kDevice) {
@@ -614,12 +630,8 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     } else if (ps.kind == PState::kSplit) {
       k.GatherColumns(ps.p.grad, 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
                       ps.hot_grad.data());
-      std::vector<float> ss(ps.k), bc2(ps.k);
-      for (int64_t& s : ps.hot_steps) ++s;
-      kernels::MakeColumnConstants(adam, ps.hot_steps.data(), ps.k, ss.data(), bc2.data());
-      ops.Upload(ps.hot_ss.data(), ss.data(), ps.k);
-      ops.Upload(ps.hot_bc2.data(), bc2.data(), ps.k);
-      k.AdamWColumns(adam, ps.hot_ss.data(), ps.hot_bc2.data(), ps.hot_master.data(),
+      const float* c = hot_consts.data() + ps.consts_at;
+      k.AdamWColumns(adam, c, c + ps.k, ps.hot_master.data(),
                      ps.hot_m.data(), ps.hot_v.data(), ps.hot_grad.data(), GradType::kFp32,
                      ps.rows, ps.k, nullptr);
       k.ScatterColumns(ps.hot_master.data(), 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,

@@ -219,6 +219,16 @@ class OffloadSessionTest : public ::testing::Test {
     return plan;
   }
 
+  // A column-step Update fused with the whole-slot push of grad_slot at push_scale.
+  static UpdatePlan FusedPlan(const Registered& r, int64_t step, uint32_t grad_slot,
+                              float push_scale, uint32_t param_slot = 0) {
+    UpdatePlan plan = Plan(r, step, true, param_slot);
+    plan.fuse_push = true;
+    plan.grad_slot = grad_slot;
+    plan.push_scale = push_scale;
+    return plan;
+  }
+
   static void Update(const Registered& r, const UpdatePlan& plan) {
     ASSERT_TRUE(r.s->BeginUpdate(plan.config.step).ok());
     r.s->Update(plan);
@@ -320,10 +330,7 @@ TEST_F(OffloadSessionTest, AccumulatorIsLogicallyZeroAfterEveryUpdate) {
   r.PushRange(1, "w", 0, 4);
   for (size_t i = 0; i < 4; ++i) model.acc[i] += g5[i];
   r.WriteGrad(0, g6);
-  UpdatePlan fused = Plan(r, 5, true);
-  fused.fuse_push = true;
-  fused.grad_slot = 0;
-  fused.push_scale = 0.25f;
+  UpdatePlan fused = FusedPlan(r, 5, 0, 0.25f);
   Update(r, fused);
   std::vector<float> push6(n, 0.0f);
   for (size_t i = 0; i < n; ++i)
@@ -334,10 +341,7 @@ TEST_F(OffloadSessionTest, AccumulatorIsLogicallyZeroAfterEveryUpdate) {
   // The fused push with nothing pushed since the Update: the stale sums (g5) are not read.
   const std::vector<float> g7 = Normal(n, 7);
   r.WriteGrad(1, g7);
-  fused = Plan(r, 6, true, 1);
-  fused.fuse_push = true;
-  fused.grad_slot = 1;
-  fused.push_scale = 2.0f;
+  fused = FusedPlan(r, 6, 1, 2.0f, 1);
   Update(r, fused);
   std::vector<float> push7(n, 0.0f);
   for (size_t i = 0; i < n; ++i)
@@ -435,10 +439,7 @@ TEST_F(OffloadSessionTest, HandOverMidRoundHandsTheRoundOutAndKeepsTheIncomingCo
   r.WriteGrad(0, g1);
   r.PushAll(0, 0.5f);
   r.WriteGrad(1, g2);
-  UpdatePlan fused = Plan(r, 2, true);
-  fused.fuse_push = true;
-  fused.grad_slot = 1;
-  fused.push_scale = 0.5f;
+  UpdatePlan fused = FusedPlan(r, 2, 1, 0.5f);
   Update(r, fused);
   for (size_t i = 0; i < n; ++i) model.acc[i] = 0.5f * g1[i];
   model.Step(1, g2, 0.5f);
@@ -473,10 +474,7 @@ TEST_F(OffloadSessionTest, HandOverMidRoundHandsTheRoundOutAndKeepsTheIncomingCo
   // The round's fused Update (g4, bf16 out): every other column steps at step 2; columns 6 and
   // 1 hold what arrived.
   r.WriteGrad(1, g4);
-  fused = Plan(r, 4, true, 1);
-  fused.fuse_push = true;
-  fused.grad_slot = 1;
-  fused.push_scale = 0.5f;
+  fused = FusedPlan(r, 4, 1, 0.5f, 1);
   fused.out = v1::DTYPE_BF16;
   Update(r, fused);
   std::vector<int64_t> elem_steps(n, 2);
