@@ -12,8 +12,9 @@ generated corpus. The optimizer is tests/python/zenflow_reference.py's Reference
 the engine equals, tests/python/test_zenflow_reference.py), configured per variant. Per
 run: the mean train loss of the last 10 steps, the eval loss, both over AdamW's, and the largest
 "own" jump: a step's gradient norm over the median of its previous 10, at steps where AdamW's own
-ratio stays below 3. A benchmark, not a test: it prints what it measures (FIGURE lines: the
-mean over the seeds).
+ratio stays below 3, and for ZenFlow variants the hot columns' mean share of the split weights'
+gradient mass (sum of grad^2, steps 2 on). A benchmark, not a test: it prints what it measures
+(FIGURE lines: the mean over the seeds).
 """
 import argparse
 import importlib.util
@@ -118,12 +119,25 @@ class StaleAdamW(torch.optim.AdamW):
                 p.data = 2 * old[p] - prev if self.predict else old[p]
 
 
+def hot_share(opt, model):
+    """The hot columns' share of the split weights' gradient mass (sum of grad^2) this step."""
+    hot = cold = 0.0
+    for p in model.parameters():
+        sp = opt.state[p].get("split") if p in opt.state else None
+        if sp is None or p.grad is None:
+            continue
+        g2 = (p.grad.reshape(-1, sp.cols) ** 2).sum(0)
+        hot += float(g2[sp.hot].sum())
+        cold += float(g2[~sp.hot].sum())
+    return hot / (hot + cold) if hot + cold > 0 else 0.0
+
+
 def run(tg, text, make_opt, steps, lr, seed):
     torch.manual_seed(seed)
     model = tg.GPT(256, 128, 4, 4, 64)
     batches = tg.Batches(text, 64, 8, seed, 8)
     opt = make_opt(tg.param_groups(model, 0.1))
-    losses, norms = [], []
+    losses, norms, shares = [], [], []
     for step in range(1, steps + 1):
         for g in opt.param_groups:
             g["lr"] = lr * tg.lr_factor(step, steps, 10, 0.1)
@@ -132,12 +146,14 @@ def run(tg, text, make_opt, steps, lr, seed):
         loss = F.cross_entropy(model(x).view(-1, 256), y.view(-1))
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        if isinstance(opt, zr.ReferenceZenFlow) and step > 1:
+            shares.append(hot_share(opt, model))
         opt.step()
         losses.append(loss.item())
     if hasattr(opt, "close"):
         opt.close()
     return dict(train=statistics.mean(losses[-10:]), eval=tg.evaluate(model, batches),
-                norms=norms, losses=losses)
+                norms=norms, losses=losses, shares=shares)
 
 
 def jumps(norms):
@@ -193,9 +209,11 @@ def main():
             j = jumps(r["norms"])
             own = max((j[i], i + 1) for i in range(len(j)) if ref_j[i] < 3)
             table[name].append((r["train"] / ref["train"], r["eval"] / ref["eval"], own[0]))
+            share = (f"  hot share of grad^2 {statistics.mean(r['shares']):.3f}"
+                     if r["shares"] else "")
             print(f"  seed {seed}  {name:<42} train {r['train'] / ref['train']:.3f}x  eval "
-                  f"{r['eval'] / ref['eval']:.3f}x  own jump {own[0]:6.1f}x at step {own[1]}",
-                  flush=True)
+                  f"{r['eval'] / ref['eval']:.3f}x  own jump {own[0]:6.1f}x at step {own[1]}"
+                  f"{share}", flush=True)
     print(f"\n{'variant':<42} {'eval / AdamW':>14} {'worst own jump':>15}   (over {len(seeds)} seeds)")
     for name in names:
         ev = statistics.mean(r[1] for r in table[name])
