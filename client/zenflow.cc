@@ -249,8 +249,9 @@ struct ZenFlowEngine::Impl {
   // Enqueues the scores and top-k of ps's gradient and their download into *hot (valid after a
   // Sync).
   absl::Status EnqueueTopColumns(PState& ps, std::vector<int64_t>* hot);
-  absl::Status Reselect(const kernels::AdamWConfig& adam, float scale, StepTimings* tm);
-  std::vector<OpsBuffer> keep_alive;  // buffers an enqueued operation still reads
+  // slot: the gradient slot this step's cold gradients were gathered into.
+  absl::Status Reselect(const kernels::AdamWConfig& adam, float scale, uint32_t slot,
+                        StepTimings* tm);
   absl::Status ApplyPendingUpdate(StepTimings* tm);
   // The parameters of slot `slot` into ps's values (uploaded: already in ps's cold buffers).
   absl::Status ScatterParams(PState& ps, uint32_t slot, bool uploaded, StepTimings* tm);
@@ -387,7 +388,7 @@ absl::Status ZenFlowEngine::Impl::SelectInitial(PState& ps, StepTimings* tm) {
 }
 
 absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, float scale,
-                                           StepTimings* tm) {
+                                           uint32_t slot, StepTimings* tm) {
   // At a round boundary, after this step's updates and pushes, from this step's gradient (a
   // parameter without one keeps its hot set).
   auto t0 = Clock::now();
@@ -423,12 +424,12 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
   // their round's AdamW step is taken here, exactly as the daemon's fused Update would take it,
   // and the daemon's Update leaves the arrived columns alone. One call for every parameter, in
   // rounds of what fits each parameter's staging area (4 blocks of [rows, n]).
-  const GradType gtype = cfg.grad_dtype == v1::DTYPE_BF16 ? GradType::kBf16 : GradType::kFp32;
+  const bool bf16 = cfg.grad_dtype == v1::DTYPE_BF16;
   struct Batch {
     Move* mv;
     int64_t n = 0;
     std::vector<int64_t> pos, cols, steps;
-    OpsBuffer pos_dev, tmp, grad, graw, ss, bc2;
+    OpsBuffer pos_dev, cols_dev, tmp, grad, ss, bc2;
   };
   for (;;) {
     t0 = Clock::now();
@@ -444,39 +445,33 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
       const int64_t n = b.n, rn = ps.rows * n;
       b.pos.assign(mv.leaving.begin() + mv.done, mv.leaving.begin() + mv.done + n);
       b.cols.assign(mv.entering.begin() + mv.done, mv.entering.begin() + mv.done + n);
-      std::vector<int64_t> in_cols(n);
       b.steps.resize(n);
-      for (int64_t q = 0; q < n; ++q) {
-        b.steps[q] = ps.hot_steps[b.pos[q]];
-        in_cols[q] = ps.cold_idx[b.cols[q]];
-      }
+      for (int64_t q = 0; q < n; ++q) b.steps[q] = ps.hot_steps[b.pos[q]];
       b.pos_dev = Ints(n);
-      OpsBuffer in_dev = Ints(n);
+      b.cols_dev = Ints(n);
       b.tmp = OpsBuffer(&ops, 4 * rn);
-      b.grad = OpsBuffer(&ops, rn);
-      b.graw = OpsBuffer(&ops, (rn + 1) / 2);
+      b.grad = OpsBuffer(&ops, bf16 ? (rn + 1) / 2 : rn);
       b.ss = OpsBuffer(&ops, n);
       b.bc2 = OpsBuffer(&ops, n);
       UploadInts(b.pos_dev, b.pos);
-      UploadInts(in_dev, in_cols);
+      UploadInts(b.cols_dev, b.cols);
       const float* hot_state[3] = {ps.hot_master.data(), ps.hot_m.data(), ps.hot_v.data()};
       for (int a = 0; a < 3; ++a)
         k.GatherColumns(hot_state[a], 4, ps.rows, ps.k, AsInts(b.pos_dev), n,
                         b.tmp.data() + a * rn);
-      // The entering columns' gradient of this step, as the daemon received it.
-      k.GatherColumns(ps.p.grad, 4, ps.rows, ps.cols, AsInts(in_dev), n, b.grad.data());
-      if (gtype == GradType::kBf16)
-        k.FloatToBf16(b.grad.data(), reinterpret_cast<uint16_t*>(b.graw.data()), rn);
+      // The entering columns' gradient of this step exactly as the daemon receives it: their
+      // compact positions in this step's slot buffer (bf16 already when transfers are).
+      const void* sent = bf16 ? static_cast<const void*>(ps.cold_bf16[slot].data())
+                              : static_cast<const void*>(ps.cold_grad[slot].data());
+      k.GatherColumns(sent, bf16 ? 2 : 4, ps.rows, ps.ncold, AsInts(b.cols_dev), n,
+                      b.grad.data());
       ops.Download(session->StagingFp32(ps.p.name), b.tmp.data(), 3 * rn);
-      // in_dev's last use is enqueued: kept until the Sync below.
       request.push_back({ps.p.name, b.cols, b.steps});
       batches.push_back(std::move(b));
       batches.back().mv->done += n;
-      keep_alive.push_back(std::move(in_dev));
     }
     if (batches.empty()) break;
     RETURN_IF_ERROR(Sync("gathering the leaving columns' state"));
-    keep_alive.clear();
     tm->optimizer += Since(t0);
     t0 = Clock::now();
     absl::StatusOr<v1::MigrateColumnsResponse> got = session->HandOverColumns(request);
@@ -502,9 +497,8 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
       ops.Upload(b.tmp.data(), session->StagingFp32(ps.p.name), 4 * rn);
       k.AccumulateAdamWColumns(
           adam, b.ss.data(), b.bc2.data(), b.tmp.data(), b.tmp.data() + rn, b.tmp.data() + 2 * rn,
-          acc_zero ? nullptr : b.tmp.data() + 3 * rn,
-          gtype == GradType::kBf16 ? static_cast<const void*>(b.graw.data()) : b.grad.data(),
-          gtype, scale, ps.rows, n, nullptr);
+          acc_zero ? nullptr : b.tmp.data() + 3 * rn, b.grad.data(),
+          bf16 ? GradType::kBf16 : GradType::kFp32, scale, ps.rows, n, nullptr);
       float* hot_state[3] = {ps.hot_master.data(), ps.hot_m.data(), ps.hot_v.data()};
       for (int a = 0; a < 3; ++a)
         k.ScatterColumns(b.tmp.data() + a * rn, 4, ps.rows, ps.k, AsInts(b.pos_dev), n,
@@ -681,7 +675,7 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     t0 = Clock::now();
     RETURN_IF_ERROR(copier->WaitFor(slot_task[slot ^ 1u]));
     tm.stall += Since(t0);
-    RETURN_IF_ERROR(Reselect(adam, scale, &tm));
+    RETURN_IF_ERROR(Reselect(adam, scale, slot, &tm));
     tm.reselected = true;
   }
   // At a round boundary the round's last push is folded into the Update (the daemon's fused

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/zenflow.h"
+#include "common/bf16.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
 #include "tests/support/daemon_process.h"
@@ -253,9 +254,14 @@ struct PerColumnZenFlow {
           UpdateColumn(i, c, g, Lr(t));
           continue;
         }
-        for (int64_t r = 0; r < rows; ++r)
-          kernels::ReferenceKernel().Accumulate(&acc[i][r * cols + c], &g[r],
-                                                kernels::GradType::kFp32, scale, 1);
+        for (int64_t r = 0; r < rows; ++r) {
+          // What crosses to the daemon: the gradient as it is, or rounded to bf16.
+          const uint16_t g16 = FloatToBf16(g[r]);
+          const bool bf16 = cfg.grad_dtype == v1::DTYPE_BF16;
+          kernels::ReferenceKernel().Accumulate(
+              &acc[i][r * cols + c], bf16 ? static_cast<const void*>(&g16) : &g[r],
+              bf16 ? kernels::GradType::kBf16 : kernels::GradType::kFp32, scale, 1);
+        }
         if (t % S == 0) {
           std::vector<float> sum = ColumnOf(acc[i], rows, cols, c);
           UpdateColumn(i, c, sum, Lr(t));
@@ -268,13 +274,18 @@ struct PerColumnZenFlow {
 };
 
 // S = 4 with a reselection at every round: the engine equals the per-column algorithm bit for
-// bit at every step (awaited updates, fp32 transfers), while columns migrate every round.
+// bit at every step (awaited updates, fp32 parameters back), while columns migrate every round;
+// with fp32 gradients, and with bf16 ones (the cold columns' gradients rounded as they cross,
+// the entering columns' round step taken on the device from the same rounded values).
 TEST_F(ZenFlowTest, RoundsWithReselectionEqualThePerColumnAlgorithm) {
+ for (v1::DType grad_dtype : {v1::DTYPE_FP32, v1::DTYPE_BF16}) {
+  SCOPED_TRACE(grad_dtype == v1::DTYPE_FP32 ? "fp32 gradients" : "bf16 gradients");
   const int seed = 6;
   ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, true);
+  cfg.grad_dtype = grad_dtype;
   std::vector<Tensor> model = MakeModel(seed);
   PerColumnZenFlow ref(model, cfg);
-  auto session = NewSession("rounds");
+  auto session = NewSession(grad_dtype == v1::DTYPE_FP32 ? "rounds" : "rounds-bf16");
   auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
                                       kernels::CpuOps(), session.get());
   ASSERT_TRUE(engine.ok()) << engine.status();
@@ -299,6 +310,7 @@ TEST_F(ZenFlowTest, RoundsWithReselectionEqualThePerColumnAlgorithm) {
     }
   }
   EXPECT_GT(migrated, 0);
+ }
 }
 
 // sync-offload and no-offload equal dense AdamW bit for bit (S = 1 by definition).
