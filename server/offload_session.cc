@@ -426,10 +426,7 @@ void OffloadSession::Update(const UpdatePlan& plan) {
       if (!bf16) memcpy(out32 + b, master_ + b, n * sizeof(float));
     });
     for (std::vector<int64_t>& steps : col_steps_) std::fill(steps.begin(), steps.end(), cfg.step);
-    if (!handed_over_.empty()) {
-      LandHandovers(bf16 ? out16 : nullptr);
-      if (!bf16) memcpy(out32, master_, total * sizeof(float));
-    }
+    LandHandovers(bf16 ? out16 : nullptr, bf16 ? nullptr : out32);
   } else {
     std::vector<float> step_size, bc2;
     for (size_t i = 0; i < layout_->params.size(); ++i) {
@@ -459,7 +456,7 @@ void OffloadSession::Update(const UpdatePlan& plan) {
     }
     // Columns handed over in this round arrived from the device with the round's step taken
     // there: their state replaces what the pass computed for them.
-    LandHandovers(bf16 ? out16 : nullptr);
+    LandHandovers(bf16 ? out16 : nullptr, nullptr);  // the fp32 copy below includes them
     if (!bf16) {
       ParallelChunks(total, [&](int64_t b, int64_t e) {
         memcpy(out32 + b, master_ + b, (e - b) * sizeof(float));
@@ -608,7 +605,7 @@ std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePla
   return results;
 }
 
-void OffloadSession::LandHandovers(uint16_t* out16) {
+void OffloadSession::LandHandovers(uint16_t* out16, float* out32) {
   struct Item {
     size_t param;
     const int64_t* cols;
@@ -638,12 +635,14 @@ void OffloadSession::LandHandovers(uint16_t* out16) {
         const float* in = it.values + (a * p.rows + r) * it.n;
         for (int64_t j = 0; j < it.n; ++j) row[it.cols[j]] = in[j];
       }
-    if (out16 != nullptr)
-      for (int64_t r = sp.r0; r < sp.r1; ++r) {
-        const float* row = state[0] + r * p.cols;
-        uint16_t* out = out16 + p.elem_offset + r * p.cols;
-        for (int64_t j = 0; j < it.n; ++j) out[it.cols[j]] = FloatToBf16(row[it.cols[j]]);
+    for (int64_t r = sp.r0; r < sp.r1 && (out16 != nullptr || out32 != nullptr); ++r) {
+      const uint64_t at = p.elem_offset + r * p.cols;
+      for (int64_t j = 0; j < it.n; ++j) {
+        const float x = master_[at + it.cols[j]];
+        if (out16 != nullptr) out16[at + it.cols[j]] = FloatToBf16(x);
+        if (out32 != nullptr) out32[at + it.cols[j]] = x;
       }
+    }
   });
   for (size_t i = 0; i < handed_over_.size(); ++i) {
     const HandedOver& h = handed_over_[i];

@@ -389,8 +389,8 @@ class OffloadSession {
   };
   std::vector<HandedOver> handed_over_;
   // On the strand: writes the handed-over columns' state and step counts, and their values to
-  // out16 (the parameter slot, bf16) unless null; clears handed_over_.
-  void LandHandovers(uint16_t* out16);
+  // the parameter slot as bf16 (out16) or fp32 (out32) where not null; clears handed_over_.
+  void LandHandovers(uint16_t* out16, float* out32);
 };
 
 }  // namespace stallfree
