@@ -589,13 +589,14 @@ Part2Result RunPart2Mode(const Options& o, OffloadMode mode, Client* client, pid
   }
   if (session) {
     for (const auto& pl : session->layout().params()) r.daemon_elems += pl.numel();
+    // The daemon's blocks are [rows, the columns it holds]: rows from the model, the columns
+    // from the daemon's element count (zenflow: the cold ones).
     for (const BigParam& p : ps) {
-      int64_t numel = 1;
-      for (int64_t d : p.shape) numel *= d;
-      const int64_t cols = p.shape.back(), rows = numel / cols;
-      const int64_t k = std::clamp<int64_t>(std::llround(o.ratio * cols), 1, cols);
-      if (mode == OffloadMode::kZenFlow && p.shape.size() >= 2 && cols - k >= 4)
-        r.daemon_shapes.push_back({rows, cols - k});
+      auto pl = session->Param(p.name);
+      if (!pl.ok()) continue;  // wholly on the device
+      int64_t rows = 1;
+      for (size_t d = 0; d + 1 < p.shape.size(); ++d) rows *= p.shape[d];
+      r.daemon_shapes.push_back({rows, (*pl)->numel() / rows});
     }
     const auto t_fill = Clock::now();
     FillGradSlots(o, session.get(), ps, mode == OffloadMode::kZenFlow, dev->spec().score_sigma);
@@ -1245,8 +1246,13 @@ int Run(int argc, char** argv) {
       // push, bf16 out; from GetStats) against the same kernel alone, measured now.
       const double daemon_rate = zen.daemon_elems * zen.updates / zen.update_s;
       const double kernel_rate = FusedKernelRate(zen.daemon_shapes);
+      // The same blocks with every row a multiple of 16 columns (64-byte aligned rows).
+      std::vector<std::pair<int64_t, int64_t>> aligned = zen.daemon_shapes;
+      for (auto& sh : aligned) sh.second = (sh.second + 15) / 16 * 16;
+      const double aligned_rate = FusedKernelRate(aligned);
       printf("FIGURE daemon_update_gelem_per_s %.3f Gelem/s\n", daemon_rate / 1e9);
       printf("FIGURE fused_kernel_gelem_per_s %.3f Gelem/s\n", kernel_rate / 1e9);
+      printf("FIGURE fused_kernel_aligned_rows_gelem_per_s %.3f Gelem/s\n", aligned_rate / 1e9);
       printf("FIGURE daemon_update_fraction_of_fused_kernel %.3f ratio\n",
              daemon_rate / kernel_rate);
       target("the daemon's update at >= 0.9 of its kernel's own rate "
