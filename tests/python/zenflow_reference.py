@@ -202,10 +202,12 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 hot, cold = sp.hot, ~sp.hot
                 # Hot columns: AdamW now.
                 sp.steps[hot] += 1
-                sp.prod1[hot] *= b1
-                sp.prod2[hot] *= b2
+                bc = None
+                if self.sqrt_rule:
+                    sp.prod1[hot] *= b1
+                    sp.prod2[hot] *= b2
+                    bc = (1 - sp.prod1[hot]), (1 - sp.prod2[hot])
                 mh, mm, mv = sp.master[:, hot], sp.m[:, hot], sp.v[:, hot]
-                bc = ((1 - sp.prod1[hot]), (1 - sp.prod2[hot])) if self.sqrt_rule else None
                 _adamw_(mh, g[:, hot], mm, mv, sp.steps[hot], lr, b1, b2, eps, wd, bc)
                 sp.master[:, hot], sp.m[:, hot], sp.v[:, hot] = mh, mm, mv
                 view[:, hot] = mh
@@ -220,9 +222,11 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                         ceps = eps / math.sqrt(S)
                         clr = cold_lr * math.sqrt(S)
                         cwd = wd * math.sqrt(S)  # the decay, a drift, scales with S
-                    sp.prod1[cold] *= cb1
-                    sp.prod2[cold] *= cb2
-                    bc = ((1 - sp.prod1[cold]), (1 - sp.prod2[cold])) if self.sqrt_rule else None
+                    bc = None
+                    if self.sqrt_rule:
+                        sp.prod1[cold] *= cb1
+                        sp.prod2[cold] *= cb2
+                        bc = (1 - sp.prod1[cold]), (1 - sp.prod2[cold])
                     mc, mmc, mvc = sp.master[:, cold], sp.m[:, cold], sp.v[:, cold]
                     _adamw_(mc, sp.acc[:, cold], mmc, mvc, sp.steps[cold], clr, cb1, cb2, ceps,
                             cwd, bc)
