@@ -4,8 +4,17 @@ BAZEL ?= bazel
 NVCC := /usr/local/cuda/bin/nvcc
 APT_PACKAGES := bazel-bootstrap g++ protobuf-compiler protobuf-compiler-grpc libprotobuf-dev \
   libgrpc++-dev libabsl-dev libtbb-dev libgloo-dev libopenblas-dev libgtest-dev libgmock-dev \
-  libbenchmark-dev gnuplot-nox python3-torch python3-pytest pybind11-dev python3-dev \
+  libbenchmark-dev gnuplot-nox pybind11-dev python3-dev python3.11-venv \
   libsystemd-dev systemd libcivetweb-dev prometheus python3-yaml
+
+# The project's Python: a virtual environment on Debian's python3.11 (the ABI the extension is
+# built for) with the pinned packages of python/requirements.txt from PyPI (torch 2.x,
+# transformers, accelerate, deepspeed, pytest). Every Python test, example and benchmark runs
+# in it; the Python tests find it through $STALLFREE_VENV.
+VENV := $(CURDIR)/.venv
+VENV_PY := $(VENV)/bin/python
+REQUIREMENTS := python/requirements.txt
+PY_TEST_ENV := --test_env=STALLFREE_VENV=$(VENV)
 
 # The CUDA backends, their GPU tests and the GPU benchmark (tagged manual: CI builds and links
 # them with nvcc; the tests print SKIP without a device).
@@ -21,15 +30,30 @@ ASAN_FLAGS := --config=asan \
 TSAN_FLAGS := --config=tsan \
   --test_env=TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$(CURDIR)/tests/sanitizers/tsan.supp
 
-.PHONY: deps build test test-tsan demo bench gpu-check clean
+.PHONY: deps apt-deps venv build test test-tsan demo bench gpu-check clean
 
-deps:
+deps: apt-deps venv
+
+apt-deps:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q "install ok installed" || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:" $$missing; \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
 	else echo "deps: all packages present"; fi
+
+# Idempotent: the venv is rebuilt only when python/requirements.txt differs from the copy it
+# was installed from (a half-made venv has no copy, so an interrupted install starts over).
+venv: apt-deps
+	@if cmp -s $(REQUIREMENTS) $(VENV)/requirements.installed; then \
+	  echo "venv: $(VENV) matches $(REQUIREMENTS)"; \
+	else \
+	  echo "venv: installing $(REQUIREMENTS) into $(VENV) (torch from PyPI: about 3.5 GB, minutes)"; \
+	  rm -f $(VENV)/requirements.installed; \
+	  [ -x $(VENV_PY) ] || /usr/bin/python3.11 -m venv $(VENV) || exit 1; \
+	  $(VENV_PY) -m pip install --progress-bar off -q -r $(REQUIREMENTS) || exit 1; \
+	  cp $(REQUIREMENTS) $(VENV)/requirements.installed; \
+	fi
 
 build: deps
 	$(BAZEL) build //:stallfreed //:stallfreectl //...
@@ -38,7 +62,7 @@ build: deps
 # expect the plain one there after make test.
 test: deps
 	$(BAZEL) test $(ASAN_FLAGS) $(SANITIZED_TESTS)
-	$(BAZEL) test //...
+	$(BAZEL) test $(PY_TEST_ENV) //...
 	@if [ -x $(NVCC) ]; then \
 	  echo "nvcc found: building and linking the --config=cuda configuration"; \
 	  $(BAZEL) build --config=cuda //... $(CUDA_TARGETS) && \
@@ -64,7 +88,7 @@ bench: deps
 	$(BAZEL) run //bench:offload_bench
 	$(BAZEL) run //bench:train_bench -- --quick
 	$(BAZEL) build //python:stallfree_package
-	PYTHONPATH=bazel-bin/python /usr/bin/python3 bench/torch_bench.py
+	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/torch_bench.py
 
 gpu-check: deps
 	BAZEL="$(BAZEL)" ./tests/gpu/gpu_check.sh

@@ -322,7 +322,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             state, daemon = engine.checkpoint()
             engines.append({"shapes": [list(p.shape) for _, p in self._members[gi]],
                             "names": [n for n, _ in self._members[gi]],
-                            "engine": state, "daemon": daemon})
+                            "engine": _bytes_tensor(state), "daemon": _bytes_tensor(daemon)})
         sd["stallfree"] = {"version": _STATE_VERSION, "config": dict(self._config),
                            "engines": engines}
         return sd
@@ -368,7 +368,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._engines[gi] = engine
                 self._hypers[gi] = _hyper_of(self.param_groups[gi])
             engine.set_values([p.data_ptr() for _, p in self._members[gi]])
-            engine.restore(entry["engine"], entry["daemon"])
+            engine.restore(_tensor_bytes(entry["engine"]), _tensor_bytes(entry["daemon"]))
 
     # --- lifetime ---------------------------------------------------------------------------
 
@@ -412,6 +412,24 @@ def _check_hyper(lr, betas, eps, weight_decay, where):
         raise ValueError("%seps: %r is not > 0" % (where, eps))
     if not weight_decay >= 0.0:
         raise ValueError("%sweight_decay: %r is not >= 0" % (where, weight_decay))
+
+
+def _bytes_tensor(data):
+    """Opaque bytes as a uint8 tensor: what torch.load(weights_only=True) accepts (the default
+    since torch 2.6, and how Hugging Face's Trainer loads an optimizer at resume)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _tensor_bytes(t):
+    """The inverse of _bytes_tensor (bytes, as older state dicts hold, pass through)."""
+    if isinstance(t, (bytes, bytearray)):
+        return bytes(t)
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
+        raise Error("the state dict's engine state is %r, not a 1-D uint8 tensor written by "
+                    "ZenFlowAdamW.state_dict()" % (type(t).__name__,))
+    return t.detach().cpu().contiguous().numpy().tobytes()
 
 
 def _hyper_of(group):

@@ -1,7 +1,7 @@
 """pytest configuration for the stallfree Python tests.
 
-Run with Debian's interpreter (torch 1.13):
-    /usr/bin/python3 -m pytest tests/python
+Run with the project's Python environment (`make deps` makes .venv/):
+    .venv/bin/python -m pytest tests/python
 The package is imported as installed, else from $STALLFREE_PYTHONPATH, else from
 <repository>/bazel-bin/python (where `bazel build //python:stallfree_package` puts it).
 """
@@ -37,7 +37,8 @@ torch.set_num_threads(1)
 
 # The directory stallfree was imported from, for child processes.
 PKG_PATH = os.path.dirname(os.path.dirname(os.path.abspath(stallfree.__file__)))
-PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+# Children run in this same interpreter (the project's virtual environment).
+PYTHON = sys.executable
 
 
 def child_env(**extra):
@@ -50,7 +51,7 @@ def child_env(**extra):
 
 
 def run_python(script, *args, timeout=120, env=None, check=True):
-    """Runs `script` (a file in this directory, or source text) in a fresh /usr/bin/python3;
+    """Runs `script` (a file in this directory, or source text) in a fresh interpreter (this one);
     returns the CompletedProcess (text stdout/stderr). Output goes through files, not pipes, so
     a grandchild (a daemon) that inherits them cannot keep this call waiting. check: fail the
     test on a non-zero exit, showing the child's output."""
