@@ -135,7 +135,8 @@ absl::Status ZenFlowConfig::Validate() const {
   if (warmup_steps < 0) return Invalid("warmup_steps", absl::StrCat(warmup_steps, " is negative"));
   if (!(beta1 >= 0.0 && beta1 < 1.0)) return Invalid("beta1", "must be in [0, 1)");
   if (!(beta2 >= 0.0 && beta2 < 1.0)) return Invalid("beta2", "must be in [0, 1)");
-  if (!(eps > 0.0) || !std::isfinite(eps)) return Invalid("eps", "must be finite and > 0");
+  // eps >= 0, as torch.optim.AdamW takes it; finite, for the kernels' arithmetic.
+  if (!(eps >= 0.0) || !std::isfinite(eps)) return Invalid("eps", "must be finite and >= 0");
   if (!(weight_decay >= 0.0) || !std::isfinite(weight_decay))
     return Invalid("weight_decay", "must be finite and >= 0");
   if (grad_dtype != v1::DTYPE_FP32 && grad_dtype != v1::DTYPE_BF16)
@@ -945,10 +946,15 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
     }
     if (ps.kind == PState::kSplit) {
       const int64_t hot = ps.rows * ps.k;
-      if (!r.Ints(&ps.hot_idx, ps.k) || !r.Ints(&ps.cold_idx, ps.ncold) ||
-          !r.Ints(&ps.hot_steps, ps.k) || !r.Floats(&a, hot) || !r.Floats(&b, hot) ||
+      // A weight checkpointed before its first selection (an engine that has not stepped) has
+      // no column sets yet (they come with the daemon's load at step 1): it restores unselected.
+      const bool selected = loaded != 0;
+      const int64_t k = selected ? ps.k : 0, ncold = selected ? ps.ncold : 0;
+      if (!r.Ints(&ps.hot_idx, k) || !r.Ints(&ps.cold_idx, ncold) ||
+          !r.Ints(&ps.hot_steps, k) || !r.Floats(&a, hot) || !r.Floats(&b, hot) ||
           !r.Floats(&c, hot))
         return bad("truncated");
+      if (!selected) continue;  // its device buffers are still the fresh engine's
       std::vector<char> seen(ps.cols, 0);
       for (int64_t col : ps.hot_idx) seen[std::clamp<int64_t>(col, 0, ps.cols - 1)]++;
       for (int64_t col : ps.cold_idx) seen[std::clamp<int64_t>(col, 0, ps.cols - 1)]++;

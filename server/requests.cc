@@ -178,8 +178,9 @@ absl::StatusOr<UpdatePlan> PlanUpdate(const v1::UpdateRequest& req, const Sessio
     return absl::InvalidArgumentError("hyper.beta1: must be in [0, 1)");
   if (!(h.beta2() >= 0.0 && h.beta2() < 1.0))
     return absl::InvalidArgumentError("hyper.beta2: must be in [0, 1)");
-  if (!(h.eps() > 0.0) || !std::isfinite(h.eps()))
-    return absl::InvalidArgumentError("hyper.eps: must be finite and > 0");
+  // eps = 0 is AdamW as torch.optim.AdamW allows it (a zero moment then gives 0/0, there too).
+  if (!(h.eps() >= 0.0) || !std::isfinite(h.eps()))
+    return absl::InvalidArgumentError("hyper.eps: must be finite and >= 0");
   if (!(h.weight_decay() >= 0.0) || !std::isfinite(h.weight_decay()))
     return absl::InvalidArgumentError("hyper.weight_decay: must be finite and >= 0");
   if (req.param_slot() > 1)

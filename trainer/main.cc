@@ -73,7 +73,7 @@ int Run(int argc, char** argv) {
   flags.AddDouble("weight_decay", &o.engine.weight_decay, "AdamW weight decay");
   flags.AddDouble("beta1", &o.engine.beta1, "AdamW's first-moment decay, in [0, 1)");
   flags.AddDouble("beta2", &o.engine.beta2, "AdamW's second-moment decay, in [0, 1)");
-  flags.AddDouble("eps", &o.engine.eps, "AdamW's epsilon, > 0");
+  flags.AddDouble("eps", &o.engine.eps, "AdamW's epsilon, >= 0");
   flags.AddInt("seed", &seed, "initialisation and data-order seed");
   flags.AddString("mode", &mode, "optimizer offload: zenflow, sync-offload or no-offload");
   flags.AddDouble("topk_ratio", &o.engine.topk_ratio, "ZenFlow: hot share of each weight's columns");

@@ -5,10 +5,14 @@
 
 Each parameter group is one ZenFlow engine (client/zenflow.h) with its own session on the
 node's stallfreed; the engine does all the work on the tensors' own memory (data_ptr), nothing
-of it is re-implemented here. See the README, "Using stallfree from PyTorch".
+of it is re-implemented here. See the README, "Using stallfree from PyTorch". Needs torch 2.1
+or newer (torch 2.6's param_names and weights_only loading included).
 """
 
 import atexit
+import collections
+import contextlib
+import json
 import os
 import sys
 import weakref
@@ -22,7 +26,13 @@ from ._stallfree import Error
 
 _MODES = ("zenflow", "sync-offload", "no-offload")
 _DTYPES = ("bf16", "fp32")
-_STATE_VERSION = 1
+# 2: the engine and daemon state as uint8 tensors in the first parameter's entry of each group's
+# "state" (torch's own layout, which torch.load(weights_only=True) and
+# torch.distributed.checkpoint keep); 1: bytes under a top-level "stallfree" key (still read).
+_STATE_VERSION = 2
+# The keys of a group's first parameter's state entry that carry the group's engine.
+_ENGINE_KEY, _DAEMON_KEY, _META_KEY = "zenflow_engine", "zenflow_daemon", "zenflow_meta"
+_BLOB_KEYS = (_ENGINE_KEY, _DAEMON_KEY, _META_KEY)
 
 
 def _connect(socket, explicit):
@@ -64,6 +74,27 @@ def _all_reduce_scores(name, view):
         torch.distributed.all_reduce(scores)
 
 
+def _unsupported_kind(p):
+    """Why ZenFlowAdamW cannot take tensor `p` (None if it can): the engine works on a dense,
+    plain tensor's own memory, so tensor subclasses whose data_ptr is not the whole value
+    (DTensor of FSDP2 and tensor parallelism, lazy modules' uninitialized parameters, ...)
+    are named here instead of failing inside data_ptr()."""
+    if isinstance(p, torch.nn.parameter.UninitializedParameter):
+        return ("an uninitialized parameter of a lazy module: run one forward pass before "
+                "building the optimizer")
+    if type(p) not in (torch.Tensor, torch.nn.Parameter):
+        kind = type(p).__name__
+        if kind == "DTensor":
+            return ("a DTensor (FSDP2 or tensor parallelism): ZenFlowAdamW updates plain "
+                    "tensors; shard with DistributedDataParallel or FSDP1's flat parameters "
+                    "instead, or keep this parameter in a torch.optim.AdamW")
+        return ("a %s, a tensor subclass: ZenFlowAdamW updates plain torch.Tensor / "
+                "nn.Parameter storage only" % kind)
+    if p.is_sparse or p.layout != torch.strided:
+        return "not a dense tensor (layout %s)" % p.layout
+    return None
+
+
 class ZenFlowAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with ZenFlow offloading.
 
@@ -80,19 +111,41 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     and if no daemon answers there a private one is started (and stopped with the optimizer).
     session_name: the daemon sessions' name (stallfreectl sessions); default "torch".
 
-    Parameters must be dense fp32 tensors (CPU; CUDA in builds with the CUDA backend), all of a
-    group on one device. requires_grad=False parameters are left out. A parameter whose .grad
-    is None in a step is skipped, as torch.optim.AdamW skips it: no step, no decay (in zenflow
-    its cold columns' round gradient, the sum of the round's gradients over update_interval,
-    gets nothing from that step, and a round without any gradient leaves them unchanged).
-    `params` may also be (name, tensor) pairs (model.named_parameters()), for messages.
+    lr, betas, eps and weight_decay are validated as torch.optim.AdamW validates them (the same
+    ValueError), and must also be finite (the kernels' arithmetic); lr may be a 1-element
+    Tensor. amsgrad, maximize, capturable and differentiable are accepted as False only;
+    foreach and fused choose torch's implementation and are ignored.
+
+    Parameters must be dense fp32 torch.Tensor / nn.Parameter storage (CPU; CUDA in builds
+    with the CUDA backend), all of a group on one device; tensor subclasses (DTensor, ...) are
+    refused naming the parameter. requires_grad=False parameters are left out. A parameter
+    whose .grad is None in a step is skipped, as torch.optim.AdamW skips it: no step, no decay
+    (in zenflow its cold columns' round gradient, the sum of the round's gradients over
+    update_interval, gets nothing from that step, and a round without any gradient leaves them
+    unchanged). `params` may also be (name, tensor) pairs (model.named_parameters()): torch
+    keeps the names as each group's "param_names"; they name parameters in messages and are
+    checked by load_state_dict.
+
+    On CUDA each step runs in the order of the stream current at that step (its engine works on
+    a stream of its own, which waits for the current stream and is waited for by it).
+
+    optimizer.state holds each trainable parameter's AdamW step count ({"step": tensor}), so
+    it is never empty (torch.distributed.checkpoint does not then run a zero-gradient step to
+    "initialise" it). state_dict() adds to each group's first parameter's entry the group's
+    engine state, its daemon session's checkpoint and a description of both, as uint8 tensors.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 mode="zenflow", topk_ratio=0.1, update_interval=4, select_interval=None,
-                 warmup_steps=20, await_updates=False, grad_dtype="bf16", param_dtype="bf16",
-                 socket=None, session_name=None):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, mode="zenflow", topk_ratio=0.1,
+                 update_interval=4, select_interval=None, warmup_steps=20, await_updates=False,
+                 grad_dtype="bf16", param_dtype="bf16", socket=None, session_name=None):
         _check_hyper(lr, betas, eps, weight_decay, "")
+        for flag, value in (("amsgrad", amsgrad), ("maximize", maximize),
+                            ("capturable", capturable), ("differentiable", differentiable)):
+            if value:
+                raise ValueError("%s=True is not supported by ZenFlowAdamW (AdamW as "
+                                 "torch.optim.AdamW computes it with %s=False)" % (flag, flag))
         if mode not in _MODES:
             raise ValueError("mode: %r is not one of %s" % (mode, ", ".join(_MODES)))
         if not 0.0 < topk_ratio <= 1.0:
@@ -118,7 +171,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._engines = []   # per param group: _stallfree.Engine or None (no trainable params)
         self._members = []   # per param group: [(name, tensor)] the engine's parameters
         self._hypers = []    # per param group: the (beta1, beta2, eps, weight_decay) its engine has
-        self._names = {}     # id(tensor) -> name
+        self._streams = []   # per param group: the engine's own CUDA stream, or None
         self._last_timings = {}
         self._closed = False
         self.daemon = None
@@ -130,10 +183,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._client, self.daemon = _connect(self.socket, explicit)
             if self.daemon is not None:
                 self.socket = self.daemon.socket
-        params = self._take_names(params)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         try:
-            super().__init__(params, defaults)
+            super().__init__(_name_pairs(params), defaults)
         except BaseException:
             self.close()
             raise
@@ -141,46 +193,39 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # --- construction -----------------------------------------------------------------------
 
-    def _take_names(self, params):
-        """Accepts tensors, (name, tensor) pairs, or group dicts of either; records the names."""
-        def strip(seq):
-            out = []
-            for item in seq:
-                if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str):
-                    self._names[id(item[1])] = item[0]
-                    out.append(item[1])
-                else:
-                    out.append(item)
-            return out
-        if isinstance(params, torch.Tensor):
-            raise TypeError("params argument given to the optimizer should be an iterable of "
-                            "Tensors or dicts, but got " + torch.typename(params))
-        params = list(params)
-        if params and isinstance(params[0], dict):
-            return [dict(g, params=strip(g["params"] if not isinstance(g["params"], torch.Tensor)
-                                         else [g["params"]])) for g in params]
-        return strip(params)
-
     def add_param_group(self, param_group):
+        """torch's add_param_group, all or nothing: a group whose parameters or
+        hyper-parameters this optimizer cannot take (or whose engine cannot start) raises and
+        leaves the optimizer as it was."""
         if self._closed:
             raise Error("the optimizer is closed")
-        super().add_param_group(param_group)
-        gi = len(self.param_groups) - 1
+        if isinstance(param_group, dict):
+            param_group = dict(param_group, params=_name_pairs(param_group["params"]))
+        before = len(self.param_groups)
+        super().add_param_group(param_group)  # torch's checks; appends only if they pass
+        try:
+            self._take_group(before)
+        except BaseException:
+            del self.param_groups[before:]
+            raise
+
+    def _take_group(self, gi):
         group = self.param_groups[gi]
         _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                      "param_groups[%d]." % gi)
+        names = group.get("param_names")
         members = []
         device = None
         for i, p in enumerate(group["params"]):
-            name = self._names.get(id(p), "param_groups[%d][%d]" % (gi, i))
-            self._names[id(p)] = name
+            name = names[i] if names else "param_groups[%d][%d]" % (gi, i)
             desc = "parameter '%s' (shape %s)" % (name, list(p.shape))
+            why = _unsupported_kind(p)
+            if why:
+                raise Error("%s is %s" % (desc, why))
             if p.dtype != torch.float32:
                 raise Error("%s is %s: ZenFlowAdamW updates fp32 parameters (keep fp32 master "
                             "weights and use autocast for lower-precision compute)"
                             % (desc, p.dtype))
-            if p.is_sparse or p.layout != torch.strided:
-                raise Error("%s is not a dense tensor" % desc)
             if not p.requires_grad:
                 continue
             if not p.is_contiguous():
@@ -193,50 +238,73 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 raise Error("%s is on %s but the group's other parameters are on %s: put each "
                             "device's parameters in their own group" % (desc, p.device, device))
             members.append((name, p))
+        stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" \
+            else None
+        engine = self._make_engine(gi, members, device, stream) if members else None
         self._members.append(members)
         self._hypers.append(_hyper_of(group))
-        self._engines.append(self._make_engine(gi, members, device) if members else None)
+        self._streams.append(stream)
+        self._engines.append(engine)
+        for _, p in members:
+            self.state[p] = {"step": torch.tensor(0.0)}
 
-    def _make_engine(self, gi, members, device):
+    def _make_engine(self, gi, members, device, stream):
         group = self.param_groups[gi]
         config = dict(self._config)
         config.update(zip(("beta1", "beta2", "eps", "weight_decay"), _hyper_of(group)))
-        stream = 0
-        if device.type == "cuda":
-            stream = torch.cuda.current_stream(device).cuda_stream
         specs = [(name, list(p.shape) or [1], p.data_ptr()) for name, p in members]
         name = self._session_name if len(self.param_groups) == 1 and gi == 0 else \
             "%s/g%d" % (self._session_name, gi)
         engine = _stallfree.Engine(self._client, name, _rank(), config, specs, device.type,
-                                   stream)
+                                   stream.cuda_stream if stream is not None else 0)
         if (torch.distributed.is_available() and torch.distributed.is_initialized() and
                 torch.distributed.get_world_size() > 1 and config["mode"] == "zenflow"):
             engine.set_score_reduce(_all_reduce_scores)
         return engine
 
+    @contextlib.contextmanager
+    def _ordered(self, gi):
+        """Runs engine work of group gi in the order of the current CUDA stream: the engine's
+        stream waits for what is queued on the current one (the gradients, a loaded model),
+        and the current one for what the engine queued (the updated parameters)."""
+        stream = self._streams[gi]
+        if stream is None:
+            yield
+            return
+        current = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(current)
+        try:
+            yield
+        finally:
+            current.wait_stream(stream)
+
     # --- stepping ---------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step with each group's current lr (and betas, eps, weight_decay)."""
+        """One AdamW step with each group's current lr (and betas, eps, weight_decay). Every
+        group's gradients and hyper-parameters are checked before any engine steps, so a
+        refused step changes nothing."""
         if self._closed:
             raise Error("the optimizer is closed")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        timings = []
+        work = []
         for gi, group in enumerate(self.param_groups):
-            engine = self._engines[gi]
-            if engine is None:
+            if self._engines[gi] is None:
                 continue
-            values, grads, keep = [], [], []
+            values, grads, keep, stepped = [], [], [], []
             for name, p in self._members[gi]:
                 g = p.grad
                 if g is not None:
                     if g.is_sparse or g.layout != torch.strided:
                         raise Error("parameter '%s' has a sparse gradient: ZenFlowAdamW takes "
                                     "dense gradients (nn.Embedding(sparse=False))" % name)
+                    if type(g) not in (torch.Tensor, torch.nn.Parameter):
+                        raise Error("parameter '%s': its gradient is a %s, not a plain tensor"
+                                    % (name, type(g).__name__))
                     if g.dtype != torch.float32 or g.device != p.device or g.shape != p.shape:
                         raise Error("parameter '%s': its gradient is %s %s on %s, not fp32 of "
                                     "its own shape and device" % (name, g.dtype, list(g.shape),
@@ -244,23 +312,31 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     if not g.is_contiguous():
                         g = g.contiguous()
                         keep.append(g)
+                    stepped.append(p)
                 if not p.is_contiguous():
                     raise Error("parameter '%s' is no longer contiguous" % name)
                 values.append(p.data_ptr())
                 grads.append(g.data_ptr() if g is not None else 0)
-            if not any(grads):
+            if not stepped:
                 continue  # nothing to do, as torch's AdamW
             # A scheduler may change any of them between steps.
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                          "param_groups[%d]." % gi)
-            hyper = _hyper_of(group)
+            work.append((gi, float(group["lr"]), values, grads, keep, stepped))
+        timings = []
+        for gi, lr, values, grads, keep, stepped in work:
+            engine = self._engines[gi]
+            hyper = _hyper_of(self.param_groups[gi])
             if hyper != self._hypers[gi]:
                 engine.set_adamw(*hyper)
                 self._hypers[gi] = hyper
             try:
-                engine.step(float(group["lr"]), values, grads)
+                with self._ordered(gi):
+                    engine.step(lr, values, grads)
             except Error as e:
                 raise self._explain(e) from e
+            for p in stepped:
+                self.state[p]["step"] += 1
             timings.append(engine.last_timings())
         if timings:
             self._last_timings = _sum_timings(timings)
@@ -297,7 +373,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Waits for all offload work and brings every cold column to the newest update."""
         for gi in range(len(self._engines)):
             if self._engines[gi] is not None:
-                self._engine(gi).flush()
+                with self._ordered(gi):
+                    self._engine(gi).flush()
 
     def _engine(self, gi):
         if self._closed:
@@ -307,68 +384,142 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # --- state ------------------------------------------------------------------------------
 
     def state_dict(self):
-        """torch's layout (param_groups with the hyper-parameters) plus "stallfree": every
-        engine's state and its daemon session's checkpoint bytes, so that load_state_dict in
-        another process continues exactly. Does not change the run: a daemon update still
+        """torch's layout: param_groups with the hyper-parameters (and param_names), and per
+        trainable parameter its "step"; each group's first trainable parameter's entry also
+        holds the group's engine state, its daemon session's checkpoint and their description
+        (uint8 tensors), so that load_state_dict in another process continues exactly. The
+        state-dict post-hooks see all of it. Does not change the run: a daemon update still
         running is waited for but its result applied at the usual step."""
         if self._closed:
             raise Error("the optimizer is closed")
-        sd = super().state_dict()
-        engines = []
+        with _hooks_held(self, "_optimizer_state_dict_post_hooks") as post_hooks:
+            sd = super().state_dict()  # the pre-hooks run in there
+        index = {}
+        start = 0
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                index[id(p)] = start + i
+            start += len(group["params"])
         for gi, engine in enumerate(self._engines):
             if engine is None:
-                engines.append(None)
                 continue
-            state, daemon = engine.checkpoint()
-            engines.append({"shapes": [list(p.shape) for _, p in self._members[gi]],
-                            "names": [n for n, _ in self._members[gi]],
-                            "engine": _bytes_tensor(state), "daemon": _bytes_tensor(daemon)})
-        sd["stallfree"] = {"version": _STATE_VERSION, "config": dict(self._config),
-                           "engines": engines}
+            with self._ordered(gi):
+                state, daemon = engine.checkpoint()
+            members = self._members[gi]
+            meta = {"version": _STATE_VERSION, "config": self._config,
+                    "names": [n for n, _ in members], "shapes": [list(p.shape) for _, p in members]}
+            key = index[id(members[0][1])]
+            sd["state"][key] = dict(sd["state"].get(key, {}), **{
+                _ENGINE_KEY: _bytes_tensor(state), _DAEMON_KEY: _bytes_tensor(daemon),
+                _META_KEY: _bytes_tensor(json.dumps(meta, sort_keys=True).encode())})
+        for hook in post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict):
-        """Loads a state_dict() of a ZenFlowAdamW over the same parameters (shapes, groups and
-        configuration); load the model's weights first. The optimizer then continues exactly as
-        the one that saved it."""
+        """Loads a state_dict() of a ZenFlowAdamW over the same parameters (shapes, groups, names
+        and configuration); load the model's weights first. The optimizer then continues exactly
+        as the one that saved it. Everything is checked before anything changes. The load
+        pre-hooks see the state dict as given, the post-hooks the optimizer restored."""
         if self._closed:
             raise Error("the optimizer is closed")
-        extra = state_dict.get("stallfree")
-        if extra is None:
-            raise Error("this state dict has no 'stallfree' entry: it was not written by "
-                        "ZenFlowAdamW.state_dict()")
-        if extra.get("version") != _STATE_VERSION:
-            raise Error("state dict version %r, this stallfree reads %d"
-                        % (extra.get("version"), _STATE_VERSION))
-        if extra["config"] != self._config:
-            diff = {k: (extra["config"].get(k), v) for k, v in self._config.items()
-                    if extra["config"].get(k) != v}
-            raise Error("the state dict was written with another configuration (saved, now): %s"
-                        % diff)
-        saved = extra["engines"]
-        if len(saved) != len(self._engines):
+        state_dict = state_dict.copy()
+        with _hooks_held(self, "_optimizer_load_state_dict_pre_hooks") as pre_hooks:
+            for hook in pre_hooks.values():
+                result = hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
+            saved, rest = self._saved_engines(state_dict)
+            with _hooks_held(self, "_optimizer_load_state_dict_post_hooks") as post_hooks:
+                super().load_state_dict(rest)
+                for gi, entry in enumerate(saved):
+                    if entry is not None:
+                        self._restore_engine(gi, *entry)
+        for hook in post_hooks.values():
+            hook(self)
+
+    def _saved_engines(self, state_dict):
+        """Checks `state_dict` against this optimizer; returns per group (engine bytes, daemon
+        bytes) or None, and the state dict without them (for torch's load_state_dict)."""
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict):
+            raise Error("this is not an optimizer state dict (no 'state' and 'param_groups')")
+        if len(groups) != len(self.param_groups):
             raise Error("the state dict has %d parameter groups, this optimizer %d"
-                        % (len(saved), len(self._engines)))
-        for gi, entry in enumerate(saved):
-            shapes = [list(p.shape) for _, p in self._members[gi]]
-            if (entry is None) != (self._engines[gi] is None) or (
-                    entry is not None and entry["shapes"] != shapes):
-                raise Error("param_groups[%d]: the state dict's parameters %s differ from this "
-                            "optimizer's %s" % (gi, entry and entry["shapes"], shapes))
-        rest = {k: v for k, v in state_dict.items() if k != "stallfree"}
-        super().load_state_dict(rest)
-        for gi, entry in enumerate(saved):
-            if entry is None:
+                        % (len(groups), len(self.param_groups)))
+        legacy = state_dict.get("stallfree")
+        state = dict(state_dict["state"])
+        saved = []
+        for gi, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
+            where = "param_groups[%d]" % gi
+            if len(theirs["params"]) != len(mine["params"]):
+                raise Error("%s: the state dict's group has %d parameters, this optimizer's %d"
+                            % (where, len(theirs["params"]), len(mine["params"])))
+            if "param_names" in theirs and "param_names" in mine and \
+                    list(theirs["param_names"]) != list(mine["param_names"]):
+                diff = next((i, a, b) for i, (a, b) in enumerate(
+                    zip(theirs["param_names"], mine["param_names"])) if a != b)
+                raise Error("%s: parameter %d is '%s' in the state dict but '%s' here: the "
+                            "state dict was saved for other parameters (or in another order)"
+                            % ((where,) + diff))
+            members = self._members[gi]
+            if legacy is not None:
+                entry = legacy["engines"][gi] if gi < len(legacy["engines"]) else None
+                meta = None if entry is None else {
+                    "version": legacy.get("version"), "config": legacy.get("config"),
+                    "shapes": entry["shapes"]}
+                blobs = None if entry is None else (entry["engine"], entry["daemon"])
+            else:
+                meta = blobs = None
+                for key in theirs["params"]:
+                    if _META_KEY in state.get(key, {}):
+                        entry = state[key]
+                        meta = json.loads(_tensor_bytes(entry[_META_KEY]).decode())
+                        blobs = (entry[_ENGINE_KEY], entry[_DAEMON_KEY])
+                        state[key] = {k: v for k, v in entry.items() if k not in _BLOB_KEYS}
+            if (meta is None) != (self._engines[gi] is None):
+                raise Error("%s: the state dict %s, this optimizer's group %s" % (
+                    where, "holds no ZenFlowAdamW engine state (was it written by "
+                    "ZenFlowAdamW.state_dict()?)" if meta is None else "holds an engine's state",
+                    "trains parameters" if meta is None else "has no trainable parameters"))
+            if meta is None:
+                saved.append(None)
                 continue
-            engine = self._engines[gi]
-            if engine.step_count != 0:  # restoring needs a fresh engine and session
-                engine.close()
-                members = self._members[gi]
-                engine = self._make_engine(gi, members, members[0][1].device)
-                self._engines[gi] = engine
-                self._hypers[gi] = _hyper_of(self.param_groups[gi])
-            engine.set_values([p.data_ptr() for _, p in self._members[gi]])
-            engine.restore(_tensor_bytes(entry["engine"]), _tensor_bytes(entry["daemon"]))
+            if meta.get("version") not in (1, _STATE_VERSION):
+                raise Error("%s: state dict version %r, this stallfree reads 1 and %d"
+                            % (where, meta.get("version"), _STATE_VERSION))
+            if meta["config"] != self._config:
+                diff = {k: (meta["config"].get(k), v) for k, v in self._config.items()
+                        if meta["config"].get(k) != v}
+                raise Error("the state dict was written with another configuration (saved, "
+                            "now): %s" % diff)
+            shapes = [list(p.shape) for _, p in members]
+            if meta["shapes"] != shapes:
+                raise Error("%s: the state dict's parameters %s differ from this optimizer's %s"
+                            % (where, meta["shapes"], shapes))
+            saved.append((_tensor_bytes(blobs[0]), _tensor_bytes(blobs[1])))
+        rest = {k: v for k, v in state_dict.items() if k != "stallfree"}
+        rest["state"] = state
+        return saved, rest
+
+    def _restore_engine(self, gi, state, daemon):
+        engine = self._engines[gi]
+        members = self._members[gi]
+        if engine.step_count != 0:  # restoring needs a fresh engine and session
+            engine.close()
+            engine = self._make_engine(gi, members, members[0][1].device, self._streams[gi])
+            self._engines[gi] = engine
+            self._hypers[gi] = _hyper_of(self.param_groups[gi])
+        with self._ordered(gi):
+            engine.set_values([p.data_ptr() for _, p in members])
+            engine.restore(state, daemon)
+        steps = torch.tensor(float(engine.step_count))
+        for _, p in members:  # a legacy state dict has no per-parameter entries
+            entry = self.state.setdefault(p, {})
+            if "step" not in entry:
+                entry["step"] = steps.clone()
 
     # --- lifetime ---------------------------------------------------------------------------
 
@@ -403,15 +554,56 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._config["mode"], len(self.param_groups), self.socket)
 
 
+def _name_pairs(params):
+    """torch takes (name, tensor) tuples as named parameters; [name, tensor] lists too here."""
+    if isinstance(params, torch.Tensor) or isinstance(params, (set, dict)):
+        return params  # torch's own error or a single group dict
+    out = []
+    for item in params:
+        if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str):
+            item = tuple(item)
+        elif isinstance(item, dict) and not isinstance(item.get("params"), torch.Tensor):
+            item = dict(item, params=_name_pairs(item["params"]))
+        out.append(item)
+    return out
+
+
+@contextlib.contextmanager
+def _hooks_held(opt, attr):
+    """Takes torch's hooks of `attr` off `opt` for the duration (yielding them), so that
+    ZenFlowAdamW runs them itself at the point where the state they see is whole."""
+    hooks = getattr(opt, attr)
+    setattr(opt, attr, collections.OrderedDict())
+    try:
+        yield hooks
+    finally:
+        setattr(opt, attr, hooks)
+
+
 def _check_hyper(lr, betas, eps, weight_decay, where):
-    if not lr >= 0.0:
-        raise ValueError("%slr: %r is not >= 0" % (where, lr))
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError("%sbetas: %r are not two values in [0, 1)" % (where, tuple(betas)))
-    if not eps > 0.0:
-        raise ValueError("%seps: %r is not > 0" % (where, eps))
-    if not weight_decay >= 0.0:
-        raise ValueError("%sweight_decay: %r is not >= 0" % (where, weight_decay))
+    """torch.optim.AdamW's checks (its messages, prefixed by `where`), and finiteness, which the
+    kernels need (torch accepts eps = inf)."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("%sTensor lr must be 1-element" % where)
+    if not 0.0 <= lr:
+        raise ValueError("%sInvalid learning rate: %s (lr must be >= 0)" % (where, lr))
+    if not 0.0 <= eps:
+        raise ValueError("%sInvalid epsilon value: %s (eps must be >= 0)" % (where, eps))
+    if len(betas) != 2:
+        raise ValueError("%sbetas: %r are not two values" % (where, tuple(betas)))
+    for i, b in enumerate(betas):
+        if isinstance(b, torch.Tensor) and b.numel() != 1:
+            raise ValueError("%sTensor betas[%d] must be 1-element" % (where, i))
+        if not 0.0 <= b < 1.0:
+            raise ValueError("%sInvalid beta parameter at index %d: %s (betas must be in [0, 1))"
+                             % (where, i, b))
+    if not 0.0 <= weight_decay:
+        raise ValueError("%sInvalid weight_decay value: %s (weight_decay must be >= 0)"
+                         % (where, weight_decay))
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if float(value) == float("inf"):
+            raise ValueError("%s%s: inf is not finite: stallfree's AdamW kernels take finite "
+                             "values only" % (where, name))
 
 
 def _bytes_tensor(data):

@@ -220,7 +220,9 @@ TEST(Daemon, BadRequestsGetTheirCodesAndTheDaemonKeepsServing) {
   bad.set_beta1(1.0);
   EXPECT_EQ(s.Update(1, bad, 0).code(), Code::kInvalidArgument);
   bad = h;
-  bad.set_eps(0);
+  bad.set_eps(-1e-8);
+  EXPECT_EQ(s.Update(1, bad, 0).code(), Code::kInvalidArgument);
+  bad.set_eps(std::numeric_limits<double>::infinity());
   EXPECT_EQ(s.Update(1, bad, 0).code(), Code::kInvalidArgument);
   EXPECT_EQ(s.Update(0, h, 0).code(), Code::kInvalidArgument);
   EXPECT_EQ(s.Update(1, h, 3).code(), Code::kInvalidArgument);

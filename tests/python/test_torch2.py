@@ -1,0 +1,406 @@
+"""ZenFlowAdamW under torch 2.x: what torch's own machinery does with an optimizer.
+
+- torch.load(weights_only=True) (torch 2.6's default, Hugging Face's resume) loads its state
+  dict, before the first step and mid-round, and the run continues bit for bit;
+- torch.distributed.checkpoint.state_dict's get_/set_optimizer_state_dict round trip neither
+  steps the optimizer (its _init_optim_state runs a zero-gradient step on an empty
+  optimizer.state) nor drops the engine's and the daemon's part;
+- optimizer.state holds each parameter's step count, as torch.optim.AdamW's does;
+- param_names (torch 2.6) are kept, also by add_param_group, and checked on load;
+- add_param_group and step() are all or nothing;
+- hyper-parameters are accepted and refused as torch.optim.AdamW does (inf aside), and the
+  accepted edge values (eps = 0, lr = 0, betas 0) compute what torch computes;
+- the state-dict hooks see the whole state; a Tensor lr works;
+- DTensor and other tensor subclasses are refused naming the parameter;
+- on CUDA, a step runs in the order of the stream current at that step.
+"""
+import io
+import json
+
+import pytest
+import torch
+
+import models
+import stallfree
+from conftest import run_python
+from stallfree.torch import ZenFlowAdamW
+
+FP32 = dict(grad_dtype="fp32", param_dtype="fp32")
+# Rounds with an asynchronous daemon Update and a reselection (no warm-up: rounds at once).
+ZENFLOW = dict(mode="zenflow", update_interval=4, select_interval=8, topk_ratio=0.1,
+               warmup_steps=0)
+EXACT = dict(mode="zenflow", topk_ratio=0.25, update_interval=1, select_interval=2,
+             await_updates=True, warmup_steps=0, **FP32)
+STEPS = 14
+SAVE_AT = 6  # mid-round: round 1's Update pending, round 2 has pushed 2 of 4 gradients
+
+
+def factory(daemon, **config):
+    socket = None if config.get("mode") == "no-offload" else daemon.socket
+    return lambda groups: ZenFlowAdamW(groups, socket=socket, **config)
+
+
+def assert_same_run(run, ref, what):
+    assert run.losses == ref.losses, (what, run.losses, ref.losses)
+    for name in ref.params:
+        assert torch.equal(run.params[name], ref.params[name]), (what, name)
+
+
+def save_at(step_to_save, into):
+    def after_step(step, model, opt, extra):
+        if step == step_to_save:
+            into["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+            buf = io.BytesIO()
+            torch.save(opt.state_dict(), buf)
+            into["opt_bytes"] = buf.getvalue()
+            into["sched"] = extra["sched"].state_dict()
+    return after_step
+
+
+def resume_from(saved, load):
+    def setup(model, opt, sched):
+        model.load_state_dict(saved["model"])
+        load(model, opt)
+        sched.load_state_dict(saved["sched"])
+    return setup
+
+
+@pytest.mark.parametrize("mode", ["no-offload", "sync-offload", "zenflow"])
+@pytest.mark.parametrize("save_step", [0, SAVE_AT], ids=["before-step-1", "mid-round"])
+def test_weights_only_load_continues_exactly(mode, save_step, daemon):
+    config = dict(ZENFLOW, mode=mode) if mode == "zenflow" else dict(mode=mode, **FP32)
+    ref = models.train(factory(daemon, **config), STEPS, seed=1)
+    saved = {}
+    if save_step == 0:
+        model = models.make_model(1)
+        opt = factory(daemon, **config)(models.param_groups(model))
+        sched = models.make_scheduler(opt, STEPS)
+        save_at(0, saved)(0, model, opt, {"sched": sched})
+        opt.close()
+    else:
+        models.train(factory(daemon, **config), STEPS, seed=1,
+                     after_step=save_at(save_step, saved))
+    # Only tensors, dicts, lists, strings and numbers: the weights-only unpickler's types.
+    sd = torch.load(io.BytesIO(saved["opt_bytes"]), weights_only=True)
+    first = sd["state"][0]
+    assert first["zenflow_engine"].dtype == torch.uint8
+    meta = json.loads(bytes(first["zenflow_meta"].tolist()).decode())
+    assert meta["config"]["mode"] == mode and meta["version"] == 2
+    if mode != "no-offload" and save_step > 0:
+        assert first["zenflow_daemon"].numel() > 0  # the daemon's part travels
+    run = models.train(factory(daemon, **config), STEPS, seed=1, start=save_step + 1,
+                       setup=resume_from(saved, lambda m, o: o.load_state_dict(sd)))
+    assert run.losses == ref.losses[save_step:]
+    for name in ref.params:
+        assert torch.equal(run.params[name], ref.params[name]), name
+
+
+def test_distributed_checkpoint_round_trip_neither_steps_nor_drops_the_daemon(daemon):
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    ref = models.train(factory(daemon, **ZENFLOW), STEPS, seed=2)
+    saved = {}
+
+    def save_with_dcp(step, model, opt, extra):
+        if step == SAVE_AT:
+            before = models.snapshot(model)
+            steps_before = [e.step_count for e in opt._engines if e is not None]
+            osd = get_optimizer_state_dict(model, opt)
+            # Nothing stepped: the parameters and the engines' step counts are unchanged, and no
+            # zero gradient was left behind.
+            assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+            assert [e.step_count for e in opt._engines if e is not None] == steps_before
+            assert all(p.grad is not None for p in model.parameters())
+            # Keyed by name, with the engine's and the daemon's part of both groups.
+            blobs = [k for k, v in osd["state"].items() if "zenflow_daemon" in v]
+            assert blobs == ["emb.weight", "norm.weight"], blobs
+            assert osd["state"]["emb.weight"]["zenflow_daemon"].numel() > 0
+            saved["osd"] = osd
+            saved["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+            saved["sched"] = extra["sched"].state_dict()
+
+    models.train(factory(daemon, **ZENFLOW), STEPS, seed=2, after_step=save_with_dcp)
+
+    def load(model, opt):
+        set_optimizer_state_dict(model, opt, saved["osd"])
+        assert [e.step_count for e in opt._engines] == [SAVE_AT, SAVE_AT]
+
+    run = models.train(factory(daemon, **ZENFLOW), STEPS, seed=2, start=SAVE_AT + 1,
+                       setup=resume_from(saved, load))
+    assert run.losses == ref.losses[SAVE_AT:]
+    for name in ref.params:
+        assert torch.equal(run.params[name], ref.params[name]), name
+
+
+@pytest.mark.parametrize("mode", ["no-offload", "zenflow"])
+def test_state_holds_each_parameters_step_like_adamw(mode, daemon):
+    """optimizer.state is never empty and counts each parameter's steps as torch's AdamW does
+    (a step where its .grad is None does not count)."""
+    config = EXACT if mode == "zenflow" else dict(mode=mode, **FP32)
+
+    def drop(step, model, opt):
+        if step in (2, 5):
+            model.up.weight.grad = None
+
+    counts = {}
+
+    def record(step, model, opt, extra):
+        counts.setdefault(type(opt).__name__, {})[step] = {
+            n: float(opt.state[p]["step"]) for n, p in model.named_parameters()}
+
+    model = models.make_model(0)
+    opt = factory(daemon, **config)(models.param_groups(model))
+    assert set(opt.state) == set(model.parameters())  # before any step
+    assert all(float(s["step"]) == 0 for s in opt.state.values())
+    opt.close()
+    models.train(factory(daemon, **config), 6, before_step=drop, after_step=record)
+    models.train(models.adamw_factory(), 6, before_step=drop, after_step=record)
+    assert counts["ZenFlowAdamW"] == counts["AdamW"]
+    assert counts["AdamW"][6]["up.weight"] == 4.0
+
+
+def test_param_names_kept_and_checked_on_load(daemon):
+    model = models.make_model(0)
+    groups = models.param_groups(model, named=True)
+    opt = ZenFlowAdamW(groups[:1], socket=daemon.socket, **EXACT)
+    try:
+        opt.add_param_group(groups[1])  # named, through add_param_group
+        assert opt.param_groups[0]["param_names"] == ["emb.weight", "up.weight", "down.weight"]
+        assert opt.param_groups[1]["param_names"] == ["norm.weight", "norm.bias", "up.bias"]
+        models.plain_steps(model, opt, 2)
+        sd = opt.state_dict()
+        assert sd["param_groups"][1]["param_names"] == opt.param_groups[1]["param_names"]
+    finally:
+        opt.close()
+    # Another model whose second group lists the same shapes under other names.
+    other = models.make_model(0)
+    g = models.param_groups(other, named=True)
+    g[1]["params"] = [g[1]["params"][1], g[1]["params"][0], g[1]["params"][2]]
+    with ZenFlowAdamW(g, socket=daemon.socket, **EXACT) as opt2:
+        before = [e.step_count for e in opt2._engines]
+        with pytest.raises(stallfree.Error) as err:
+            opt2.load_state_dict(sd)
+        msg = str(err.value)
+        assert "param_groups[1]" in msg and "'norm.weight'" in msg and "'norm.bias'" in msg, msg
+        assert opt2.param_groups[1]["param_names"] == ["norm.bias", "norm.weight", "up.bias"]
+        assert [e.step_count for e in opt2._engines] == before
+
+
+def test_add_param_group_is_all_or_nothing(daemon):
+    model = models.make_model(0)
+    groups = models.param_groups(model)
+    ref_model = models.make_model(0)
+    ref = torch.optim.AdamW(models.param_groups(ref_model)[:1], betas=(0.9, 0.999), eps=1e-8)
+    opt = ZenFlowAdamW(groups[:1], socket=daemon.socket, **EXACT)
+    try:
+        bad_bf16 = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
+        for bad, error in [
+                (dict(groups[1], params=groups[1]["params"] + [bad_bf16]), stallfree.Error),
+                (dict(groups[1], lr=-1.0), ValueError),
+                (dict(groups[1], params=[model.emb.weight]), ValueError)]:  # already in group 0
+            with pytest.raises(error):
+                opt.add_param_group(bad)
+            assert len(opt.param_groups) == 1 and len(opt._engines) == 1
+            assert set(opt.state) == set(groups[0]["params"])
+        # Still whole: it trains group 0 as AdamW does.
+        for step in range(1, 4):
+            for o, m in ((opt, model), (ref, ref_model)):
+                o.zero_grad(set_to_none=True)
+                models.loss_fn(m, models.batch(0, step)).backward()
+                o.step()
+        for (n, a), b in zip(model.named_parameters(), ref_model.parameters()):
+            assert (a - b).abs().max().item() <= models.PARAM_ATOL, n
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("mode", ["no-offload", "zenflow"])
+def test_step_is_all_or_nothing(mode, daemon):
+    """Group 1 has a bad gradient: the step is refused before group 0's engine steps."""
+    config = EXACT if mode == "zenflow" else dict(mode=mode, **FP32)
+    model = models.make_model(0)
+    opt = factory(daemon, **config)(models.param_groups(model))
+    try:
+        models.plain_steps(model, opt, 1)
+        before = models.snapshot(model)
+        opt.zero_grad(set_to_none=True)
+        models.loss_fn(model, models.batch(0, 2)).backward()
+        model.norm.bias.grad = model.norm.bias.grad.to_sparse()
+        with pytest.raises(stallfree.Error) as err:
+            opt.step()
+        assert "norm.bias" in str(err.value) or "param_groups[1]" in str(err.value)
+        for name, p in model.named_parameters():
+            assert torch.equal(p, before[name]), name
+        assert [e.step_count for e in opt._engines] == [1, 1]
+        assert all(float(s["step"]) == 1 for s in opt.state.values())
+    finally:
+        opt.close()
+
+
+HYPER_CASES = [
+    dict(lr=-1e-3), dict(lr=float("nan")), dict(eps=-1e-8), dict(eps=float("nan")),
+    dict(betas=(1.0, 0.999)), dict(betas=(0.9, 1.0)), dict(betas=(-0.1, 0.999)),
+    dict(weight_decay=-0.1), dict(lr=torch.tensor([1e-3, 1e-3])),
+    dict(lr=0.0), dict(eps=0.0), dict(betas=(0.0, 0.0)), dict(weight_decay=0.0),
+    dict(lr=torch.tensor(1e-3)), dict(betas=(0.0, 0.999)),
+]
+
+
+@pytest.mark.parametrize("kwargs", HYPER_CASES, ids=[str(k) for k in HYPER_CASES])
+def test_hyperparameters_accepted_and_refused_as_torch_adamw(kwargs, daemon):
+    model = models.make_model(0)
+
+    def outcome(make):
+        try:
+            opt = make()
+        except ValueError as e:
+            return e
+        if hasattr(opt, "close"):
+            opt.close()
+        return None
+
+    torch_error = outcome(lambda: torch.optim.AdamW(model.parameters(), foreach=False, **kwargs))
+    ours = outcome(lambda: ZenFlowAdamW(model.parameters(), socket=daemon.socket, **kwargs))
+    assert (torch_error is None) == (ours is None), (kwargs, torch_error, ours)
+    if ours is not None:  # the same words as torch's, plus the argument's name
+        assert str(torch_error).split(":")[0] in str(ours), (str(torch_error), str(ours))
+
+
+@pytest.mark.parametrize("edge", [dict(eps=0.0), dict(lr=0.0), dict(betas=(0.0, 0.0))],
+                         ids=["eps=0", "lr=0", "betas=0"])
+def test_accepted_edge_values_compute_what_torch_computes(edge, daemon):
+    """The edge values torch.optim.AdamW accepts give its result (eps = 0: a parameter with a
+    zero moment becomes 0/0 = NaN in both; compared with NaN equal to NaN)."""
+    def run(make):
+        model = models.make_model(0)
+        opt = make(model.parameters())
+        models.plain_steps(model, opt, 3)
+        if hasattr(opt, "close"):
+            opt.close()
+        return models.snapshot(model)
+
+    kw = dict(dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1), **edge)
+    ref = run(lambda ps: torch.optim.AdamW(ps, foreach=False, **kw))
+    for mode in ("no-offload", "sync-offload"):
+        got = run(lambda ps: ZenFlowAdamW(ps, socket=daemon.socket, mode=mode, **FP32, **kw))
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], rtol=0, atol=models.PARAM_ATOL,
+                                       equal_nan=True, msg=lambda m: f"{mode} {name}: {m}")
+    if "eps" in edge:  # the embedding rows no token hit have m = v = 0
+        assert torch.isnan(ref["emb.weight"]).any()
+
+
+def test_tensor_lr_equals_float_lr(daemon):
+    def groups_with(lr_type):
+        def make(groups):
+            for g in groups:
+                g["lr"] = lr_type(g["lr"])
+            return ZenFlowAdamW(groups, socket=daemon.socket, **EXACT)
+        return make
+
+    # float64, so that the scheduler's lr (written into the tensor by fill_) is the float's.
+    as_float = models.train(groups_with(float), 6)
+    as_tensor = models.train(groups_with(lambda lr: torch.tensor(lr, dtype=torch.float64)), 6)
+    assert_same_run(as_tensor, as_float, "Tensor lr")
+
+
+def test_state_dict_hooks_see_the_whole_state(daemon):
+    model = models.make_model(0)
+    opt = ZenFlowAdamW(models.param_groups(model), socket=daemon.socket, **ZENFLOW)
+    seen = {}
+    try:
+        models.plain_steps(model, opt, SAVE_AT)
+        def post(o, sd):
+            seen["post"] = sorted(sd["state"][0])
+
+        opt.register_state_dict_post_hook(post)
+        sd = opt.state_dict()
+        assert seen["post"] == ["step", "zenflow_daemon", "zenflow_engine", "zenflow_meta"]
+
+        def pre(o, sd):
+            seen["pre"] = sorted(sd["state"][0])
+            sd = dict(sd, param_groups=[dict(g, lr=g["lr"] * 2) for g in sd["param_groups"]])
+            return sd  # a pre-hook may hand on a changed state dict
+
+        model2 = models.make_model(0)
+        model2.load_state_dict(model.state_dict())
+        opt2 = ZenFlowAdamW(models.param_groups(model2), socket=daemon.socket, **ZENFLOW)
+        opt2.register_load_state_dict_pre_hook(pre)
+        def loaded(o):
+            seen["loaded"] = [e.step_count for e in o._engines]
+
+        opt2.register_load_state_dict_post_hook(loaded)
+        opt2.load_state_dict(sd)
+        assert seen["pre"] == ["step", "zenflow_daemon", "zenflow_engine", "zenflow_meta"]
+        assert seen["loaded"] == [SAVE_AT, SAVE_AT]  # the post-hook sees the restored engines
+        assert opt2.param_groups[0]["lr"] == 2 * sd["param_groups"][0]["lr"]
+        assert sorted(opt2.state[model2.emb.weight]) == ["step"]  # no blobs in the live state
+        opt2.close()
+    finally:
+        opt.close()
+
+
+SUBCLASS_CHILD = r"""
+import os, sys, tempfile
+import torch, torch.distributed as dist
+import stallfree
+from stallfree.torch import ZenFlowAdamW
+from torch.distributed.tensor import DeviceMesh, distribute_tensor, Shard
+
+class Traced(torch.Tensor):
+    pass
+
+init = "file://" + os.path.join(tempfile.mkdtemp(), "pg")
+dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+mesh = DeviceMesh("cpu", [0])
+for name, p in [
+        ("sharded.weight", torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))),
+        ("traced.weight", torch.Tensor._make_subclass(Traced, torch.randn(8, 4), True))]:
+    plain = torch.nn.Parameter(torch.randn(4))
+    try:
+        ZenFlowAdamW([("plain.bias", plain), (name, p)], mode="no-offload")
+        print("ACCEPTED", name)
+    except stallfree.Error as e:
+        print("ERROR", type(p).__name__, str(e))
+dist.destroy_process_group()
+"""
+
+
+def test_dtensor_and_subclasses_are_refused_naming_the_parameter():
+    out = [line for line in run_python(SUBCLASS_CHILD).stdout.splitlines()
+           if line.startswith(("ERROR", "ACCEPTED"))]
+    assert len(out) == 2, out
+    assert out[0].startswith("ERROR DTensor parameter 'sharded.weight'"), out[0]
+    assert "DTensor (FSDP2 or tensor parallelism)" in out[0], out[0]
+    assert out[1].startswith("ERROR Traced parameter 'traced.weight'"), out[1]
+    assert "tensor subclass" in out[1], out[1]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and stallfree.cuda_enabled),
+                    reason="needs a CUDA device and the package built with --config=cuda")
+@pytest.mark.parametrize("mode", ["no-offload", "zenflow"])
+def test_step_follows_the_current_cuda_stream(mode, daemon):
+    """The forward, backward and step on a side stream (torch.cuda.stream), the optimizer
+    built on the default one: the result equals torch's AdamW on the same stream."""
+    config = EXACT if mode == "zenflow" else dict(mode=mode, **FP32)
+
+    def run(make):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64).cuda()
+        opt = make(model.parameters())
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            for step in range(4):
+                x = torch.randn(256, 64, device="cuda")
+                opt.zero_grad(set_to_none=True)
+                (model(x) ** 2).mean().backward()
+                opt.step()
+                model.weight.mul_(1.0)  # queued on the side stream right after the step
+        torch.cuda.synchronize()
+        if hasattr(opt, "close"):
+            opt.close()
+        return model.weight.detach().cpu()
+
+    ref = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
+    got = run(lambda ps: ZenFlowAdamW(ps, lr=1e-2, socket=daemon.socket, **config))
+    assert (got - ref).abs().max().item() <= models.PARAM_ATOL
