@@ -30,7 +30,7 @@ ASAN_FLAGS := --config=asan \
 TSAN_FLAGS := --config=tsan \
   --test_env=TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$(CURDIR)/tests/sanitizers/tsan.supp
 
-.PHONY: deps apt-deps venv build test test-tsan demo bench gpu-check clean
+.PHONY: deps apt-deps venv build wheel test test-tsan demo bench gpu-check clean
 
 deps: apt-deps venv
 
@@ -57,6 +57,16 @@ venv: apt-deps
 
 build: deps
 	$(BAZEL) build //:stallfreed //:stallfreectl //...
+
+# dist/stallfree-<version>-cp311-cp311-linux_x86_64.whl: the package of //python:stallfree_package
+# (sources, extension, stallfreed, stallfreectl) as a wheel, written by python/build_wheel.py
+# (//python:wheel). `pip install` it into any Debian 12 python3.11 environment; it needs the
+# system libraries of `make apt-deps` at run time, not the venv.
+wheel: apt-deps
+	$(BAZEL) build //python:wheel
+	@mkdir -p dist && rm -f dist/stallfree-*.whl && \
+	  cp bazel-bin/python/wheel/stallfree-*.whl dist/ && chmod 644 dist/stallfree-*.whl && \
+	  ls -l dist/stallfree-*.whl
 
 # The sanitizer run comes first: bazel-bin points at the last configuration built, and users
 # expect the plain one there after make test.

@@ -1,9 +1,9 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """zenflow_variants: ZenFlow's algorithm and variants of it, in plain PyTorch, against
 torch.optim.AdamW on the same model, data and seed: the experiments behind the engine's cold
 warm-up and the causes of ZenFlow's own loss spikes (README, "Known behaviour").
 
-    /usr/bin/python3 bench/zenflow_variants.py [--steps 200] [--lr 3e-3] [--beta2 0.95] \\
+    .venv/bin/python bench/zenflow_variants.py [--steps 200] [--lr 3e-3] [--beta2 0.95] \\
         [--seeds 1,2,3] [--variants "NAME;..."]
 
 The model is examples/torch_gpt.py's GPT (4 layers, d_model 128, 0.87M parameters, 8 x 64 bytes a

@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """A small GPT in plain torch.nn, trained with stallfree's ZenFlowAdamW (or torch's AdamW).
 
-    PYTHONPATH=bazel-bin/python /usr/bin/python3 examples/torch_gpt.py --steps 20
+    PYTHONPATH=bazel-bin/python .venv/bin/python examples/torch_gpt.py --steps 20
     ... examples/torch_gpt.py --mode sync-offload --data my_corpus.txt --steps 500
     ... examples/torch_gpt.py --mode torch          # plain torch.optim.AdamW, the reference
 

@@ -11,19 +11,31 @@ import weakref
 
 from . import _stallfree
 from ._stallfree import Error
+from ._syslibs import missing_library_hint
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def stallfreed_path():
-    """The stallfreed binary: $STALLFREE_STALLFREED, else the one shipped in this package."""
-    path = os.environ.get("STALLFREE_STALLFREED") or os.path.join(_HERE, "stallfreed")
+def _shipped(name, env):
+    """The binary `name`: $`env` if set, else the one shipped next to this module (in the
+    wheel, and in bazel-bin/python/stallfree/)."""
+    path = os.environ.get(env) or os.path.join(_HERE, name)
     if not os.access(path, os.X_OK):
         raise Error(
-            "no stallfreed binary at %s: build the package with `bazel build "
-            "//python:stallfree_package` (it ships the daemon), or set STALLFREE_STALLFREED to "
-            "a stallfreed binary" % path)
+            "no %s binary at %s: install the stallfree wheel (`make wheel` builds it; it ships "
+            "stallfreed and stallfreectl), or build the package with `bazel build "
+            "//python:stallfree_package`, or set %s to a %s binary" % (name, path, env, name))
     return path
+
+
+def stallfreed_path():
+    """The stallfreed binary: $STALLFREE_STALLFREED, else the one shipped in this package."""
+    return _shipped("stallfreed", "STALLFREE_STALLFREED")
+
+
+def stallfreectl_path():
+    """The stallfreectl binary: $STALLFREE_STALLFREECTL, else the one shipped in this package."""
+    return _shipped("stallfreectl", "STALLFREE_STALLFREECTL")
 
 
 def default_socket():
@@ -75,8 +87,10 @@ class Daemon:
             if self._proc.poll() is not None:
                 why = self._log_tail()
                 self._cleanup()
-                raise Error("stallfreed exited with code %d while starting (socket %s): %s"
-                            % (self._proc.returncode, self.socket, why))
+                hint = missing_library_hint(why)  # e.g. libcivetweb1, which only it needs
+                raise Error("stallfreed exited with code %d while starting (socket %s): %s%s"
+                            % (self._proc.returncode, self.socket, why,
+                               "\n" + hint if hint else ""))
             if os.path.exists(self.socket):
                 try:
                     if _stallfree.Client(self.socket, 500).health() == "SERVING":

@@ -12,6 +12,7 @@ or newer (torch 2.6's param_names and weights_only loading included).
 import atexit
 import collections
 import contextlib
+import ctypes
 import json
 import os
 import sys
@@ -621,7 +622,8 @@ def _tensor_bytes(t):
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
         raise Error("the state dict's engine state is %r, not a 1-D uint8 tensor written by "
                     "ZenFlowAdamW.state_dict()" % (type(t).__name__,))
-    return t.detach().cpu().contiguous().numpy().tobytes()
+    t = t.detach().cpu().contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
 
 
 def _hyper_of(group):

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """deploy/Containerfile and deploy/kubernetes/stallfreed-daemonset.yaml against the daemon they
 deploy (run from the runfiles root): both parse, every flag they pass is one stallfreed knows,
 and they agree with each other and with it on the socket path, the metrics port, the state

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """stallfreed's Prometheus endpoint against the real tools (run from the runfiles root):
 
 1. a daemon with --metrics_address 127.0.0.1:0 serves /metrics; `promtool check metrics` finds
