@@ -175,7 +175,7 @@ run torch_tests 150 bash -c 'if ! "$0" -c "import torch, sys; sys.exit(not torch
   echo "SKIP: $0 sees no CUDA device"; exit 0; fi
   STALLFREE_TEST_DEVICE=cuda exec "$0" -m pytest -q -p no:cacheprovider \
   tests/python/test_adamw_equivalence.py tests/python/test_errors.py \
-  tests/python/test_state_dict.py' "$PY"
+  tests/python/test_state_dict.py tests/python/test_torch2.py' "$PY"
 run hf_causal_lm 90 "$PY" tests/python/hf_causal_lm.py
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
