@@ -1,8 +1,8 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """torch_bench: stallfree's PyTorch front-end (stallfree.torch.ZenFlowAdamW) against torch's AdamW.
 
-    PYTHONPATH=bazel-bin/python /usr/bin/python3 bench/torch_bench.py --quick     # < 90 s here
-    PYTHONPATH=bazel-bin/python /usr/bin/python3 bench/torch_bench.py [--part 1|2] [--steps N]
+    PYTHONPATH=bazel-bin/python .venv/bin/python bench/torch_bench.py --quick   # about 2 min here
+    PYTHONPATH=bazel-bin/python .venv/bin/python bench/torch_bench.py [--part 1|2|3] [--steps N]
 
 A benchmark, not a test: it prints what it measured, whatever it is. One private stallfreed
 (stallfree.Daemon) serves the whole run, started before anything is timed; every optimizer is
@@ -30,6 +30,24 @@ work (zenflow's asynchronous daemon Update and pushes) does not land in another'
 figure is the median step. zenflow's step is the time the trainer is blocked; its deferred work
 runs in the daemon in the background (measured here with nothing else to overlap it). The fp32
 sync-offload run also checks its parameters against torch's AdamW after the same steps.
+
+Part 3 (bench/deepspeed_compare.py): DeepSpeed side by side, on part 2's weights and gradients in
+the same run. DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) and its cpu_adam op, JIT-built by
+DeepSpeed itself on first use (75-90 s here, then cached in TORCH_EXTENSIONS_DIR or
+~/.cache/torch_extensions; printed apart from every timing; the engine try below builds DeepSpeed's
+shm_comm op the same way, about 60 s once). After 2 untimed steps each, in alternation (the order
+rotated every round) with medians: DeepSpeedCPUAdam (fp32, adamw_mode=True, OpenMP on as many
+threads as stallfreed has workers), ZenFlowCPUAdam (overlap_step=False), DeepSpeed's ZenFlow
+optimizer process (overlap_step=True: zenflow_optimizer_process spawned as start_optimizer_process
+does, its pool on all cores; submit to done, and with the gradient and parameter copies around it),
+ZenFlowAdamW sync-offload fp32 (the whole step with its shared-memory copies, and the daemon's own
+AdamW time from `stallfreectl stats`; stallfreed's oneTBB workers on all cores), and
+ZenFlowSelectiveAdamW on the top 10% columns against ZenFlowAdamW zenflow's hot-column update.
+FIGURE daemon_adamw_vs_deepspeed_cpu_adam is the daemon's AdamW elements/s over DeepSpeedCPUAdam's.
+Every full-AdamW result is checked against torch.optim.AdamW after the same steps (max |difference|
+printed; over 1e-4 the run fails). Then a subprocess tries DeepSpeed's whole ZenFlow engine
+(deepspeed.initialize, ZeRO-2 and ZeRO-3 with offload_optimizer cpu and zenflow) on the CPU and
+prints what runs and, for what does not, the exception and DeepSpeed's line that raised it.
 
 Every figure is printed as `FIGURE <name> <value> <unit>`.
 """
@@ -70,6 +88,15 @@ def import_example():
     spec = importlib.util.spec_from_file_location("torch_gpt", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["torch_gpt"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def import_deepspeed_compare():
+    path = HERE / "deepspeed_compare.py"
+    spec = importlib.util.spec_from_file_location("deepspeed_compare", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["deepspeed_compare"] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -257,11 +284,17 @@ def part2(args, sf, socket):
 def main():
     p = argparse.ArgumentParser(
         description="ZenFlowAdamW (stallfree.torch) against torch.optim.AdamW: a small GPT "
-                    "trained in every mode (part 1) and the optimizer step alone on >= 20M "
-                    "parameters (part 2). Prints FIGURE lines.",
+                    "trained in every mode (part 1), the optimizer step alone on >= 20M "
+                    "parameters (part 2), and DeepSpeed side by side on the same tensors "
+                    "(part 3: DeepSpeedCPUAdam, ZenFlowCPUAdam, DeepSpeed's ZenFlow optimizer "
+                    "process and ZenFlowSelectiveAdamW against the daemon's AdamW, checked "
+                    "against torch's AdamW; then DeepSpeed's ZenFlow engine tried on the CPU). "
+                    "Prints FIGURE lines.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer steps (within 90 s on 2 cores)")
-    p.add_argument("--part", choices=("all", "1", "2"), default="all", help="which part to run")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer steps (about 2 min on 2 cores, DeepSpeed's ops built)")
+    p.add_argument("--part", choices=("all", "1", "2", "3"), default="all",
+                   help="which part to run (3: DeepSpeed side by side)")
     p.add_argument("--steps", type=int, default=0, help="part 1 steps per run (0: 60 quick, 300)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d_model", type=int, default=128)
@@ -270,14 +303,23 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--opt_weights", type=int, default=5, help="part 2: number of weights")
-    p.add_argument("--opt_rows", type=int, default=2048, help="part 2: rows of each weight")
-    p.add_argument("--opt_cols", type=int, default=2048, help="part 2: columns of each weight")
+    p.add_argument("--opt_weights", type=int, default=5, help="parts 2 and 3: number of weights")
+    p.add_argument("--opt_rows", type=int, default=2048, help="parts 2 and 3: rows of each weight")
+    p.add_argument("--opt_cols", type=int, default=2048,
+                   help="parts 2 and 3: columns of each weight")
     p.add_argument("--opt_steps", type=int, default=0,
                    help="part 2: timed steps per optimizer (0: 12 quick, 24)")
     p.add_argument("--pause", type=float, default=0.05,
-                   help="part 2: seconds of idle before each timed step")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+                   help="parts 2 and 3: seconds of idle before each timed step")
+    p.add_argument("--ds_steps", type=int, default=0,
+                   help="part 3: timed steps per optimizer (0: 12 quick, 24)")
+    p.add_argument("--ds_settle", type=float, default=0.25,
+                   help="part 3: seconds after a zenflow round boundary (its daemon Update)")
+    p.add_argument("--ds_skip_engine", action="store_true",
+                   help="part 3: do not try DeepSpeed's ZenFlow engine (deepspeed.initialize)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch.set_num_threads (part 3 sets DeepSpeed's OpenMP and torch's threads "
+                        "to the daemon's workers instead)")
     p.add_argument("--daemon_threads", type=int, default=0,
                    help="stallfreed's optimizer workers (0: all cores)")
     p.add_argument("--out_dir", default="/tmp/stallfree-torch-bench",
@@ -298,6 +340,8 @@ def main():
             part1(args, sf, tg, daemon.socket)
         if args.part in ("all", "2"):
             part2(args, sf, daemon.socket)
+        if args.part in ("all", "3"):
+            import_deepspeed_compare().part3(args, sf, daemon.socket, figure, make_params)
     print(f"\ntorch_bench: {time.perf_counter() - t_start:.1f} s", flush=True)
 
 
