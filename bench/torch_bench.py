@@ -66,22 +66,6 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 
 
-def import_stallfree():
-    try:
-        import stallfree
-        import stallfree.torch  # noqa: F401
-    except ImportError:
-        path = str(REPO_ROOT / "bazel-bin" / "python")
-        sys.path.insert(0, path)
-        try:
-            import stallfree
-            import stallfree.torch  # noqa: F401
-        except ImportError as e:
-            raise SystemExit(f"torch_bench: cannot import stallfree ({e}); build it first "
-                             f"(bazel build //python/...) or set PYTHONPATH={path}") from e
-    return stallfree
-
-
 def import_example():
     sys.dont_write_bytecode = True  # no __pycache__ in examples/
     path = REPO_ROOT / "examples" / "torch_gpt.py"
@@ -328,8 +312,8 @@ def main():
 
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
-    sf = import_stallfree()
     tg = import_example()
+    sf = tg.import_stallfree()  # the example's: installed, else <repo>/bazel-bin/python
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"torch_bench: torch {torch.__version__}, {args.threads} torch threads, "
           f"{os.cpu_count()} cores, stallfree from {os.path.dirname(sf.__file__)}", flush=True)

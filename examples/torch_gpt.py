@@ -74,8 +74,8 @@ def import_stallfree():
             import stallfree.torch  # noqa: F401
         except ImportError as e:
             raise SystemExit(
-                f"cannot import stallfree ({e}); build it (bazel build //python/...) and run with "
-                f"PYTHONPATH={path}") from e
+                f"cannot import stallfree ({e}); install it (pip install stallfree-*.whl) or build "
+                f"it (bazel build //python/...) and run with PYTHONPATH={path}") from e
     return stallfree
 
 

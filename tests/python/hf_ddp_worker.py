@@ -1,0 +1,38 @@
+"""One rank of test_hf_torchrun.py, started by `python -m torch.distributed.run
+--nproc_per_node 2 hf_ddp_worker.py SOCKET OUT_DIR STEPS RUNS_JSON`: for each run of RUNS_JSON
+({name: [optimizer, config]}) a Trainer run (hf_models.train) of the tiny Llama with
+per_device_train_batch_size BATCH / WORLD and ddp_backend="gloo" (the Trainer wraps the model in
+DistributedDataParallel itself), every ZenFlowAdamW of both ranks on the one stallfreed at
+SOCKET (TrainingArguments, made first, initialise torch.distributed, so each optimizer opens its
+sessions as its own rank). Saves rank r's results to OUT_DIR/<name>-rank<r>.pt.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import hf_models
+
+
+def main():
+    socket, out_dir = sys.argv[1], sys.argv[2]
+    steps, runs = int(sys.argv[3]), json.loads(sys.argv[4])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    for name, (optimizer, config) in runs.items():
+        if config is not None:
+            config = dict(config, socket=socket)
+        result = hf_models.train("llama", optimizer, config, max_steps=steps,
+                                 out_dir=os.path.join(out_dir, name),
+                                 per_device_batch=hf_models.BATCH // world, ddp_backend="gloo",
+                                 ddp_find_unused_parameters=False)
+        assert dist.is_initialized() and dist.get_world_size() == world
+        result["world"] = world
+        torch.save(result, os.path.join(out_dir, f"{name}-rank{rank}.pt"))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

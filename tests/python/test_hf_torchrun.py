@@ -1,0 +1,137 @@
+"""ZenFlowAdamW under `torchrun --nproc_per_node 2` with transformers' Trainer: DDP over gloo
+on CPU (the Trainer wraps the model itself), both ranks' optimizers on one stallfreed.
+
+`python -m torch.distributed.run --nproc_per_node 2 hf_ddp_worker.py` trains the tiny Llama of
+test_hf_trainer.py for STEPS = 30 with per_device_train_batch_size 4 (global batch 8, the
+accelerate-sharded shuffle of the same seed: step k of the DDP run sees the 8 samples that
+step k of a one-process run with batch 8 sees), four times: torch.optim.AdamW; ZenFlowAdamW
+zenflow S=1 (fp32 transfers, awaited, warmup_steps 0: reselections every 4 steps); zenflow with
+the default schedule but fp32 transfers (warm-up 20, then rounds of 4 ending at 24 and 28, the
+Update of each applied one round late, a reselection at 20); and the defaults (the same with
+bf16 transfers). The test compares them with the same runs in one process over the whole batch.
+
+Tolerances.
+- The ranks end with bit-identical parameters and losses, and the same hot columns: DDP hands
+  both the same averaged gradients, and the hot-column selection is a function of them.
+- DDP against one process: the rounding of averaging two half-batch gradients instead of one
+  whole-batch gradient is of the order of the kernel rounding for which hf_models.LOSS_RTOL /
+  PARAM_ATOL (1e-5 / 1e-5) were derived (test_hf_trainer.py). Measured: AdamW under DDP vs
+  AdamW in one process 1.8e-7 relative (losses) / 1.2e-7 (parameters); zenflow S=1 1.2e-7 /
+  1.2e-7; zenflow S=4 fp32 1.2e-7 / 1.2e-7. The same tolerances bind ZenFlowAdamW S=1 under
+  DDP to AdamW under DDP (measured 1.2e-7 / 1.2e-7).
+- The defaults (bf16 transfers) under DDP vs in one process: the losses within LOSS_RTOL
+  (measured 4.9e-7) and the same hot columns. The parameters are not compared element-wise:
+  the device copy of an offloaded column is the daemon's fp32 value rounded to bf16, so fp32
+  rounding noise flips some bf16 roundings (one bf16 ulp, up to 2^-7 |p|), which changes the
+  next forward pass and compounds (measured 4.9e-4 at most, of the order of the whole bf16
+  effect: bf16 vs fp32 transfers differ by 5e-4 to 9e-4, test_hf_trainer.py).
+"""
+import json
+import os
+import socket
+import subprocess
+
+import pytest
+import torch
+
+import hf_models
+from conftest import HERE, PYTHON, child_env
+from hf_models import EXACT_MODES, LOSS_RTOL, PARAM_ATOL
+
+STEPS = 30
+WORLD = 2
+RUNS = {
+    "adamw": ["adamw", None],
+    "zenflow-S1": ["zenflow", EXACT_MODES["zenflow-S1"]],
+    "zenflow-S4-fp32": ["zenflow", hf_models.FP32],
+    "zenflow-defaults": ["zenflow", {}],
+}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ddp(daemon, tmp_path_factory):
+    """{run name: [rank 0's result, rank 1's result]} of one torchrun."""
+    out = tmp_path_factory.mktemp("torchrun")
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           os.path.join(HERE, "hf_ddp_worker.py"), daemon.socket, str(out), str(STEPS),
+           json.dumps(RUNS)]
+    with open(out / "log.txt", "w+") as log:
+        try:
+            rc = subprocess.run(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
+                                timeout=240).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        log.seek(0)
+        text = log.read()
+    if rc != 0:
+        pytest.fail(f"torchrun exited {rc}\n{text[-6000:]}")
+    return {name: [torch.load(str(out / f"{name}-rank{r}.pt")) for r in range(WORLD)]
+            for name in RUNS}
+
+
+@pytest.fixture(scope="module")
+def single(daemon, tmp_path_factory):
+    """The same runs in this process, one rank with the whole batch."""
+    results = {}
+    for name, (optimizer, config) in RUNS.items():
+        if config is not None:
+            config = dict(config, socket=daemon.socket)
+        results[name] = hf_models.train("llama", optimizer, config, max_steps=STEPS,
+                                        out_dir=str(tmp_path_factory.mktemp(name)))
+    return results
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_ranks_end_identical(name, ddp):
+    ranks = ddp[name]
+    assert all(r["world"] == WORLD for r in ranks)
+    assert sorted(ranks[0]["losses"]) == list(range(1, STEPS + 1))
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    for pname, p in ranks[0]["params"].items():
+        assert torch.equal(ranks[1]["params"][pname], p), pname
+    if name != "adamw":
+        for r in ranks:
+            assert r["optimizer"] == "ZenFlowAdamW"
+            assert [t["step"] for t in r["timings"]] == list(range(1, STEPS + 1))
+            assert all(t["bytes_to_host"] > 0 for t in r["timings"])
+        assert ranks[0]["hot"] and ranks[0]["hot"] == ranks[1]["hot"]
+
+
+@pytest.mark.parametrize("name", ["adamw", "zenflow-S1", "zenflow-S4-fp32"])
+def test_ddp_matches_one_process(name, ddp, single):
+    loss, param, worst = hf_models.compare(ddp[name][0], single[name])
+    print(f"{name}: DDP vs one process: losses {loss:.3g}, parameters {param:.3g} ({worst})")
+    assert loss <= LOSS_RTOL and param <= PARAM_ATOL
+    assert single[name]["losses"][STEPS] < single[name]["losses"][1] - 1.0
+    if name != "adamw":
+        assert ddp[name][0]["hot"] == single[name]["hot"]
+    if name == "zenflow-S1":
+        assert sum(t["reselected"] for t in ddp[name][0]["timings"]) >= 5
+    if name == "zenflow-S4-fp32":
+        timings = ddp[name][0]["timings"]
+        assert [t["step"] for t in timings if t["boundary"] and t["step"] > 20] == [24, 28]
+
+
+def test_ddp_zenflow_tracks_ddp_adamw(ddp):
+    loss, param, worst = hf_models.compare(ddp["zenflow-S1"][0], ddp["adamw"][0])
+    print(f"DDP zenflow S=1 vs DDP AdamW: losses {loss:.3g}, parameters {param:.3g} ({worst})")
+    assert loss <= LOSS_RTOL and param <= PARAM_ATOL
+
+
+def test_ddp_zenflow_defaults_match_one_process(ddp, single):
+    got, ref = ddp["zenflow-defaults"][0], single["zenflow-defaults"]
+    timings = got["timings"]
+    assert [t["step"] for t in timings if t["boundary"] and t["step"] > 20] == [24, 28]
+    assert [t["step"] for t in timings if t["reselected"]] == [20]
+    assert got["hot"] == ref["hot"]
+    loss, param, worst = hf_models.compare(got, ref)
+    print(f"zenflow defaults: DDP vs one process: losses {loss:.3g}, parameters {param:.3g} "
+          f"({worst})")
+    assert loss <= LOSS_RTOL, loss
