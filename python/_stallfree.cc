@@ -132,7 +132,8 @@ PYBIND11_MODULE(_stallfree, m) {
                }
              });
            })
-      .def("close", &Engine::Close, py::call_guard<py::gil_scoped_release>())
+      .def("close", &Engine::Close, py::arg("flush") = true,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &Engine::closed)
       .def_property_readonly("step_count", &Engine::StepCount);
 

@@ -121,7 +121,7 @@ class EngineImpl : public Engine {
 
   ~EngineImpl() override {
     try {
-      Close();
+      Close(true);
     } catch (...) {
     }
   }
@@ -222,9 +222,9 @@ class EngineImpl : public Engine {
     Check(st);
   }
 
-  void Close() override {
+  void Close(bool flush) override {
     if (!engine_) return;
-    engine_->Flush().IgnoreError();
+    if (flush) engine_->Flush().IgnoreError();
     engine_.reset();
     if (session_) session_->Close().IgnoreError();
     session_.reset();

@@ -99,8 +99,11 @@ class Engine {
   virtual std::pair<std::string, std::string> Checkpoint() = 0;
   // The inverse, on a fresh engine (no Step yet) whose values hold the checkpointed values.
   virtual void Restore(const std::string& state, const std::string& daemon) = 0;
-  // Waits for offload work, then closes the session. Any later call throws Error.
-  virtual void Close() = 0;
+  // Waits for offload work and, with `flush`, writes the newest cold columns into the values
+  // (ZenFlowEngine::Flush); then closes the session. Without `flush` the values are left as they
+  // are (an engine being replaced by a restored one must not write its state over a model just
+  // loaded). Any later call throws Error.
+  virtual void Close(bool flush = true) = 0;
   virtual bool closed() const = 0;
 };
 

@@ -248,6 +248,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._engines.append(engine)
         for _, p in members:
             self.state[p] = {"step": torch.tensor(0.0)}
+        self._mark_blob_entries()
 
     def _make_engine(self, gi, members, device, stream):
         group = self.param_groups[gi]
@@ -393,8 +394,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         running is waited for but its result applied at the usual step."""
         if self._closed:
             raise Error("the optimizer is closed")
-        with _hooks_held(self, "_optimizer_state_dict_post_hooks") as post_hooks:
-            sd = super().state_dict()  # the pre-hooks run in there
+        with _hooks_held(self, "_optimizer_state_dict_pre_hooks") as pre_hooks:
+            for hook in pre_hooks.values():
+                hook(self)
+            with _hooks_held(self, "_optimizer_state_dict_post_hooks") as post_hooks:
+                sd = super().state_dict()  # torch's packing, no hook runs in there
         index = {}
         start = 0
         for group in self.param_groups:
@@ -422,8 +426,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Loads a state_dict() of a ZenFlowAdamW over the same parameters (shapes, groups, names
         and configuration); load the model's weights first. The optimizer then continues exactly
-        as the one that saved it. Everything is checked before anything changes. The load
-        pre-hooks see the state dict as given, the post-hooks the optimizer restored."""
+        as the one that saved it. All or nothing: the state dict is checked, and every group's
+        engine restored into a fresh engine, before the optimizer changes; on any failure it is
+        left as it was (its engines, groups and state) and the model's values are not written.
+        The load pre-hooks see the state dict as given, the post-hooks the optimizer restored."""
         if self._closed:
             raise Error("the optimizer is closed")
         state_dict = state_dict.copy()
@@ -433,13 +439,60 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if result is not None:
                     state_dict = result
             saved, rest = self._saved_engines(state_dict)
+            engines, hypers = self._restored_engines(saved)
             with _hooks_held(self, "_optimizer_load_state_dict_post_hooks") as post_hooks:
-                super().load_state_dict(rest)
-                for gi, entry in enumerate(saved):
-                    if entry is not None:
-                        self._restore_engine(gi, *entry)
+                try:
+                    super().load_state_dict(rest)
+                except BaseException:
+                    for old, new in zip(self._engines, engines):
+                        if new is not old and new is not None:
+                            new.close(flush=False)
+                    raise
+        for gi, (old, new) in enumerate(zip(self._engines, engines)):
+            if new is not old:
+                old.close(flush=False)  # its state is replaced; the model holds the loaded values
+        self._engines, self._hypers = engines, hypers
+        for gi, members in enumerate(self._members):  # a legacy state dict has no entries
+            for _, p in members:
+                if "step" not in self.state[p]:
+                    self.state[p]["step"] = torch.tensor(float(engines[gi].step_count))
+        self._mark_blob_entries()
         for hook in post_hooks.values():
             hook(self)
+
+    def _restored_engines(self, saved):
+        """Per group: a new engine restored from saved[gi], or the group's own engine where
+        saved[gi] is None, and the AdamW constants each was made with. On failure every engine
+        made here is closed (without writing the values) and the optimizer's own are untouched."""
+        engines, hypers = list(self._engines), list(self._hypers)
+        made = []
+        try:
+            for gi, entry in enumerate(saved):
+                if entry is None:
+                    continue
+                members = self._members[gi]
+                engine = self._make_engine(gi, members, members[0][1].device, self._streams[gi])
+                made.append(engine)
+                with self._ordered(gi):
+                    engine.set_values([p.data_ptr() for _, p in members])
+                    engine.restore(*entry)
+                engines[gi], hypers[gi] = engine, _hyper_of(self.param_groups[gi])
+        except BaseException:
+            for engine in made:
+                engine.close(flush=False)
+            raise
+        return engines, hypers
+
+    def _mark_blob_entries(self):
+        """Empty placeholders of the engine entries in the live state of each group's first
+        parameter, so that code that rebuilds a state dict from optimizer.state's keys
+        (torch.distributed.checkpoint with flatten_optimizer_state_dict) asks for them;
+        state_dict() fills them."""
+        for members, engine in zip(self._members, self._engines):
+            if engine is not None:
+                entry = self.state[members[0][1]]
+                for key in _BLOB_KEYS:
+                    entry.setdefault(key, torch.empty(0, dtype=torch.uint8))
 
     def _saved_engines(self, state_dict):
         """Checks `state_dict` against this optimizer; returns per group (engine bytes, daemon
@@ -505,23 +558,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         rest["state"] = state
         return saved, rest
 
-    def _restore_engine(self, gi, state, daemon):
-        engine = self._engines[gi]
-        members = self._members[gi]
-        if engine.step_count != 0:  # restoring needs a fresh engine and session
-            engine.close()
-            engine = self._make_engine(gi, members, members[0][1].device, self._streams[gi])
-            self._engines[gi] = engine
-            self._hypers[gi] = _hyper_of(self.param_groups[gi])
-        with self._ordered(gi):
-            engine.set_values([p.data_ptr() for _, p in members])
-            engine.restore(state, daemon)
-        steps = torch.tensor(float(engine.step_count))
-        for _, p in members:  # a legacy state dict has no per-parameter entries
-            entry = self.state.setdefault(p, {})
-            if "step" not in entry:
-                entry["step"] = steps.clone()
-
     # --- lifetime ---------------------------------------------------------------------------
 
     def close(self):
@@ -578,6 +614,7 @@ def _hooks_held(opt, attr):
     try:
         yield hooks
     finally:
+        hooks.update(getattr(opt, attr))  # registered meanwhile (by a hook): kept, and run
         setattr(opt, attr, hooks)
 
 
