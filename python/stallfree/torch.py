@@ -13,6 +13,7 @@ import atexit
 import collections
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import sys
@@ -62,17 +63,32 @@ def _rank():
     return 0
 
 
-def _all_reduce_scores(name, view):
-    """Data-parallel replicas sum each weight's column scores before top-k, so that all of them
-    select the same hot columns (the ScoreReduce hook of the engine)."""
+def _all_reduce_scores(group, name, view):
+    """The data-parallel replicas of `group` sum each weight's column scores before top-k, so
+    that all of them select the same hot columns (the ScoreReduce hook of the engine)."""
     scores = torch.frombuffer(view, dtype=torch.float32)
-    if torch.distributed.get_backend() == "nccl":
+    if torch.distributed.get_backend(group) == "nccl":
         dev = torch.device("cuda", torch.cuda.current_device())
         on_dev = scores.to(dev)
-        torch.distributed.all_reduce(on_dev)
+        torch.distributed.all_reduce(on_dev, group=group)
         scores.copy_(on_dev.cpu())
     else:
-        torch.distributed.all_reduce(scores)
+        torch.distributed.all_reduce(scores, group=group)
+
+
+def _data_parallel_group(process_group):
+    """The group whose replicas select the same hot columns: `process_group`, else the default
+    group when torch.distributed is initialized, else None (one process)."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if process_group is None:
+        return torch.distributed.group.WORLD if initialized else None
+    if not initialized:
+        raise ValueError("process_group: given, but torch.distributed is not initialized "
+                         "(call torch.distributed.init_process_group first)")
+    if torch.distributed.get_rank(process_group) < 0:
+        raise ValueError("process_group: this rank (%d) is not a member of it"
+                         % torch.distributed.get_rank())
+    return process_group
 
 
 def _unsupported_kind(p):
@@ -111,6 +127,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     socket: the daemon's socket; None means $STALLFREE_SOCKET, else the node's default socket,
     and if no daemon answers there a private one is started (and stopped with the optimizer).
     session_name: the daemon sessions' name (stallfreectl sessions); default "torch".
+    process_group: the data-parallel group whose replicas sum their column scores before each
+    selection, so that they choose the same hot columns (default: torch.distributed's default
+    group when it is initialized); under tensor parallelism or hybrid sharding, pass the
+    data-parallel subgroup.
 
     lr, betas, eps and weight_decay are validated as torch.optim.AdamW validates them (the same
     ValueError), and must also be finite (the kernels' arithmetic); lr may be a 1-element
@@ -140,7 +160,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, mode="zenflow", topk_ratio=0.1,
                  update_interval=4, select_interval=None, warmup_steps=20, await_updates=False,
-                 grad_dtype="bf16", param_dtype="bf16", socket=None, session_name=None):
+                 grad_dtype="bf16", param_dtype="bf16", socket=None, session_name=None,
+                 process_group=None):
         _check_hyper(lr, betas, eps, weight_decay, "")
         for flag, value in (("amsgrad", amsgrad), ("maximize", maximize),
                             ("capturable", capturable), ("differentiable", differentiable)):
@@ -169,6 +190,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             warmup_steps=int(warmup_steps), await_updates=bool(await_updates),
                             grad_dtype=grad_dtype, param_dtype=param_dtype)
         self._session_name = session_name or "torch"
+        self._group = _data_parallel_group(process_group)
         self._engines = []   # per param group: _stallfree.Engine or None (no trainable params)
         self._members = []   # per param group: [(name, tensor)] the engine's parameters
         self._hypers = []    # per param group: the (beta1, beta2, eps, weight_decay) its engine has
@@ -259,9 +281,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             "%s/g%d" % (self._session_name, gi)
         engine = _stallfree.Engine(self._client, name, _rank(), config, specs, device.type,
                                    stream.cuda_stream if stream is not None else 0)
-        if (torch.distributed.is_available() and torch.distributed.is_initialized() and
-                torch.distributed.get_world_size() > 1 and config["mode"] == "zenflow"):
-            engine.set_score_reduce(_all_reduce_scores)
+        if (self._group is not None and torch.distributed.get_world_size(self._group) > 1 and
+                config["mode"] == "zenflow"):
+            engine.set_score_reduce(functools.partial(_all_reduce_scores, self._group))
         return engine
 
     @contextlib.contextmanager

@@ -5,6 +5,8 @@ reselection every 2 steps. Rank r trains on rows [r*4, r*4+4) of the 8-row globa
 mode `ddp`: the model is wrapped in DistributedDataParallel (gradients averaged).
 mode `local`: no DDP: each rank steps on its own half-batch gradient (the ranks' parameters
 diverge), but the hot-column selection still all-reduces the scores over the process group.
+mode `own-group`: as `local`, with process_group= a group of this rank alone (each rank its own
+data-parallel group, as under tensor parallelism): no score is reduced across the ranks.
 Records, per step: the loss, the hot columns of every 2-D parameter as gathered from all ranks
 (all_gather_object), last_timings, and (local mode) each 2-D gradient's per-column sum of
 squares; then the final parameters. Saved with torch.save to OUT.
@@ -41,8 +43,11 @@ def main():
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
     two_d = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
     record = {"losses": [], "hot": [], "timings": [], "scores": []}
+    # Every rank creates every group (torch.distributed's rule), then keeps its own.
+    own = [dist.new_group([r]) for r in range(world)][rank] if mode == "own-group" else None
     with stallfree.Daemon(state_dir=state_dir, threads=1) as daemon:
-        opt = ZenFlowAdamW(models.param_groups(model), socket=daemon.socket, **ZENFLOW)
+        opt = ZenFlowAdamW(models.param_groups(model), socket=daemon.socket, process_group=own,
+                           **ZENFLOW)
         sched = models.make_scheduler(opt, steps)
         for step in range(1, steps + 1):
             opt.zero_grad(set_to_none=True)

@@ -121,28 +121,44 @@ def test_ddp_matches_single_process_whole_batch(tmp_path, daemon):
         assert d <= PARAM_ATOL, (name, d)
 
 
-def test_selection_all_reduces_scores_without_ddp(tmp_path):
-    """Without DDP the ranks' gradients differ; the hot sets must still agree, and be the top-k
-    of the SUM of both ranks' per-column scores (sum of squared gradients)."""
-    ranks = run_ranks("local", tmp_path)
-    assert_same_hot_sets(ranks)
+def check_selections(ranks, reduced):
+    """At every selection step, each rank's hot set is the top-k of the SUM of both ranks'
+    per-column scores (sum of squared gradients) when `reduced`, else of its own scores."""
     timings = ranks[0]["timings"]
     selection_steps = [1] + [i + 1 for i, t in enumerate(timings) if t["reselected"] and i > 0]
     assert len(selection_steps) >= 4, timings
     local_topk_differs = False
     checked = 0
     for step in selection_steps:
-        hot = ranks[0]["hot"][step - 1][0]
-        for name, cols in hot.items():
-            scores = [r["scores"][step - 1][name] for r in ranks]
-            k = len(cols)
-            local = [sorted(s.topk(k).indices.tolist()) for s in scores]
-            local_topk_differs |= local[0] != local[1]
-            total = scores[0] + scores[1]
-            top = total.topk(k + 1).values
-            if k < total.numel() and (top[k - 1] - top[k]) <= 1e-4 * top[k - 1]:
-                continue  # a near-tie at the cut: rounding may decide it
-            assert cols == sorted(total.topk(k).indices.tolist()), (step, name, cols)
-            checked += 1
+        for rank in range(WORLD):
+            hot = ranks[0]["hot"][step - 1][rank]  # as rank 0 gathered it
+            for name, cols in hot.items():
+                scores = [r["scores"][step - 1][name] for r in ranks]
+                k = len(cols)
+                local = [sorted(s.topk(k).indices.tolist()) for s in scores]
+                local_topk_differs |= local[0] != local[1]
+                total = scores[0] + scores[1] if reduced else scores[rank]
+                top = total.topk(k + 1).values
+                if k < total.numel() and (top[k - 1] - top[k]) <= 1e-4 * top[k - 1]:
+                    continue  # a near-tie at the cut: rounding may decide it
+                assert cols == sorted(total.topk(k).indices.tolist()), (step, rank, name, cols)
+                checked += 1
     assert local_topk_differs, "the ranks' local selections never differed: test is vacuous"
-    assert checked >= len(selection_steps) * 2, checked
+    assert checked >= len(selection_steps) * 2 * WORLD, checked
+
+
+def test_selection_all_reduces_scores_without_ddp(tmp_path):
+    """Without DDP the ranks' gradients differ; the hot sets must still agree, and be the top-k
+    of the SUM of both ranks' per-column scores."""
+    ranks = run_ranks("local", tmp_path)
+    assert_same_hot_sets(ranks)
+    check_selections(ranks, reduced=True)
+
+
+def test_scores_are_reduced_over_the_process_group_only(tmp_path):
+    """process_group= a group of each rank alone (as a tensor-parallel rank's data-parallel
+    group would be): no score crosses to the other rank, so each rank's hot set is the top-k of
+    its own scores, and the two differ."""
+    ranks = run_ranks("own-group", tmp_path)
+    check_selections(ranks, reduced=False)
+    assert any(ranks[0]["hot"][s][0] != ranks[0]["hot"][s][1] for s in range(STEPS))

@@ -508,3 +508,11 @@ def test_step_follows_the_current_cuda_stream(mode, daemon):
     ref = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
     got = run(lambda ps: ZenFlowAdamW(ps, lr=1e-2, socket=daemon.socket, **config))
     assert (got - ref).abs().max().item() <= models.PARAM_ATOL
+
+
+def test_process_group_without_torch_distributed_is_a_value_error():
+    assert not torch.distributed.is_initialized()
+    model = models.make_model(0)
+    with pytest.raises(ValueError, match="process_group: given, but torch.distributed is not "
+                                         "initialized"):
+        ZenFlowAdamW(model.parameters(), mode="no-offload", process_group=object())
