@@ -470,7 +470,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         if new is not old and new is not None:
                             new.close(flush=False)
                     raise
-        for gi, (old, new) in enumerate(zip(self._engines, engines)):
+        for old, new in zip(self._engines, engines):
             if new is not old:
                 old.close(flush=False)  # its state is replaced; the model holds the loaded values
         self._engines, self._hypers = engines, hypers
@@ -552,7 +552,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 for key in theirs["params"]:
                     if _META_KEY in state.get(key, {}):
                         entry = state[key]
-                        meta = json.loads(_tensor_bytes(entry[_META_KEY]).decode())
+                        raw = _tensor_bytes(entry[_META_KEY])
+                        if not raw:
+                            raise Error("%s: the state dict's engine entries are empty "
+                                        "placeholders: it was built from optimizer.state, not "
+                                        "by state_dict()" % where)
+                        meta = json.loads(raw.decode())
                         blobs = (entry[_ENGINE_KEY], entry[_DAEMON_KEY])
                         state[key] = {k: v for k, v in entry.items() if k not in _BLOB_KEYS}
             if (meta is None) != (self._engines[gi] is None):

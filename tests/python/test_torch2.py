@@ -516,3 +516,12 @@ def test_process_group_without_torch_distributed_is_a_value_error():
     with pytest.raises(ValueError, match="process_group: given, but torch.distributed is not "
                                          "initialized"):
         ZenFlowAdamW(model.parameters(), mode="no-offload", process_group=object())
+
+
+def test_placeholders_alone_are_refused(daemon):
+    model = models.make_model(0)
+    with ZenFlowAdamW(model.parameters(), socket=daemon.socket, **EXACT) as opt:
+        sd = opt.state_dict()
+        sd["state"] = {0: dict(opt.state[model.emb.weight])}  # the live state's placeholders
+        with pytest.raises(stallfree.Error, match="empty placeholders"):
+            opt.load_state_dict(sd)
