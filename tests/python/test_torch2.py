@@ -40,8 +40,9 @@ def factory(daemon, **config):
     return lambda groups: ZenFlowAdamW(groups, socket=socket, **config)
 
 
-def assert_same_run(run, ref, what):
-    assert run.losses == ref.losses, (what, run.losses, ref.losses)
+def assert_same_run(run, ref, what, start=0):
+    """`run` (steps start+1 on) equals `ref` from there bit for bit: losses and parameters."""
+    assert run.losses == ref.losses[start:], (what, run.losses, ref.losses[start:])
     for name in ref.params:
         assert torch.equal(run.params[name], ref.params[name]), (what, name)
 
@@ -90,9 +91,7 @@ def test_weights_only_load_continues_exactly(mode, save_step, daemon):
         assert first["zenflow_daemon"].numel() > 0  # the daemon's part travels
     run = models.train(factory(daemon, **config), STEPS, seed=1, start=save_step + 1,
                        setup=resume_from(saved, lambda m, o: o.load_state_dict(sd)))
-    assert run.losses == ref.losses[save_step:]
-    for name in ref.params:
-        assert torch.equal(run.params[name], ref.params[name]), name
+    assert_same_run(run, ref, "resumed", start=save_step)
 
 
 def test_distributed_checkpoint_round_trip_neither_steps_nor_drops_the_daemon(daemon):
@@ -127,9 +126,7 @@ def test_distributed_checkpoint_round_trip_neither_steps_nor_drops_the_daemon(da
 
     run = models.train(factory(daemon, **ZENFLOW), STEPS, seed=2, start=SAVE_AT + 1,
                        setup=resume_from(saved, load))
-    assert run.losses == ref.losses[SAVE_AT:]
-    for name in ref.params:
-        assert torch.equal(run.params[name], ref.params[name]), name
+    assert_same_run(run, ref, "resumed", start=SAVE_AT)
 
 
 @pytest.mark.parametrize("mode", ["no-offload", "zenflow"])
@@ -383,9 +380,7 @@ def test_load_into_a_stepped_optimizer_keeps_the_loaded_model(daemon):
 
     run = models.train(factory(daemon, **ZENFLOW), STEPS, seed=4, start=SAVE_AT + 1,
                        setup=resume_from(saved, load_after_two_steps))
-    assert run.losses == ref.losses[SAVE_AT:]
-    for name in ref.params:
-        assert torch.equal(run.params[name], ref.params[name]), name
+    assert_same_run(run, ref, "resumed", start=SAVE_AT)
 
 
 @pytest.mark.parametrize("mode", ["no-offload", "zenflow"])
@@ -439,9 +434,7 @@ def test_flattened_distributed_checkpoint_round_trip(daemon):
     run = models.train(factory(daemon, **ZENFLOW), STEPS, seed=6, start=SAVE_AT + 1,
                        setup=resume_from(saved, lambda m, o: set_optimizer_state_dict(
                            m, o, saved["osd"], options=flat)))
-    assert run.losses == ref.losses[SAVE_AT:]
-    for name in ref.params:
-        assert torch.equal(run.params[name], ref.params[name]), name
+    assert_same_run(run, ref, "resumed", start=SAVE_AT)
 
 
 SUBCLASS_CHILD = r"""
