@@ -111,6 +111,9 @@ def load_cpu_adam_op():
     Returns (op, seconds, built, directory)."""
     from deepspeed.ops.op_builder import CPUAdamBuilder
     from torch.utils.cpp_extension import _get_build_directory
+    # torch's JIT build runs `ninja` from PATH: the venv's (python/requirements.txt pins ninja)
+    # when the venv is not activated and no system ninja exists.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     builder = CPUAdamBuilder()
     where = _get_build_directory(builder.name, verbose=False)
     cached = os.path.exists(os.path.join(where, builder.name + ".so"))
@@ -263,7 +266,8 @@ def part3(args, sf, socket, figure, make_params):
         print("part 3 skipped: no cpu_adam op", flush=True)
         return None
     how = ("JIT-built by DeepSpeed (op_builder, ninja, g++)" if built
-           else "loaded from its build cache")
+           else "loaded from its build cache (rebuilt there if its sources, flags or ninja "
+                "changed)")
     print(f"DeepSpeed's cpu_adam op: {how} in {load_s:.1f} s, {where} (not part of any timing)",
           flush=True)
     from deepspeed.ops.adam import DeepSpeedCPUAdam, ZenFlowCPUAdam, ZenFlowSelectiveAdamW
