@@ -108,9 +108,21 @@ PYBIND11_MODULE(_stallfree, m) {
                py::gil_scoped_release release;
                out = e.Checkpoint();
              }
-             return py::make_tuple(py::bytes(out.first), py::bytes(out.second));
+             // bytearrays: writable, so torch.frombuffer shares them instead of copying.
+             return py::make_tuple(py::bytearray(out.first), py::bytearray(out.second));
            })
-      .def("restore", &Engine::Restore, py::call_guard<py::gil_scoped_release>())
+      // The state and daemon bytes by address and size (a uint8 tensor's data_ptr and numel),
+      // so that a checkpoint of the daemon's state is not copied once more on its way in.
+      .def("restore",
+           [](Engine& e, uintptr_t state, size_t state_size, uintptr_t daemon,
+              size_t daemon_size) {
+             auto bytes = [](uintptr_t at, size_t n) {
+               return n == 0 ? std::string() : std::string(reinterpret_cast<const char*>(at), n);
+             };
+             py::gil_scoped_release release;
+             e.Restore(bytes(state, state_size), bytes(daemon, daemon_size));
+           },
+           py::arg("state"), py::arg("state_size"), py::arg("daemon"), py::arg("daemon_size"))
       // fn(name, memoryview of cols float32) reduces the scores in place; it runs with the GIL.
       .def("set_score_reduce",
            [](Engine& e, py::object fn) {

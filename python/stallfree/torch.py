@@ -359,8 +359,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     engine.step(lr, values, grads)
             except Error as e:
                 raise self._explain(e) from e
-            for p in stepped:
-                self.state[p]["step"] += 1
+            torch._foreach_add_([self.state[p]["step"] for p in stepped], 1)
             timings.append(engine.last_timings())
         if timings:
             self._last_timings = _sum_timings(timings)
@@ -436,9 +435,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             meta = {"version": _STATE_VERSION, "config": self._config,
                     "names": [n for n, _ in members], "shapes": [list(p.shape) for _, p in members]}
             key = index[id(members[0][1])]
+            meta = bytearray(json.dumps(meta, sort_keys=True).encode())
             sd["state"][key] = dict(sd["state"].get(key, {}), **{
                 _ENGINE_KEY: _bytes_tensor(state), _DAEMON_KEY: _bytes_tensor(daemon),
-                _META_KEY: _bytes_tensor(json.dumps(meta, sort_keys=True).encode())})
+                _META_KEY: _bytes_tensor(meta)})
         for hook in post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -497,7 +497,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 made.append(engine)
                 with self._ordered(gi):
                     engine.set_values([p.data_ptr() for _, p in members])
-                    engine.restore(*entry)
+                    state, daemon = entry
+                    engine.restore(state.data_ptr(), state.numel(), daemon.data_ptr(),
+                                   daemon.numel())
                 engines[gi], hypers[gi] = engine, _hyper_of(self.param_groups[gi])
         except BaseException:
             for engine in made:
@@ -517,8 +519,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     entry.setdefault(key, torch.empty(0, dtype=torch.uint8))
 
     def _saved_engines(self, state_dict):
-        """Checks `state_dict` against this optimizer; returns per group (engine bytes, daemon
-        bytes) or None, and the state dict without them (for torch's load_state_dict)."""
+        """Checks `state_dict` against this optimizer; returns per group (engine state, daemon
+        state) as uint8 tensors, or None, and the state dict without them (for torch's
+        load_state_dict)."""
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict):
             raise Error("this is not an optimizer state dict (no 'state' and 'param_groups')")
@@ -552,7 +555,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 for key in theirs["params"]:
                     if _META_KEY in state.get(key, {}):
                         entry = state[key]
-                        raw = _tensor_bytes(entry[_META_KEY])
+                        raw = bytes(_uint8(entry[_META_KEY]).tolist())  # a few hundred bytes
                         if not raw:
                             raise Error("%s: the state dict's engine entries are empty "
                                         "placeholders: it was built from optimizer.state, not "
@@ -580,7 +583,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if meta["shapes"] != shapes:
                 raise Error("%s: the state dict's parameters %s differ from this optimizer's %s"
                             % (where, meta["shapes"], shapes))
-            saved.append((_tensor_bytes(blobs[0]), _tensor_bytes(blobs[1])))
+            saved.append((_uint8(blobs[0]), _uint8(blobs[1])))
         rest = {k: v for k, v in state_dict.items() if k != "stallfree"}
         rest["state"] = state
         return saved, rest
@@ -672,22 +675,23 @@ def _check_hyper(lr, betas, eps, weight_decay, where):
 
 
 def _bytes_tensor(data):
-    """Opaque bytes as a uint8 tensor: what torch.load(weights_only=True) accepts (the default
-    since torch 2.6, and how Hugging Face's Trainer loads an optimizer at resume)."""
+    """Opaque bytes (a bytearray of the binding: shared, not copied) as a uint8 tensor, what
+    torch.load(weights_only=True) accepts (the default since torch 2.6, and how Hugging Face's
+    Trainer loads an optimizer at resume)."""
     if not data:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return torch.frombuffer(data, dtype=torch.uint8)
 
 
-def _tensor_bytes(t):
-    """The inverse of _bytes_tensor (bytes, as older state dicts hold, pass through)."""
+def _uint8(t):
+    """A state dict's engine entry as a contiguous CPU uint8 tensor (bytes, as stallfree 0.1.0's
+    state dicts hold them, become one)."""
     if isinstance(t, (bytes, bytearray)):
-        return bytes(t)
+        return _bytes_tensor(bytearray(t))
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
         raise Error("the state dict's engine state is %r, not a 1-D uint8 tensor written by "
                     "ZenFlowAdamW.state_dict()" % (type(t).__name__,))
-    t = t.detach().cpu().contiguous()
-    return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
+    return t.detach().cpu().contiguous()
 
 
 def _hyper_of(group):

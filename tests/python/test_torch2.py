@@ -25,7 +25,7 @@ import stallfree
 from conftest import run_python
 from stallfree.torch import ZenFlowAdamW
 
-FP32 = dict(grad_dtype="fp32", param_dtype="fp32")
+FP32 = models.FP32
 # Rounds with an asynchronous daemon Update and a reselection (no warm-up: rounds at once).
 ZENFLOW = dict(mode="zenflow", update_interval=4, select_interval=8, topk_ratio=0.1,
                warmup_steps=0)
@@ -92,6 +92,27 @@ def test_weights_only_load_continues_exactly(mode, save_step, daemon):
     run = models.train(factory(daemon, **config), STEPS, seed=1, start=save_step + 1,
                        setup=resume_from(saved, lambda m, o: o.load_state_dict(sd)))
     assert_same_run(run, ref, "resumed", start=save_step)
+
+
+def test_version_1_state_dict_still_loads(daemon):
+    """stallfree 0.1.0 wrote the engines as bytes under a top-level "stallfree" key and nothing
+    in "state": such a state dict, made here from a current one, continues exactly."""
+    ref = models.train(factory(daemon, **ZENFLOW), STEPS, seed=7)
+    saved = {}
+    models.train(factory(daemon, **ZENFLOW), STEPS, seed=7, after_step=save_at(SAVE_AT, saved))
+    sd = torch.load(io.BytesIO(saved["opt_bytes"]), weights_only=True)
+    engines = []
+    for group in sd["param_groups"]:
+        entry = sd["state"][group["params"][0]]
+        meta = json.loads(bytes(entry["zenflow_meta"].tolist()).decode())
+        engines.append({"shapes": meta["shapes"], "names": meta["names"],
+                        "engine": bytes(entry["zenflow_engine"].tolist()),
+                        "daemon": bytes(entry["zenflow_daemon"].tolist())})
+    v1 = {"state": {}, "param_groups": sd["param_groups"],
+          "stallfree": {"version": 1, "config": meta["config"], "engines": engines}}
+    run = models.train(factory(daemon, **ZENFLOW), STEPS, seed=7, start=SAVE_AT + 1,
+                       setup=resume_from(saved, lambda m, o: o.load_state_dict(v1)))
+    assert_same_run(run, ref, "version 1", start=SAVE_AT)
 
 
 def test_distributed_checkpoint_round_trip_neither_steps_nor_drops_the_daemon(daemon):
