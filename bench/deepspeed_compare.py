@@ -27,8 +27,8 @@ before each step), and each figure is a median:
   rounds, which is not AdamW step for step and would defeat the check below.
 - stallfree ZenFlowAdamW(mode="sync-offload", grad_dtype="fp32", param_dtype="fp32"): the whole
   step (gradients pushed into shared memory, the daemon's Update, the parameters copied back),
-  and the daemon's own AdamW time of that step (GetStats update_seconds + accumulate_seconds
-  through `stallfreectl stats -o json`, read between steps).
+  and the daemon's own AdamW time of that step (GetStats update_seconds through the binding's
+  `Client.stats()`, read between steps; its accumulate, none in sync-offload, apart).
 - ZenFlowSelectiveAdamW (offload=False): ZenFlow's per-step AdamW of the top-k (0.1) input
   columns of each weight (chosen as DeepSpeed chooses them: the largest column sums of |grad|),
   against its stallfree counterpart, the hot-column part of ZenFlowAdamW(mode="zenflow")'s step
@@ -52,10 +52,8 @@ GPU is printed with the exception and the line of DeepSpeed's code that raised i
 
 import argparse
 import ctypes
-import json
 import logging
 import os
-import shutil
 import socket as pysocket
 import statistics
 import subprocess
@@ -141,24 +139,11 @@ def omp_threads():
 
 # ---- stallfreed's own update time ----
 
-def find_stallfreectl(sf):
-    pkg = Path(sf.__file__).resolve().parent
-    for cand in (shutil.which("stallfreectl"), pkg / "stallfreectl",
-                 REPO_ROOT / "bazel-bin" / "client" / "stallfreectl",
-                 REPO_ROOT / "bazel-bin" / "stallfreectl"):
-        if cand and os.access(str(cand), os.X_OK) and Path(cand).is_file():
-            return str(cand)
-    return None
-
-
-def daemon_stats(ctl, socket):
-    out = subprocess.run([ctl, "--socket", socket, "-o", "json", "stats"], capture_output=True,
-                         text=True, timeout=30)
-    if out.returncode != 0:
-        raise RuntimeError(f"stallfreectl stats: {out.stderr.strip()}")
-    st = json.loads(out.stdout)
-    return {k: float(st.get(k, 0)) for k in ("update_seconds", "accumulate_seconds", "updates",
-                                             "worker_threads")}
+def daemon_stats(client):
+    """The daemon's counters (GetStats, through the binding's client: no process per call)."""
+    st = client.stats()
+    return {k: st[k] for k in ("update_seconds", "accumulate_seconds", "updates",
+                               "worker_threads")}
 
 
 # ---- DeepSpeed's ZenFlow optimizer process, as start_optimizer_process runs it ----
@@ -272,11 +257,10 @@ def part3(args, sf, socket, figure, make_params):
           flush=True)
     from deepspeed.ops.adam import DeepSpeedCPUAdam, ZenFlowCPUAdam, ZenFlowSelectiveAdamW
 
-    ctl = find_stallfreectl(sf)
+    client = sf._stallfree.Client(socket, 3000)
     cores = len(os.sched_getaffinity(0))
     # DeepSpeed's OpenMP kernels and torch's ops get as many threads as the daemon has workers.
-    n_thr = int(daemon_stats(ctl, socket)["worker_threads"]) if ctl else 0
-    n_thr = n_thr or args.daemon_threads or cores
+    n_thr = int(daemon_stats(client)["worker_threads"]) or args.daemon_threads or cores
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(n_thr)
     libs, omp_n = omp_threads()
@@ -340,22 +324,22 @@ def part3(args, sf, socket, figure, make_params):
         skipped = [0]
 
         def step():
-            before = daemon_stats(ctl, socket) if ctl else None
+            before = daemon_stats(client)
             t = time.perf_counter()
             o.step()
             took = time.perf_counter() - t
             lt = o.last_timings
             extra["sync_stall"].append(lt.get("stall", 0.0))
             extra["sync_copies"].append(lt.get("copies", 0.0))
-            if before is not None:
-                after = daemon_stats(ctl, socket)
-                if after["updates"] - before["updates"] == 1:
-                    acc = after["accumulate_seconds"] - before["accumulate_seconds"]
-                    extra["daemon_adamw"].append(
-                        after["update_seconds"] - before["update_seconds"] + acc)
-                    extra["daemon_accumulate"].append(acc)
-                else:  # another session's update fell in the window
-                    skipped[0] += 1
+            after = daemon_stats(client)
+            if after["updates"] - before["updates"] == 1:
+                # The update alone, as DeepSpeedCPUAdam's step is its update alone (a separate
+                # accumulate of pushed gradients, none in sync-offload's fused Update, apart).
+                extra["daemon_adamw"].append(after["update_seconds"] - before["update_seconds"])
+                extra["daemon_accumulate"].append(
+                    after["accumulate_seconds"] - before["accumulate_seconds"])
+            else:  # another session's update fell in the window
+                skipped[0] += 1
             return took
         step.skipped = skipped
         return o, p, step
@@ -412,15 +396,9 @@ def part3(args, sf, socket, figure, make_params):
                   f"{len(zproc.cores)} threads pinned to cores {zproc.cores} (pid "
                   f"{zproc.proc.pid}, started in {zproc.start_s:.1f} s)", flush=True)
         add("sf_sync_fp32", "ZenFlowAdamW sync-offload fp32", mk_sync)
-        if ctl:
-            w = daemon_stats(ctl, socket)["worker_threads"]
-            print(f"threads: stallfreed: {int(w)} oneTBB workers (Daemon(threads="
-                  f"{args.daemon_threads}){'): all cores' if not args.daemon_threads else ')'}; "
-                  f"its update time from {ctl} stats", flush=True)
-        else:
-            print("stallfreectl not found (PATH, the package, bazel-bin/client): the daemon's "
-                  "own update time is not available; the daemon figure is the whole "
-                  "ZenFlowAdamW step", flush=True)
+        print(f"threads: stallfreed: {n_thr} oneTBB workers (Daemon(threads="
+              f"{args.daemon_threads}){'): all cores' if not args.daemon_threads else ')'}; "
+              f"its update time from its GetStats", flush=True)
         add("ds_selective", "ZenFlowSelectiveAdamW (offload=False)", mk_sel)
         add("sf_zenflow", "ZenFlowAdamW zenflow", mk_zen)
         print(f"threads: ZenFlowSelectiveAdamW: torch ops, {n_thr} threads; ZenFlowAdamW zenflow's hot update: the "
@@ -493,23 +471,15 @@ def part3(args, sf, socket, figure, make_params):
             ("daemon_adamw", "stallfreed AdamW (its update)", numel, "TBB all"),
             ("sf_sync_fp32", "ZenFlowAdamW sync-offload fp32", numel, "TBB all"),
             ("ds_selective", "ZenFlowSelectiveAdamW step", sel_elems, f"torch {n_thr}"),
-            ("hot_update", "ZenFlowAdamW zenflow hot update", None, "TBB all"),
+            ("hot_update", "ZenFlowAdamW zenflow hot update", sel_elems, "TBB all"),
             ("sf_zenflow", "ZenFlowAdamW zenflow step", numel, "TBB all")):
         v = times.get(key) or extra.get(key)
         if v:
             rows_out.append((label, key, v, elems, thr))
-    hot_elems = None
-    for key in ("sf_zenflow",):
-        if key in variants:
-            o, params = variants[key][1], variants[key][2]
-            try:
-                hot_elems = rows * sum(len(o.hot_columns(p)) for p in params)
-            except Exception:  # noqa: BLE001 - closed optimizer: the ratio's count
-                hot_elems = rows * sum(max(1, int(cols * TOPK_RATIO)) for _ in params)
     print(f"\n{'optimizer':<34} {'median ms':>10} {'mean ms':>9} {'min ms':>8} {'max ms':>8} "
           f"{'Melem':>7} {'Gelem/s':>8} {'threads':>9}")
     for label, key, v, elems, thr in rows_out:
-        e = elems if elems is not None else hot_elems
+        e = elems
         m = statistics.median(v)
         print(f"{label:<34} {1e3 * m:10.2f} {1e3 * statistics.fmean(v):9.2f} "
               f"{1e3 * min(v):8.2f} {1e3 * max(v):8.2f} {e / 1e6:7.2f} {e / m / 1e9:8.3f} "
@@ -519,12 +489,12 @@ def part3(args, sf, socket, figure, make_params):
         print(f"(ZenFlowAdamW sync-offload fp32: median copies "
               f"{1e3 * xmed.get('sync_copies', 0):.2f} "
               f"ms and stall {1e3 * xmed.get('sync_stall', 0):.2f} ms of its step (last_timings); "
-              f"the daemon's update: GetStats update_seconds + accumulate_seconds (median "
+              f"the daemon's update: GetStats update_seconds (its accumulate apart: median "
               f"{1e3 * xmed.get('daemon_accumulate', 0):.2f} ms accumulating) over "
               f"{len(extra.get('daemon_adamw', []))} steps"
               f"{f', {sk} dropped (another update in the window)' if sk else ''}. "
               f"ZenFlowSelectiveAdamW: {sel_elems / 1e6:.2f}M selected elements; zenflow hot "
-              f"update: {(hot_elems or 0) / 1e6:.2f}M hot elements, last_timings['optimizer'], "
+              f"update: {sel_elems / 1e6:.2f}M hot elements, last_timings['optimizer'], "
               f"which holds reselections too.)")
     print(f"check, after {warm + timed} steps against torch.optim.AdamW(foreach=False) (run "
           f"untimed, {ref_s:.1f} s; the steps moved the parameters by up to {moved:.3g}):")
@@ -568,16 +538,15 @@ def part3(args, sf, socket, figure, make_params):
     ratio("daemon_adamw_vs_deepspeed_zenflow_process", daemon, rate("ds_zenflow_process"))
     ratio("torch_sync_offload_fp32_step_vs_deepspeed_zenflow_process_with_copies", sync,
           rate("ds_zenflow_overlap"))
-    if hot_elems:
-        ratio("zenflow_hot_update_vs_deepspeed_selective_adamw", rate("hot_update", hot_elems),
-              rate("ds_selective", sel_elems))
+    ratio("zenflow_hot_update_vs_deepspeed_selective_adamw", rate("hot_update", sel_elems),
+          rate("ds_selective", sel_elems))
     for key, name, elems in (("ds_cpu_adam", "deepspeed_cpu_adam", numel),
                              ("ds_zenflow_cpu_adam", "deepspeed_zenflow_cpu_adam", numel),
                              ("ds_zenflow_process", "deepspeed_zenflow_process", numel),
                              ("daemon_adamw", "daemon_adamw", numel),
                              ("sf_sync_fp32", "torch_sync_offload_fp32_step", numel),
                              ("ds_selective", "deepspeed_selective_adamw", sel_elems),
-                             ("hot_update", "zenflow_hot_update", hot_elems)):
+                             ("hot_update", "zenflow_hot_update", sel_elems)):
         r = rate(key, elems) if elems else None
         if r:
             figure(f"{name}_elements_per_s", r, "elements/s")

@@ -76,15 +76,6 @@ def import_example():
     return mod
 
 
-def import_deepspeed_compare():
-    path = HERE / "deepspeed_compare.py"
-    spec = importlib.util.spec_from_file_location("deepspeed_compare", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["deepspeed_compare"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def figure(name, value, unit):
     text = f"{value:.1f}" if abs(value) >= 1000 else f"{value:.4g}"
     print(f"FIGURE {name} {text} {unit}", flush=True)
@@ -325,7 +316,8 @@ def main():
         if args.part in ("all", "2"):
             part2(args, sf, daemon.socket)
         if args.part in ("all", "3"):
-            import_deepspeed_compare().part3(args, sf, daemon.socket, figure, make_params)
+            import deepspeed_compare  # bench/, this script's directory, is on sys.path
+            deepspeed_compare.part3(args, sf, daemon.socket, figure, make_params)
     print(f"\ntorch_bench: {time.perf_counter() - t_start:.1f} s", flush=True)
 
 

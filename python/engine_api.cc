@@ -44,7 +44,10 @@ class ConnectionImpl : public Connection {
             {"updates", static_cast<double>(s.updates())},
             {"bytes_in", static_cast<double>(s.bytes_in())},
             {"bytes_out", static_cast<double>(s.bytes_out())},
-            {"migrated_columns", static_cast<double>(s.migrated_columns())}};
+            {"migrated_columns", static_cast<double>(s.migrated_columns())},
+            {"update_seconds", s.update_seconds()},
+            {"accumulate_seconds", s.accumulate_seconds()},
+            {"worker_threads", static_cast<double>(s.worker_threads())}};
   }
   Client* client() { return client_.get(); }
 
