@@ -42,13 +42,13 @@ loses about as much: +5.4%.)
 
 import argparse
 import csv
+import inspect
 import math
 import os
 import sys
 import time
 from pathlib import Path
 
-ZENFLOW_WARMUP = 20  # ZenFlowAdamW's default warmup_steps
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("WANDB_DISABLED", "true")
@@ -358,7 +358,8 @@ def main(argv=None):
     write_csv(csv_path, runs)
     why = plot(png_path, runs, f"{args.model} ({n_params:,} parameters): fine-tuning with "
                f"ZenFlowAdamW ({args.mode}) vs torch.optim.AdamW",
-               warmup_end=ZENFLOW_WARMUP if args.mode == "zenflow" else None)
+               warmup_end=(inspect.signature(ZenFlowAdamW).parameters["warmup_steps"].default
+                           if args.mode == "zenflow" else None))
     last_eval = last_step_with(ref, "eval_loss")
     ze, re_ = zen[last_eval]["eval_loss"], ref[last_eval]["eval_loss"]
     pre = runs[("pretrain", "Trainer AdamW")]

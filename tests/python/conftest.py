@@ -7,6 +7,7 @@ The package is imported as installed, else from $STALLFREE_PYTHONPATH, else from
 """
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -50,13 +51,24 @@ def child_env(**extra):
     return env
 
 
-def run_python(script, *args, timeout=120, env=None, check=True):
-    """Runs `script` (a file in this directory, or source text) in a fresh interpreter (this one);
-    returns the CompletedProcess (text stdout/stderr). Output goes through files, not pipes, so
-    a grandchild (a daemon) that inherits them cannot keep this call waiting. check: fail the
-    test on a non-zero exit, showing the child's output."""
+def free_port():
+    """A TCP port free on loopback now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_python(script, *args, timeout=120, env=None, check=True, module=False):
+    """Runs `script` (a file in this directory, or source text; with module=True a module, as
+    `python -m`) in a fresh interpreter (this one); returns the CompletedProcess (text
+    stdout/stderr). Output goes through files, not pipes, so a grandchild (a daemon) that
+    inherits them cannot keep this call waiting. check: fail the test on a non-zero exit,
+    showing the child's output."""
     path = os.path.join(HERE, script)
-    cmd = [PYTHON, path] if os.path.exists(path) else [PYTHON, "-c", script]
+    if module:
+        cmd = [PYTHON, "-m", script]
+    else:
+        cmd = [PYTHON, path] if os.path.exists(path) else [PYTHON, "-c", script]
     cmd += [str(a) for a in args]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         rc = subprocess.run(cmd, env=env or child_env(), stdout=out, stderr=err,

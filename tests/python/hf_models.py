@@ -20,6 +20,8 @@ import sys
 import torch
 
 import stallfree
+from models import (FP32, LOSS_RTOL, PARAM_ATOL,  # noqa: F401 (used by the tests)
+                    max_abs_diff, rel_diff, snapshot)
 
 # Hugging Face must not reach the network (the tests' runner sets these too).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -163,10 +165,6 @@ def history(log_history, key):
     return {e["step"]: e[key] for e in log_history if key in e and "train_runtime" not in e}
 
 
-def snapshot(model):
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-
-
 def train(kind, optimizer="adamw", config=None, *, max_steps, out_dir, save_steps=None,
           resume_from=None, seed=0, nudge_seed=None, lr=LR, eps=EPS, model_seed=0,
           dropout=None, per_device_batch=BATCH, cls_and_kwargs=False, **args_kw):
@@ -275,18 +273,15 @@ def accelerate_train(kind, optimizer="adamw", config=None, *, max_steps, seed=0,
 # ZenFlowAdamW configurations that must track torch.optim.AdamW within the tolerances below:
 # fp32 transfers, no staleness (zenflow: single-step rounds, awaited; warmup_steps=0 so that the
 # hot columns are reselected every 4 steps from step 4 on).
-FP32 = dict(grad_dtype="fp32", param_dtype="fp32")
 EXACT_MODES = {
     "sync-offload": dict(FP32, mode="sync-offload"),
     "zenflow-S1": dict(FP32, mode="zenflow", update_interval=1, await_updates=True,
                        warmup_steps=0),
 }
 
-# The tolerances of every comparison with torch.optim.AdamW (derived in test_hf_trainer.py's
-# docstring, re-measured by its tests): losses relative at every step, parameters absolute per
-# element at the end.
-LOSS_RTOL = 1e-5
-PARAM_ATOL = 1e-5
+# The tolerances of every comparison with torch.optim.AdamW are models.py's (losses relative at
+# every step, parameters absolute per element at the end); test_hf_trainer.py's docstring
+# re-derives them for these models and its tests re-measure them.
 
 
 def compare(run, ref):
@@ -299,15 +294,6 @@ def compare(run, ref):
 def within_tolerance(run, ref):
     loss, param, _ = compare(run, ref)
     return loss <= LOSS_RTOL and param <= PARAM_ATOL
-
-
-def max_abs_diff(a, b):
-    assert a.keys() == b.keys()
-    return {n: (a[n] - b[n]).abs().max().item() for n in a}
-
-
-def rel_diff(x, y):
-    return abs(x - y) / max(abs(y), 1e-30)
 
 
 def max_loss_rel_diff(a, b):

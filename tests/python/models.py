@@ -194,6 +194,9 @@ def cosine_lr_sum(base_lr, steps, eta_min=ETA_MIN):
                for t in range(steps))
 
 
+# ZenFlowAdamW's transfers in fp32 both ways: the configurations compared with torch's AdamW.
+FP32 = dict(grad_dtype="fp32", param_dtype="fp32")
+
 # Tolerances of the comparisons against torch.optim.AdamW (derived and measured in
 # test_adamw_equivalence.py's docstring): losses relative, parameters absolute per element.
 LOSS_RTOL = 1e-5

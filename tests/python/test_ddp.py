@@ -10,7 +10,6 @@ AdamW) over these 12 steps it moves the parameters by at most 2.4e-7 and the los
 relative, while an lr 1% off moves them by 1.1e-3.
 """
 import os
-import socket
 import subprocess
 import time
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 import models
-from conftest import HERE, PYTHON, child_env
+from conftest import HERE, PYTHON, child_env, free_port
 from ddp_worker import ZENFLOW
 from stallfree.torch import ZenFlowAdamW
 
@@ -27,12 +26,6 @@ SEED = 5
 WORLD = 2
 LOSS_RTOL = models.LOSS_RTOL
 PARAM_ATOL = models.PARAM_ATOL
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(mode, tmp_path):

@@ -10,7 +10,7 @@ import models
 import stallfree
 from stallfree.torch import ZenFlowAdamW
 
-FP32 = dict(grad_dtype="fp32", param_dtype="fp32")
+FP32 = models.FP32
 ZENFLOW_EXACT = dict(mode="zenflow", topk_ratio=0.25, update_interval=1, select_interval=2,
                      await_updates=True, warmup_steps=0, **FP32)
 MODES = {"no-offload": dict(mode="no-offload", **FP32), "zenflow": ZENFLOW_EXACT}

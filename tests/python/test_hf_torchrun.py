@@ -28,14 +28,12 @@ Tolerances.
 """
 import json
 import os
-import socket
-import subprocess
 
 import pytest
 import torch
 
 import hf_models
-from conftest import HERE, PYTHON, child_env
+from conftest import HERE, free_port, run_python
 from hf_models import EXACT_MODES, LOSS_RTOL, PARAM_ATOL
 
 STEPS = 30
@@ -48,30 +46,13 @@ RUNS = {
 }
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp(daemon, tmp_path_factory):
     """{run name: [rank 0's result, rank 1's result]} of one torchrun."""
     out = tmp_path_factory.mktemp("torchrun")
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           os.path.join(HERE, "hf_ddp_worker.py"), daemon.socket, str(out), str(STEPS),
-           json.dumps(RUNS)]
-    with open(out / "log.txt", "w+") as log:
-        try:
-            rc = subprocess.run(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                timeout=240).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        log.seek(0)
-        text = log.read()
-    if rc != 0:
-        pytest.fail(f"torchrun exited {rc}\n{text[-6000:]}")
+    run_python("torch.distributed.run", "--nproc_per_node", WORLD, "--master_addr", "127.0.0.1",
+               "--master_port", free_port(), os.path.join(HERE, "hf_ddp_worker.py"),
+               daemon.socket, out, STEPS, json.dumps(RUNS), module=True, timeout=240)
     return {name: [torch.load(str(out / f"{name}-rank{r}.pt")) for r in range(WORLD)]
             for name in RUNS}
 
