@@ -452,7 +452,7 @@ def test_system_library_table_is_complete(venv):
     assert len(syslibs.RUNTIME_PACKAGES) == len(set(syslibs.RUNTIME_PACKAGES))
 
     if shutil.which("dpkg") is None:
-        return
+        pytest.skip("no dpkg here: the packages of the table are not checked")
     # dpkg knows a file by the path its package installed (/usr/lib or /lib: usrmerge), and an
     # alternatives link (libopenblas.so.0) by its target.
     candidates = {}
