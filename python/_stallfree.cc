@@ -154,5 +154,12 @@ PYBIND11_MODULE(_stallfree, m) {
           return py::bytes(stallfree::api::DefaultCorpusText(approx_bytes, seed));
         },
         py::arg("approx_bytes") = int64_t{1} << 20, py::arg("seed") = 1);
+  m.def("partition_rows",
+        [](int64_t rows, int world, int rank) {
+          const stallfree::api::RowRange r = stallfree::api::PartitionRows(rows, world, rank);
+          return py::make_tuple(r.begin, r.end, r.replicated);
+        },
+        py::arg("rows"), py::arg("world"), py::arg("rank"),
+        "(begin, end, replicated): rank's rows of a parameter over world data-parallel ranks");
   m.attr("cuda_enabled") = stallfree::api::CudaEnabled();
 }

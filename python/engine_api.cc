@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/partition.h"
 #include "client/zenflow.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
@@ -273,6 +274,13 @@ std::unique_ptr<Engine> Engine::Create(std::shared_ptr<Connection> connection,
 
 std::string DefaultCorpusText(int64_t approx_bytes, uint32_t seed) {
   return stallfree::DefaultCorpusText(approx_bytes, seed);
+}
+
+RowRange PartitionRows(int64_t rows, int world, int rank) {
+  if (rows < 1 || world < 1 || rank < 0 || rank >= world)
+    throw InvalidArgument("partition_rows: needs rows >= 1 and 0 <= rank < world");
+  const RowBlock b = stallfree::PartitionRows(rows, world, rank);
+  return RowRange{b.begin, b.end, b.replicated};
 }
 
 bool CudaEnabled() {

@@ -113,5 +113,13 @@ std::string DefaultCorpusText(int64_t approx_bytes, uint32_t seed);
 // Whether this build has the CUDA backend.
 bool CudaEnabled();
 
+// Rank `rank`'s rows [begin, end) of a parameter of `rows` rows over `world` data-parallel ranks,
+// and whether every rank holds it whole (client/partition.h, the rule the trainer uses too).
+struct RowRange {
+  int64_t begin = 0, end = 0;
+  bool replicated = false;
+};
+RowRange PartitionRows(int64_t rows, int world, int rank);
+
 }  // namespace api
 }  // namespace stallfree
