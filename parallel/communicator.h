@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -130,6 +131,31 @@ struct CommOptions {
 
 // Gloo backend (CPU). Blocks until every rank has joined or options.timeout passes.
 absl::StatusOr<std::unique_ptr<Communicator>> NewGlooCommunicator(const CommOptions& options);
+
+// This rank's place in one group of a world split into groups (e.g. the TSP group of its
+// replica and the data-parallel group of its TSP index): the same `name` on every member, a
+// different one per group.
+struct GroupMembership {
+  std::string name;
+  int rank = 0;  // this rank's index in the group
+  int size = 1;
+};
+
+// Gloo communicators for several groups of one world (`world`: this rank, the world size, the
+// rendezvous as in NewGlooCommunicator) over the world's one store (the TCP store that world
+// rank 0 serves, or the file store), each group's keys under "<world.group>/<name>", one TCP
+// transport device shared by them. Every rank of the world calls it once with the groups it
+// belongs to; the groups connect one after the other, so list them in an order every rank
+// agrees on (e.g. each rank its TSP group first, then its data-parallel group), or a group can
+// wait for a member still connecting another one until the timeout. Returns the communicators
+// in the order of `groups`; a group of size 1 needs no peer. The communicators keep the store
+// (world rank 0's serves the others' rendezvous), so keep rank 0's alive while others connect.
+//
+//   // N replicas of a D-rank group, global rank = replica * D + index:
+//   NewGlooGroups(world, {{absl::StrCat("tsp", replica), index, D},
+//                         {absl::StrCat("dp", index), replica, N}});
+absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> NewGlooGroups(
+    const CommOptions& world, const std::vector<GroupMembership>& groups);
 
 }  // namespace parallel
 }  // namespace stallfree

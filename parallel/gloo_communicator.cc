@@ -114,7 +114,7 @@ struct Blocks {
 
 class GlooCommunicator : public Communicator {
  public:
-  GlooCommunicator(const CommOptions& options, std::unique_ptr<gloo::rendezvous::Store> store,
+  GlooCommunicator(const CommOptions& options, std::shared_ptr<gloo::rendezvous::Store> store,
                    std::unique_ptr<gloo::rendezvous::Store> prefix,
                    std::shared_ptr<gloo::transport::Device> device,
                    std::shared_ptr<gloo::rendezvous::Context> context)
@@ -538,7 +538,7 @@ class GlooCommunicator : public Communicator {
   }
 
   const CommOptions options_;
-  std::unique_ptr<gloo::rendezvous::Store> store_;
+  std::shared_ptr<gloo::rendezvous::Store> store_;  // shared by the groups of NewGlooGroups
   std::unique_ptr<gloo::rendezvous::Store> prefix_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
@@ -562,7 +562,73 @@ class GlooCommunicator : public Communicator {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Communicator>> NewGlooCommunicator(const CommOptions& options) {
+namespace {
+
+bool IsTimeout(const std::string& what) {
+  return absl::StrContains(what, "imed out") || absl::StrContains(what, "imeout");
+}
+
+std::string StoreWhere(const CommOptions& options) {
+  return options.store_dir.empty()
+             ? absl::StrCat("TCP store ", options.master_addr, ":", options.master_port)
+             : absl::StrCat("file store ", options.store_dir);
+}
+
+// The world's rendezvous store: the TCP store (served by world rank 0) or the file store.
+absl::StatusOr<std::shared_ptr<gloo::rendezvous::Store>> OpenStore(const CommOptions& options) {
+  try {
+    if (options.store_dir.empty()) {
+      ASSIGN_OR_RETURN(std::unique_ptr<TcpStore> tcp,
+                       TcpStore::Create(options.master_addr, options.master_port,
+                                        options.rank == 0, options.timeout));
+      return std::shared_ptr<gloo::rendezvous::Store>(std::move(tcp));
+    }
+    return std::shared_ptr<gloo::rendezvous::Store>(
+        std::make_shared<gloo::rendezvous::FileStore>(options.store_dir));
+  } catch (const std::exception& e) {
+    const std::string msg = absl::StrCat("gloo rendezvous failed on rank ", options.rank, "/",
+                                         options.size, ": cannot open the ", StoreWhere(options),
+                                         ": ", e.what());
+    SF_LOG(kError, "%s", msg);
+    return IsTimeout(e.what()) ? absl::DeadlineExceededError(msg) : absl::UnavailableError(msg);
+  }
+}
+
+// One group's communicator: options.rank / options.size in the group, its keys under
+// options.group in `store` (unused for a group of one).
+absl::StatusOr<std::unique_ptr<Communicator>> ConnectGroup(
+    const CommOptions& options, const std::string& where,
+    std::shared_ptr<gloo::rendezvous::Store> store,
+    std::shared_ptr<gloo::transport::Device>* device) {
+  std::unique_ptr<gloo::rendezvous::Store> prefix;
+  std::shared_ptr<gloo::rendezvous::Context> context;
+  if (options.size > 1) {
+    try {
+      prefix = std::make_unique<gloo::rendezvous::PrefixStore>(options.group, *store);
+      if (*device == nullptr) {
+        gloo::transport::tcp::attr attr;
+        attr.hostname = options.transport_addr;
+        *device = gloo::transport::tcp::CreateDevice(attr);
+      }
+      context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.size);
+      context->setTimeout(options.timeout);
+      context->connectFullMesh(*prefix, *device);
+    } catch (const std::exception& e) {
+      std::string what = e.what();
+      std::string msg = absl::StrCat("gloo rendezvous failed on rank ", options.rank, "/",
+                                     options.size, " via ", where, " (group '", options.group,
+                                     "', transport ", options.transport_addr, "): ", what);
+      SF_LOG(kError, "%s", msg);
+      return IsTimeout(what) ? absl::DeadlineExceededError(msg) : absl::UnavailableError(msg);
+    }
+  }
+  // Every communicator keeps the store: world rank 0's serves the TCP store, which the groups
+  // without rank 0 may still be connecting through.
+  return std::unique_ptr<Communicator>(new GlooCommunicator(
+      options, std::move(store), std::move(prefix), *device, std::move(context)));
+}
+
+absl::Status CheckOptions(const CommOptions& options) {
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
     return absl::InvalidArgumentError(absl::StrCat("gloo: bad rank ", options.rank, " / size ",
                                                    options.size));
@@ -570,42 +636,46 @@ absl::StatusOr<std::unique_ptr<Communicator>> NewGlooCommunicator(const CommOpti
   if (options.timeout.count() <= 0) {
     return absl::InvalidArgumentError("gloo: timeout must be positive");
   }
-  std::unique_ptr<gloo::rendezvous::Store> store, prefix;
-  std::shared_ptr<gloo::transport::Device> device;
-  std::shared_ptr<gloo::rendezvous::Context> context;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> NewGlooCommunicator(const CommOptions& options) {
+  RETURN_IF_ERROR(CheckOptions(options));
+  std::shared_ptr<gloo::rendezvous::Store> store;
   if (options.size > 1) {
-    const std::string where =
-        options.store_dir.empty()
-            ? absl::StrCat("TCP store ", options.master_addr, ":", options.master_port)
-            : absl::StrCat("file store ", options.store_dir);
-    try {
-      if (options.store_dir.empty()) {
-        ASSIGN_OR_RETURN(std::unique_ptr<TcpStore> tcp,
-                         TcpStore::Create(options.master_addr, options.master_port,
-                                          options.rank == 0, options.timeout));
-        store = std::move(tcp);
-      } else {
-        store = std::make_unique<gloo::rendezvous::FileStore>(options.store_dir);
-      }
-      prefix = std::make_unique<gloo::rendezvous::PrefixStore>(options.group, *store);
-      gloo::transport::tcp::attr attr;
-      attr.hostname = options.transport_addr;
-      device = gloo::transport::tcp::CreateDevice(attr);
-      context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.size);
-      context->setTimeout(options.timeout);
-      context->connectFullMesh(*prefix, device);
-    } catch (const std::exception& e) {
-      std::string what = e.what();
-      std::string msg = absl::StrCat("gloo rendezvous failed on rank ", options.rank, "/",
-                                     options.size, " via ", where, " (group '", options.group,
-                                     "', transport ", options.transport_addr, "): ", what);
-      SF_LOG(kError, "%s", msg);
-      bool timeout = absl::StrContains(what, "imed out") || absl::StrContains(what, "imeout");
-      return timeout ? absl::DeadlineExceededError(msg) : absl::UnavailableError(msg);
-    }
+    ASSIGN_OR_RETURN(store, OpenStore(options));
   }
-  return std::unique_ptr<Communicator>(new GlooCommunicator(
-      options, std::move(store), std::move(prefix), std::move(device), std::move(context)));
+  std::shared_ptr<gloo::transport::Device> device;
+  return ConnectGroup(options, StoreWhere(options), std::move(store), &device);
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> NewGlooGroups(
+    const CommOptions& world, const std::vector<GroupMembership>& groups) {
+  RETURN_IF_ERROR(CheckOptions(world));
+  for (const GroupMembership& g : groups) {
+    if (g.name.empty() || g.size < 1 || g.size > world.size || g.rank < 0 || g.rank >= g.size)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gloo groups: group '", g.name, "' has rank ", g.rank, " / size ", g.size,
+          " (a non-empty name, 0 <= rank < size <= the world's ", world.size, ")"));
+  }
+  std::shared_ptr<gloo::rendezvous::Store> store;
+  if (world.size > 1) {
+    ASSIGN_OR_RETURN(store, OpenStore(world));
+  }
+  std::shared_ptr<gloo::transport::Device> device;  // one TCP device for every group
+  std::vector<std::unique_ptr<Communicator>> out;
+  for (const GroupMembership& g : groups) {
+    CommOptions o = world;
+    o.rank = g.rank;
+    o.size = g.size;
+    o.group = absl::StrCat(world.group, "/", g.name);
+    ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c,
+                     ConnectGroup(o, StoreWhere(world), store, &device));
+    out.push_back(std::move(c));
+  }
+  return out;
 }
 
 }  // namespace parallel

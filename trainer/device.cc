@@ -14,6 +14,9 @@ class CpuDevice final : public RankDevice {
   const kernels::TransformerOps& ops() const override { return kernels::CpuOps(); }
   const kernels::OptimizerKernel& kernel() const override { return kernels::DefaultCpuKernel(); }
   parallel::Communicator* model_comm() const override { return gloo_; }
+  absl::StatusOr<parallel::Communicator*> OpenGroup(parallel::Communicator* gloo) override {
+    return gloo;
+  }
 
  private:
   parallel::Communicator* gloo_;

@@ -47,6 +47,11 @@ class RankDevice {
   // The communicator for the model's collectives (on ops()' memory): the Gloo group itself on
   // the CPU, the NCCL group on a GPU. Host-side scalars still travel over the Gloo group.
   virtual parallel::Communicator* model_comm() const = 0;
+  // A communicator on ops()' memory for another group of host ranks (`gloo`, e.g. the
+  // data-parallel group of --dp): `gloo` itself on the CPU; on a GPU an NCCL communicator on the
+  // device's stream, bootstrapped through `gloo` (a collective over it), owned by the device.
+  // `gloo` must outlive the device.
+  virtual absl::StatusOr<parallel::Communicator*> OpenGroup(parallel::Communicator* gloo) = 0;
 
   // Waits for the work issued to ops() and kernel(); OK or Internal with the first error.
   absl::Status Synchronize() const;

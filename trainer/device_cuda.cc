@@ -4,6 +4,7 @@
 
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/ops_cuda.h"
@@ -22,6 +23,7 @@ class CudaDevice final : public RankDevice {
   explicit CudaDevice(int device) : device_(device) {}
   ~CudaDevice() override {
     // Users of the stream first, then the stream.
+    groups_.clear();
     nccl_.reset();
     kernel_.reset();
     ops_.reset();
@@ -36,6 +38,13 @@ class CudaDevice final : public RankDevice {
   const kernels::TransformerOps& ops() const override { return *ops_; }
   const kernels::OptimizerKernel& kernel() const override { return *kernel_; }
   parallel::Communicator* model_comm() const override { return nccl_.get(); }
+  absl::StatusOr<parallel::Communicator*> OpenGroup(parallel::Communicator* gloo) override {
+    absl::StatusOr<std::unique_ptr<parallel::Communicator>> nccl =
+        parallel::NewNcclCommunicator(gloo, device_, stream_);
+    if (!nccl.ok()) return nccl.status();
+    groups_.push_back(*std::move(nccl));
+    return groups_.back().get();
+  }
 
   // Everything but the NCCL communicator (local; no communication).
   absl::Status OpenLocal() {
@@ -87,6 +96,7 @@ class CudaDevice final : public RankDevice {
   std::unique_ptr<kernels::TransformerOps> ops_;
   std::unique_ptr<kernels::OptimizerKernel> kernel_;
   std::unique_ptr<parallel::Communicator> nccl_;
+  std::vector<std::unique_ptr<parallel::Communicator>> groups_;  // OpenGroup's
 };
 
 }  // namespace

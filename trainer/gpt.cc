@@ -15,6 +15,7 @@
 #include <fstream>
 #include <memory>
 #include <numeric>
+#include <set>
 #include <thread>
 #include <string_view>
 #include <tuple>
@@ -24,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/client.h"
+#include "client/partition.h"
 #include "common/checksum.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -548,6 +550,71 @@ absl::StatusOr<parallel::ModelConfig> ModelFromOptions(const TrainOptions& o, in
 
 namespace {
 
+// The ranks of a run: this rank's TSP group and, with --dp N > 1, its data-parallel group.
+// Global rank = replica * D + TSP rank. A sum over the world is a sum over the TSP group, then
+// over the data-parallel group (likewise a barrier).
+struct World {
+  parallel::Communicator* tsp = nullptr;
+  parallel::Communicator* dp = nullptr;  // null with one replica
+
+  int D() const { return tsp->size(); }
+  int N() const { return dp == nullptr ? 1 : dp->size(); }
+  int replica() const { return dp == nullptr ? 0 : dp->rank(); }
+  int rank() const { return replica() * D() + tsp->rank(); }
+  absl::StatusOr<double> Sum(double x) const {
+    ASSIGN_OR_RETURN(double sum, AllReduceSum(tsp, x));
+    if (dp == nullptr) return sum;
+    return AllReduceSum(dp, sum);
+  }
+  absl::Status Barrier() const {
+    RETURN_IF_ERROR(tsp->Barrier());
+    return dp == nullptr ? absl::OkStatus() : dp->Barrier();
+  }
+};
+
+// The data-parallel partition of a rank's tensors over N replicas (client/partition.h): a
+// tensor of shape [..., cols] is rows = numel / cols rows (a 1-D one: numel rows of one column);
+// replica q owns the row block blocks[q]. The all-gather after a step packs each replica's
+// blocks into a slot of `slot` floats, tensor i at `offset[i]` padded to its largest block.
+struct DpPartition {
+  struct Part {
+    int64_t rows = 0, cols = 1;
+    std::vector<RowBlock> blocks;  // per replica
+    bool replicated = false;       // fewer rows than replicas: every replica holds it whole
+    int64_t offset = 0;            // in a replica's slot (partitioned tensors)
+  };
+  std::vector<Part> parts;  // per tensor
+  int64_t slot = 0;
+
+  DpPartition(const std::vector<Tensor>& tensors, int N) {
+    for (const Tensor& t : tensors) {
+      Part p;
+      p.cols = t.shape.size() >= 2 ? t.shape.back() : 1;
+      p.rows = t.numel / p.cols;
+      for (int q = 0; q < N; ++q) p.blocks.push_back(PartitionRows(p.rows, N, q));
+      p.replicated = p.blocks[0].replicated;
+      if (N > 1 && !p.replicated) {
+        int64_t largest = 0;
+        for (const RowBlock& b : p.blocks) largest = std::max(largest, b.rows());
+        p.offset = slot;
+        slot += largest * p.cols;
+      }
+      parts.push_back(std::move(p));
+    }
+  }
+
+  // Tensor i's view for replica q's engine: its block's rows (the whole tensor when N is 1).
+  EngineParam View(const Tensor& t, size_t i, int q, int N) const {
+    if (N == 1) return EngineParam{t.name, t.shape, t.value, t.grad};
+    const Part& p = parts[i];
+    const RowBlock& b = p.blocks[q];
+    std::vector<int64_t> shape = t.shape.size() >= 2 ? std::vector<int64_t>{b.rows(), p.cols}
+                                                     : std::vector<int64_t>{b.rows()};
+    return EngineParam{t.name, std::move(shape), t.value + b.begin * p.cols,
+                       t.grad + b.begin * p.cols};
+  }
+};
+
 // Where a run stands for recovery: the newest checkpoint every rank holds.
 struct Progress {
   std::string checkpoint;  // its tag ("" before the first)
@@ -569,8 +636,8 @@ bool IsDaemonLoss(const absl::Status& st) {
 // Collective: st is this rank's result of a daemon call. If any rank lost the daemon, every rank
 // marks progress->daemon_lost and returns UNAVAILABLE (RunRank then waits for the daemon or
 // explains how to resume); otherwise this rank's own st.
-absl::Status AgreeOnDaemon(parallel::Communicator* comm, Progress* progress, absl::Status st) {
-  ASSIGN_OR_RETURN(double lost, AllReduceSum(comm, IsDaemonLoss(st) ? 1.0 : 0.0));
+absl::Status AgreeOnDaemon(const World& world, Progress* progress, absl::Status st) {
+  ASSIGN_OR_RETURN(double lost, world.Sum(IsDaemonLoss(st) ? 1.0 : 0.0));
   if (lost == 0) return st;
   progress->daemon_lost = true;
   return absl::UnavailableError(IsDaemonLoss(st) ? std::string(st.message())
@@ -590,10 +657,13 @@ absl::Status TruncateMetrics(const std::string& path, int64_t step) {
   return WriteFileAtomically(path, kept);
 }
 
-absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, int local_rank,
+absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_rank,
                           Progress* progress) {
-  const int rank = comm->rank(), D = comm->size();
-  const bool lead = rank == 0;
+  parallel::Communicator* const comm = world.tsp;  // the TSP group
+  // rank: the global rank (files, daemon sessions and tags); lead: global rank 0 (prints and
+  // writes the metrics); tsp_lead: TSP rank 0 (counts the replicated tensors in the norm).
+  const int D = world.D(), N = world.N(), replica = world.replica(), rank = world.rank();
+  const bool lead = rank == 0, tsp_lead = comm->rank() == 0;
   ASSIGN_OR_RETURN(Preset preset, FindPreset(o.preset));
   const int64_t T = o.seq_len > 0 ? o.seq_len : preset.seq_len;
   const int64_t B = o.batch > 0 ? o.batch : preset.batch;
@@ -602,10 +672,10 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
     return absl::InvalidArgumentError("keep_checkpoints: must be >= 0 (0 keeps every one)");
   if (!o.init_from.empty() && !o.resume.empty())
     return absl::InvalidArgumentError("init_from: cannot be combined with --resume");
-  if (!o.dump_init.empty() && D != 1)
+  if (!o.dump_init.empty() && D * N != 1)
     return absl::InvalidArgumentError(absl::StrCat(
-        "dump_init: writes a single rank's whole model, and this run has ", D,
-        " ranks; run it with --nproc 1"));
+        "dump_init: writes a single rank's whole model, and this run has ", D * N,
+        " ranks; run it with --nproc 1 --dp 1"));
   if (!o.dump_init.empty() && !o.resume.empty())
     return absl::InvalidArgumentError(
         "dump_init: writes a run's starting point, and a resumed run starts from a checkpoint's "
@@ -630,15 +700,22 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
     ASSIGN_OR_RETURN(corpus, LoadCorpus(o.data, format, o.eval_fraction));
   }
   ASSIGN_OR_RETURN(parallel::ModelConfig cfg, ModelFromOptions(o, corpus.vocab, T, D));
-  ASSIGN_OR_RETURN(Batcher batcher, Batcher::Create(&corpus.train, B, T, o.seed));
+  // The global batch (N replicas x B sequences), the same on every rank; replica i trains on
+  // (and evaluates) its sequences [i B, (i + 1) B).
+  ASSIGN_OR_RETURN(Batcher batcher, Batcher::Create(&corpus.train, N * B, T, o.seed));
   const bool have_eval = !corpus.eval.empty() && static_cast<int64_t>(corpus.eval.size()) > T;
   absl::StatusOr<Batcher> eval_batcher =
-      have_eval ? Batcher::Create(&corpus.eval, B, T, o.seed, BatchOrder::kSequential)
+      have_eval ? Batcher::Create(&corpus.eval, N * B, T, o.seed, BatchOrder::kSequential)
                 : absl::StatusOr<Batcher>(absl::NotFoundError("no eval split"));
 
   // The device (before everything that lives in its memory or uses its backends).
   ASSIGN_OR_RETURN(std::unique_ptr<RankDevice> dev, OpenRankDevice(o.device, local_rank, comm));
   const kernels::TransformerOps& ops = dev->ops();
+  // The data-parallel group on the device's memory (Gloo on the CPU, NCCL on a GPU).
+  parallel::Communicator* dp_dev = nullptr;
+  if (N > 1) {
+    ASSIGN_OR_RETURN(dp_dev, dev->OpenGroup(world.dp));
+  }
 
   // Model and gradients (the same layout, zeroed): host vectors on the CPU; on a GPU, the shard
   // uploaded into device memory and gradients allocated there (the host copy is then dropped).
@@ -677,21 +754,128 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
           "socket: mode ", OffloadModeName(o.engine.mode),
           " needs stallfreed; start one (stallfreed --socket PATH) and pass --socket PATH"));
     ASSIGN_OR_RETURN(client, Client::Connect(o.socket));
-    ASSIGN_OR_RETURN(session, client->OpenSession(absl::StrCat("gpt-", o.preset, "-", o.run_name),
+    // One session per rank, named with the global rank.
+    ASSIGN_OR_RETURN(session, client->OpenSession(absl::StrCat("gpt-", o.preset, "-", o.run_name,
+                                                               ".rank", rank),
                                                   rank));
   }
+  // The engine over this replica's row blocks (the whole tensors with one replica).
+  const DpPartition partition(tensors, N);
   std::vector<EngineParam> eparams;
-  for (const Tensor& t : tensors) eparams.push_back({t.name, t.shape, t.value, t.grad});
+  std::set<std::string> replicated_params;  // held whole by every replica
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    eparams.push_back(partition.View(tensors[i], i, replica, N));
+    if (partition.parts[i].replicated) replicated_params.insert(tensors[i].name);
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<ZenFlowEngine> engine,
                    ZenFlowEngine::Create(o.engine, eparams, dev->kernel(), ops, session.get()));
+  if (N > 1) {
+    // A partitioned weight's block scores sum to the whole weight's: every replica selects the
+    // same hot columns. Replicated ones have the same (averaged) gradient on every replica.
+    engine->set_score_reduce([dp_dev, replicated_params](const std::string& name, float* scores,
+                                                         int64_t cols) -> absl::Status {
+      if (replicated_params.count(name) > 0) return absl::OkStatus();
+      return dp_dev->AllReduce(scores, cols);
+    });
+  }
+  // Data-parallel buffers (device memory): every gradient packed for the average, and the
+  // all-gather's slots (N x partition.slot).
+  int64_t grads_total = 0;
+  for (const Tensor& t : tensors) grads_total += t.numel;
+  kernels::OpsBuffer dp_grads, dp_send, dp_recv;
+  if (N > 1) {
+    dp_grads = kernels::OpsBuffer(&ops, grads_total);
+    dp_send = kernels::OpsBuffer(&ops, std::max<int64_t>(partition.slot, 1));
+    dp_recv = kernels::OpsBuffer(&ops, N * std::max<int64_t>(partition.slot, 1));
+    ops.Fill(dp_send.data(), std::max<int64_t>(partition.slot, 1), 0.0f);  // the padding
+  }
+  double sum_dp = 0;  // seconds in the data-parallel collectives
+  // Gradients := their mean over the replicas (one all-reduce of them all).
+  auto average_grads = [&]() -> absl::Status {
+    if (N == 1) return absl::OkStatus();
+    const auto t0 = Clock::now();
+    int64_t off = 0;
+    for (const Tensor& t : tensors) {
+      ops.CopyFloats(dp_grads.data() + off, t.grad, t.numel);
+      off += t.numel;
+    }
+    RETURN_IF_ERROR(dp_dev->AllReduce(dp_grads.data(), grads_total));
+    off = 0;
+    for (const Tensor& t : tensors) {
+      dev->kernel().Accumulate(t.grad, dp_grads.data() + off, kernels::GradType::kFp32,
+                               1.0f / static_cast<float>(N), t.numel,
+                               kernels::AccumulateMode::kOverwrite);
+      off += t.numel;
+    }
+    RETURN_IF_ERROR(dev->Synchronize());
+    sum_dp += Since(t0);
+    return absl::OkStatus();
+  };
+  // Every replica's updated blocks to every replica: one all-gather of the packed blocks.
+  auto gather_blocks = [&]() -> absl::Status {
+    if (N == 1 || partition.slot == 0) return absl::OkStatus();
+    const auto t0 = Clock::now();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const DpPartition::Part& p = partition.parts[i];
+      if (p.replicated) continue;
+      const RowBlock& b = p.blocks[replica];
+      ops.CopyFloats(dp_send.data() + p.offset, tensors[i].value + b.begin * p.cols,
+                     b.rows() * p.cols);
+    }
+    RETURN_IF_ERROR(dp_dev->AllGather(dp_send.data(), dp_recv.data(), partition.slot));
+    for (int q = 0; q < N; ++q) {
+      if (q == replica) continue;
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        const DpPartition::Part& p = partition.parts[i];
+        if (p.replicated) continue;
+        const RowBlock& b = p.blocks[q];
+        ops.CopyFloats(tensors[i].value + b.begin * p.cols,
+                       dp_recv.data() + q * partition.slot + p.offset, b.rows() * p.cols);
+      }
+    }
+    RETURN_IF_ERROR(dev->Synchronize());
+    sum_dp += Since(t0);
+    return absl::OkStatus();
+  };
 
-  const std::vector<int64_t> shape_key = {rank,  D,     cfg.layers, cfg.C, cfg.H,
-                                          cfg.FF, cfg.vocab, T,      B,
-                                          static_cast<int64_t>(o.engine.mode),
-                                          cfg.tied_head, cfg.learned_positions};
+  // What a checkpoint must match: the TSP rank and size, the model, the per-replica batch, the
+  // mode, and with --dp N > 1 N and the replica (a run with one replica writes the key of the
+  // runs before --dp, whose checkpoints it resumes).
+  std::vector<int64_t> shape_key = {comm->rank(), D,     cfg.layers, cfg.C, cfg.H,
+                                    cfg.FF,       cfg.vocab, T,      B,
+                                    static_cast<int64_t>(o.engine.mode),
+                                    cfg.tied_head, cfg.learned_positions};
+  constexpr size_t kDpKey = 12;  // where N and the replica follow
+  if (N > 1) shape_key.insert(shape_key.end(), {N, replica});
+  auto written_dp = [&](const RankState& st) -> int64_t {
+    return st.shape.size() > kDpKey ? st.shape[kDpKey] : 1;
+  };
   int64_t start = 0;
   if (!o.resume.empty()) {
-    ASSIGN_OR_RETURN(RankState st, DecodeState(RankFile(o, o.resume, rank)));
+    // Every rank reads its file, then all agree, so that one rank's error ends every rank.
+    absl::StatusOr<RankState> read = DecodeState(RankFile(o, o.resume, rank));
+    if (read.ok() && written_dp(*read) != N) {
+      read = absl::FailedPreconditionError(absl::StrCat(
+          "resume: checkpoint '", o.resume, "' was written by a run with --dp ", written_dp(*read),
+          ", and this run has --dp ", N, "; resuming with another --dp is not supported yet: "
+          "resume with --dp ", written_dp(*read)));
+    } else if (absl::IsNotFound(read.status())) {
+      // A rank the writing run did not have: say which --dp wrote the checkpoint, if rank 0's
+      // file tells.
+      absl::StatusOr<RankState> first = DecodeState(RankFile(o, o.resume, 0));
+      if (first.ok() && written_dp(*first) != N)
+        read = absl::FailedPreconditionError(absl::StrCat(
+            "resume: checkpoint '", o.resume, "' was written by a run with --dp ",
+            written_dp(*first), " (", first->shape[1], " TSP ranks each), and this run has --dp ",
+            N, "; resuming with another --dp is not supported yet: resume with --dp ",
+            written_dp(*first)));
+    }
+    ASSIGN_OR_RETURN(double failed, world.Sum(read.ok() ? 0.0 : 1.0));
+    if (!read.ok()) return read.status();
+    if (failed > 0)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: another rank could not resume from '", o.resume, "' (its error says why)"));
+    RankState st = *std::move(read);
     if (st.shape != shape_key || st.tensors.size() != tensors.size())
       return absl::FailedPreconditionError(absl::StrCat(
           "resume: checkpoint '", o.resume, "' was written by a run with another model, batch, "
@@ -704,7 +888,7 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
     }
     RETURN_IF_ERROR(dev->Synchronize());
     RETURN_IF_ERROR(AgreeOnDaemon(
-        comm, progress, engine->Restore(absl::StrCat(o.resume, ".r", rank), st.engine)));
+        world, progress, engine->Restore(absl::StrCat(o.resume, ".r", rank), st.engine)));
     batcher.Seek(st.data_position);
     start = st.step;
     if (lead) printf("resumed from checkpoint '%s' at step %ld\n", o.resume.c_str(), (long)start);
@@ -716,6 +900,10 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
     ASSIGN_OR_RETURN(RankState st, DecodeState(file));
     std::vector<int64_t> want = shape_key, got = st.shape;
     if (got.size() == want.size()) got[9] = want[9];  // the mode may differ
+    if (written_dp(st) != N)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "init_from: ", file, " was written by a run with --dp ", written_dp(st),
+          ", and this run has --dp ", N, "; use the same --dp"));
     if (got != want || st.tensors.size() != tensors.size())
       return absl::FailedPreconditionError(absl::StrCat(
           "init_from: ", file, " holds another model, batch or rank count"));
@@ -744,13 +932,21 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
       std::fprintf(csv,
                    "step,loss,eval_loss,lr,tokens_per_s,step_s,compute_s,optimizer_s,copies_s,"
                    "stall_s,bytes_to_host,bytes_to_device,grad_norm\n");
+    const std::string batch =
+        N == 1 ? absl::StrCat(B)
+               : absl::StrCat(B, " per replica (global ", N * B, ")");
+    const std::string ranks =
+        N == 1 ? absl::StrCat(D, " ranks")
+               : absl::StrCat(D, " TSP ranks, x ", N, " data-parallel replicas (", N * D,
+                              " ranks; each rank's optimizer state 1/", N, " of its shard's)");
     printf("training %s: preset %s, %ld layers, d_model %ld, %ld heads, d_ff %ld, seq %ld, "
-           "batch %ld, vocab %ld: %.2fM parameters (%.2fM on each of %d ranks); mode %s; "
+           "batch %s, vocab %ld: %.2fM parameters (%.2fM on each of %s); mode %s; "
            "device %s; data %s (%zu train / %zu eval tokens)\n",
            o.run_name.c_str(), o.preset.c_str(), (long)cfg.layers, (long)cfg.C, (long)cfg.H,
-           (long)cfg.FF, (long)T, (long)B, (long)cfg.vocab, params_total / 1e6,
-           params_local / 1e6, D, OffloadModeName(o.engine.mode), dev->name().c_str(),
-           corpus.source.c_str(), corpus.train.size(), corpus.eval.size());
+           (long)cfg.FF, (long)T, batch.c_str(), (long)cfg.vocab, params_total / 1e6,
+           params_local / 1e6, ranks.c_str(), OffloadModeName(o.engine.mode),
+           dev->name().c_str(), corpus.source.c_str(), corpus.train.size(),
+           corpus.eval.size());
     std::fflush(stdout);
   }
 
@@ -763,7 +959,9 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
                       1, std::min(o.eval_batches, std::max(eval_batcher->full_batches_per_epoch(),
                                                            static_cast<int64_t>(1))))
                 : 0;
-  std::vector<int32_t> tokens(B * T), targets(B * T);
+  // The global batch; this replica's sequences start at `mine`.
+  std::vector<int32_t> tokens(N * B * T), targets(N * B * T);
+  const int64_t mine = static_cast<int64_t>(replica) * B * T;
 
   // --dump_init: the batches of steps 1..steps and of an evaluation, drawn by the batchers
   // themselves (then rewound), the weights, the configuration. The loop below checks that it
@@ -808,8 +1006,15 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
   // The model's forward on this rank's device (the CPU API on host memory, the view form on a
   // GPU); cache may be null (no backward).
   auto forward = [&](parallel::DistributedCache* cache) -> absl::StatusOr<double> {
-    if (dev->host()) return model.Forward(ops, w, tokens.data(), targets.data(), B, T, cache);
-    return model.Forward(ops, wv, tokens.data(), targets.data(), B, T, cache);
+    if (dev->host())
+      return model.Forward(ops, w, tokens.data() + mine, targets.data() + mine, B, T, cache);
+    return model.Forward(ops, wv, tokens.data() + mine, targets.data() + mine, B, T, cache);
+  };
+  // The mean over the replicas of a loss (each over its share of the global batch).
+  auto replica_mean = [&](double x) -> absl::StatusOr<double> {
+    if (N == 1) return x;
+    ASSIGN_OR_RETURN(double sum, AllReduceSum(world.dp, x));
+    return sum / N;
   };
   auto evaluate = [&]() -> absl::StatusOr<double> {
     if (!have_eval) return std::nan("");
@@ -821,7 +1026,8 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
       if (!is_dumped(dumped.eval_tokens, dumped.eval_targets, i))
         return absl::InternalError(absl::StrCat(
             "dump_init: evaluation batch ", i, " differs from the dumped one (a trainer bug)"));
-      ASSIGN_OR_RETURN(double loss, forward(nullptr));
+      ASSIGN_OR_RETURN(double local, forward(nullptr));
+      ASSIGN_OR_RETURN(double loss, replica_mean(local));
       sum += loss;
     }
     return sum / static_cast<double>(eval_n);
@@ -838,10 +1044,10 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
     }
     RETURN_IF_ERROR(dev->Synchronize());
     absl::StatusOr<std::string> engine_state = engine->Checkpoint(absl::StrCat(tag, ".r", rank));
-    RETURN_IF_ERROR(AgreeOnDaemon(comm, progress, engine_state.status()));
+    RETURN_IF_ERROR(AgreeOnDaemon(world, progress, engine_state.status()));
     st.engine = std::move(*engine_state);
     RETURN_IF_ERROR(WriteFileAtomically(RankFile(o, tag, rank), EncodeState(st)));
-    RETURN_IF_ERROR(comm->Barrier());  // every rank holds the new one before any old one goes
+    RETURN_IF_ERROR(world.Barrier());  // every rank holds the new one before any old one goes
     progress->checkpoint = tag;
     progress->checkpoint_step = step;
     PruneCheckpoints(o, rank, engine.get());
@@ -856,8 +1062,8 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
   std::vector<double> losses;
   double first_loss = std::nan(""), last_eval = std::nan("");
   double sum_step = 0, sum_compute = 0, sum_opt = 0, sum_copies = 0, sum_stall = 0;
-  double sum_traffic = 0;
-  int64_t timed = 0;
+  double sum_traffic = 0, migrated = 0;
+  int64_t timed = 0, reselections = 0;
   for (int64_t step = start + 1; step <= last_step; ++step) {
     const auto t0 = Clock::now();
     batcher.Next(tokens.data(), targets.data());
@@ -866,7 +1072,7 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
           "dump_init: step ", step, "'s batch differs from the dumped one (a trainer bug)"));
     for (const Tensor& t : tensors) ops.Fill(t.grad, t.numel, 0.0f);
     parallel::DistributedCache cache;
-    ASSIGN_OR_RETURN(double loss, forward(&cache));
+    ASSIGN_OR_RETURN(double local_loss, forward(&cache));
     if (dev->host()) {
       RETURN_IF_ERROR(model.Backward(ops, w, cache, &g));
     } else {
@@ -874,15 +1080,18 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
       RETURN_IF_ERROR(dev->Synchronize());  // the compute time covers the queued work
     }
     const double compute = Since(t0);
-    // Clip by the global norm: sharded tensors count on their owner, replicated ones once.
+    ASSIGN_OR_RETURN(double loss, replica_mean(local_loss));
+    RETURN_IF_ERROR(average_grads());
+    // Clip by the global norm: sharded tensors count on their owner, replicated ones once (the
+    // gradients, averaged, are the same on every replica: the norm is the TSP group's).
     double sq = 0;
     if (dev->host()) {
       for (const Tensor& t : tensors) {
-        if (t.replicated && !lead) continue;
+        if (t.replicated && !tsp_lead) continue;
         for (int64_t i = 0; i < t.numel; ++i) sq += static_cast<double>(t.grad[i]) * t.grad[i];
       }
     } else {
-      ASSIGN_OR_RETURN(sq, BackendSquaredNorm(*dev, tensors, lead));
+      ASSIGN_OR_RETURN(sq, BackendSquaredNorm(*dev, tensors, tsp_lead));
     }
     ASSIGN_OR_RETURN(double total_sq, AllReduceSum(comm, sq));
     const double norm = std::sqrt(total_sq);
@@ -900,7 +1109,8 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
       }
     }
     const double lr = LearningRate(o, step);
-    RETURN_IF_ERROR(AgreeOnDaemon(comm, progress, engine->Step(lr)));
+    RETURN_IF_ERROR(AgreeOnDaemon(world, progress, engine->Step(lr)));
+    RETURN_IF_ERROR(gather_blocks());
     const StepTimings& tm = engine->last_timings();
     const double step_s = Since(t0);
     if (step == start + 1) first_loss = loss;  // this process's first step (a resume's too)
@@ -919,8 +1129,10 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
       ++timed;
     }
     sum_traffic += static_cast<double>(tm.bytes_to_host + tm.bytes_to_device);
+    migrated += static_cast<double>(tm.migrated_columns);
+    reselections += tm.reselected ? 1 : 0;
     if (lead) {
-      const double tps = static_cast<double>(B * T) / step_s;
+      const double tps = static_cast<double>(N * B * T) / step_s;
       std::fprintf(csv, "%ld,%.9g,%.9g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%lu,%lu,%.6g\n",
                    (long)step, loss, eval, lr, tps, step_s, compute, tm.optimizer, tm.copies,
                    tm.stall, (unsigned long)tm.bytes_to_host, (unsigned long)tm.bytes_to_device,
@@ -938,9 +1150,34 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
     if ((o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || step == last_step)
       RETURN_IF_ERROR(checkpoint(step));
   }
-  RETURN_IF_ERROR(AgreeOnDaemon(comm, progress, engine->Flush()));
+  RETURN_IF_ERROR(AgreeOnDaemon(world, progress, engine->Flush()));
+  RETURN_IF_ERROR(gather_blocks());  // the flushed cold columns of every replica's blocks
   // Traffic over every rank (each moves its own shards): one all-reduce for the whole run.
-  ASSIGN_OR_RETURN(sum_traffic, AllReduceSum(comm, sum_traffic));
+  ASSIGN_OR_RETURN(sum_traffic, world.Sum(sum_traffic));
+  // Columns migrated between the device and the daemon (every rank's engine, each of its own
+  // blocks), and this rank's reselections (the same on every rank).
+  ASSIGN_OR_RETURN(migrated, world.Sum(migrated));
+  // The daemon's share of the run: this run's sessions' registered elements and pinned bytes
+  // (summed over the ranks), and the daemon's GetStats (every session it holds now) read by
+  // rank 0 while every rank's session is still open (between the sum and the final barrier).
+  double run_elements = 0, run_pinned = 0;
+  if (client != nullptr && session != nullptr) {
+    absl::StatusOr<std::vector<v1::SessionInfo>> sessions = client->ListSessions();
+    if (sessions.ok()) {
+      for (const v1::SessionInfo& si : *sessions) {
+        if (si.session_id() != session->ref().session_id()) continue;
+        run_elements = static_cast<double>(si.param_elements());
+        run_pinned = static_cast<double>(si.pinned_bytes());
+      }
+    }
+  }
+  ASSIGN_OR_RETURN(run_elements, world.Sum(run_elements));
+  ASSIGN_OR_RETURN(run_pinned, world.Sum(run_pinned));
+  v1::Stats daemon_stats;
+  if (lead && client != nullptr) {
+    absl::StatusOr<v1::Stats> stats = client->GetStats();
+    if (stats.ok()) daemon_stats = *stats;
+  }
 
   if (lead) {
     std::fclose(csv);
@@ -954,18 +1191,26 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
     absl::Status plotted = WritePlot(plot, {{OffloadModeName(o.engine.mode), csv_path}},
                                      absl::StrCat(o.run_name, ": ", o.preset, ", D=", D));
     std::string summary = absl::StrFormat(
-        "{\"mode\": \"%s\", \"D\": %d, \"preset\": \"%s\", \"params\": %ld, \"steps\": %ld, "
+        "{\"mode\": \"%s\", \"D\": %d, \"dp\": %d, \"batch\": %ld, \"global_batch\": %ld, "
+        "\"preset\": \"%s\", \"params\": %ld, \"steps\": %ld, "
         "\"first_step\": %ld, \"last_step\": %ld, \"first_loss\": %.6f, "
         "\"final_train_loss\": %.6f, \"final_eval_loss\": %.6f, "
         "\"tokens_per_s\": %.3f, \"step_s\": %.6f, \"compute_s\": %.6f, \"optimizer_s\": %.6f, "
         "\"copies_s\": %.6f, \"stall_s\": %.6f, \"stall_share\": %.6f, "
-        "\"host_traffic_per_step_over_bf16_model\": %.6f}\n",
-        OffloadModeName(o.engine.mode), D, o.preset, (long)params_total, (long)o.steps,
+        "\"host_traffic_per_step_over_bf16_model\": %.6f, \"dp_collectives_s\": %.6f, "
+        "\"reselections\": %ld, \"migrated_columns\": %.0f, "
+        "\"run_param_elements\": %.0f, \"run_pinned_bytes\": %.0f, "
+        "\"daemon_sessions\": %ld, \"daemon_param_elements\": %ld, "
+        "\"daemon_pinned_bytes\": %lu}\n",
+        OffloadModeName(o.engine.mode), D, N, (long)B, (long)(N * B), o.preset,
+        (long)params_total, (long)o.steps,
         (long)(start + 1), (long)last_step, first_loss, final_loss, last_eval,
-        static_cast<double>(B * T) * steps_done / sum_step,
+        static_cast<double>(N * B * T) * steps_done / sum_step,
         sum_step / steps_done, sum_compute / steps_done, sum_opt / steps_done,
         sum_copies / steps_done, sum_stall / steps_done, sum_stall / std::max(sum_step, 1e-12),
-        sum_traffic / std::max<double>(n, 1) / model_bf16);
+        sum_traffic / std::max<double>(n, 1) / model_bf16, sum_dp / std::max<double>(n, 1),
+        (long)reselections, migrated, run_elements, run_pinned, (long)daemon_stats.sessions(),
+        (long)daemon_stats.param_elements(), (unsigned long)daemon_stats.pinned_bytes());
     RETURN_IF_ERROR(WriteFileAtomically(o.out_dir + "/summary.json", summary));
     const std::string ran =
         start == 0 && last_step == o.steps
@@ -973,12 +1218,14 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
             : absl::StrCat("steps ", start + 1, "-", last_step, " of ", o.steps,
                            start > 0 ? absl::StrCat(" (resumed after step ", start, ")") : "",
                            last_step < o.steps ? " (stopped early: --stop_at)" : "");
-    printf("\n== summary: %s, %s, D = %d, %.2fM parameters, %s\n", o.run_name.c_str(),
-           OffloadModeName(o.engine.mode), D, params_total / 1e6, ran.c_str());
+    printf("\n== summary: %s, %s, D = %d%s, %.2fM parameters, %s\n", o.run_name.c_str(),
+           OffloadModeName(o.engine.mode), D,
+           N == 1 ? "" : absl::StrCat(" x dp ", N).c_str(), params_total / 1e6, ran.c_str());
     printf("  train loss   %.4f -> %.4f (step %ld -> the mean of the last %ld steps)\n",
            first_loss, final_loss, (long)(start + 1), (long)tail);
     printf("  eval loss    %.4f\n", last_eval);
-    printf("  throughput   %.0f tokens/s\n", static_cast<double>(B * T) * steps_done / sum_step);
+    printf("  throughput   %.0f tokens/s\n",
+           static_cast<double>(N * B * T) * steps_done / sum_step);
     printf("  step time    %.3f s: compute %.3f, optimizer %.3f, copies %.3f, stall %.3f "
            "(stall share %.1f%%)\n",
            sum_step / steps_done, sum_compute / steps_done, sum_opt / steps_done,
@@ -986,12 +1233,21 @@ absl::Status TrainAttempt(const TrainOptions& o, parallel::Communicator* comm, i
            100.0 * sum_stall / std::max(sum_step, 1e-12));
     printf("  host traffic %.3f x the model's bf16 size per step\n",
            sum_traffic / std::max<double>(n, 1) / model_bf16);
+    if (N > 1)
+      printf("  data parallel %.3f s per step in the gradient all-reduce and the parameter "
+             "all-gather\n",
+             sum_dp / std::max<double>(n, 1));
+    if (client != nullptr)
+      printf("  daemon       this run's %ld sessions: %.0f registered elements, %.1f MB pinned "
+             "(the daemon: %ld sessions, %ld elements, %.1f MB pinned)\n",
+             (long)(N * D), run_elements, run_pinned / 1e6, (long)daemon_stats.sessions(),
+             (long)daemon_stats.param_elements(), daemon_stats.pinned_bytes() / 1e6);
     printf("  metrics      %s, %s/summary.json\n", csv_path.c_str(), o.out_dir.c_str());
     if (plotted.ok()) printf("  plot         %s\n", plot.c_str());
     else printf("  plot         not drawn: %s\n", std::string(plotted.message()).c_str());
     std::fflush(stdout);
   }
-  return comm->Barrier();
+  return world.Barrier();
 }
 
 // Waits up to `seconds` for a daemon that answers SERVING at `socket`.
@@ -1034,15 +1290,24 @@ absl::Status DaemonGone(const TrainOptions& o, const Progress& p, const absl::St
 }  // namespace
 
 absl::Status RunRank(const TrainOptions& options, parallel::Communicator* comm, int local_rank) {
+  return RunRank(options, RankGroups{comm, nullptr}, local_rank);
+}
+
+absl::Status RunRank(const TrainOptions& options, const RankGroups& groups, int local_rank) {
+  if (groups.tsp == nullptr)
+    return absl::InvalidArgumentError("RunRank: no TSP group (RankGroups::tsp is null)");
+  World world;
+  world.tsp = groups.tsp;
+  world.dp = groups.dp != nullptr && groups.dp->size() > 1 ? groups.dp : nullptr;
   TrainOptions o = options;
   Progress progress;
   progress.checkpoint = o.resume;
   for (;;) {
     progress.daemon_lost = false;
-    absl::Status st = TrainAttempt(o, comm, local_rank, &progress);
+    absl::Status st = TrainAttempt(o, world, local_rank, &progress);
     if (st.ok() || !progress.daemon_lost) return st;
     // Every rank is here: the loss was agreed on (AgreeOnDaemon).
-    const bool lead = comm->rank() == 0;
+    const bool lead = world.rank() == 0;
     if (o.reconnect_s <= 0) return DaemonGone(o, progress, st, "");
     if (lead) {
       printf("stallfreed at %s went away (%s); waiting up to %ld s for it (--reconnect_s)\n",
@@ -1050,7 +1315,7 @@ absl::Status RunRank(const TrainOptions& options, parallel::Communicator* comm, 
       std::fflush(stdout);
     }
     const absl::Status back = WaitForDaemon(o.socket, o.reconnect_s);
-    ASSIGN_OR_RETURN(double missing, AllReduceSum(comm, back.ok() ? 0.0 : 1.0));
+    ASSIGN_OR_RETURN(double missing, world.Sum(back.ok() ? 0.0 : 1.0));
     if (missing > 0)
       return DaemonGone(o, progress, st,
                         absl::StrCat(" and did not answer within --reconnect_s ", o.reconnect_s,

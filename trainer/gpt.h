@@ -1,5 +1,6 @@
 // The GPT trainer: a GPT-style model (parallel::DistributedModel in the TSP layout) trained by
-// D ranks with the ZenFlow engine (client/zenflow.h) over stallfreed.
+// D ranks with the ZenFlow engine (client/zenflow.h) over stallfreed, optionally replicated N
+// times for data parallelism (--dp N: N x D ranks).
 //
 // One rank's work is RunRank: every rank reads the same corpus and draws the same batches (the
 // model picks each rank's zigzag tokens), holds its TSP shard of the weights, and runs its own
@@ -8,20 +9,37 @@
 // copy). Gradients are clipped by their global norm, summed across ranks. Rank 0 prints the
 // progress and writes the metrics (JSON lines) and the summary.
 //
+// Data parallelism (ARCHITECTURE.md, "Scale-out"): N replicas of the TSP group; global rank =
+// replica * D + TSP rank; the rank's groups are its replica's TSP group and its data-parallel
+// group (the N ranks of its TSP index). `batch` is the batch of ONE replica: each step draws a
+// global batch of N x batch sequences and replica i trains on sequences [i B, (i + 1) B), so
+// `--dp N --batch B` sees the batches of `--dp 1 --batch N*B`. After the backward the gradients
+// are averaged over the data-parallel group (one all-reduce of all of them), then clipped
+// (the norm, the same on every replica, over the TSP group). The optimizer state is partitioned
+// by client/partition.h's rule: the engine of data-parallel rank r is built over row-block
+// views of the rank's tensors (rows [R r/N, R (r+1)/N) of each, replicated whole where R < N),
+// so its daemon session registers, receives and updates only that block; the engine's
+// ScoreReduce all-reduces the column scores of the partitioned weights over the group (every
+// replica picks the same hot columns); after each step (and after the final Flush) one
+// all-gather of a padded flat buffer of the updated blocks gives every replica the whole
+// parameters. Losses (train and eval) are the mean over the replicas, i.e. over the global
+// batch. Checkpoint files and daemon tags carry the global rank; a resume needs the same --dp.
+//
 // Checkpoints (every --checkpoint_every steps and at the end): each rank writes
 // <out_dir>/checkpoints/<tag>.rank<r>.trainer (its shard, the engine's state, the data position,
 // a checksum; temporary file, fsync, rename, directory fsync) and the daemon writes its state as
-// <tag>.r<r>.  --resume <tag> continues from there exactly as the uninterrupted run would.
-// After each checkpoint only the run's newest --keep_checkpoints stay: each rank removes its
-// older trainer files and the daemon's checkpoints of the same tags.
+// <tag>.r<r> (r: the global rank).  --resume <tag> continues from there exactly as the
+// uninterrupted run would. After each checkpoint only the run's newest --keep_checkpoints stay:
+// each rank removes its older trainer files and the daemon's checkpoints of the same tags.
 //
 // Devices (trainer/device.h): with device "cpu" the shard, its gradients and the engine's
 // device-side state are host memory, the model's collectives run over the Gloo group. With
 // "cuda" (CUDA builds) each rank uses GPU LOCAL_RANK: the shard and gradients live in device
-// memory (the model's view form, kernels/cuda ops, NCCL for the model's collectives, the CUDA
-// optimizer kernel for the engine's hot columns; cold columns go through the session's region),
-// the gradient norm comes from per-column sums of squares on the device, and checkpoints hold
-// the downloaded values in the same file format (resume uploads them).
+// memory (the model's view form, kernels/cuda ops, NCCL for the model's collectives and for the
+// data-parallel group, the CUDA optimizer kernel for the engine's hot columns; cold columns go
+// through the session's region), the gradient norm comes from per-column sums of squares on the
+// device, and checkpoints hold the downloaded values in the same file format (resume uploads
+// them).
 #pragma once
 
 #include <cstdint>
@@ -49,6 +67,7 @@ absl::StatusOr<Preset> FindPreset(const std::string& name);
 struct TrainOptions {
   // Model: the preset's shape, where a field here is 0.
   std::string preset = "tiny";
+  // batch: sequences per step of one replica (the global batch is --dp times it).
   int64_t layers = 0, d_model = 0, heads = 0, d_ff = 0, seq_len = 0, batch = 0;
   bool tied_head = false;
   std::string positions = "learned";  // learned | none
@@ -112,9 +131,18 @@ struct TrainOptions {
 absl::StatusOr<parallel::ModelConfig> ModelFromOptions(const TrainOptions& options, int64_t vocab,
                                                        int64_t seq_len, int D);
 
-// Trains on this rank (comm: the TSP group, a host (Gloo) communicator; local_rank: this rank's
-// index on its node, the GPU it uses with device "cuda"). Collective: every rank must call it
-// with the same options.
+// A rank's host (Gloo) groups: its replica's TSP group and, with data parallelism, its
+// data-parallel group (the ranks of the same TSP index in the N replicas; its rank is the
+// replica's index). Global rank = dp->rank() * tsp->size() + tsp->rank().
+struct RankGroups {
+  parallel::Communicator* tsp = nullptr;
+  parallel::Communicator* dp = nullptr;  // null (or of size 1): one replica
+};
+
+// Trains on this rank (local_rank: this rank's index on its node, the GPU it uses with device
+// "cuda"). Collective: every rank of every group must call it with the same options.
+absl::Status RunRank(const TrainOptions& options, const RankGroups& groups, int local_rank = 0);
+// One replica: comm is the TSP group.
 absl::Status RunRank(const TrainOptions& options, parallel::Communicator* comm,
                      int local_rank = 0);
 

@@ -2,9 +2,17 @@
 //
 //   trainer --socket /run/stallfree/stallfreed.sock --preset demo --nproc 2 --mode zenflow
 //
-// With --nproc D (> 1) and no RANK in the environment, the trainer starts D local ranks of
-// itself (parallel::LaunchLocal); under torchrun / Slurm / a launcher that sets RANK,
-// WORLD_SIZE, MASTER_ADDR and MASTER_PORT, each process is one rank.
+// With --nproc D and --dp N (N x D > 1) and no RANK in the environment, the trainer starts
+// N x D local ranks of itself (parallel::LaunchLocal); under torchrun / Slurm / a launcher that
+// sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, each process is one rank, and WORLD_SIZE
+// must be N x D (without --nproc: D = WORLD_SIZE / N). Global rank = replica * D + TSP rank:
+// the ranks of a replica (a TSP group) are consecutive, so a node's ranks hold whole replicas
+// when D divides the ranks per node. --dp N > 1 builds two Gloo groups per rank over the one
+// rendezvous store (parallel::NewGlooGroups): the TSP group of its replica and the
+// data-parallel group of its TSP index (trainer/gpt.h has what --dp does).
+//
+// The daemon: --socket, else $STALLFREE_SOCKET, else the node's default socket; each rank uses
+// the daemon of its own node (several nodes: several daemons, one socket path each).
 //
 // --device cuda (binaries built with --config=cuda): each rank trains on GPU LOCAL_RANK, with
 // NCCL between the ranks' GPUs (trainer/device.h); the default, --device cpu, trains on the CPU
@@ -14,6 +22,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -28,6 +37,8 @@
 namespace {
 
 std::string DefaultSocket() {
+  const char* env = getenv("STALLFREE_SOCKET");
+  if (env != nullptr && *env != '\0') return env;
   const char* xdg = getenv("XDG_RUNTIME_DIR");
   if (xdg != nullptr && *xdg != '\0') return std::string(xdg) + "/stallfree/stallfreed.sock";
   return "/run/stallfree/stallfreed.sock";
@@ -46,7 +57,7 @@ int Run(int argc, char** argv) {
   trainer::TrainOptions o;
   o.socket = DefaultSocket();
   std::string mode = "zenflow", grad_dtype = "bf16", param_dtype = "bf16";
-  int64_t nproc = 1, seed = 1;
+  int64_t nproc = 0, dp = 1, seed = 1;  // nproc 0: not given (1, or WORLD_SIZE / dp)
   std::string presets;
   for (const auto& p : trainer::Presets())
     presets += absl::StrCat("\n  ", p.name, ": ", p.layers, " layers, d_model ", p.d_model, ", ",
@@ -110,8 +121,18 @@ int Run(int argc, char** argv) {
                   "write the initial weights (float32), the batches of every step (int32) and "
                   "the configuration (manifest.json) into this directory, then train as usual "
                   "(--nproc 1; the format is in trainer/gpt.h)");
-  flags.AddString("socket", &o.socket, "stallfreed's gRPC socket");
-  flags.AddInt("nproc", &nproc, "TSP ranks to start locally (ignored under an external launcher)");
+  flags.AddString("socket", &o.socket,
+                  "stallfreed's gRPC socket (default: $STALLFREE_SOCKET, else the node's default)");
+  flags.AddInt("nproc", &nproc,
+               "TSP ranks per replica (D); 0: 1 when the trainer starts its ranks itself, "
+               "WORLD_SIZE / --dp under an external launcher (RANK set), where WORLD_SIZE must "
+               "equal --dp x --nproc");
+  flags.AddInt("dp", &dp,
+               "data-parallel replicas of the TSP group (N): N x D ranks, each replica on its "
+               "own N-th of every global batch of N x --batch sequences; gradients averaged "
+               "across replicas; the offloaded optimizer state partitioned across them (each "
+               "rank's daemon session holds 1/N of its shard's); e.g. trainer --dp 2 --nproc 2 "
+               "starts 4 ranks");
   flags.AddBool("quiet", &o.quiet, "no per-step progress lines");
   flags.AddString("device", &o.device,
                   trainer::CudaBuilt()
@@ -147,8 +168,9 @@ int Run(int argc, char** argv) {
     }
     *out = text == "bf16" ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
   }
-  if (seed < 0 || seed > UINT32_MAX || nproc < 1 || nproc > 64) {
-    fprintf(stderr, "trainer: --seed must be in [0, 2^32) and --nproc in [1, 64]\n");
+  if (seed < 0 || seed > UINT32_MAX || nproc < 0 || nproc > 64 || dp < 1 || dp > 64) {
+    fprintf(stderr, "trainer: --seed must be in [0, 2^32), --nproc in [1, 64] and --dp in "
+                    "[1, 64]\n");
     return 2;
   }
   o.seed = static_cast<uint32_t>(seed);
@@ -157,15 +179,17 @@ int Run(int argc, char** argv) {
     return 2;
   }
 
-  if (nproc > 1 && !o.dump_init.empty()) {
+  const bool external = getenv("RANK") != nullptr;
+  if (!external && nproc == 0) nproc = 1;
+  if ((nproc > 1 || dp > 1) && !o.dump_init.empty()) {
     fprintf(stderr, "trainer: --dump_init writes a single rank's whole model; run it with "
-                    "--nproc 1\n");
+                    "--nproc 1 --dp 1\n");
     return 2;
   }
 
-  if (nproc > 1 && getenv("RANK") == nullptr) {
+  if (nproc * dp > 1 && !external) {
     parallel::LaunchOptions lo;
-    lo.nproc = static_cast<int>(nproc);
+    lo.nproc = static_cast<int>(nproc * dp);
     lo.argv.push_back(SelfPath());
     for (int i = 1; i < argc; ++i) lo.argv.push_back(argv[i]);
     lo.store = parallel::LaunchOptions::Store::kFile;
@@ -174,7 +198,7 @@ int Run(int argc, char** argv) {
     lo.env.push_back({"OPENBLAS_NUM_THREADS", "1"});
     auto result = parallel::LaunchLocal(lo);
     if (!result.ok()) {
-      fprintf(stderr, "trainer: cannot start %ld ranks: %s\n", (long)nproc,
+      fprintf(stderr, "trainer: cannot start %ld ranks: %s\n", (long)(nproc * dp),
               std::string(result.status().message()).c_str());
       return 1;
     }
@@ -189,13 +213,49 @@ int Run(int argc, char** argv) {
     fprintf(stderr, "trainer: %s\n", std::string(options.status().message()).c_str());
     return 2;
   }
-  auto comm = parallel::NewGlooCommunicator(*options);
-  if (!comm.ok()) {
-    fprintf(stderr, "trainer: rank %d: %s\n", options->rank,
-            std::string(comm.status().message()).c_str());
-    return 1;
+  if (nproc == 0) {  // an external launcher and no --nproc: the world is dp replicas
+    if (options->size % dp != 0) {
+      fprintf(stderr, "trainer: WORLD_SIZE=%d ranks do not divide into --dp %ld replicas; "
+                      "launch a multiple of %ld ranks (or pass --nproc)\n",
+              options->size, (long)dp, (long)dp);
+      return 2;
+    }
+    nproc = options->size / dp;
   }
-  absl::Status st = trainer::RunRank(o, comm->get(), options->local_rank);
+  if (options->size != nproc * dp) {
+    fprintf(stderr, "trainer: WORLD_SIZE=%d, but --dp %ld x --nproc %ld = %ld ranks; launch "
+                    "%ld ranks, or change --dp / --nproc to match\n",
+            options->size, (long)dp, (long)nproc, (long)(nproc * dp), (long)(nproc * dp));
+    return 2;
+  }
+  // The groups: one Gloo communicator (the TSP group) with one replica; with several, the
+  // replica's TSP group and the TSP index's data-parallel group over the one store.
+  const int D = static_cast<int>(nproc), N = static_cast<int>(dp);
+  const int replica = options->rank / D, tsp_rank = options->rank % D;
+  std::vector<std::unique_ptr<parallel::Communicator>> comms;
+  if (N == 1) {
+    auto comm = parallel::NewGlooCommunicator(*options);
+    if (!comm.ok()) {
+      fprintf(stderr, "trainer: rank %d: %s\n", options->rank,
+              std::string(comm.status().message()).c_str());
+      return 1;
+    }
+    comms.push_back(*std::move(comm));
+  } else {
+    auto groups = parallel::NewGlooGroups(
+        *options, {{absl::StrCat("tsp", replica), tsp_rank, D},
+                   {absl::StrCat("dp", tsp_rank), replica, N}});
+    if (!groups.ok()) {
+      fprintf(stderr, "trainer: rank %d: %s\n", options->rank,
+              std::string(groups.status().message()).c_str());
+      return 1;
+    }
+    comms = *std::move(groups);
+  }
+  trainer::RankGroups rank_groups;
+  rank_groups.tsp = comms[0].get();
+  rank_groups.dp = N > 1 ? comms[1].get() : nullptr;
+  absl::Status st = trainer::RunRank(o, rank_groups, options->local_rank);
   if (!st.ok()) {
     fprintf(stderr, "trainer: rank %d: %s\n", options->rank, st.ToString().c_str());
     const bool usage = st.code() == absl::StatusCode::kInvalidArgument ||

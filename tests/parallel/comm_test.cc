@@ -1,8 +1,9 @@
 // Runs comm_worker as D real processes through LaunchLocal: every collective checked on every
-// rank (file store and TCP store, D = 1, 2, 4), a dead peer detected by the survivors, a silent
+// rank (file store and TCP store, D = 1, 2, 4), groups split from one world, a dead peer detected by the survivors, a silent
 // peer reported as DEADLINE_EXCEEDED, and an unreachable TCP store.
 #include <chrono>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -87,6 +88,20 @@ TEST(CommTest, SilentPeerTimesOut) {
   EXPECT_EQ(r->ranks[0].exit_code, 8) << "rank 0 did not see DEADLINE_EXCEEDED";
   EXPECT_EQ(r->ranks[2].exit_code, 8) << "rank 2 did not see DEADLINE_EXCEEDED";
   EXPECT_EQ(r->ranks[1].exit_code, 3);
+}
+
+// NewGlooGroups: a world of 4 split into 2 rows of 2 and 2 columns of 2 (the trainer's --dp 2
+// --nproc 2 mesh), and 6 into 2 x 3, over both stores: each group's collectives see only its
+// members.
+TEST(CommTest, GroupsOverOneStore) {
+  for (auto store : {LaunchOptions::Store::kFile, LaunchOptions::Store::kTcp}) {
+    for (auto [w, rows] : {std::pair<int, int>{4, 2}, {6, 2}}) {
+      auto r = LaunchLocal(Options(w, store, {"--groups=" + std::to_string(rows)}));
+      ASSERT_TRUE(r.ok()) << r.status();
+      ExpectAllOk(*r, "groups W=" + std::to_string(w) +
+                          (store == LaunchOptions::Store::kFile ? " file" : " tcp") + " store");
+    }
+  }
 }
 
 TEST(CommTest, UnreachableTcpStore) {

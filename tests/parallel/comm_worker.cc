@@ -8,6 +8,11 @@
 // later call must fail at once; they then exit 7 ("detected the peer's death correctly").
 // --unreachable_store=1 (one process): a rank of a 2-rank group whose TCP store server is not
 // there must get UNAVAILABLE naming the address within its 500 ms timeout; exits 0.
+// --groups=R (W ranks, W a multiple of R): NewGlooGroups splits the world into R rows of
+// C = W / R ranks (global rank = row * C + column) and C columns of R ranks, the mesh of the
+// trainer's --dp (rows: TSP groups, columns: data-parallel groups); each rank all-reduces and
+// all-gathers rank-dependent data in its row and its column, both groups interleaved, and checks
+// the exact results. Prints "OK rank r"; exits 0, or 1 with the first mismatch.
 // --stall_after_barrier=1: rank 1 sleeps for 2 x the timeout after the first barrier (alive but
 // silent); the others' all-reduce must give DEADLINE_EXCEEDED within the timeout; they exit 8.
 #include <arpa/inet.h>
@@ -18,6 +23,7 @@
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -328,6 +334,55 @@ int RunDeath(sp::Communicator& c, std::chrono::milliseconds timeout, bool stall)
   return kDetectedExit;
 }
 
+int RunGroups(const sp::CommOptions& world, int rows) {
+  if (rows < 1 || world.size % rows != 0) {
+    std::fprintf(stderr, "FAIL: --groups=%d does not divide the world of %d\n", rows, world.size);
+    return 1;
+  }
+  const int cols = world.size / rows, row = world.rank / cols, col = world.rank % cols;
+  auto groups = sp::NewGlooGroups(world, {{absl::StrCat("row", row), col, cols},
+                                          {absl::StrCat("col", col), row, rows}});
+  if (!groups.ok() || groups->size() != 2) {
+    std::fprintf(stderr, "FAIL rank %d: %s\n", g_rank, groups.status().ToString().c_str());
+    return 1;
+  }
+  sp::Communicator& r = *(*groups)[0];
+  sp::Communicator& c = *(*groups)[1];
+  auto check = [&]() -> bool {
+    CHECK_OR_FAIL(r.rank() == col && r.size() == cols && c.rank() == row && c.size() == rows,
+                  "group rank/size ", r.rank(), "/", r.size(), " and ", c.rank(), "/", c.size());
+    for (int round = 0; round < 3; ++round) {
+      const int64_t n = 1000 + round;
+      // Row: sum over the row's global ranks; column: the same over the column's.
+      std::vector<float> a(n), b(n);
+      for (int64_t i = 0; i < n; ++i) a[i] = b[i] = Value(world.rank, i + round);
+      auto wa = r.IAllReduce(a.data(), n);
+      auto wb = c.IAllReduce(b.data(), n);
+      CHECK_OK(wa->Wait(), "row all-reduce");
+      CHECK_OK(wb->Wait(), "column all-reduce");
+      for (int64_t i = 0; i < n; ++i) {
+        float want_a = 0, want_b = 0;
+        for (int k = 0; k < cols; ++k) want_a += Value(row * cols + k, i + round);
+        for (int k = 0; k < rows; ++k) want_b += Value(k * cols + col, i + round);
+        CHECK_OR_FAIL(a[i] == want_a && b[i] == want_b, "round ", round, " element ", i, ": ",
+                      a[i], " / ", b[i], ", want ", want_a, " / ", want_b);
+      }
+      std::vector<float> mine(n, static_cast<float>(world.rank)), all(n * rows);
+      CHECK_OK(c.AllGather(mine.data(), all.data(), n), "column all-gather");
+      for (int k = 0; k < rows; ++k)
+        CHECK_OR_FAIL(all[k * n] == static_cast<float>(k * cols + col) &&
+                          all[k * n + n - 1] == static_cast<float>(k * cols + col),
+                      "column all-gather block ", k);
+    }
+    CHECK_OK(r.Barrier(), "row barrier");
+    CHECK_OK(c.Barrier(), "column barrier");
+    return true;
+  };
+  if (!check()) return 1;
+  std::printf("OK rank %d\n", world.rank);
+  return 0;
+}
+
 int RunUnreachableStore() {
   // A port that was free a moment ago: nobody serves it.
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -367,8 +422,11 @@ int RunUnreachableStore() {
 
 int main(int argc, char** argv) {
   bool die = false, stall = false;
+  int group_rows = 0;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--die_after_barrier=1") == 0) {
+    if (std::strncmp(argv[i], "--groups=", 9) == 0) {
+      group_rows = std::atoi(argv[i] + 9);
+    } else if (std::strcmp(argv[i], "--die_after_barrier=1") == 0) {
       die = true;
     } else if (std::strcmp(argv[i], "--unreachable_store=1") == 0) {
       return RunUnreachableStore();
@@ -385,6 +443,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   g_rank = options->rank;
+  if (group_rows > 0) return RunGroups(*options, group_rows);
   auto comm = sp::NewGlooCommunicator(*options);
   if (!comm.ok()) {
     std::fprintf(stderr, "FAIL rank %d: %s\n", g_rank, comm.status().ToString().c_str());
