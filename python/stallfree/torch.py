@@ -13,9 +13,12 @@ import atexit
 import collections
 import contextlib
 import ctypes
+import datetime
 import functools
+import hashlib
 import json
 import os
+import socket as _socket
 import sys
 import weakref
 
@@ -63,17 +66,24 @@ def _rank():
     return 0
 
 
-def _all_reduce_scores(group, name, view):
-    """The data-parallel replicas of `group` sum each weight's column scores before top-k, so
-    that all of them select the same hot columns (the ScoreReduce hook of the engine)."""
+def _all_reduce_scores(shards, name, view):
+    """The data-parallel ranks of a partitioned group sum each weight's column scores before
+    top-k (each rank's scores are its row block's; their sum is the whole weight's), so that all
+    of them select the same hot columns (the ScoreReduce hook of the engine). A replicated
+    weight's scores are the same on every rank already."""
+    if name in shards.replicated:
+        return
+    group = shards.group
     scores = torch.frombuffer(view, dtype=torch.float32)
     if torch.distributed.get_backend(group) == "nccl":
         dev = torch.device("cuda", torch.cuda.current_device())
         on_dev = scores.to(dev)
-        torch.distributed.all_reduce(on_dev, group=group)
+        shards.collective("the column scores of '%s'" % name,
+                          torch.distributed.all_reduce, on_dev)
         scores.copy_(on_dev.cpu())
     else:
-        torch.distributed.all_reduce(scores, group=group)
+        shards.collective("the column scores of '%s'" % name, torch.distributed.all_reduce,
+                          scores)
 
 
 def _data_parallel_group(process_group):
@@ -89,6 +99,242 @@ def _data_parallel_group(process_group):
         raise ValueError("process_group: this rank (%d) is not a member of it"
                          % torch.distributed.get_rank())
     return process_group
+
+
+def _rows_cols(p):
+    """A parameter as rows of columns (client/partition.h): the last dimension is the columns,
+    the leading ones the rows; a 1-D parameter is numel rows of one column."""
+    if p.dim() <= 1:
+        return p.numel(), 1
+    return p.numel() // p.shape[-1], p.shape[-1]
+
+
+class _Shards:
+    """One parameter group's data-parallel partition of the offloaded state (client/partition.h,
+    ARCHITECTURE.md "Scale-out"): over the L ranks of the group, this rank's engine works on
+    rows [R r/L, R (r+1)/L) of each parameter (a contiguous view of its memory), so its daemon
+    session holds, receives and updates 1/L of the group's offloaded state; a parameter with
+    fewer rows than ranks is held whole by every rank (replicated). After each step the ranks
+    all-gather their updated blocks, so every rank holds the whole parameters again. With
+    reduce_gradients the ranks' local gradients are averaged here first: a reduce-scatter hands
+    each rank the mean of its own rows only (ZeRO-2); replicated parameters' gradients are
+    all-reduced. Every collective is bounded by `timeout`; a peer that is gone is named."""
+
+    def __init__(self, group, members, reduce_gradients, timeout):
+        self.group = group
+        self.world = 1 if group is None else torch.distributed.get_world_size(group)
+        self.rank = 0 if group is None else torch.distributed.get_rank(group)
+        self.reduce_gradients = reduce_gradients and self.world > 1
+        self.timeout = timeout
+        self.saved_step = None  # the step of the optimizer's last state_dict(), for messages
+        self.members = members
+        self.offsets = []        # per member: this rank's first element
+        self.shapes = []         # per member: the shape the engine sees
+        self.replicated = set()  # names of the members every rank holds whole
+        self.parts = []          # indices of the partitioned members
+        self.ranges = [[] for _ in range(self.world)]  # per rank: (first, end) element per part
+        for i, (name, p) in enumerate(members):
+            rows, cols = _rows_cols(p)
+            whole = list(p.shape) or [1]
+            if self.world == 1:
+                self.offsets.append(0)
+                self.shapes.append(whole)
+                continue
+            blocks = [_stallfree.partition_rows(rows, self.world, s) for s in range(self.world)]
+            begin, end, replicated = blocks[self.rank]
+            if replicated:
+                self.replicated.add(name)
+                self.offsets.append(0)
+                self.shapes.append(whole)
+                continue
+            self.parts.append(i)
+            for s, (b, e, _) in enumerate(blocks):
+                self.ranges[s].append((b * cols, e * cols))
+            self.offsets.append(begin * cols)
+            self.shapes.append([end - begin, cols] if p.dim() >= 2 else [end - begin])
+        self.sizes = [[e - b for b, e in r] for r in self.ranges]
+        self.section = max((sum(z) for z in self.sizes), default=0)
+
+    @property
+    def partitioned(self):
+        return bool(self.parts)
+
+    def specs(self):
+        """The engine's parameters: (name, shape, address) of this rank's block of each."""
+        return [(name, shape, p.data_ptr() + 4 * off) for (name, p), shape, off in
+                zip(self.members, self.shapes, self.offsets)]
+
+    def values(self):
+        return [p.data_ptr() + 4 * off for (_, p), off in zip(self.members, self.offsets)]
+
+    def describe(self):
+        return {"world": self.world, "rank": self.rank}
+
+    def collective(self, what, fn, *args):
+        """fn(*args, group=, async_op=True), waited for at most `timeout`; a failure (a peer
+        gone, the wait timed out) becomes stallfree.Error naming the ranks that are gone."""
+        try:
+            work = fn(*args, group=self.group, async_op=True)
+            work.wait(timeout=self.timeout)
+        except RuntimeError as e:
+            raise _PeerFailure(self, what, e) from e
+
+    def reduce(self, grads):
+        """With reduce_gradients: the ranks' gradients (None: no gradient on this rank) averaged
+        over the group. Returns per member the gradient the engine reads (this rank's rows of
+        the mean; None where no rank had a gradient) and the buffers that back them."""
+        dev = self.members[0][1].device
+        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], device=dev)
+        reps = [i for i, (name, _) in enumerate(self.members) if name in self.replicated]
+        small = torch.cat([flags] + [_flat_or_zeros(grads[i], self.members[i][1])
+                                     for i in reps])
+        self.collective("the replicated parameters' gradients", torch.distributed.all_reduce,
+                        small)
+        small.div_(self.world)
+        out = [None] * len(self.members)
+        keep = [small]
+        at = len(self.members)
+        for i in reps:
+            n = self.members[i][1].numel()
+            out[i] = small[at:at + n]
+            at += n
+        if self.parts:
+            pieces = []
+            for s in range(self.world):
+                for i, (b, e) in zip(self.parts, self.ranges[s]):
+                    pieces.append(_flat_or_zeros(grads[i], self.members[i][1])[b:e])
+                pad = self.section - sum(self.sizes[s])
+                if pad:
+                    pieces.append(torch.zeros(pad, device=dev))
+            full = torch.cat(pieces)
+            mine = torch.empty(self.section, device=dev)
+            self.collective("the gradients (reduce-scatter)",
+                            torch.distributed.reduce_scatter_tensor, mine, full)
+            mine.div_(self.world)
+            keep.append(mine)
+            for i, part in zip(self.parts, mine.split(self.sizes[self.rank] + [
+                    self.section - sum(self.sizes[self.rank])])):
+                out[i] = part
+        any_grad = flags.cpu().tolist()
+        return [o if any_grad[i] > 0 else None for i, o in enumerate(out)], keep
+
+    def gather(self):
+        """Every rank's updated blocks to every rank: one all-gather of the padded blocks."""
+        if not self.parts:
+            return
+        dev = self.members[0][1].device
+        flat = [self.members[i][1].detach().view(-1) for i in self.parts]
+        mine = [v[b:e] for v, (b, e) in zip(flat, self.ranges[self.rank])]
+        pad = self.section - sum(self.sizes[self.rank])
+        send = torch.cat(mine + ([torch.zeros(pad, device=dev)] if pad else []))
+        recv = torch.empty(self.world * self.section, device=dev)
+        self.collective("the updated parameters (all-gather)",
+                        torch.distributed.all_gather_into_tensor, recv, send)
+        dst, src = [], []
+        for s in range(self.world):
+            if s == self.rank:
+                continue
+            at = s * self.section
+            for v, (b, e) in zip(flat, self.ranges[s]):
+                dst.append(v[b:e])
+                src.append(recv[at:at + e - b])
+                at += e - b
+        torch._foreach_copy_(dst, src)
+
+
+def _flat_or_zeros(g, p):
+    return torch.zeros(p.numel(), device=p.device) if g is None else g.reshape(-1)
+
+
+class _PeerFailure(Error):
+    """A collective of a partitioned ZenFlowAdamW failed: which ranks are gone (checked through
+    torch.distributed's store, where each rank left its host and pid), in which collective."""
+
+    def __init__(self, shards, what, cause):
+        gone = _gone_ranks(shards.group)
+        _announce(failed=True)  # so that its peers do not take this rank for the dead one
+        who = ("rank(s) %s of the process group (no longer running)" % ", ".join(map(str, gone))
+               if gone else "a peer rank (not found dead on this host: it may be on another "
+               "host, or stuck)")
+        super().__init__(
+            "ZenFlowAdamW: %s failed on rank %d: %s stopped answering (%s). This rank's "
+            "parameters and optimizer state are no longer consistent with the others'; restart "
+            "every rank from the last checkpoint (the model's and the optimizer's state_dict()%s)"
+            % (what, shards.rank, who, str(cause).strip().splitlines()[0][:300],
+               "" if shards.saved_step is None else
+               "; this optimizer's last state_dict() was taken after step %d" % shards.saved_step))
+
+
+def _store():
+    try:
+        return torch.distributed.distributed_c10d._get_default_store()
+    except Exception:  # a private API of torch; without it ranks are not named
+        return None
+
+
+def _announce(failed=False):
+    """Leaves this rank's host and pid in torch.distributed's store, so that a peer whose
+    collective fails can tell which ranks are gone; `failed`: this rank saw a peer fail (and
+    may exit: it is not the cause)."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set("stallfree/rank%d" % torch.distributed.get_rank(), "%s %d%s" % (
+            _socket.gethostname(), os.getpid(), " failed" if failed else ""))
+    except Exception:
+        if not failed:
+            raise
+
+
+def _gone_ranks(group):
+    """The ranks of `group` on this host whose process is gone (rank 0's store gone: rank 0)."""
+    store = _store()
+    gone = []
+    host = _socket.gethostname()
+    try:
+        ranks = torch.distributed.get_process_group_ranks(group)
+    except Exception:
+        return gone
+    for r in ranks:
+        try:
+            key = "stallfree/rank%d" % r
+            if not store.check([key]):
+                continue
+            their_host, pid, *failed = store.get(key).decode().split()
+        except Exception:
+            return [0] if 0 in ranks else gone  # the store (served by rank 0) is gone
+        if their_host == host and not failed and not _running(int(pid)):
+            gone.append(r)
+    return gone
+
+
+def _running(pid):
+    """Whether process `pid` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
+def _check_same_parameters(group, members, where):
+    """The ranks of `group` must partition the same parameters: a cheap digest of the names and
+    shapes, all-gathered once per group."""
+    digest = hashlib.sha1(json.dumps([(n, list(p.shape)) for n, p in members]).encode())
+    mine = digest.hexdigest()
+    theirs = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(theirs, mine, group=group)
+    differ = [torch.distributed.get_global_rank(group, r) for r, d in enumerate(theirs)
+              if d != mine]
+    if differ:
+        raise Error(
+            "%s: ranks %s of process_group train other parameters (names or shapes) than rank %d: "
+            "ZenFlowAdamW partitions its state over process_group, whose ranks must be "
+            "data-parallel replicas; under pipeline or tensor parallelism pass process_group= "
+            "the data-parallel group" % (where, differ, torch.distributed.get_rank()))
 
 
 def _unsupported_kind(p):
@@ -161,7 +407,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  differentiable=False, fused=None, mode="zenflow", topk_ratio=0.1,
                  update_interval=4, select_interval=None, warmup_steps=20, await_updates=False,
                  grad_dtype="bf16", param_dtype="bf16", socket=None, session_name=None,
-                 process_group=None):
+                 process_group=None, reduce_gradients=False, timeout=300.0):
         _check_hyper(lr, betas, eps, weight_decay, "")
         for flag, value in (("amsgrad", amsgrad), ("maximize", maximize),
                             ("capturable", capturable), ("differentiable", differentiable)):
@@ -191,6 +437,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             grad_dtype=grad_dtype, param_dtype=param_dtype)
         self._session_name = session_name or "torch"
         self._group = _data_parallel_group(process_group)
+        if not timeout > 0:
+            raise ValueError("timeout: %r is not a positive number of seconds" % (timeout,))
+        self._timeout = datetime.timedelta(seconds=float(timeout))
+        self._reduce_gradients = bool(reduce_gradients)
+        if self._group is not None and torch.distributed.get_world_size(self._group) > 1:
+            _announce()
+        self._shards = []    # per param group: its _Shards (the data-parallel partition)
         self._engines = []   # per param group: _stallfree.Engine or None (no trainable params)
         self._members = []   # per param group: [(name, tensor)] the engine's parameters
         self._hypers = []    # per param group: the (beta1, beta2, eps, weight_decay) its engine has
@@ -263,7 +516,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             members.append((name, p))
         stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" \
             else None
-        engine = self._make_engine(gi, members, device, stream) if members else None
+        shards = _Shards(self._group, members, self._reduce_gradients, self._timeout)
+        if shards.world > 1:
+            _check_same_parameters(self._group, members, "param_groups[%d]" % gi)
+        engine = self._make_engine(gi, shards, device, stream) if members else None
+        self._shards.append(shards)
         self._members.append(members)
         self._hypers.append(_hyper_of(group))
         self._streams.append(stream)
@@ -272,18 +529,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self.state[p] = {"step": torch.tensor(0.0)}
         self._mark_blob_entries()
 
-    def _make_engine(self, gi, members, device, stream):
+    def _make_engine(self, gi, shards, device, stream):
         group = self.param_groups[gi]
         config = dict(self._config)
         config.update(zip(("beta1", "beta2", "eps", "weight_decay"), _hyper_of(group)))
-        specs = [(name, list(p.shape) or [1], p.data_ptr()) for name, p in members]
+        specs = shards.specs()
         name = self._session_name if len(self.param_groups) == 1 and gi == 0 else \
             "%s/g%d" % (self._session_name, gi)
         engine = _stallfree.Engine(self._client, name, _rank(), config, specs, device.type,
                                    stream.cuda_stream if stream is not None else 0)
-        if (self._group is not None and torch.distributed.get_world_size(self._group) > 1 and
-                config["mode"] == "zenflow"):
-            engine.set_score_reduce(functools.partial(_all_reduce_scores, self._group))
+        if shards.world > 1 and config["mode"] == "zenflow":
+            engine.set_score_reduce(functools.partial(_all_reduce_scores, shards))
         return engine
 
     @contextlib.contextmanager
@@ -319,7 +575,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             if self._engines[gi] is None:
                 continue
-            values, grads, keep, stepped = [], [], [], []
+            grads, keep, stepped = [], [], []
             for name, p in self._members[gi]:
                 g = p.grad
                 if g is not None:
@@ -339,26 +595,37 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     stepped.append(p)
                 if not p.is_contiguous():
                     raise Error("parameter '%s' is no longer contiguous" % name)
-                values.append(p.data_ptr())
-                grads.append(g.data_ptr() if g is not None else 0)
-            if not stepped:
-                continue  # nothing to do, as torch's AdamW
+                grads.append(g)
+            if not stepped and not self._shards[gi].reduce_gradients:
+                continue  # nothing to do, as torch's AdamW (reduced: the other ranks may have)
             # A scheduler may change any of them between steps.
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                          "param_groups[%d]." % gi)
-            work.append((gi, float(group["lr"]), values, grads, keep, stepped))
+            work.append((gi, float(group["lr"]), grads, keep, stepped))
         timings = []
-        for gi, lr, values, grads, keep, stepped in work:
+        for gi, lr, grads, keep, stepped in work:
             engine = self._engines[gi]
+            shards = self._shards[gi]
+            if shards.reduce_gradients:
+                grads, held = shards.reduce(grads)
+                keep.extend(held)
+                stepped = [p for (_, p), g in zip(self._members[gi], grads) if g is not None]
+                if not stepped:
+                    continue
+                addresses = [0 if g is None else g.data_ptr() for g in grads]
+            else:
+                addresses = [0 if g is None else g.data_ptr() + 4 * off
+                             for g, off in zip(grads, shards.offsets)]
             hyper = _hyper_of(self.param_groups[gi])
             if hyper != self._hypers[gi]:
                 engine.set_adamw(*hyper)
                 self._hypers[gi] = hyper
             try:
                 with self._ordered(gi):
-                    engine.step(lr, values, grads)
+                    engine.step(lr, shards.values(), addresses)
             except Error as e:
                 raise self._explain(e) from e
+            shards.gather()
             torch._foreach_add_([self.state[p]["step"] for p in stepped], 1)
             timings.append(engine.last_timings())
         if timings:
@@ -398,6 +665,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if self._engines[gi] is not None:
                 with self._ordered(gi):
                     self._engine(gi).flush()
+                self._shards[gi].gather()
 
     def _engine(self, gi):
         if self._closed:
@@ -434,6 +702,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             members = self._members[gi]
             meta = {"version": _STATE_VERSION, "config": self._config,
                     "names": [n for n, _ in members], "shapes": [list(p.shape) for _, p in members]}
+            if self._shards[gi].world > 1:
+                meta["partition"] = self._shards[gi].describe()
+            self._shards[gi].saved_step = engine.step_count
             key = index[id(members[0][1])]
             meta = bytearray(json.dumps(meta, sort_keys=True).encode())
             sd["state"][key] = dict(sd["state"].get(key, {}), **{
@@ -493,10 +764,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if entry is None:
                     continue
                 members = self._members[gi]
-                engine = self._make_engine(gi, members, members[0][1].device, self._streams[gi])
+                engine = self._make_engine(gi, self._shards[gi], members[0][1].device,
+                                           self._streams[gi])
                 made.append(engine)
                 with self._ordered(gi):
-                    engine.set_values([p.data_ptr() for _, p in members])
+                    engine.set_values(self._shards[gi].values())
                     state, daemon = entry
                     engine.restore(state.data_ptr(), state.numel(), daemon.data_ptr(),
                                    daemon.numel())
@@ -579,6 +851,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         if meta["config"].get(k) != v}
                 raise Error("the state dict was written with another configuration (saved, "
                             "now): %s" % diff)
+            theirs_part = meta.get("partition", {"world": 1, "rank": 0})
+            mine_part = self._shards[gi].describe()
+            if theirs_part != mine_part:
+                raise Error(
+                    "%s: the state dict holds the optimizer state of data-parallel rank %d of "
+                    "%d, this optimizer is rank %d of %d: each rank loads the state dict its own "
+                    "rank saved, with the same number of ranks" % (
+                        where, theirs_part["rank"], theirs_part["world"], mine_part["rank"],
+                        mine_part["world"]))
             shapes = [list(p.shape) for _, p in members]
             if meta["shapes"] != shapes:
                 raise Error("%s: the state dict's parameters %s differ from this optimizer's %s"
@@ -591,14 +872,25 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # --- lifetime ---------------------------------------------------------------------------
 
     def close(self):
-        """Finishes outstanding offload work, closes the daemon sessions and stops a private
-        daemon. Further steps raise stallfree.Error."""
+        """Finishes outstanding offload work (the cold columns brought to the newest update;
+        partitioned over data-parallel ranks, a collective: every rank closes, and the ranks'
+        blocks are all-gathered), closes the daemon sessions and stops a private daemon.
+        Further steps raise stallfree.Error."""
         if getattr(self, "_closed", True):
             return
+        flushed = False
+        if any(sh.partitioned for sh in getattr(self, "_shards", [])):
+            try:
+                self.flush()
+                flushed = True
+            except Exception as e:  # the peers are gone (e.g. at exit): close this rank alone
+                print("stallfree: ZenFlowAdamW.close: the ranks' final blocks were not gathered "
+                      "(%s); this rank's parameters hold its own rows' newest values only"
+                      % (str(e).splitlines()[0][:300],), file=sys.stderr)
         self._closed = True
         for engine in self._engines:
             if engine is not None:
-                engine.close()
+                engine.close(flush=not flushed)
         self._client = None
         if self.daemon is not None:
             self.daemon.close()

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -80,6 +81,49 @@ def run_python(script, *args, timeout=120, env=None, check=True, module=False):
         pytest.fail(f"child {cmd} exited {proc.returncode}\n"
                     f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     return proc
+
+
+def run_ranks(script, world, args, log_dir, *, env=None, timeout=240, expect=None):
+    """Starts `world` ranks of `script` (this directory) with the torch.distributed environment
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT on a free loopback port; PORT is also the
+    first argument) and waits for them. When one exits, the others get 10 s, then are killed (a
+    rank blocked in a collective would otherwise wait for its timeout). expect: the exit codes
+    required (default all 0; the test fails otherwise, showing every rank's output). Returns
+    (exit codes, outputs)."""
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        log = open(os.path.join(str(log_dir), f"{os.path.splitext(script)[0]}-rank{rank}.log"),
+                   "w+")
+        cmd = [PYTHON, os.path.join(HERE, script), port] + list(args)
+        procs.append(subprocess.Popen(
+            [str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT,
+            env=child_env(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank,
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(env or {}))))
+        logs.append(log)
+    deadline, ended_at = time.monotonic() + timeout, None
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if ended_at is None and any(p.poll() not in (None, 0) for p in procs):
+                ended_at = time.monotonic()
+            if ended_at is not None and time.monotonic() > ended_at + 10:
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    if codes != (expect or [0] * world):
+        pytest.fail(f"ranks exited {codes}\n" + "\n".join(
+            f"--- rank {r}\n{o}" for r, o in enumerate(outputs)))
+    return codes, outputs
 
 
 @pytest.fixture

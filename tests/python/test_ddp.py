@@ -9,15 +9,10 @@ whole-batch gradient; emulated with torch alone (two half-batch backward passes,
 AdamW) over these 12 steps it moves the parameters by at most 2.4e-7 and the losses by 1.2e-7
 relative, while an lr 1% off moves them by 1.1e-3.
 """
-import os
-import subprocess
-import time
-
-import pytest
 import torch
 
 import models
-from conftest import HERE, PYTHON, child_env, free_port
+from conftest import run_ranks as run_ranks_of
 from ddp_worker import ZENFLOW
 from stallfree.torch import ZenFlowAdamW
 
@@ -29,41 +24,7 @@ PARAM_ATOL = models.PARAM_ATOL
 
 
 def run_ranks(mode, tmp_path):
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(WORLD):
-        log = open(tmp_path / f"{mode}-rank{rank}.log", "w+")
-        cmd = [PYTHON, os.path.join(HERE, "ddp_worker.py"), mode, port, STEPS, SEED,
-               tmp_path / f"{mode}-rank{rank}.pt", tmp_path / f"{mode}-state{rank}"]
-        procs.append(subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT,
-                                      env=child_env(RANK=rank, WORLD_SIZE=WORLD,
-                                                    LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1",
-                                                    MASTER_PORT=port)))
-        logs.append(log)
-    # Wait for both; when one fails, give the other 10 s, then stop it (a rank blocked in a
-    # collective would otherwise wait for gloo's timeout).
-    deadline, failed_at = time.monotonic() + 240, None
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() > failed_at + 10:
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in procs]
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
-    if codes != [0] * WORLD:
-        pytest.fail(f"ranks exited {codes}\n" + "\n".join(
-            f"--- rank {r}\n{o}" for r, o in enumerate(outputs)))
+    run_ranks_of("ddp_worker.py", WORLD, [mode, STEPS, SEED, tmp_path], tmp_path)
     return [torch.load(str(tmp_path / f"{mode}-rank{rank}.pt")) for rank in range(WORLD)]
 
 
@@ -114,9 +75,10 @@ def test_ddp_matches_single_process_whole_batch(tmp_path, daemon):
         assert d <= PARAM_ATOL, (name, d)
 
 
-def check_selections(ranks, reduced):
-    """At every selection step, each rank's hot set is the top-k of the SUM of both ranks'
-    per-column scores (sum of squared gradients) when `reduced`, else of its own scores."""
+def check_selections(ranks, key):
+    """At every selection step, each rank's hot set is the top-k of the per-column scores
+    `key` recorded by that rank (its own gradient's, or the ranks' mean gradient's), and the
+    ranks' own gradients alone would have selected differently (else the check is vacuous)."""
     timings = ranks[0]["timings"]
     selection_steps = [1] + [i + 1 for i, t in enumerate(timings) if t["reselected"] and i > 0]
     assert len(selection_steps) >= 4, timings
@@ -126,11 +88,11 @@ def check_selections(ranks, reduced):
         for rank in range(WORLD):
             hot = ranks[0]["hot"][step - 1][rank]  # as rank 0 gathered it
             for name, cols in hot.items():
-                scores = [r["scores"][step - 1][name] for r in ranks]
                 k = len(cols)
-                local = [sorted(s.topk(k).indices.tolist()) for s in scores]
+                local = [sorted(r["scores"][step - 1][name].topk(k).indices.tolist())
+                         for r in ranks]
                 local_topk_differs |= local[0] != local[1]
-                total = scores[0] + scores[1] if reduced else scores[rank]
+                total = ranks[rank][key][step - 1][name]
                 top = total.topk(k + 1).values
                 if k < total.numel() and (top[k - 1] - top[k]) <= 1e-4 * top[k - 1]:
                     continue  # a near-tie at the cut: rounding may decide it
@@ -140,12 +102,20 @@ def check_selections(ranks, reduced):
     assert checked >= len(selection_steps) * 2 * WORLD, checked
 
 
-def test_selection_all_reduces_scores_without_ddp(tmp_path):
-    """Without DDP the ranks' gradients differ; the hot sets must still agree, and be the top-k
-    of the SUM of both ranks' per-column scores."""
-    ranks = run_ranks("local", tmp_path)
+def test_reduce_gradients_without_ddp_matches_ddp(tmp_path, daemon):
+    """Without DDP, reduce_gradients=True: the ranks' gradients differ, ZenFlowAdamW averages
+    them (reduce-scatter); the hot sets agree and are the top-k of the mean gradient's scores,
+    and the run equals the DDP run within PARAM_ATOL (DDP divides each rank's gradient by the
+    world size before summing, the reduce-scatter sums then divides: rounding only)."""
+    ranks = run_ranks("reduce", tmp_path)
     assert_same_hot_sets(ranks)
-    check_selections(ranks, reduced=True)
+    check_selections(ranks, "mean_scores")
+    ddp = run_ranks("ddp", tmp_path)
+    for name, p in ddp[0]["params"].items():
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
+        assert (ranks[0]["params"][name] - p).abs().max().item() <= PARAM_ATOL, name
+    for step in range(STEPS):
+        assert models.rel_diff(ranks[0]["losses"][step], ddp[0]["losses"][step]) <= LOSS_RTOL
 
 
 def test_scores_are_reduced_over_the_process_group_only(tmp_path):
@@ -153,5 +123,5 @@ def test_scores_are_reduced_over_the_process_group_only(tmp_path):
     group would be): no score crosses to the other rank, so each rank's hot set is the top-k of
     its own scores, and the two differ."""
     ranks = run_ranks("own-group", tmp_path)
-    check_selections(ranks, reduced=False)
+    check_selections(ranks, "scores")
     assert any(ranks[0]["hot"][s][0] != ranks[0]["hot"][s][1] for s in range(STEPS))

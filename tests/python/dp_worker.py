@@ -1,0 +1,89 @@
+"""One rank of test_partition.py: ZenFlowAdamW partitioned over the data-parallel ranks.
+
+L = WORLD_SIZE gloo ranks; rank r talks to the daemon SOCKETS[r * len(SOCKETS) // L] (one
+socket: every rank on one daemon, a node; two: ranks 0..L/2-1 on the first, the rest on the
+second, two "nodes"). Rank r trains TinyLM on rows [r B/L, (r+1) B/L) of the B-row global batch,
+once per configuration of RUNS (a JSON {name: ZenFlowAdamW keyword arguments}), each with a fresh
+model and optimizer; a configuration's "_width": W trains TinyLM(vocab=W, d=W, hidden=W) instead
+(three W x W weights; "_steps": N stops that run after N steps). WRAP "ddp": the model in DistributedDataParallel (gradients averaged by
+it); "reduce": no DDP, ZenFlowAdamW(reduce_gradients=True) averages them.
+
+Records per run: the losses, every 2-D weight's hot columns per step, the final parameters,
+the per-step bytes pushed to the daemon (last_timings' bytes_to_host) and, read once every rank
+has built and stepped its optimizer, the daemons' GetStats (pinned bytes, sessions). Saved with
+torch.save to OUT/<run>-rank<r>.pt.
+
+DIE_AT (environment, optional): "run:step:rank": that rank exits abruptly after that step of
+that run; the others record the error they get (OUT/<run>-rank<r>.error) and exit 3.
+
+usage: RANK=r WORLD_SIZE=L dp_worker.py PORT STEPS SEED OUT SOCKETS RUNS WRAP
+"""
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import models
+import stallfree
+from stallfree.torch import ZenFlowAdamW
+
+
+def stats(sockets):
+    return [stallfree._stallfree.Client(s, 3000).stats() for s in sockets]
+
+
+def main():
+    port, steps, seed, out, sockets, runs, wrap = sys.argv[1:8]
+    steps, seed, sockets, runs = int(steps), int(seed), sockets.split(","), json.loads(runs)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    die = os.environ.get("DIE_AT", "").split(":") if os.environ.get("DIE_AT") else None
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    socket = sockets[rank * len(sockets) // world]
+    rows = slice(rank * models.BATCH // world, (rank + 1) * models.BATCH // world)
+    for name, config in runs.items():
+        width = config.pop("_width", None)
+        run_steps = config.pop("_steps", steps)
+        model = models.make_model(seed, **(dict(vocab=width, d=width, hidden=width)
+                                           if width else {}))
+        net = DistributedDataParallel(model) if wrap == "ddp" else model
+        two_d = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
+        record = {"losses": [], "hot": [], "pushed": []}
+        opt = ZenFlowAdamW(models.param_groups(model), socket=socket, session_name=name,
+                           reduce_gradients=(wrap == "reduce"), timeout=30, **config)
+        sched = models.make_scheduler(opt, steps)
+        try:
+            for step in range(1, run_steps + 1):
+                opt.zero_grad(set_to_none=True)
+                loss = models.loss_fn(net, models.batch(seed, step)[rows])
+                loss.backward()
+                opt.step()
+                sched.step()
+                record["losses"].append(loss.item())
+                record["pushed"].append(opt.last_timings.get("bytes_to_host", 0))
+                if config.get("mode") != "no-offload":
+                    record["hot"].append({n: opt.hot_columns(p) for n, p in two_d})
+                if step == 1:
+                    dist.barrier()
+                    record["stats"] = stats(sorted(set(sockets)))
+                    dist.barrier()
+                if die and die[0] == name and int(die[1]) == step and int(die[2]) == rank:
+                    os._exit(9)
+        except stallfree.Error as e:
+            with open(os.path.join(out, f"{name}-rank{rank}.error"), "w") as f:
+                f.write(str(e))
+            os._exit(3)
+        opt.close()
+        record["params"] = models.snapshot(model)
+        torch.save(record, os.path.join(out, f"{name}-rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
