@@ -201,10 +201,13 @@ absl::Status Session::Attach() {
   return absl::OkStatus();
 }
 
-absl::Status Session::RegisterParams(const std::vector<ParamSpec>& params) {
+absl::Status Session::RegisterParams(const std::vector<ParamSpec>& params,
+                                     v1::DType param_dtype, uint32_t param_slots) {
   grpc::ClientContext ctx;
   v1::RegisterParamsRequest req;
   *req.mutable_session() = ref_;
+  req.set_param_dtype(param_dtype);
+  req.set_param_slots(param_slots);
   for (const ParamSpec& p : params) {
     v1::ParamSpec* s = req.add_params();
     s->set_name(p.name);
@@ -229,27 +232,71 @@ void* Session::GradSlot(uint32_t slot, const std::string& name) const {
   return region_->data() + layout_.grad_slot_offset() + slot * layout_.grad_slot_bytes() +
          p.grad_offset();
 }
+float* Session::Staging() const {
+  return reinterpret_cast<float*>(region_->data() + layout_.staging_offset());
+}
 float* Session::StagingFp32(const std::string& name) const {
+  const v1::ParamLayout& p = params_.at(name);
+  if (p.staging_offset() + 4 * static_cast<uint64_t>(p.numel()) > layout_.staging_bytes())
+    return nullptr;
   return reinterpret_cast<float*>(region_->data() + layout_.staging_offset() +
-                                  params_.at(name).staging_offset());
+                                  p.staging_offset());
 }
 const float* Session::ParamsFp32(uint32_t slot, const std::string& name) const {
+  if (slot >= layout_.param_slots() || layout_.param_dtype() == v1::DTYPE_BF16) return nullptr;
   return reinterpret_cast<const float*>(region_->data() + layout_.param_slot_offset() +
                                         slot * layout_.param_slot_bytes() +
                                         params_.at(name).param_offset_fp32());
 }
 const uint16_t* Session::ParamsBf16(uint32_t slot, const std::string& name) const {
+  if (slot >= layout_.param_slots()) return nullptr;
   return reinterpret_cast<const uint16_t*>(region_->data() + layout_.param_slot_offset() +
                                            slot * layout_.param_slot_bytes() +
                                            params_.at(name).param_offset_bf16());
 }
 
-absl::Status Session::LoadParams() {
+absl::Status Session::LoadParams() { return LoadParams(std::vector<LoadRange>{}); }
+
+absl::Status Session::LoadParams(const std::vector<LoadRange>& ranges) {
   grpc::ClientContext ctx;
   v1::LoadParamsRequest req;
   *req.mutable_session() = ref_;
+  for (const LoadRange& r : ranges) {
+    v1::LoadRange* out = req.add_ranges();
+    out->set_param(r.param);
+    out->set_first_element(r.first_element);
+    out->set_count(r.count);
+    out->set_staging_offset(r.staging_offset);
+  }
   v1::LoadParamsResponse resp;
   return FromGrpc(client_->stub()->LoadParams(&ctx, req, &resp));
+}
+
+absl::Status Session::LoadValues(
+    const std::vector<std::pair<std::string, const float*>>& values) {
+  if (!region_) return absl::FailedPreconditionError("LoadValues before RegisterParams");
+  const uint64_t cap = staging_floats();
+  float* staging = Staging();
+  std::vector<LoadRange> batch;
+  uint64_t used = 0;
+  for (const auto& [name, src] : values) {
+    ASSIGN_OR_RETURN(const v1::ParamLayout* p, Param(name));
+    const uint64_t numel = static_cast<uint64_t>(p->numel());
+    for (uint64_t first = 0; first < numel;) {
+      if (used == cap) {
+        RETURN_IF_ERROR(LoadParams(batch));
+        batch.clear();
+        used = 0;
+      }
+      const uint64_t n = std::min(numel - first, cap - used);
+      memcpy(staging + used, src + first, n * sizeof(float));
+      batch.push_back({name, first, n, used * 4});
+      used += n;
+      first += n;
+    }
+  }
+  if (!batch.empty()) RETURN_IF_ERROR(LoadParams(batch));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::PushGradientsResponse> Session::Push(const v1::PushGradientsRequest& request) {

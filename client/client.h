@@ -3,7 +3,7 @@
 //   ASSIGN_OR_RETURN(auto client, Client::Connect("/run/stallfree/stallfreed.sock"));
 //   ASSIGN_OR_RETURN(auto session, client->OpenSession("gpt", /*rank=*/0));
 //   RETURN_IF_ERROR(session->RegisterParams({{"w", {1024, 1024}, v1::DTYPE_FP32}}));
-//   memcpy(session->StagingFp32("w"), init, bytes);  RETURN_IF_ERROR(session->LoadParams());
+//   RETURN_IF_ERROR(session->LoadValues({{"w", init}}));  // through the staging area, in chunks
 //   memcpy(session->GradSlot(0, "w"), grad, bytes);  RETURN_IF_ERROR(session->Push(1, 0).status());
 //   RETURN_IF_ERROR(session->Update(1, hyper, /*param_slot=*/0));
 //   auto ready = session->WaitUpdateAsync(1);   // std::future; overlap compute here
@@ -14,7 +14,9 @@
 // session in the daemon). A Session must not outlive its Client.
 // Thread safety: Client is thread safe. Session's RPC methods are thread safe; the region's
 // bytes are shared memory, so the caller must not write a slot while a Push of it is in flight
-// nor read a parameter slot while an Update into it runs (the double buffers exist for this).
+// nor read a parameter slot while an Update into it runs (the gradient slots are double
+// buffered for this; a session registered with one parameter slot must read each Update's
+// parameters before it issues the next Update).
 #pragma once
 
 #include <future>
@@ -89,20 +91,42 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   // Registers parameters, then receives the region's fd, maps it (and, in CUDA builds,
-  // registers it with cudaHostRegister). Call once.
-  absl::Status RegisterParams(const std::vector<ParamSpec>& params);
+  // registers it with cudaHostRegister). Call once. param_dtype: what Updates write to the
+  // parameter slots (UNSPECIFIED: FP32 slots, which take either); param_slots: 1 or 2 (0: 2).
+  // See RegisterParamsRequest.
+  absl::Status RegisterParams(const std::vector<ParamSpec>& params,
+                              v1::DType param_dtype = v1::DTYPE_UNSPECIFIED,
+                              uint32_t param_slots = 0);
 
   const v1::RegionLayout& layout() const { return layout_; }
   absl::StatusOr<const v1::ParamLayout*> Param(const std::string& name) const;
   // Where parameter `name`'s gradient goes in gradient slot `slot` (0 or 1).
   void* GradSlot(uint32_t slot, const std::string& name) const;
-  // Where parameter `name`'s initial fp32 values go before LoadParams.
+  // The staging area (layout().staging_bytes() bytes): loads, migrations and checkpoint bytes
+  // pass through it.
+  float* Staging() const;
+  uint64_t staging_floats() const { return layout_.staging_bytes() / 4; }
+  // Where parameter `name`'s initial fp32 values go before a LoadParams() of it whole; null when
+  // the parameter does not fit in the staging area there (a large session: use LoadValues).
   float* StagingFp32(const std::string& name) const;
-  // Parameter `name` in parameter slot `slot`, as written by an Update.
+  // Parameter `name` in parameter slot `slot`, as written by an Update; null for a slot the
+  // session does not have (slot >= layout().param_slots()), and ParamsFp32 null in a session
+  // of bf16 parameter slots.
   const float* ParamsFp32(uint32_t slot, const std::string& name) const;
   const uint16_t* ParamsBf16(uint32_t slot, const std::string& name) const;
 
+  // Every parameter whole, from its StagingFp32 (small sessions only; see LoadParamsRequest).
   absl::Status LoadParams();
+  // Ranges the caller wrote into Staging() (LoadParamsRequest.ranges).
+  struct LoadRange {
+    std::string param;
+    uint64_t first_element = 0, count = 0;
+    uint64_t staging_offset = 0;  // bytes into the staging area
+  };
+  absl::Status LoadParams(const std::vector<LoadRange>& ranges);
+  // Loads each named parameter's initial fp32 values from host memory (numel floats each),
+  // through the staging area, as many ranges per call as fit.
+  absl::Status LoadValues(const std::vector<std::pair<std::string, const float*>>& values);
   // Accumulates every parameter's gradient in `slot` (the whole of each parameter).
   absl::StatusOr<v1::PushGradientsResponse> Push(int64_t step, uint32_t slot, float scale = 1.0f);
   // The general form: explicit ranges.
@@ -124,14 +148,15 @@ class Session {
   // The general form: an explicit request (its session is set here).
   absl::Status Update(v1::UpdateRequest request);
   // Swaps the state of `columns` of parameter `param` with the three [rows, n] blocks (values,
-  // m, v) the caller wrote at StagingFp32(param); returns the columns' previous step counts
-  // (their previous state is then in the staging blocks). See MigrateColumnsRequest.
+  // m, v) the caller wrote at Staging(); returns the columns' previous step counts (their
+  // previous state is then in the staging blocks). See MigrateColumnsRequest.
   absl::StatusOr<std::vector<int64_t>> MigrateColumns(const std::string& param,
                                                       const std::vector<int64_t>& columns,
                                                       const std::vector<int64_t>& steps);
   // The same in the middle of a round for several parameters in one call
-  // (MigrateColumnsRequest.handover): a fourth staging block receives the outgoing columns'
-  // accumulated gradient; the response has their step counts (moves[0]'s in steps, the others'
+  // (MigrateColumnsRequest.handover): each move's four [rows, n] blocks follow the previous
+  // move's in Staging() (the first at its start; all must fit), the fourth receiving the
+  // outgoing columns' accumulated gradient; the response has their step counts (moves[0]'s in steps, the others'
   // in more) and whether those blocks are zero (pushes == 0). moves must not be empty.
   struct ColumnMove {
     std::string param;

@@ -201,6 +201,10 @@ struct ZenFlowEngine::Impl {
   // The parameter slot that Update writes. Read from it, not from the slot WaitUpdate names:
   // WaitUpdate answers with the newest version, which may already be the next round's.
   uint32_t pending_pslot = 0;
+  // The session's parameter slots: 1 when the engine registered it (every Update's parameters
+  // are read out of the slot before the next Update is issued: see DoStep), 2 for a session
+  // registered with two by someone else (the rounds alternate).
+  uint32_t param_slots = 1;
   int64_t pending_task = 0;
   // The copy-thread task that waits for Update `prefetched_version` and uploads its parameters
   // into the split weights' cold buffers ahead of the boundary that lands them (0: none).
@@ -316,8 +320,13 @@ absl::Status ZenFlowEngine::Impl::Setup() {
   RETURN_IF_ERROR(Sync("allocating the engine's buffers"));
   if (cfg.mode == OffloadMode::kNoOffload || specs.empty()) return absl::OkStatus();
   if (session->layout().params_size() == 0) {
-    RETURN_IF_ERROR(session->RegisterParams(specs));
+    // The parameter slots hold what crosses (param_dtype), and one suffices: the engine reads
+    // each Update's parameters before it issues the next (DoStep).
+    RETURN_IF_ERROR(session->RegisterParams(specs, cfg.param_dtype, /*param_slots=*/1));
   } else {
+    if (session->layout().param_dtype() == v1::DTYPE_BF16 && cfg.param_dtype != v1::DTYPE_BF16)
+      return absl::FailedPreconditionError(
+          "param_dtype: FP32, but the daemon session was registered with BF16 parameter slots");
     for (size_t i = 0; i < specs.size(); ++i) {
       int64_t numel = 1;
       for (int64_t d : specs[i].shape) numel *= d;
@@ -329,6 +338,7 @@ absl::Status ZenFlowEngine::Impl::Setup() {
             "parameters through the engine"));
     }
   }
+  param_slots = std::max<uint32_t>(1, session->layout().param_slots());
   hot_consts = OpsBuffer(&ops, static_cast<int64_t>(hot_consts_host.size()));
   std::string why;
   copy_stream = ops.NewCopyStream(&why);
@@ -339,17 +349,36 @@ absl::Status ZenFlowEngine::Impl::Setup() {
 }
 
 absl::Status ZenFlowEngine::Impl::LoadDaemon() {
+  // The offloaded values (a split weight's cold columns gathered first) go through the staging
+  // area in ranges, as many per LoadParams as fit: the staging area is a small share of the
+  // state (offload.proto, RegionLayout.staging_bytes).
+  const uint64_t cap = session->staging_floats();
+  std::vector<Session::LoadRange> batch;
+  uint64_t used = 0;
+  auto flush = [&]() -> absl::Status {
+    RETURN_IF_ERROR(Sync("staging the initial parameters"));
+    RETURN_IF_ERROR(session->LoadParams(batch));
+    batch.clear();
+    used = 0;
+    return absl::OkStatus();
+  };
   for (PState& ps : params) {
-    if (ps.kind == PState::kOffloaded) {
-      ops.Download(session->StagingFp32(ps.p.name), ps.p.value, ps.numel);
-    } else if (ps.kind == PState::kSplit) {
+    if (ps.kind == PState::kDevice) continue;
+    if (ps.kind == PState::kSplit)
       k.GatherColumns(ps.p.value, 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
                       ps.cold_params.data());
-      ops.Download(session->StagingFp32(ps.p.name), ps.cold_params.data(), ps.rows * ps.ncold);
+    const float* src = ps.kind == PState::kSplit ? ps.cold_params.data() : ps.p.value;
+    const uint64_t n = static_cast<uint64_t>(ps.offload_numel());
+    for (uint64_t first = 0; first < n;) {
+      if (used == cap) RETURN_IF_ERROR(flush());
+      const uint64_t c = std::min(n - first, cap - used);
+      ops.Download(session->Staging() + used, src + first, static_cast<int64_t>(c));
+      batch.push_back({ps.p.name, first, c, used * 4});
+      used += c;
+      first += c;
     }
   }
-  RETURN_IF_ERROR(Sync("staging the initial parameters"));
-  RETURN_IF_ERROR(session->LoadParams());
+  if (!batch.empty()) RETURN_IF_ERROR(flush());
   loaded = true;
   return absl::OkStatus();
 }
@@ -424,11 +453,14 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
   // entering columns' state from before this round's Update with their accumulated gradient;
   // their round's AdamW step is taken here, exactly as the daemon's fused Update would take it,
   // and the daemon's Update leaves the arrived columns alone. One call for every parameter, in
-  // rounds of what fits each parameter's staging area (4 blocks of [rows, n]).
+  // rounds of what fits the staging area (4 blocks of [rows, n] per parameter, one parameter's
+  // after the other's; at most ncold / 4 columns of a parameter per call).
   const bool bf16 = cfg.grad_dtype == v1::DTYPE_BF16;
+  const uint64_t staging_cap = session->staging_floats();
   struct Batch {
     Move* mv;
     int64_t n = 0;
+    uint64_t staging_at = 0;  // floats into the staging area
     std::vector<int64_t> pos, cols, steps;
     OpsBuffer pos_dev, cols_dev, tmp, grad, ss, bc2;
   };
@@ -436,14 +468,21 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
     t0 = Clock::now();
     std::vector<Batch> batches;
     std::vector<Session::ColumnMove> request;
+    uint64_t used = 0;  // staging floats taken by this call's batches
     for (Move& mv : moves) {
       PState& ps = *mv.ps;
       const int64_t left = static_cast<int64_t>(mv.leaving.size() - mv.done);
       if (left == 0) continue;
+      // The daemon's staging area holds 4 blocks of one column of any parameter, so the first
+      // batch of a call always moves at least one column.
+      const int64_t fit = static_cast<int64_t>((staging_cap - used) / (4 * ps.rows));
+      if (fit == 0) continue;
       Batch b;
       b.mv = &mv;
-      b.n = std::min<int64_t>(ps.ncold / 4, left);
+      b.n = std::min<int64_t>({ps.ncold / 4, left, fit});
+      b.staging_at = used;
       const int64_t n = b.n, rn = ps.rows * n;
+      used += 4 * static_cast<uint64_t>(rn);
       b.pos.assign(mv.leaving.begin() + mv.done, mv.leaving.begin() + mv.done + n);
       b.cols.assign(mv.entering.begin() + mv.done, mv.entering.begin() + mv.done + n);
       b.steps.resize(n);
@@ -466,7 +505,7 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
                               : static_cast<const void*>(ps.cold_grad[slot].data());
       k.GatherColumns(sent, bf16 ? 2 : 4, ps.rows, ps.ncold, AsInts(b.cols_dev), n,
                       b.grad.data());
-      ops.Download(session->StagingFp32(ps.p.name), b.tmp.data(), 3 * rn);
+      ops.Download(session->Staging() + b.staging_at, b.tmp.data(), 3 * rn);
       request.push_back({ps.p.name, b.cols, b.steps});
       batches.push_back(std::move(b));
       batches.back().mv->done += n;
@@ -495,7 +534,7 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
       kernels::MakeColumnConstants(adam, in_steps.data(), n, ss_h.data(), bc2_h.data());
       ops.Upload(b.ss.data(), ss_h.data(), n);
       ops.Upload(b.bc2.data(), bc2_h.data(), n);
-      ops.Upload(b.tmp.data(), session->StagingFp32(ps.p.name), 4 * rn);
+      ops.Upload(b.tmp.data(), session->Staging() + b.staging_at, 4 * rn);
       k.AccumulateAdamWColumns(
           adam, b.ss.data(), b.bc2.data(), b.tmp.data(), b.tmp.data() + rn, b.tmp.data() + 2 * rn,
           acc_zero ? nullptr : b.tmp.data() + 3 * rn, b.grad.data(),
@@ -515,6 +554,11 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
     RETURN_IF_ERROR(Sync("taking the entering columns' round step"));
     tm->optimizer += Since(t0);
   }
+  for (const Move& mv : moves)
+    if (mv.done != mv.leaving.size())
+      return absl::InternalError(absl::StrCat(
+          "reselection of '", mv.ps->p.name, "': ", mv.leaving.size() - mv.done,
+          " columns did not fit the daemon's staging area of ", staging_cap, " floats"));
   t0 = Clock::now();
   for (Move& mv : moves) {
     if (mv.leaving.empty()) continue;
@@ -697,7 +741,24 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     hyper.set_beta2(cfg.beta2);
     hyper.set_eps(cfg.eps);
     hyper.set_weight_decay(cfg.weight_decay);
-    pslot = static_cast<uint32_t>(rounds++ % 2);
+    pslot = static_cast<uint32_t>(rounds++ % param_slots);
+    // The Update posted below writes parameter slot pslot as soon as the copy thread issues it.
+    // A pending Update's parameters still in that slot (one slot: always) must be read out
+    // first. The prefetch task does that ahead of this Update on the copy thread (posted
+    // earlier, it runs first); with await_updates, in warm-up and in sync-offload the pending
+    // Update landed in its own step, and at a reselection above; otherwise (an engine restored
+    // just before a boundary: Restore drops the prefetch) it lands here, before the post.
+    auto unread = [&] {
+      return pending_version > 0 && pending_pslot == pslot &&
+             prefetched_version != pending_version;
+    };
+    if (unread()) RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
+    // The guard of that order (ZenFlowTest.ResumeFromCheckpointEqualsUninterruptedRun, k = 5,
+    // trips it if the landing above goes): an error, never a read racing the daemon's write.
+    if (unread())
+      return absl::InternalError(absl::StrCat(
+          "step ", t, ": the Update would overwrite parameter slot ", pslot,
+          " before version ", pending_version, "'s parameters were read from it"));
   }
   const v1::DType out = cfg.param_dtype;
   const bool fuse = tm.boundary;
@@ -971,7 +1032,8 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   if (!r.done()) return bad("trailing bytes");
   im.loaded = loaded != 0;
   // The daemon's Restore puts the checkpointed parameters in parameter slot 0: the pending
-  // round reads them there, and the next Update must write the other slot.
+  // round reads them there, and the next Update writes the other slot if there are two (with
+  // one, DoStep lands the pending round before the next Update is issued).
   im.pending_pslot = 0;
   im.prefetched_version = 0;
   if (im.rounds % 2 == 0) ++im.rounds;

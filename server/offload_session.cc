@@ -368,18 +368,18 @@ absl::Status OffloadSession::Allocate(SessionLayout layout) {
   return absl::OkStatus();
 }
 
-void OffloadSession::LoadParams(const std::vector<size_t>& which) {
-  for (size_t i : which) {
-    const ParamLayout& p = layout_->params[i];
-    const uint64_t e = p.elem_offset;
-    const float* src = Staging() + e;
-    ParallelChunks(p.numel, [&](int64_t b, int64_t end) {
+void OffloadSession::LoadParams(const std::vector<LoadJob>& jobs) {
+  for (const LoadJob& job : jobs) {
+    const ParamLayout& p = layout_->params[job.param];
+    const uint64_t e = p.elem_offset + job.first;
+    const float* src = Staging() + job.staging_at;
+    ParallelChunks(static_cast<int64_t>(job.count), [&](int64_t b, int64_t end) {
       memcpy(master_ + e + b, src + b, (end - b) * sizeof(float));
       memset(m_ + e + b, 0, (end - b) * sizeof(float));
       memset(v_ + e + b, 0, (end - b) * sizeof(float));
       memset(acc_ + e + b, 0, (end - b) * sizeof(float));
     });
-    col_steps_[i].assign(static_cast<size_t>(p.cols), 0);
+    col_steps_[job.param].assign(static_cast<size_t>(p.cols), 0);
   }
 }
 
@@ -505,7 +505,7 @@ MigrateResult OffloadSession::Migrate(const MigratePlan& plan) {
   const std::vector<int64_t>& columns = plan.columns;
   const ParamLayout& p = layout_->params[plan.param];
   const int64_t n = static_cast<int64_t>(columns.size());
-  float* staging = Staging() + p.elem_offset;
+  float* staging = Staging() + plan.staging_at;
   float* state[3] = {master_ + p.elem_offset, m_ + p.elem_offset, v_ + p.elem_offset};
   for (int a = 0; a < 3; ++a) {
     float* block = staging + a * p.rows * n;
@@ -581,7 +581,7 @@ std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePla
     const ParamLayout& p = layout_->params[plan.param];
     const int64_t n = static_cast<int64_t>(plan.columns.size());
     const int64_t* cols = plan.columns.data();
-    float* staging = Staging() + p.elem_offset;
+    float* staging = Staging() + plan.staging_at;
     const float* from[4] = {master_ + p.elem_offset, m_ + p.elem_offset, v_ + p.elem_offset,
                             acc_ + p.elem_offset};
     for (int a = 0; a < 4; ++a) {

@@ -1,9 +1,10 @@
 // OffloadSession: one trainer session of stallfreed, its memory and its optimizer state.
 //
-// A session owns a memfd region (two gradient slots, two parameter slots, a staging area) and
-// pinned fp32 state (master, m, v, accumulator), all laid out flat: parameter i occupies
-// elements [e_i, e_i + numel_i) of every fp32 array, e_i a multiple of 16 (LayOutParams in
-// requests.h).
+// A session owns a memfd region (two gradient slots, one or two parameter slots of the
+// registered parameter dtype, a staging area of about 1/32 of the fp32 state) and pinned fp32
+// state (master, m, v, accumulator), all laid out flat: parameter i occupies elements
+// [e_i, e_i + numel_i) of every fp32 array and of the parameter slots, e_i a multiple of 16
+// (LayOutParams in requests.h).
 //
 // Two kinds of methods, two rules:
 //  - Control methods (attach, claims of an update, versions, counters, waiters) are thread
@@ -116,7 +117,7 @@ struct ParamLayout {
   std::vector<int64_t> shape;
   int64_t numel = 0;
   v1::DType grad_dtype = v1::DTYPE_FP32;
-  uint64_t elem_offset = 0;    // into every fp32 array and the fp32 parameter slot.
+  uint64_t elem_offset = 0;    // into every fp32 array and the parameter slots' elements.
   uint64_t grad_offset = 0;    // bytes into each gradient slot.
   int64_t rows = 1, cols = 1;  // [product of the leading dimensions, last dimension]
 
@@ -181,6 +182,16 @@ struct MigratePlan {
   std::vector<int64_t> columns;
   std::vector<int64_t> steps;
   bool handover = false;  // MigrateColumnsRequest.handover
+  uint64_t staging_at = 0;  // where its blocks start, in floats into the staging area
+};
+
+// One validated copy of a LoadParams: `count` values from float `staging_at` of the staging
+// area to elements [first, first + count) of parameter `param` (a position in the layout).
+struct LoadJob {
+  size_t param = 0;
+  uint64_t first = 0;
+  uint64_t count = 0;
+  uint64_t staging_at = 0;
 };
 
 // What a handover Migrate returns: the outgoing step counts, and how many pushes the handed-over
@@ -267,9 +278,9 @@ class OffloadSession {
   // first), then publishes the layout: the session is registered. On failure the reservation
   // goes back and the session may register again.
   absl::Status Allocate(SessionLayout layout) ABSL_LOCKS_EXCLUDED(mu_);
-  // On the strand. Parameters `which` (positions in the layout) take their values from the
-  // staging area; their moments, accumulator and column steps start from zero.
-  void LoadParams(const std::vector<size_t>& which);
+  // On the strand. The jobs' elements take their values from the staging area; their moments
+  // and accumulator start from zero, and so do the column steps of every parameter a job names.
+  void LoadParams(const std::vector<LoadJob>& jobs);
   // On the strand. Adds plan.scale * each job's gradient into the accumulator. Returns the
   // pushes since the last Update, this one included.
   int64_t Accumulate(const PushPlan& plan) ABSL_LOCKS_EXCLUDED(mu_);
@@ -277,11 +288,12 @@ class OffloadSession {
   // steps, the parameter slot; then the version is ready and its waiters are called.
   void Update(const UpdatePlan& plan) ABSL_LOCKS_EXCLUDED(mu_);
   // On the strand. Swaps the master, m and v values of the plan's n columns with the three
-  // [rows, n] blocks at the parameter's staging offset, sets the columns' step counts to the
+  // [rows, n] blocks at plan.staging_at, sets the columns' step counts to the
   // plan's and returns their previous ones.
   MigrateResult Migrate(const MigratePlan& plan);
   // On the strand. The handovers of `plans` (MigrateColumnsRequest.handover; distinct
-  // parameters): each column's state and accumulated gradient go to the four staging blocks,
+  // parameters): each column's state and accumulated gradient go to the four staging blocks
+  // at its plan's staging_at,
   // and the three incoming blocks are kept for the next Update to write in place of what it
   // computes for those columns.
   std::vector<MigrateResult> HandOver(const std::vector<MigratePlan>& plans);
@@ -291,8 +303,8 @@ class OffloadSession {
                                              int64_t* version) ABSL_LOCKS_EXCLUDED(mu_);
   // On the strand (BeginRestore came first). Reads checkpoint `tag` at `path` into the state if
   // `owner` owns it and its parameters are the session's, and writes the parameters to
-  // parameter slot 0 as `out`. Returns its header; *file_bytes: the file's size. Nothing
-  // changes unless it succeeds.
+  // parameter slot 0 as `out` (a dtype the slots hold: OutputDType in requests.h). Returns its
+  // header; *file_bytes: the file's size. Nothing changes unless it succeeds.
   absl::StatusOr<v1::CheckpointHeader> Restore(const std::string& path, uid_t owner,
                                                const std::string& tag, v1::DType out,
                                                uint64_t* file_bytes) ABSL_LOCKS_EXCLUDED(mu_);

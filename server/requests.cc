@@ -1,5 +1,6 @@
 #include "server/requests.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -13,13 +14,32 @@ namespace {
 constexpr uint64_t kPage = 4096;
 constexpr uint64_t kElemAlign = 16;  // 64 bytes of fp32.
 constexpr int64_t kMaxNumel = int64_t{1} << 40;
+// The staging area (offload.proto, RegionLayout.staging_bytes): one fp32 per this many state
+// elements, ...
+constexpr uint64_t kStagingShare = 32;
+// ... but at least the whole session's fp32 values up to this many (256 KiB: a small session
+// loads in one call, every parameter at its staging_offset, as before the staging area shrank)
+// ...
+constexpr uint64_t kStagingWholeElems = 65536;
+// ... and at least the 4 blocks of one column of the tallest parameter (a handover of one
+// column always fits).
+constexpr uint64_t kHandoverBlocks = 4;
 
 }  // namespace
 
 absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req) {
   if (req.params_size() == 0) return absl::InvalidArgumentError("params: empty");
+  if (req.param_dtype() != v1::DTYPE_UNSPECIFIED && req.param_dtype() != v1::DTYPE_FP32 &&
+      req.param_dtype() != v1::DTYPE_BF16)
+    return absl::InvalidArgumentError("param_dtype: must be FP32 or BF16 (or unspecified: FP32)");
+  if (req.param_slots() > 2)
+    return absl::InvalidArgumentError(
+        absl::StrCat("param_slots: ", req.param_slots(), " is not 1 or 2 (or 0: 2)"));
+  const v1::DType param_dtype =
+      req.param_dtype() == v1::DTYPE_BF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+  const uint32_t param_slots = req.param_slots() == 0 ? 2 : req.param_slots();
   SessionLayout out;
-  uint64_t elems = 0, grad_bytes = 0;
+  uint64_t elems = 0, grad_bytes = 0, max_rows = 1;
   for (int i = 0; i < req.params_size(); ++i) {
     const v1::ParamSpec& p = req.params(i);
     const std::string field = absl::StrCat("params[", i, "]");
@@ -49,6 +69,7 @@ absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req)
     info.grad_offset = grad_bytes;
     info.cols = p.shape(p.shape_size() - 1);
     info.rows = numel / info.cols;
+    max_rows = std::max<uint64_t>(max_rows, static_cast<uint64_t>(info.rows));
     uint64_t padded, padded_bytes;
     if (!AlignUp(static_cast<uint64_t>(numel), kElemAlign, &padded) ||
         !AddOverflow(elems, padded, &elems) ||
@@ -58,17 +79,26 @@ absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req)
     out.index[info.name] = out.params.size();
     out.params.push_back(std::move(info));
   }
-  uint64_t gslot, pslot;
+  // Every size below is at most 4 * elems (< 2^46) or 16 * max_rows (< 2^45) plus a page: no
+  // overflow.
+  const uint64_t param_bytes = param_dtype == v1::DTYPE_BF16 ? 2 : 4;
+  const uint64_t staging_floats =
+      std::max({(elems + kStagingShare - 1) / kStagingShare, kHandoverBlocks * max_rows,
+                std::min(elems, kStagingWholeElems)});
+  uint64_t gslot, pslot, staging;
   AlignUp(grad_bytes, kPage, &gslot);
-  AlignUp(elems * 4, kPage, &pslot);
+  AlignUp(elems * param_bytes, kPage, &pslot);
+  AlignUp(staging_floats * 4, kPage, &staging);
   v1::RegionLayout& layout = out.region;
-  layout.set_region_bytes(2 * gslot + 3 * pslot);
+  layout.set_region_bytes(2 * gslot + param_slots * pslot + staging);
   layout.set_grad_slot_offset(0);
   layout.set_grad_slot_bytes(gslot);
   layout.set_param_slot_offset(2 * gslot);
   layout.set_param_slot_bytes(pslot);
-  layout.set_staging_offset(2 * gslot + 2 * pslot);
-  layout.set_staging_bytes(pslot);
+  layout.set_param_slots(param_slots);
+  layout.set_param_dtype(param_dtype);
+  layout.set_staging_offset(2 * gslot + param_slots * pslot);
+  layout.set_staging_bytes(staging);
   for (const ParamLayout& p : out.params) {
     v1::ParamLayout* pl = layout.add_params();
     pl->set_name(p.name);
@@ -83,8 +113,41 @@ absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req)
   return out;
 }
 
-absl::StatusOr<std::vector<size_t>> PlanLoad(const v1::LoadParamsRequest& req,
-                                             const SessionLayout& layout) {
+absl::StatusOr<std::vector<LoadJob>> PlanLoad(const v1::LoadParamsRequest& req,
+                                              const SessionLayout& layout) {
+  const uint64_t staging_floats = layout.region.staging_bytes() / 4;
+  std::vector<LoadJob> jobs;
+  if (req.ranges_size() > 0) {
+    if (req.names_size() > 0)
+      return absl::InvalidArgumentError("names: not with ranges (a range names its parameter)");
+    for (int i = 0; i < req.ranges_size(); ++i) {
+      const v1::LoadRange& r = req.ranges(i);
+      const std::string field = absl::StrCat("ranges[", i, "]");
+      const int64_t p = layout.Find(r.param());
+      if (p < 0)
+        return absl::NotFoundError(absl::StrCat(field, ".param: no parameter '", r.param(), "'"));
+      const ParamLayout& pl = layout.params[p];
+      absl::Status st = CheckRange(r.first_element(), r.count(), static_cast<uint64_t>(pl.numel),
+                                   field + ".first_element/count");
+      if (!st.ok())
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".first_element/count: elements [", r.first_element(), ", +", r.count(),
+            ") are outside parameter '", pl.name, "' of ", pl.numel, " elements"));
+      if (r.staging_offset() % 4 != 0)
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".staging_offset: ", r.staging_offset(), " is not a multiple of 4"));
+      st = CheckRange(r.staging_offset() / 4, r.count(), staging_floats,
+                      field + ".staging_offset/count");
+      if (!st.ok())
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".staging_offset/count: ", r.count(), " fp32 values at byte ",
+            r.staging_offset(), " exceed the staging area of ", layout.region.staging_bytes(),
+            " bytes; load in smaller ranges"));
+      jobs.push_back({static_cast<size_t>(p), r.first_element(), r.count(),
+                      r.staging_offset() / 4});
+    }
+    return jobs;
+  }
   std::vector<size_t> which;
   if (req.names_size() == 0)
     for (size_t i = 0; i < layout.params.size(); ++i) which.push_back(i);
@@ -95,7 +158,17 @@ absl::StatusOr<std::vector<size_t>> PlanLoad(const v1::LoadParamsRequest& req,
           absl::StrCat("names[", i, "]: no parameter '", req.names(i), "'"));
     which.push_back(static_cast<size_t>(p));
   }
-  return which;
+  for (size_t i : which) {
+    const ParamLayout& p = layout.params[i];
+    // Whole, from its staging_offset (the element offset): only where it fits.
+    if (p.elem_offset + static_cast<uint64_t>(p.numel) > staging_floats)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "names: parameter '", p.name, "' (", p.numel, " elements at staging byte ",
+          p.elem_offset * 4, ") does not fit in the staging area of ",
+          layout.region.staging_bytes(), " bytes; load it by ranges (LoadParamsRequest.ranges)"));
+    jobs.push_back({i, 0, static_cast<uint64_t>(p.numel), p.elem_offset});
+  }
+  return jobs;
 }
 
 absl::StatusOr<PushPlan> PlanPush(const v1::PushGradientsRequest& req,
@@ -169,6 +242,20 @@ absl::StatusOr<PushPlan> PlanPush(const v1::PushGradientsInlineRequest& req,
   return plan;
 }
 
+absl::StatusOr<v1::DType> OutputDType(v1::DType requested, const SessionLayout& layout,
+                                      const std::string& field) {
+  if (requested != v1::DTYPE_UNSPECIFIED && requested != v1::DTYPE_FP32 &&
+      requested != v1::DTYPE_BF16)
+    return absl::InvalidArgumentError(field + ": must be FP32 or BF16");
+  const v1::DType slots = layout.region.param_dtype();
+  if (requested == v1::DTYPE_UNSPECIFIED) return slots;
+  if (requested == v1::DTYPE_FP32 && slots == v1::DTYPE_BF16)
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, ": FP32, but the session registered BF16 parameter slots "
+        "(RegisterParamsRequest.param_dtype)"));
+  return requested;
+}
+
 absl::StatusOr<UpdatePlan> PlanUpdate(const v1::UpdateRequest& req, const SessionLayout& layout,
                                       uint64_t session_id) {
   const v1::AdamWHyper& h = req.hyper();
@@ -183,12 +270,12 @@ absl::StatusOr<UpdatePlan> PlanUpdate(const v1::UpdateRequest& req, const Sessio
     return absl::InvalidArgumentError("hyper.eps: must be finite and >= 0");
   if (!(h.weight_decay() >= 0.0) || !std::isfinite(h.weight_decay()))
     return absl::InvalidArgumentError("hyper.weight_decay: must be finite and >= 0");
-  if (req.param_slot() > 1)
-    return absl::InvalidArgumentError(
-        absl::StrCat("param_slot: ", req.param_slot(), " is not 0 or 1"));
-  if (req.out_dtype() != v1::DTYPE_UNSPECIFIED && req.out_dtype() != v1::DTYPE_FP32 &&
-      req.out_dtype() != v1::DTYPE_BF16)
-    return absl::InvalidArgumentError("out_dtype: must be FP32 or BF16");
+  if (req.param_slot() >= layout.region.param_slots())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "param_slot: ", req.param_slot(), " is not below the session's ",
+        layout.region.param_slots(), " parameter slot(s)"));
+  absl::StatusOr<v1::DType> out = OutputDType(req.out_dtype(), layout, "out_dtype");
+  if (!out.ok()) return out.status();
   if (req.step() < 1)
     return absl::InvalidArgumentError(absl::StrCat("step: ", req.step(), " is not >= 1"));
   // The fused push (offload.proto): only at a column-step boundary, from a real slot.
@@ -216,7 +303,7 @@ absl::StatusOr<UpdatePlan> PlanUpdate(const v1::UpdateRequest& req, const Sessio
   plan.config.weight_decay = h.weight_decay();
   plan.config.step = req.step();
   plan.param_slot = req.param_slot();
-  plan.out = req.out_dtype() == v1::DTYPE_BF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+  plan.out = *out;
   plan.column_steps = req.column_steps();
   plan.fuse_push = req.fuse_push();
   plan.grad_slot = req.fused_grad_slot();
@@ -289,6 +376,20 @@ absl::StatusOr<std::vector<MigratePlan>> PlanMigrate(const v1::MigrateColumnsReq
             absl::StrCat("more: parameter '", h.param(), "' appears twice"));
     plans.push_back(std::move(plan));
   }
+  // Each parameter's blocks follow the previous one's in the staging area, from its start; all
+  // must fit (each term is below 4 * 2^40 floats: no overflow).
+  const uint64_t staging_floats = layout.region.staging_bytes() / 4;
+  uint64_t at = 0;
+  for (MigratePlan& plan : plans) {
+    const ParamLayout& p = layout.params[plan.param];
+    plan.staging_at = at;
+    at += (plan.handover ? 4 : 3) * static_cast<uint64_t>(p.rows) * plan.columns.size();
+  }
+  if (at > staging_floats)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "columns: this migration needs ", at * 4, " staging bytes (", plans[0].handover ? 4 : 3,
+        " fp32 blocks of [rows, columns] per parameter), the staging area holds ",
+        layout.region.staging_bytes(), "; move fewer columns per call"));
   return plans;
 }
 

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -19,9 +20,16 @@ namespace stallfree {
 // The parameters of a RegisterParams request, laid out (offload_session.h, SessionLayout).
 absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& request);
 
-// The positions of the parameters a LoadParams request names (none named: all).
-absl::StatusOr<std::vector<size_t>> PlanLoad(const v1::LoadParamsRequest& request,
-                                             const SessionLayout& layout);
+// The copies of a LoadParams request: its ranges, or the parameters it names (none named: all)
+// whole from their staging offsets.
+absl::StatusOr<std::vector<LoadJob>> PlanLoad(const v1::LoadParamsRequest& request,
+                                              const SessionLayout& layout);
+
+// The dtype an Update or Restore writes to the parameter slots, for a requested one
+// (UNSPECIFIED: the registered one); FailedPrecondition for FP32 into BF16 slots. `field` names
+// the request's field in the messages.
+absl::StatusOr<v1::DType> OutputDType(v1::DType requested, const SessionLayout& layout,
+                                      const std::string& field);
 
 // A push from a gradient slot: its ranges (none: the whole slot) as accumulator jobs.
 absl::StatusOr<PushPlan> PlanPush(const v1::PushGradientsRequest& request,

@@ -297,10 +297,10 @@ void SessionManager::LoadParams(const v1::LoadParamsRequest& req, Done done) {
   std::shared_ptr<OffloadSession> s = *std::move(found);
   absl::Status st = s->CheckLoadable();
   if (!st.ok()) return Fail(st, done);
-  absl::StatusOr<std::vector<size_t>> which = PlanLoad(req, *s->layout());
-  if (!which.ok()) return Fail(which.status(), done);
-  PostOrFail(*s, [s, which = *std::move(which), done] {
-    s->LoadParams(which);
+  absl::StatusOr<std::vector<LoadJob>> jobs = PlanLoad(req, *s->layout());
+  if (!jobs.ok()) return Fail(jobs.status(), done);
+  PostOrFail(*s, [s, jobs = *std::move(jobs), done] {
+    s->LoadParams(jobs);
     done(absl::OkStatus());
   }, done);
 }
@@ -413,7 +413,9 @@ void SessionManager::Restore(const v1::RestoreRequest& req, v1::RestoreResponse*
   absl::StatusOr<Owned> found = LookupForCheckpoint(req.session(), req.tag(), "Restore");
   if (!found.ok()) return Fail(found.status(), done);
   const Owned& o = *found;
-  const v1::DType out = req.out_dtype() == v1::DTYPE_BF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+  absl::StatusOr<v1::DType> dtype = OutputDType(req.out_dtype(), *o.session->layout(), "out_dtype");
+  if (!dtype.ok()) return Fail(dtype.status(), done);
+  const v1::DType out = *dtype;
   absl::Status st = o.session->BeginRestore();
   if (!st.ok()) return Fail(st, done);
   // Every file access on the strand, none on the gRPC thread.

@@ -183,6 +183,57 @@ TEST_F(ZenFlowTest, ZeroStalenessEqualsDenseAdamWAcrossMigrations) {
   EXPECT_NE(history.find("HCCCCCCH"), std::string::npos) << history;
 }
 
+// Tall weights whose cold part is larger than the daemon's staging area: the engine loads them
+// in several LoadParams calls and moves a reselection's columns in several handovers (each
+// packed into the staging area), and still equals dense AdamW bit for bit (S = 1, awaited,
+// reselection every step). The engine registers one parameter slot of its parameter dtype.
+TEST_F(ZenFlowTest, TallWeightsLoadAndMigrateInChunksThroughTheStagingArea) {
+  const int seed = 9;
+  const ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 1, 1, true);
+  std::vector<Tensor> model = {{"tall", {8192, 16}, {}, {}}, {"tall3", {4096, 2, 12}, {}, {}}};
+  {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    for (Tensor& t : model) {
+      int64_t n = 1;
+      for (int64_t d : t.shape) n *= d;
+      t.value.resize(n);
+      t.grad.assign(n, 0.0f);
+      for (float& x : t.value) x = normal(rng);
+    }
+  }
+  Dense dense(model);
+  auto session = NewSession("zf-tall");
+  ASSERT_NE(session, nullptr);
+  auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
+                                      kernels::CpuOps(), session.get());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const v1::RegionLayout& layout = session->layout();
+  EXPECT_EQ(layout.param_slots(), 1u);
+  EXPECT_EQ(layout.param_dtype(), v1::DTYPE_FP32);
+  int64_t registered = 0;
+  for (const v1::ParamLayout& p : layout.params()) registered += p.numel();
+  EXPECT_EQ(registered, 8192 * 12 + 8192 * 9);
+  const uint64_t cap = session->staging_floats();
+  ASSERT_LT(cap, static_cast<uint64_t>(registered)) << "the load would not be chunked";
+  ZenFlowEngine& e = **engine;
+  bool several_handovers = false;
+  for (int64_t t = 1; t <= 10; ++t) {
+    FillGrads(&model, t, seed);
+    ASSERT_TRUE(e.Step(Lr(t)).ok()) << "step " << t;
+    dense.Step(t, seed, cfg);
+    // A handover call holds at most cap floats: 4 blocks of 8192 rows per column.
+    if (e.last_timings().migrated_columns / 2 * 4 * 8192 > static_cast<int64_t>(cap))
+      several_handovers = true;
+    ASSERT_TRUE(e.Flush().ok());
+    for (size_t i = 0; i < model.size(); ++i)
+      ASSERT_EQ(0, memcmp(model[i].value.data(), dense.ts[i].value.data(),
+                          model[i].value.size() * 4))
+          << model[i].name << " differs from dense AdamW after step " << t;
+  }
+  EXPECT_TRUE(several_handovers) << "no reselection needed more than one handover";
+}
+
 // The ZenFlow algorithm per column, as the reference for S > 1: every column carries its own
 // value, m, v and step wherever it lives. Hot columns take an AdamW step on every gradient, cold
 // columns accumulate scale * g (scale = 1 / S) and take one AdamW step on the sum at the round's
@@ -614,8 +665,9 @@ TEST_F(ZenFlowTest, MigrateColumnsValidates) {
   EXPECT_EQ(s->MigrateColumns("w", {1}, {-1}).status().code(), Code::kInvalidArgument);
   EXPECT_EQ(s->MigrateColumns("w", {0, 1, 2, 3}, {0, 0, 0, 0}).status().code(),
             Code::kInvalidArgument);  // 3 * 4 * 4 floats > 36
-  // A swap of columns 2 and 7 with known values, m = 100 + value, v = 200 + value.
-  float* staging = s->StagingFp32("w");
+  // A swap of columns 2 and 7 with known values, m = 100 + value, v = 200 + value; the blocks
+  // at the start of the staging area.
+  float* staging = s->Staging();
   for (int r = 0; r < 4; ++r)
     for (int j = 0; j < 2; ++j) {
       staging[0 * 8 + r * 2 + j] = -1.0f - r - 10 * j;

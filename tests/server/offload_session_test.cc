@@ -118,10 +118,12 @@ class OffloadSessionTest : public ::testing::Test {
     uint8_t* Grad(uint32_t slot, const std::string& name) const {
       return region->data() + GradOffset(slot) + param(name).grad_offset;
     }
-    float* Staging(const std::string& name) const {
-      return reinterpret_cast<float*>(region->data() + layout->region.staging_offset()) +
-             param(name).elem_offset;
+    // The start of the staging area (where a migration's blocks go), and where a parameter's
+    // values go for a whole load (its element offset).
+    float* Staging() const {
+      return reinterpret_cast<float*>(region->data() + layout->region.staging_offset());
     }
+    float* Staging(const std::string& name) const { return Staging() + param(name).elem_offset; }
     const float* ParamSlot(uint32_t slot) const {
       return reinterpret_cast<const float*>(region->data() + layout->region.param_slot_offset() +
                                             slot * layout->region.param_slot_bytes());
@@ -196,12 +198,12 @@ class OffloadSessionTest : public ::testing::Test {
 
   // Loads model.p into every parameter (through the staging area).
   static void Load(const Registered& r, const Model& model) {
-    std::vector<size_t> all;
-    for (const ParamLayout& p : r.layout->params) {
+    v1::LoadParamsRequest req;  // every parameter whole, from its element offset
+    absl::StatusOr<std::vector<LoadJob>> all = PlanLoad(req, *r.layout);
+    ASSERT_TRUE(all.ok()) << all.status();
+    for (const ParamLayout& p : r.layout->params)
       memcpy(r.Staging(p.name), &model.p[p.elem_offset], p.numel * 4);
-      all.push_back(all.size());
-    }
-    r.s->LoadParams(all);
+    r.s->LoadParams(*all);
   }
 
   static UpdatePlan Plan(const Registered& r, int64_t step, bool column_steps,
@@ -375,7 +377,7 @@ TEST_F(OffloadSessionTest, MigrateSwapsColumnsWithTheStagingAreaAndTheirSteps) {
   // Three [rows, 2] blocks (values, m, v) for columns 7 and 2, in that order.
   const std::vector<int64_t> columns = {7, 2};
   const int64_t k = 2;
-  float* staging = r.Staging("w");
+  float* staging = r.Staging();
   std::vector<float> blocks(3 * rows * k);
   for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = 1.0f + 0.125f * static_cast<float>(i);
   memcpy(staging, blocks.data(), blocks.size() * 4);
@@ -450,7 +452,7 @@ TEST_F(OffloadSessionTest, HandOverMidRoundHandsTheRoundOutAndKeepsTheIncomingCo
   for (size_t i = 0; i < n; ++i) model.acc[i] = 0.5f * g3[i];
   const std::vector<int64_t> columns = {6, 1};
   const int64_t k = 2;
-  float* staging = r.Staging("w");
+  float* staging = r.Staging();
   std::vector<float> incoming(3 * rows * k);
   for (size_t i = 0; i < incoming.size(); ++i) incoming[i] = 0.5f - 0.0625f * static_cast<float>(i);
   memcpy(staging, incoming.data(), incoming.size() * 4);
