@@ -99,6 +99,7 @@ bench: deps
 	$(BAZEL) run //bench:train_bench -- --quick
 	$(BAZEL) build //python:stallfree_package
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/torch_bench.py
+	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/dp_bench.py
 
 gpu-check: deps
 	BAZEL="$(BAZEL)" ./tests/gpu/gpu_check.sh

@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""dp_bench: ZenFlowAdamW's state partitioned over L data-parallel ranks on one stallfreed.
+
+    PYTHONPATH=bazel-bin/python .venv/bin/python bench/dp_bench.py [--width 1024] [--steps 12]
+
+A benchmark, not a test: it prints what it measured. One private stallfreed (stallfree.Daemon,
+1 worker thread) serves every run; each run starts L gloo ranks (this file with --worker) that
+train the same model: three width x width Linear layers (3.15M parameters at 1024) wrapped in
+DistributedDataParallel, each rank on its own 16-row share of a fixed batch, ZenFlowAdamW with the
+defaults (zenflow, ratio 0.1, S = 4, bf16 transfers) but warmup_steps 0, so every step is a
+ZenFlow step and the daemon runs steps / 4 Updates.
+
+Runs: partitioned with L = 1, 2, 4 (the default: process_group the world), the replicated
+baseline with L = 4 (process_group= a group of each rank alone: every rank a full replica in the
+daemon, as before partitioning) and L = 4 with reduce_gradients=True instead of DDP.
+
+Figures, each run's own:
+- dp_host_bytes_per_param_L<L>: the daemon's pinned bytes (GetStats, every rank's sessions open,
+  after step 1) over the model's parameters: a node's host footprint per parameter.
+- dp_push_bytes_per_rank_L4_over_L1: bytes a rank pushes to the daemon per step (ZenFlowAdamW's
+  last_timings bytes_to_host, mean over steps and ranks), L = 4 over L = 1.
+- dp_daemon_update_seconds_L4_over_L1: the daemon's AdamW time over the run (GetStats
+  update_seconds, after minus before), L = 4 over L = 1: the CPU work of a node.
+- the same three for the replicated baseline, and the step time (median, rank 0) of each run.
+- communication per rank per step, by the ring algorithms' volume (gloo's and NCCL's; torch
+  exposes no byte counters): DDP's all-reduce 2 (L-1)/L x 4N bytes, the partition's all-gather of
+  the updated blocks (L-1)/L x 4N, reduce_gradients' reduce-scatter (L-1)/L x 4N instead of DDP.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if os.path.isdir(os.path.join(ROOT, "bazel-bin", "python", "stallfree")):
+    sys.path.insert(0, os.path.join(ROOT, "bazel-bin", "python"))
+
+ROWS_PER_RANK = 16
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import stallfree
+    from stallfree.torch import ZenFlowAdamW
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % args.port, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(0)
+    w = args.width
+    model = torch.nn.Sequential(torch.nn.Linear(w, w, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(w, w, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(w, w, bias=False))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS_PER_RANK * 4, w, generator=gen)[rank * ROWS_PER_RANK:][:ROWS_PER_RANK]
+    target = torch.randn(ROWS_PER_RANK * 4, w, generator=gen)[rank * ROWS_PER_RANK:][
+        :ROWS_PER_RANK]
+    own = [dist.new_group([r]) for r in range(world)][rank]
+    net = model if args.run == "reduce" else DistributedDataParallel(model)
+    client = stallfree._stallfree.Client(args.socket, 3000)
+    dist.barrier()
+    before = client.stats()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, socket=args.socket, warmup_steps=0,
+                       session_name=args.run, process_group=own if args.run == "replicated"
+                       else None, reduce_gradients=args.run == "reduce")
+    pushed, times, pinned = [], [], None
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = (net(x) - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        pushed.append(opt.last_timings["bytes_to_host"])
+        if step == 1:
+            dist.barrier()
+            pinned = client.stats()["pinned_bytes"]
+            dist.barrier()
+    opt.close()
+    dist.barrier()
+    after = client.stats()
+    params = sum(p.numel() for p in model.parameters())
+    out = {"rank": rank, "pushed": statistics.mean(pushed), "step_s": statistics.median(times),
+           "pinned": pinned, "update_s": after["update_seconds"] - before["update_seconds"],
+           "params": params}
+    all_out = [None] * world
+    dist.all_gather_object(all_out, out)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(all_out, f)
+    dist.destroy_process_group()
+
+
+def launch(run, world, args, socket):
+    import socket as so
+    with so.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tempfile.mktemp(suffix=".json")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path[:1] + [
+        os.environ.get("PYTHONPATH", "")]), WORLD_SIZE=str(world))
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
+                               "--run", run, "--port", str(port), "--socket", socket,
+                               "--width", str(args.width), "--steps", str(args.steps),
+                               "--out", out], env=dict(env, RANK=str(r)))
+             for r in range(world)]
+    codes = [p.wait(timeout=900) for p in procs]
+    if codes != [0] * world:
+        sys.exit("dp_bench: run %s L=%d: ranks exited %s" % (run, world, codes))
+    with open(out) as f:
+        ranks = json.load(f)
+    os.unlink(out)
+    r0 = ranks[0]
+    res = {"pinned_per_param": r0["pinned"] / r0["params"],
+           "pushed_per_rank": statistics.mean(r["pushed"] for r in ranks),
+           "update_s": r0["update_s"], "step_s": r0["step_s"], "params": r0["params"]}
+    print("%-11s L=%d: %.2f host bytes/param, %.0f pushed bytes/rank/step, daemon AdamW %.3f s, "
+          "step %.1f ms" % (run, world, res["pinned_per_param"], res["pushed_per_rank"],
+                            res["update_s"], 1e3 * res["step_s"]), flush=True)
+    return res
+
+
+def figure(name, value, unit):
+    print("FIGURE %s %.4g %s" % (name, value, unit), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--run", "--socket", "--out"):
+        p.add_argument(hidden, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    import stallfree
+    with tempfile.TemporaryDirectory() as state, \
+            stallfree.Daemon(state_dir=state, threads=1) as daemon:
+        runs = {}
+        for run, world in (("partitioned", 1), ("partitioned", 2), ("partitioned", 4),
+                           ("replicated", 4), ("reduce", 4)):
+            runs[run, world] = launch(run, world, args, daemon.socket)
+    one = runs["partitioned", 1]
+    for world in (1, 2, 4):
+        figure("dp_host_bytes_per_param_L%d" % world, runs["partitioned", world][
+            "pinned_per_param"], "bytes")
+    figure("dp_host_bytes_per_param_L4_replicated", runs["replicated", 4]["pinned_per_param"],
+           "bytes")
+    for run in ("partitioned", "replicated"):
+        suffix = "" if run == "partitioned" else "_replicated"
+        figure("dp_push_bytes_per_rank_L4_over_L1" + suffix,
+               runs[run, 4]["pushed_per_rank"] / one["pushed_per_rank"], "ratio")
+        figure("dp_daemon_update_seconds_L4_over_L1" + suffix,
+               runs[run, 4]["update_s"] / one["update_s"], "ratio")
+        figure("dp_step_ms_L4" + suffix, 1e3 * runs[run, 4]["step_s"], "ms")
+    figure("dp_step_ms_L4_reduce_gradients", 1e3 * runs["reduce", 4]["step_s"], "ms")
+    n4 = 4 * one["params"]
+    ring = 3 / 4
+    ddp, gather, rs = 2 * ring * n4, ring * n4, ring * n4
+    figure("dp_comm_bytes_per_rank_step_ddp_replicated", ddp, "bytes")
+    figure("dp_comm_bytes_per_rank_step_ddp_partitioned", ddp + gather, "bytes")
+    figure("dp_comm_bytes_per_rank_step_reduce_gradients", rs + gather, "bytes")
+    figure("dp_comm_reduce_gradients_over_ddp_allreduce", (rs + gather) / ddp, "ratio")
+
+
+if __name__ == "__main__":
+    main()
