@@ -92,8 +92,9 @@ class Session {
 
   // Registers parameters, then receives the region's fd, maps it (and, in CUDA builds,
   // registers it with cudaHostRegister). Call once. param_dtype: what Updates write to the
-  // parameter slots (UNSPECIFIED: FP32 slots, which take either); param_slots: 1 or 2 (0: 2).
-  // See RegisterParamsRequest.
+  // parameter slots (UNSPECIFIED: FP32 slots, which take either); param_slots: 1 or 2, with a
+  // staging area of about 1/32 of the state (0: the layout of before, 2 slots and a staging
+  // area of all the fp32 values). See RegisterParamsRequest.
   absl::Status RegisterParams(const std::vector<ParamSpec>& params,
                               v1::DType param_dtype = v1::DTYPE_UNSPECIFIED,
                               uint32_t param_slots = 0);

@@ -23,7 +23,9 @@
 //   (per-column step counts) with the round's last push folded in. The engine first lands the
 //   previous round's Update: the copy thread has already uploaded its parameters during the
 //   step before (it waits for that Update first), and the engine scatters them into the cold
-//   columns. Hot columns are never written by the daemon's output.
+//   columns. Hot columns are never written by the daemon's output. So each Update's parameters
+//   are read before the next Update is issued, and the engine registers one parameter slot, in
+//   param_dtype (offload.proto, RegisterParamsRequest).
 // - reselection, at the end of a boundary step t >= max(W, 1) with (t - W) a multiple of
 //   select_interval, from step t's scores: the new hot set applies from step t + 1. It is not a
 //   sync point: the previous round's Update lands as at any boundary, then one MigrateColumns

@@ -17,10 +17,9 @@ constexpr int64_t kMaxNumel = int64_t{1} << 40;
 // The staging area (offload.proto, RegionLayout.staging_bytes): one fp32 per this many state
 // elements, ...
 constexpr uint64_t kStagingShare = 32;
-// ... but at least the whole session's fp32 values up to this many (256 KiB: a small session
-// loads in one call, every parameter at its staging_offset, as before the staging area shrank)
-// ...
-constexpr uint64_t kStagingWholeElems = 65536;
+// ... but at least the whole session's fp32 values up to this many (64 KiB: a small session
+// loads in one call, every parameter at its staging_offset) ...
+constexpr uint64_t kStagingWholeElems = 16384;
 // ... and at least the 4 blocks of one column of the tallest parameter (a handover of one
 // column always fits).
 constexpr uint64_t kHandoverBlocks = 4;
@@ -37,7 +36,10 @@ absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req)
         absl::StrCat("param_slots: ", req.param_slots(), " is not 1 or 2 (or 0: 2)"));
   const v1::DType param_dtype =
       req.param_dtype() == v1::DTYPE_BF16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
-  const uint32_t param_slots = req.param_slots() == 0 ? 2 : req.param_slots();
+  // A request without param_slots (a client from before the field) gets the layout it was
+  // written for: two parameter slots and a staging area that holds all of its fp32 values.
+  const bool legacy = req.param_slots() == 0;
+  const uint32_t param_slots = legacy ? 2 : req.param_slots();
   SessionLayout out;
   uint64_t elems = 0, grad_bytes = 0, max_rows = 1;
   for (int i = 0; i < req.params_size(); ++i) {
@@ -83,8 +85,9 @@ absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req)
   // overflow.
   const uint64_t param_bytes = param_dtype == v1::DTYPE_BF16 ? 2 : 4;
   const uint64_t staging_floats =
-      std::max({(elems + kStagingShare - 1) / kStagingShare, kHandoverBlocks * max_rows,
-                std::min(elems, kStagingWholeElems)});
+      legacy ? elems
+             : std::max({(elems + kStagingShare - 1) / kStagingShare, kHandoverBlocks * max_rows,
+                         std::min(elems, kStagingWholeElems)});
   uint64_t gslot, pslot, staging;
   AlignUp(grad_bytes, kPage, &gslot);
   AlignUp(elems * param_bytes, kPage, &pslot);

@@ -190,7 +190,7 @@ TEST_F(ZenFlowTest, ZeroStalenessEqualsDenseAdamWAcrossMigrations) {
 TEST_F(ZenFlowTest, TallWeightsLoadAndMigrateInChunksThroughTheStagingArea) {
   const int seed = 9;
   const ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 1, 1, true);
-  std::vector<Tensor> model = {{"tall", {8192, 16}, {}, {}}, {"tall3", {4096, 2, 12}, {}, {}}};
+  std::vector<Tensor> model = {{"tall", {2048, 16}, {}, {}}, {"tall3", {1024, 2, 12}, {}, {}}};
   {
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal;
@@ -213,7 +213,7 @@ TEST_F(ZenFlowTest, TallWeightsLoadAndMigrateInChunksThroughTheStagingArea) {
   EXPECT_EQ(layout.param_dtype(), v1::DTYPE_FP32);
   int64_t registered = 0;
   for (const v1::ParamLayout& p : layout.params()) registered += p.numel();
-  EXPECT_EQ(registered, 8192 * 12 + 8192 * 9);
+  EXPECT_EQ(registered, 2048 * 12 + 2048 * 9);
   const uint64_t cap = session->staging_floats();
   ASSERT_LT(cap, static_cast<uint64_t>(registered)) << "the load would not be chunked";
   ZenFlowEngine& e = **engine;
@@ -222,8 +222,8 @@ TEST_F(ZenFlowTest, TallWeightsLoadAndMigrateInChunksThroughTheStagingArea) {
     FillGrads(&model, t, seed);
     ASSERT_TRUE(e.Step(Lr(t)).ok()) << "step " << t;
     dense.Step(t, seed, cfg);
-    // A handover call holds at most cap floats: 4 blocks of 8192 rows per column.
-    if (e.last_timings().migrated_columns / 2 * 4 * 8192 > static_cast<int64_t>(cap))
+    // A handover call holds at most cap floats: 4 blocks of 2048 rows per column.
+    if (e.last_timings().migrated_columns / 2 * 4 * 2048 > static_cast<int64_t>(cap))
       several_handovers = true;
     ASSERT_TRUE(e.Flush().ok());
     for (size_t i = 0; i < model.size(); ++i)

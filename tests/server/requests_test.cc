@@ -95,9 +95,9 @@ TEST(LayOutParams, Fp32TransfersOneSlotTakeAbout28BytesPerElement) {
   EXPECT_LE(per_elem, 28.13);
 }
 
-// A request without the new fields (an older client): two fp32 parameter slots, as before, and
-// the same small staging area.
-TEST(LayOutParams, UnspecifiedMeansTwoFp32Slots) {
+// A request without the new fields (an older client): two fp32 parameter slots and a staging
+// area of all the values, the layout it was written for (a whole LoadParams of any size works).
+TEST(LayOutParams, UnspecifiedSlotCountMeansTheLayoutOfBefore) {
   absl::StatusOr<SessionLayout> l = LayOutParams(Request(ColdModel(v1::DTYPE_BF16)));
   ASSERT_TRUE(l.ok()) << l.status();
   const v1::RegionLayout& r = l->region;
@@ -105,8 +105,11 @@ TEST(LayOutParams, UnspecifiedMeansTwoFp32Slots) {
   EXPECT_EQ(r.param_dtype(), v1::DTYPE_FP32);
   EXPECT_EQ(r.param_slot_bytes(), Pages(4 * kColdElems));
   EXPECT_EQ(r.staging_offset(), r.param_slot_offset() + 2 * r.param_slot_bytes());
-  EXPECT_EQ(r.region_bytes(),
-            2 * Pages(2 * kColdElems) + 2 * Pages(4 * kColdElems) + Pages(kColdElems / 8));
+  EXPECT_EQ(r.staging_bytes(), Pages(4 * kColdElems));
+  EXPECT_EQ(r.region_bytes(), 2 * Pages(2 * kColdElems) + 3 * Pages(4 * kColdElems));
+  EXPECT_EQ(static_cast<double>(l->pinned_bytes()) / kColdElems, 32.0);
+  v1::LoadParamsRequest whole;
+  EXPECT_TRUE(PlanLoad(whole, *l).ok());
   // bf16 slots, two of them: half the bytes each.
   l = LayOutParams(Request(ColdModel(v1::DTYPE_BF16), v1::DTYPE_BF16, 2));
   ASSERT_TRUE(l.ok());
@@ -128,14 +131,14 @@ TEST(LayOutParams, StagingFloorsHoldASmallSessionAndOneColumnOfTheTallestParamet
   l = LayOutParams(Request({{"tall", {20000, 40}}}, v1::DTYPE_BF16, 1));
   ASSERT_TRUE(l.ok());
   EXPECT_EQ(l->region.staging_bytes(), Pages(4 * 4 * 20000));
-  // 8000 x 400: 1/32 (100000 floats) is more than 256 KiB and than 4 x 8000.
-  l = LayOutParams(Request({{"w", {8000, 400}}}, v1::DTYPE_BF16, 1));
+  // 4000 x 400: 1/32 (50000 floats) is more than 64 KiB and than 4 x 4000.
+  l = LayOutParams(Request({{"w", {4000, 400}}}, v1::DTYPE_BF16, 1));
   ASSERT_TRUE(l.ok());
-  EXPECT_EQ(l->region.staging_bytes(), Pages(8000 * 400 / 32 * 4));
-  // 1000 x 100: a whole copy (100000 floats) is more than 256 KiB: 256 KiB.
+  EXPECT_EQ(l->region.staging_bytes(), Pages(4000 * 400 / 32 * 4));
+  // 1000 x 100: a whole copy (100000 floats) is more than 64 KiB: 64 KiB.
   l = LayOutParams(Request({{"w", {1000, 100}}}, v1::DTYPE_BF16, 1));
   ASSERT_TRUE(l.ok());
-  EXPECT_EQ(l->region.staging_bytes(), 65536u * 4);
+  EXPECT_EQ(l->region.staging_bytes(), 16384u * 4);
 }
 
 TEST(LayOutParams, BadParameterDtypeOrSlotCountIsRefused) {
@@ -199,18 +202,18 @@ TEST(PlanLoad, RangesChunkALargeSessionThroughTheStagingArea) {
 // request larger than the staging area is refused with both sizes.
 TEST(PlanMigrate, HandoverBlocksArePackedAndMustFitTheStagingArea) {
   absl::StatusOr<SessionLayout> l = LayOutParams(
-      Request({{"a", {8192, 64}}, {"b", {4096, 64}}}, v1::DTYPE_BF16, 1));
+      Request({{"a", {2048, 64}}, {"b", {1024, 64}}}, v1::DTYPE_BF16, 1));
   ASSERT_TRUE(l.ok());
-  const uint64_t cap = l->region.staging_bytes() / 4;  // 65536 floats (256 KiB)
-  ASSERT_EQ(cap, 65536u);
+  const uint64_t cap = l->region.staging_bytes() / 4;  // 16384 floats (64 KiB)
+  ASSERT_EQ(cap, 16384u);
   v1::MigrateColumnsRequest req;
   req.set_handover(true);
   req.set_param("a");
-  req.add_columns(3);  // 4 x 8192 floats
+  req.add_columns(3);  // 4 x 2048 floats
   req.add_steps(1);
   v1::ColumnHandover* more = req.add_more();
   more->set_param("b");
-  for (int64_t c : {5, 9}) {  // 4 x 4096 x 2: exactly full
+  for (int64_t c : {5, 9}) {  // 4 x 1024 x 2: exactly full
     more->add_columns(c);
     more->add_steps(2);
   }
@@ -218,14 +221,14 @@ TEST(PlanMigrate, HandoverBlocksArePackedAndMustFitTheStagingArea) {
   ASSERT_TRUE(plans.ok()) << plans.status();
   ASSERT_EQ(plans->size(), 2u);
   EXPECT_EQ((*plans)[0].staging_at, 0u);
-  EXPECT_EQ((*plans)[1].staging_at, 4u * 8192u);
-  more->add_columns(11);  // 4 x 8192 + 4 x 4096 x 3 = 81920 floats > 65536
+  EXPECT_EQ((*plans)[1].staging_at, 4u * 2048u);
+  more->add_columns(11);  // 4 x 2048 + 4 x 1024 x 3 = 20480 floats > 16384
   more->add_steps(2);
   plans = PlanMigrate(req, *l);
   EXPECT_EQ(plans.status().code(), Code::kInvalidArgument);
-  EXPECT_NE(plans.status().message().find("327680 staging bytes"), std::string::npos)
+  EXPECT_NE(plans.status().message().find("81920 staging bytes"), std::string::npos)
       << plans.status();
-  EXPECT_NE(plans.status().message().find("holds 262144"), std::string::npos) << plans.status();
+  EXPECT_NE(plans.status().message().find("holds 65536"), std::string::npos) << plans.status();
   // A plain migration: 3 blocks, at the start.
   v1::MigrateColumnsRequest plain;
   plain.set_param("a");
@@ -236,7 +239,7 @@ TEST(PlanMigrate, HandoverBlocksArePackedAndMustFitTheStagingArea) {
   plans = PlanMigrate(plain, *l);
   ASSERT_TRUE(plans.ok()) << plans.status();
   EXPECT_EQ((*plans)[0].staging_at, 0u);
-  plain.add_columns(2);  // 3 x 8192 x 3 = 73728 > 65536
+  plain.add_columns(2);  // 3 x 2048 x 3 = 18432 > 16384
   plain.add_steps(0);
   EXPECT_EQ(PlanMigrate(plain, *l).status().code(), Code::kInvalidArgument);
 }
