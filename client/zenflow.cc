@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/blob.h"
 #include "common/log.h"
 #include "common/status.h"
 
@@ -148,10 +149,11 @@ absl::Status ZenFlowConfig::Validate() const {
 
 // One parameter's engine state.
 struct PState {
+  // The values of the checkpoint blob's kinds (client/blob.h).
   enum Kind {
-    kDevice,     // wholly on the device: plain AdamW with m, v, dstep
-    kSplit,      // zenflow: hot columns on the device, cold columns in the daemon
-    kOffloaded,  // sync-offload: wholly in the daemon
+    kDevice = kBlobDevice,        // wholly on the device: plain AdamW with m, v, dstep
+    kSplit = kBlobSplit,          // zenflow: hot columns on the device, cold columns in the daemon
+    kOffloaded = kBlobOffloaded,  // sync-offload: wholly in the daemon
   };
   EngineParam p;
   Kind kind = kDevice;
@@ -866,53 +868,8 @@ absl::Status ZenFlowEngine::Flush() {
 
 namespace {
 
-// The engine's checkpoint blob: a flat little-endian byte string.
-class BlobWriter {
- public:
-  void I64(int64_t x) { Raw(&x, 8); }
-  void Ints(const std::vector<int64_t>& v) {
-    I64(static_cast<int64_t>(v.size()));
-    Raw(v.data(), v.size() * 8);
-  }
-  void Floats(const std::vector<float>& v) {
-    I64(static_cast<int64_t>(v.size()));
-    Raw(v.data(), v.size() * 4);
-  }
-  void Raw(const void* p, size_t n) { out.append(static_cast<const char*>(p), n); }
-  std::string out;
-};
-
-class BlobReader {
- public:
-  explicit BlobReader(const std::string& s) : s_(s) {}
-  bool I64(int64_t* x) { return Raw(x, 8); }
-  bool Ints(std::vector<int64_t>* v, int64_t expect) {
-    int64_t n;
-    if (!I64(&n) || n != expect) return false;
-    v->resize(n);
-    return Raw(v->data(), n * 8);
-  }
-  bool Floats(std::vector<float>* v, int64_t expect) {
-    int64_t n;
-    if (!I64(&n) || n != expect) return false;
-    v->resize(n);
-    return Raw(v->data(), n * 4);
-  }
-  bool Raw(void* p, size_t n) {
-    if (pos_ + n > s_.size()) return false;
-    memcpy(p, s_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
-  bool done() const { return pos_ == s_.size(); }
-
- private:
-  const std::string& s_;
-  size_t pos_ = 0;
-};
-
-constexpr int64_t kBlobMagicV1 = 0x315446574e455a53;  // "SZENWFT1"
-constexpr int64_t kBlobMagic = 0x325446574e455a53;    // "SZENWFT2": + round_grads
+constexpr int64_t kBlobMagicV1 = kEngineBlobMagicV1;
+constexpr int64_t kBlobMagic = kEngineBlobMagic;
 
 }  // namespace
 

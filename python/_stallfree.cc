@@ -161,5 +161,34 @@ PYBIND11_MODULE(_stallfree, m) {
         },
         py::arg("rows"), py::arg("world"), py::arg("rank"),
         "(begin, end, replicated): rank's rows of a parameter over world data-parallel ranks");
+  m.def("repartition_sources", &stallfree::api::RepartitionSources, py::arg("params"),
+        py::arg("old_world"), py::arg("new_world"), py::arg("new_rank"),
+        "the old ranks whose states rank new_rank of new_world needs (client/repartition.h)");
+  // old: per old rank, (state address, size, daemon address, size) of its uint8 tensors, or
+  // None where not needed; returns rank new_rank's (state, daemon) as bytearrays.
+  m.def(
+      "repartition",
+      [](const stallfree::api::WholeShapes& params, const py::list& old, int new_world,
+         int new_rank) {
+        std::vector<std::pair<std::string, std::string>> held(old.size());
+        std::vector<const std::pair<std::string, std::string>*> ptrs(old.size(), nullptr);
+        auto bytes = [](uintptr_t at, size_t n) {
+          return n == 0 ? std::string() : std::string(reinterpret_cast<const char*>(at), n);
+        };
+        for (size_t j = 0; j < old.size(); ++j) {
+          if (old[j].is_none()) continue;
+          py::tuple t = old[j].cast<py::tuple>();
+          held[j] = {bytes(t[0].cast<uintptr_t>(), t[1].cast<size_t>()),
+                     bytes(t[2].cast<uintptr_t>(), t[3].cast<size_t>())};
+          ptrs[j] = &held[j];
+        }
+        std::pair<std::string, std::string> out;
+        {
+          py::gil_scoped_release release;
+          out = stallfree::api::Repartition(params, ptrs, new_world, new_rank);
+        }
+        return py::make_tuple(py::bytearray(out.first), py::bytearray(out.second));
+      },
+      py::arg("params"), py::arg("old"), py::arg("new_world"), py::arg("new_rank"));
   m.attr("cuda_enabled") = stallfree::api::CudaEnabled();
 }

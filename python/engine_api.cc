@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/partition.h"
+#include "client/repartition.h"
 #include "client/zenflow.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
@@ -281,6 +282,37 @@ RowRange PartitionRows(int64_t rows, int world, int rank) {
     throw InvalidArgument("partition_rows: needs rows >= 1 and 0 <= rank < world");
   const RowBlock b = stallfree::PartitionRows(rows, world, rank);
   return RowRange{b.begin, b.end, b.replicated};
+}
+
+namespace {
+std::vector<WholeParam> Whole(const WholeShapes& params) {
+  std::vector<WholeParam> out;
+  for (const auto& [name, shape] : params) out.push_back({name, shape});
+  return out;
+}
+}  // namespace
+
+std::vector<int> RepartitionSources(const WholeShapes& params, int old_world, int new_world,
+                                    int new_rank) {
+  if (old_world < 1 || new_world < 1 || new_rank < 0 || new_rank >= new_world)
+    throw InvalidArgument("repartition: needs worlds >= 1 and 0 <= new_rank < new_world");
+  return SourceRanks(Whole(params), old_world, new_world, new_rank);
+}
+
+std::pair<std::string, std::string> Repartition(
+    const WholeShapes& params, const std::vector<const std::pair<std::string, std::string>*>& old,
+    int new_world, int new_rank) {
+  std::vector<PartitionedState> states(old.size());
+  std::vector<const PartitionedState*> ptrs(old.size(), nullptr);
+  for (size_t j = 0; j < old.size(); ++j) {
+    if (old[j] == nullptr) continue;
+    states[j] = {old[j]->first, old[j]->second};
+    ptrs[j] = &states[j];
+  }
+  const char* tmp = getenv("TMPDIR");
+  PartitionedState out = Take(stallfree::Repartition(Whole(params), ptrs, new_world, new_rank,
+                                                     tmp != nullptr && *tmp ? tmp : "/tmp"));
+  return {std::move(out.engine), std::move(out.daemon)};
 }
 
 bool CudaEnabled() {

@@ -16,6 +16,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace stallfree {
@@ -120,6 +121,18 @@ struct RowRange {
   bool replicated = false;
 };
 RowRange PartitionRows(int64_t rows, int world, int rank);
+
+// A group's parameters, whole (name, shape), in the engine's order.
+using WholeShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+// The ranks of an old partition over old_world whose states rank new_rank of new_world needs
+// (client/repartition.h).
+std::vector<int> RepartitionSources(const WholeShapes& params, int old_world, int new_world,
+                                    int new_rank);
+// Rank new_rank of new_world's (engine state, daemon checkpoint) from the old ranks' (old[j]:
+// rank j's pair, or null where not needed); temporary files in $TMPDIR or /tmp.
+std::pair<std::string, std::string> Repartition(
+    const WholeShapes& params, const std::vector<const std::pair<std::string, std::string>*>& old,
+    int new_world, int new_rank);
 
 }  // namespace api
 }  // namespace stallfree

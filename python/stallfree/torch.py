@@ -722,16 +722,27 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         as the one that saved it. All or nothing: the state dict is checked, and every group's
         engine restored into a fresh engine, before the optimizer changes; on any failure it is
         left as it was (its engines, groups and state) and the model's values are not written.
-        The load pre-hooks see the state dict as given, the post-hooks the optimizer restored."""
+        The load pre-hooks see the state dict as given, the post-hooks the optimizer restored.
+
+        Partitioned over data-parallel ranks, each rank loads the state dict its own rank saved.
+        With another number of ranks than the run that saved it, pass the list of the state
+        dicts of all its L ranks, in rank order (a single one when it was saved by one process):
+        this rank takes its rows from the ranks whose rows overlap them (client/repartition.h),
+        and reads nothing of the others, so loading them with torch.load(..., mmap=True) keeps
+        each rank's memory to its own share."""
         if self._closed:
             raise Error("the optimizer is closed")
-        state_dict = state_dict.copy()
+        dicts = list(state_dict) if isinstance(state_dict, (list, tuple)) else [state_dict]
+        if not dicts:
+            raise Error("load_state_dict: an empty list of state dicts")
+        dicts = [d.copy() for d in dicts]
         with _hooks_held(self, "_optimizer_load_state_dict_pre_hooks") as pre_hooks:
             for hook in pre_hooks.values():
-                result = hook(self, state_dict)
-                if result is not None:
-                    state_dict = result
-            saved, rest = self._saved_engines(state_dict)
+                for i, d in enumerate(dicts):
+                    result = hook(self, d)
+                    if result is not None:
+                        dicts[i] = result
+            saved, rest = self._saved_engines(dicts)
             engines, hypers = self._restored_engines(saved)
             with _hooks_held(self, "_optimizer_load_state_dict_post_hooks") as post_hooks:
                 try:
@@ -790,18 +801,24 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 for key in _BLOB_KEYS:
                     entry.setdefault(key, torch.empty(0, dtype=torch.uint8))
 
-    def _saved_engines(self, state_dict):
-        """Checks `state_dict` against this optimizer; returns per group (engine state, daemon
-        state) as uint8 tensors, or None, and the state dict without them (for torch's
-        load_state_dict)."""
-        groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict):
-            raise Error("this is not an optimizer state dict (no 'state' and 'param_groups')")
+    def _saved_engines(self, dicts):
+        """Checks the state dicts (one, or every rank's of a partitioned run) against this
+        optimizer; returns per group (engine state, daemon state) as uint8 tensors for this
+        rank's partition, or None, and the first state dict without them (for torch's
+        load_state_dict: param_groups and the step counts are the same on every rank)."""
+        for d in dicts:
+            if not isinstance(d, dict) or not isinstance(d.get("param_groups"), list) or \
+                    not isinstance(d.get("state"), dict):
+                raise Error("this is not an optimizer state dict (no 'state' and 'param_groups')")
+        state_dict = dicts[0]
+        groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise Error("the state dict has %d parameter groups, this optimizer %d"
                         % (len(groups), len(self.param_groups)))
         legacy = state_dict.get("stallfree")
-        state = dict(state_dict["state"])
+        if legacy is not None and len(dicts) > 1:
+            raise Error("state dicts of stallfree 0.1.0 hold no partition: load one")
+        states = [dict(d["state"]) for d in dicts]
         saved = []
         for gi, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
             where = "param_groups[%d]" % gi
@@ -818,23 +835,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             members = self._members[gi]
             if legacy is not None:
                 entry = legacy["engines"][gi] if gi < len(legacy["engines"]) else None
-                meta = None if entry is None else {
+                metas = [None if entry is None else {
                     "version": legacy.get("version"), "config": legacy.get("config"),
-                    "shapes": entry["shapes"]}
-                blobs = None if entry is None else (entry["engine"], entry["daemon"])
+                    "shapes": entry["shapes"]}]
+                blobs = [None if entry is None else (entry["engine"], entry["daemon"])]
             else:
-                meta = blobs = None
-                for key in theirs["params"]:
-                    if _META_KEY in state.get(key, {}):
-                        entry = state[key]
-                        raw = bytes(_uint8(entry[_META_KEY]).tolist())  # a few hundred bytes
-                        if not raw:
-                            raise Error("%s: the state dict's engine entries are empty "
-                                        "placeholders: it was built from optimizer.state, not "
-                                        "by state_dict()" % where)
-                        meta = json.loads(raw.decode())
-                        blobs = (entry[_ENGINE_KEY], entry[_DAEMON_KEY])
-                        state[key] = {k: v for k, v in entry.items() if k not in _BLOB_KEYS}
+                metas, blobs = [], []
+                for d, state in zip(dicts, states):
+                    meta, blob = self._group_entry(d["param_groups"][gi], state, where)
+                    metas.append(meta)
+                    blobs.append(blob)
+            if any((m is None) != (metas[0] is None) for m in metas):
+                raise Error("%s: some of the state dicts hold engine state, others not" % where)
+            meta = metas[0]
             if (meta is None) != (self._engines[gi] is None):
                 raise Error("%s: the state dict %s, this optimizer's group %s" % (
                     where, "holds no ZenFlowAdamW engine state (was it written by "
@@ -843,31 +856,73 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if meta is None:
                 saved.append(None)
                 continue
-            if meta.get("version") not in (1, _STATE_VERSION):
-                raise Error("%s: state dict version %r, this stallfree reads 1 and %d"
-                            % (where, meta.get("version"), _STATE_VERSION))
-            if meta["config"] != self._config:
-                diff = {k: (meta["config"].get(k), v) for k, v in self._config.items()
-                        if meta["config"].get(k) != v}
-                raise Error("the state dict was written with another configuration (saved, "
-                            "now): %s" % diff)
-            theirs_part = meta.get("partition", {"world": 1, "rank": 0})
-            mine_part = self._shards[gi].describe()
-            if theirs_part != mine_part:
-                raise Error(
-                    "%s: the state dict holds the optimizer state of data-parallel rank %d of "
-                    "%d, this optimizer is rank %d of %d: each rank loads the state dict its own "
-                    "rank saved, with the same number of ranks" % (
-                        where, theirs_part["rank"], theirs_part["world"], mine_part["rank"],
-                        mine_part["world"]))
-            shapes = [list(p.shape) for _, p in members]
-            if meta["shapes"] != shapes:
-                raise Error("%s: the state dict's parameters %s differ from this optimizer's %s"
-                            % (where, meta["shapes"], shapes))
-            saved.append((_uint8(blobs[0]), _uint8(blobs[1])))
+            for m in metas:
+                self._check_meta(gi, m, where)
+            saved.append(self._partition_of(gi, metas, blobs, where))
         rest = {k: v for k, v in state_dict.items() if k != "stallfree"}
-        rest["state"] = state
+        rest["state"] = states[0]
         return saved, rest
+
+    @staticmethod
+    def _group_entry(theirs, state, where):
+        """A group's (meta, (engine, daemon)) from a state dict (None, None without one); takes
+        the engine entries out of `state`."""
+        for key in theirs["params"]:
+            if _META_KEY in state.get(key, {}):
+                entry = state[key]
+                raw = bytes(_uint8(entry[_META_KEY]).tolist())  # a few hundred bytes
+                if not raw:
+                    raise Error("%s: the state dict's engine entries are empty placeholders: it "
+                                "was built from optimizer.state, not by state_dict()" % where)
+                state[key] = {k: v for k, v in entry.items() if k not in _BLOB_KEYS}
+                return json.loads(raw.decode()), (entry[_ENGINE_KEY], entry[_DAEMON_KEY])
+        return None, None
+
+    def _check_meta(self, gi, meta, where):
+        if meta.get("version") not in (1, _STATE_VERSION):
+            raise Error("%s: state dict version %r, this stallfree reads 1 and %d"
+                        % (where, meta.get("version"), _STATE_VERSION))
+        if meta["config"] != self._config:
+            diff = {k: (meta["config"].get(k), v) for k, v in self._config.items()
+                    if meta["config"].get(k) != v}
+            raise Error("the state dict was written with another configuration (saved, now): %s"
+                        % diff)
+        shapes = [list(p.shape) for _, p in self._members[gi]]
+        if meta["shapes"] != shapes:
+            raise Error("%s: the state dict's parameters %s differ from this optimizer's %s"
+                        % (where, meta["shapes"], shapes))
+
+    def _partition_of(self, gi, metas, blobs, where):
+        """This rank's (engine state, daemon state) of group gi from the saved ranks'."""
+        mine = self._shards[gi].describe()
+        parts = [m.get("partition", {"world": 1, "rank": 0}) for m in metas]
+        if len(metas) == 1 and parts[0] == mine:
+            return _uint8(blobs[0][0]), _uint8(blobs[0][1])
+        world = parts[0]["world"]
+        if parts != [{"world": world, "rank": j} for j in range(world)]:
+            saved = ", ".join("%d of %d" % (p["rank"], p["world"]) for p in parts)
+            raise Error(
+                "%s: this optimizer is data-parallel rank %d of %d; the state dict%s given hold%s "
+                "the state of rank%s %s: load the state dict this rank saved, or, to resume with "
+                "another number of ranks, the list of all the saving run's state dicts in rank "
+                "order" % (where, mine["rank"], mine["world"], "s" if len(parts) > 1 else "",
+                           "" if len(parts) > 1 else "s", "s" if len(parts) > 1 else "", saved))
+        members = self._members[gi]
+        shapes = [(name, list(p.shape)) for name, p in members]
+        sources = set(_stallfree.repartition_sources(shapes, world, mine["world"], mine["rank"]))
+        old = []
+        for j, blob in enumerate(blobs):
+            if j in sources:
+                engine, daemon = _uint8(blob[0]), _uint8(blob[1])
+                old.append((engine.data_ptr(), engine.numel(), daemon.data_ptr(), daemon.numel()))
+            else:
+                old.append(None)
+        try:
+            state, daemon = _stallfree.repartition(shapes, old, mine["world"], mine["rank"])
+        except Error as e:
+            raise Error("%s: re-partitioning the state of %d ranks for rank %d of %d: %s" % (
+                where, world, mine["rank"], mine["world"], e)) from e
+        return _bytes_tensor(state), _bytes_tensor(daemon)
 
     # --- lifetime ---------------------------------------------------------------------------
 

@@ -5,7 +5,12 @@ socket: every rank on one daemon, a node; two: ranks 0..L/2-1 on the first, the 
 second, two "nodes"). Rank r trains TinyLM on rows [r B/L, (r+1) B/L) of the B-row global batch,
 once per configuration of RUNS (a JSON {name: ZenFlowAdamW keyword arguments}), each with a fresh
 model and optimizer; a configuration's "_width": W trains TinyLM(vocab=W, d=W, hidden=W) instead
-(three W x W weights; "_steps": N stops that run after N steps). WRAP "ddp": the model in DistributedDataParallel (gradients averaged by
+(three W x W weights; "_steps": N stops that run after N steps). "_save_at": K saves, after
+step K, every rank's optimizer state_dict() (OUT/<run>-opt-rank<r>.pt) and rank 0 the model's and
+the scheduler's (OUT/<run>-model.pt); "_resume": {"dir", "run", "world", "step"} starts instead
+from such a save of a run with `world` ranks: the model's weights, the optimizer from the list of
+all its ranks' state dicts (torch.load with mmap=True, weights_only=True), the scheduler, and
+trains steps step+1..STEPS. WRAP "ddp": the model in DistributedDataParallel (gradients averaged by
 it); "reduce": no DDP, ZenFlowAdamW(reduce_gradients=True) averages them.
 
 Records per run: the losses, every 2-D weight's hot columns per step, the final parameters,
@@ -49,6 +54,8 @@ def main():
     for name, config in runs.items():
         width = config.pop("_width", None)
         run_steps = config.pop("_steps", steps)
+        save_at = config.pop("_save_at", None)
+        resume = config.pop("_resume", None)
         model = models.make_model(seed, **(dict(vocab=width, d=width, hidden=width)
                                            if width else {}))
         net = DistributedDataParallel(model) if wrap == "ddp" else model
@@ -57,8 +64,18 @@ def main():
         opt = ZenFlowAdamW(models.param_groups(model), socket=socket, session_name=name,
                            reduce_gradients=(wrap == "reduce"), timeout=30, **config)
         sched = models.make_scheduler(opt, steps)
+        start = 1
+        if resume:
+            saved = torch.load(os.path.join(resume["dir"], f"{resume['run']}-model.pt"),
+                               weights_only=True)
+            model.load_state_dict(saved["model"])
+            sched.load_state_dict(saved["sched"])
+            opt.load_state_dict([
+                torch.load(os.path.join(resume["dir"], f"{resume['run']}-opt-rank{j}.pt"),
+                           mmap=True, weights_only=True) for j in range(resume["world"])])
+            start = resume["step"] + 1
         try:
-            for step in range(1, run_steps + 1):
+            for step in range(start, run_steps + 1):
                 opt.zero_grad(set_to_none=True)
                 loss = models.loss_fn(net, models.batch(seed, step)[rows])
                 loss.backward()
@@ -72,6 +89,11 @@ def main():
                     dist.barrier()
                     record["stats"] = stats(sorted(set(sockets)))
                     dist.barrier()
+                if step == save_at:
+                    torch.save(opt.state_dict(), os.path.join(out, f"{name}-opt-rank{rank}.pt"))
+                    if rank == 0:
+                        torch.save({"model": model.state_dict(), "sched": sched.state_dict()},
+                                   os.path.join(out, f"{name}-model.pt"))
                 if die and die[0] == name and int(die[1]) == step and int(die[2]) == rank:
                     os._exit(9)
         except stallfree.Error as e:

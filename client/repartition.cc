@@ -1,0 +1,365 @@
+#include "client/repartition.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/blob.h"
+#include "client/partition.h"
+#include "common/status.h"
+#include "server/checkpoint.h"
+
+namespace stallfree {
+namespace {
+
+// A parameter as rows of columns (client/partition.h).
+struct Rows {
+  int64_t rows = 1, cols = 1;
+};
+
+Rows RowsOf(const WholeParam& p) {
+  int64_t numel = 1;
+  for (int64_t d : p.shape) numel *= d;
+  if (p.shape.size() <= 1) return {numel, 1};
+  return {numel / p.shape.back(), p.shape.back()};
+}
+
+// One parameter's part of an engine blob (ZenFlowEngine::Checkpoint).
+struct EngineParam {
+  int64_t kind = 0, numel = 0, k = 0;
+  int64_t dstep = 0, round_grads = 0;
+  std::vector<float> m, v;                            // kDevice: [rows, cols]
+  std::vector<int64_t> hot_idx, cold_idx, hot_steps;  // kSplit
+  std::vector<float> hot_master, hot_m, hot_v;        // kSplit: [rows, k]
+};
+
+struct EngineState {
+  int64_t mode = 0, step = 0, rounds = 0, pending_version = 0, loaded = 0;
+  std::vector<EngineParam> params;
+};
+
+absl::Status Corrupt(int rank, const std::string& what) {
+  return absl::DataLossError(
+      absl::StrCat("rank ", rank, "'s engine state: ", what, " (not a ZenFlow engine's state of "
+                   "these parameters)"));
+}
+
+absl::StatusOr<EngineState> ParseEngine(const std::string& blob, int rank, size_t nparams) {
+  BlobReader r(blob);
+  EngineState s;
+  int64_t magic = 0, n = 0;
+  if (!r.I64(&magic) || (magic != kEngineBlobMagic && magic != kEngineBlobMagicV1))
+    return Corrupt(rank, "bad magic");
+  if (!r.I64(&s.mode) || !r.I64(&s.step) || !r.I64(&s.rounds) || !r.I64(&s.pending_version) ||
+      !r.I64(&s.loaded) || !r.I64(&n))
+    return Corrupt(rank, "truncated");
+  if (n != static_cast<int64_t>(nparams))
+    return Corrupt(rank, absl::StrCat(n, " parameters, the group has ", nparams));
+  for (int64_t i = 0; i < n; ++i) {
+    EngineParam p;
+    if (!r.I64(&p.kind) || !r.I64(&p.numel) || !r.I64(&p.k)) return Corrupt(rank, "truncated");
+    if (p.kind == kBlobDevice) {
+      if (!r.I64(&p.dstep) || !r.Floats(&p.m, p.numel) || !r.Floats(&p.v, p.numel))
+        return Corrupt(rank, "truncated");
+    } else if (magic == kEngineBlobMagic) {
+      if (!r.I64(&p.round_grads)) return Corrupt(rank, "truncated");
+    } else {
+      p.round_grads = 1;  // version 1 engines always had every gradient
+    }
+    if (p.kind == kBlobSplit) {
+      if (!r.AnyInts(&p.hot_idx) || !r.AnyInts(&p.cold_idx) || !r.AnyInts(&p.hot_steps) ||
+          !r.AnyFloats(&p.hot_master) || !r.AnyFloats(&p.hot_m) || !r.AnyFloats(&p.hot_v))
+        return Corrupt(rank, "truncated");
+    } else if (p.kind != kBlobDevice && p.kind != kBlobOffloaded) {
+      return Corrupt(rank, absl::StrCat("parameter kind ", p.kind));
+    }
+    s.params.push_back(std::move(p));
+  }
+  if (!r.done()) return Corrupt(rank, "trailing bytes");
+  return s;
+}
+
+// Rows [begin, end) of a whole [rows, width] array, from the old ranks' blocks of it.
+class RowSource {
+ public:
+  RowSource(int64_t rows, int old_world) : rows_(rows), world_(old_world) {}
+  // Rows [begin, end) of the result, `width` values each, from per-rank arrays `of(j)` holding
+  // rank j's block (or the whole array where the old partition replicated the parameter).
+  template <typename Of>
+  absl::StatusOr<std::vector<float>> Take(int64_t begin, int64_t end, int64_t width, Of of) const {
+    std::vector<float> out(static_cast<size_t>((end - begin) * width));
+    for (int j = 0; j < world_; ++j) {
+      const RowBlock b = PartitionRows(rows_, world_, j);
+      const int64_t lo = std::max(b.begin, begin), hi = std::min(b.end, end);
+      if (lo >= hi) continue;
+      const std::vector<float>* src = of(j);
+      if (src == nullptr) return absl::InvalidArgumentError(absl::StrCat("rank ", j, "'s state is needed"));
+      if (static_cast<int64_t>(src->size()) != b.rows() * width)
+        return absl::DataLossError(absl::StrCat("rank ", j, "'s block has ", src->size(),
+                                                " values, its rows hold ", b.rows() * width));
+      std::copy(src->begin() + (lo - b.begin) * width, src->begin() + (hi - b.begin) * width,
+                out.begin() + (lo - begin) * width);
+      if (b.replicated) break;  // every rank holds it whole: one is enough
+    }
+    return out;
+  }
+
+ private:
+  int64_t rows_;
+  int world_;
+};
+
+// A temporary file holding `bytes` (removed with the object).
+class TempFile {
+ public:
+  static absl::StatusOr<std::unique_ptr<TempFile>> Make(const std::string& dir) {
+    std::string path = dir + "/stallfree-repartition-XXXXXX";
+    std::vector<char> buf(path.begin(), path.end());
+    buf.push_back('\0');
+    const int fd = mkstemp(buf.data());
+    if (fd < 0)
+      return absl::InternalError(absl::StrCat("mkstemp(", path, "): ", strerror(errno)));
+    close(fd);
+    return std::unique_ptr<TempFile>(new TempFile(buf.data()));
+  }
+  ~TempFile() { unlink(path_.c_str()); }
+  const std::string& path() const { return path_; }
+  absl::Status Write(const std::string& bytes) {
+    FILE* f = fopen(path_.c_str(), "wb");
+    if (f == nullptr) return absl::InternalError(absl::StrCat("fopen(", path_, "): ", strerror(errno)));
+    const bool ok = fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+    const int err = errno;
+    if (fclose(f) != 0 || !ok)
+      return absl::InternalError(absl::StrCat("writing ", path_, ": ", strerror(ok ? errno : err)));
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> Read() const {
+    FILE* f = fopen(path_.c_str(), "rb");
+    if (f == nullptr) return absl::InternalError(absl::StrCat("fopen(", path_, "): ", strerror(errno)));
+    std::string out;
+    char chunk[1 << 16];
+    size_t n;
+    while ((n = fread(chunk, 1, sizeof(chunk), f)) > 0) out.append(chunk, n);
+    const bool bad = ferror(f);
+    fclose(f);
+    if (bad) return absl::InternalError(absl::StrCat("reading ", path_));
+    return out;
+  }
+
+ private:
+  explicit TempFile(std::string path) : path_(std::move(path)) {}
+  std::string path_;
+};
+
+// A daemon checkpoint's header and its four arrays per parameter.
+struct DaemonState {
+  v1::CheckpointHeader header;
+  std::vector<std::vector<float>> master, m, v, acc;
+};
+
+absl::StatusOr<DaemonState> ParseDaemon(const std::string& bytes, int rank,
+                                        const std::string& tmp_dir) {
+  ASSIGN_OR_RETURN(std::unique_ptr<TempFile> file, TempFile::Make(tmp_dir));
+  RETURN_IF_ERROR(file->Write(bytes));
+  uint64_t size = 0;
+  absl::StatusOr<v1::CheckpointHeader> header = ReadCheckpointHeader(file->path(), &size);
+  if (!header.ok())
+    return absl::DataLossError(absl::StrCat("rank ", rank, "'s daemon checkpoint: ",
+                                            header.status().message()));
+  DaemonState d;
+  d.header = *header;
+  std::vector<CheckpointArrays> arrays;
+  const int n = d.header.params_size();
+  d.master.resize(n);
+  d.m.resize(n);
+  d.v.resize(n);
+  d.acc.resize(n);
+  for (int i = 0; i < n; ++i) {
+    int64_t numel = 1;
+    for (int64_t x : d.header.params(i).spec().shape()) numel *= x;
+    for (auto* a : {&d.master, &d.m, &d.v, &d.acc}) (*a)[i].resize(numel);
+    arrays.push_back({d.master[i].data(), d.m[i].data(), d.v[i].data(), d.acc[i].data(), numel});
+  }
+  absl::Status st = ReadCheckpointArrays(file->path(), d.header, arrays);
+  if (!st.ok())
+    return absl::DataLossError(absl::StrCat("rank ", rank, "'s daemon checkpoint: ", st.message()));
+  return d;
+}
+
+absl::Status Disagree(const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the ranks' states disagree on ", what, ": they were not saved at the same step of one run"));
+}
+
+}  // namespace
+
+std::vector<int> SourceRanks(const std::vector<WholeParam>& params, int old_world, int new_world,
+                             int new_rank) {
+  std::vector<char> need(old_world, 0);
+  for (const WholeParam& p : params) {
+    const Rows rc = RowsOf(p);
+    const RowBlock nb = PartitionRows(rc.rows, new_world, new_rank);
+    for (int j = 0; j < old_world; ++j) {
+      const RowBlock ob = PartitionRows(rc.rows, old_world, j);
+      if (std::max(ob.begin, nb.begin) < std::min(ob.end, nb.end)) {
+        need[j] = 1;
+        if (ob.replicated) break;
+      }
+    }
+  }
+  std::vector<int> out;
+  for (int j = 0; j < old_world; ++j)
+    if (need[j]) out.push_back(j);
+  return out;
+}
+
+absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& params,
+                                             const std::vector<const PartitionedState*>& old,
+                                             int new_world, int new_rank,
+                                             const std::string& tmp_dir) {
+  const int old_world = static_cast<int>(old.size());
+  if (old_world < 1 || new_world < 1 || new_rank < 0 || new_rank >= new_world)
+    return absl::InvalidArgumentError("Repartition: needs old ranks, and 0 <= new_rank < new_world");
+  const std::vector<int> sources = SourceRanks(params, old_world, new_world, new_rank);
+  std::map<int, EngineState> eng;
+  std::map<int, DaemonState> dmn;
+  for (int j : sources) {
+    if (old[j] == nullptr)
+      return absl::InvalidArgumentError(absl::StrCat("rank ", j, " of ", old_world,
+                                                     "'s state is needed and was not given"));
+    ASSIGN_OR_RETURN(eng[j], ParseEngine(old[j]->engine, j, params.size()));
+    if (!old[j]->daemon.empty()) {
+      ASSIGN_OR_RETURN(dmn[j], ParseDaemon(old[j]->daemon, j, tmp_dir));
+    }
+  }
+  const EngineState& first = eng.begin()->second;
+  for (const auto& [j, s] : eng) {
+    if (s.mode != first.mode) return Disagree("the mode");
+    if (s.step != first.step || s.rounds != first.rounds ||
+        s.pending_version != first.pending_version || s.loaded != first.loaded)
+      return Disagree(absl::StrCat("the step (rank ", j, ": ", s.step, ", rank ",
+                                   eng.begin()->first, ": ", first.step, ")"));
+  }
+  if (!dmn.empty() && dmn.size() != eng.size()) return Disagree("whether the daemon holds state");
+
+  BlobWriter w;
+  w.I64(kEngineBlobMagic);
+  w.I64(first.mode);
+  w.I64(first.step);
+  w.I64(first.rounds);
+  w.I64(first.pending_version);
+  w.I64(first.loaded);
+  w.I64(static_cast<int64_t>(params.size()));
+  DaemonState out_d;
+  if (!dmn.empty()) {
+    out_d.header = dmn.begin()->second.header;
+    out_d.header.clear_params();
+  }
+  int daemon_index = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Rows rc = RowsOf(params[i]);
+    const RowBlock nb = PartitionRows(rc.rows, new_world, new_rank);
+    const RowSource rows(rc.rows, old_world);
+    const EngineParam& p0 = first.params[i];
+    for (const auto& [j, s] : eng) {
+      const EngineParam& p = s.params[i];
+      if (p.kind != p0.kind || p.k != p0.k || p.dstep != p0.dstep ||
+          p.round_grads != p0.round_grads || p.hot_idx != p0.hot_idx ||
+          p.cold_idx != p0.cold_idx || p.hot_steps != p0.hot_steps)
+        return Disagree(absl::StrCat("parameter '", params[i].name, "' (its split, hot columns or "
+                                     "step counts)"));
+    }
+    auto engine_of = [&](std::vector<float> EngineParam::*field) {
+      return [&eng, i, field](int j) -> const std::vector<float>* {
+        auto it = eng.find(j);
+        return it == eng.end() ? nullptr : &(it->second.params[i].*field);
+      };
+    };
+    w.I64(p0.kind);
+    w.I64(nb.rows() * rc.cols);
+    w.I64(p0.k);
+    if (p0.kind == kBlobDevice) {
+      w.I64(p0.dstep);
+      for (auto field : {&EngineParam::m, &EngineParam::v}) {
+        absl::StatusOr<std::vector<float>> a = rows.Take(nb.begin, nb.end, rc.cols, engine_of(field));
+        if (!a.ok()) return a.status();
+        w.Floats(*a);
+      }
+    } else {
+      w.I64(p0.round_grads);
+    }
+    if (p0.kind == kBlobSplit) {
+      w.Ints(p0.hot_idx);
+      w.Ints(p0.cold_idx);
+      w.Ints(p0.hot_steps);
+      for (auto field : {&EngineParam::hot_master, &EngineParam::hot_m, &EngineParam::hot_v}) {
+        absl::StatusOr<std::vector<float>> a = rows.Take(nb.begin, nb.end, p0.k, engine_of(field));
+        if (!a.ok()) return a.status();
+        w.Floats(*a);
+      }
+    }
+    if (p0.kind == kBlobDevice || dmn.empty()) continue;
+    // The daemon's arrays of this parameter: [rows, width], width = its offloaded columns.
+    const int h = daemon_index++;
+    const DaemonState& d0 = dmn.begin()->second;
+    if (h >= d0.header.params_size())
+      return absl::DataLossError("the daemon checkpoint has fewer parameters than the engine offloads");
+    for (const auto& [j, d] : dmn) {
+      if (d.header.params_size() != d0.header.params_size() ||
+          d.header.params(h).spec().name() != params[i].name ||
+          d.header.params(h).col_steps().size() != d0.header.params(h).col_steps().size() ||
+          !std::equal(d.header.params(h).col_steps().begin(), d.header.params(h).col_steps().end(),
+                      d0.header.params(h).col_steps().begin()) ||
+          d.header.version() != d0.header.version() || d.header.last_step() != d0.header.last_step())
+        return Disagree(absl::StrCat("the daemon's parameter '", params[i].name, "'"));
+    }
+    // (a daemon checkpoint exists only once the engine has loaded the daemon, at its first
+    // step, which selects the column sets)
+    const int64_t width =
+        p0.kind == kBlobSplit ? static_cast<int64_t>(p0.cold_idx.size()) : rc.cols;
+    v1::CheckpointHeader::Param* hp = out_d.header.add_params();
+    *hp = d0.header.params(h);
+    hp->mutable_spec()->clear_shape();
+    if (p0.kind == kBlobSplit) {
+      hp->mutable_spec()->add_shape(nb.rows());
+      hp->mutable_spec()->add_shape(width);
+    } else if (nb.replicated || new_world == 1) {
+      for (int64_t x : params[i].shape) hp->mutable_spec()->add_shape(x);
+      if (params[i].shape.empty()) hp->mutable_spec()->add_shape(1);
+    } else {
+      hp->mutable_spec()->add_shape(nb.rows());
+      if (params[i].shape.size() >= 2) hp->mutable_spec()->add_shape(rc.cols);
+    }
+    for (auto field : {&DaemonState::master, &DaemonState::m, &DaemonState::v, &DaemonState::acc}) {
+      auto daemon_of = [&dmn, h, field](int j) -> const std::vector<float>* {
+        auto it = dmn.find(j);
+        return it == dmn.end() ? nullptr : &(it->second.*field)[h];
+      };
+      absl::StatusOr<std::vector<float>> a = rows.Take(nb.begin, nb.end, width, daemon_of);
+      if (!a.ok()) return a.status();
+      (out_d.*field).push_back(std::move(*a));
+    }
+  }
+  PartitionedState out;
+  out.engine = std::move(w.out);
+  if (!dmn.empty()) {
+    ASSIGN_OR_RETURN(std::unique_ptr<TempFile> file, TempFile::Make(tmp_dir));
+    std::vector<CheckpointArrays> arrays;
+    for (size_t h = 0; h < out_d.master.size(); ++h)
+      arrays.push_back({out_d.master[h].data(), out_d.m[h].data(), out_d.v[h].data(),
+                        out_d.acc[h].data(), static_cast<int64_t>(out_d.master[h].size())});
+    RETURN_IF_ERROR(WriteCheckpoint(file->path(), out_d.header, arrays).status());
+    ASSIGN_OR_RETURN(out.daemon, file->Read());
+  }
+  return out;
+}
+
+}  // namespace stallfree
