@@ -227,3 +227,49 @@ def test_resume_without_the_optimizer_state_misses(saved_by_4, daemon, tmp_path)
                                  for j in (1, 0, 2, 3)])
         finally:
             opt.close()
+
+
+# The defaults (bf16 transfers, S = 4 after the 20-step warm-up, reselection every 16 steps) over
+# 32 steps, partitioned over 2 and 4 ranks, against one process on the whole batch. The device
+# copy of an offloaded column is its fp32 master rounded to bf16, so a perturbation at the level
+# of fp32 rounding flips some bf16 roundings (one bf16 ulp, 2^-8 relative), which changes the
+# next forward pass and compounds. Calibrated in one process: an lr off by 1e-6 relative (8
+# fp32 ulps, a perturbation of the size of the DDP average's summation order) moves the losses
+# by 6.1e-6 relative and the parameters by 2e-3. DEFAULTS_LOSS_RTOL is 5x that loss figure;
+# the parameters are not compared element-wise (bf16 flips), the hot columns must be the same.
+# Measured: 7.5e-6 (2 ranks), 2.6e-7 (4 ranks); an lr 1% off moves the losses by 8.4e-3, 280x.
+DEFAULTS_STEPS = 32
+DEFAULTS_LOSS_RTOL = 3e-5
+
+
+def test_zenflow_defaults_equal_one_process(daemon, tmp_path):
+    from stallfree.torch import ZenFlowAdamW
+
+    def record_hot(step, model, opt, extra):
+        extra.setdefault("hot", []).append(
+            {n: opt.hot_columns(p) for n, p in model.named_parameters() if p.dim() == 2})
+
+    def single(lr_scale):
+        return models.train(
+            lambda g: ZenFlowAdamW([dict(x, lr=x["lr"] * lr_scale) for x in g],
+                                   socket=daemon.socket),
+            DEFAULTS_STEPS, seed=SEED, after_step=record_hot)
+
+    def loss_diff(losses, ref):
+        return max(models.rel_diff(a, b) for a, b in zip(losses, ref.losses))
+
+    ref = single(1.0)
+    assert [step for step, t in enumerate(ref.extra["hot"], 1)
+            if step > 1 and t != ref.extra["hot"][step - 2]], "the hot set never moves"
+    off = loss_diff(single(1.01).losses, ref)
+    assert off > 10 * DEFAULTS_LOSS_RTOL, off
+    for world in (2, 4):
+        ranks = train_ranks(world, tmp_path / f"L{world}", [daemon.socket], {"defaults": {}},
+                            steps=DEFAULTS_STEPS)["defaults"]
+        assert_ranks_agree(ranks)
+        losses = [sum(r["losses"][s] for r in ranks) / world for s in range(DEFAULTS_STEPS)]
+        diff = loss_diff(losses, ref)
+        print("zenflow defaults, %d ranks vs one process: losses %.3g (lr 1%% off: %.3g)"
+              % (world, diff, off))
+        assert diff <= DEFAULTS_LOSS_RTOL, (world, diff)
+        assert ranks[0]["hot"] == ref.extra["hot"], world
