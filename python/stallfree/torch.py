@@ -373,10 +373,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     socket: the daemon's socket; None means $STALLFREE_SOCKET, else the node's default socket,
     and if no daemon answers there a private one is started (and stopped with the optimizer).
     session_name: the daemon sessions' name (stallfreectl sessions); default "torch".
-    process_group: the data-parallel group whose replicas sum their column scores before each
-    selection, so that they choose the same hot columns (default: torch.distributed's default
-    group when it is initialized); under tensor parallelism or hybrid sharding, pass the
-    data-parallel subgroup.
+    process_group: the data-parallel group over which the optimizer state is partitioned
+    (default: torch.distributed's default group when it is initialized; under tensor or
+    pipeline parallelism or hybrid sharding, pass the data-parallel subgroup). Rank r of L
+    updates rows [R r/L, R (r+1)/L) of every parameter (client/partition.h), so its daemon
+    sessions hold 1/L of the offloaded state; the ranks sum their column scores (the same hot
+    columns everywhere) and all-gather the updated rows after every step, so step(), flush()
+    and close() are collectives of the group. Its ranks must train the same parameters.
+    reduce_gradients: False (default) when the gradients are already averaged over the group
+    (DistributedDataParallel); True to have the optimizer average the ranks' local gradients
+    itself (a reduce-scatter: each rank receives the mean of its own rows only).
+    timeout: seconds any of those collectives may take; past it, or when a peer dies,
+    stallfree.Error names the ranks that are gone.
 
     lr, betas, eps and weight_decay are validated as torch.optim.AdamW validates them (the same
     ValueError), and must also be finite (the kernels' arithmetic); lr may be a 1-element
@@ -399,7 +407,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     optimizer.state holds each trainable parameter's AdamW step count ({"step": tensor}), so
     it is never empty (torch.distributed.checkpoint does not then run a zero-gradient step to
     "initialise" it). state_dict() adds to each group's first parameter's entry the group's
-    engine state, its daemon session's checkpoint and a description of both, as uint8 tensors.
+    engine state, its daemon session's checkpoint and a description of both, as uint8 tensors;
+    partitioned, those of this rank's rows (load_state_dict takes the list of every rank's state
+    dicts to resume with another number of ranks).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
