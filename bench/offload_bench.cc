@@ -474,10 +474,13 @@ BigCounts Count(const Options& o, const std::vector<BigParam>& ps) {
   }
   return c;
 }
-// The daemon's bytes for a session of `elems` offloaded elements with bf16 gradients: two bf16
-// gradient slots, two fp32 parameter slots and the fp32 staging area (region), and fp32 master,
-// m, v and accumulator (state). Page and alignment padding are ignored.
-double DaemonBytes(int64_t elems) { return static_cast<double>(elems) * (2 * 2 + 3 * 4 + 4 * 4); }
+// The daemon's bytes for an engine session of `elems` offloaded elements with bf16 transfers
+// (README, "What a session pins"): two bf16 gradient slots and one bf16 parameter slot, a staging
+// area of 1/32 of the state (region), and fp32 master, m, v and accumulator (state): 22.125 bytes.
+// Page and alignment padding and the staging area's floors are ignored.
+double DaemonBytes(int64_t elems) {
+  return static_cast<double>(elems) * (2 * 2 + 2 + 0.125 + 4 * 4);
+}
 
 // Fills both gradient slots of `session` once with bf16 gradients of the modeled skew: column c
 // of a weight has standard deviation sqrt(I_c / rows) * 1e-3 with I_c log-normal (sigma), and a
@@ -600,10 +603,10 @@ Part2Result RunPart2Mode(const Options& o, OffloadMode mode, Client* client, pid
     }
     const auto t_fill = Clock::now();
     FillGradSlots(o, session.get(), ps, mode == OffloadMode::kZenFlow, dev->spec().score_sigma);
-    // The daemon writes its bf16 parameters into either parameter slot; touch both once now so
-    // that no timed step pays the first write to fresh pages (on a VM whose memory is backed
-    // lazily, a first touch costs far more than the write).
-    for (uint32_t slot = 0; slot < 2; ++slot)
+    // The daemon writes its bf16 parameters into its parameter slots (one for an engine
+    // session); touch them once now so that no timed step pays the first write to fresh pages
+    // (on a VM whose memory is backed lazily, a first touch costs far more than the write).
+    for (uint32_t slot = 0; slot < session->layout().param_slots(); ++slot)
       for (const auto& pl : session->layout().params())
         memset(const_cast<uint16_t*>(session->ParamsBf16(slot, pl.name())), 0,
                static_cast<size_t>(pl.numel()) * 2);
@@ -1070,8 +1073,8 @@ int Run(int argc, char** argv) {
            (long long)counts.params, counts.params / 1e9, 2.0 * counts.params / 1e9);
     printf("in the daemon: sync-offload %lld elements (all parameters), zenflow %lld (the cold "
            "%.0f%% of every 2-D weight's columns); about %.1f GiB and %.1f GiB of daemon memory "
-           "(32 B per element: bf16 gradient slots x2, fp32 parameter slots x2 + staging, fp32 "
-           "master, m, v, accumulator); %.1f GiB available now\n",
+           "(22.1 B per element: bf16 gradient slots x2, a bf16 parameter slot, staging 1/32 of the "
+           "state, fp32 master, m, v, accumulator); %.1f GiB available now\n",
            (long long)counts.daemon_sync, (long long)counts.daemon_zenflow, 100 * (1 - o.ratio),
            GiB(DaemonBytes(counts.daemon_sync)), GiB(DaemonBytes(counts.daemon_zenflow)),
            GiB(static_cast<double>(avail)));

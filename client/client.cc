@@ -217,6 +217,25 @@ absl::Status Session::RegisterParams(const std::vector<ParamSpec>& params,
   v1::RegisterParamsResponse resp;
   RETURN_IF_ERROR(FromGrpc(client_->stub()->RegisterParams(&ctx, req, &resp)));
   layout_ = resp.layout();
+  // A daemon from before param_slots (stallfree 0.1.0) lays out two fp32 parameter slots and
+  // names neither.
+  if (layout_.param_slots() == 0) {
+    layout_.set_param_slots(2);
+    layout_.set_param_dtype(v1::DTYPE_FP32);
+  }
+  // Every slot inside the region: a layout that is not (a daemon of another protocol) would
+  // send the engine's copies outside the mapping.
+  const v1::RegionLayout& l = layout_;
+  const uint64_t grad_end = l.grad_slot_offset() + 2 * l.grad_slot_bytes();
+  const uint64_t param_end = l.param_slot_offset() + uint64_t{l.param_slots()} * l.param_slot_bytes();
+  const uint64_t staging_end = l.staging_offset() + l.staging_bytes();
+  if (grad_end > l.region_bytes() || param_end > l.region_bytes() ||
+      staging_end > l.region_bytes() || l.param_slots() > 2)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the daemon's region layout does not fit its region (", l.region_bytes(),
+        " bytes; gradient slots end at ", grad_end, ", parameter slots at ", param_end,
+        ", staging at ", staging_end, "): a stallfreed of another version? Run the "
+        "stallfreed that comes with this client"));
   for (const v1::ParamLayout& p : layout_.params()) params_[p.name()] = p;
   return Attach();
 }
