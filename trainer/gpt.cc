@@ -26,6 +26,7 @@
 #include "absl/strings/str_format.h"
 #include "client/client.h"
 #include "client/partition.h"
+#include "client/repartition.h"
 #include "common/checksum.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -657,6 +658,164 @@ absl::Status TruncateMetrics(const std::string& path, int64_t step) {
   return WriteFileAtomically(path, kept);
 }
 
+// ---- Resuming (TrainOptions::resume), with the same --dp or another ----
+
+// Where a trainer file's shape key (TrainAttempt's shape_key) holds what: the TSP rank and size,
+// the model, the per-replica batch, the mode, then (--dp N > 1) N and the replica.
+constexpr size_t kKeyTspRank = 0, kKeyD = 1, kKeyBatch = 8, kKeyFields = 12, kDpKey = 12;
+
+int64_t WrittenDp(const RankState& st) {
+  return st.shape.size() > kDpKey ? st.shape[kDpKey] : 1;
+}
+
+// Whether two keys describe the same model, TSP rank and size, and mode (the batch and the
+// data-parallel fields aside).
+bool SameModel(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+  if (a.size() < kKeyFields || b.size() < kKeyFields) return false;
+  for (size_t i = 0; i < kKeyFields; ++i)
+    if (i != kKeyBatch && a[i] != b[i]) return false;
+  return true;
+}
+
+// st with `what` before its message (same code).
+absl::Status Annotate(const absl::Status& st, const std::string& what) {
+  return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
+}
+
+// What a rank restores: the step, the data position and the whole tensors (every file of the
+// checkpoint holds them), its engine's state, and the daemon checkpoint tag Restore reads.
+struct ResumeState {
+  RankState st;
+  std::string daemon_tag;
+  bool uploaded = false;  // daemon_tag was written for this resume: remove it after Restore
+  int64_t written_dp = 1;
+  std::vector<std::string> missing;  // daemon checkpoints of the sources that were not found
+};
+
+// Reads the checkpoint o.resume for this rank (global rank `rank`, TSP rank key[0] of D, replica
+// `replica` of N). Written with the same --dp: the rank's own trainer file and daemon tag.
+// Written with another (N' replicas of the same D): the old replicas j at this TSP position
+// (global ranks j D + p) whose row blocks overlap this replica's (SourceRanks), each one's engine
+// state from its trainer file and its daemon checkpoint's bytes through the session, cut and
+// joined for this replica by Repartition (client/repartition.h); the daemon part is uploaded as
+// "<tag>.dp<N>.r<rank>" (Session::WriteCheckpointBytes, as the PyTorch optimizer's
+// load_state_dict does) for the engine's Restore. A rank reads only its sources. The global batch
+// must stay the same (N' B' = N B: the data stream continues at the same window).
+absl::StatusOr<ResumeState> ReadResume(const TrainOptions& o, const std::vector<int64_t>& key,
+                                       int N, int replica, int rank,
+                                       const std::vector<Tensor>& tensors, Session* session) {
+  const std::string& tag = o.resume;
+  const int p = static_cast<int>(key[kKeyTspRank]);
+  const int64_t D = key[kKeyD], B = key[kKeyBatch];
+  auto nproc_error = [&](int64_t written) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "resume: checkpoint '", tag, "' was written by a run with --nproc ", written,
+        " (TSP ranks per replica), and this run has --nproc ", D, "; the TSP size must stay the "
+        "same at a resume (only --dp may change): resume with --nproc ", written));
+  };
+  // What wrote the checkpoint: its replica 0's file at this TSP position (global rank p), which
+  // every run of D TSP ranks has.
+  absl::StatusOr<RankState> head = DecodeState(RankFile(o, tag, p));
+  if (absl::IsNotFound(head.status()) && p > 0) {
+    absl::StatusOr<RankState> zero = DecodeState(RankFile(o, tag, 0));
+    if (zero.ok() && zero->shape.size() >= kKeyFields && zero->shape[kKeyD] != D)
+      return nproc_error(zero->shape[kKeyD]);
+  }
+  RETURN_IF_ERROR(head.status());
+  if (head->shape.size() < kKeyFields)
+    return absl::DataLossError(absl::StrCat("resume: ", RankFile(o, tag, p),
+                                            " has a malformed header"));
+  if (head->shape[kKeyD] != D) return nproc_error(head->shape[kKeyD]);
+  if (!SameModel(head->shape, key) || head->tensors.size() != tensors.size())
+    return absl::FailedPreconditionError(absl::StrCat(
+        "resume: checkpoint '", tag, "' was written by a run with another model, batch, "
+        "rank count or mode"));
+  ResumeState out;
+  const int64_t old_n = WrittenDp(*head), old_b = head->shape[kKeyBatch];
+  out.written_dp = old_n;
+  if (old_n * old_b != N * B) {
+    const int64_t global = old_n * old_b;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "resume: checkpoint '", tag, "' was written by a run with --dp ", old_n, " --batch ",
+        old_b, " (a global batch of ", global, " sequences), and this run has --dp ", N,
+        " --batch ", B, " (", N * B, "); a resume keeps the global batch: ",
+        global % N == 0 ? absl::StrCat("pass --batch ", global / N)
+                        : absl::StrCat("no --batch gives ", global, " sequences over ", N,
+                                       " replicas; choose a --dp that divides ", global)));
+  }
+  if (old_n == N) {
+    if (rank == p) {
+      out.st = *std::move(head);
+    } else {
+      ASSIGN_OR_RETURN(out.st, DecodeState(RankFile(o, tag, rank)));
+    }
+    if (out.st.shape != key || out.st.tensors.size() != tensors.size())
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: checkpoint '", tag, "' was written by a run with another model, batch, "
+          "rank count or mode"));
+    out.daemon_tag = absl::StrCat(tag, ".r", rank);
+    return out;
+  }
+  // Another --dp: this replica's blocks from the old replicas' (client/repartition.h).
+  std::vector<WholeParam> whole;
+  for (const Tensor& t : tensors) whole.push_back({t.name, t.shape});
+  const std::vector<int> sources = SourceRanks(whole, static_cast<int>(old_n), N, replica);
+  std::vector<PartitionedState> states(old_n);
+  std::vector<const PartitionedState*> old(old_n, nullptr);
+  for (int j : sources) {
+    const int from = static_cast<int>(j * D + p);
+    if (j == 0) {
+      states[j].engine = head->engine;
+    } else {
+      const std::string file = RankFile(o, tag, from);
+      ASSIGN_OR_RETURN(RankState sj, DecodeState(file));
+      const bool same = SameModel(sj.shape, head->shape) && WrittenDp(sj) == old_n &&
+                        sj.shape.size() > kDpKey + 1 && sj.shape[kDpKey + 1] == j &&
+                        sj.shape[kKeyBatch] == old_b;
+      if (!same)
+        return absl::FailedPreconditionError(absl::StrCat(
+            "resume: ", file, " is not replica ", j, " of the --dp ", old_n, " run that wrote ",
+            RankFile(o, tag, p)));
+      if (sj.step != head->step || sj.data_position != head->data_position)
+        return absl::FailedPreconditionError(absl::StrCat(
+            "resume: the files of checkpoint '", tag, "' disagree: ", file, " is at step ",
+            sj.step, ", ", RankFile(o, tag, p), " at step ", head->step));
+      states[j].engine = std::move(sj.engine);
+    }
+    if (session != nullptr) {
+      const std::string daemon_tag = absl::StrCat(tag, ".r", from);
+      absl::StatusOr<std::string> bytes =
+          session->ReadCheckpointBytes(daemon_tag, /*delete_after=*/false);
+      if (bytes.ok()) {
+        states[j].daemon = *std::move(bytes);
+      } else if (absl::IsNotFound(bytes.status())) {
+        out.missing.push_back(daemon_tag);  // none: nothing was offloaded yet (or it is lost)
+      } else {
+        return Annotate(bytes.status(),
+                        absl::StrCat("resume: reading the daemon's checkpoint ", daemon_tag));
+      }
+    }
+    old[j] = &states[j];
+  }
+  absl::StatusOr<PartitionedState> mine =
+      Repartition(whole, old, N, replica, o.out_dir + "/checkpoints");
+  if (!mine.ok())
+    return Annotate(mine.status(),
+                    absl::StrCat("resume: re-partitioning checkpoint '", tag, "' (--dp ", old_n,
+                                 ", rank j = its replica j, global rank j x ", D, " + ", p,
+                                 ") for replica ", replica, " of --dp ", N));
+  states.clear();
+  out.st = *std::move(head);
+  out.st.shape = key;
+  out.st.engine = std::move(mine->engine);
+  out.daemon_tag = absl::StrCat(tag, ".dp", N, ".r", rank);
+  if (!mine->daemon.empty()) {
+    RETURN_IF_ERROR(session->WriteCheckpointBytes(out.daemon_tag, mine->daemon));
+    out.uploaded = true;
+  }
+  return out;
+}
+
 absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_rank,
                           Progress* progress) {
   parallel::Communicator* const comm = world.tsp;  // the TSP group
@@ -845,41 +1004,23 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
                                     cfg.FF,       cfg.vocab, T,      B,
                                     static_cast<int64_t>(o.engine.mode),
                                     cfg.tied_head, cfg.learned_positions};
-  constexpr size_t kDpKey = 12;  // where N and the replica follow
   if (N > 1) shape_key.insert(shape_key.end(), {N, replica});
-  auto written_dp = [&](const RankState& st) -> int64_t {
-    return st.shape.size() > kDpKey ? st.shape[kDpKey] : 1;
-  };
+  auto written_dp = [&](const RankState& st) -> int64_t { return WrittenDp(st); };
   int64_t start = 0;
   if (!o.resume.empty()) {
-    // Every rank reads its file, then all agree, so that one rank's error ends every rank.
-    absl::StatusOr<RankState> read = DecodeState(RankFile(o, o.resume, rank));
-    if (read.ok() && written_dp(*read) != N) {
-      read = absl::FailedPreconditionError(absl::StrCat(
-          "resume: checkpoint '", o.resume, "' was written by a run with --dp ", written_dp(*read),
-          ", and this run has --dp ", N, "; resuming with another --dp is not supported yet: "
-          "resume with --dp ", written_dp(*read)));
-    } else if (absl::IsNotFound(read.status())) {
-      // A rank the writing run did not have: say which --dp wrote the checkpoint, if rank 0's
-      // file tells.
-      absl::StatusOr<RankState> first = DecodeState(RankFile(o, o.resume, 0));
-      if (first.ok() && written_dp(*first) != N)
-        read = absl::FailedPreconditionError(absl::StrCat(
-            "resume: checkpoint '", o.resume, "' was written by a run with --dp ",
-            written_dp(*first), " (", first->shape[1], " TSP ranks each), and this run has --dp ",
-            N, "; resuming with another --dp is not supported yet: resume with --dp ",
-            written_dp(*first)));
-    }
+    // Every rank reads its sources (ReadResume), then all agree, so that one rank's error ends
+    // every rank (a lost daemon as everywhere else: AgreeOnDaemon).
+    absl::StatusOr<ResumeState> read =
+        ReadResume(o, shape_key, N, replica, rank, tensors, session.get());
+    const absl::Status agreed = AgreeOnDaemon(world, progress, read.status());
+    if (progress->daemon_lost) return agreed;
     ASSIGN_OR_RETURN(double failed, world.Sum(read.ok() ? 0.0 : 1.0));
     if (!read.ok()) return read.status();
     if (failed > 0)
       return absl::FailedPreconditionError(absl::StrCat(
           "resume: another rank could not resume from '", o.resume, "' (its error says why)"));
-    RankState st = *std::move(read);
-    if (st.shape != shape_key || st.tensors.size() != tensors.size())
-      return absl::FailedPreconditionError(absl::StrCat(
-          "resume: checkpoint '", o.resume, "' was written by a run with another model, batch, "
-          "rank count or mode"));
+    ResumeState rs = *std::move(read);
+    RankState& st = rs.st;
     for (size_t i = 0; i < tensors.size(); ++i) {
       if (static_cast<int64_t>(st.tensors[i].size()) != tensors[i].numel)
         return absl::DataLossError(absl::StrCat("resume: tensor '", tensors[i].name,
@@ -887,11 +1028,26 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
       ops.Upload(tensors[i].value, st.tensors[i].data(), tensors[i].numel);
     }
     RETURN_IF_ERROR(dev->Synchronize());
-    RETURN_IF_ERROR(AgreeOnDaemon(
-        world, progress, engine->Restore(absl::StrCat(o.resume, ".r", rank), st.engine)));
+    st.tensors.clear();
+    absl::Status restored = engine->Restore(rs.daemon_tag, st.engine);
+    if (rs.uploaded) {  // the re-partitioned daemon state was only for this Restore
+      absl::Status del = session->DeleteCheckpoint(rs.daemon_tag);
+      if (restored.ok() && !del.ok() && !absl::IsNotFound(del)) restored = del;
+    }
+    if (!restored.ok() && !rs.missing.empty())
+      restored = Annotate(restored, absl::StrCat("the daemon holds no checkpoint ",
+                                                 rs.missing.front(), " of the writing run"));
+    RETURN_IF_ERROR(AgreeOnDaemon(world, progress, restored));
     batcher.Seek(st.data_position);
     start = st.step;
-    if (lead) printf("resumed from checkpoint '%s' at step %ld\n", o.resume.c_str(), (long)start);
+    if (lead) {
+      if (rs.written_dp == N)
+        printf("resumed from checkpoint '%s' at step %ld\n", o.resume.c_str(), (long)start);
+      else
+        printf("resumed from checkpoint '%s' at step %ld (written with --dp %ld, re-partitioned "
+               "for --dp %d)\n",
+               o.resume.c_str(), (long)start, (long)rs.written_dp, N);
+    }
   }
 
   if (!o.init_from.empty()) {

@@ -23,7 +23,15 @@
 // replica picks the same hot columns); after each step (and after the final Flush) one
 // all-gather of a padded flat buffer of the updated blocks gives every replica the whole
 // parameters. Losses (train and eval) are the mean over the replicas, i.e. over the global
-// batch. Checkpoint files and daemon tags carry the global rank; a resume needs the same --dp.
+// batch. Checkpoint files and daemon tags carry the global rank. A resume may change --dp (not
+// D, nor the global batch N x batch): the model tensors are whole in every rank's file, and rank
+// (replica s, TSP index p) of the new run reads the files and daemon checkpoints of only the old
+// replicas at index p whose row blocks overlap its own (client/repartition.h, SourceRanks), cuts
+// its engine and daemon state from them by whole rows (Repartition), uploads the daemon part
+// (Session::WriteCheckpointBytes, as <tag>.dp<N>.r<rank>, removed after the Restore) and
+// restores its fresh engine from it: the run continues as the uninterrupted one would, up to the
+// summation order of the gradient average and the column scores (tests/trainer/
+// trainer_dp_test.cc).
 //
 // Checkpoints (every --checkpoint_every steps and at the end): each rank writes
 // <out_dir>/checkpoints/<tag>.rank<r>.trainer (its shard, the engine's state, the data position,
