@@ -23,8 +23,11 @@ Figures, each run's own:
   update_seconds, after minus before), L = 4 over L = 1: the CPU work of a node.
 - the same three for the replicated baseline, and the step time (median, rank 0) of each run.
 - communication per rank per step, by the ring algorithms' volume (gloo's and NCCL's; torch
-  exposes no byte counters): DDP's all-reduce 2 (L-1)/L x 4N bytes, the partition's all-gather of
-  the updated blocks (L-1)/L x 4N, reduce_gradients' reduce-scatter (L-1)/L x 4N instead of DDP.
+  exposes no byte counters): DDP's all-reduce 2 (L-1)/L x 4N bytes (computed), and what the
+  partition's own collectives sent (ZenFlowAdamW's last_timings collective_bytes, counted from
+  the buffers it hands torch: the all-gather of the updated rows, only the hot columns' between
+  round boundaries, the column scores at selections, and with reduce_gradients the
+  reduce-scatter instead of DDP).
 """
 import argparse
 import datetime
@@ -38,7 +41,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if os.path.isdir(os.path.join(ROOT, "bazel-bin", "python", "stallfree")):
+try:  # PYTHONPATH's stallfree, else the Bazel-built package of this checkout
+    import stallfree  # noqa: F401
+except ImportError:
     sys.path.insert(0, os.path.join(ROOT, "bazel-bin", "python"))
 
 ROWS_PER_RANK = 16
@@ -73,7 +78,7 @@ def worker(args):
     opt = ZenFlowAdamW(model.parameters(), lr=1e-3, socket=args.socket, warmup_steps=0,
                        session_name=args.run, process_group=own if args.run == "replicated"
                        else None, reduce_gradients=args.run == "reduce")
-    pushed, times, pinned = [], [], None
+    pushed, sent, times, pinned = [], [], [], None
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -82,6 +87,7 @@ def worker(args):
         opt.step()
         times.append(time.perf_counter() - t0)
         pushed.append(opt.last_timings["bytes_to_host"])
+        sent.append(opt.last_timings.get("collective_bytes", 0))
         if step == 1:
             dist.barrier()
             pinned = client.stats()["pinned_bytes"]
@@ -90,7 +96,8 @@ def worker(args):
     dist.barrier()
     after = client.stats()
     params = sum(p.numel() for p in model.parameters())
-    out = {"rank": rank, "pushed": statistics.mean(pushed), "step_s": statistics.median(times),
+    out = {"rank": rank, "pushed": statistics.mean(pushed), "sent": statistics.mean(sent),
+           "step_s": statistics.median(times),
            "pinned": pinned, "update_s": after["update_seconds"] - before["update_seconds"],
            "params": params}
     all_out = [None] * world
@@ -107,8 +114,10 @@ def launch(run, world, args, socket):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mktemp(suffix=".json")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path[:1] + [
-        os.environ.get("PYTHONPATH", "")]), WORLD_SIZE=str(world))
+    import stallfree
+    package = os.path.dirname(os.path.dirname(os.path.abspath(stallfree.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]),
+               WORLD_SIZE=str(world))
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
                                "--run", run, "--port", str(port), "--socket", socket,
                                "--width", str(args.width), "--steps", str(args.steps),
@@ -123,7 +132,8 @@ def launch(run, world, args, socket):
     r0 = ranks[0]
     res = {"pinned_per_param": r0["pinned"] / r0["params"],
            "pushed_per_rank": statistics.mean(r["pushed"] for r in ranks),
-           "update_s": r0["update_s"], "step_s": r0["step_s"], "params": r0["params"]}
+           "update_s": r0["update_s"], "step_s": r0["step_s"], "params": r0["params"],
+           "sent": statistics.mean(r["sent"] for r in ranks)}
     print("%-11s L=%d: %.2f host bytes/param, %.0f pushed bytes/rank/step, daemon AdamW %.3f s, "
           "step %.1f ms" % (run, world, res["pinned_per_param"], res["pushed_per_rank"],
                             res["update_s"], 1e3 * res["step_s"]), flush=True)
@@ -166,14 +176,14 @@ def main():
                runs[run, 4]["update_s"] / one["update_s"], "ratio")
         figure("dp_step_ms_L4" + suffix, 1e3 * runs[run, 4]["step_s"], "ms")
     figure("dp_step_ms_L4_reduce_gradients", 1e3 * runs["reduce", 4]["step_s"], "ms")
-    n4 = 4 * one["params"]
-    ring = 3 / 4
-    ddp, gather, rs = 2 * ring * n4, ring * n4, ring * n4
-    figure("dp_comm_bytes_per_rank_step_ddp_replicated", ddp, "bytes")
-    figure("dp_comm_bytes_per_rank_step_ddp_partitioned", ddp + gather, "bytes")
-    figure("dp_comm_bytes_per_rank_step_reduce_gradients", rs + gather, "bytes")
-    figure("dp_comm_reduce_gradients_over_ddp_allreduce", (rs + gather) / ddp, "ratio")
-
+    ddp = 2 * 3 / 4 * 4 * one["params"]
+    figure("dp_comm_bytes_per_rank_step_ddp_allreduce", ddp, "bytes")
+    figure("dp_comm_bytes_per_rank_step_partition", runs["partitioned", 4]["sent"], "bytes")
+    figure("dp_comm_bytes_per_rank_step_reduce_gradients", runs["reduce", 4]["sent"], "bytes")
+    figure("dp_comm_partitioned_ddp_over_ddp", (ddp + runs["partitioned", 4]["sent"]) / ddp,
+           "ratio")
+    figure("dp_comm_reduce_gradients_over_ddp_allreduce", runs["reduce", 4]["sent"] / ddp,
+           "ratio")
 
 if __name__ == "__main__":
     main()

@@ -127,6 +127,8 @@ class _Shards:
         self.reduce_gradients = reduce_gradients and self.world > 1
         self.timeout = timeout
         self.saved_step = None  # the step of the optimizer's last state_dict(), for messages
+        self.hot_cache = None   # hot_index()'s, until the next round boundary
+        self.sent = 0           # bytes this rank sent in the collectives (ring volume)
         self.members = members
         self.offsets = []        # per member: this rank's first element
         self.shapes = []         # per member: the shape the engine sees
@@ -178,6 +180,11 @@ class _Shards:
             work.wait(timeout=self.timeout)
         except RuntimeError as e:
             raise _PeerFailure(self, what, e) from e
+        # The bytes this rank sends by the ring algorithms (gloo's and NCCL's): all-gather and
+        # reduce-scatter (L-1)/L of the whole buffer, all-reduce twice that.
+        whole = max(a.numel() * a.element_size() for a in args)
+        share = whole * (self.world - 1) // self.world
+        self.sent += 2 * share if fn is torch.distributed.all_reduce else share
 
     def reduce(self, grads):
         """With reduce_gradients: the ranks' gradients (None: no gradient on this rank) averaged
@@ -218,28 +225,59 @@ class _Shards:
         any_grad = flags.cpu().tolist()
         return [o if any_grad[i] > 0 else None for i, o in enumerate(out)], keep
 
-    def gather(self):
-        """Every rank's updated blocks to every rank: one all-gather of the padded blocks."""
+    def gather(self, hot=None):
+        """Every rank's updated blocks to every rank: one all-gather of the padded blocks. hot:
+        {member index: its hot columns (a LongTensor)} for a step in which only those columns
+        of the split weights changed (a zenflow step between round boundaries: the cold columns
+        change only when an update lands): their blocks send those columns only."""
         if not self.parts:
             return
         dev = self.members[0][1].device
-        flat = [self.members[i][1].detach().view(-1) for i in self.parts]
-        mine = [v[b:e] for v, (b, e) in zip(flat, self.ranges[self.rank])]
-        pad = self.section - sum(self.sizes[self.rank])
+        hot = hot or {}
+        views, widths = [], []
+        for i in self.parts:
+            p = self.members[i][1].detach()
+            rows, cols = _rows_cols(p)
+            views.append(p.view(rows, cols))
+            widths.append(hot[i].numel() if i in hot else cols)
+        sizes = [[(e - b) // v.shape[1] * w for v, w, (b, e) in zip(views, widths, r)]
+                 for r in self.ranges]
+        section = max(sum(z) for z in sizes)
+        mine = []
+        for i, v, (b, e) in zip(self.parts, views, self.ranges[self.rank]):
+            block = v[b // v.shape[1]:e // v.shape[1]]
+            mine.append((block.index_select(1, hot[i]) if i in hot else block).reshape(-1))
+        pad = section - sum(sizes[self.rank])
         send = torch.cat(mine + ([torch.zeros(pad, device=dev)] if pad else []))
-        recv = torch.empty(self.world * self.section, device=dev)
+        recv = torch.empty(self.world * section, device=dev)
         self.collective("the updated parameters (all-gather)",
                         torch.distributed.all_gather_into_tensor, recv, send)
         dst, src = [], []
         for s in range(self.world):
             if s == self.rank:
                 continue
-            at = s * self.section
-            for v, (b, e) in zip(flat, self.ranges[s]):
-                dst.append(v[b:e])
-                src.append(recv[at:at + e - b])
-                at += e - b
-        torch._foreach_copy_(dst, src)
+            at = s * section
+            for i, v, (b, e), n in zip(self.parts, views, self.ranges[s], sizes[s]):
+                rows = slice(b // v.shape[1], e // v.shape[1])
+                if i in hot:
+                    v[rows].index_copy_(1, hot[i], recv[at:at + n].view(-1, hot[i].numel()))
+                else:
+                    dst.append(v[rows].reshape(-1))
+                    src.append(recv[at:at + n])
+                at += n
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def hot_index(self, engine):
+        """{member index: hot columns} of the partitioned weights the engine splits, kept
+        until the next round boundary (reselections happen only there)."""
+        if self.hot_cache is None:
+            dev = self.members[0][1].device
+            self.hot_cache = {
+                i: torch.tensor(engine.hot_columns(self.members[i][0]), dtype=torch.long,
+                                device=dev)
+                for i in self.parts if not engine.on_device(i)}
+        return self.hot_cache
 
 
 def _flat_or_zeros(g, p):
@@ -616,6 +654,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for gi, lr, grads, keep, stepped in work:
             engine = self._engines[gi]
             shards = self._shards[gi]
+            sent_before = shards.sent
             if shards.reduce_gradients:
                 grads, held = shards.reduce(grads)
                 keep.extend(held)
@@ -635,9 +674,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     engine.step(lr, shards.values(), addresses)
             except Error as e:
                 raise self._explain(e) from e
-            shards.gather()
+            timing = engine.last_timings()
+            if timing["boundary"] or self._config["mode"] != "zenflow":
+                shards.hot_cache = None
+                shards.gather()
+            else:
+                shards.gather(shards.hot_index(engine))
+            timing = dict(timing, collective_bytes=shards.sent - sent_before)
             torch._foreach_add_([self.state[p]["step"] for p in stepped], 1)
-            timings.append(engine.last_timings())
+            timings.append(timing)
         if timings:
             self._last_timings = _sum_timings(timings)
         return loss
@@ -657,7 +702,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     @property
     def last_timings(self):
         """The last step's split (seconds: optimizer, copies, stall, total) and traffic (bytes
-        to host / to device), summed over the param groups' engines."""
+        to host / to device; collective_bytes: what this rank sent in the data-parallel
+        collectives of the partition, by the ring algorithms' volume), summed over the param
+        groups' engines."""
         return dict(self._last_timings)
 
     def hot_columns(self, param):
@@ -766,6 +813,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if new is not old:
                 old.close(flush=False)  # its state is replaced; the model holds the loaded values
         self._engines, self._hypers = engines, hypers
+        for shards in self._shards:
+            shards.hot_cache = None
         for gi, members in enumerate(self._members):  # a legacy state dict has no entries
             for _, p in members:
                 if "step" not in self.state[p]:
@@ -1060,7 +1109,7 @@ def _hyper_of(group):
 def _sum_timings(ts):
     out = {"step": max(t["step"] for t in ts)}
     for key in ("optimizer", "copies", "stall", "total", "bytes_to_host", "bytes_to_device",
-                "migrated_columns"):
+                "migrated_columns", "collective_bytes"):
         out[key] = sum(t[key] for t in ts)
     for key in ("boundary", "reselected"):
         out[key] = any(t[key] for t in ts)
