@@ -93,14 +93,14 @@ class RowSource {
   RowSource(int64_t rows, int old_world) : rows_(rows), world_(old_world) {}
   // Rows [begin, end) of the result, `width` values each, from per-rank arrays `of(j)` holding
   // rank j's block (or the whole array where the old partition replicated the parameter).
-  template <typename Of>
-  absl::StatusOr<std::vector<float>> Take(int64_t begin, int64_t end, int64_t width, Of of) const {
-    std::vector<float> out(static_cast<size_t>((end - begin) * width));
+  template <typename Of, typename T = float>
+  absl::StatusOr<std::vector<T>> Take(int64_t begin, int64_t end, int64_t width, Of of) const {
+    std::vector<T> out(static_cast<size_t>((end - begin) * width));
     for (int j = 0; j < world_; ++j) {
       const RowBlock b = PartitionRows(rows_, world_, j);
       const int64_t lo = std::max(b.begin, begin), hi = std::min(b.end, end);
       if (lo >= hi) continue;
-      const std::vector<float>* src = of(j);
+      const std::vector<T>* src = of(j);
       if (src == nullptr) return absl::InvalidArgumentError(absl::StrCat("rank ", j, "'s state is needed"));
       if (static_cast<int64_t>(src->size()) != b.rows() * width)
         return absl::DataLossError(absl::StrCat("rank ", j, "'s block has ", src->size(),
@@ -312,12 +312,18 @@ absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& para
     const DaemonState& d0 = dmn.begin()->second;
     if (h >= d0.header.params_size())
       return absl::DataLossError("the daemon checkpoint has fewer parameters than the engine offloads");
+    // The daemon counts steps per column of the parameter's last dimension: the partition's
+    // columns for a weight, but each element (each of the partition's rows) of a 1-D one, whose
+    // step counts are then cut and joined by rows like its arrays.
+    const bool steps_by_row = p0.kind != kBlobSplit && params[i].shape.size() <= 1;
     for (const auto& [j, d] : dmn) {
       if (d.header.params_size() != d0.header.params_size() ||
           d.header.params(h).spec().name() != params[i].name ||
-          d.header.params(h).col_steps().size() != d0.header.params(h).col_steps().size() ||
-          !std::equal(d.header.params(h).col_steps().begin(), d.header.params(h).col_steps().end(),
-                      d0.header.params(h).col_steps().begin()) ||
+          (!steps_by_row &&
+           (d.header.params(h).col_steps().size() != d0.header.params(h).col_steps().size() ||
+            !std::equal(d.header.params(h).col_steps().begin(),
+                        d.header.params(h).col_steps().end(),
+                        d0.header.params(h).col_steps().begin()))) ||
           d.header.version() != d0.header.version() || d.header.last_step() != d0.header.last_step())
         return Disagree(absl::StrCat("the daemon's parameter '", params[i].name, "'"));
     }
@@ -337,6 +343,20 @@ absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& para
     } else {
       hp->mutable_spec()->add_shape(nb.rows());
       if (params[i].shape.size() >= 2) hp->mutable_spec()->add_shape(rc.cols);
+    }
+    if (steps_by_row) {
+      std::map<int, std::vector<int64_t>> steps;
+      for (const auto& [j, d] : dmn)
+        steps[j].assign(d.header.params(h).col_steps().begin(), d.header.params(h).col_steps().end());
+      auto steps_of = [&steps](int j) -> const std::vector<int64_t>* {
+        auto it = steps.find(j);
+        return it == steps.end() ? nullptr : &it->second;
+      };
+      absl::StatusOr<std::vector<int64_t>> a =
+          rows.Take<decltype(steps_of), int64_t>(nb.begin, nb.end, 1, steps_of);
+      if (!a.ok()) return a.status();
+      hp->clear_col_steps();
+      for (int64_t x : *a) hp->add_col_steps(x);
     }
     for (auto field : {&DaemonState::master, &DaemonState::m, &DaemonState::v, &DaemonState::acc}) {
       auto daemon_of = [&dmn, h, field](int j) -> const std::vector<float>* {

@@ -113,7 +113,10 @@ int Run(int argc, char** argv) {
                "from the last checkpoint; 0: stop at once and print the --resume command");
   flags.AddInt("keep_checkpoints", &o.keep_checkpoints,
                "keep the run's newest N checkpoints, trainer files and the daemon's (0: all)");
-  flags.AddString("resume", &o.resume, "continue from this checkpoint tag (<run>-step<N>)");
+  flags.AddString("resume", &o.resume,
+                  "continue from this checkpoint tag (<run>-step<N>); --dp may differ from the "
+                  "writing run's (the optimizer state is re-partitioned), --nproc and the global "
+                  "batch (--dp x --batch) may not");
   flags.AddString("init_from", &o.init_from,
                   "start from another run's weights (fresh optimizer): <out_dir>/checkpoints/"
                   "<run>-step<N>, any mode");

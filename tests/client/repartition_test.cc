@@ -1,0 +1,373 @@
+// client/repartition.h: which old ranks a new rank reads (SourceRanks), and Repartition on real
+// engine states and daemon checkpoints: a run of 4 data-parallel ranks (ZenFlowEngines over row
+// blocks, CPU backend, one real stallfreed) saved mid-round and continued by 2, 1 and 4 ranks
+// equals the uninterrupted 4-rank run bit for bit; and the errors: a needed rank missing, ranks
+// saved at different steps, bytes that are no state.
+//
+// The ranks share the synthetic whole gradients (independent of the parameters) and each holds its
+// own copy of the values, of which its engine updates its block (the whole parameter where it is
+// replicated); the score hook gives every rank the whole weight's column scores, computed on the
+// host from the whole gradient, as the data-parallel all-reduce would. Every update is element-
+// wise with per-column step counts, so any partition computes the same numbers: the continued
+// runs must equal the uninterrupted one exactly.
+#include "client/repartition.h"
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "client/partition.h"
+#include "client/zenflow.h"
+#include "kernels/ops.h"
+#include "kernels/optimizer.h"
+#include "tests/support/daemon_process.h"
+
+namespace stallfree {
+namespace {
+
+using testing::Daemon;
+
+// ---- SourceRanks ----
+
+TEST(SourceRanksTest, OverlappingRowBlocks) {
+  const std::vector<WholeParam> w = {{"w", {10, 24}}};  // 10 rows
+  // 4 -> 2: old blocks [0,2) [2,5) [5,7) [7,10); new [0,5) [5,10).
+  EXPECT_EQ(SourceRanks(w, 4, 2, 0), (std::vector<int>{0, 1}));
+  EXPECT_EQ(SourceRanks(w, 4, 2, 1), (std::vector<int>{2, 3}));
+  // 2 -> 4: new [0,2) [2,5) [5,7) [7,10) each inside one old block.
+  EXPECT_EQ(SourceRanks(w, 2, 4, 0), (std::vector<int>{0}));
+  EXPECT_EQ(SourceRanks(w, 2, 4, 1), (std::vector<int>{0}));
+  EXPECT_EQ(SourceRanks(w, 2, 4, 2), (std::vector<int>{1}));
+  EXPECT_EQ(SourceRanks(w, 2, 4, 3), (std::vector<int>{1}));
+  // 3 -> 2: old [0,3) [3,6) [6,10); new [0,5) [5,10): the middle rank feeds both.
+  EXPECT_EQ(SourceRanks(w, 3, 2, 0), (std::vector<int>{0, 1}));
+  EXPECT_EQ(SourceRanks(w, 3, 2, 1), (std::vector<int>{1, 2}));
+  // -> 1: every old rank; the same world: itself.
+  EXPECT_EQ(SourceRanks(w, 4, 1, 0), (std::vector<int>{0, 1, 2, 3}));
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(SourceRanks(w, 4, 4, r), (std::vector<int>{r}));
+  // A 1-D parameter is numel rows of one column; the union over the parameters.
+  const std::vector<WholeParam> two = {{"a", {4, 8}}, {"b", {8}}};  // 4 and 8 rows
+  // 4 -> 2, rank 1: a's rows [2,4) from old 2 and 3; b's rows [4,8) from old 2 and 3.
+  EXPECT_EQ(SourceRanks(two, 4, 2, 1), (std::vector<int>{2, 3}));
+  // 2 -> 3, rank 1: a's rows [1,2) (old 0), b's rows [2,5) (old 0 [0,4) and old 1 [4,8)).
+  EXPECT_EQ(SourceRanks(two, 2, 3, 1), (std::vector<int>{0, 1}));
+}
+
+TEST(SourceRanksTest, FewerRowsThanRanksIsReplicated) {
+  // 2 rows over 4 old ranks: every old rank holds it whole, so one (the first) is enough.
+  const std::vector<WholeParam> small = {{"small", {2, 16}}};
+  EXPECT_TRUE(PartitionRows(2, 4, 3).replicated);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(SourceRanks(small, 4, 2, r), (std::vector<int>{0}));
+  EXPECT_EQ(SourceRanks(small, 4, 1, 0), (std::vector<int>{0}));
+  // Replicated in the new world too (2 rows over 3 ranks): still old rank 0 only.
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(SourceRanks(small, 4, 3, r), (std::vector<int>{0}));
+  // Partitioned in the old world (2 rows over 2 ranks), replicated in the new (over 4): every
+  // new rank needs both old ones.
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(SourceRanks(small, 2, 4, r), (std::vector<int>{0, 1}));
+  // A scalar is one row: replicated over any world > 1.
+  EXPECT_EQ(SourceRanks({{"s", {}}}, 4, 2, 1), (std::vector<int>{0}));
+  // With a partitioned parameter beside it, rank 1 of 2 needs old rank 0 (for `small`) and
+  // the old ranks of its rows of `w` (2 and 3).
+  const std::vector<WholeParam> both = {{"w", {10, 24}}, {"small", {2, 16}}};
+  EXPECT_EQ(SourceRanks(both, 4, 2, 1), (std::vector<int>{0, 2, 3}));
+}
+
+// ---- Repartition on real states ----
+
+struct Tensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> value;
+  int64_t numel() const { return static_cast<int64_t>(value.size()); }
+  int64_t cols() const { return shape.size() >= 2 ? shape.back() : 1; }
+  int64_t rows() const { return numel() / cols(); }
+};
+
+// Two split weights (`small` has fewer rows than 4 ranks: replicated there), a weight too
+// narrow to split (on the device, its m and v in the engine state), a 1-D parameter.
+std::vector<Tensor> MakeModel() {
+  std::vector<Tensor> ts = {
+      {"w", {10, 24}, {}}, {"small", {2, 16}, {}}, {"narrow", {5, 3}, {}}, {"bias", {22}, {}}};
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  for (Tensor& t : ts) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    t.value.resize(n);
+    for (float& x : t.value) x = normal(rng);
+  }
+  return ts;
+}
+
+std::vector<WholeParam> Whole(const std::vector<Tensor>& ts) {
+  std::vector<WholeParam> out;
+  for (const Tensor& t : ts) out.push_back({t.name, t.shape});
+  return out;
+}
+
+// The whole gradients of step t: noise, with a band of 6 columns ten times larger moving by 3
+// columns a step (so reselections migrate columns).
+void FillGrads(std::vector<std::vector<float>>* grads, const std::vector<Tensor>& ts, int64_t t) {
+  std::mt19937 rng(1000003 + static_cast<int>(t));
+  std::normal_distribution<float> normal;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const int64_t cols = ts[i].cols();
+    std::vector<float>& g = (*grads)[i];
+    for (int64_t k = 0; k < ts[i].numel(); ++k) {
+      const int64_t c = k % cols;
+      g[k] = normal(rng) * ((((c - 3 * t) % cols + cols) % cols) < 6 ? 10.0f : 1.0f);
+    }
+  }
+}
+
+ZenFlowConfig Config(OffloadMode mode) {
+  ZenFlowConfig c;
+  c.mode = mode;
+  c.topk_ratio = 0.25;
+  c.update_interval = mode == OffloadMode::kZenFlow ? 2 : 1;
+  c.select_interval = mode == OffloadMode::kZenFlow ? 2 : 0;
+  c.warmup_steps = 0;
+  c.weight_decay = 0.05;
+  c.grad_dtype = v1::DTYPE_BF16;
+  return c;
+}
+
+double Lr(int64_t t) { return 1e-2 / (1.0 + 0.1 * t); }
+
+// Rank `rank` of `world`: its copy of the values, its session and its engine over its blocks.
+struct Rank {
+  std::vector<Tensor> model;
+  std::unique_ptr<Session> session;
+  std::unique_ptr<ZenFlowEngine> engine;
+};
+
+class RepartitionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    daemon_ = std::make_unique<Daemon>(std::vector<std::string>{"--threads", "2"}, "warning");
+    auto client = Client::Connect(daemon_->socket());
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+    model_ = MakeModel();
+    for (const Tensor& t : model_) grads_.emplace_back(t.numel(), 0.0f);
+  }
+
+  // A rank over `values` (the whole model, copied), as the trainer builds it (DpPartition::View).
+  std::unique_ptr<Rank> MakeRank(const std::vector<Tensor>& values, int world, int rank,
+                                 OffloadMode mode = OffloadMode::kZenFlow) {
+    auto r = std::make_unique<Rank>();
+    r->model = values;
+    std::vector<EngineParam> params;
+    for (size_t i = 0; i < values.size(); ++i) {
+      Tensor& t = r->model[i];
+      const RowBlock b = PartitionRows(t.rows(), world, rank);
+      std::vector<int64_t> shape = t.shape;
+      if (world > 1 && !b.replicated)
+        shape = t.shape.size() >= 2 ? std::vector<int64_t>{b.rows(), t.cols()}
+                                    : std::vector<int64_t>{b.rows()};
+      params.push_back({t.name, shape, t.value.data() + b.begin * t.cols(),
+                        grads_[i].data() + b.begin * t.cols()});
+    }
+    auto session = client_->OpenSession(
+        absl::StrCat("repartition-", OffloadModeName(mode), "-", world, "-", rank), rank);
+    EXPECT_TRUE(session.ok()) << session.status();
+    if (!session.ok()) return nullptr;
+    r->session = std::move(*session);
+    auto engine = ZenFlowEngine::Create(Config(mode), params, kernels::DefaultCpuKernel(),
+                                        kernels::CpuOps(), r->session.get());
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    if (!engine.ok()) return nullptr;
+    r->engine = std::move(*engine);
+    // The whole weight's column scores, the same on every rank (the all-reduce's result).
+    const std::vector<Tensor>* whole = &model_;
+    const std::vector<std::vector<float>>* grads = &grads_;
+    r->engine->set_score_reduce([whole, grads](const std::string& name, float* scores,
+                                               int64_t cols) -> absl::Status {
+      for (size_t i = 0; i < whole->size(); ++i) {
+        if ((*whole)[i].name != name) continue;
+        for (int64_t c = 0; c < cols; ++c) {
+          double sq = 0;
+          for (int64_t row = 0; row < (*whole)[i].rows(); ++row) {
+            const double g = (*grads)[i][row * cols + c];
+            sq += g * g;
+          }
+          scores[c] = static_cast<float>(sq);
+        }
+      }
+      return absl::OkStatus();
+    });
+    return r;
+  }
+
+  // One step of every rank (the gradients of step t).
+  void Step(std::vector<std::unique_ptr<Rank>>* ranks, int64_t t) {
+    FillGrads(&grads_, model_, t);
+    for (auto& r : *ranks) ASSERT_TRUE(r->engine->Step(Lr(t)).ok()) << "step " << t;
+  }
+
+  // The whole values: each block from its owner (a replicated parameter from rank 0), as the
+  // trainer's all-gather assembles them.
+  std::vector<Tensor> Gather(const std::vector<std::unique_ptr<Rank>>& ranks) {
+    const int world = static_cast<int>(ranks.size());
+    std::vector<Tensor> out = ranks[0]->model;
+    for (size_t i = 0; i < out.size(); ++i) {
+      for (int q = 1; q < world; ++q) {
+        const RowBlock b = PartitionRows(out[i].rows(), world, q);
+        if (b.replicated) continue;
+        const int64_t c = out[i].cols();
+        std::copy(ranks[q]->model[i].value.begin() + b.begin * c,
+                  ranks[q]->model[i].value.begin() + b.end * c, out[i].value.begin() + b.begin * c);
+      }
+    }
+    return out;
+  }
+
+  // Every rank's state: the engine's bytes and the daemon checkpoint's file bytes.
+  std::vector<PartitionedState> Save(const std::vector<std::unique_ptr<Rank>>& ranks,
+                                     const std::string& tag) {
+    std::vector<PartitionedState> out;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      const std::string t = absl::StrCat(tag, ".r", r);
+      auto engine = ranks[r]->engine->Checkpoint(t);
+      EXPECT_TRUE(engine.ok()) << engine.status();
+      auto daemon = ranks[r]->session->ReadCheckpointBytes(t, /*delete_after=*/true);
+      EXPECT_TRUE(daemon.ok()) << daemon.status();
+      out.push_back({engine.ok() ? *engine : "", daemon.ok() ? *daemon : ""});
+    }
+    return out;
+  }
+
+  std::string TmpDir() const { return daemon_->dir(); }
+  void ContinueWithOtherWorlds(OffloadMode mode);
+
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<Client> client_;
+  std::vector<Tensor> model_;                // the initial values and the shapes
+  std::vector<std::vector<float>> grads_;    // the whole gradients of the current step
+};
+
+// zenflow (S = 2, reselection every round; the 1-D parameter on the device) and sync-offload
+// (every parameter in the daemon: the 1-D one's per-element step counts cut by rows too; its 22
+// rows split unevenly, 5, 6, 5, 6).
+TEST_F(RepartitionTest, FourRanksSavedMidRoundContinueWithTwoOneAndFourExactly) {
+  for (OffloadMode mode : {OffloadMode::kZenFlow, OffloadMode::kSyncOffload}) {
+    SCOPED_TRACE(OffloadModeName(mode));
+    ContinueWithOtherWorlds(mode);
+  }
+}
+
+void RepartitionTest::ContinueWithOtherWorlds(OffloadMode mode) {
+  constexpr int kOld = 4;
+  constexpr int64_t kSaved = 5, kSteps = 10;  // step 5: inside a round (S = 2), Update pending
+  std::vector<std::unique_ptr<Rank>> old;
+  for (int r = 0; r < kOld; ++r) {
+    old.push_back(MakeRank(model_, kOld, r, mode));
+    ASSERT_NE(old.back(), nullptr);
+  }
+  for (int64_t t = 1; t <= kSaved; ++t) Step(&old, t);
+  const std::vector<PartitionedState> saved = Save(old, absl::StrCat("four-", OffloadModeName(mode)));
+  const std::vector<Tensor> values = Gather(old);
+  std::vector<std::vector<Tensor>> straight;  // the uninterrupted run, steps kSaved+1..kSteps
+  for (int64_t t = kSaved + 1; t <= kSteps; ++t) {
+    Step(&old, t);
+    straight.push_back(Gather(old));
+  }
+  ASSERT_FALSE(saved[0].daemon.empty()) << "nothing was offloaded: the test proves nothing";
+  const std::vector<WholeParam> whole = Whole(model_);
+
+  for (int world : {2, 1, 4}) {
+    SCOPED_TRACE(absl::StrCat("4 -> ", world, " ranks"));
+    std::vector<std::unique_ptr<Rank>> ranks;
+    for (int s = 0; s < world; ++s) {
+      ranks.push_back(MakeRank(values, world, s, mode));
+      ASSERT_NE(ranks.back(), nullptr);
+      // Only the sources are given: a rank never needs the others' states.
+      std::vector<const PartitionedState*> given(kOld, nullptr);
+      for (int j : SourceRanks(whole, kOld, world, s)) given[j] = &saved[j];
+      absl::StatusOr<PartitionedState> mine = Repartition(whole, given, world, s, TmpDir());
+      ASSERT_TRUE(mine.ok()) << mine.status();
+      if (world == kOld) {
+        EXPECT_EQ(mine->engine, saved[s].engine);  // the identity
+      }
+      const std::string tag = absl::StrCat("to", world, "-", OffloadModeName(mode), ".r", s);
+      ASSERT_TRUE(ranks[s]->session->WriteCheckpointBytes(tag, mine->daemon).ok());
+      absl::Status st = ranks[s]->engine->Restore(tag, mine->engine);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_EQ(ranks[s]->engine->step(), kSaved);
+    }
+    for (int64_t t = kSaved + 1; t <= kSteps; ++t) {
+      Step(&ranks, t);
+      const std::vector<Tensor> got = Gather(ranks);
+      for (size_t i = 0; i < got.size(); ++i)
+        ASSERT_EQ(got[i].value, straight[t - kSaved - 1][i].value)
+            << got[i].name << " after step " << t;
+    }
+  }
+}
+
+TEST_F(RepartitionTest, MissingRanksDisagreeingStepsAndGarbageAreRefused) {
+  constexpr int kOld = 4;
+  std::vector<std::unique_ptr<Rank>> old;
+  for (int r = 0; r < kOld; ++r) {
+    old.push_back(MakeRank(model_, kOld, r));
+    ASSERT_NE(old.back(), nullptr);
+  }
+  for (int64_t t = 1; t <= 3; ++t) Step(&old, t);
+  const std::vector<PartitionedState> at3 = Save(old, "at3");
+  Step(&old, 4);
+  const std::vector<PartitionedState> at4 = Save(old, "at4");
+  const std::vector<WholeParam> whole = Whole(model_);
+  auto all = [](const std::vector<PartitionedState>& s) {
+    std::vector<const PartitionedState*> p;
+    for (const PartitionedState& x : s) p.push_back(&x);
+    return p;
+  };
+  ASSERT_TRUE(Repartition(whole, all(at3), 2, 1, TmpDir()).ok());
+
+  // Rank 1 of 2 needs old ranks 0 (`small` is replicated over 4), 2 and 3: without rank 2, an
+  // InvalidArgument naming it.
+  std::vector<const PartitionedState*> missing = all(at3);
+  missing[2] = nullptr;
+  absl::StatusOr<PartitionedState> r = Repartition(whole, missing, 2, 1, TmpDir());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("rank 2 of 4"), std::string::npos) << r.status();
+  // Rank 1 (not a source of rank 1 of 2) may be missing.
+  missing = all(at3);
+  missing[1] = nullptr;
+  EXPECT_TRUE(Repartition(whole, missing, 2, 1, TmpDir()).ok());
+
+  // Old rank 3 saved at step 4, the others at step 3.
+  std::vector<const PartitionedState*> mixed = all(at3);
+  mixed[3] = &at4[3];
+  r = Repartition(whole, mixed, 2, 1, TmpDir());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("disagree"), std::string::npos) << r.status();
+
+  // Bytes that are no engine state, and a daemon checkpoint that is no checkpoint (or is cut).
+  for (int which = 0; which < 3; ++which) {
+    PartitionedState bad = at3[2];
+    if (which == 0) bad.engine = "not an engine state at all";
+    if (which == 1) bad.daemon = std::string(4096, 'x');
+    if (which == 2) bad.daemon.resize(bad.daemon.size() / 2);
+    std::vector<const PartitionedState*> p = all(at3);
+    p[2] = &bad;
+    r = Repartition(whole, p, 2, 1, TmpDir());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << which << ": " << r.status();
+    EXPECT_NE(r.status().message().find("rank 2"), std::string::npos) << r.status();
+  }
+  // Another model's states: the parameter count differs.
+  std::vector<WholeParam> fewer = whole;
+  fewer.pop_back();
+  r = Repartition(fewer, all(at3), 2, 1, TmpDir());
+  EXPECT_FALSE(r.ok());
+}
+
+}  // namespace
+}  // namespace stallfree
