@@ -35,21 +35,26 @@ struct Tensor {
   int64_t rows() const { return static_cast<int64_t>(value.size()) / cols(); }
 };
 
-// A small model: two split weights (one 3-D), a weight too narrow to split, a 1-D parameter.
-std::vector<Tensor> MakeModel(int seed) {
-  std::vector<Tensor> ts = {{"w1", {8, 24}, {}, {}},
-                            {"w2", {4, 3, 10}, {}, {}},
-                            {"narrow", {5, 3}, {}, {}},
-                            {"bias", {24}, {}, {}}};
+// Standard-normal values (the stream of `seed`, tensor after tensor) and zero gradients.
+void Initialise(std::vector<Tensor>* ts, int seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
-  for (Tensor& t : ts) {
+  for (Tensor& t : *ts) {
     int64_t n = 1;
     for (int64_t d : t.shape) n *= d;
     t.value.resize(n);
     t.grad.assign(n, 0.0f);
     for (float& x : t.value) x = normal(rng);
   }
+}
+
+// A small model: two split weights (one 3-D), a weight too narrow to split, a 1-D parameter.
+std::vector<Tensor> MakeModel(int seed) {
+  std::vector<Tensor> ts = {{"w1", {8, 24}, {}, {}},
+                            {"w2", {4, 3, 10}, {}, {}},
+                            {"narrow", {5, 3}, {}, {}},
+                            {"bias", {24}, {}, {}}};
+  Initialise(&ts, seed);
   return ts;
 }
 
@@ -191,17 +196,7 @@ TEST_F(ZenFlowTest, TallWeightsLoadAndMigrateInChunksThroughTheStagingArea) {
   const int seed = 9;
   const ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 1, 1, true);
   std::vector<Tensor> model = {{"tall", {2048, 16}, {}, {}}, {"tall3", {1024, 2, 12}, {}, {}}};
-  {
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> normal;
-    for (Tensor& t : model) {
-      int64_t n = 1;
-      for (int64_t d : t.shape) n *= d;
-      t.value.resize(n);
-      t.grad.assign(n, 0.0f);
-      for (float& x : t.value) x = normal(rng);
-    }
-  }
+  Initialise(&model, seed);
   Dense dense(model);
   auto session = NewSession("zf-tall");
   ASSERT_NE(session, nullptr);

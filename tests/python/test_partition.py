@@ -154,23 +154,26 @@ def test_a_rank_that_dies_is_named(daemon, tmp_path):
 
 # Save with 4 ranks mid-round (zenflow S = 4 after a 2-step warm-up: boundaries at 6, 10, 14;
 # at step 8 round 6..10's pushes are in the daemon's accumulator and the Update of the round
-# that ended at 6 is still to be applied, at 10), then resume with 4, 2 and 1 ranks. These runs
-# average the gradients with reduce_gradients, not DDP: DDP rebuilds its gradient buckets after
-# its first iteration, which changes the summation order of the first step after any restart
-# (measured: 1.5e-8 after resuming with the same 4 ranks), where ZenFlowAdamW's reduce-scatter
-# has one layout, so that the same-world resume can be checked bit for bit.
+# that ended at 6 is still to be applied, at 10), and sync-offload (every parameter, 1-D ones
+# too, in the daemon), then resume with 4, 2 and 1 ranks. These runs average the gradients with
+# reduce_gradients, not DDP: DDP rebuilds its gradient buckets after its first iteration, which
+# changes the summation order of the first step after any restart (measured: 1.5e-8 after
+# resuming with the same 4 ranks), where ZenFlowAdamW's reduce-scatter has one layout, so that
+# the same-world resume can be checked bit for bit.
 RESUME_STEPS = 16
 SAVE_AT = 8
-RESUMED = dict(mode="zenflow", topk_ratio=0.25, update_interval=4, select_interval=4,
-               warmup_steps=2, **FP32)
+RESUMED = {
+    "zenflow": dict(mode="zenflow", topk_ratio=0.25, update_interval=4, select_interval=4,
+                    warmup_steps=2, **FP32),
+    "sync-offload": dict(mode="sync-offload", **FP32),
+}
 
 
 @pytest.fixture(scope="module")
 def saved_by_4(daemon, tmp_path_factory):
     out = tmp_path_factory.mktemp("save4")
-    runs = {"save": dict(RESUMED, _save_at=SAVE_AT)}
-    return out, train_ranks(4, out, [daemon.socket], runs, wrap="reduce",
-                            steps=RESUME_STEPS)["save"]
+    runs = {name: dict(config, _save_at=SAVE_AT) for name, config in RESUMED.items()}
+    return out, train_ranks(4, out, [daemon.socket], runs, wrap="reduce", steps=RESUME_STEPS)
 
 
 @pytest.mark.parametrize("world", [4, 2, 1])
@@ -182,24 +185,26 @@ def test_save_with_4_ranks_resume_with_fewer(saved_by_4, daemon, tmp_path, world
     A resumed run whose optimizer state is lost (a fresh optimizer) misses them by far: see
     test_resume_without_the_optimizer_state_misses."""
     out, uninterrupted = saved_by_4
-    runs = {"resumed": dict(RESUMED, _resume={"dir": str(out), "run": "save", "world": 4,
-                                              "step": SAVE_AT})}
-    ranks = train_ranks(world, tmp_path, [daemon.socket], runs, wrap="reduce",
-                        steps=RESUME_STEPS)["resumed"]
-    assert_ranks_agree(ranks)
-    ref = uninterrupted[0]
-    diffs = models.max_abs_diff(ranks[0]["params"], ref["params"])
-    print("resumed with %d ranks vs uninterrupted with 4: max |dparam| %.3g" % (
-        world, max(diffs.values())))
-    if world == 4:
-        assert all(d == 0 for d in diffs.values()), diffs
-    for name, d in diffs.items():
-        assert d <= PARAM_ATOL, (world, name, d)
-    assert ranks[0]["hot"] == ref["hot"][SAVE_AT:]
-    for i in range(RESUME_STEPS - SAVE_AT):
-        loss = sum(r["losses"][i] for r in ranks) / world
-        ref_loss = sum(r["losses"][SAVE_AT + i] for r in uninterrupted) / 4
-        assert models.rel_diff(loss, ref_loss) <= LOSS_RTOL, (world, SAVE_AT + 1 + i)
+    runs = {name: dict(config, _resume={"dir": str(out), "run": name, "world": 4,
+                                        "step": SAVE_AT})
+            for name, config in RESUMED.items()}
+    resumed = train_ranks(world, tmp_path, [daemon.socket], runs, wrap="reduce",
+                          steps=RESUME_STEPS)
+    for name, ranks in resumed.items():
+        assert_ranks_agree(ranks)
+        ref = uninterrupted[name][0]
+        diffs = models.max_abs_diff(ranks[0]["params"], ref["params"])
+        print("%s resumed with %d ranks vs uninterrupted with 4: max |dparam| %.3g" % (
+            name, world, max(diffs.values())))
+        if world == 4:
+            assert all(d == 0 for d in diffs.values()), (name, diffs)
+        for pname, d in diffs.items():
+            assert d <= PARAM_ATOL, (name, world, pname, d)
+        assert ranks[0]["hot"] == ref["hot"][SAVE_AT:]
+        for i in range(RESUME_STEPS - SAVE_AT):
+            loss = sum(r["losses"][i] for r in ranks) / world
+            ref_loss = sum(r["losses"][SAVE_AT + i] for r in uninterrupted[name]) / 4
+            assert models.rel_diff(loss, ref_loss) <= LOSS_RTOL, (name, world, SAVE_AT + 1 + i)
 
 
 def test_resume_without_the_optimizer_state_misses(saved_by_4, daemon, tmp_path):
@@ -208,23 +213,25 @@ def test_resume_without_the_optimizer_state_misses(saved_by_4, daemon, tmp_path)
     out, uninterrupted = saved_by_4
     import stallfree
     from stallfree.torch import ZenFlowAdamW
+    config = RESUMED["zenflow"]
     model = models.make_model(SEED)
-    saved = torch.load(str(out / "save-model.pt"), weights_only=True)
+    saved = torch.load(str(out / "zenflow-model.pt"), weights_only=True)
     model.load_state_dict(saved["model"])
 
     def setup(model_, opt, sched):
         sched.load_state_dict(saved["sched"])
 
-    result = models.train(lambda g: ZenFlowAdamW(g, socket=daemon.socket, **RESUMED),
+    result = models.train(lambda g: ZenFlowAdamW(g, socket=daemon.socket, **config),
                           RESUME_STEPS, seed=SEED, model=model, start=SAVE_AT + 1, setup=setup)
-    worst = max(models.max_abs_diff(result.params, uninterrupted[0]["params"]).values())
+    worst = max(models.max_abs_diff(result.params,
+                                    uninterrupted["zenflow"][0]["params"]).values())
     print("fresh optimizer after step %d: max |dparam| %.3g" % (SAVE_AT, worst))
     assert worst > 100 * PARAM_ATOL
     with pytest.raises(stallfree.Error, match="rank order"):
-        opt = ZenFlowAdamW(models.param_groups(model), socket=daemon.socket, **RESUMED)
+        opt = ZenFlowAdamW(models.param_groups(model), socket=daemon.socket, **config)
         try:
-            opt.load_state_dict([torch.load(str(out / f"save-opt-rank{j}.pt"), weights_only=True)
-                                 for j in (1, 0, 2, 3)])
+            opt.load_state_dict([torch.load(str(out / f"zenflow-opt-rank{j}.pt"),
+                                            weights_only=True) for j in (1, 0, 2, 3)])
         finally:
             opt.close()
 
