@@ -33,7 +33,9 @@ _MODES = ("zenflow", "sync-offload", "no-offload")
 _DTYPES = ("bf16", "fp32")
 # 2: the engine and daemon state as uint8 tensors in the first parameter's entry of each group's
 # "state" (torch's own layout, which torch.load(weights_only=True) and
-# torch.distributed.checkpoint keep); 1: bytes under a top-level "stallfree" key (still read).
+# torch.distributed.checkpoint keep; partitioned over ranks, each rank's entries differ, which
+# torch.distributed.checkpoint, taking them for replicated, would not keep: save each rank's
+# state_dict() instead); 1: bytes under a top-level "stallfree" key (still read).
 _STATE_VERSION = 2
 # The keys of a group's first parameter's state entry that carry the group's engine.
 _ENGINE_KEY, _DAEMON_KEY, _META_KEY = "zenflow_engine", "zenflow_daemon", "zenflow_meta"
@@ -76,7 +78,7 @@ def _all_reduce_scores(shards, name, view):
     group = shards.group
     scores = torch.frombuffer(view, dtype=torch.float32)
     if torch.distributed.get_backend(group) == "nccl":
-        dev = torch.device("cuda", torch.cuda.current_device())
+        dev = shards.members[0][1].device  # the group's device
         on_dev = scores.to(dev)
         shards.collective("the column scores of '%s'" % name,
                           torch.distributed.all_reduce, on_dev)
@@ -129,6 +131,7 @@ class _Shards:
         self.saved_step = None  # the step of the optimizer's last state_dict(), for messages
         self.hot_cache = None   # hot_index()'s, until the next round boundary
         self.sent = 0           # bytes this rank sent in the collectives (ring volume)
+        self.peers = {}         # {global rank: (host, pid)} of the group, for _PeerFailure
         self.members = members
         self.offsets = []        # per member: this rank's first element
         self.shapes = []         # per member: the shape the engine sees
@@ -191,7 +194,8 @@ class _Shards:
         over the group. Returns per member the gradient the engine reads (this rank's rows of
         the mean; None where no rank had a gradient) and the buffers that back them."""
         dev = self.members[0][1].device
-        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], device=dev)
+        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=torch.float32,
+                             device=dev)
         reps = [i for i, (name, _) in enumerate(self.members) if name in self.replicated]
         small = torch.cat([flags] + [_flat_or_zeros(grads[i], self.members[i][1])
                                      for i in reps])
@@ -212,9 +216,9 @@ class _Shards:
                     pieces.append(_flat_or_zeros(grads[i], self.members[i][1])[b:e])
                 pad = self.section - sum(self.sizes[s])
                 if pad:
-                    pieces.append(torch.zeros(pad, device=dev))
+                    pieces.append(torch.zeros(pad, dtype=torch.float32, device=dev))
             full = torch.cat(pieces)
-            mine = torch.empty(self.section, device=dev)
+            mine = torch.empty(self.section, dtype=torch.float32, device=dev)
             self.collective("the gradients (reduce-scatter)",
                             torch.distributed.reduce_scatter_tensor, mine, full)
             mine.div_(self.world)
@@ -222,7 +226,7 @@ class _Shards:
             for i, part in zip(self.parts, mine.split(self.sizes[self.rank] + [
                     self.section - sum(self.sizes[self.rank])])):
                 out[i] = part
-        any_grad = flags.cpu().tolist()
+        any_grad = small[:len(self.members)].cpu().tolist()  # summed over the ranks
         return [o if any_grad[i] > 0 else None for i, o in enumerate(out)], keep
 
     def gather(self, hot=None):
@@ -248,8 +252,8 @@ class _Shards:
             block = v[b // v.shape[1]:e // v.shape[1]]
             mine.append((block.index_select(1, hot[i]) if i in hot else block).reshape(-1))
         pad = section - sum(sizes[self.rank])
-        send = torch.cat(mine + ([torch.zeros(pad, device=dev)] if pad else []))
-        recv = torch.empty(self.world * section, device=dev)
+        send = torch.cat(mine + ([torch.zeros(pad, dtype=torch.float32, device=dev)] if pad else []))
+        recv = torch.empty(self.world * section, dtype=torch.float32, device=dev)
         self.collective("the updated parameters (all-gather)",
                         torch.distributed.all_gather_into_tensor, recv, send)
         dst, src = [], []
@@ -281,7 +285,8 @@ class _Shards:
 
 
 def _flat_or_zeros(g, p):
-    return torch.zeros(p.numel(), device=p.device) if g is None else g.reshape(-1)
+    return (torch.zeros(p.numel(), dtype=torch.float32, device=p.device) if g is None
+            else g.reshape(-1))
 
 
 class _PeerFailure(Error):
@@ -289,16 +294,17 @@ class _PeerFailure(Error):
     torch.distributed's store, where each rank left its host and pid), in which collective."""
 
     def __init__(self, shards, what, cause):
-        gone = _gone_ranks(shards.group)
+        gone = _gone_ranks(shards.peers)
         _announce(failed=True)  # so that its peers do not take this rank for the dead one
-        who = ("rank(s) %s of the process group (no longer running)" % ", ".join(map(str, gone))
+        who = ("global rank(s) %s of the process group (no longer running)"
+               % ", ".join(map(str, gone))
                if gone else "a peer rank (not found dead on this host: it may be on another "
                "host, or stuck)")
         super().__init__(
-            "ZenFlowAdamW: %s failed on rank %d: %s stopped answering (%s). This rank's "
+            "ZenFlowAdamW: %s failed on global rank %d: %s stopped answering (%s). This rank's "
             "parameters and optimizer state are no longer consistent with the others'; restart "
             "every rank from the last checkpoint (the model's and the optimizer's state_dict()%s)"
-            % (what, shards.rank, who, str(cause).strip().splitlines()[0][:300],
+            % (what, torch.distributed.get_rank(), who, str(cause).strip().splitlines()[0][:300],
                "" if shards.saved_step is None else
                "; this optimizer's last state_dict() was taken after step %d" % shards.saved_step))
 
@@ -325,26 +331,35 @@ def _announce(failed=False):
             raise
 
 
-def _gone_ranks(group):
-    """The ranks of `group` on this host whose process is gone (rank 0's store gone: rank 0)."""
+def _peers(group):
+    """{global rank: (host, pid)} of the ranks of `group`, as they left them in the store (read
+    once every rank has announced itself, so that a failure later does not need the store)."""
     store = _store()
-    gone = []
+    peers = {}
+    if store is None:
+        return peers
+    for r in torch.distributed.get_process_group_ranks(group):
+        key = "stallfree/rank%d" % r
+        if store.check([key]):
+            host, pid = store.get(key).decode().split()[:2]
+            peers[r] = (host, int(pid))
+    return peers
+
+
+def _gone_ranks(peers):
+    """The global ranks among `peers` on this host whose process is gone, less those that said
+    in the store that they saw a peer fail (when the store still answers: rank 0 or torchrun's
+    agent serves it)."""
     host = _socket.gethostname()
-    try:
-        ranks = torch.distributed.get_process_group_ranks(group)
-    except Exception:
+    gone = [r for r, (h, pid) in sorted(peers.items()) if h == host and not _running(pid)]
+    store = _store()
+    if not gone or store is None:
         return gone
-    for r in ranks:
-        try:
-            key = "stallfree/rank%d" % r
-            if not store.check([key]):
-                continue
-            their_host, pid, *failed = store.get(key).decode().split()
-        except Exception:
-            return [0] if 0 in ranks else gone  # the store (served by rank 0) is gone
-        if their_host == host and not failed and not _running(int(pid)):
-            gone.append(r)
-    return gone
+    try:
+        return [r for r in gone if not store.get("stallfree/rank%d" % r).decode().endswith(
+            " failed")]
+    except Exception:  # the store is gone with its host
+        return gone
 
 
 def _running(pid):
@@ -511,7 +526,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         try:
             super().__init__(_name_pairs(params), defaults)
         except BaseException:
-            self.close()
+            self._close(gather=False)
             raise
         _live.add(self)
 
@@ -546,6 +561,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             why = _unsupported_kind(p)
             if why:
                 raise Error("%s is %s" % (desc, why))
+            if p.numel() == 0:
+                raise Error("%s has no elements: leave it out of the optimizer" % desc)
             if p.dtype != torch.float32:
                 raise Error("%s is %s: ZenFlowAdamW updates fp32 parameters (keep fp32 master "
                             "weights and use autocast for lower-precision compute)"
@@ -567,6 +584,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         shards = _Shards(self._group, members, self._reduce_gradients, self._timeout)
         if shards.world > 1:
             _check_same_parameters(self._group, members, "param_groups[%d]" % gi)
+            shards.peers = _peers(self._group)  # every rank has announced itself by now
         engine = self._make_engine(gi, shards, device, stream) if members else None
         self._shards.append(shards)
         self._members.append(members)
@@ -969,10 +987,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         members = self._members[gi]
         shapes = [(name, list(p.shape)) for name, p in members]
         sources = set(_stallfree.repartition_sources(shapes, world, mine["world"], mine["rank"]))
-        old = []
+        old, held = [], []  # held: the tensors behind old's addresses, alive until repartition
         for j, blob in enumerate(blobs):
             if j in sources:
                 engine, daemon = _uint8(blob[0]), _uint8(blob[1])
+                held += [engine, daemon]
                 old.append((engine.data_ptr(), engine.numel(), daemon.data_ptr(), daemon.numel()))
             else:
                 old.append(None)
@@ -989,17 +1008,22 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Finishes outstanding offload work (the cold columns brought to the newest update;
         partitioned over data-parallel ranks, a collective: every rank closes, and the ranks'
         blocks are all-gathered), closes the daemon sessions and stops a private daemon.
-        Further steps raise stallfree.Error."""
+        Further steps raise stallfree.Error. Closed implicitly (garbage collection, exit, a
+        failed construction), a partitioned optimizer closes this rank alone: no collective,
+        whose order could differ between the ranks."""
+        self._close(gather=True)
+
+    def _close(self, gather):
         if getattr(self, "_closed", True):
             return
         flushed = False
-        if any(sh.partitioned for sh in getattr(self, "_shards", [])):
+        if gather and any(sh.partitioned for sh in getattr(self, "_shards", [])):
             try:
                 self.flush()
                 flushed = True
-            except Exception as e:  # the peers are gone (e.g. at exit): close this rank alone
-                print("stallfree: ZenFlowAdamW.close: the ranks' final blocks were not gathered "
-                      "(%s); this rank's parameters hold its own rows' newest values only"
+            except Exception as e:
+                print("stallfree: ZenFlowAdamW.close: the ranks' final rows were not gathered "
+                      "(%s); this rank's parameters hold the newest values of its own rows only"
                       % (str(e).splitlines()[0][:300],), file=sys.stderr)
         self._closed = True
         for engine in self._engines:
@@ -1018,7 +1042,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __del__(self):
         try:
-            self.close()
+            self._close(gather=False)
         except Exception:
             pass
 
@@ -1125,6 +1149,6 @@ def _close_all():
     the private daemons stop (atexit runs this before _daemon's handler, registered earlier)."""
     for opt in list(_live):
         try:
-            opt.close()
+            opt._close(gather=False)
         except Exception:
             pass

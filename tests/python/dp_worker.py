@@ -5,7 +5,10 @@ socket: every rank on one daemon, a node; two: ranks 0..L/2-1 on the first, the 
 second, two "nodes"). Rank r trains TinyLM on rows [r B/L, (r+1) B/L) of the B-row global batch,
 once per configuration of RUNS (a JSON {name: ZenFlowAdamW keyword arguments}), each with a fresh
 model and optimizer; a configuration's "_width": W trains TinyLM(vocab=W, d=W, hidden=W) instead
-(three W x W weights; "_steps": N stops that run after N steps). "_save_at": K saves, after
+(three W x W weights; "_steps": N stops that run after N steps; "_odd": true trains
+TinyLM(odd=True), with a 3-D weight, a weight of fewer rows than ranks and a scalar;
+"_drop": [parameter, rank, step, "none" | "zero"]: that rank's gradient of that parameter in
+that step is taken away (None) or zeroed before opt.step()). "_save_at": K saves, after
 step K, every rank's optimizer state_dict() (OUT/<run>-opt-rank<r>.pt) and rank 0 the model's and
 the scheduler's (OUT/<run>-model.pt); "_resume": {"dir", "run", "world", "step"} starts instead
 from such a save of a run with `world` ranks: the model's weights, the optimizer from the list of
@@ -24,9 +27,11 @@ that run; the others record the error they get (OUT/<run>-rank<r>.error) and exi
 usage: RANK=r WORLD_SIZE=L dp_worker.py PORT STEPS SEED OUT SOCKETS RUNS WRAP
 """
 import datetime
+import hashlib
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -55,12 +60,14 @@ def main():
         width = config.pop("_width", None)
         run_steps = config.pop("_steps", steps)
         save_at = config.pop("_save_at", None)
+        odd = config.pop("_odd", False)
+        drop = config.pop("_drop", None)
         resume = config.pop("_resume", None)
-        model = models.make_model(seed, **(dict(vocab=width, d=width, hidden=width)
-                                           if width else {}))
+        model = models.make_model(seed, odd=odd, **(dict(vocab=width, d=width, hidden=width)
+                                                    if width else {}))
         net = DistributedDataParallel(model) if wrap == "ddp" else model
         two_d = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
-        record = {"losses": [], "hot": [], "pushed": []}
+        record = {"losses": [], "hot": [], "pushed": [], "agree": []}
         opt = ZenFlowAdamW(models.param_groups(model), socket=socket, session_name=name,
                            reduce_gradients=(wrap == "reduce"), timeout=30, **config)
         sched = models.make_scheduler(opt, steps)
@@ -79,10 +86,20 @@ def main():
                 opt.zero_grad(set_to_none=True)
                 loss = models.loss_fn(net, models.batch(seed, step)[rows])
                 loss.backward()
+                if drop and drop[1] == rank and drop[2] == step:
+                    p = dict(model.named_parameters())[drop[0]]
+                    p.grad = None if drop[3] == "none" else torch.zeros_like(p.grad)
                 opt.step()
                 sched.step()
                 record["losses"].append(loss.item())
                 record["pushed"].append(opt.last_timings.get("bytes_to_host", 0))
+                # Every rank holds the same parameters after every step (the all-gather, the
+                # hot columns' alone between round boundaries), not only after close().
+                digest = hashlib.sha1(b"".join(p.detach().cpu().numpy().tobytes()
+                                               for p in model.parameters())).hexdigest()
+                digests = [None] * world
+                dist.all_gather_object(digests, digest)
+                record["agree"].append(len(set(digests)) == 1)
                 if config.get("mode") != "no-offload":
                     record["hot"].append({n: opt.hot_columns(p) for n, p in two_d})
                 if step == 1:
@@ -99,6 +116,9 @@ def main():
         except stallfree.Error as e:
             with open(os.path.join(out, f"{name}-rank{rank}.error"), "w") as f:
                 f.write(str(e))
+            # Rank 0 serves the store here (torchrun's agent would): stay a moment, so that the
+            # other ranks still read in it that this rank saw the failure and is not its cause.
+            time.sleep(3)
             os._exit(3)
         opt.close()
         record["params"] = models.snapshot(model)

@@ -36,15 +36,26 @@ DEVICE = torch.device(os.environ.get("STALLFREE_TEST_DEVICE", "cpu"))
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab=VOCAB, d=D_MODEL, hidden=HIDDEN, sparse_embedding=False):
+    """odd=True adds parameters of the shapes a partition over ranks must get right: a 3-D
+    weight [2, 3, d] (6 rows: blocks of unequal size over 4 ranks), a 2-row weight [2, d] (fewer
+    rows than 4 ranks: every rank holds it whole) and a scalar, all in the forward pass."""
+
+    def __init__(self, vocab=VOCAB, d=D_MODEL, hidden=HIDDEN, sparse_embedding=False, odd=False):
         super().__init__()
         self.emb = nn.Embedding(vocab, d, sparse=sparse_embedding)
         self.norm = nn.LayerNorm(d)
         self.up = nn.Linear(d, hidden, bias=True)
         self.down = nn.Linear(hidden, vocab, bias=False)
+        self.odd = odd
+        if odd:
+            self.cube = nn.Parameter(0.1 * torch.randn(2, 3, d))
+            self.pair = nn.Parameter(0.1 * torch.randn(2, d))
+            self.scale = nn.Parameter(torch.tensor(1.0))
 
     def forward(self, tokens):
         x = self.norm(self.emb(tokens))
+        if self.odd:
+            x = self.scale * x + self.cube.sum((0, 1)) + self.pair.mean(0)
         return self.down(torch.tanh(self.up(x)))
 
 

@@ -32,6 +32,9 @@ EXACT = {
     "zenflow-S1": dict(mode="zenflow", topk_ratio=0.25, update_interval=1, select_interval=2,
                        await_updates=True, warmup_steps=0, **FP32),
 }
+# TinyLM(odd=True): a 3-D weight, a weight of 2 rows (replicated over 4 ranks) and a scalar.
+EXACT["zenflow-S1-odd"] = dict(EXACT["zenflow-S1"], _odd=True)
+EXACT["sync-offload-odd"] = dict(EXACT["sync-offload"], _odd=True)
 
 
 def train_ranks(world, out, sockets, runs, wrap="ddp", steps=STEPS, env=None, expect=None):
@@ -49,7 +52,9 @@ def train_ranks(world, out, sockets, runs, wrap="ddp", steps=STEPS, env=None, ex
 
 @pytest.fixture(scope="module")
 def adamw():
-    return models.train(models.adamw_factory(), STEPS, seed=SEED)
+    """{odd: torch.optim.AdamW's run of TinyLM(odd=odd) on the whole batch}."""
+    return {odd: models.train(models.adamw_factory(), STEPS, seed=SEED,
+                              model=models.make_model(SEED, odd=odd)) for odd in (False, True)}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +65,10 @@ def by_world(daemon, tmp_path_factory):
 
 
 def assert_ranks_agree(ranks):
+    """The ranks hold the same parameters after every step (checked in the worker, before
+    close()'s final gather) and at the end, and the same hot columns."""
+    for r in ranks:
+        assert r["agree"] and all(r["agree"]), r["agree"]
     for r in ranks[1:]:
         for name, p in ranks[0]["params"].items():
             assert torch.equal(r["params"][name], p), name
@@ -84,13 +93,14 @@ def assert_equals_adamw(ranks, adamw):
 def test_exact_configurations_equal_adamw_on_the_whole_batch(by_world, adamw, world, run):
     ranks = by_world[world][run]
     assert_ranks_agree(ranks)
-    assert_equals_adamw(ranks, adamw)
+    assert_equals_adamw(ranks, adamw["_odd" in EXACT[run]])
 
 
-@pytest.mark.parametrize("run", list(EXACT))
+@pytest.mark.parametrize("run", ["sync-offload", "zenflow-S1"])
 def test_each_rank_pushes_its_share(by_world, run):
     """A rank pushes its rows only: per step, the L ranks' pushed bytes sum to the one-rank
-    figure (the blocks tile every parameter), and each is within one row per parameter of 1/L."""
+    figure (the blocks tile every parameter), and each is within one row per parameter of 1/L.
+    (The odd model's 2-row weight is replicated over 4 ranks: each pushes it whole.)"""
     one = by_world[1][run][0]["pushed"]
     assert min(one) > 0
     for world in (2, 4):
@@ -137,7 +147,21 @@ def test_two_nodes(by_world, adamw, tmp_path):
         one = by_world[4][run][0]
         for name, p in one["params"].items():
             assert torch.equal(ranks[0]["params"][name], p), (run, name)
-        assert_equals_adamw(ranks, adamw)
+        assert_equals_adamw(ranks, adamw["_odd" in EXACT[run]])
+
+
+def test_a_gradient_missing_on_one_rank_counts_as_zero(daemon, tmp_path):
+    """reduce_gradients: rank 1 has no gradient (None) for up.weight in step 3, the others do.
+    The mean over the ranks exists, so every rank steps the parameter with it, exactly as if
+    rank 1's gradient had been zero; the ranks stay identical at every step."""
+    base = dict(EXACT["zenflow-S1"])
+    runs = {"none": dict(base, _drop=["up.weight", 1, 3, "none"]),
+            "zero": dict(base, _drop=["up.weight", 1, 3, "zero"])}
+    result = train_ranks(2, tmp_path, [daemon.socket], runs, wrap="reduce")
+    for ranks in result.values():
+        assert_ranks_agree(ranks)
+    for name, p in result["zero"][0]["params"].items():
+        assert torch.equal(result["none"][0]["params"][name], p), name
 
 
 def test_a_rank_that_dies_is_named(daemon, tmp_path):
@@ -148,7 +172,7 @@ def test_a_rank_that_dies_is_named(daemon, tmp_path):
                 expect=[3, 9, 3])
     for rank in (0, 2):
         msg = (tmp_path / f"zenflow-S1-rank{rank}.error").read_text()
-        assert "rank(s) 1 of the process group (no longer running)" in msg, msg
+        assert "global rank(s) 1 of the process group (no longer running)" in msg, msg
         assert "restart every rank from the last checkpoint" in msg, msg
 
 
