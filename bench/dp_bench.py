@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """dp_bench: ZenFlowAdamW's state partitioned over L data-parallel ranks on one stallfreed.
 
-    PYTHONPATH=bazel-bin/python .venv/bin/python bench/dp_bench.py [--width 1024] [--steps 12]
+    PYTHONPATH=bazel-bin/python .venv/bin/python bench/dp_bench.py [--width 1024] [--steps 24]
 
 A benchmark, not a test: it prints what it measured. One private stallfreed (stallfree.Daemon,
 1 worker thread) serves every run; each run starts L gloo ranks (this file with --worker) that
@@ -147,7 +147,7 @@ def figure(name, value, unit):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=24)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--run", "--socket", "--out"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
