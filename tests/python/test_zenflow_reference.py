@@ -96,3 +96,42 @@ def test_reference_tolerance_catches_a_wrong_reference(daemon):
         loss, par = gap(ref)
         print(f"{what}: loss rel {loss:.2e}, params {par:.2e}")
         assert loss > models.LOSS_RTOL or par > 10 * models.PARAM_ATOL, what
+
+
+def test_reference_bf16_model_shows_the_rounding_of_its_fp32_masters():
+    """The reference with a bf16 model (ARCHITECTURE.md, "Precision"), S = 1 awaited (every
+    column current after every step): each value the model shows is exactly its fp32 master
+    rounded to bf16, hot and cold columns and parameters wholly on the device alike; and
+    training on fp32 masters is not training on the bf16 values: a model that rebuilds its
+    masters from them each step (the drifting recipe) ends elsewhere."""
+    def check(step, model, opt, extra):
+        for p in model.parameters():
+            st = opt.state[p]
+            sp = st.get("split")
+            master = st["master"] if sp is None else sp.master.view(p.shape)
+            assert torch.equal(p.data, master.to(torch.bfloat16)), step
+
+    def drift(step, model, opt, extra):
+        for p in model.parameters():
+            st = opt.state[p]
+            sp = st.get("split")
+            if sp is None:
+                st["master"].copy_(p.data.float())
+            else:
+                sp.master.copy_(p.data.view(-1, sp.cols).float())
+
+    cfg = dict(config(1, True))
+
+    def bf16_run(after_step):
+        model = models.make_model(SEED).to(torch.bfloat16)
+        return models.train(lambda g: ReferenceZenFlow(g, betas=(0.9, 0.999), eps=1e-8, **cfg),
+                            STEPS, seed=SEED, model=model, after_step=after_step)
+
+    exact, drifting = bf16_run(check), bf16_run(drift)
+    fp32 = run_reference(1, True)
+    gap = max(models.rel_diff(a, b) for a, b in zip(exact.losses, fp32.losses))
+    drift_gap = max(models.rel_diff(a, b) for a, b in zip(drifting.losses, exact.losses))
+    print(f"bf16 model vs fp32 model: loss rel {gap:.2e}; drifting masters vs fp32 masters "
+          f"{drift_gap:.2e}")
+    assert exact.losses[-1] < exact.losses[0] - 0.3  # it trains
+    assert drift_gap > 1e-3

@@ -36,10 +36,21 @@ columns (its last dimension; rows = the product of the others):
 
 AdamW is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, then the Adam step with
 bias corrections 1 - beta^t), written out here with a per-column t.
+
+bf16 parameters (ARCHITECTURE.md, "Precision"): every parameter has an fp32 master (here: split
+weights' `master`, dense parameters' state["master"]), AdamW runs on the masters with the fp32
+widening of the bf16 gradient, and the model is given the masters rounded to bf16 (round to
+nearest even, torch's cast): a bf16 value is always the rounding of its fp32 master, never
+re-derived from itself. fp32 parameters are their own masters.
 """
 import math
 
 import torch
+
+
+def _as(master, p):
+    """fp32 masters as the model's values: rounded to bf16 (nearest even) for a bf16 model."""
+    return master.to(p.dtype)
 
 
 def _k_of(ratio, cols):
@@ -71,7 +82,7 @@ class _Split:
     def __init__(self, p, k):
         self.cols = p.shape[-1]
         self.k = k
-        self.master = p.detach().reshape(-1, self.cols).clone()
+        self.master = p.detach().reshape(-1, self.cols).float().clone()  # fp32 for bf16 too
         self.m = torch.zeros_like(self.master)
         self.v = torch.zeros_like(self.master)
         self.steps = torch.zeros(self.cols, dtype=torch.int64)
@@ -119,8 +130,9 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 st["split"] = _Split(p, k)
             else:
                 st["dense"] = True
-                st["m"] = torch.zeros_like(p)
-                st["v"] = torch.zeros_like(p)
+                st["master"] = p.detach().float().clone() if p.dtype != torch.float32 else None
+                st["m"] = torch.zeros_like(p, dtype=torch.float32)
+                st["v"] = torch.zeros_like(p, dtype=torch.float32)
                 st["step"] = torch.zeros((), dtype=torch.int64)
         return st.get("split")
 
@@ -139,7 +151,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 sp = self.state[p].get("split") if p in self.state else None
                 if sp is not None and sp.pending is not None:
                     view = p.data.view(-1, sp.cols)
-                    view[:, ~sp.hot] = sp.pending[:, ~sp.hot]
+                    view[:, ~sp.hot] = _as(sp.pending[:, ~sp.hot], p)
                     sp.pending = None
 
     @torch.no_grad()
@@ -175,9 +187,13 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 if sp is None:  # wholly on the device: AdamW
                     st = self.state[p]
                     st["step"] += 1
-                    _adamw_(p.data, p.grad, st["m"], st["v"], st["step"], lr, b1, b2, eps, wd)
+                    master = p.data if st["master"] is None else st["master"]
+                    _adamw_(master, p.grad.float(), st["m"], st["v"], st["step"], lr, b1, b2, eps,
+                            wd)
+                    if st["master"] is not None:
+                        p.data.copy_(master)  # the rounding of the master
                     continue
-                g = p.grad.reshape(-1, sp.cols)
+                g = p.grad.float().reshape(-1, sp.cols)
                 view = p.data.view(-1, sp.cols)
                 def choose():
                     if self.select_by == "snr" and t > 1:
@@ -192,7 +208,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                     sp.hot[order[:sp.k]] = True
                     # Exact migration: every column keeps its master, m, v and step; the model
                     # shows the masters of the hot columns.
-                    view[:, sp.hot] = sp.master[:, sp.hot]
+                    view[:, sp.hot] = _as(sp.master[:, sp.hot], p)
                     if self.migrate_v and t > 1 and S > 1:
                         sp.v[:, sp.hot & ~was_hot] *= S
                         sp.v[:, was_hot & ~sp.hot] /= S
@@ -210,7 +226,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 mh, mm, mv = sp.master[:, hot], sp.m[:, hot], sp.v[:, hot]
                 _adamw_(mh, g[:, hot], mm, mv, sp.steps[hot], lr, b1, b2, eps, wd, bc)
                 sp.master[:, hot], sp.m[:, hot], sp.v[:, hot] = mh, mm, mv
-                view[:, hot] = mh
+                view[:, hot] = _as(mh, p)
                 # Cold columns: the round's mean gradient, applied at the boundary.
                 sp.acc[:, cold] += g[:, cold] / S * self.cold_scale
                 if boundary:
@@ -233,13 +249,13 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                     sp.master[:, cold], sp.m[:, cold], sp.v[:, cold] = mc, mmc, mvc
                     sp.acc.zero_()
                     if await_:
-                        view[:, cold] = mc
+                        view[:, cold] = _as(mc, p)
                     else:
                         if sp.pending is not None:
                             if self.predict_cold:  # one round ahead: the last update again
-                                view[:, cold] = (2 * sp.pending - sp.landed)[:, cold]
+                                view[:, cold] = _as((2 * sp.pending - sp.landed)[:, cold], p)
                             else:
-                                view[:, cold] = sp.pending[:, cold]
+                                view[:, cold] = _as(sp.pending[:, cold], p)
                             sp.landed = sp.pending
                         sp.pending = sp.master.clone()
                 if reselect:
