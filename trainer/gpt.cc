@@ -970,27 +970,78 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
     sum_dp += Since(t0);
     return absl::OkStatus();
   };
-  // Every replica's updated blocks to every replica: one all-gather of the packed blocks.
-  auto gather_blocks = [&]() -> absl::Status {
+  // Between round boundaries a zenflow step changes only the hot columns of the weights the
+  // engine splits (and the tensors wholly on the device): the cold columns change only where a
+  // daemon update lands, at a boundary. So those steps gather only the hot columns of the split
+  // weights, packed [rows, k] at hot_offset[i] in a slot of hot_slot floats; boundary steps (and
+  // Flush) gather everything. hot_idx[i]: the hot columns on the device (int64 as 2 floats),
+  // refreshed at the first such step after a boundary (reselections happen only there).
+  // The layout is made at the first such step (the hot sets exist from step 1's selection on;
+  // their sizes never change).
+  std::vector<int64_t> hot_k(tensors.size(), 0), hot_offset(tensors.size(), 0);
+  std::vector<kernels::OpsBuffer> hot_idx(tensors.size());
+  int64_t hot_slot = -1;  // -1: no layout yet
+  bool hot_stale = true;
+  // Every replica's updated blocks to every replica: one all-gather of the packed blocks (of
+  // their hot columns only where `hot_only`).
+  auto gather_blocks = [&](bool hot_only) -> absl::Status {
     if (N == 1 || partition.slot == 0) return absl::OkStatus();
     const auto t0 = Clock::now();
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const DpPartition::Part& p = partition.parts[i];
-      if (p.replicated) continue;
-      const RowBlock& b = p.blocks[replica];
-      ops.CopyFloats(dp_send.data() + p.offset, tensors[i].value + b.begin * p.cols,
-                     b.rows() * p.cols);
-    }
-    RETURN_IF_ERROR(dp_dev->AllGather(dp_send.data(), dp_recv.data(), partition.slot));
-    for (int q = 0; q < N; ++q) {
-      if (q == replica) continue;
+    if (!hot_only) {
+      hot_stale = true;
+    } else if (hot_stale) {
+      const bool layout = hot_slot < 0;
+      if (layout) hot_slot = 0;
       for (size_t i = 0; i < tensors.size(); ++i) {
         const DpPartition::Part& p = partition.parts[i];
         if (p.replicated) continue;
-        const RowBlock& b = p.blocks[q];
-        ops.CopyFloats(tensors[i].value + b.begin * p.cols,
-                       dp_recv.data() + q * partition.slot + p.offset, b.rows() * p.cols);
+        std::vector<int64_t> hot;
+        if (!engine->OnDevice(i)) {
+          ASSIGN_OR_RETURN(hot, engine->HotColumns(tensors[i].name));
+        }
+        if (layout) {
+          int64_t largest = 0;
+          for (const RowBlock& b : p.blocks) largest = std::max(largest, b.rows());
+          hot_k[i] = static_cast<int64_t>(hot.size());
+          if (hot_k[i] > 0) hot_idx[i] = kernels::OpsBuffer(&ops, 2 * hot_k[i]);
+          hot_offset[i] = hot_slot;
+          hot_slot += largest * (hot_k[i] > 0 ? hot_k[i] : p.cols);
+        }
+        if (static_cast<int64_t>(hot.size()) != hot_k[i])
+          return absl::InternalError(absl::StrCat("the hot set of '", tensors[i].name,
+                                                  "' changed size"));
+        if (hot_k[i] > 0)
+          ops.Upload(hot_idx[i].data(), reinterpret_cast<const float*>(hot.data()),
+                     2 * hot_k[i]);
       }
+      hot_stale = false;
+    }
+    const int64_t slot = hot_only ? hot_slot : partition.slot;
+    auto pack = [&](size_t i, int q, float* packed, bool unpack) {
+      const DpPartition::Part& p = partition.parts[i];
+      const RowBlock& b = p.blocks[q];
+      float* rows = tensors[i].value + b.begin * p.cols;
+      if (hot_only && hot_k[i] > 0) {
+        const int64_t* idx = reinterpret_cast<const int64_t*>(hot_idx[i].data());
+        if (unpack)
+          dev->kernel().ScatterColumns(packed, 4, b.rows(), p.cols, idx, hot_k[i], rows);
+        else
+          dev->kernel().GatherColumns(rows, 4, b.rows(), p.cols, idx, hot_k[i], packed);
+      } else if (unpack) {
+        ops.CopyFloats(rows, packed, b.rows() * p.cols);
+      } else {
+        ops.CopyFloats(packed, rows, b.rows() * p.cols);
+      }
+    };
+    auto offset = [&](size_t i) { return hot_only ? hot_offset[i] : partition.parts[i].offset; };
+    for (size_t i = 0; i < tensors.size(); ++i)
+      if (!partition.parts[i].replicated) pack(i, replica, dp_send.data() + offset(i), false);
+    RETURN_IF_ERROR(dp_dev->AllGather(dp_send.data(), dp_recv.data(), slot));
+    for (int q = 0; q < N; ++q) {
+      if (q == replica) continue;
+      for (size_t i = 0; i < tensors.size(); ++i)
+        if (!partition.parts[i].replicated)
+          pack(i, q, dp_recv.data() + q * slot + offset(i), true);
     }
     RETURN_IF_ERROR(dev->Synchronize());
     sum_dp += Since(t0);
@@ -1266,7 +1317,8 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
     }
     const double lr = LearningRate(o, step);
     RETURN_IF_ERROR(AgreeOnDaemon(world, progress, engine->Step(lr)));
-    RETURN_IF_ERROR(gather_blocks());
+    RETURN_IF_ERROR(gather_blocks(o.engine.mode == OffloadMode::kZenFlow &&
+                                  !engine->last_timings().boundary));
     const StepTimings& tm = engine->last_timings();
     const double step_s = Since(t0);
     if (step == start + 1) first_loss = loss;  // this process's first step (a resume's too)
@@ -1307,7 +1359,7 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
       RETURN_IF_ERROR(checkpoint(step));
   }
   RETURN_IF_ERROR(AgreeOnDaemon(world, progress, engine->Flush()));
-  RETURN_IF_ERROR(gather_blocks());  // the flushed cold columns of every replica's blocks
+  RETURN_IF_ERROR(gather_blocks(false));  // the flushed cold columns of every replica's blocks
   // Traffic over every rank (each moves its own shards): one all-reduce for the whole run.
   ASSIGN_OR_RETURN(sum_traffic, world.Sum(sum_traffic));
   // Columns migrated between the device and the daemon (every rank's engine, each of its own
