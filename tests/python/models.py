@@ -91,7 +91,7 @@ def batch(seed, step, rows=BATCH, seq=SEQ, vocab=VOCAB):
 
 def loss_fn(model, tokens):
     tokens = tokens.to(next(model.parameters()).device)
-    logits = model(tokens[:, :-1])
+    logits = model(tokens[:, :-1]).float()  # a bf16 model's loss in fp32 (fp32: unchanged)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
