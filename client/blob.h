@@ -10,8 +10,23 @@
 
 namespace stallfree {
 
+//
+// Versions (the magic, the first int64): V1; V2 (kEngineBlobMagic) adds each offloaded
+// parameter's round_grads; V3 adds, after each parameter's kind, numel and k, its dtype (0 fp32,
+// 1 bf16) and, after a device parameter's m and v, its fp32 master (numel floats for a bf16
+// parameter whose master exists, else none). An engine writes the oldest version that holds its
+// state: V2 when every parameter is fp32 (byte for byte what it wrote before bf16 parameters
+// existed, so older readers and client/repartition.cc keep reading it), V3 when one is bf16.
+// The engine reads all three.
 constexpr int64_t kEngineBlobMagicV1 = 0x315446574e455a53;  // "SZENWFT1"
 constexpr int64_t kEngineBlobMagic = 0x325446574e455a53;    // "SZENWFT2": + round_grads
+constexpr int64_t kEngineBlobMagicV3 = 0x335446574e455a53;  // "SZENWFT3": + dtype, bf16 masters
+
+// A parameter's dtype in a V3 blob.
+enum EngineBlobDType : int64_t {
+  kBlobFp32 = 0,
+  kBlobBf16 = 1,
+};
 
 // A parameter's kind in the blob (the engine's PState::Kind).
 enum EngineBlobKind : int64_t {

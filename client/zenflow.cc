@@ -157,28 +157,64 @@ struct PState {
   };
   EngineParam p;
   Kind kind = kDevice;
+  bool bf16 = false;  // p.dtype is BF16: value and gradient are bf16, fp32 masters (see zenflow.h)
   int64_t rows = 1, cols = 1, numel = 0;
   int64_t k = 0, ncold = 0;
-  // kDevice
-  OpsBuffer m, v;
+  // kDevice. A bf16 parameter's fp32 master (empty for fp32: the value is the master), valid
+  // once master_ready (the first Step widens the value, Restore reads it from the blob).
+  OpsBuffer m, v, master;
+  bool master_ready = false;
   int64_t dstep = 0;
   // kSplit: hot_idx[i] is the column at hot position i, cold_idx[j] the column at the daemon's
-  // compact position j; hot_steps[i] the hot column's AdamW step count.
+  // compact position j; hot_steps[i] the hot column's AdamW step count. hot_grad holds the hot
+  // columns' gradient in the parameter's dtype.
   std::vector<int64_t> hot_idx, cold_idx, hot_steps;
   OpsBuffer hot_master, hot_m, hot_v, hot_grad;
   int64_t consts_at = 0;  // its hot columns' AdamW constants in Impl::hot_consts: ss, then bc2
   OpsBuffer hot_idx_dev, cold_idx_dev, scores, topk_dev;  // int64 arrays as 2 floats each
-  // kSplit and kOffloaded: the gathered gradients per gradient slot, and the parameters back.
+  // kSplit and kOffloaded: the gradients that cross per gradient slot (cold_grad fp32,
+  // cold_bf16 bf16), and the parameters back (cold_params fp32, cold_raw bf16); each only where
+  // the dtypes need it (Setup).
   OpsBuffer cold_grad[2], cold_bf16[2], cold_params, cold_raw;
+  // A bf16 kOffloaded parameter of odd size crosses straight from and into the caller's
+  // buffers (no copy) in whole floats, but its last element alone, through tail (floats 0, 1:
+  // the gradient of slot 0, 1; float 2: the parameter back) and tail_idx (= numel - 1): a float
+  // copy of it would touch 2 bytes past the caller's buffer.
+  OpsBuffer tail, tail_idx;
   // kSplit and kOffloaded: steps of the current round in which the parameter had a gradient
   // (SetBuffers with a null gradient: none); a round without any skips the daemon's update.
   int64_t round_grads = 0;
 
   int64_t offload_numel() const { return kind == kSplit ? rows * ncold : numel; }
-  // The fp32 gradient that goes to the daemon from gradient slot `slot`: the gathered cold
-  // columns of a split weight, or a whole offloaded parameter's own gradient.
+  kernels::GradType gtype() const { return bf16 ? GradType::kBf16 : GradType::kFp32; }
+  size_t esize() const { return bf16 ? 2 : 4; }
+  float* value32() const { return static_cast<float*>(p.value); }
+  uint16_t* value16() const { return static_cast<uint16_t*>(p.value); }
+  const float* grad32() const { return static_cast<const float*>(p.grad); }
+  const uint16_t* grad16() const { return static_cast<const uint16_t*>(p.grad); }
+  // A bf16 kOffloaded parameter's gradient and parameters cross straight from / into its
+  // buffers when they cross as bf16.
+  bool direct_bf16_grad(v1::DType grad_dtype) const {
+    return bf16 && kind == kOffloaded && grad_dtype == v1::DTYPE_BF16;
+  }
+  bool direct_bf16_params(v1::DType param_dtype) const {
+    return bf16 && kind == kOffloaded && param_dtype == v1::DTYPE_BF16;
+  }
+  // The fp32 gradient that goes to the daemon from gradient slot `slot` (grad_dtype fp32): the
+  // gathered cold columns of a split weight, a widened bf16 parameter's, or a whole fp32
+  // offloaded parameter's own gradient.
   const float* ColdFp32(uint32_t slot) const {
-    return kind == kSplit ? cold_grad[slot].data() : p.grad;
+    return kind == kSplit || bf16 ? cold_grad[slot].data() : grad32();
+  }
+  // The bytes of the buffers this parameter's state owns, by DeviceFootprint category.
+  void AddFootprint(DeviceFootprint* f) const {
+    auto b = [](const OpsBuffer& x) { return x.size() * 4; };
+    f->masters += b(master) + b(hot_master);
+    f->moments += b(m) + b(v) + b(hot_m) + b(hot_v);
+    f->transfers += b(hot_grad) + b(cold_grad[0]) + b(cold_grad[1]) + b(cold_bf16[0]) +
+                    b(cold_bf16[1]) + b(cold_params) + b(cold_raw) + b(tail);
+    f->selection += b(hot_idx_dev) + b(cold_idx_dev) + b(scores) + b(topk_dev) + b(tail_idx);
+    f->params += 2 * numel * static_cast<int64_t>(esize());
   }
 };
 
@@ -213,6 +249,9 @@ struct ZenFlowEngine::Impl {
   int64_t prefetch_task = 0;
   int64_t prefetched_version = 0;
   int64_t rounds = 0;
+  // The largest sum of transient buffers one call has held (DeviceFootprint::transient_peak).
+  int64_t transient_peak = 0;
+  void NoteTransient(int64_t bytes) { transient_peak = std::max(transient_peak, bytes); }
   std::unique_ptr<CopyThread> copier;
   // Every split weight's per-column AdamW constants of a step (step size, sqrt of the second
   // bias correction), made on the host and uploaded in one copy.
@@ -269,6 +308,7 @@ struct ZenFlowEngine::Impl {
 absl::Status ZenFlowEngine::Impl::Setup() {
   std::vector<ParamSpec> specs;
   for (PState& ps : params) {
+    ps.bf16 = ps.p.dtype == v1::DTYPE_BF16;
     ps.numel = 1;
     for (int64_t d : ps.p.shape) ps.numel *= d;
     ps.cols = ps.p.shape.back();
@@ -286,12 +326,13 @@ absl::Status ZenFlowEngine::Impl::Setup() {
       case PState::kDevice:
         ps.m = OpsBuffer(&ops, ps.numel);
         ps.v = OpsBuffer(&ops, ps.numel);
+        if (ps.bf16) ps.master = OpsBuffer(&ops, ps.numel);
         break;
       case PState::kSplit:
         ps.hot_master = OpsBuffer(&ops, ps.rows * ps.k);
         ps.hot_m = OpsBuffer(&ops, ps.rows * ps.k);
         ps.hot_v = OpsBuffer(&ops, ps.rows * ps.k);
-        ps.hot_grad = OpsBuffer(&ops, ps.rows * ps.k);
+        ps.hot_grad = OpsBuffer(&ops, ps.bf16 ? (ps.rows * ps.k + 1) / 2 : ps.rows * ps.k);
         ps.consts_at = static_cast<int64_t>(hot_consts_host.size());
         hot_consts_host.resize(hot_consts_host.size() + 2 * ps.k);
         ps.hot_idx_dev = Ints(ps.k);
@@ -302,7 +343,7 @@ absl::Status ZenFlowEngine::Impl::Setup() {
       case PState::kOffloaded:
         break;
     }
-    if (ps.kind != PState::kDevice) {
+    if (ps.kind != PState::kDevice && !ps.bf16) {
       const int64_t n = ps.offload_numel();
       for (int s = 0; s < 2; ++s) {
         // A whole offloaded parameter is read straight from its gradient buffer (sync-offload
@@ -312,6 +353,28 @@ absl::Status ZenFlowEngine::Impl::Setup() {
       }
       if (ps.kind == PState::kSplit) ps.cold_params = OpsBuffer(&ops, n);
       if (cfg.param_dtype == v1::DTYPE_BF16) ps.cold_raw = OpsBuffer(&ops, (n + 1) / 2);
+    } else if (ps.kind != PState::kDevice) {
+      // A bf16 parameter: the gradient crosses as it is (bf16: gathered into cold_bf16, or, for
+      // a whole offloaded one, straight from its buffer) or widened (fp32: into cold_grad); the
+      // parameters come back as the daemon's bf16 rounding of its masters (into cold_raw, or
+      // straight into the value of a whole offloaded one) or as fp32 masters (into cold_params,
+      // rounded here).
+      const int64_t n = ps.offload_numel();
+      const bool whole = ps.kind == PState::kOffloaded;
+      for (int s = 0; s < 2; ++s) {
+        if (cfg.grad_dtype == v1::DTYPE_FP32) ps.cold_grad[s] = OpsBuffer(&ops, n);
+        else if (!whole) ps.cold_bf16[s] = OpsBuffer(&ops, (n + 1) / 2);
+      }
+      if (cfg.param_dtype == v1::DTYPE_FP32) ps.cold_params = OpsBuffer(&ops, n);
+      else if (!whole) ps.cold_raw = OpsBuffer(&ops, (n + 1) / 2);
+      if (whole && n % 2 == 1 &&
+          (ps.direct_bf16_grad(cfg.grad_dtype) || ps.direct_bf16_params(cfg.param_dtype))) {
+        ps.tail = OpsBuffer(&ops, 3);
+        ps.tail_idx = Ints(1);
+        UploadInts(ps.tail_idx, {n - 1});
+      }
+    }
+    if (ps.kind != PState::kDevice) {
       ParamSpec spec;
       spec.name = ps.p.name;
       spec.shape = ps.kind == PState::kSplit ? std::vector<int64_t>{ps.rows, ps.ncold} : ps.p.shape;
@@ -366,10 +429,24 @@ absl::Status ZenFlowEngine::Impl::LoadDaemon() {
   };
   for (PState& ps : params) {
     if (ps.kind == PState::kDevice) continue;
-    if (ps.kind == PState::kSplit)
+    // A bf16 parameter's initial masters are its values widened (exact), through cold_params
+    // where it has one, else a buffer of this call.
+    OpsBuffer widened;
+    float* gathered = ps.cold_params.data();
+    if (ps.bf16 && ps.cold_params.empty()) {
+      widened = OpsBuffer(&ops, ps.offload_numel());
+      NoteTransient(widened.size() * 4);
+      gathered = widened.data();
+    }
+    if (ps.kind == PState::kSplit && ps.bf16)
+      k.GatherColumnsToFloat(ps.value16(), ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
+                             gathered);
+    else if (ps.kind == PState::kSplit)
       k.GatherColumns(ps.p.value, 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
-                      ps.cold_params.data());
-    const float* src = ps.kind == PState::kSplit ? ps.cold_params.data() : ps.p.value;
+                      gathered);
+    else if (ps.bf16)
+      k.Bf16ToFloat(ps.value16(), gathered, ps.numel);
+    const float* src = ps.kind == PState::kSplit || ps.bf16 ? gathered : ps.value32();
     const uint64_t n = static_cast<uint64_t>(ps.offload_numel());
     for (uint64_t first = 0; first < n;) {
       if (used == cap) RETURN_IF_ERROR(flush());
@@ -390,7 +467,7 @@ absl::Status ZenFlowEngine::Impl::EnqueueTopColumns(PState& ps, std::vector<int6
     std::vector<float> zeros(ps.cols, 0.0f);
     ops.Upload(ps.scores.data(), zeros.data(), ps.cols);
   } else {
-    k.ColumnScores(ps.p.grad, GradType::kFp32, ps.rows, ps.cols, ps.cols, nullptr,
+    k.ColumnScores(ps.p.grad, ps.gtype(), ps.rows, ps.cols, ps.cols, nullptr,
                    ps.scores.data());
   }
   if (reduce) RETURN_IF_ERROR(reduce(ps.p.name, ps.scores.data(), ps.cols));
@@ -412,8 +489,13 @@ absl::Status ZenFlowEngine::Impl::SelectInitial(PState& ps, StepTimings* tm) {
   kernels::ComplementIndices(hot.data(), ps.k, ps.cols, ps.cold_idx.data());
   UploadInts(ps.hot_idx_dev, ps.hot_idx);
   UploadInts(ps.cold_idx_dev, ps.cold_idx);
-  k.GatherColumns(ps.p.value, 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
-                  ps.hot_master.data());
+  // The hot masters: the values (a bf16 parameter's widened, exactly).
+  if (ps.bf16)
+    k.GatherColumnsToFloat(ps.value16(), ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+                           ps.hot_master.data());
+  else
+    k.GatherColumns(ps.p.value, 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+                    ps.hot_master.data());
   absl::Status st = Sync("initialising the hot columns");
   tm->optimizer += Since(t0);
   return st;
@@ -471,6 +553,7 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
     std::vector<Batch> batches;
     std::vector<Session::ColumnMove> request;
     uint64_t used = 0;  // staging floats taken by this call's batches
+    int64_t transient = 0;  // bytes of the batches' buffers
     for (Move& mv : moves) {
       PState& ps = *mv.ps;
       const int64_t left = static_cast<int64_t>(mv.leaving.size() - mv.done);
@@ -495,6 +578,8 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
       b.grad = OpsBuffer(&ops, bf16 ? (rn + 1) / 2 : rn);
       b.ss = OpsBuffer(&ops, n);
       b.bc2 = OpsBuffer(&ops, n);
+      transient += 4 * (b.pos_dev.size() + b.cols_dev.size() + b.tmp.size() + b.grad.size() +
+                        b.ss.size() + b.bc2.size());
       UploadInts(b.pos_dev, b.pos);
       UploadInts(b.cols_dev, b.cols);
       const float* hot_state[3] = {ps.hot_master.data(), ps.hot_m.data(), ps.hot_v.data()};
@@ -513,6 +598,7 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
       batches.back().mv->done += n;
     }
     if (batches.empty()) break;
+    NoteTransient(transient);
     RETURN_IF_ERROR(Sync("gathering the leaving columns' state"));
     tm->optimizer += Since(t0);
     t0 = Clock::now();
@@ -567,9 +653,14 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
     PState& ps = *mv.ps;
     UploadInts(ps.hot_idx_dev, ps.hot_idx);
     UploadInts(ps.cold_idx_dev, ps.cold_idx);
-    // The entering columns' values are their fresh masters from now on.
-    k.ScatterColumns(ps.hot_master.data(), 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
-                     ps.p.value);
+    // The entering columns' values are their fresh masters from now on (a bf16 value: their
+    // rounding; the leaving columns keep theirs, the rounding of the masters they took along).
+    if (ps.bf16)
+      k.ScatterColumnsToBf16(ps.hot_master.data(), ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+                             ps.value16());
+    else
+      k.ScatterColumns(ps.hot_master.data(), 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+                       ps.p.value);
   }
   absl::Status st = Sync("migrating columns");
   tm->optimizer += Since(t0);
@@ -579,24 +670,47 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
 void ZenFlowEngine::Impl::UploadParams(const kernels::TransformerOps& on, PState& ps,
                                        uint32_t slot) {
   const int64_t n = ps.offload_numel();
-  float* dst = ps.kind == PState::kSplit ? ps.cold_params.data() : ps.p.value;
-  if (cfg.param_dtype == v1::DTYPE_FP32)
+  if (cfg.param_dtype == v1::DTYPE_FP32) {
+    float* dst = ps.kind == PState::kSplit || ps.bf16 ? ps.cold_params.data() : ps.value32();
     on.Upload(dst, session->ParamsFp32(slot, ps.p.name), n);
-  else
-    on.Upload(ps.cold_raw.data(),
-              reinterpret_cast<const float*>(session->ParamsBf16(slot, ps.p.name)), (n + 1) / 2);
+    return;
+  }
+  const float* src = reinterpret_cast<const float*>(session->ParamsBf16(slot, ps.p.name));
+  if (!ps.direct_bf16_params(cfg.param_dtype)) {
+    on.Upload(ps.cold_raw.data(), src, (n + 1) / 2);
+    return;
+  }
+  // Straight into a whole bf16 parameter's value: whole floats, and an odd size's last element
+  // (then at a float boundary of the slot, which is padded) into its tail.
+  on.Upload(ps.value32(), src, n / 2);
+  if (n % 2 == 1) on.Upload(ps.tail.data() + 2, src + n / 2, 1);
 }
 
 absl::Status ZenFlowEngine::Impl::ScatterParams(PState& ps, uint32_t slot, bool uploaded,
                                                 StepTimings* tm) {
   const int64_t n = ps.offload_numel();
-  float* dst = ps.kind == PState::kSplit ? ps.cold_params.data() : ps.p.value;
   if (!uploaded) UploadParams(ops, ps, slot);
-  if (cfg.param_dtype != v1::DTYPE_FP32)
-    k.Bf16ToFloat(reinterpret_cast<const uint16_t*>(ps.cold_raw.data()), dst, n);
-  if (ps.kind == PState::kSplit)
-    k.ScatterColumns(ps.cold_params.data(), 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
-                     ps.ncold, ps.p.value);
+  if (!ps.bf16) {
+    float* dst = ps.kind == PState::kSplit ? ps.cold_params.data() : ps.value32();
+    if (cfg.param_dtype != v1::DTYPE_FP32)
+      k.Bf16ToFloat(reinterpret_cast<const uint16_t*>(ps.cold_raw.data()), dst, n);
+    if (ps.kind == PState::kSplit)
+      k.ScatterColumns(ps.cold_params.data(), 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
+                       ps.ncold, ps.p.value);
+  } else if (cfg.param_dtype == v1::DTYPE_FP32) {
+    // The daemon's fp32 masters, rounded into the bf16 values.
+    if (ps.kind == PState::kSplit)
+      k.ScatterColumnsToBf16(ps.cold_params.data(), ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
+                             ps.ncold, ps.value16());
+    else
+      k.FloatToBf16(ps.cold_params.data(), ps.value16(), n);
+  } else if (ps.kind == PState::kSplit) {
+    // The daemon's bf16 output is already the rounding of its masters.
+    k.ScatterColumns(ps.cold_raw.data(), 2, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
+                     ps.p.value);
+  } else if (n % 2 == 1) {
+    k.ScatterColumns(ps.tail.data() + 2, 2, 1, n, AsInts(ps.tail_idx), 1, ps.p.value);
+  }
   tm->bytes_to_device += n * DTypeBytes(cfg.param_dtype);
   return absl::OkStatus();
 }
@@ -651,6 +765,13 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
 
   // The device's share: 1-D and device-only parameters whole, hot columns of split weights.
   auto t0 = Clock::now();
+  // A bf16 device parameter's master starts as its value widened, at its first Step (the value
+  // buffer may have been rebound since Create).
+  for (PState& ps : params) {
+    if (ps.kind != PState::kDevice || !ps.bf16 || ps.master_ready) continue;
+    k.Bf16ToFloat(ps.value16(), ps.master.data(), ps.numel);
+    ps.master_ready = true;
+  }
   if (!hot_consts_host.empty()) {
     for (PState& ps : params) {
       if (ps.kind != PState::kSplit || ps.p.grad == nullptr) continue;
@@ -666,17 +787,25 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     if (ps.kind == PState::kDevice) {
       kernels::AdamWConfig a = adam;
       a.step = ++ps.dstep;
-      k.AdamW(a, ps.p.value, ps.m.data(), ps.v.data(), ps.p.grad, GradType::kFp32, ps.numel,
-              nullptr);
+      if (ps.bf16)  // the step on the master, its rounding into the value
+        k.AdamW(a, ps.master.data(), ps.m.data(), ps.v.data(), ps.p.grad, GradType::kBf16,
+                ps.numel, ps.value16());
+      else
+        k.AdamW(a, ps.value32(), ps.m.data(), ps.v.data(), ps.p.grad, GradType::kFp32, ps.numel,
+                nullptr);
     } else if (ps.kind == PState::kSplit) {
-      k.GatherColumns(ps.p.grad, 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+      k.GatherColumns(ps.p.grad, ps.esize(), ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
                       ps.hot_grad.data());
       const float* c = hot_consts.data() + ps.consts_at;
       k.AdamWColumns(adam, c, c + ps.k, ps.hot_master.data(),
-                     ps.hot_m.data(), ps.hot_v.data(), ps.hot_grad.data(), GradType::kFp32,
+                     ps.hot_m.data(), ps.hot_v.data(), ps.hot_grad.data(), ps.gtype(),
                      ps.rows, ps.k, nullptr);
-      k.ScatterColumns(ps.hot_master.data(), 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
-                       ps.p.value);
+      if (ps.bf16)
+        k.ScatterColumnsToBf16(ps.hot_master.data(), ps.rows, ps.cols, AsInts(ps.hot_idx_dev),
+                               ps.k, ps.value16());
+      else
+        k.ScatterColumns(ps.hot_master.data(), 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+                         ps.p.value);
     }
   }
   RETURN_IF_ERROR(Sync("the device-side optimizer"));
@@ -703,12 +832,28 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     present[i] = 1;
     ++ps.round_grads;
     const int64_t n = ps.offload_numel();
-    if (ps.kind == PState::kSplit)
-      k.GatherColumns(ps.p.grad, 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
-                      ps.cold_grad[slot].data());
-    if (cfg.grad_dtype == v1::DTYPE_BF16)
-      k.FloatToBf16(ps.ColdFp32(slot), reinterpret_cast<uint16_t*>(ps.cold_bf16[slot].data()),
-                    n);
+    const bool bf16_out = cfg.grad_dtype == v1::DTYPE_BF16;
+    if (!ps.bf16) {
+      if (ps.kind == PState::kSplit)
+        k.GatherColumns(ps.p.grad, 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
+                        ps.cold_grad[slot].data());
+      if (bf16_out)
+        k.FloatToBf16(ps.ColdFp32(slot), reinterpret_cast<uint16_t*>(ps.cold_bf16[slot].data()),
+                      n);
+    } else if (bf16_out) {
+      // A bf16 gradient crosses as it is: gathered, or straight from a whole parameter's buffer
+      // (an odd size's last element through its tail).
+      if (ps.kind == PState::kSplit)
+        k.GatherColumns(ps.p.grad, 2, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
+                        ps.cold_bf16[slot].data());
+      else if (n % 2 == 1)
+        k.GatherColumns(ps.p.grad, 2, 1, n, AsInts(ps.tail_idx), 1, ps.tail.data() + slot);
+    } else if (ps.kind == PState::kSplit) {
+      k.GatherColumnsToFloat(ps.grad16(), ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
+                             ps.cold_grad[slot].data());
+    } else {
+      k.Bf16ToFloat(ps.grad16(), ps.cold_grad[slot].data(), n);
+    }
     tm.bytes_to_host += n * DTypeBytes(cfg.grad_dtype);
   }
   RETURN_IF_ERROR(Sync("gathering the cold gradients"));
@@ -775,9 +920,18 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
       if (ps.kind == PState::kDevice) continue;
       const int64_t n = ps.offload_numel();
       float* dst = static_cast<float*>(session->GradSlot(slot, ps.p.name));
-      if (!present[i]) memset(dst, 0, n * DTypeBytes(cfg.grad_dtype));
-      else if (cfg.grad_dtype == v1::DTYPE_FP32) CopyOps().Download(dst, ps.ColdFp32(slot), n);
-      else CopyOps().Download(dst, ps.cold_bf16[slot].data(), (n + 1) / 2);
+      if (!present[i]) {
+        memset(dst, 0, n * DTypeBytes(cfg.grad_dtype));
+      } else if (cfg.grad_dtype == v1::DTYPE_FP32) {
+        CopyOps().Download(dst, ps.ColdFp32(slot), n);
+      } else if (ps.direct_bf16_grad(cfg.grad_dtype)) {
+        // Whole floats of the caller's buffer, and an odd size's last element from its tail
+        // (to a float boundary of the slot, which is padded).
+        CopyOps().Download(dst, static_cast<const float*>(ps.p.grad), n / 2);
+        if (n % 2 == 1) CopyOps().Download(dst + n / 2, ps.tail.data() + slot, 1);
+      } else {
+        CopyOps().Download(dst, ps.cold_bf16[slot].data(), (n + 1) / 2);
+      }
     }
     RETURN_IF_ERROR(CopySync("copying the cold gradients to the host"));
     if (!fuse) return session->Push(t, slot, scale).status();
@@ -840,6 +994,8 @@ absl::StatusOr<std::unique_ptr<ZenFlowEngine>> ZenFlowEngine::Create(
         return Invalid(absl::StrCat(field, ".shape[", d, "]"),
                        absl::StrCat(p.shape[d], " is not >= 1"));
     if (p.value == nullptr) return Invalid(field + ".value", "null");
+    if (p.dtype != v1::DTYPE_FP32 && p.dtype != v1::DTYPE_BF16)
+      return Invalid(field + ".dtype", "must be FP32 or BF16");
     impl->index[p.name] = i;
     PState ps;
     ps.p = p;
@@ -869,7 +1025,8 @@ absl::Status ZenFlowEngine::Flush() {
 namespace {
 
 constexpr int64_t kBlobMagicV1 = kEngineBlobMagicV1;
-constexpr int64_t kBlobMagic = kEngineBlobMagic;
+constexpr int64_t kBlobMagic = kEngineBlobMagic;  // V2
+constexpr int64_t kBlobMagicV3 = kEngineBlobMagicV3;
 
 }  // namespace
 
@@ -887,8 +1044,11 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
     im.ops.Download(host.data(), b.data(), b.size());
     return host;
   };
+  // V2 unless a parameter is bf16 (client/blob.h).
+  const bool v3 = std::any_of(im.params.begin(), im.params.end(),
+                              [](const PState& ps) { return ps.bf16; });
   BlobWriter w;
-  w.I64(kBlobMagic);
+  w.I64(v3 ? kBlobMagicV3 : kBlobMagic);
   w.I64(static_cast<int64_t>(im.cfg.mode));
   w.I64(im.step);
   w.I64(im.rounds);
@@ -899,10 +1059,13 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
     w.I64(ps.kind);
     w.I64(ps.numel);
     w.I64(ps.k);
+    if (v3) w.I64(ps.bf16 ? kBlobBf16 : kBlobFp32);
     if (ps.kind == PState::kDevice) {
       w.I64(ps.dstep);
       w.Floats(download(ps.m));
       w.Floats(download(ps.v));
+      // A bf16 parameter's master (none before its first Step: the value widened is then).
+      if (v3) w.Floats(ps.master_ready ? download(ps.master) : std::vector<float>());
     } else {
       w.I64(ps.round_grads);
     }
@@ -934,7 +1097,7 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   auto bad = [](const std::string& what) {
     return absl::DataLossError(absl::StrCat("state: ", what));
   };
-  if (!r.I64(&magic) || (magic != kBlobMagic && magic != kBlobMagicV1))
+  if (!r.I64(&magic) || (magic != kBlobMagicV3 && magic != kBlobMagic && magic != kBlobMagicV1))
     return bad("not a ZenFlow engine checkpoint");
   if (!r.I64(&mode) || mode != static_cast<int64_t>(im.cfg.mode))
     return absl::InvalidArgumentError(absl::StrCat(
@@ -951,13 +1114,28 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
     if (kind != ps.kind || numel != ps.numel || k != ps.k)
       return absl::InvalidArgumentError(absl::StrCat(
           "state: parameter '", ps.p.name, "' was checkpointed with another shape or split"));
+    // Blobs before V3 hold fp32 parameters only.
+    int64_t dtype = kBlobFp32;
+    if (magic == kBlobMagicV3 && !r.I64(&dtype)) return bad("truncated");
+    if (dtype != (ps.bf16 ? kBlobBf16 : kBlobFp32))
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state: parameter '", ps.p.name, "' was checkpointed as ",
+          dtype == kBlobBf16 ? "bf16" : dtype == kBlobFp32 ? "fp32" : "an unknown dtype",
+          ", the engine holds it as ", ps.bf16 ? "bf16" : "fp32"));
     std::vector<float> a, b, c;
     if (ps.kind == PState::kDevice) {
       if (!r.I64(&ps.dstep) || !r.Floats(&a, ps.numel) || !r.Floats(&b, ps.numel))
         return bad("truncated");
       im.ops.Upload(ps.m.data(), a.data(), ps.numel);
       im.ops.Upload(ps.v.data(), b.data(), ps.numel);
-    } else if (magic == kBlobMagic) {
+      if (magic == kBlobMagicV3) {
+        if (!r.AnyFloats(&c) || (!c.empty() && (!ps.bf16 || c.size() != static_cast<size_t>(ps.numel))))
+          return bad(absl::StrCat("the master of '", ps.p.name, "' is truncated or mis-sized"));
+        // Without one (checkpointed before its first Step) the first Step widens the value.
+        ps.master_ready = !c.empty();
+        if (ps.master_ready) im.ops.Upload(ps.master.data(), c.data(), ps.numel);
+      }
+    } else if (magic != kBlobMagicV1) {
       if (!r.I64(&ps.round_grads)) return bad("truncated");
     } else {
       ps.round_grads = 1;  // version 1 engines always had every gradient
@@ -999,7 +1177,7 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   return absl::OkStatus();
 }
 
-absl::Status ZenFlowEngine::SetBuffers(size_t index, float* value, const float* grad) {
+absl::Status ZenFlowEngine::SetBuffers(size_t index, void* value, const void* grad) {
   if (index >= impl_->params.size())
     return Invalid("index", absl::StrCat(index, " is not below ", impl_->params.size()));
   if (value == nullptr) return Invalid("value", "null");
@@ -1026,6 +1204,14 @@ bool ZenFlowEngine::OnDevice(size_t index) const {
 
 int64_t ZenFlowEngine::step() const { return impl_->step; }
 const StepTimings& ZenFlowEngine::last_timings() const { return impl_->last; }
+
+DeviceFootprint ZenFlowEngine::Footprint() const {
+  DeviceFootprint f;
+  for (const PState& ps : impl_->params) ps.AddFootprint(&f);
+  f.selection += impl_->hot_consts.size() * 4;
+  f.transient_peak = impl_->transient_peak;
+  return f;
+}
 const ZenFlowConfig& ZenFlowEngine::config() const { return impl_->cfg; }
 void ZenFlowEngine::set_score_reduce(ScoreReduce fn) { impl_->reduce = std::move(fn); }
 
@@ -1053,17 +1239,25 @@ absl::StatusOr<ColumnState> ZenFlowEngine::Column(const std::string& param, int6
     return Invalid("col", absl::StrCat(col, " is outside [0, ", ps.cols, ")"));
   Impl& im = *impl_;
   ColumnState out;
-  auto column_of = [&](const float* base, int64_t ld, int64_t c) {
+  // Column c of a [rows, ld] array of fp32 (bf16: widened).
+  auto column_of = [&](const void* base, int64_t ld, int64_t c, bool bf16 = false) {
     std::vector<float> host(ps.rows);
     std::vector<int64_t> idx = {c};
     OpsBuffer idx_dev = im.Ints(1), tmp(&im.ops, ps.rows);
     im.UploadInts(idx_dev, idx);
-    im.k.GatherColumns(base, 4, ps.rows, ld, Impl::AsInts(idx_dev), 1, tmp.data());
+    if (bf16)
+      im.k.GatherColumnsToFloat(static_cast<const uint16_t*>(base), ps.rows, ld,
+                                Impl::AsInts(idx_dev), 1, tmp.data());
+    else
+      im.k.GatherColumns(base, 4, ps.rows, ld, Impl::AsInts(idx_dev), 1, tmp.data());
     im.ops.Download(host.data(), tmp.data(), ps.rows);
     return host;
   };
-  out.value = column_of(ps.p.value, ps.cols, col);
+  out.value = column_of(ps.p.value, ps.cols, col, ps.bf16);
   if (ps.kind == PState::kDevice) {
+    out.master = ps.bf16 ? (ps.master_ready ? column_of(ps.master.data(), ps.cols, col)
+                                            : out.value)
+                         : out.value;
     out.m = column_of(ps.m.data(), ps.cols, col);
     out.v = column_of(ps.v.data(), ps.cols, col);
     out.step = ps.dstep;
@@ -1072,7 +1266,8 @@ absl::StatusOr<ColumnState> ZenFlowEngine::Column(const std::string& param, int6
     auto pos = std::find(ps.hot_idx.begin(), ps.hot_idx.end(), col);
     if (pos != ps.hot_idx.end()) {
       const int64_t i = pos - ps.hot_idx.begin();
-      out.value = column_of(ps.hot_master.data(), ps.k, i);
+      out.master = column_of(ps.hot_master.data(), ps.k, i);
+      if (!ps.bf16) out.value = out.master;
       out.m = column_of(ps.hot_m.data(), ps.k, i);
       out.v = column_of(ps.hot_v.data(), ps.k, i);
       out.step = ps.hot_steps[i];

@@ -2,8 +2,9 @@
 // the device at once and defers the rest to stallfreed, so the device does not wait for the CPU
 // (ARCHITECTURE.md, "The ZenFlow engine").
 //
-// Parameters. Each parameter is a fp32 value buffer and a fp32 gradient buffer in the backend's
-// memory (host for the CPU backend, device memory for CUDA), owned by the caller. A parameter of
+// Parameters. Each parameter is a value buffer and a gradient buffer in the backend's memory
+// (host for the CPU backend, device memory for CUDA), owned by the caller, both fp32 or both
+// bf16 (EngineParam::dtype; bf16 is uint16 storage, round to nearest even). A parameter of
 // two or more dimensions is a weight W[rows, cols] (rows = the product of the leading
 // dimensions) split by column (input channel); a 1-D parameter (norm, bias) is always updated on
 // the device. In `zenflow` mode a weight with fewer than 4 cold columns stays wholly on the
@@ -36,6 +37,18 @@
 //   their round step on the device (AccumulateAdamWColumns with this step's gradient, exactly
 //   the daemon's fused pass), so they enter current; the daemon's Update leaves the arrived
 //   columns as they came. No reset, no rounding.
+// bf16 parameters (ARCHITECTURE.md, "Precision"). The optimizer runs on fp32 masters: the
+// device-side share of a bf16 parameter (its hot columns, or the whole parameter when it lives on
+// the device) keeps a fp32 master next to m and v, the daemon keeps the cold columns' (all of a
+// sync-offload parameter's). The bf16 value is always the round-to-nearest-even rounding of its
+// master, written by the step that changes the master, never re-derived from the bf16 value
+// itself: hot columns and device parameters by the engine's kernels, cold columns from the
+// daemon's output (param_dtype bf16: its rounding; fp32: rounded here). Migrations move fp32
+// masters both ways, checkpoints hold the device-side masters (the daemon's hold the rest). The
+// masters start as the bf16 values widened (exact), at the first Step (Restore: from the blob).
+// Scores come from the bf16 gradient; the cold gradient crosses as is (grad_dtype bf16) or
+// widened (fp32). An fp32 parameter runs exactly as before (no master: the value is the master).
+//
 // Bounded staleness: after Step(t) at the end of round R, the cold columns hold the daemon's
 // parameters after round R-1 (one round, S steps, behind the gradients already pushed); with
 // await_updates (and during warm-up, and in sync-offload) the engine waits for round R's Update
@@ -112,8 +125,31 @@ struct ZenFlowConfig {
 struct EngineParam {
   std::string name;
   std::vector<int64_t> shape;  // every dimension >= 1
-  float* value = nullptr;      // backend memory, updated in place
-  const float* grad = nullptr;  // backend memory, read by Step (may be null until SetBuffers)
+  void* value = nullptr;       // backend memory, `dtype` elements, updated in place
+  const void* grad = nullptr;  // backend memory, `dtype` elements, read by Step (may be null
+                               // until SetBuffers)
+  // FP32 or BF16 (value and gradient alike; see "bf16 parameters" above).
+  v1::DType dtype = v1::DTYPE_FP32;
+};
+
+// The backend memory the engine allocates (bytes; device memory on CUDA, host memory on the CPU
+// backend), by what it holds. Every buffer the engine owns between calls is counted; transient
+// buffers of one call (the initial load of the daemon, a reselection's handover batches, Column)
+// are not, and the largest of them so far is in transient_peak. The backend's own workspaces
+// (the CUDA kernels' scratch for scores and top-k) are not the engine's and not counted.
+struct DeviceFootprint {
+  int64_t masters = 0;    // fp32 masters: hot columns' (hot_master), bf16 device parameters'
+  int64_t moments = 0;    // AdamW m and v of the device-side share
+  // Gather / scatter buffers: the hot columns' gradient, the cold gradients of both gradient
+  // slots (fp32 and / or bf16), the daemon's parameters on their way back, odd-size tails.
+  int64_t transfers = 0;
+  int64_t selection = 0;  // column scores, top-k and hot / cold index arrays, per-column constants
+  int64_t transient_peak = 0;
+  // The caller's value and gradient buffers (numel x dtype bytes x 2): not the engine's, but
+  // what a parameter costs on the device with it.
+  int64_t params = 0;
+  int64_t engine() const { return masters + moments + transfers + selection; }
+  int64_t total() const { return engine() + params; }
 };
 
 // Where the time of one Step went (seconds) and what it moved (bytes between the device and the
@@ -135,7 +171,10 @@ struct StepTimings {
 
 // The state of one column of a parameter, for tests and checkpoints.
 struct ColumnState {
-  std::vector<float> value, m, v;  // [rows]
+  // [rows]. value: the parameter's value (a bf16 one widened), except for an fp32 parameter's
+  // hot column, whose value is its master; master: the fp32 master where the engine holds it
+  // (on_device), else empty.
+  std::vector<float> value, master, m, v;
   int64_t step = 0;
   bool on_device = false;
 };
@@ -168,7 +207,8 @@ class ZenFlowEngine {
   // gradient is the sum of the round's gradients over S), and a round in which it never had a
   // gradient leaves it unchanged in the daemon (UpdateRequest.skip_params). In sync-offload
   // (S = 1) that is exactly torch's skip.
-  absl::Status SetBuffers(size_t index, float* value, const float* grad);
+  // The buffers are in the parameter's dtype.
+  absl::Status SetBuffers(size_t index, void* value, const void* grad);
   // Changes AdamW's betas, eps and weight decay from the next Step on (validated as in Create).
   absl::Status SetAdamW(double beta1, double beta2, double eps, double weight_decay);
   // Whether parameter `index` lives wholly on the device (its gradient may be absent).
@@ -181,6 +221,10 @@ class ZenFlowEngine {
 
   int64_t step() const;
   const StepTimings& last_timings() const;
+  // What the engine holds in the backend's memory now (see DeviceFootprint), and its total
+  // (DeviceFootprint::engine(): without the caller's parameters and gradients).
+  DeviceFootprint Footprint() const;
+  int64_t DeviceBytes() const { return Footprint().engine(); }
   const ZenFlowConfig& config() const;
 
   // Hot columns of a parameter, in increasing order (all columns for device-only parameters).

@@ -139,6 +139,20 @@ class OptimizerKernel {
   virtual void ScatterColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
                               const int64_t* idx, int64_t k, void* dst) const = 0;
 
+  // The same moves with the bf16 <-> fp32 conversion folded in, for bf16 parameters with fp32
+  // masters (the ZenFlow engine): GatherColumnsToFloat widens a bf16 [rows, ld] source exactly,
+  //   dst[r, j] = float(src[r, idx[j]])        (dst fp32 [rows, k]),
+  // bit-identical to GatherColumns (elem_size 2) followed by Bf16ToFloat; ScatterColumnsToBf16
+  // rounds an fp32 [rows, k] source to nearest even (NaN kept quiet, as FloatToBf16),
+  //   dst[r, idx[j]] = bf16(src[r, j])         (dst bf16 [rows, ld]; other columns untouched),
+  // bit-identical to FloatToBf16 followed by ScatterColumns (elem_size 2). Backend memory, as
+  // GatherColumns. The defaults are plain loops over host memory (like AccumulateAdamWColumns's
+  // default, right only for host-memory backends); the CPU backends and CUDA override them.
+  virtual void GatherColumnsToFloat(const uint16_t* src, int64_t rows, int64_t ld,
+                                    const int64_t* idx, int64_t k, float* dst) const;
+  virtual void ScatterColumnsToBf16(const float* src, int64_t rows, int64_t ld,
+                                    const int64_t* idx, int64_t k, uint16_t* dst) const;
+
   // Waits for the work issued so far; returns "" or the first error (CPU backends: always "").
   virtual std::string Synchronize() const { return ""; }
 };

@@ -80,11 +80,16 @@ PYBIND11_MODULE(_stallfree, m) {
       .def(py::init([](std::shared_ptr<Connection> client, const std::string& session_name,
                        int rank, const py::dict& config, const py::list& params,
                        const std::string& device, uintptr_t stream) {
+             // (name, shape, value address[, dtype "fp32" | "bf16"; default fp32])
              std::vector<stallfree::api::ParamDesc> ps;
              for (const py::handle& h : params) {
                py::tuple t = h.cast<py::tuple>();
+               if (t.size() != 3 && t.size() != 4)
+                 throw py::value_error(
+                     "params: each entry is (name, shape, value address[, dtype])");
                ps.push_back({t[0].cast<std::string>(), t[1].cast<std::vector<int64_t>>(),
-                             t[2].cast<uintptr_t>()});
+                             t[2].cast<uintptr_t>(),
+                             t.size() == 4 ? t[3].cast<std::string>() : std::string("fp32")});
              }
              const stallfree::api::EngineConfig cfg = ConfigFrom(config);
              py::gil_scoped_release release;
@@ -101,6 +106,9 @@ PYBIND11_MODULE(_stallfree, m) {
       .def("on_device", &Engine::OnDevice)
       .def("hot_columns", &Engine::HotColumns)
       .def("last_timings", [](Engine& e) { return TimingsDict(e.LastTimings()); })
+      // {masters, moments, transfers, selection, engine, transient_peak, params, total}: bytes
+      // of the engine's device (backend) memory and of the parameters' values and gradients.
+      .def("device_bytes", &Engine::DeviceBytes)
       .def("checkpoint",
            [](Engine& e) {
              std::pair<std::string, std::string> out;

@@ -112,8 +112,16 @@ class EngineImpl : public Engine {
       throw InvalidArgument("device: '" + device + "' is not 'cpu' or 'cuda'");
     }
     std::vector<EngineParam> ps;
-    for (const ParamDesc& d : params)
-      ps.push_back({d.name, d.shape, reinterpret_cast<float*>(d.value), nullptr});
+    for (size_t i = 0; i < params.size(); ++i) {
+      const ParamDesc& d = params[i];
+      v1::DType dtype;
+      if (d.dtype == "fp32") dtype = v1::DTYPE_FP32;
+      else if (d.dtype == "bf16") dtype = v1::DTYPE_BF16;
+      else
+        throw InvalidArgument(absl::StrCat("params[", i, "].dtype: '", d.dtype,
+                                           "' is not 'bf16' or 'fp32'"));
+      ps.push_back({d.name, d.shape, reinterpret_cast<void*>(d.value), nullptr, dtype});
+    }
     if (cfg.mode != OffloadMode::kNoOffload) {
       auto* conn = dynamic_cast<ConnectionImpl*>(connection_.get());
       if (conn == nullptr)
@@ -136,8 +144,8 @@ class EngineImpl : public Engine {
     ZenFlowEngine& e = Live();
     if (values.size() != grads.size()) throw InvalidArgument("values and grads differ in length");
     for (size_t i = 0; i < values.size(); ++i)
-      Check(e.SetBuffers(i, reinterpret_cast<float*>(values[i]),
-                         reinterpret_cast<const float*>(grads[i])));
+      Check(e.SetBuffers(i, reinterpret_cast<void*>(values[i]),
+                         reinterpret_cast<const void*>(grads[i])));
     reduce_error_.clear();
     absl::Status st = e.Step(lr);
     if (!reduce_error_.empty()) throw Error("the score reduction failed: " + reduce_error_);
@@ -152,7 +160,7 @@ class EngineImpl : public Engine {
   void SetValues(const std::vector<uintptr_t>& values) override {
     ZenFlowEngine& e = Live();
     for (size_t i = 0; i < values.size(); ++i)
-      Check(e.SetBuffers(i, reinterpret_cast<float*>(values[i]), nullptr));
+      Check(e.SetBuffers(i, reinterpret_cast<void*>(values[i]), nullptr));
   }
   bool OnDevice(size_t i) override { return Live().OnDevice(i); }
   int64_t StepCount() override { return Live().step(); }
@@ -173,6 +181,14 @@ class EngineImpl : public Engine {
     out.reselected = t.reselected;
     out.migrated_columns = t.migrated_columns;
     return out;
+  }
+
+  std::map<std::string, int64_t> DeviceBytes() override {
+    const DeviceFootprint f = Live().Footprint();
+    return {{"masters", f.masters},       {"moments", f.moments},
+            {"transfers", f.transfers},   {"selection", f.selection},
+            {"engine", f.engine()},       {"transient_peak", f.transient_peak},
+            {"params", f.params},         {"total", f.total()}};
   }
 
   void SetScoreReduce(ScoreReduce fn) override {

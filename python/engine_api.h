@@ -55,7 +55,10 @@ struct EngineConfig {
 struct ParamDesc {
   std::string name;
   std::vector<int64_t> shape;
-  uintptr_t value = 0;  // fp32, contiguous, in the device's memory
+  uintptr_t value = 0;  // contiguous, in the device's memory, of `dtype`
+  // "fp32" or "bf16": the value's and the gradient's dtype (EngineParam::dtype; a bf16
+  // parameter's fp32 masters are the engine's and the daemon's).
+  std::string dtype = "fp32";
 };
 
 // StepTimings of the last Step.
@@ -95,6 +98,10 @@ class Engine {
   virtual int64_t StepCount() = 0;
   virtual std::vector<int64_t> HotColumns(const std::string& name) = 0;
   virtual Timings LastTimings() = 0;
+  // The engine's backend memory in bytes (ZenFlowEngine::Footprint): "masters", "moments",
+  // "transfers", "selection", their sum "engine", the largest transient "transient_peak", the
+  // parameters' own values and gradients "params", and "total" = engine + params.
+  virtual std::map<std::string, int64_t> DeviceBytes() = 0;
   // The engine's state and the daemon session's checkpoint bytes (empty without daemon state).
   // Between Steps; does not change the run.
   virtual std::pair<std::string, std::string> Checkpoint() = 0;

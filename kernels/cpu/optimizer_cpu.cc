@@ -102,6 +102,33 @@ void ScatterT(const T* src, int64_t rows, int64_t ld, const int64_t* idx, int64_
                     });
 }
 
+// GatherT / ScatterT with the element converted on the way (the bf16 <-> fp32 column moves).
+void GatherWidenT(const uint16_t* src, int64_t rows, int64_t ld, const int64_t* idx, int64_t k,
+                  float* dst) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
+  stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, rows, grain),
+                    [&](const tbb::blocked_range<int64_t>& r) {
+                      for (int64_t i = r.begin(); i < r.end(); ++i) {
+                        const uint16_t* s = src + i * ld;
+                        float* d = dst + i * k;
+                        for (int64_t j = 0; j < k; ++j) d[j] = stallfree::Bf16ToFloat(s[idx[j]]);
+                      }
+                    });
+}
+
+void ScatterRoundT(const float* src, int64_t rows, int64_t ld, const int64_t* idx, int64_t k,
+                   uint16_t* dst) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
+  stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, rows, grain),
+                    [&](const tbb::blocked_range<int64_t>& r) {
+                      for (int64_t i = r.begin(); i < r.end(); ++i) {
+                        const float* s = src + i * k;
+                        uint16_t* d = dst + i * ld;
+                        for (int64_t j = 0; j < k; ++j) d[idx[j]] = stallfree::FloatToBf16(s[j]);
+                      }
+                    });
+}
+
 class CpuKernel final : public OptimizerKernel {
  public:
   explicit CpuKernel(const ChunkFns& fns) : f_(fns) {}
@@ -207,6 +234,14 @@ class CpuKernel final : public OptimizerKernel {
     } else {
       ScatterT(static_cast<const uint32_t*>(src), rows, ld, idx, k, static_cast<uint32_t*>(dst));
     }
+  }
+  void GatherColumnsToFloat(const uint16_t* src, int64_t rows, int64_t ld, const int64_t* idx,
+                            int64_t k, float* dst) const override {
+    GatherWidenT(src, rows, ld, idx, k, dst);
+  }
+  void ScatterColumnsToBf16(const float* src, int64_t rows, int64_t ld, const int64_t* idx,
+                            int64_t k, uint16_t* dst) const override {
+    ScatterRoundT(src, rows, ld, idx, k, dst);
   }
 
  private:

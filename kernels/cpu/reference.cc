@@ -55,6 +55,18 @@ void OptimizerKernel::AccumulateAdamWColumns(const AdamWConfig& config, const fl
                bf16_out);
 }
 
+void OptimizerKernel::GatherColumnsToFloat(const uint16_t* src, int64_t rows, int64_t ld,
+                                           const int64_t* idx, int64_t k, float* dst) const {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < k; ++j) dst[r * k + j] = stallfree::Bf16ToFloat(src[r * ld + idx[j]]);
+}
+
+void OptimizerKernel::ScatterColumnsToBf16(const float* src, int64_t rows, int64_t ld,
+                                           const int64_t* idx, int64_t k, uint16_t* dst) const {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < k; ++j) dst[r * ld + idx[j]] = stallfree::FloatToBf16(src[r * k + j]);
+}
+
 namespace {
 
 inline float LoadGrad(const void* grad, GradType type, int64_t i) {

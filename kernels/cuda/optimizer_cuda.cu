@@ -454,6 +454,34 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The same moves with the element converted: bf16 widened exactly into fp32 (gather), fp32
+// rounded to nearest even into bf16 (scatter), as Bf16ToF / FToBf16.
+template <typename I>
+__global__ void __launch_bounds__(kThreads)
+    GatherWidenKernel(const uint16_t* __restrict__ src, I ld, const int64_t* __restrict__ idx,
+                      I k, I total, float* __restrict__ dst) {
+  const I stride = static_cast<I>(gridDim.x) * static_cast<I>(blockDim.x);
+  for (I t = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.x) + threadIdx.x; t < total;
+       t += stride) {
+    const I r = t / k;
+    const I j = t - r * k;
+    dst[t] = Bf16ToF(src[r * ld + static_cast<I>(idx[j])]);
+  }
+}
+
+template <typename I>
+__global__ void __launch_bounds__(kThreads)
+    ScatterRoundKernel(const float* __restrict__ src, I ld, const int64_t* __restrict__ idx, I k,
+                       I total, uint16_t* __restrict__ dst) {
+  const I stride = static_cast<I>(gridDim.x) * static_cast<I>(blockDim.x);
+  for (I t = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.x) + threadIdx.x; t < total;
+       t += stride) {
+    const I r = t / k;
+    const I j = t - r * k;
+    dst[r * ld + static_cast<I>(idx[j])] = static_cast<uint16_t>(FToBf16(src[t]));
+  }
+}
+
 size_t AlignUp(size_t x) { return (x + 255) / 256 * 256; }
 
 // ----------------------------------------------------------------------------------------------
@@ -702,6 +730,16 @@ class CudaOptimizerKernel final : public OptimizerKernel {
     Columns(/*gather=*/false, src, elem_size, rows, ld, idx, k, dst);
   }
 
+  void GatherColumnsToFloat(const uint16_t* src, int64_t rows, int64_t ld, const int64_t* idx,
+                            int64_t k, float* dst) const override {
+    ConvertColumns(/*gather=*/true, src, rows, ld, idx, k, dst);
+  }
+
+  void ScatterColumnsToBf16(const float* src, int64_t rows, int64_t ld, const int64_t* idx,
+                            int64_t k, uint16_t* dst) const override {
+    ConvertColumns(/*gather=*/false, src, rows, ld, idx, k, dst);
+  }
+
   std::string Synchronize() const override {
     const cudaError_t e = cudaStreamSynchronize(stream_);
     if (e != cudaSuccess) Record(CudaErr("cudaStreamSynchronize", e));
@@ -825,6 +863,41 @@ class CudaOptimizerKernel final : public OptimizerKernel {
       } else {
         LaunchColumns<uint32_t, int64_t>(gather, src, ld, idx, k, total, dst, blocks);
       }
+    }
+  }
+
+  // GatherColumnsToFloat (gather: src bf16, dst fp32) and ScatterColumnsToBf16 (src fp32, dst
+  // bf16), with Columns's checks and index width.
+  void ConvertColumns(bool gather, const void* src, int64_t rows, int64_t ld, const int64_t* idx,
+                      int64_t k, void* dst) const {
+    if (rows < 0 || k < 0 || ld < 0) {
+      Record("GatherColumnsToFloat/ScatterColumnsToBf16: negative rows, ld or k");
+      return;
+    }
+    if (rows == 0 || k == 0) return;
+    const int64_t total = rows * k;
+    const unsigned blocks = Blocks(total);
+    const bool narrow = rows * ld < (int64_t{1} << 31) && total < (int64_t{1} << 31);
+    if (narrow) {
+      LaunchConvertColumns<uint32_t>(gather, src, ld, idx, k, total, dst, blocks);
+    } else {
+      LaunchConvertColumns<int64_t>(gather, src, ld, idx, k, total, dst, blocks);
+    }
+  }
+
+  template <typename I>
+  void LaunchConvertColumns(bool gather, const void* src, int64_t ld, const int64_t* idx,
+                            int64_t k, int64_t total, void* dst, unsigned blocks) const {
+    if (gather) {
+      GatherWidenKernel<I><<<blocks, kThreads, 0, stream_>>>(
+          static_cast<const uint16_t*>(src), static_cast<I>(ld), idx, static_cast<I>(k),
+          static_cast<I>(total), static_cast<float*>(dst));
+      CheckLaunch("GatherWidenKernel");
+    } else {
+      ScatterRoundKernel<I><<<blocks, kThreads, 0, stream_>>>(
+          static_cast<const float*>(src), static_cast<I>(ld), idx, static_cast<I>(k),
+          static_cast<I>(total), static_cast<uint16_t*>(dst));
+      CheckLaunch("ScatterRoundKernel");
     }
   }
 
