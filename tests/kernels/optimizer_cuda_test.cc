@@ -712,6 +712,29 @@ void ColumnsCase(const OptimizerKernel& gpu, Result* r, int64_t rows, int64_t ld
   CheckOk(gpu.Synchronize(), "ScatterColumns");
   std::vector<T> w_view(w.begin() + src_off, w.end());
   CompareExact(r, dd.Get(), w_view, where + " round trip");
+
+  // bf16 W: the converting moves (GatherColumnsToFloat widens the selected bf16 columns,
+  // ScatterColumnsToBf16 rounds fp32 columns into a poisoned bf16 W) against the oracle; the
+  // fp32 source of the scatter is random bits (ties, denormals, infinities, NaNs).
+  if constexpr (sizeof(T) == 2) {
+    std::vector<float> wide(static_cast<size_t>(rows * k) + 1, -1.0f);
+    DeviceArray<float> dwide(wide);
+    Ref().GatherColumnsToFloat(w.data() + src_off, rows, ld, sel.data(), k, wide.data());
+    gpu.GatherColumnsToFloat(dw.get() + src_off, rows, ld, dsel.get(), k, dwide.get());
+    CheckOk(gpu.Synchronize(), "GatherColumnsToFloat");
+    CompareExact(r, dwide.Get(), wide, where + " gather to fp32");
+    std::vector<uint32_t> bits(static_cast<size_t>(rows * k) + 1);
+    for (uint32_t& x : bits) x = static_cast<uint32_t>(rng.Next());
+    std::vector<float> f(bits.size());
+    std::memcpy(f.data(), bits.data(), f.size() * 4);
+    std::vector<T> n16(static_cast<size_t>(rows * ld), T(0x3c3c));
+    DeviceArray<float> df(f);
+    DeviceArray<T> dn16(n16);
+    Ref().ScatterColumnsToBf16(f.data(), rows, ld, sel.data(), k, n16.data());
+    gpu.ScatterColumnsToBf16(df.get(), rows, ld, dsel.get(), k, dn16.get());
+    CheckOk(gpu.Synchronize(), "ScatterColumnsToBf16");
+    CompareExact(r, dn16.Get(), n16, where + " scatter to bf16");
+  }
 }
 
 void TestColumns(const OptimizerKernel& gpu) {

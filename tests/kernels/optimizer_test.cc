@@ -665,6 +665,74 @@ TEST(OptimizerCpu, GatherScatterRoundTripAndComplement) {
   }
 }
 
+// The converting column moves (bf16 parameters with fp32 masters): GatherColumnsToFloat equals
+// GatherColumns (2-byte elements) then Bf16ToFloat, ScatterColumnsToBf16 equals FloatToBf16 then
+// ScatterColumns, bit for bit, for every CPU backend, the oracle and the base class's default
+// (over random bit patterns: rounding ties, denormals, infinities, NaNs); the scatter leaves the
+// other columns alone.
+TEST(OptimizerCpu, ConvertingColumnMovesEqualMoveThenConvert) {
+  const int64_t rows = 33, cols = 70, k = 23;
+  std::mt19937 rng(77);
+  std::vector<uint32_t> bits(rows * cols);
+  for (uint32_t& b : bits) b = rng();
+  std::vector<float> f(rows * cols);
+  memcpy(f.data(), bits.data(), f.size() * 4);
+  for (int64_t i = 0; i < rows * cols; i += 7) f[i] = 1.0f + std::ldexp(1.0f, -8);  // a tie
+  std::vector<int64_t> idx;
+  for (int64_t c = 0; c < cols && static_cast<int64_t>(idx.size()) < k; c += 3) idx.push_back(c);
+  ASSERT_EQ(static_cast<int64_t>(idx.size()), k);
+  std::vector<uint16_t> w16 = ToBf16(f);
+  // Wanted: the composition through the oracle.
+  std::vector<uint16_t> g16(rows * k);
+  std::vector<float> want_gather(rows * k);
+  ReferenceKernel().GatherColumns(w16.data(), 2, rows, cols, idx.data(), k, g16.data());
+  ReferenceKernel().Bf16ToFloat(g16.data(), want_gather.data(), rows * k);
+  std::vector<float> src(f.begin(), f.begin() + rows * k);
+  std::vector<uint16_t> s16(rows * k), want_scatter(rows * cols, 0x1234);
+  ReferenceKernel().FloatToBf16(src.data(), s16.data(), rows * k);
+  ReferenceKernel().ScatterColumns(s16.data(), 2, rows, cols, idx.data(), k, want_scatter.data());
+  // The base class's defaults, through a kernel that overrides nothing else of them.
+  struct Defaults final : OptimizerKernel {
+    const OptimizerKernel& r = ReferenceKernel();
+    const char* name() const override { return "defaults"; }
+    void Accumulate(float* a, const void* g, GradType t, float s, int64_t n,
+                    AccumulateMode m) const override { r.Accumulate(a, g, t, s, n, m); }
+    void AdamW(const AdamWConfig& c, float* p, float* m, float* v, const void* g, GradType t,
+               int64_t n, uint16_t* o) const override { r.AdamW(c, p, m, v, g, t, n, o); }
+    void AdamWColumns(const AdamWConfig& c, const float* ss, const float* bc, float* p, float* m,
+                      float* v, const void* g, GradType t, int64_t rw, int64_t cl,
+                      uint16_t* o) const override {
+      r.AdamWColumns(c, ss, bc, p, m, v, g, t, rw, cl, o);
+    }
+    void AccumulateAdamW(const AdamWConfig& c, float* p, float* m, float* v, const float* a,
+                         const void* g, GradType t, float s, int64_t n,
+                         uint16_t* o) const override {
+      r.AccumulateAdamW(c, p, m, v, a, g, t, s, n, o);
+    }
+    void FloatToBf16(const float* s, uint16_t* d, int64_t n) const override { r.FloatToBf16(s, d, n); }
+    void Bf16ToFloat(const uint16_t* s, float* d, int64_t n) const override { r.Bf16ToFloat(s, d, n); }
+    void ColumnScores(const void* g, GradType t, int64_t rw, int64_t cl, int64_t ld, float* l1,
+                      float* l2) const override { r.ColumnScores(g, t, rw, cl, ld, l1, l2); }
+    void TopK(const float* s, int64_t n, int64_t kk, int64_t* i) const override { r.TopK(s, n, kk, i); }
+    void GatherColumns(const void* s, size_t e, int64_t rw, int64_t ld, const int64_t* i,
+                       int64_t kk, void* d) const override { r.GatherColumns(s, e, rw, ld, i, kk, d); }
+    void ScatterColumns(const void* s, size_t e, int64_t rw, int64_t ld, const int64_t* i,
+                        int64_t kk, void* d) const override { r.ScatterColumns(s, e, rw, ld, i, kk, d); }
+  } defaults;
+  std::vector<const OptimizerKernel*> all = FastKernels();
+  all.push_back(&ReferenceKernel());
+  all.push_back(&defaults);
+  for (const OptimizerKernel* kk : all) {
+    const std::string what = kk->name();
+    std::vector<float> got_gather(rows * k, -1.0f);
+    kk->GatherColumnsToFloat(w16.data(), rows, cols, idx.data(), k, got_gather.data());
+    ExpectBitsEqual(want_gather, got_gather, what + " GatherColumnsToFloat");
+    std::vector<uint16_t> got_scatter(rows * cols, 0x1234);
+    kk->ScatterColumnsToBf16(src.data(), rows, cols, idx.data(), k, got_scatter.data());
+    ExpectBitsEqual(want_scatter, got_scatter, what + " ScatterColumnsToBf16");
+  }
+}
+
 }  // namespace
 }  // namespace kernels
 }  // namespace stallfree
