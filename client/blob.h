@@ -46,7 +46,9 @@ class BlobWriter {
     I64(static_cast<int64_t>(v.size()));
     Raw(v.data(), v.size() * 4);
   }
-  void Raw(const void* p, size_t n) { out.append(static_cast<const char*>(p), n); }
+  void Raw(const void* p, size_t n) {
+    if (n > 0) out.append(static_cast<const char*>(p), n);
+  }
   std::string out;
 };
 
@@ -82,6 +84,7 @@ class BlobReader {
   }
   bool Raw(void* p, size_t n) {
     if (n > s_.size() - pos_) return false;
+    if (n == 0) return true;  // p may be an empty vector's null data()
     memcpy(p, s_.data() + pos_, n);
     pos_ += n;
     return true;
