@@ -30,6 +30,8 @@ from ._daemon import Daemon, default_socket
 from ._stallfree import Error
 
 _MODES = ("zenflow", "sync-offload", "no-offload")
+# The parameter dtypes the engine takes (EngineParam's), by the name the binding knows them by.
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 _DTYPES = ("bf16", "fp32")
 # 2: the engine and daemon state as uint8 tensors in the first parameter's entry of each group's
 # "state" (torch's own layout, which torch.load(weights_only=True) and
@@ -166,11 +168,13 @@ class _Shards:
 
     def specs(self):
         """The engine's parameters: (name, shape, address) of this rank's block of each."""
-        return [(name, shape, p.data_ptr() + 4 * off) for (name, p), shape, off in
+        return [(name, shape, p.data_ptr() + p.element_size() * off, _DTYPE_NAMES[p.dtype])
+                for (name, p), shape, off in
                 zip(self.members, self.shapes, self.offsets)]
 
     def values(self):
-        return [p.data_ptr() + 4 * off for (_, p), off in zip(self.members, self.offsets)]
+        return [p.data_ptr() + p.element_size() * off
+                for (_, p), off in zip(self.members, self.offsets)]
 
     def describe(self):
         return {"world": self.world, "rank": self.rank}
@@ -197,7 +201,7 @@ class _Shards:
         flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=torch.float32,
                              device=dev)
         reps = [i for i, (name, _) in enumerate(self.members) if name in self.replicated]
-        small = torch.cat([flags] + [_flat_or_zeros(grads[i], self.members[i][1])
+        small = torch.cat([flags] + [_flat_or_zeros(grads[i], self.members[i][1]).float()
                                      for i in reps])
         self.collective("the replicated parameters' gradients", torch.distributed.all_reduce,
                         small)
@@ -213,7 +217,7 @@ class _Shards:
             pieces = []
             for s in range(self.world):
                 for i, (b, e) in zip(self.parts, self.ranges[s]):
-                    pieces.append(_flat_or_zeros(grads[i], self.members[i][1])[b:e])
+                    pieces.append(_flat_or_zeros(grads[i], self.members[i][1])[b:e].float())
                 pad = self.section - sum(self.sizes[s])
                 if pad:
                     pieces.append(torch.zeros(pad, dtype=torch.float32, device=dev))
@@ -227,6 +231,10 @@ class _Shards:
                     self.section - sum(self.sizes[self.rank])])):
                 out[i] = part
         any_grad = small[:len(self.members)].cpu().tolist()  # summed over the ranks
+        # Averaged in fp32; the engine reads each gradient in its parameter's dtype.
+        out = [o if o is None or p.dtype == torch.float32 else o.to(p.dtype)
+               for o, (_, p) in zip(out, self.members)]
+        keep.extend(o for o in out if o is not None)
         return [o if any_grad[i] > 0 else None for i, o in enumerate(out)], keep
 
     def gather(self, hot=None):
@@ -250,7 +258,8 @@ class _Shards:
         mine = []
         for i, v, (b, e) in zip(self.parts, views, self.ranges[self.rank]):
             block = v[b // v.shape[1]:e // v.shape[1]]
-            mine.append((block.index_select(1, hot[i]) if i in hot else block).reshape(-1))
+            mine.append((block.index_select(1, hot[i]) if i in hot else block).reshape(-1)
+                        .float())  # one fp32 buffer; a bf16 value round-trips exactly
         pad = section - sum(sizes[self.rank])
         send = torch.cat(mine + ([torch.zeros(pad, dtype=torch.float32, device=dev)] if pad else []))
         recv = torch.empty(self.world * section, dtype=torch.float32, device=dev)
@@ -264,7 +273,8 @@ class _Shards:
             for i, v, (b, e), n in zip(self.parts, views, self.ranges[s], sizes[s]):
                 rows = slice(b // v.shape[1], e // v.shape[1])
                 if i in hot:
-                    v[rows].index_copy_(1, hot[i], recv[at:at + n].view(-1, hot[i].numel()))
+                    v[rows].index_copy_(1, hot[i], recv[at:at + n].view(-1, hot[i].numel())
+                                        .to(v.dtype))
                 else:
                     dst.append(v[rows].reshape(-1))
                     src.append(recv[at:at + n])
@@ -444,8 +454,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     Tensor. amsgrad, maximize, capturable and differentiable are accepted as False only;
     foreach and fused choose torch's implementation and are ignored.
 
-    Parameters must be dense fp32 torch.Tensor / nn.Parameter storage (CPU; CUDA in builds
-    with the CUDA backend), all of a group on one device; tensor subclasses (DTensor, ...) are
+    Parameters must be dense fp32 or bf16 torch.Tensor / nn.Parameter storage (CPU; CUDA in
+    builds with the CUDA backend), each gradient of its parameter's dtype, all of a group on one
+    device. A bf16 parameter's fp32 master is the optimizer's (on the device for its hot columns
+    and wholly-on-device parameters, in the daemon for its cold columns; in the state dict), and
+    its bf16 value is always that master rounded to nearest even. Tensor subclasses (DTensor, ...) are
     refused naming the parameter. requires_grad=False parameters are left out. A parameter
     whose .grad is None in a step is skipped, as torch.optim.AdamW skips it: no step, no decay
     (in zenflow its cold columns' round gradient, the sum of the round's gradients over
@@ -563,10 +576,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 raise Error("%s is %s" % (desc, why))
             if p.numel() == 0:
                 raise Error("%s has no elements: leave it out of the optimizer" % desc)
-            if p.dtype != torch.float32:
-                raise Error("%s is %s: ZenFlowAdamW updates fp32 parameters (keep fp32 master "
-                            "weights and use autocast for lower-precision compute)"
-                            % (desc, p.dtype))
+            if p.dtype not in _DTYPE_NAMES:
+                raise Error("%s is %s: ZenFlowAdamW updates fp32 and bf16 parameters (a bf16 "
+                            "parameter's fp32 master is the optimizer's)" % (desc, p.dtype))
             if not p.requires_grad:
                 continue
             if not p.is_contiguous():
@@ -651,10 +663,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     if type(g) not in (torch.Tensor, torch.nn.Parameter):
                         raise Error("parameter '%s': its gradient is a %s, not a plain tensor"
                                     % (name, type(g).__name__))
-                    if g.dtype != torch.float32 or g.device != p.device or g.shape != p.shape:
-                        raise Error("parameter '%s': its gradient is %s %s on %s, not fp32 of "
-                                    "its own shape and device" % (name, g.dtype, list(g.shape),
-                                                                  g.device))
+                    if g.dtype != p.dtype or g.device != p.device or g.shape != p.shape:
+                        raise Error("parameter '%s': its gradient is %s %s on %s, not of its "
+                                    "parameter's dtype (%s), shape and device"
+                                    % (name, g.dtype, list(g.shape), g.device, p.dtype))
                     if not g.is_contiguous():
                         g = g.contiguous()
                         keep.append(g)
@@ -681,7 +693,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     continue
                 addresses = [0 if g is None else g.data_ptr() for g in grads]
             else:
-                addresses = [0 if g is None else g.data_ptr() + 4 * off
+                addresses = [0 if g is None else g.data_ptr() + g.element_size() * off
                              for g, off in zip(grads, shards.offsets)]
             hyper = _hyper_of(self.param_groups[gi])
             if hyper != self._hypers[gi]:
@@ -724,6 +736,22 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         collectives of the partition, by the ring algorithms' volume), summed over the param
         groups' engines."""
         return dict(self._last_timings)
+
+    @property
+    def device_bytes(self):
+        """Bytes of the parameters' device (or, on the CPU, host) memory this optimizer's
+        engines account for, summed over the param groups: "params" (the parameters' values
+        and gradients), "masters", "moments", "transfers", "selection", "engine" (their sum),
+        "transient_peak" (the largest transient, the largest of the groups') and "total"
+        (engine + params). Partitioned, this rank's rows' engine state."""
+        out = {}
+        for gi, engine in enumerate(self._engines):
+            if engine is None:
+                continue
+            for key, value in self._engine(gi).device_bytes().items():
+                out[key] = max(out.get(key, 0), value) if key == "transient_peak" else \
+                    out.get(key, 0) + value
+        return out
 
     def hot_columns(self, param):
         """The sorted hot input columns of `param` (a tensor of this optimizer, or its name)."""

@@ -29,9 +29,11 @@ def one_step(model, opt, step=1):
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
-def test_bf16_parameter_is_named(mode, named, daemon):
+def test_fp16_parameter_is_named(mode, named, daemon):
+    """fp32 and bf16 parameters are taken (test_bf16.py); another dtype is refused naming it
+    and the parameter."""
     model = models.make_model(0)
-    model.up.to(torch.bfloat16)  # up.weight (the 4th parameter) and up.bias
+    model.up.to(torch.float16)  # up.weight (the 4th parameter) and up.bias
     params = list(model.named_parameters()) if named else list(model.parameters())
     with pytest.raises(stallfree.Error) as err:
         opt = make_opt(params, daemon, **MODES[mode])  # at construction ...
@@ -40,7 +42,7 @@ def test_bf16_parameter_is_named(mode, named, daemon):
         finally:
             opt.close()
     msg = str(err.value)
-    assert "bfloat16" in msg, msg
+    assert "float16" in msg and "fp32 and bf16" in msg, msg
     if named:
         assert "up.weight" in msg, msg
     else:  # "param_groups[0][3]" or "param_groups[0] #3"

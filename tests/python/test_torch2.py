@@ -211,9 +211,9 @@ def test_add_param_group_is_all_or_nothing(daemon):
     ref = torch.optim.AdamW(models.param_groups(ref_model)[:1], betas=(0.9, 0.999), eps=1e-8)
     opt = ZenFlowAdamW(groups[:1], socket=daemon.socket, **EXACT)
     try:
-        bad_bf16 = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
+        bad_fp16 = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.float16))
         for bad, error in [
-                (dict(groups[1], params=groups[1]["params"] + [bad_bf16]), stallfree.Error),
+                (dict(groups[1], params=groups[1]["params"] + [bad_fp16]), stallfree.Error),
                 (dict(groups[1], lr=-1.0), ValueError),
                 (dict(groups[1], params=[model.emb.weight]), ValueError)]:  # already in group 0
             with pytest.raises(error):
