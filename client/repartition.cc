@@ -34,7 +34,8 @@ Rows RowsOf(const WholeParam& p) {
 
 // One parameter's part of an engine blob (ZenFlowEngine::Checkpoint).
 struct EngineParam {
-  int64_t kind = 0, numel = 0, k = 0;
+  int64_t kind = 0, numel = 0, k = 0, dtype = kBlobFp32;
+  std::vector<float> master;  // kDevice, bf16 (V3): the fp32 master [rows, cols], or none yet
   int64_t dstep = 0, round_grads = 0;
   std::vector<float> m, v;                            // kDevice: [rows, cols]
   std::vector<int64_t> hot_idx, cold_idx, hot_steps;  // kSplit
@@ -42,7 +43,7 @@ struct EngineParam {
 };
 
 struct EngineState {
-  int64_t mode = 0, step = 0, rounds = 0, pending_version = 0, loaded = 0;
+  int64_t magic = 0, mode = 0, step = 0, rounds = 0, pending_version = 0, loaded = 0;
   std::vector<EngineParam> params;
 };
 
@@ -56,8 +57,10 @@ absl::StatusOr<EngineState> ParseEngine(const std::string& blob, int rank, size_
   BlobReader r(blob);
   EngineState s;
   int64_t magic = 0, n = 0;
-  if (!r.I64(&magic) || (magic != kEngineBlobMagic && magic != kEngineBlobMagicV1))
+  if (!r.I64(&magic) || (magic != kEngineBlobMagicV3 && magic != kEngineBlobMagic &&
+                         magic != kEngineBlobMagicV1))
     return Corrupt(rank, "bad magic");
+  s.magic = magic;
   if (!r.I64(&s.mode) || !r.I64(&s.step) || !r.I64(&s.rounds) || !r.I64(&s.pending_version) ||
       !r.I64(&s.loaded) || !r.I64(&n))
     return Corrupt(rank, "truncated");
@@ -66,10 +69,15 @@ absl::StatusOr<EngineState> ParseEngine(const std::string& blob, int rank, size_
   for (int64_t i = 0; i < n; ++i) {
     EngineParam p;
     if (!r.I64(&p.kind) || !r.I64(&p.numel) || !r.I64(&p.k)) return Corrupt(rank, "truncated");
+    if (magic == kEngineBlobMagicV3 && !r.I64(&p.dtype)) return Corrupt(rank, "truncated");
     if (p.kind == kBlobDevice) {
       if (!r.I64(&p.dstep) || !r.Floats(&p.m, p.numel) || !r.Floats(&p.v, p.numel))
         return Corrupt(rank, "truncated");
-    } else if (magic == kEngineBlobMagic) {
+      if (magic == kEngineBlobMagicV3 &&
+          (!r.AnyFloats(&p.master) || (!p.master.empty() &&
+                                       static_cast<int64_t>(p.master.size()) != p.numel)))
+        return Corrupt(rank, "a device master of the wrong size");
+    } else if (magic != kEngineBlobMagicV1) {
       if (!r.I64(&p.round_grads)) return Corrupt(rank, "truncated");
     } else {
       p.round_grads = 1;  // version 1 engines always had every gradient
@@ -250,8 +258,12 @@ absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& para
   }
   if (!dmn.empty() && dmn.size() != eng.size()) return Disagree("whether the daemon holds state");
 
+  // V3 (dtypes, bf16 masters) where the ranks wrote it, else V2 (client/blob.h).
+  const bool v3 = first.magic == kEngineBlobMagicV3;
+  for (const auto& [j, s] : eng)
+    if ((s.magic == kEngineBlobMagicV3) != v3) return Disagree("the engine state's version");
   BlobWriter w;
-  w.I64(kEngineBlobMagic);
+  w.I64(v3 ? kEngineBlobMagicV3 : kEngineBlobMagic);
   w.I64(first.mode);
   w.I64(first.step);
   w.I64(first.rounds);
@@ -271,7 +283,8 @@ absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& para
     const EngineParam& p0 = first.params[i];
     for (const auto& [j, s] : eng) {
       const EngineParam& p = s.params[i];
-      if (p.kind != p0.kind || p.k != p0.k || p.dstep != p0.dstep ||
+      if (p.kind != p0.kind || p.k != p0.k || p.dstep != p0.dstep || p.dtype != p0.dtype ||
+          p.master.empty() != p0.master.empty() ||
           p.round_grads != p0.round_grads || p.hot_idx != p0.hot_idx ||
           p.cold_idx != p0.cold_idx || p.hot_steps != p0.hot_steps)
         return Disagree(absl::StrCat("parameter '", params[i].name, "' (its split, hot columns or "
@@ -286,12 +299,23 @@ absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& para
     w.I64(p0.kind);
     w.I64(nb.rows() * rc.cols);
     w.I64(p0.k);
+    if (v3) w.I64(p0.dtype);
     if (p0.kind == kBlobDevice) {
       w.I64(p0.dstep);
       for (auto field : {&EngineParam::m, &EngineParam::v}) {
         absl::StatusOr<std::vector<float>> a = rows.Take(nb.begin, nb.end, rc.cols, engine_of(field));
         if (!a.ok()) return a.status();
         w.Floats(*a);
+      }
+      if (v3) {
+        if (p0.master.empty()) {
+          w.Floats({});  // no master yet: the first Step widens the value
+        } else {
+          absl::StatusOr<std::vector<float>> a =
+              rows.Take(nb.begin, nb.end, rc.cols, engine_of(&EngineParam::master));
+          if (!a.ok()) return a.status();
+          w.Floats(*a);
+        }
       }
     } else {
       w.I64(p0.round_grads);

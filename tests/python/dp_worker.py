@@ -6,7 +6,8 @@ second, two "nodes"). Rank r trains TinyLM on rows [r B/L, (r+1) B/L) of the B-r
 once per configuration of RUNS (a JSON {name: ZenFlowAdamW keyword arguments}), each with a fresh
 model and optimizer; a configuration's "_width": W trains TinyLM(vocab=W, d=W, hidden=W) instead
 (three W x W weights; "_steps": N stops that run after N steps; "_odd": true trains
-TinyLM(odd=True), with a 3-D weight, a weight of fewer rows than ranks and a scalar;
+TinyLM(odd=True), with a 3-D weight, a weight of fewer rows than ranks and a scalar; "_bf16":
+true casts the model to torch.bfloat16;
 "_drop": [parameter, rank, step, "none" | "zero"]: that rank's gradient of that parameter in
 that step is taken away (None) or zeroed before opt.step()). "_save_at": K saves, after
 step K, every rank's optimizer state_dict() (OUT/<run>-opt-rank<r>.pt) and rank 0 the model's and
@@ -61,10 +62,13 @@ def main():
         run_steps = config.pop("_steps", steps)
         save_at = config.pop("_save_at", None)
         odd = config.pop("_odd", False)
+        bf16 = config.pop("_bf16", False)
         drop = config.pop("_drop", None)
         resume = config.pop("_resume", None)
         model = models.make_model(seed, odd=odd, **(dict(vocab=width, d=width, hidden=width)
                                                     if width else {}))
+        if bf16:
+            model = model.to(torch.bfloat16)
         net = DistributedDataParallel(model) if wrap == "ddp" else model
         two_d = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
         record = {"losses": [], "hot": [], "pushed": [], "agree": []}
@@ -95,8 +99,9 @@ def main():
                 record["pushed"].append(opt.last_timings.get("bytes_to_host", 0))
                 # Every rank holds the same parameters after every step (the all-gather, the
                 # hot columns' alone between round boundaries), not only after close().
-                digest = hashlib.sha1(b"".join(p.detach().cpu().numpy().tobytes()
-                                               for p in model.parameters())).hexdigest()
+                digest = hashlib.sha1(b"".join(
+                    p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                    for p in model.parameters())).hexdigest()
                 digests = [None] * world
                 dist.all_gather_object(digests, digest)
                 record["agree"].append(len(set(digests)) == 1)

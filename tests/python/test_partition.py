@@ -186,10 +186,16 @@ def test_a_rank_that_dies_is_named(daemon, tmp_path):
 # the same-world resume can be checked bit for bit.
 RESUME_STEPS = 16
 SAVE_AT = 8
+# A bf16 model's bound: test_bf16.py measures the effect of an 8-ulp lr perturbation on a bf16
+# TinyLM's losses at 1.9e-4 relative (bf16 roundings compound it) and binds its runs by 5x that.
+BF16_MODEL_LOSS_RTOL = 9.7e-4
 RESUMED = {
     "zenflow": dict(mode="zenflow", topk_ratio=0.25, update_interval=4, select_interval=4,
                     warmup_steps=2, **FP32),
     "sync-offload": dict(mode="sync-offload", **FP32),
+    # A bf16 model (fp32 masters in the engines and daemons; version 3 engine blobs).
+    "zenflow-bf16": dict(mode="zenflow", topk_ratio=0.25, update_interval=4, select_interval=4,
+                         warmup_steps=2, _bf16=True),
 }
 
 
@@ -222,13 +228,20 @@ def test_save_with_4_ranks_resume_with_fewer(saved_by_4, daemon, tmp_path, world
             name, world, max(diffs.values())))
         if world == 4:
             assert all(d == 0 for d in diffs.values()), (name, diffs)
-        for pname, d in diffs.items():
-            assert d <= PARAM_ATOL, (name, world, pname, d)
-        assert ranks[0]["hot"] == ref["hot"][SAVE_AT:]
+        # bf16 model: a master that lands on the other side of a bf16 rounding boundary moves
+        # its value by one bf16 ulp, which compounds, so the parameters are not compared
+        # element-wise and the losses are bound by BF16_MODEL_LOSS_RTOL (measured: 4.9e-5 with
+        # 2 ranks, 7.2e-5 with 1).
+        bf16 = RESUMED[name].get("_bf16", False)
+        if not bf16:
+            for pname, d in diffs.items():
+                assert d <= PARAM_ATOL, (name, world, pname, d)
+            assert ranks[0]["hot"] == ref["hot"][SAVE_AT:]
         for i in range(RESUME_STEPS - SAVE_AT):
             loss = sum(r["losses"][i] for r in ranks) / world
             ref_loss = sum(r["losses"][SAVE_AT + i] for r in uninterrupted[name]) / 4
-            assert models.rel_diff(loss, ref_loss) <= LOSS_RTOL, (name, world, SAVE_AT + 1 + i)
+            assert models.rel_diff(loss, ref_loss) <= (BF16_MODEL_LOSS_RTOL if bf16 else LOSS_RTOL), \
+                (name, world, SAVE_AT + 1 + i)
 
 
 def test_resume_without_the_optimizer_state_misses(saved_by_4, daemon, tmp_path):
