@@ -196,56 +196,71 @@ class _Shards:
     def reduce(self, grads):
         """With reduce_gradients: the ranks' gradients (None: no gradient on this rank) averaged
         over the group. Returns per member the gradient the engine reads (this rank's rows of
-        the mean; None where no rank had a gradient) and the buffers that back them."""
+        the mean; None where no rank had a gradient) and the buffers that back them. Each
+        gradient is copied once, into the fp32 buffer of its collective (a None one is zeros
+        there); a bf16 member's mean is rounded into a bf16 buffer the engine reads."""
         dev = self.members[0][1].device
-        flags = torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=torch.float32,
-                             device=dev)
         reps = [i for i, (name, _) in enumerate(self.members) if name in self.replicated]
-        small = torch.cat([flags] + [_flat_or_zeros(grads[i], self.members[i][1]).float()
-                                     for i in reps])
-        self.collective("the replicated parameters' gradients", torch.distributed.all_reduce,
-                        small)
-        small.div_(self.world)
-        out = [None] * len(self.members)
-        keep = [small]
-        at = len(self.members)
+        nflags = len(self.members)
+        small = torch.zeros(nflags + sum(self.members[i][1].numel() for i in reps),
+                            dtype=torch.float32, device=dev)
+        small[:nflags] = torch.tensor([0.0 if g is None else 1.0 for g in grads])
+        out = [None] * nflags
+        dst, src = [], []
+        at = nflags
         for i in reps:
             n = self.members[i][1].numel()
             out[i] = small[at:at + n]
+            if grads[i] is not None:
+                dst.append(out[i])
+                src.append(grads[i].reshape(-1))
             at += n
+        mine = None
         if self.parts:
-            pieces = []
+            full = torch.zeros(self.world * self.section, dtype=torch.float32, device=dev)
             for s in range(self.world):
+                at = s * self.section
                 for i, (b, e) in zip(self.parts, self.ranges[s]):
-                    pieces.append(_flat_or_zeros(grads[i], self.members[i][1])[b:e].float())
-                pad = self.section - sum(self.sizes[s])
-                if pad:
-                    pieces.append(torch.zeros(pad, dtype=torch.float32, device=dev))
-            full = torch.cat(pieces)
+                    if grads[i] is not None:
+                        dst.append(full[at:at + e - b])
+                        src.append(grads[i].reshape(-1)[b:e])
+                    at += e - b
+        if dst:
+            torch._foreach_copy_(dst, src)  # widening bf16 on the way
+        self.collective("the replicated parameters' gradients", torch.distributed.all_reduce,
+                        small)
+        small.div_(self.world)
+        keep = [small]
+        if self.parts:
             mine = torch.empty(self.section, dtype=torch.float32, device=dev)
             self.collective("the gradients (reduce-scatter)",
                             torch.distributed.reduce_scatter_tensor, mine, full)
             mine.div_(self.world)
             keep.append(mine)
-            for i, part in zip(self.parts, mine.split(self.sizes[self.rank] + [
-                    self.section - sum(self.sizes[self.rank])])):
-                out[i] = part
-        any_grad = small[:len(self.members)].cpu().tolist()  # summed over the ranks
-        # Averaged in fp32; the engine reads each gradient in its parameter's dtype.
-        out = [o if o is None or p.dtype == torch.float32 else o.to(p.dtype)
-               for o, (_, p) in zip(out, self.members)]
-        keep.extend(o for o in out if o is not None)
+            at = 0
+            for i, n in zip(self.parts, self.sizes[self.rank]):
+                out[i] = mine[at:at + n]
+                at += n
+        any_grad = small[:nflags].cpu().tolist()  # summed over the ranks
+        for i, (_, p) in enumerate(self.members):
+            if out[i] is not None and p.dtype != torch.float32:
+                out[i] = out[i].to(p.dtype)  # the engine reads its parameter's dtype
+                keep.append(out[i])
         return [o if any_grad[i] > 0 else None for i, o in enumerate(out)], keep
 
     def gather(self, hot=None):
         """Every rank's updated blocks to every rank: one all-gather of the padded blocks. hot:
         {member index: its hot columns (a LongTensor)} for a step in which only those columns
         of the split weights changed (a zenflow step between round boundaries: the cold columns
-        change only when an update lands): their blocks send those columns only."""
+        change only when an update lands): their blocks send those columns only. The buffer is
+        in the members' dtype when they share one (bf16 moves as bf16), else fp32 (a bf16
+        value round-trips exactly); each value is copied once into it and once out of it."""
         if not self.parts:
             return
         dev = self.members[0][1].device
         hot = hot or {}
+        dtypes = {self.members[i][1].dtype for i in self.parts}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         views, widths = [], []
         for i in self.parts:
             p = self.members[i][1].detach()
@@ -255,14 +270,21 @@ class _Shards:
         sizes = [[(e - b) // v.shape[1] * w for v, w, (b, e) in zip(views, widths, r)]
                  for r in self.ranges]
         section = max(sum(z) for z in sizes)
-        mine = []
-        for i, v, (b, e) in zip(self.parts, views, self.ranges[self.rank]):
+        send = torch.empty(section, dtype=dtype, device=dev)
+        dst, src = [], []
+        at = 0
+        for i, v, w, (b, e), n in zip(self.parts, views, widths, self.ranges[self.rank],
+                                      sizes[self.rank]):
             block = v[b // v.shape[1]:e // v.shape[1]]
-            mine.append((block.index_select(1, hot[i]) if i in hot else block).reshape(-1)
-                        .float())  # one fp32 buffer; a bf16 value round-trips exactly
-        pad = section - sum(sizes[self.rank])
-        send = torch.cat(mine + ([torch.zeros(pad, dtype=torch.float32, device=dev)] if pad else []))
-        recv = torch.empty(self.world * section, dtype=torch.float32, device=dev)
+            if i in hot and dtype == v.dtype:
+                torch.index_select(block, 1, hot[i], out=send[at:at + n].view(-1, w))
+            else:
+                dst.append(send[at:at + n])
+                src.append((block.index_select(1, hot[i]) if i in hot else block).reshape(-1))
+            at += n
+        if dst:
+            torch._foreach_copy_(dst, src)
+        recv = torch.empty(self.world * section, dtype=dtype, device=dev)
         self.collective("the updated parameters (all-gather)",
                         torch.distributed.all_gather_into_tensor, recv, send)
         dst, src = [], []
@@ -292,11 +314,6 @@ class _Shards:
                                 device=dev)
                 for i in self.parts if not engine.on_device(i)}
         return self.hot_cache
-
-
-def _flat_or_zeros(g, p):
-    return (torch.zeros(p.numel(), dtype=torch.float32, device=p.device) if g is None
-            else g.reshape(-1))
 
 
 class _PeerFailure(Error):
