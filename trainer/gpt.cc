@@ -590,8 +590,9 @@ struct DpPartition {
   DpPartition(const std::vector<Tensor>& tensors, int N) {
     for (const Tensor& t : tensors) {
       Part p;
-      p.cols = t.shape.size() >= 2 ? t.shape.back() : 1;
-      p.rows = t.numel / p.cols;
+      const RowShape rc = RowsOf(t.shape);
+      p.rows = rc.rows;
+      p.cols = rc.cols;
       for (int q = 0; q < N; ++q) p.blocks.push_back(PartitionRows(p.rows, N, q));
       p.replicated = p.blocks[0].replicated;
       if (N > 1 && !p.replicated) {
@@ -937,13 +938,9 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
       return dp_dev->AllReduce(scores, cols);
     });
   }
-  // Data-parallel buffers (device memory): every gradient packed for the average, and the
-  // all-gather's slots (N x partition.slot).
-  int64_t grads_total = 0;
-  for (const Tensor& t : tensors) grads_total += t.numel;
-  kernels::OpsBuffer dp_grads, dp_send, dp_recv;
+  // Data-parallel buffers (device memory): the all-gather's slots (N x partition.slot).
+  kernels::OpsBuffer dp_send, dp_recv;
   if (N > 1) {
-    dp_grads = kernels::OpsBuffer(&ops, grads_total);
     dp_send = kernels::OpsBuffer(&ops, std::max<int64_t>(partition.slot, 1));
     dp_recv = kernels::OpsBuffer(&ops, N * std::max<int64_t>(partition.slot, 1));
     ops.Fill(dp_send.data(), std::max<int64_t>(partition.slot, 1), 0.0f);  // the padding
@@ -953,19 +950,15 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
   auto average_grads = [&]() -> absl::Status {
     if (N == 1) return absl::OkStatus();
     const auto t0 = Clock::now();
-    int64_t off = 0;
-    for (const Tensor& t : tensors) {
-      ops.CopyFloats(dp_grads.data() + off, t.grad, t.numel);
-      off += t.numel;
-    }
-    RETURN_IF_ERROR(dp_dev->AllReduce(dp_grads.data(), grads_total));
-    off = 0;
-    for (const Tensor& t : tensors) {
-      dev->kernel().Accumulate(t.grad, dp_grads.data() + off, kernels::GradType::kFp32,
+    // Each tensor's gradient all-reduced where it lies (issued together, waited together: no
+    // copy of the gradients), then scaled by 1/N in place.
+    std::vector<std::shared_ptr<parallel::Work>> works;
+    for (const Tensor& t : tensors) works.push_back(dp_dev->IAllReduce(t.grad, t.numel));
+    for (auto& w : works) RETURN_IF_ERROR(w->Wait());
+    for (const Tensor& t : tensors)
+      dev->kernel().Accumulate(t.grad, t.grad, kernels::GradType::kFp32,
                                1.0f / static_cast<float>(N), t.numel,
                                kernels::AccumulateMode::kOverwrite);
-      off += t.numel;
-    }
     RETURN_IF_ERROR(dev->Synchronize());
     sum_dp += Since(t0);
     return absl::OkStatus();
