@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace stallfree {
 
@@ -20,6 +21,17 @@ struct RowBlock {
   bool replicated = false;     // every rank holds the whole parameter
   int64_t rows() const { return end - begin; }
 };
+
+// A parameter's rows and columns by the rule above (an empty shape, a scalar: one of each).
+struct RowShape {
+  int64_t rows = 1, cols = 1;
+};
+inline RowShape RowsOf(const std::vector<int64_t>& shape) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  if (shape.size() <= 1) return {numel, 1};
+  return {numel / shape.back(), shape.back()};
+}
 
 inline RowBlock PartitionRows(int64_t rows, int world, int rank) {
   RowBlock b;

@@ -20,17 +20,6 @@
 namespace stallfree {
 namespace {
 
-// A parameter as rows of columns (client/partition.h).
-struct Rows {
-  int64_t rows = 1, cols = 1;
-};
-
-Rows RowsOf(const WholeParam& p) {
-  int64_t numel = 1;
-  for (int64_t d : p.shape) numel *= d;
-  if (p.shape.size() <= 1) return {numel, 1};
-  return {numel / p.shape.back(), p.shape.back()};
-}
 
 // One parameter's part of an engine blob (ZenFlowEngine::Checkpoint).
 struct EngineParam {
@@ -213,7 +202,7 @@ std::vector<int> SourceRanks(const std::vector<WholeParam>& params, int old_worl
                              int new_rank) {
   std::vector<char> need(old_world, 0);
   for (const WholeParam& p : params) {
-    const Rows rc = RowsOf(p);
+    const RowShape rc = RowsOf(p.shape);
     const RowBlock nb = PartitionRows(rc.rows, new_world, new_rank);
     for (int j = 0; j < old_world; ++j) {
       const RowBlock ob = PartitionRows(rc.rows, old_world, j);
@@ -277,7 +266,7 @@ absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& para
   }
   int daemon_index = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    const Rows rc = RowsOf(params[i]);
+    const RowShape rc = RowsOf(params[i].shape);
     const RowBlock nb = PartitionRows(rc.rows, new_world, new_rank);
     const RowSource rows(rc.rows, old_world);
     const EngineParam& p0 = first.params[i];

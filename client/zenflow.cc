@@ -1022,13 +1022,6 @@ absl::Status ZenFlowEngine::Flush() {
   return st;
 }
 
-namespace {
-
-constexpr int64_t kBlobMagicV1 = kEngineBlobMagicV1;
-constexpr int64_t kBlobMagic = kEngineBlobMagic;  // V2
-constexpr int64_t kBlobMagicV3 = kEngineBlobMagicV3;
-
-}  // namespace
 
 absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
   Impl& im = *impl_;
@@ -1048,7 +1041,7 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
   const bool v3 = std::any_of(im.params.begin(), im.params.end(),
                               [](const PState& ps) { return ps.bf16; });
   BlobWriter w;
-  w.I64(v3 ? kBlobMagicV3 : kBlobMagic);
+  w.I64(v3 ? kEngineBlobMagicV3 : kEngineBlobMagic);
   w.I64(static_cast<int64_t>(im.cfg.mode));
   w.I64(im.step);
   w.I64(im.rounds);
@@ -1097,7 +1090,7 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   auto bad = [](const std::string& what) {
     return absl::DataLossError(absl::StrCat("state: ", what));
   };
-  if (!r.I64(&magic) || (magic != kBlobMagicV3 && magic != kBlobMagic && magic != kBlobMagicV1))
+  if (!r.I64(&magic) || (magic != kEngineBlobMagicV3 && magic != kEngineBlobMagic && magic != kEngineBlobMagicV1))
     return bad("not a ZenFlow engine checkpoint");
   if (!r.I64(&mode) || mode != static_cast<int64_t>(im.cfg.mode))
     return absl::InvalidArgumentError(absl::StrCat(
@@ -1116,7 +1109,7 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
           "state: parameter '", ps.p.name, "' was checkpointed with another shape or split"));
     // Blobs before V3 hold fp32 parameters only.
     int64_t dtype = kBlobFp32;
-    if (magic == kBlobMagicV3 && !r.I64(&dtype)) return bad("truncated");
+    if (magic == kEngineBlobMagicV3 && !r.I64(&dtype)) return bad("truncated");
     if (dtype != (ps.bf16 ? kBlobBf16 : kBlobFp32))
       return absl::InvalidArgumentError(absl::StrCat(
           "state: parameter '", ps.p.name, "' was checkpointed as ",
@@ -1128,14 +1121,14 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
         return bad("truncated");
       im.ops.Upload(ps.m.data(), a.data(), ps.numel);
       im.ops.Upload(ps.v.data(), b.data(), ps.numel);
-      if (magic == kBlobMagicV3) {
+      if (magic == kEngineBlobMagicV3) {
         if (!r.AnyFloats(&c) || (!c.empty() && (!ps.bf16 || c.size() != static_cast<size_t>(ps.numel))))
           return bad(absl::StrCat("the master of '", ps.p.name, "' is truncated or mis-sized"));
         // Without one (checkpointed before its first Step) the first Step widens the value.
         ps.master_ready = !c.empty();
         if (ps.master_ready) im.ops.Upload(ps.master.data(), c.data(), ps.numel);
       }
-    } else if (magic != kBlobMagicV1) {
+    } else if (magic != kEngineBlobMagicV1) {
       if (!r.I64(&ps.round_grads)) return bad("truncated");
     } else {
       ps.round_grads = 1;  // version 1 engines always had every gradient

@@ -54,6 +54,11 @@ stallfree::api::EngineConfig ConfigFrom(const py::dict& d) {
 
 }  // namespace
 
+// The bytes at an address of the caller's (a uint8 tensor's data_ptr and numel).
+static std::string BytesAt(uintptr_t at, size_t n) {
+  return n == 0 ? std::string() : std::string(reinterpret_cast<const char*>(at), n);
+}
+
 PYBIND11_MODULE(_stallfree, m) {
   m.doc() = "stallfree's client library and ZenFlow engine (use the `stallfree` package)";
   static py::exception<stallfree::api::Error> error(m, "Error", PyExc_RuntimeError);
@@ -124,11 +129,8 @@ PYBIND11_MODULE(_stallfree, m) {
       .def("restore",
            [](Engine& e, uintptr_t state, size_t state_size, uintptr_t daemon,
               size_t daemon_size) {
-             auto bytes = [](uintptr_t at, size_t n) {
-               return n == 0 ? std::string() : std::string(reinterpret_cast<const char*>(at), n);
-             };
              py::gil_scoped_release release;
-             e.Restore(bytes(state, state_size), bytes(daemon, daemon_size));
+             e.Restore(BytesAt(state, state_size), BytesAt(daemon, daemon_size));
            },
            py::arg("state"), py::arg("state_size"), py::arg("daemon"), py::arg("daemon_size"))
       // fn(name, memoryview of cols float32) reduces the scores in place; it runs with the GIL.
@@ -178,22 +180,17 @@ PYBIND11_MODULE(_stallfree, m) {
       "repartition",
       [](const stallfree::api::WholeShapes& params, const py::list& old, int new_world,
          int new_rank) {
-        std::vector<std::pair<std::string, std::string>> held(old.size());
-        std::vector<const std::pair<std::string, std::string>*> ptrs(old.size(), nullptr);
-        auto bytes = [](uintptr_t at, size_t n) {
-          return n == 0 ? std::string() : std::string(reinterpret_cast<const char*>(at), n);
-        };
+        std::vector<std::optional<std::pair<std::string, std::string>>> held(old.size());
         for (size_t j = 0; j < old.size(); ++j) {
           if (old[j].is_none()) continue;
           py::tuple t = old[j].cast<py::tuple>();
-          held[j] = {bytes(t[0].cast<uintptr_t>(), t[1].cast<size_t>()),
-                     bytes(t[2].cast<uintptr_t>(), t[3].cast<size_t>())};
-          ptrs[j] = &held[j];
+          held[j].emplace(BytesAt(t[0].cast<uintptr_t>(), t[1].cast<size_t>()),
+                          BytesAt(t[2].cast<uintptr_t>(), t[3].cast<size_t>()));
         }
         std::pair<std::string, std::string> out;
         {
           py::gil_scoped_release release;
-          out = stallfree::api::Repartition(params, ptrs, new_world, new_rank);
+          out = stallfree::api::Repartition(params, std::move(held), new_world, new_rank);
         }
         return py::make_tuple(py::bytearray(out.first), py::bytearray(out.second));
       },

@@ -316,13 +316,14 @@ std::vector<int> RepartitionSources(const WholeShapes& params, int old_world, in
 }
 
 std::pair<std::string, std::string> Repartition(
-    const WholeShapes& params, const std::vector<const std::pair<std::string, std::string>*>& old,
-    int new_world, int new_rank) {
+    const WholeShapes& params,
+    std::vector<std::optional<std::pair<std::string, std::string>>> old, int new_world,
+    int new_rank) {
   std::vector<PartitionedState> states(old.size());
   std::vector<const PartitionedState*> ptrs(old.size(), nullptr);
   for (size_t j = 0; j < old.size(); ++j) {
-    if (old[j] == nullptr) continue;
-    states[j] = {old[j]->first, old[j]->second};
+    if (!old[j]) continue;
+    states[j] = {std::move(old[j]->first), std::move(old[j]->second)};
     ptrs[j] = &states[j];
   }
   const char* tmp = getenv("TMPDIR");

@@ -14,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -136,10 +137,11 @@ using WholeShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 std::vector<int> RepartitionSources(const WholeShapes& params, int old_world, int new_world,
                                     int new_rank);
 // Rank new_rank of new_world's (engine state, daemon checkpoint) from the old ranks' (old[j]:
-// rank j's pair, or null where not needed); temporary files in $TMPDIR or /tmp.
+// rank j's pair, moved in, or empty where not needed); temporary files in $TMPDIR or /tmp.
 std::pair<std::string, std::string> Repartition(
-    const WholeShapes& params, const std::vector<const std::pair<std::string, std::string>*>& old,
-    int new_world, int new_rank);
+    const WholeShapes& params,
+    std::vector<std::optional<std::pair<std::string, std::string>>> old, int new_world,
+    int new_rank);
 
 }  // namespace api
 }  // namespace stallfree
