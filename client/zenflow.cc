@@ -95,6 +95,16 @@ absl::Status Invalid(const std::string& field, const std::string& why) {
 }
 
 size_t DTypeBytes(v1::DType t) { return t == v1::DTYPE_BF16 ? 2 : 4; }
+GradType DTypeOf(v1::DType t) { return t == v1::DTYPE_BF16 ? GradType::kBf16 : GradType::kFp32; }
+// Floats that hold n elements of dtype t.
+int64_t FloatsFor(int64_t n, v1::DType t) { return t == v1::DTYPE_BF16 ? (n + 1) / 2 : n; }
+// p advanced by `elems` elements of `size` bytes.
+const void* Advance(const void* p, int64_t elems, size_t size) {
+  return static_cast<const char*>(p) + elems * static_cast<int64_t>(size);
+}
+// The hot columns' gradient is gathered in row blocks of at most this many elements (zenflow.h,
+// "Transfers").
+constexpr int64_t kHotBlock = int64_t{1} << 20;
 
 }  // namespace
 
@@ -105,6 +115,21 @@ const char* OffloadModeName(OffloadMode mode) {
     case OffloadMode::kNoOffload: return "no-offload";
   }
   return "?";
+}
+
+const char* TransfersName(Transfers t) {
+  switch (t) {
+    case Transfers::kAuto: return "auto";
+    case Transfers::kBuffered: return "buffered";
+    case Transfers::kDirect: return "direct";
+  }
+  return "?";
+}
+
+absl::StatusOr<Transfers> ParseTransfers(const std::string& name) {
+  for (Transfers t : {Transfers::kAuto, Transfers::kBuffered, Transfers::kDirect})
+    if (name == TransfersName(t)) return t;
+  return Invalid("transfers", absl::StrCat("'", name, "' is not auto, buffered or direct"));
 }
 
 absl::StatusOr<OffloadMode> ParseOffloadMode(const std::string& name) {
@@ -166,16 +191,20 @@ struct PState {
   bool master_ready = false;
   int64_t dstep = 0;
   // kSplit: hot_idx[i] is the column at hot position i, cold_idx[j] the column at the daemon's
-  // compact position j; hot_steps[i] the hot column's AdamW step count. hot_grad holds the hot
-  // columns' gradient in the parameter's dtype.
+  // compact position j; hot_steps[i] the hot column's AdamW step count.
   std::vector<int64_t> hot_idx, cold_idx, hot_steps;
-  OpsBuffer hot_master, hot_m, hot_v, hot_grad;
+  OpsBuffer hot_master, hot_m, hot_v;
   int64_t consts_at = 0;  // its hot columns' AdamW constants in Impl::hot_consts: ss, then bc2
   OpsBuffer hot_idx_dev, cold_idx_dev, scores, topk_dev;  // int64 arrays as 2 floats each
-  // kSplit and kOffloaded: the gradients that cross per gradient slot (cold_grad fp32,
-  // cold_bf16 bf16), and the parameters back (cold_params fp32, cold_raw bf16); each only where
-  // the dtypes need it (Setup).
-  OpsBuffer cold_grad[2], cold_bf16[2], cold_params, cold_raw;
+  // kSplit and kOffloaded: the device buffers of buffered transfers (zenflow.h, "Transfers"),
+  // each only where Setup needs it: send, the gradient as it crosses (grad_dtype: a buffered
+  // split weight's gathered cold columns, a whole parameter converted); back, the parameters as
+  // they come back (param_dtype), before the scatter or conversion into the value.
+  OpsBuffer send, back;
+  // Direct transfers (kSplit): the backend's views of the session's gradient slots and
+  // parameter slots for this parameter (host memory).
+  void* grad_view[2] = {nullptr, nullptr};
+  const void* param_view[2] = {nullptr, nullptr};
   // A bf16 kOffloaded parameter of odd size crosses straight from and into the caller's
   // buffers (no copy) in whole floats, but its last element alone, through tail (floats 0, 1:
   // the gradient of slot 0, 1; float 2: the parameter back) and tail_idx (= numel - 1): a float
@@ -192,27 +221,20 @@ struct PState {
   uint16_t* value16() const { return static_cast<uint16_t*>(p.value); }
   const float* grad32() const { return static_cast<const float*>(p.grad); }
   const uint16_t* grad16() const { return static_cast<const uint16_t*>(p.grad); }
-  // A bf16 kOffloaded parameter's gradient and parameters cross straight from / into its
-  // buffers when they cross as bf16.
-  bool direct_bf16_grad(v1::DType grad_dtype) const {
-    return bf16 && kind == kOffloaded && grad_dtype == v1::DTYPE_BF16;
+  // A whole kOffloaded parameter's gradient and parameters cross straight from / into its
+  // buffers when they cross in its dtype.
+  bool straight_grad(v1::DType grad_dtype) const {
+    return kind == kOffloaded && p.dtype == grad_dtype;
   }
-  bool direct_bf16_params(v1::DType param_dtype) const {
-    return bf16 && kind == kOffloaded && param_dtype == v1::DTYPE_BF16;
-  }
-  // The fp32 gradient that goes to the daemon from gradient slot `slot` (grad_dtype fp32): the
-  // gathered cold columns of a split weight, a widened bf16 parameter's, or a whole fp32
-  // offloaded parameter's own gradient.
-  const float* ColdFp32(uint32_t slot) const {
-    return kind == kSplit || bf16 ? cold_grad[slot].data() : grad32();
+  bool straight_params(v1::DType param_dtype) const {
+    return kind == kOffloaded && p.dtype == param_dtype;
   }
   // The bytes of the buffers this parameter's state owns, by DeviceFootprint category.
   void AddFootprint(DeviceFootprint* f) const {
     auto b = [](const OpsBuffer& x) { return x.size() * 4; };
     f->masters += b(master) + b(hot_master);
     f->moments += b(m) + b(v) + b(hot_m) + b(hot_v);
-    f->transfers += b(hot_grad) + b(cold_grad[0]) + b(cold_grad[1]) + b(cold_bf16[0]) +
-                    b(cold_bf16[1]) + b(cold_params) + b(cold_raw) + b(tail);
+    f->transfers += b(send) + b(back) + b(tail);
     f->selection += b(hot_idx_dev) + b(cold_idx_dev) + b(scores) + b(topk_dev) + b(tail_idx);
     f->params += 2 * numel * static_cast<int64_t>(esize());
   }
@@ -231,6 +253,13 @@ struct ZenFlowEngine::Impl {
   StepTimings last;
   bool loaded = false;
   absl::Status failure;
+  // Transfers (zenflow.h): direct for every split weight, or buffered for every one.
+  bool direct = false;
+  // The hot columns' gradient, one row block of one weight at a time (kHotBlock).
+  OpsBuffer hot_scratch;
+  // Direct: the backend's view of the staging area (the initial load gathers into it).
+  float* staging_view = nullptr;
+  int64_t send_task = 0;          // copy-thread task that last downloaded the send buffers
   int64_t slot_task[2] = {0, 0};  // copy-thread task that last pushed each gradient slot
   // The version of the Update that last pushed each gradient slot (fused push; 0: none): the
   // daemon reads the slot until that Update is done.
@@ -290,6 +319,11 @@ struct ZenFlowEngine::Impl {
   }
 
   absl::Status Setup();
+  // After the registration: direct or buffered transfers, and their views or buffers.
+  absl::Status SetupTransfers();
+  static int64_t HotBlockRows(const PState& ps) {
+    return std::min(ps.rows, std::max<int64_t>(1, kHotBlock / std::max<int64_t>(ps.k, 1)));
+  }
   absl::Status LoadDaemon();
   absl::Status SelectInitial(PState& ps, StepTimings* tm);
   // Enqueues the scores and top-k of ps's gradient and their download into *hot (valid after a
@@ -332,7 +366,6 @@ absl::Status ZenFlowEngine::Impl::Setup() {
         ps.hot_master = OpsBuffer(&ops, ps.rows * ps.k);
         ps.hot_m = OpsBuffer(&ops, ps.rows * ps.k);
         ps.hot_v = OpsBuffer(&ops, ps.rows * ps.k);
-        ps.hot_grad = OpsBuffer(&ops, ps.bf16 ? (ps.rows * ps.k + 1) / 2 : ps.rows * ps.k);
         ps.consts_at = static_cast<int64_t>(hot_consts_host.size());
         hot_consts_host.resize(hot_consts_host.size() + 2 * ps.k);
         ps.hot_idx_dev = Ints(ps.k);
@@ -342,37 +375,6 @@ absl::Status ZenFlowEngine::Impl::Setup() {
         break;
       case PState::kOffloaded:
         break;
-    }
-    if (ps.kind != PState::kDevice && !ps.bf16) {
-      const int64_t n = ps.offload_numel();
-      for (int s = 0; s < 2; ++s) {
-        // A whole offloaded parameter is read straight from its gradient buffer (sync-offload
-        // waits for the copy before Step returns); only split weights need a gather buffer.
-        if (ps.kind == PState::kSplit) ps.cold_grad[s] = OpsBuffer(&ops, n);
-        if (cfg.grad_dtype == v1::DTYPE_BF16) ps.cold_bf16[s] = OpsBuffer(&ops, (n + 1) / 2);
-      }
-      if (ps.kind == PState::kSplit) ps.cold_params = OpsBuffer(&ops, n);
-      if (cfg.param_dtype == v1::DTYPE_BF16) ps.cold_raw = OpsBuffer(&ops, (n + 1) / 2);
-    } else if (ps.kind != PState::kDevice) {
-      // A bf16 parameter: the gradient crosses as it is (bf16: gathered into cold_bf16, or, for
-      // a whole offloaded one, straight from its buffer) or widened (fp32: into cold_grad); the
-      // parameters come back as the daemon's bf16 rounding of its masters (into cold_raw, or
-      // straight into the value of a whole offloaded one) or as fp32 masters (into cold_params,
-      // rounded here).
-      const int64_t n = ps.offload_numel();
-      const bool whole = ps.kind == PState::kOffloaded;
-      for (int s = 0; s < 2; ++s) {
-        if (cfg.grad_dtype == v1::DTYPE_FP32) ps.cold_grad[s] = OpsBuffer(&ops, n);
-        else if (!whole) ps.cold_bf16[s] = OpsBuffer(&ops, (n + 1) / 2);
-      }
-      if (cfg.param_dtype == v1::DTYPE_FP32) ps.cold_params = OpsBuffer(&ops, n);
-      else if (!whole) ps.cold_raw = OpsBuffer(&ops, (n + 1) / 2);
-      if (whole && n % 2 == 1 &&
-          (ps.direct_bf16_grad(cfg.grad_dtype) || ps.direct_bf16_params(cfg.param_dtype))) {
-        ps.tail = OpsBuffer(&ops, 3);
-        ps.tail_idx = Ints(1);
-        UploadInts(ps.tail_idx, {n - 1});
-      }
     }
     if (ps.kind != PState::kDevice) {
       ParamSpec spec;
@@ -409,8 +411,62 @@ absl::Status ZenFlowEngine::Impl::Setup() {
   copy_stream = ops.NewCopyStream(&why);
   if (copy_stream == nullptr && !why.empty())
     SF_LOG(kWarning, "zenflow: no copy stream (%s); copies share the compute stream", why);
+  RETURN_IF_ERROR(SetupTransfers());
   copier = std::make_unique<CopyThread>();
   return absl::OkStatus();
+}
+
+absl::Status ZenFlowEngine::Impl::SetupTransfers() {
+  // Direct where asked, or (auto) where there is no copy stream to overlap buffered copies with
+  // compute; then only if the backend addresses every slot of every split weight.
+  direct = cfg.transfers == Transfers::kDirect ||
+           (cfg.transfers == Transfers::kAuto && copy_stream == nullptr);
+  int64_t scratch = 0;
+  for (PState& ps : params) {
+    if (ps.kind != PState::kSplit) continue;
+    scratch = std::max(scratch, FloatsFor(HotBlockRows(ps) * ps.k, ps.p.dtype));
+    for (uint32_t s = 0; direct && s < 2; ++s) {
+      std::string why;
+      ps.grad_view[s] = ops.HostView(session->GradSlot(s, ps.p.name), &why);
+      if (s < param_slots && ps.grad_view[s] != nullptr) {
+        const void* slot = cfg.param_dtype == v1::DTYPE_BF16
+                               ? static_cast<const void*>(session->ParamsBf16(s, ps.p.name))
+                               : static_cast<const void*>(session->ParamsFp32(s, ps.p.name));
+        ps.param_view[s] = ops.HostView(const_cast<void*>(slot), &why);
+      }
+      if (ps.grad_view[s] != nullptr && (s >= param_slots || ps.param_view[s] != nullptr))
+        continue;
+      if (cfg.transfers == Transfers::kDirect)
+        return absl::FailedPreconditionError(absl::StrCat(
+            "transfers: direct, but the ", ops.name(), " backend cannot address the daemon's "
+            "slots of '", ps.p.name, "' (", why, "); use transfers buffered"));
+      SF_LOG(kWarning, "zenflow: buffered transfers: the %s backend cannot address the daemon's "
+             "slots (%s)", ops.name(), why);
+      direct = false;
+    }
+  }
+  hot_scratch = OpsBuffer(&ops, scratch);
+  if (direct) {
+    std::string why;
+    staging_view = static_cast<float*>(ops.HostView(session->Staging(), &why));
+  }
+  for (PState& ps : params) {
+    if (ps.kind == PState::kDevice) continue;
+    if (ps.kind == PState::kSplit && direct) continue;
+    // Buffered: a device buffer for what crosses, unless it crosses straight from or into the
+    // parameter's own buffers (a whole parameter in its dtype).
+    const int64_t n = ps.offload_numel();
+    if (!ps.straight_grad(cfg.grad_dtype)) ps.send = OpsBuffer(&ops, FloatsFor(n, cfg.grad_dtype));
+    if (!ps.straight_params(cfg.param_dtype))
+      ps.back = OpsBuffer(&ops, FloatsFor(n, cfg.param_dtype));
+    if (ps.bf16 && n % 2 == 1 &&
+        (ps.straight_grad(cfg.grad_dtype) || ps.straight_params(cfg.param_dtype))) {
+      ps.tail = OpsBuffer(&ops, 3);
+      ps.tail_idx = Ints(1);
+      UploadInts(ps.tail_idx, {n - 1});
+    }
+  }
+  return Sync("allocating the engine's transfer buffers");
 }
 
 absl::Status ZenFlowEngine::Impl::LoadDaemon() {
@@ -429,21 +485,36 @@ absl::Status ZenFlowEngine::Impl::LoadDaemon() {
   };
   for (PState& ps : params) {
     if (ps.kind == PState::kDevice) continue;
-    // A bf16 parameter's initial masters are its values widened (exact), through cold_params
-    // where it has one, else a buffer of this call.
+    // Direct: a split weight's cold columns (a bf16 one's widened, exactly) are gathered
+    // straight into the staging area, in blocks of whole rows, when a row fits it.
+    if (ps.kind == PState::kSplit && staging_view != nullptr &&
+        cap >= static_cast<uint64_t>(ps.ncold)) {
+      const uint64_t row = static_cast<uint64_t>(ps.ncold);
+      for (int64_t r0 = 0; r0 < ps.rows;) {
+        if (cap - used < row) RETURN_IF_ERROR(flush());
+        const int64_t nr = std::min<int64_t>(ps.rows - r0, static_cast<int64_t>((cap - used) / row));
+        k.GatherColumnsAs(ps.gtype(), Advance(ps.p.value, r0 * ps.cols, ps.esize()), nr, ps.cols,
+                          AsInts(ps.cold_idx_dev), ps.ncold, GradType::kFp32,
+                          staging_view + used);
+        batch.push_back({ps.p.name, static_cast<uint64_t>(r0) * row, nr * row, used * 4});
+        used += nr * row;
+        r0 += nr;
+      }
+      continue;
+    }
+    // Else a split weight's cold columns are gathered, a bf16 parameter's initial masters are
+    // its values widened (exact): through `back` where it holds fp32, else a buffer of this
+    // call.
     OpsBuffer widened;
-    float* gathered = ps.cold_params.data();
-    if (ps.bf16 && ps.cold_params.empty()) {
+    float* gathered = cfg.param_dtype == v1::DTYPE_FP32 ? ps.back.data() : nullptr;
+    if ((ps.kind == PState::kSplit || ps.bf16) && gathered == nullptr) {
       widened = OpsBuffer(&ops, ps.offload_numel());
       NoteTransient(widened.size() * 4);
       gathered = widened.data();
     }
-    if (ps.kind == PState::kSplit && ps.bf16)
-      k.GatherColumnsToFloat(ps.value16(), ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
-                             gathered);
-    else if (ps.kind == PState::kSplit)
-      k.GatherColumns(ps.p.value, 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
-                      gathered);
+    if (ps.kind == PState::kSplit)
+      k.GatherColumnsAs(ps.gtype(), ps.p.value, ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
+                        ps.ncold, GradType::kFp32, gathered);
     else if (ps.bf16)
       k.Bf16ToFloat(ps.value16(), gathered, ps.numel);
     const float* src = ps.kind == PState::kSplit || ps.bf16 ? gathered : ps.value32();
@@ -588,8 +659,7 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
                         b.tmp.data() + a * rn);
       // The entering columns' gradient of this step exactly as the daemon receives it: their
       // compact positions in this step's slot buffer (bf16 already when transfers are).
-      const void* sent = bf16 ? static_cast<const void*>(ps.cold_bf16[slot].data())
-                              : static_cast<const void*>(ps.cold_grad[slot].data());
+      const void* sent = direct ? ps.grad_view[slot] : ps.send.data();
       k.GatherColumns(sent, bf16 ? 2 : 4, ps.rows, ps.ncold, AsInts(b.cols_dev), n,
                       b.grad.data());
       ops.Download(session->Staging() + b.staging_at, b.tmp.data(), 3 * rn);
@@ -670,46 +740,41 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
 void ZenFlowEngine::Impl::UploadParams(const kernels::TransformerOps& on, PState& ps,
                                        uint32_t slot) {
   const int64_t n = ps.offload_numel();
-  if (cfg.param_dtype == v1::DTYPE_FP32) {
-    float* dst = ps.kind == PState::kSplit || ps.bf16 ? ps.cold_params.data() : ps.value32();
-    on.Upload(dst, session->ParamsFp32(slot, ps.p.name), n);
-    return;
+  const float* src = cfg.param_dtype == v1::DTYPE_FP32
+                         ? session->ParamsFp32(slot, ps.p.name)
+                         : reinterpret_cast<const float*>(session->ParamsBf16(slot, ps.p.name));
+  if (!ps.straight_params(cfg.param_dtype)) {
+    on.Upload(ps.back.data(), src, FloatsFor(n, cfg.param_dtype));
+  } else if (!ps.bf16) {
+    on.Upload(ps.value32(), src, n);
+  } else {
+    // Straight into a whole bf16 parameter's value: whole floats, and an odd size's last element
+    // (then at a float boundary of the slot, which is padded) into its tail.
+    on.Upload(ps.value32(), src, n / 2);
+    if (n % 2 == 1) on.Upload(ps.tail.data() + 2, src + n / 2, 1);
   }
-  const float* src = reinterpret_cast<const float*>(session->ParamsBf16(slot, ps.p.name));
-  if (!ps.direct_bf16_params(cfg.param_dtype)) {
-    on.Upload(ps.cold_raw.data(), src, (n + 1) / 2);
-    return;
-  }
-  // Straight into a whole bf16 parameter's value: whole floats, and an odd size's last element
-  // (then at a float boundary of the slot, which is padded) into its tail.
-  on.Upload(ps.value32(), src, n / 2);
-  if (n % 2 == 1) on.Upload(ps.tail.data() + 2, src + n / 2, 1);
 }
 
 absl::Status ZenFlowEngine::Impl::ScatterParams(PState& ps, uint32_t slot, bool uploaded,
                                                 StepTimings* tm) {
+  // A bf16 value takes the daemon's bf16 output (already the rounding of its masters) or the
+  // rounding of its fp32 masters; an fp32 value the masters, or the bf16 output widened.
   const int64_t n = ps.offload_numel();
-  if (!uploaded) UploadParams(ops, ps, slot);
-  if (!ps.bf16) {
-    float* dst = ps.kind == PState::kSplit ? ps.cold_params.data() : ps.value32();
-    if (cfg.param_dtype != v1::DTYPE_FP32)
-      k.Bf16ToFloat(reinterpret_cast<const uint16_t*>(ps.cold_raw.data()), dst, n);
+  const GradType from = DTypeOf(cfg.param_dtype);
+  if (ps.kind == PState::kSplit && direct) {
+    k.ScatterColumnsAs(from, ps.param_view[slot], ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
+                       ps.ncold, ps.gtype(), ps.p.value);
+  } else {
+    if (!uploaded) UploadParams(ops, ps, slot);
     if (ps.kind == PState::kSplit)
-      k.ScatterColumns(ps.cold_params.data(), 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
-                       ps.ncold, ps.p.value);
-  } else if (cfg.param_dtype == v1::DTYPE_FP32) {
-    // The daemon's fp32 masters, rounded into the bf16 values.
-    if (ps.kind == PState::kSplit)
-      k.ScatterColumnsToBf16(ps.cold_params.data(), ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
-                             ps.ncold, ps.value16());
-    else
-      k.FloatToBf16(ps.cold_params.data(), ps.value16(), n);
-  } else if (ps.kind == PState::kSplit) {
-    // The daemon's bf16 output is already the rounding of its masters.
-    k.ScatterColumns(ps.cold_raw.data(), 2, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
-                     ps.p.value);
-  } else if (n % 2 == 1) {
-    k.ScatterColumns(ps.tail.data() + 2, 2, 1, n, AsInts(ps.tail_idx), 1, ps.p.value);
+      k.ScatterColumnsAs(from, ps.back.data(), ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
+                         ps.ncold, ps.gtype(), ps.p.value);
+    else if (!ps.straight_params(cfg.param_dtype) && ps.bf16)
+      k.FloatToBf16(ps.back.data(), ps.value16(), n);
+    else if (!ps.straight_params(cfg.param_dtype))
+      k.Bf16ToFloat(reinterpret_cast<const uint16_t*>(ps.back.data()), ps.value32(), n);
+    else if (ps.bf16 && n % 2 == 1)
+      k.ScatterColumns(ps.tail.data() + 2, 2, 1, n, AsInts(ps.tail_idx), 1, ps.p.value);
   }
   tm->bytes_to_device += n * DTypeBytes(cfg.param_dtype);
   return absl::OkStatus();
@@ -794,12 +859,17 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
         k.AdamW(a, ps.value32(), ps.m.data(), ps.v.data(), ps.p.grad, GradType::kFp32, ps.numel,
                 nullptr);
     } else if (ps.kind == PState::kSplit) {
-      k.GatherColumns(ps.p.grad, ps.esize(), ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
-                      ps.hot_grad.data());
+      // The hot columns' gradient in row blocks through the scratch (stream ordered on a
+      // device), each block's AdamW on the matching rows of the masters and moments.
       const float* c = hot_consts.data() + ps.consts_at;
-      k.AdamWColumns(adam, c, c + ps.k, ps.hot_master.data(),
-                     ps.hot_m.data(), ps.hot_v.data(), ps.hot_grad.data(), ps.gtype(),
-                     ps.rows, ps.k, nullptr);
+      const int64_t block = HotBlockRows(ps);
+      for (int64_t r0 = 0; r0 < ps.rows; r0 += block) {
+        const int64_t nr = std::min(block, ps.rows - r0), at = r0 * ps.k;
+        k.GatherColumns(Advance(ps.p.grad, r0 * ps.cols, ps.esize()), ps.esize(), nr, ps.cols,
+                        AsInts(ps.hot_idx_dev), ps.k, hot_scratch.data());
+        k.AdamWColumns(adam, c, c + ps.k, ps.hot_master.data() + at, ps.hot_m.data() + at,
+                       ps.hot_v.data() + at, hot_scratch.data(), ps.gtype(), nr, ps.k, nullptr);
+      }
       if (ps.bf16)
         k.ScatterColumnsToBf16(ps.hot_master.data(), ps.rows, ps.cols, AsInts(ps.hot_idx_dev),
                                ps.k, ps.value16());
@@ -816,13 +886,21 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     return absl::OkStatus();
   }
 
-  // Cold gradients into this step's slot buffers, once the push that last used them is done.
+  // Cold gradients on their way: into the send buffers once the previous step's download from
+  // them is done; direct, into this step's gradient slot once the daemon is done with it (the
+  // push that last wrote it, and a fused Update that reads it).
   const uint32_t slot = static_cast<uint32_t>(t % 2);
   t0 = Clock::now();
-  RETURN_IF_ERROR(copier->WaitFor(slot_task[slot]));
+  RETURN_IF_ERROR(copier->WaitFor(send_task));
+  if (direct) {
+    RETURN_IF_ERROR(copier->WaitFor(slot_task[slot]));
+    if (slot_update[slot] > 0) RETURN_IF_ERROR(session->WaitUpdate(slot_update[slot]).status());
+    slot_update[slot] = 0;
+  }
   tm.stall += Since(t0);
   t0 = Clock::now();
   std::vector<char> present(params.size(), 0);
+  const GradType gt = DTypeOf(cfg.grad_dtype);
   for (size_t i = 0; i < params.size(); ++i) {
     PState& ps = params[i];
     if (ps.kind == PState::kDevice) continue;
@@ -832,27 +910,17 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     present[i] = 1;
     ++ps.round_grads;
     const int64_t n = ps.offload_numel();
-    const bool bf16_out = cfg.grad_dtype == v1::DTYPE_BF16;
-    if (!ps.bf16) {
-      if (ps.kind == PState::kSplit)
-        k.GatherColumns(ps.p.grad, 4, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
-                        ps.cold_grad[slot].data());
-      if (bf16_out)
-        k.FloatToBf16(ps.ColdFp32(slot), reinterpret_cast<uint16_t*>(ps.cold_bf16[slot].data()),
-                      n);
-    } else if (bf16_out) {
-      // A bf16 gradient crosses as it is: gathered, or straight from a whole parameter's buffer
-      // (an odd size's last element through its tail).
-      if (ps.kind == PState::kSplit)
-        k.GatherColumns(ps.p.grad, 2, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
-                        ps.cold_bf16[slot].data());
-      else if (n % 2 == 1)
-        k.GatherColumns(ps.p.grad, 2, 1, n, AsInts(ps.tail_idx), 1, ps.tail.data() + slot);
-    } else if (ps.kind == PState::kSplit) {
-      k.GatherColumnsToFloat(ps.grad16(), ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
-                             ps.cold_grad[slot].data());
-    } else {
-      k.Bf16ToFloat(ps.grad16(), ps.cold_grad[slot].data(), n);
+    if (ps.kind == PState::kSplit) {
+      k.GatherColumnsAs(ps.gtype(), ps.p.grad, ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
+                        ps.ncold, gt, direct ? ps.grad_view[slot] : ps.send.data());
+    } else if (!ps.straight_grad(cfg.grad_dtype) && ps.bf16) {
+      k.Bf16ToFloat(ps.grad16(), ps.send.data(), n);
+    } else if (!ps.straight_grad(cfg.grad_dtype)) {
+      k.FloatToBf16(ps.grad32(), reinterpret_cast<uint16_t*>(ps.send.data()), n);
+    } else if (ps.bf16 && n % 2 == 1) {
+      // Straight from a whole bf16 parameter's buffer: an odd size's last element through its
+      // tail.
+      k.GatherColumns(ps.p.grad, 2, 1, n, AsInts(ps.tail_idx), 1, ps.tail.data() + slot);
     }
     tm.bytes_to_host += n * DTypeBytes(cfg.grad_dtype);
   }
@@ -912,28 +980,33 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   const int64_t slot_busy = slot_update[slot];    // an Update that still reads the slot
   const int64_t prev_update = pending_version;    // an Update that may still run
   slot_update[slot] = fuse ? t : 0;
-  slot_task[slot] = copier->Post([this, slot, t, scale, fuse, slot_busy, prev_update, hyper,
-                                  pslot, out, present, skip]() -> absl::Status {
+  // The slot's bytes (what the send buffers hold, straight from whole parameters' buffers,
+  // zeros for a missing gradient) once no Update reads it; direct ones are already there.
+  send_task = copier->Post([this, slot, slot_busy, present]() -> absl::Status {
     if (slot_busy > 0) RETURN_IF_ERROR(session->WaitUpdate(slot_busy).status());
     for (size_t i = 0; i < params.size(); ++i) {
       PState& ps = params[i];
-      if (ps.kind == PState::kDevice) continue;
+      if (ps.kind == PState::kDevice || (ps.kind == PState::kSplit && direct && present[i]))
+        continue;
       const int64_t n = ps.offload_numel();
       float* dst = static_cast<float*>(session->GradSlot(slot, ps.p.name));
       if (!present[i]) {
         memset(dst, 0, n * DTypeBytes(cfg.grad_dtype));
-      } else if (cfg.grad_dtype == v1::DTYPE_FP32) {
-        CopyOps().Download(dst, ps.ColdFp32(slot), n);
-      } else if (ps.direct_bf16_grad(cfg.grad_dtype)) {
+      } else if (!ps.straight_grad(cfg.grad_dtype)) {
+        CopyOps().Download(dst, ps.send.data(), FloatsFor(n, cfg.grad_dtype));
+      } else if (!ps.bf16) {
+        CopyOps().Download(dst, ps.grad32(), n);
+      } else {
         // Whole floats of the caller's buffer, and an odd size's last element from its tail
         // (to a float boundary of the slot, which is padded).
         CopyOps().Download(dst, static_cast<const float*>(ps.p.grad), n / 2);
         if (n % 2 == 1) CopyOps().Download(dst + n / 2, ps.tail.data() + slot, 1);
-      } else {
-        CopyOps().Download(dst, ps.cold_bf16[slot].data(), (n + 1) / 2);
       }
     }
-    RETURN_IF_ERROR(CopySync("copying the cold gradients to the host"));
+    return CopySync("copying the cold gradients to the host");
+  });
+  slot_task[slot] = copier->Post([this, slot, t, scale, fuse, prev_update, hyper, pslot, out,
+                                  skip]() -> absl::Status {
     if (!fuse) return session->Push(t, slot, scale).status();
     if (prev_update > 0) RETURN_IF_ERROR(session->WaitUpdate(prev_update).status());
     return session->UpdateWithPush(t, hyper, pslot, out, slot, scale, skip);
@@ -949,8 +1022,8 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   // Before the step that lands a pending Update, the copy thread uploads its parameters while
   // the caller computes that step (zenflow: only split weights go through the daemon).
   const int64_t u = t + 1;
-  if (cfg.mode == OffloadMode::kZenFlow && pending_version > 0 && prefetched_version == 0 &&
-      u > W && (u - W) % cfg.update_interval == 0) {
+  if (cfg.mode == OffloadMode::kZenFlow && !direct && pending_version > 0 &&
+      prefetched_version == 0 && u > W && (u - W) % cfg.update_interval == 0) {
     const int64_t v = pending_version;
     const uint32_t from = pending_pslot;
     prefetch_task = copier->Post([this, v, from]() -> absl::Status {
@@ -1202,10 +1275,14 @@ DeviceFootprint ZenFlowEngine::Footprint() const {
   DeviceFootprint f;
   for (const PState& ps : impl_->params) ps.AddFootprint(&f);
   f.selection += impl_->hot_consts.size() * 4;
+  f.transfers += impl_->hot_scratch.size() * 4;
   f.transient_peak = impl_->transient_peak;
   return f;
 }
 const ZenFlowConfig& ZenFlowEngine::config() const { return impl_->cfg; }
+Transfers ZenFlowEngine::transfers() const {
+  return impl_->direct ? Transfers::kDirect : Transfers::kBuffered;
+}
 void ZenFlowEngine::set_score_reduce(ScoreReduce fn) { impl_->reduce = std::move(fn); }
 
 absl::StatusOr<std::vector<int64_t>> ZenFlowEngine::HotColumns(const std::string& param) const {

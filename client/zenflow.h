@@ -16,15 +16,15 @@
 //   gradients), then the top k = round(ratio * cols) columns (at least 1) are the hot set;
 // - hot columns: AdamW on the device now, with their fp32 master, moments and int64 step counts
 //   kept on the device (OptimizerKernel::AdamWColumns), written into the value buffer;
-// - cold columns: gathered into a contiguous buffer and handed to the engine's copy thread, which
-//   copies them into the session's current gradient slot (double buffered) and pushes them
-//   (PushGradients, scale 1/S: the daemon accumulates the round's mean gradient) while the caller
-//   computes the next step;
+// - cold columns: gathered into the session's current gradient slot (double buffered), straight
+//   or through a device buffer the copy thread downloads (see "Transfers"), and pushed by the
+//   engine's copy thread (PushGradients, scale 1/S: the daemon accumulates the round's mean
+//   gradient) while the caller computes the next step;
 // - every S = update_interval steps (a round boundary) the copy thread starts the daemon's Update
 //   (per-column step counts) with the round's last push folded in. The engine first lands the
-//   previous round's Update: the copy thread has already uploaded its parameters during the
-//   step before (it waits for that Update first), and the engine scatters them into the cold
-//   columns. Hot columns are never written by the daemon's output. So each Update's parameters
+//   previous round's Update: buffered, the copy thread has already uploaded its parameters
+//   during the step before (it waits for that Update first); direct, it waits for that Update
+//   now; and the engine scatters them into the cold columns. Hot columns are never written by the daemon's output. So each Update's parameters
 //   are read before the next Update is issued, and the engine registers one parameter slot, in
 //   param_dtype (offload.proto, RegisterParamsRequest).
 // - reselection, at the end of a boundary step t >= max(W, 1) with (t - W) a multiple of
@@ -48,6 +48,25 @@
 // masters start as the bf16 values widened (exact), at the first Step (Restore: from the blob).
 // Scores come from the bf16 gradient; the cold gradient crosses as is (grad_dtype bf16) or
 // widened (fp32). An fp32 parameter runs exactly as before (no master: the value is the master).
+//
+// Transfers. The cold gradient of a split weight crosses to the daemon's gradient slot, and the
+// daemon's parameters come back from its parameter slot, in one of two ways (ZenFlowConfig::
+// transfers). Buffered: Step gathers the cold gradient into one device buffer (in grad_dtype)
+// and the copy thread downloads it while the caller computes the next step; the copy thread
+// uploads an Update's parameters into one device buffer (in param_dtype) during the step before
+// the boundary that scatters them. The copies overlap compute; the buffers cost about
+// (1 - topk_ratio) x (grad_dtype + param_dtype bytes) per parameter on the device. Direct: Step's
+// gather kernel writes the cold gradient straight into the pinned gradient slot, and the
+// boundary's scatter kernel reads the parameters straight from the parameter slot, through the
+// backend's view of the session's registered region (TransformerOps::HostView): no transfer
+// buffers, but those two moves run inside Step at the host link's speed. Direct also writes the
+// gradient slot from Step, so Step first waits for the daemon to be done with the slot (its
+// push, or the fused Update that reads it): an Update may take until the second step after its
+// boundary before it stalls the caller, against the third when buffered. A whole offloaded
+// parameter (sync-offload) crosses the same way in both: straight from and into its own buffers
+// when the dtypes match, else through a device buffer that converts. The hot columns' gradient
+// is gathered in row blocks through one scratch buffer of at most 2^20 elements shared by every
+// weight.
 //
 // Bounded staleness: after Step(t) at the end of round R, the cold columns hold the daemon's
 // parameters after round R-1 (one round, S steps, behind the gradients already pushed); with
@@ -94,6 +113,16 @@ enum class OffloadMode { kZenFlow, kSyncOffload, kNoOffload };
 const char* OffloadModeName(OffloadMode mode);  // "zenflow", "sync-offload", "no-offload"
 absl::StatusOr<OffloadMode> ParseOffloadMode(const std::string& name);
 
+// How the cold columns cross between a split weight and the daemon's pinned slots (see
+// "Transfers" above): through device buffers that copies on a copy stream overlap with compute
+// (kBuffered), or straight, the backend's gather and scatter kernels reading and writing the
+// slots through its mapping of them (kDirect: no transfer buffers on the device). kAuto is
+// kDirect where the backend has no copy stream (the CPU backend: its memory is the host's, so a
+// buffer would only add a copy), kBuffered where it has one (CUDA).
+enum class Transfers { kAuto, kBuffered, kDirect };
+const char* TransfersName(Transfers t);  // "auto", "buffered", "direct"
+absl::StatusOr<Transfers> ParseTransfers(const std::string& name);
+
 // The engine warm-up's default, chosen by measurement (README, "Known behaviour"): 20 steps of
 // exact AdamW (S = 1, awaited) before ZenFlow proper.
 inline constexpr int64_t kDefaultWarmupSteps = 20;
@@ -112,6 +141,7 @@ struct ZenFlowConfig {
   // What crosses to and from the daemon: pushed gradients and returned parameters.
   v1::DType grad_dtype = v1::DTYPE_FP32;
   v1::DType param_dtype = v1::DTYPE_FP32;
+  Transfers transfers = Transfers::kAuto;
 
   // OK, or InvalidArgument naming the field.
   absl::Status Validate() const;
@@ -140,8 +170,8 @@ struct EngineParam {
 struct DeviceFootprint {
   int64_t masters = 0;    // fp32 masters: hot columns' (hot_master), bf16 device parameters'
   int64_t moments = 0;    // AdamW m and v of the device-side share
-  // Gather / scatter buffers: the hot columns' gradient, the cold gradients of both gradient
-  // slots (fp32 and / or bf16), the daemon's parameters on their way back, odd-size tails.
+  // Gather / scatter buffers: the hot columns' gradient scratch; buffered transfers' cold
+  // gradient on its way out and the daemon's parameters on their way back; odd-size tails.
   int64_t transfers = 0;
   int64_t selection = 0;  // column scores, top-k and hot / cold index arrays, per-column constants
   int64_t transient_peak = 0;
@@ -226,6 +256,8 @@ class ZenFlowEngine {
   DeviceFootprint Footprint() const;
   int64_t DeviceBytes() const { return Footprint().engine(); }
   const ZenFlowConfig& config() const;
+  // The transfers in use (kDirect or kBuffered: what kAuto chose; see "Transfers").
+  Transfers transfers() const;
 
   // Hot columns of a parameter, in increasing order (all columns for device-only parameters).
   absl::StatusOr<std::vector<int64_t>> HotColumns(const std::string& param) const;

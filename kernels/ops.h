@@ -111,6 +111,16 @@ class TransformerOps {
     return nullptr;
   }
 
+  // Host memory as this backend's kernels address it: a pointer through which they read and
+  // write the host memory at `host`, or null when they cannot (*error says why). Host backends:
+  // `host` itself. CUDA: memory the driver has registered (client/host_register.h) through its
+  // device mapping, so a kernel moves data straight between device and host memory at the host
+  // link's speed (the ZenFlow engine's direct transfers).
+  virtual void* HostView(void* host, std::string* error) const {
+    (void)error;
+    return host;
+  }
+
   // Memory in the backend's memory space (host for CpuOps(), device for a CUDA backend). The
   // copies move bits exactly (they may carry int32 data reinterpreted as float). A CUDA backend
   // enqueues them on its stream like the other ops (AllocFloats / Free are stream ordered) and

@@ -139,19 +139,34 @@ class OptimizerKernel {
   virtual void ScatterColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
                               const int64_t* idx, int64_t k, void* dst) const = 0;
 
-  // The same moves with the bf16 <-> fp32 conversion folded in, for bf16 parameters with fp32
-  // masters (the ZenFlow engine): GatherColumnsToFloat widens a bf16 [rows, ld] source exactly,
-  //   dst[r, j] = float(src[r, idx[j]])        (dst fp32 [rows, k]),
-  // bit-identical to GatherColumns (elem_size 2) followed by Bf16ToFloat; ScatterColumnsToBf16
-  // rounds an fp32 [rows, k] source to nearest even (NaN kept quiet, as FloatToBf16),
-  //   dst[r, idx[j]] = bf16(src[r, j])         (dst bf16 [rows, ld]; other columns untouched),
-  // bit-identical to FloatToBf16 followed by ScatterColumns (elem_size 2). Backend memory, as
-  // GatherColumns. The defaults are plain loops over host memory (like AccumulateAdamWColumns's
-  // default, right only for host-memory backends); the CPU backends and CUDA override them.
-  virtual void GatherColumnsToFloat(const uint16_t* src, int64_t rows, int64_t ld,
-                                    const int64_t* idx, int64_t k, float* dst) const;
-  virtual void ScatterColumnsToBf16(const float* src, int64_t rows, int64_t ld,
-                                    const int64_t* idx, int64_t k, uint16_t* dst) const;
+  // The same moves with the element type converted on the way, for any pair of fp32 and bf16
+  // (GradType names the element type here): bf16 -> fp32 widens exactly, fp32 -> bf16 rounds to
+  // nearest even (NaN kept quiet, as FloatToBf16), equal types copy the bits. Gather:
+  //   dst[r, j] = convert(src[r, idx[j]])      (src [rows, ld] of src_type, dst [rows, k]),
+  // bit-identical to GatherColumns followed by the conversion; scatter:
+  //   dst[r, idx[j]] = convert(src[r, j])      (src [rows, k], dst [rows, ld] of dst_type; other
+  //                                             columns untouched),
+  // bit-identical to the conversion followed by ScatterColumns. For bf16 parameters with fp32
+  // masters and for the ZenFlow engine's moves straight between a weight and the daemon's slots.
+  // Backend memory, as GatherColumns, or host memory the backend addresses through
+  // TransformerOps::HostView. The defaults are plain loops over host memory (like
+  // AccumulateAdamWColumns's default, right only for host-memory backends); the CPU backends and
+  // CUDA override them.
+  virtual void GatherColumnsAs(GradType src_type, const void* src, int64_t rows, int64_t ld,
+                               const int64_t* idx, int64_t k, GradType dst_type,
+                               void* dst) const;
+  virtual void ScatterColumnsAs(GradType src_type, const void* src, int64_t rows, int64_t ld,
+                                const int64_t* idx, int64_t k, GradType dst_type,
+                                void* dst) const;
+  // The two moves of a bf16 parameter's fp32 masters.
+  void GatherColumnsToFloat(const uint16_t* src, int64_t rows, int64_t ld, const int64_t* idx,
+                            int64_t k, float* dst) const {
+    GatherColumnsAs(GradType::kBf16, src, rows, ld, idx, k, GradType::kFp32, dst);
+  }
+  void ScatterColumnsToBf16(const float* src, int64_t rows, int64_t ld, const int64_t* idx,
+                            int64_t k, uint16_t* dst) const {
+    ScatterColumnsAs(GradType::kFp32, src, rows, ld, idx, k, GradType::kBf16, dst);
+  }
 
   // Waits for the work issued so far; returns "" or the first error (CPU backends: always "").
   virtual std::string Synchronize() const { return ""; }

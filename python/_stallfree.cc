@@ -49,6 +49,7 @@ stallfree::api::EngineConfig ConfigFrom(const py::dict& d) {
   c.weight_decay = d["weight_decay"].cast<double>();
   c.grad_dtype = d["grad_dtype"].cast<std::string>();
   c.param_dtype = d["param_dtype"].cast<std::string>();
+  if (d.contains("transfers")) c.transfers = d["transfers"].cast<std::string>();
   return c;
 }
 
@@ -114,6 +115,7 @@ PYBIND11_MODULE(_stallfree, m) {
       // {masters, moments, transfers, selection, engine, transient_peak, params, total}: bytes
       // of the engine's device (backend) memory and of the parameters' values and gradients.
       .def("device_bytes", &Engine::DeviceBytes)
+      .def("transfers", &Engine::Transfers)
       .def("checkpoint",
            [](Engine& e) {
              std::pair<std::string, std::string> out;

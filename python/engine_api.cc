@@ -78,6 +78,9 @@ ZenFlowConfig ToConfig(const EngineConfig& e) {
   };
   c.grad_dtype = dtype(e.grad_dtype, "grad_dtype");
   c.param_dtype = dtype(e.param_dtype, "param_dtype");
+  auto transfers = ParseTransfers(e.transfers);
+  if (!transfers.ok()) throw InvalidArgument(std::string(transfers.status().message()));
+  c.transfers = *transfers;
   absl::Status valid = c.Validate();
   if (!valid.ok()) throw InvalidArgument(std::string(valid.message()));
   return c;
@@ -190,6 +193,8 @@ class EngineImpl : public Engine {
             {"engine", f.engine()},       {"transient_peak", f.transient_peak},
             {"params", f.params},         {"total", f.total()}};
   }
+
+  std::string Transfers() override { return TransfersName(Live().transfers()); }
 
   void SetScoreReduce(ScoreReduce fn) override {
     ZenFlowEngine& e = Live();

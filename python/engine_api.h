@@ -51,6 +51,7 @@ struct EngineConfig {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   std::string grad_dtype = "bf16";
   std::string param_dtype = "bf16";
+  std::string transfers = "auto";  // "auto" | "buffered" | "direct" (ZenFlowConfig::transfers)
 };
 
 struct ParamDesc {
@@ -103,6 +104,8 @@ class Engine {
   // "transfers", "selection", their sum "engine", the largest transient "transient_peak", the
   // parameters' own values and gradients "params", and "total" = engine + params.
   virtual std::map<std::string, int64_t> DeviceBytes() = 0;
+  // The transfers in use: "direct" or "buffered" (what "auto" chose).
+  virtual std::string Transfers() = 0;
   // The engine's state and the daemon session's checkpoint bytes (empty without daemon state).
   // Between Steps; does not change the run.
   virtual std::pair<std::string, std::string> Checkpoint() = 0;

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/bf16.h"
@@ -76,58 +77,62 @@ const char* Offset(const void* p, int64_t elems, size_t elem_size) {
   return p == nullptr ? nullptr : static_cast<const char*>(p) + elems * elem_size;
 }
 
-template <class T>
-void GatherT(const T* src, int64_t rows, int64_t ld, const int64_t* idx, int64_t k, T* dst) {
+// Column elements as stored: uint16_t for bf16, uint32_t for fp32 (bits, so an equal-type move
+// copies them exactly). Convert<S, D> is the element conversion of GatherColumnsAs.
+template <class S, class D>
+D Convert(S x) {
+  if constexpr (std::is_same_v<S, D>) {
+    return x;
+  } else if constexpr (std::is_same_v<S, uint16_t>) {
+    return static_cast<uint32_t>(x) << 16;  // bf16 widened exactly
+  } else {
+    float f;
+    std::memcpy(&f, &x, sizeof f);
+    return stallfree::FloatToBf16(f);
+  }
+}
+
+// dst[r, j] = Convert(src[r, idx[j]]) (gather) or dst[r, idx[j]] = Convert(src[r, j]) (scatter),
+// parallel over rows.
+template <bool kGather, class S, class D>
+void MoveColumnsT(const S* src, int64_t rows, int64_t ld, const int64_t* idx, int64_t k, D* dst) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
   stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, rows, grain),
                     [&](const tbb::blocked_range<int64_t>& r) {
                       for (int64_t i = r.begin(); i < r.end(); ++i) {
-                        const T* s = src + i * ld;
-                        T* d = dst + i * k;
-                        for (int64_t j = 0; j < k; ++j) d[j] = s[idx[j]];
+                        if constexpr (kGather) {
+                          const S* s = src + i * ld;
+                          D* d = dst + i * k;
+                          for (int64_t j = 0; j < k; ++j) d[j] = Convert<S, D>(s[idx[j]]);
+                        } else {
+                          const S* s = src + i * k;
+                          D* d = dst + i * ld;
+                          for (int64_t j = 0; j < k; ++j) d[idx[j]] = Convert<S, D>(s[j]);
+                        }
                       }
                     });
 }
 
-template <class T>
-void ScatterT(const T* src, int64_t rows, int64_t ld, const int64_t* idx, int64_t k, T* dst) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
-  stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, rows, grain),
-                    [&](const tbb::blocked_range<int64_t>& r) {
-                      for (int64_t i = r.begin(); i < r.end(); ++i) {
-                        const T* s = src + i * k;
-                        T* d = dst + i * ld;
-                        for (int64_t j = 0; j < k; ++j) d[idx[j]] = s[j];
-                      }
-                    });
+// MoveColumnsT with the element types named at run time.
+template <bool kGather>
+void MoveColumns(GradType st, const void* src, int64_t rows, int64_t ld, const int64_t* idx,
+                 int64_t k, GradType dt, void* dst) {
+  const bool s16 = st == GradType::kBf16, d16 = dt == GradType::kBf16;
+  if (s16 && d16)
+    MoveColumnsT<kGather>(static_cast<const uint16_t*>(src), rows, ld, idx, k,
+                          static_cast<uint16_t*>(dst));
+  else if (s16)
+    MoveColumnsT<kGather>(static_cast<const uint16_t*>(src), rows, ld, idx, k,
+                          static_cast<uint32_t*>(dst));
+  else if (d16)
+    MoveColumnsT<kGather>(static_cast<const uint32_t*>(src), rows, ld, idx, k,
+                          static_cast<uint16_t*>(dst));
+  else
+    MoveColumnsT<kGather>(static_cast<const uint32_t*>(src), rows, ld, idx, k,
+                          static_cast<uint32_t*>(dst));
 }
 
-// GatherT / ScatterT with the element converted on the way (the bf16 <-> fp32 column moves).
-void GatherWidenT(const uint16_t* src, int64_t rows, int64_t ld, const int64_t* idx, int64_t k,
-                  float* dst) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
-  stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, rows, grain),
-                    [&](const tbb::blocked_range<int64_t>& r) {
-                      for (int64_t i = r.begin(); i < r.end(); ++i) {
-                        const uint16_t* s = src + i * ld;
-                        float* d = dst + i * k;
-                        for (int64_t j = 0; j < k; ++j) d[j] = stallfree::Bf16ToFloat(s[idx[j]]);
-                      }
-                    });
-}
-
-void ScatterRoundT(const float* src, int64_t rows, int64_t ld, const int64_t* idx, int64_t k,
-                   uint16_t* dst) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
-  stallfree::ParallelFor(tbb::blocked_range<int64_t>(0, rows, grain),
-                    [&](const tbb::blocked_range<int64_t>& r) {
-                      for (int64_t i = r.begin(); i < r.end(); ++i) {
-                        const float* s = src + i * k;
-                        uint16_t* d = dst + i * ld;
-                        for (int64_t j = 0; j < k; ++j) d[idx[j]] = stallfree::FloatToBf16(s[j]);
-                      }
-                    });
-}
+GradType ElemType(size_t elem_size) { return elem_size == 2 ? GradType::kBf16 : GradType::kFp32; }
 
 class CpuKernel final : public OptimizerKernel {
  public:
@@ -221,27 +226,19 @@ class CpuKernel final : public OptimizerKernel {
 
   void GatherColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
                      const int64_t* idx, int64_t k, void* dst) const override {
-    if (elem_size == 2) {
-      GatherT(static_cast<const uint16_t*>(src), rows, ld, idx, k, static_cast<uint16_t*>(dst));
-    } else {
-      GatherT(static_cast<const uint32_t*>(src), rows, ld, idx, k, static_cast<uint32_t*>(dst));
-    }
+    MoveColumns<true>(ElemType(elem_size), src, rows, ld, idx, k, ElemType(elem_size), dst);
   }
   void ScatterColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
                       const int64_t* idx, int64_t k, void* dst) const override {
-    if (elem_size == 2) {
-      ScatterT(static_cast<const uint16_t*>(src), rows, ld, idx, k, static_cast<uint16_t*>(dst));
-    } else {
-      ScatterT(static_cast<const uint32_t*>(src), rows, ld, idx, k, static_cast<uint32_t*>(dst));
-    }
+    MoveColumns<false>(ElemType(elem_size), src, rows, ld, idx, k, ElemType(elem_size), dst);
   }
-  void GatherColumnsToFloat(const uint16_t* src, int64_t rows, int64_t ld, const int64_t* idx,
-                            int64_t k, float* dst) const override {
-    GatherWidenT(src, rows, ld, idx, k, dst);
+  void GatherColumnsAs(GradType st, const void* src, int64_t rows, int64_t ld, const int64_t* idx,
+                       int64_t k, GradType dt, void* dst) const override {
+    MoveColumns<true>(st, src, rows, ld, idx, k, dt, dst);
   }
-  void ScatterColumnsToBf16(const float* src, int64_t rows, int64_t ld, const int64_t* idx,
-                            int64_t k, uint16_t* dst) const override {
-    ScatterRoundT(src, rows, ld, idx, k, dst);
+  void ScatterColumnsAs(GradType st, const void* src, int64_t rows, int64_t ld,
+                        const int64_t* idx, int64_t k, GradType dt, void* dst) const override {
+    MoveColumns<false>(st, src, rows, ld, idx, k, dt, dst);
   }
 
  private:

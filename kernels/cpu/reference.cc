@@ -55,16 +55,35 @@ void OptimizerKernel::AccumulateAdamWColumns(const AdamWConfig& config, const fl
                bf16_out);
 }
 
-void OptimizerKernel::GatherColumnsToFloat(const uint16_t* src, int64_t rows, int64_t ld,
-                                           const int64_t* idx, int64_t k, float* dst) const {
+namespace {
+// One element of a converting column move: src[s] of src_type into dst[d] of dst_type.
+void MoveElement(GradType src_type, const void* src, int64_t s, GradType dst_type, void* dst,
+                 int64_t d) {
+  if (src_type == dst_type) {
+    if (src_type == GradType::kBf16)
+      static_cast<uint16_t*>(dst)[d] = static_cast<const uint16_t*>(src)[s];
+    else
+      static_cast<uint32_t*>(dst)[d] = static_cast<const uint32_t*>(src)[s];
+  } else if (src_type == GradType::kBf16) {
+    static_cast<float*>(dst)[d] = stallfree::Bf16ToFloat(static_cast<const uint16_t*>(src)[s]);
+  } else {
+    static_cast<uint16_t*>(dst)[d] = stallfree::FloatToBf16(static_cast<const float*>(src)[s]);
+  }
+}
+}  // namespace
+
+void OptimizerKernel::GatherColumnsAs(GradType src_type, const void* src, int64_t rows,
+                                      int64_t ld, const int64_t* idx, int64_t k,
+                                      GradType dst_type, void* dst) const {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < k; ++j) dst[r * k + j] = stallfree::Bf16ToFloat(src[r * ld + idx[j]]);
+    for (int64_t j = 0; j < k; ++j) MoveElement(src_type, src, r * ld + idx[j], dst_type, dst, r * k + j);
 }
 
-void OptimizerKernel::ScatterColumnsToBf16(const float* src, int64_t rows, int64_t ld,
-                                           const int64_t* idx, int64_t k, uint16_t* dst) const {
+void OptimizerKernel::ScatterColumnsAs(GradType src_type, const void* src, int64_t rows,
+                                       int64_t ld, const int64_t* idx, int64_t k,
+                                       GradType dst_type, void* dst) const {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < k; ++j) dst[r * ld + idx[j]] = stallfree::FloatToBf16(src[r * k + j]);
+    for (int64_t j = 0; j < k; ++j) MoveElement(src_type, src, r * k + j, dst_type, dst, r * ld + idx[j]);
 }
 
 namespace {

@@ -793,6 +793,16 @@ class CudaOps final : public TransformerOps {
   }
 
   std::unique_ptr<TransformerOps> NewCopyStream(std::string* error) const override;
+  void* HostView(void* host, std::string* error) const override {
+    void* dev = nullptr;
+    const cudaError_t e = cudaHostGetDevicePointer(&dev, host, 0);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // not sticky: clear it so that Synchronize() does not report it
+      *error = CudaErr("cudaHostGetDevicePointer (is the memory registered?)", e);
+      return nullptr;
+    }
+    return dev;
+  }
   bool owns_stream_ = false;  // a copy stream's backend destroys its stream
 
   const char* name() const override { return "cuda"; }

@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/optimizer_cuda.h"
@@ -428,57 +429,43 @@ __global__ void __launch_bounds__(kThreads) IotaKernel(int64_t* __restrict__ out
 // threads write (gather) or read (scatter) consecutive elements of it. I is uint32_t when every
 // index fits (the division is cheaper), else int64_t.
 
-template <typename T, typename I>
-__global__ void __launch_bounds__(kThreads)
-    GatherKernel(const T* __restrict__ src, I ld, const int64_t* __restrict__ idx, I k, I total,
-                 T* __restrict__ dst) {
-  const I stride = static_cast<I>(gridDim.x) * static_cast<I>(blockDim.x);
-  for (I t = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.x) + threadIdx.x; t < total;
-       t += stride) {
-    const I r = t / k;
-    const I j = t - r * k;
-    dst[t] = src[r * ld + static_cast<I>(idx[j])];
+// Elements as stored: uint16_t for bf16, uint32_t for fp32 (bits: an equal-type move copies them
+// exactly). Convert<S, D>: bf16 widened exactly into fp32, fp32 rounded to nearest even into bf16
+// (Bf16ToF / FToBf16).
+template <typename S, typename D>
+__device__ __forceinline__ D Convert(S x) {
+  if constexpr (std::is_same<S, D>::value) {
+    return x;
+  } else if constexpr (std::is_same<S, uint16_t>::value) {
+    return static_cast<uint32_t>(x) << 16;
+  } else {
+    return static_cast<uint16_t>(FToBf16(__uint_as_float(x)));
   }
 }
 
-template <typename T, typename I>
+template <typename S, typename D, typename I>
 __global__ void __launch_bounds__(kThreads)
-    ScatterKernel(const T* __restrict__ src, I ld, const int64_t* __restrict__ idx, I k, I total,
-                  T* __restrict__ dst) {
+    GatherKernel(const S* __restrict__ src, I ld, const int64_t* __restrict__ idx, I k, I total,
+                 D* __restrict__ dst) {
   const I stride = static_cast<I>(gridDim.x) * static_cast<I>(blockDim.x);
   for (I t = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.x) + threadIdx.x; t < total;
        t += stride) {
     const I r = t / k;
     const I j = t - r * k;
-    dst[r * ld + static_cast<I>(idx[j])] = src[t];
+    dst[t] = Convert<S, D>(src[r * ld + static_cast<I>(idx[j])]);
   }
 }
 
-// The same moves with the element converted: bf16 widened exactly into fp32 (gather), fp32
-// rounded to nearest even into bf16 (scatter), as Bf16ToF / FToBf16.
-template <typename I>
+template <typename S, typename D, typename I>
 __global__ void __launch_bounds__(kThreads)
-    GatherWidenKernel(const uint16_t* __restrict__ src, I ld, const int64_t* __restrict__ idx,
-                      I k, I total, float* __restrict__ dst) {
+    ScatterKernel(const S* __restrict__ src, I ld, const int64_t* __restrict__ idx, I k, I total,
+                  D* __restrict__ dst) {
   const I stride = static_cast<I>(gridDim.x) * static_cast<I>(blockDim.x);
   for (I t = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.x) + threadIdx.x; t < total;
        t += stride) {
     const I r = t / k;
     const I j = t - r * k;
-    dst[t] = Bf16ToF(src[r * ld + static_cast<I>(idx[j])]);
-  }
-}
-
-template <typename I>
-__global__ void __launch_bounds__(kThreads)
-    ScatterRoundKernel(const float* __restrict__ src, I ld, const int64_t* __restrict__ idx, I k,
-                       I total, uint16_t* __restrict__ dst) {
-  const I stride = static_cast<I>(gridDim.x) * static_cast<I>(blockDim.x);
-  for (I t = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.x) + threadIdx.x; t < total;
-       t += stride) {
-    const I r = t / k;
-    const I j = t - r * k;
-    dst[r * ld + static_cast<I>(idx[j])] = static_cast<uint16_t>(FToBf16(src[t]));
+    dst[r * ld + static_cast<I>(idx[j])] = Convert<S, D>(src[t]);
   }
 }
 
@@ -722,22 +709,25 @@ class CudaOptimizerKernel final : public OptimizerKernel {
 
   void GatherColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
                      const int64_t* idx, int64_t k, void* dst) const override {
-    Columns(/*gather=*/true, src, elem_size, rows, ld, idx, k, dst);
+    if (!CheckElemSize(elem_size)) return;
+    Columns(/*gather=*/true, ElemType(elem_size), src, rows, ld, idx, k, ElemType(elem_size), dst);
   }
 
   void ScatterColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
                       const int64_t* idx, int64_t k, void* dst) const override {
-    Columns(/*gather=*/false, src, elem_size, rows, ld, idx, k, dst);
+    if (!CheckElemSize(elem_size)) return;
+    Columns(/*gather=*/false, ElemType(elem_size), src, rows, ld, idx, k, ElemType(elem_size),
+            dst);
   }
 
-  void GatherColumnsToFloat(const uint16_t* src, int64_t rows, int64_t ld, const int64_t* idx,
-                            int64_t k, float* dst) const override {
-    ConvertColumns(/*gather=*/true, src, rows, ld, idx, k, dst);
+  void GatherColumnsAs(GradType st, const void* src, int64_t rows, int64_t ld, const int64_t* idx,
+                       int64_t k, GradType dt, void* dst) const override {
+    Columns(/*gather=*/true, st, src, rows, ld, idx, k, dt, dst);
   }
 
-  void ScatterColumnsToBf16(const float* src, int64_t rows, int64_t ld, const int64_t* idx,
-                            int64_t k, uint16_t* dst) const override {
-    ConvertColumns(/*gather=*/false, src, rows, ld, idx, k, dst);
+  void ScatterColumnsAs(GradType st, const void* src, int64_t rows, int64_t ld,
+                        const int64_t* idx, int64_t k, GradType dt, void* dst) const override {
+    Columns(/*gather=*/false, st, src, rows, ld, idx, k, dt, dst);
   }
 
   std::string Synchronize() const override {
@@ -835,15 +825,21 @@ class CudaOptimizerKernel final : public OptimizerKernel {
     CheckLaunch("ColumnPartialKernel");
   }
 
-  void Columns(bool gather, const void* src, size_t elem_size, int64_t rows, int64_t ld,
-               const int64_t* idx, int64_t k, void* dst) const {
-    if (elem_size != 2 && elem_size != 4) {
-      Record("GatherColumns/ScatterColumns: elem_size must be 2 or 4, got " +
-             std::to_string(elem_size));
-      return;
-    }
+  static GradType ElemType(size_t elem_size) {
+    return elem_size == 2 ? GradType::kBf16 : GradType::kFp32;
+  }
+  bool CheckElemSize(size_t elem_size) const {
+    if (elem_size == 2 || elem_size == 4) return true;
+    Record("GatherColumns/ScatterColumns: elem_size must be 2 or 4, got " +
+           std::to_string(elem_size));
+    return false;
+  }
+
+  // Every column move: st / dt the element types of src / dst.
+  void Columns(bool gather, GradType st, const void* src, int64_t rows, int64_t ld,
+               const int64_t* idx, int64_t k, GradType dt, void* dst) const {
     if (rows < 0 || k < 0 || ld < 0) {
-      Record("GatherColumns/ScatterColumns: negative rows, ld or k");
+      Record("column gather / scatter: negative rows, ld or k");
       return;
     }
     if (rows == 0 || k == 0) return;
@@ -851,68 +847,40 @@ class CudaOptimizerKernel final : public OptimizerKernel {
     const unsigned blocks = Blocks(total);
     // 32-bit index arithmetic when t + stride and r * ld + idx stay below 2^31 (idx < ld).
     const bool narrow = rows * ld < (int64_t{1} << 31) && total < (int64_t{1} << 31);
-    if (elem_size == 2) {
-      if (narrow) {
-        LaunchColumns<uint16_t, uint32_t>(gather, src, ld, idx, k, total, dst, blocks);
-      } else {
-        LaunchColumns<uint16_t, int64_t>(gather, src, ld, idx, k, total, dst, blocks);
-      }
-    } else {
-      if (narrow) {
-        LaunchColumns<uint32_t, uint32_t>(gather, src, ld, idx, k, total, dst, blocks);
-      } else {
-        LaunchColumns<uint32_t, int64_t>(gather, src, ld, idx, k, total, dst, blocks);
-      }
-    }
-  }
-
-  // GatherColumnsToFloat (gather: src bf16, dst fp32) and ScatterColumnsToBf16 (src fp32, dst
-  // bf16), with Columns's checks and index width.
-  void ConvertColumns(bool gather, const void* src, int64_t rows, int64_t ld, const int64_t* idx,
-                      int64_t k, void* dst) const {
-    if (rows < 0 || k < 0 || ld < 0) {
-      Record("GatherColumnsToFloat/ScatterColumnsToBf16: negative rows, ld or k");
-      return;
-    }
-    if (rows == 0 || k == 0) return;
-    const int64_t total = rows * k;
-    const unsigned blocks = Blocks(total);
-    const bool narrow = rows * ld < (int64_t{1} << 31) && total < (int64_t{1} << 31);
     if (narrow) {
-      LaunchConvertColumns<uint32_t>(gather, src, ld, idx, k, total, dst, blocks);
+      LaunchColumns<uint32_t>(gather, st, src, ld, idx, k, total, dt, dst, blocks);
     } else {
-      LaunchConvertColumns<int64_t>(gather, src, ld, idx, k, total, dst, blocks);
+      LaunchColumns<int64_t>(gather, st, src, ld, idx, k, total, dt, dst, blocks);
     }
   }
 
   template <typename I>
-  void LaunchConvertColumns(bool gather, const void* src, int64_t ld, const int64_t* idx,
-                            int64_t k, int64_t total, void* dst, unsigned blocks) const {
-    if (gather) {
-      GatherWidenKernel<I><<<blocks, kThreads, 0, stream_>>>(
-          static_cast<const uint16_t*>(src), static_cast<I>(ld), idx, static_cast<I>(k),
-          static_cast<I>(total), static_cast<float*>(dst));
-      CheckLaunch("GatherWidenKernel");
+  void LaunchColumns(bool gather, GradType st, const void* src, int64_t ld, const int64_t* idx,
+                     int64_t k, int64_t total, GradType dt, void* dst, unsigned blocks) const {
+    const bool s16 = st == GradType::kBf16, d16 = dt == GradType::kBf16;
+    if (s16 && d16) {
+      LaunchColumnsT<uint16_t, uint16_t, I>(gather, src, ld, idx, k, total, dst, blocks);
+    } else if (s16) {
+      LaunchColumnsT<uint16_t, uint32_t, I>(gather, src, ld, idx, k, total, dst, blocks);
+    } else if (d16) {
+      LaunchColumnsT<uint32_t, uint16_t, I>(gather, src, ld, idx, k, total, dst, blocks);
     } else {
-      ScatterRoundKernel<I><<<blocks, kThreads, 0, stream_>>>(
-          static_cast<const float*>(src), static_cast<I>(ld), idx, static_cast<I>(k),
-          static_cast<I>(total), static_cast<uint16_t*>(dst));
-      CheckLaunch("ScatterRoundKernel");
+      LaunchColumnsT<uint32_t, uint32_t, I>(gather, src, ld, idx, k, total, dst, blocks);
     }
   }
 
-  template <typename T, typename I>
-  void LaunchColumns(bool gather, const void* src, int64_t ld, const int64_t* idx, int64_t k,
-                     int64_t total, void* dst, unsigned blocks) const {
+  template <typename S, typename D, typename I>
+  void LaunchColumnsT(bool gather, const void* src, int64_t ld, const int64_t* idx, int64_t k,
+                      int64_t total, void* dst, unsigned blocks) const {
     if (gather) {
-      GatherKernel<T, I><<<blocks, kThreads, 0, stream_>>>(
-          static_cast<const T*>(src), static_cast<I>(ld), idx, static_cast<I>(k),
-          static_cast<I>(total), static_cast<T*>(dst));
+      GatherKernel<S, D, I><<<blocks, kThreads, 0, stream_>>>(
+          static_cast<const S*>(src), static_cast<I>(ld), idx, static_cast<I>(k),
+          static_cast<I>(total), static_cast<D*>(dst));
       CheckLaunch("GatherKernel");
     } else {
-      ScatterKernel<T, I><<<blocks, kThreads, 0, stream_>>>(
-          static_cast<const T*>(src), static_cast<I>(ld), idx, static_cast<I>(k),
-          static_cast<I>(total), static_cast<T*>(dst));
+      ScatterKernel<S, D, I><<<blocks, kThreads, 0, stream_>>>(
+          static_cast<const S*>(src), static_cast<I>(ld), idx, static_cast<I>(k),
+          static_cast<I>(total), static_cast<D*>(dst));
       CheckLaunch("ScatterKernel");
     }
   }

@@ -449,6 +449,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     from the daemon ("bf16" or "fp32"). select_interval: steps between reselections (None:
     4 * update_interval). warmup_steps: first steps with update_interval 1 and awaited updates
     (exact AdamW while the moments are young; 20 by measurement, README "Known behaviour").
+    transfers: how the cold columns cross between the parameters' device and the daemon's
+    pinned memory: "direct" (the gather and scatter kernels read and write the daemon's memory
+    themselves: no transfer buffers on the device, but those moves run inside step() at the
+    host link's speed), "buffered" (through device buffers of about (1 - topk_ratio) x 4 bytes
+    per parameter with bf16 transfers, their copies overlapped with the next step's compute),
+    or "auto" (direct on the CPU, buffered on CUDA); `device_transfers` says which is in use.
 
     socket: the daemon's socket; None means $STALLFREE_SOCKET, else the node's default socket,
     and if no daemon answers there a private one is started (and stopped with the optimizer).
@@ -499,8 +505,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, mode="zenflow", topk_ratio=0.1,
                  update_interval=4, select_interval=None, warmup_steps=20, await_updates=False,
-                 grad_dtype="bf16", param_dtype="bf16", socket=None, session_name=None,
-                 process_group=None, reduce_gradients=False, timeout=300.0):
+                 grad_dtype="bf16", param_dtype="bf16", transfers="auto", socket=None,
+                 session_name=None, process_group=None, reduce_gradients=False, timeout=300.0):
         _check_hyper(lr, betas, eps, weight_decay, "")
         for flag, value in (("amsgrad", amsgrad), ("maximize", maximize),
                             ("capturable", capturable), ("differentiable", differentiable)):
@@ -527,7 +533,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             update_interval=int(update_interval),
                             select_interval=int(select_interval or 0),
                             warmup_steps=int(warmup_steps), await_updates=bool(await_updates),
-                            grad_dtype=grad_dtype, param_dtype=param_dtype)
+                            grad_dtype=grad_dtype, param_dtype=param_dtype,
+                            transfers=str(transfers))
         self._session_name = session_name or "torch"
         self._group = _data_parallel_group(process_group)
         if not timeout > 0:
@@ -770,6 +777,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     out.get(key, 0) + value
         return out
 
+    @property
+    def device_transfers(self):
+        """The transfers in use, "direct" or "buffered" ("auto" resolved; None before any
+        engine exists)."""
+        for gi, engine in enumerate(self._engines):
+            if engine is not None:
+                return self._engine(gi).transfers()
+        return None
+
     def hot_columns(self, param):
         """The sorted hot input columns of `param` (a tensor of this optimizer, or its name)."""
         for gi, members in enumerate(self._members):
@@ -1004,9 +1020,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if meta.get("version") not in (1, _STATE_VERSION):
             raise Error("%s: state dict version %r, this stallfree reads 1 and %d"
                         % (where, meta.get("version"), _STATE_VERSION))
-        if meta["config"] != self._config:
-            diff = {k: (meta["config"].get(k), v) for k, v in self._config.items()
-                    if meta["config"].get(k) != v}
+        # transfers choose how the same numbers move, not the numbers: any may resume any.
+        diff = {k: (meta["config"].get(k), v) for k, v in self._config.items()
+                if k != "transfers" and meta["config"].get(k) != v}
+        if diff:
             raise Error("the state dict was written with another configuration (saved, now): %s"
                         % diff)
         shapes = [list(p.shape) for _, p in self._members[gi]]

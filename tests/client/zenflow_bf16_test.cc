@@ -104,6 +104,12 @@ ZenFlowConfig Config(OffloadMode mode, int64_t S, int64_t select, bool await) {
   return c;
 }
 
+// bf16 and fp32 transfers, each direct (the CPU backend's default) and buffered (a device's).
+std::vector<std::pair<v1::DType, Transfers>> TransferCases() {
+  return {{v1::DTYPE_BF16, Transfers::kDirect}, {v1::DTYPE_BF16, Transfers::kBuffered},
+          {v1::DTYPE_FP32, Transfers::kDirect}, {v1::DTYPE_FP32, Transfers::kBuffered}};
+}
+
 double Lr(int64_t t) { return 1e-2 / (1.0 + 0.1 * t); }
 
 std::vector<float> ColumnOf(const std::vector<float>& x, int64_t rows, int64_t cols, int64_t c) {
@@ -275,19 +281,22 @@ int64_t ExpectDeviceColumns(const ZenFlowEngine& e, const std::vector<Tensor16>&
 // The same with fp32 transfers (the bf16 gradient widened, the daemon's fp32 masters rounded on
 // the device): the same numbers.
 TEST_F(ZenFlowBf16Test, AwaitedS1EqualsReferenceAcrossMigrations) {
-  for (v1::DType transfers : {v1::DTYPE_BF16, v1::DTYPE_FP32}) {
-    const std::string what = transfers == v1::DTYPE_BF16 ? "bf16 transfers" : "fp32 transfers";
+  for (auto [transfers, how] : TransferCases()) {
+    const std::string what =
+        absl::StrCat(transfers == v1::DTYPE_BF16 ? "bf16 " : "fp32 ", TransfersName(how));
     SCOPED_TRACE(what);
     const int seed = 1;
     ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 1, 1, true);
     cfg.grad_dtype = transfers;
     cfg.param_dtype = transfers;
+    cfg.transfers = how;
     std::vector<Tensor16> model = MakeModel(seed);
     Reference ref(model, cfg);
     std::unique_ptr<Session> session;
     auto engine = Make(cfg, &model, &session, "bf16-s1");
     ASSERT_TRUE(engine.ok()) << engine.status();
     ZenFlowEngine& e = **engine;
+    EXPECT_EQ(e.transfers(), how);
     EXPECT_TRUE(!e.OnDevice(0) && !e.OnDevice(1) && e.OnDevice(2) && e.OnDevice(3));
     int64_t migrated = 0;
     for (int64_t t = 1; t <= 16; ++t) {
@@ -303,14 +312,17 @@ TEST_F(ZenFlowBf16Test, AwaitedS1EqualsReferenceAcrossMigrations) {
 }
 
 // S = 4 with a reselection every round. Awaited: everything equal at every step. Asynchronous
-// (the cold columns one round behind, the previous round's parameters prefetched by the copy
+// (the cold columns one round behind; buffered, the previous round's parameters prefetched by the copy
 // thread): the device-side columns equal at every step, and after a Flush at every other round
 // boundary every value equals the reference.
 TEST_F(ZenFlowBf16Test, RoundsOfFourEqualReferenceAwaitedAndAsynchronous) {
-  for (bool await : {true, false}) {
-    SCOPED_TRACE(await ? "awaited" : "asynchronous");
+  for (auto [await, how] : {std::pair{true, Transfers::kDirect}, std::pair{true, Transfers::kBuffered},
+                            std::pair{false, Transfers::kDirect},
+                            std::pair{false, Transfers::kBuffered}}) {
+    SCOPED_TRACE(absl::StrCat(await ? "awaited " : "asynchronous ", TransfersName(how)));
     const int seed = 6;
-    const ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, await);
+    ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, await);
+    cfg.transfers = how;
     std::vector<Tensor16> model = MakeModel(seed);
     Reference ref(model, cfg);
     std::unique_ptr<Session> session;
@@ -382,16 +394,19 @@ TEST_F(ZenFlowBf16Test, CheckpointRestoreMidRoundEqualsReference) {
     OffloadMode mode;
     bool await;
     int64_t k;  // checkpoint after step k
+    Transfers how = Transfers::kDirect;
   };
   for (const Case& cs : {Case{OffloadMode::kZenFlow, true, 6}, Case{OffloadMode::kZenFlow, false, 6},
+                         Case{OffloadMode::kZenFlow, false, 6, Transfers::kBuffered},
                          Case{OffloadMode::kZenFlow, false, 0}, Case{OffloadMode::kSyncOffload, true, 3},
                          Case{OffloadMode::kNoOffload, true, 3}, Case{OffloadMode::kNoOffload, true, 0}}) {
     const std::string what = absl::StrCat(OffloadModeName(cs.mode), cs.await ? " awaited" : " async",
-                                          " k=", cs.k);
+                                          " k=", cs.k, " ", TransfersName(cs.how));
     SCOPED_TRACE(what);
     const int seed = 5;
     const int64_t steps = 17;
-    const ZenFlowConfig cfg = Config(cs.mode, 4, 4, cs.await);
+    ZenFlowConfig cfg = Config(cs.mode, 4, 4, cs.await);
+    cfg.transfers = cs.how;
     std::vector<Tensor16> model = MakeModel(seed);
     Reference ref(model, cfg);
     std::string blob;
@@ -497,21 +512,23 @@ TEST_F(ZenFlowBf16Test, MasterRebuiltFromTheValueEachStepDiffers) {
 // columns, 30 cold, 80 hot and 240 cold elements), "narrow" [5, 3] (k = 1, 2 cold: too narrow to
 // split, on the device), "bias" [24]. An OpsBuffer is whole floats; an int64 index is 2.
 //
-// zenflow, bf16 parameters, bf16 transfers:
+// zenflow, bf16 parameters, bf16 transfers, direct (nothing crosses through the device):
 //   masters   w hot_master 80 x 4 = 320; narrow 15 x 4 = 60; bias 24 x 4 = 96        =  476
 //   moments   w hot m, v 2 x 320 = 640; narrow 2 x 60 = 120; bias 2 x 96 = 192       =  952
-//   transfers w hot_grad bf16 40 floats = 160; cold_bf16 x 2 slots 2 x 120 floats = 960;
-//             cold_raw (bf16 parameters back) 120 floats = 480                      = 1600
+//   transfers the hot gradient's scratch (one block of all 8 rows) 80 bf16 = 40 floats =  160
 //   selection w hot_idx 10 x 8 = 80, cold_idx 30 x 8 = 240, scores 40 x 4 = 160,
 //             topk 80; per-column constants 2 x 10 x 4 = 80                          =  640
-//   engine 3668; params (value + gradient, 2 bytes each) 2 x (320 + 15 + 24) x 2     = 1436
-// zenflow, fp32 parameters, bf16 transfers (the defaults of ZenFlowAdamW), as before this
-// change: masters 320 (hot only: an fp32 value is its own master); moments 952; transfers
-//   hot_grad 320, cold_grad 2 x 960, cold_bf16 2 x 480, cold_params 960, cold_raw 480 = 4640;
-//   selection 640; engine 6552; params 2 x 359 x 4 = 2872.
+//   engine 2228; params (value + gradient, 2 bytes each) 2 x (320 + 15 + 24) x 2     = 1436
+// Buffered adds the cold gradient out (240 bf16 = 120 floats = 480) and the parameters back
+//   (480): transfers 1120, engine 3188.
+// zenflow, fp32 parameters, bf16 transfers (the defaults of ZenFlowAdamW): masters 320 (hot
+//   only: an fp32 value is its own master); moments 952; transfers: the scratch in fp32 320
+//   (direct), + 480 + 480 = 1280 (buffered); selection 640; params 2 x 359 x 4 = 2872.
 // no-offload, bf16: masters 359 x 4 = 1436, moments 2872, nothing else; params 1436.
 // sync-offload, bf16, bf16 transfers: nothing but narrow's odd-size tail (3 floats = 12) and its
 //   index (8): engine 20 (the gradients and parameters cross straight from the caller's buffers).
+// sync-offload, fp32, bf16 transfers: each parameter's gradient out and parameters back in bf16
+//   (w 160 floats, narrow 8, bias 12: 180 floats each way): transfers 1440.
 TEST_F(ZenFlowBf16Test, DeviceBytesOfASmallModelCountedByHand) {
   auto model_of = [](bool bf16, std::vector<std::vector<float>>* store) {
     std::vector<EngineParam> ps = {{"w", {8, 40}}, {"narrow", {5, 3}}, {"bias", {24}}};
@@ -527,6 +544,7 @@ TEST_F(ZenFlowBf16Test, DeviceBytesOfASmallModelCountedByHand) {
   struct Want {
     OffloadMode mode;
     bool bf16;
+    Transfers transfers;
     DeviceFootprint f;
   };
   auto fp = [](int64_t masters, int64_t moments, int64_t transfers, int64_t selection,
@@ -539,15 +557,21 @@ TEST_F(ZenFlowBf16Test, DeviceBytesOfASmallModelCountedByHand) {
     f.params = params;
     return f;
   };
-  for (const Want& w : {Want{OffloadMode::kZenFlow, true, fp(476, 952, 1600, 640, 1436)},
-                        Want{OffloadMode::kZenFlow, false, fp(320, 952, 4640, 640, 2872)},
-                        Want{OffloadMode::kNoOffload, true, fp(1436, 2872, 0, 0, 1436)},
-                        Want{OffloadMode::kSyncOffload, true, fp(0, 0, 12, 8, 1436)}}) {
-    const std::string what = absl::StrCat(OffloadModeName(w.mode), w.bf16 ? " bf16" : " fp32");
+  const Transfers direct = Transfers::kDirect, buffered = Transfers::kBuffered;
+  for (const Want& w : {Want{OffloadMode::kZenFlow, true, direct, fp(476, 952, 160, 640, 1436)},
+                        Want{OffloadMode::kZenFlow, true, buffered, fp(476, 952, 1120, 640, 1436)},
+                        Want{OffloadMode::kZenFlow, false, direct, fp(320, 952, 320, 640, 2872)},
+                        Want{OffloadMode::kZenFlow, false, buffered, fp(320, 952, 1280, 640, 2872)},
+                        Want{OffloadMode::kNoOffload, true, direct, fp(1436, 2872, 0, 0, 1436)},
+                        Want{OffloadMode::kSyncOffload, true, buffered, fp(0, 0, 12, 8, 1436)},
+                        Want{OffloadMode::kSyncOffload, false, buffered, fp(0, 0, 1440, 0, 2872)}}) {
+    const std::string what = absl::StrCat(OffloadModeName(w.mode), w.bf16 ? " bf16 " : " fp32 ",
+                                          TransfersName(w.transfers));
     SCOPED_TRACE(what);
     std::vector<std::vector<float>> store;
     store.reserve(3);
-    const ZenFlowConfig cfg = Config(w.mode, 4, 0, false);  // bf16 transfers
+    ZenFlowConfig cfg = Config(w.mode, 4, 0, false);  // bf16 transfers
+    cfg.transfers = w.transfers;
     std::unique_ptr<Session> session;
     if (w.mode != OffloadMode::kNoOffload) session = NewSession("bytes");
     auto engine = ZenFlowEngine::Create(cfg, model_of(w.bf16, &store),
@@ -567,23 +591,34 @@ TEST_F(ZenFlowBf16Test, DeviceBytesOfASmallModelCountedByHand) {
 
 // The figure users choose by, for three 1024 x 1024 weights (top-k 0.1: 102 hot columns, 922
 // cold) with bf16 transfers: device bytes per parameter (engine + the parameters' values and
-// gradients), printed, with the hand count of zenflow bf16's engine bytes per weight:
-//   hot master, m, v 3 x 1024 x 102 x 4 = 1253376; hot gradient (bf16) 208896; cold gradients
-//   (bf16, 2 slots) 2 x 1024 x 922 x 2 = 3776512; parameters back (bf16) 1888256; selection
-//   102 x 8 x 2 + 922 x 8 + 1024 x 4 + 2 x 102 x 4 = 13920: 7140960 bytes (6.81 a parameter).
+// gradients), printed, with the hand count of zenflow bf16's engine bytes:
+//   per weight: hot master, m, v 3 x 1024 x 102 x 4 = 1253376; selection
+//     102 x 8 x 2 + 922 x 8 + 1024 x 4 + 2 x 102 x 4 = 13920; buffered only: the cold gradient
+//     out and the parameters back, 2 x 1024 x 922 x 2 = 3776512;
+//   once: the hot gradient's scratch, 1024 x 102 bf16 = 208896;
+// direct 3 x 1267296 + 208896 = 4010784 bytes (+ 4 bytes a parameter of bf16 value and gradient:
+// 5.275 a parameter, the <= 5.3 of issue 22), buffered 15340320 (8.877 a parameter).
 TEST_F(ZenFlowBf16Test, DeviceBytesPerParameterOfThreeSquareWeights) {
   const int64_t n = 1024, weights = 3;
-  for (OffloadMode mode : {OffloadMode::kZenFlow, OffloadMode::kNoOffload}) {
+  struct Run {
+    OffloadMode mode;
+    Transfers transfers;
+    const char* name;
+  };
+  for (const Run& run : {Run{OffloadMode::kZenFlow, Transfers::kDirect, "zenflow"},
+                         Run{OffloadMode::kZenFlow, Transfers::kBuffered, "zenflow_buffered"},
+                         Run{OffloadMode::kNoOffload, Transfers::kAuto, "no_offload"}}) {
     for (bool bf16 : {true, false}) {
       std::vector<std::vector<float>> store(weights, std::vector<float>(n * n, 0.0f));
       std::vector<EngineParam> ps;
       for (int64_t i = 0; i < weights; ++i)
         ps.push_back({absl::StrCat("w", i), {n, n}, store[i].data(), nullptr,
                       bf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32});
-      ZenFlowConfig cfg = Config(mode, 4, 0, false);
+      ZenFlowConfig cfg = Config(run.mode, 4, 0, false);
       cfg.topk_ratio = 0.1;
+      cfg.transfers = run.transfers;
       std::unique_ptr<Session> session;
-      if (mode != OffloadMode::kNoOffload) session = NewSession("square");
+      if (run.mode != OffloadMode::kNoOffload) session = NewSession("square");
       auto engine = ZenFlowEngine::Create(cfg, ps, kernels::DefaultCpuKernel(), kernels::CpuOps(),
                                           session.get());
       ASSERT_TRUE(engine.ok()) << engine.status();
@@ -591,13 +626,17 @@ TEST_F(ZenFlowBf16Test, DeviceBytesPerParameterOfThreeSquareWeights) {
       const double per = 1.0 / static_cast<double>(weights * n * n);
       printf("FIGURE device_bytes_per_param_%s_%s %.3f (engine %.3f: masters %.3f, moments "
              "%.3f, transfers %.3f, selection %.4f; params %.3f)\n",
-             mode == OffloadMode::kZenFlow ? "zenflow" : "no_offload", bf16 ? "bf16" : "fp32",
-             f.total() * per, f.engine() * per, f.masters * per, f.moments * per,
-             f.transfers * per, f.selection * per, f.params * per);
-      if (mode == OffloadMode::kZenFlow && bf16) {
-        EXPECT_EQ(f.engine(), weights * 7140960);
+             run.name, bf16 ? "bf16" : "fp32", f.total() * per, f.engine() * per,
+             f.masters * per, f.moments * per, f.transfers * per, f.selection * per,
+             f.params * per);
+      if (run.mode == OffloadMode::kZenFlow && bf16) {
+        const bool direct = run.transfers == Transfers::kDirect;
+        EXPECT_EQ(f.engine(), direct ? 4010784 : 15340320);
+        if (direct) {
+          EXPECT_LE(f.total() * per, 5.3);
+        }
       }
-      if (mode == OffloadMode::kNoOffload) {
+      if (run.mode == OffloadMode::kNoOffload) {
         EXPECT_EQ(f.total(), weights * n * n * 16);
       }
     }

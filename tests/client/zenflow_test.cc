@@ -324,11 +324,14 @@ struct PerColumnZenFlow {
 // with fp32 gradients, and with bf16 ones (the cold columns' gradients rounded as they cross,
 // the entering columns' round step taken on the device from the same rounded values).
 TEST_F(ZenFlowTest, RoundsWithReselectionEqualThePerColumnAlgorithm) {
- for (v1::DType grad_dtype : {v1::DTYPE_FP32, v1::DTYPE_BF16}) {
-  SCOPED_TRACE(grad_dtype == v1::DTYPE_FP32 ? "fp32 gradients" : "bf16 gradients");
+ for (v1::DType grad_dtype : {v1::DTYPE_FP32, v1::DTYPE_BF16})
+ for (Transfers how : {Transfers::kDirect, Transfers::kBuffered}) {
+  SCOPED_TRACE(absl::StrCat(grad_dtype == v1::DTYPE_FP32 ? "fp32 gradients " : "bf16 gradients ",
+                            TransfersName(how)));
   const int seed = 6;
   ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, true);
   cfg.grad_dtype = grad_dtype;
+  cfg.transfers = how;
   std::vector<Tensor> model = MakeModel(seed);
   PerColumnZenFlow ref(model, cfg);
   auto session = NewSession(grad_dtype == v1::DTYPE_FP32 ? "rounds" : "rounds-bf16");
@@ -480,12 +483,13 @@ TEST_F(ZenFlowTest, ColdColumnsLagByOneRound) {
   const int64_t S = 4, steps = 14;
   // One selection at step 1 only, so both runs keep the same hot set.
   using HotSets = std::map<std::string, std::vector<int64_t>>;
-  auto run = [&](bool await, std::vector<std::vector<Tensor>>* snapshots,
+  auto run = [&](bool await, Transfers how, std::vector<std::vector<Tensor>>* snapshots,
                  std::vector<HotSets>* hot_sets) {
     std::vector<Tensor> model = MakeModel(seed);
     snapshots->push_back(model);  // step 0
     auto session = NewSession(await ? "await" : "async");
     ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, S, 1000 * S, await);
+    cfg.transfers = how;
     auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
                                         kernels::CpuOps(), session.get());
     ASSERT_TRUE(engine.ok()) << engine.status();
@@ -498,10 +502,12 @@ TEST_F(ZenFlowTest, ColdColumnsLagByOneRound) {
       hot_sets->push_back(hot);
     }
   };
+  for (Transfers how : {Transfers::kDirect, Transfers::kBuffered}) {
+  SCOPED_TRACE(TransfersName(how));
   std::vector<std::vector<Tensor>> awaited, async;
   std::vector<HotSets> hot_a, hot_b;
-  run(true, &awaited, &hot_a);
-  run(false, &async, &hot_b);
+  run(true, how, &awaited, &hot_a);
+  run(false, how, &async, &hot_b);
   ASSERT_EQ(hot_a, hot_b);
   int64_t lagging_checks = 0, cold_checks = 0;
   for (int64_t t = 1; t <= steps; ++t) {
@@ -527,6 +533,7 @@ TEST_F(ZenFlowTest, ColdColumnsLagByOneRound) {
   }
   EXPECT_GT(cold_checks, 0);
   EXPECT_GT(lagging_checks, 0) << "no step distinguished a lag of one round from none";
+  }
 }
 
 // Stopping after step k (engine Checkpoint + daemon checkpoint), then restoring into a fresh
@@ -536,13 +543,17 @@ TEST_F(ZenFlowTest, ColdColumnsLagByOneRound) {
 TEST_F(ZenFlowTest, ResumeFromCheckpointEqualsUninterruptedRun) {
   const int seed = 5;
   const int64_t steps = 11;
-  for (OffloadMode mode :
-       {OffloadMode::kZenFlow, OffloadMode::kSyncOffload, OffloadMode::kNoOffload}) {
+  for (auto [mode, how] : {std::pair{OffloadMode::kZenFlow, Transfers::kDirect},
+                           std::pair{OffloadMode::kZenFlow, Transfers::kBuffered},
+                           std::pair{OffloadMode::kSyncOffload, Transfers::kAuto},
+                           std::pair{OffloadMode::kNoOffload, Transfers::kAuto}}) {
     for (int64_t k : {4, 5}) {
       ZenFlowConfig cfg = Config(mode, 2, 4, false);
       cfg.grad_dtype = v1::DTYPE_BF16;
       cfg.param_dtype = k == 5 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
-      const std::string what = absl::StrCat(OffloadModeName(mode), " k=", k);
+      cfg.transfers = how;
+      const std::string what = absl::StrCat(OffloadModeName(mode), " k=", k, " ",
+                                            TransfersName(how));
       auto make = [&](std::vector<Tensor>* model, std::unique_ptr<Session>* session) {
         if (mode != OffloadMode::kNoOffload) *session = NewSession(what);
         return ZenFlowEngine::Create(cfg, Params(model), kernels::DefaultCpuKernel(),

@@ -734,6 +734,28 @@ void ColumnsCase(const OptimizerKernel& gpu, Result* r, int64_t rows, int64_t ld
     gpu.ScatterColumnsToBf16(df.get(), rows, ld, dsel.get(), k, dn16.get());
     CheckOk(gpu.Synchronize(), "ScatterColumnsToBf16");
     CompareExact(r, dn16.Get(), n16, where + " scatter to bf16");
+  } else {
+    // fp32 W: the other two conversions (GatherColumnsAs rounds the selected fp32 columns to
+    // bf16, ScatterColumnsAs widens bf16 columns of random bits into a poisoned fp32 W).
+    std::vector<uint16_t> narrow(static_cast<size_t>(rows * k) + 1, 0x7777);
+    DeviceArray<uint16_t> dnarrow(narrow);
+    Ref().GatherColumnsAs(GradType::kFp32, w.data() + src_off, rows, ld, sel.data(), k,
+                          GradType::kBf16, narrow.data());
+    gpu.GatherColumnsAs(GradType::kFp32, dw.get() + src_off, rows, ld, dsel.get(), k,
+                        GradType::kBf16, dnarrow.get());
+    CheckOk(gpu.Synchronize(), "GatherColumnsAs fp32 -> bf16");
+    CompareExact(r, dnarrow.Get(), narrow, where + " gather to bf16");
+    std::vector<uint16_t> h(static_cast<size_t>(rows * k) + 1);
+    for (uint16_t& x : h) x = static_cast<uint16_t>(rng.Next());
+    std::vector<T> wide(static_cast<size_t>(rows * ld), T(0x3c3c));
+    DeviceArray<uint16_t> dh(h);
+    DeviceArray<T> dwide(wide);
+    Ref().ScatterColumnsAs(GradType::kBf16, h.data(), rows, ld, sel.data(), k, GradType::kFp32,
+                           wide.data());
+    gpu.ScatterColumnsAs(GradType::kBf16, dh.get(), rows, ld, dsel.get(), k, GradType::kFp32,
+                         dwide.get());
+    CheckOk(gpu.Synchronize(), "ScatterColumnsAs bf16 -> fp32");
+    CompareExact(r, dwide.Get(), wide, where + " scatter to fp32");
   }
 }
 

@@ -665,11 +665,11 @@ TEST(OptimizerCpu, GatherScatterRoundTripAndComplement) {
   }
 }
 
-// The converting column moves (bf16 parameters with fp32 masters): GatherColumnsToFloat equals
-// GatherColumns (2-byte elements) then Bf16ToFloat, ScatterColumnsToBf16 equals FloatToBf16 then
-// ScatterColumns, bit for bit, for every CPU backend, the oracle and the base class's default
-// (over random bit patterns: rounding ties, denormals, infinities, NaNs); the scatter leaves the
-// other columns alone.
+// The converting column moves (bf16 parameters with fp32 masters, the engine's moves into the
+// daemon's slots): for every pair of element types, GatherColumnsAs equals GatherColumns then the
+// conversion, ScatterColumnsAs equals the conversion then ScatterColumns, bit for bit, for every
+// CPU backend, the oracle and the base class's default (over random bit patterns: rounding ties,
+// denormals, infinities, NaNs); the scatter leaves the other columns alone.
 TEST(OptimizerCpu, ConvertingColumnMovesEqualMoveThenConvert) {
   const int64_t rows = 33, cols = 70, k = 23;
   std::mt19937 rng(77);
@@ -682,15 +682,27 @@ TEST(OptimizerCpu, ConvertingColumnMovesEqualMoveThenConvert) {
   for (int64_t c = 0; c < cols && static_cast<int64_t>(idx.size()) < k; c += 3) idx.push_back(c);
   ASSERT_EQ(static_cast<int64_t>(idx.size()), k);
   std::vector<uint16_t> w16 = ToBf16(f);
-  // Wanted: the composition through the oracle.
-  std::vector<uint16_t> g16(rows * k);
-  std::vector<float> want_gather(rows * k);
-  ReferenceKernel().GatherColumns(w16.data(), 2, rows, cols, idx.data(), k, g16.data());
-  ReferenceKernel().Bf16ToFloat(g16.data(), want_gather.data(), rows * k);
-  std::vector<float> src(f.begin(), f.begin() + rows * k);
-  std::vector<uint16_t> s16(rows * k), want_scatter(rows * cols, 0x1234);
-  ReferenceKernel().FloatToBf16(src.data(), s16.data(), rows * k);
-  ReferenceKernel().ScatterColumns(s16.data(), 2, rows, cols, idx.data(), k, want_scatter.data());
+  const OptimizerKernel& ref = ReferenceKernel();
+  // A [n] array of type t as bytes: the fp32 or bf16 source, or a poisoned destination.
+  auto source = [&](GradType t) {
+    std::vector<uint8_t> b(rows * cols * GradTypeSize(t));
+    memcpy(b.data(), t == GradType::kBf16 ? static_cast<const void*>(w16.data()) : f.data(),
+           b.size());
+    return b;
+  };
+  // Converts n elements of type st into type dt through the oracle (a copy when equal).
+  auto convert = [&](GradType st, const std::vector<uint8_t>& in, GradType dt, int64_t n) {
+    std::vector<uint8_t> out(n * GradTypeSize(dt));
+    if (st == dt) memcpy(out.data(), in.data(), out.size());
+    else if (st == GradType::kBf16)
+      ref.Bf16ToFloat(reinterpret_cast<const uint16_t*>(in.data()),
+                      reinterpret_cast<float*>(out.data()), n);
+    else
+      ref.FloatToBf16(reinterpret_cast<const float*>(in.data()),
+                      reinterpret_cast<uint16_t*>(out.data()), n);
+    return out;
+  };
+  const GradType types[2] = {GradType::kFp32, GradType::kBf16};
   // The base class's defaults, through a kernel that overrides nothing else of them.
   struct Defaults final : OptimizerKernel {
     const OptimizerKernel& r = ReferenceKernel();
@@ -722,15 +734,42 @@ TEST(OptimizerCpu, ConvertingColumnMovesEqualMoveThenConvert) {
   std::vector<const OptimizerKernel*> all = FastKernels();
   all.push_back(&ReferenceKernel());
   all.push_back(&defaults);
-  for (const OptimizerKernel* kk : all) {
-    const std::string what = kk->name();
-    std::vector<float> got_gather(rows * k, -1.0f);
-    kk->GatherColumnsToFloat(w16.data(), rows, cols, idx.data(), k, got_gather.data());
-    ExpectBitsEqual(want_gather, got_gather, what + " GatherColumnsToFloat");
-    std::vector<uint16_t> got_scatter(rows * cols, 0x1234);
-    kk->ScatterColumnsToBf16(src.data(), rows, cols, idx.data(), k, got_scatter.data());
-    ExpectBitsEqual(want_scatter, got_scatter, what + " ScatterColumnsToBf16");
+  for (GradType st : types) {
+    for (GradType dt : types) {
+      const size_t ss = GradTypeSize(st), ds = GradTypeSize(dt);
+      const std::vector<uint8_t> src = source(st);
+      // Wanted: the composition through the oracle.
+      std::vector<uint8_t> moved(rows * k * ss);
+      ref.GatherColumns(src.data(), ss, rows, cols, idx.data(), k, moved.data());
+      const std::vector<uint8_t> want_gather = convert(st, moved, dt, rows * k);
+      const std::vector<uint8_t> compact(src.begin(), src.begin() + rows * k * ss);
+      const std::vector<uint8_t> conv = convert(st, compact, dt, rows * k);
+      std::vector<uint8_t> want_scatter(rows * cols * ds, 0x5a);
+      ref.ScatterColumns(conv.data(), ds, rows, cols, idx.data(), k, want_scatter.data());
+      for (const OptimizerKernel* kk : all) {
+        const std::string what = std::string(kk->name()) + (st == GradType::kBf16 ? " bf16" : " fp32") +
+                                 (dt == GradType::kBf16 ? " -> bf16" : " -> fp32");
+        std::vector<uint8_t> got_gather(rows * k * ds, 0xff);
+        kk->GatherColumnsAs(st, src.data(), rows, cols, idx.data(), k, dt, got_gather.data());
+        EXPECT_EQ(want_gather, got_gather) << what << " GatherColumnsAs";
+        std::vector<uint8_t> got_scatter(rows * cols * ds, 0x5a);
+        kk->ScatterColumnsAs(st, compact.data(), rows, cols, idx.data(), k, dt,
+                             got_scatter.data());
+        EXPECT_EQ(want_scatter, got_scatter) << what << " ScatterColumnsAs";
+      }
+    }
   }
+  // The named forms are the bf16 -> fp32 gather and the fp32 -> bf16 scatter.
+  std::vector<float> wide(rows * k), want_wide(rows * k);
+  ref.GatherColumnsAs(GradType::kBf16, w16.data(), rows, cols, idx.data(), k, GradType::kFp32,
+                      want_wide.data());
+  ref.GatherColumnsToFloat(w16.data(), rows, cols, idx.data(), k, wide.data());
+  ExpectBitsEqual(want_wide, wide, "GatherColumnsToFloat");
+  std::vector<uint16_t> narrow(rows * cols, 1), want_narrow(rows * cols, 1);
+  ref.ScatterColumnsAs(GradType::kFp32, f.data(), rows, cols, idx.data(), k, GradType::kBf16,
+                       want_narrow.data());
+  ref.ScatterColumnsToBf16(f.data(), rows, cols, idx.data(), k, narrow.data());
+  ExpectBitsEqual(want_narrow, narrow, "ScatterColumnsToBf16");
 }
 
 }  // namespace

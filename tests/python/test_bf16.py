@@ -117,10 +117,13 @@ def test_offloaded_bf16_equals_the_reference(daemon, recipe_runs, mode):
         print(f"bf16 zenflow vs reference: max |dparam| {diff:.3g}")
 
 
-def test_bf16_state_dict_round_trip_is_bit_exact(daemon, tmp_path):
+@pytest.mark.parametrize("saved_with,resumed_with", [("buffered", "direct"),
+                                                     ("direct", "buffered")])
+def test_bf16_state_dict_round_trip_is_bit_exact(daemon, tmp_path, saved_with, resumed_with):
     """The defaults (bf16 transfers, S = 4) on a bf16 model, saved mid-round at step 10 and
     loaded into a fresh model and optimizer: the rest of the run equals the uninterrupted one
-    bit for bit (the masters travel in the state dict)."""
+    bit for bit (the masters travel in the state dict), with the other transfers (they move the
+    same numbers another way)."""
     cfg = dict(socket=daemon.socket, warmup_steps=2)
     saved = {}
 
@@ -129,8 +132,8 @@ def test_bf16_state_dict_round_trip_is_bit_exact(daemon, tmp_path):
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                         "sched": extra["sched"].state_dict()}, tmp_path / "ck.pt")
 
-    whole = models.train(lambda g: ZenFlowAdamW(g, **cfg), STEPS, seed=SEED,
-                         model=bf16_model(), after_step=save)
+    whole = models.train(lambda g: ZenFlowAdamW(g, transfers=saved_with, **cfg), STEPS,
+                         seed=SEED, model=bf16_model(), after_step=save)
     ck = torch.load(tmp_path / "ck.pt", weights_only=True)
     model = bf16_model()
     model.load_state_dict(ck["model"])
@@ -139,8 +142,8 @@ def test_bf16_state_dict_round_trip_is_bit_exact(daemon, tmp_path):
         opt.load_state_dict(ck["opt"])
         sched.load_state_dict(ck["sched"])
 
-    rest = models.train(lambda g: ZenFlowAdamW(g, **cfg), STEPS, seed=SEED, model=model,
-                        start=11, setup=setup)
+    rest = models.train(lambda g: ZenFlowAdamW(g, transfers=resumed_with, **cfg), STEPS,
+                        seed=SEED, model=model, start=11, setup=setup)
     assert rest.losses == whole.losses[10:]
     for name, p in whole.params.items():
         assert torch.equal(rest.params[name], p), name
@@ -162,3 +165,26 @@ def test_device_bytes_of_a_bf16_model(daemon):
     assert db["params"] == 4 * n, db
     assert db["total"] == db["params"] + db["engine"], db
     print("bf16 TinyLM zenflow: %.2f device bytes per parameter (%s)" % (db["total"] / n, db))
+
+
+@pytest.mark.parametrize("transfers,want", [("direct", 5.275), ("buffered", 8.877)])
+def test_device_bytes_per_parameter_of_square_bf16_weights(daemon, transfers, want):
+    """Three bf16 1024 x 1024 weights, top-k 0.1: the device bytes per parameter the engine
+    counts (tests/client/zenflow_bf16_test.cc counts them by hand: 5.275 direct, within the
+    5.3 of issue 22; 8.877 buffered), through the binding, after a step."""
+    torch.manual_seed(SEED)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False)
+                                  for _ in range(3)]).to(BF16)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, transfers=transfers, warmup_steps=0,
+                       socket=daemon.socket)
+    try:
+        model(torch.randn(4, 1024, dtype=BF16)).float().square().mean().backward()
+        opt.step()
+        db, used = opt.device_bytes, opt.device_transfers
+    finally:
+        opt.close()
+    n = 3 * 1024 * 1024
+    assert used == transfers
+    assert db["params"] == 4 * n, db
+    assert round(db["total"] / n, 3) == want, db
+    print("%s: %.3f device bytes per parameter %s" % (transfers, db["total"] / n, db))
