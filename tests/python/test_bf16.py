@@ -91,49 +91,48 @@ def test_no_offload_bf16_equals_adamw_on_fp32_masters(daemon, recipe_runs):
     assert got.losses[-1] < got.losses[0] - 0.3
 
 
-@pytest.mark.parametrize("mode", ["zenflow", "sync-offload"])
-def test_offloaded_bf16_equals_the_reference(daemon, recipe_runs, mode):
-    """zenflow (S = 1 awaited, fp32 transfers, reselections every 2 steps) and sync-offload on
-    a bf16 model against the plain-PyTorch reference with fp32 masters (zenflow_reference.py;
-    sync-offload is AdamW on masters: the recipe), within the same calibrated bound."""
-    ref_run, calib, _ = recipe_runs
-    cfg = dict(topk_ratio=0.25, update_interval=1, select_interval=2, await_updates=True,
-               warmup_steps=0)
-    if mode == "zenflow":
-        ref_run = models.train(lambda g: ReferenceZenFlow(g, betas=(0.9, 0.999), eps=1e-8, **cfg),
-                               STEPS, seed=SEED, model=bf16_model())
-    got = models.train(lambda g: ZenFlowAdamW(g, mode=mode, socket=daemon.socket,
-                                              **models.FP32, **cfg), STEPS, seed=SEED,
-                       model=bf16_model())
-    gap = loss_gap(got, ref_run)
-    print(f"bf16 {mode} vs reference: {gap:.3g} (bound {5 * calib:.3g})")
-    assert gap <= 5 * calib
-    if mode == "zenflow":
-        # Measured: the losses agree bit for bit over the 24 steps and the final bf16 values
-        # differ in a few elements by one bf16 ulp (the reference's torch ops and the engine's
-        # kernels round some fp32 master differently; the engine's C++ test,
-        # tests/client/zenflow_bf16_test.cc, is bit for bit against an oracle of its kernels).
-        diff = max(models.max_abs_diff(got.params, ref_run.params).values())
-        print(f"bf16 zenflow vs reference: max |dparam| {diff:.3g}")
+# Every mode on the bf16 model against the plain-PyTorch reference with fp32 masters
+# (zenflow_reference.py; in sync-offload and no-offload every parameter is dense there: AdamW on
+# the masters): (engine mode, engine options, the reference's kind).
+EXACT_CASES = {
+    "zenflow S=1 awaited fp32 transfers": (
+        "zenflow", dict(models.FP32, topk_ratio=0.25, update_interval=1, select_interval=2,
+                        await_updates=True, warmup_steps=0), None),
+    "zenflow S=4 asynchronous bf16 transfers": (
+        "zenflow", dict(topk_ratio=0.25, update_interval=4, select_interval=8, warmup_steps=2),
+        None),
+    "sync-offload": ("sync-offload", dict(warmup_steps=0), "dense"),
+    "no-offload": ("no-offload", dict(warmup_steps=0), "dense"),
+}
 
 
-@pytest.mark.parametrize("saved_with,resumed_with", [("buffered", "direct"),
-                                                     ("direct", "buffered")])
-def test_bf16_state_dict_round_trip_is_bit_exact(daemon, tmp_path, saved_with, resumed_with):
-    """The defaults (bf16 transfers, S = 4) on a bf16 model, saved mid-round at step 10 and
-    loaded into a fresh model and optimizer: the rest of the run equals the uninterrupted one
-    bit for bit (the masters travel in the state dict), with the other transfers (they move the
-    same numbers another way)."""
-    cfg = dict(socket=daemon.socket, warmup_steps=2)
-    saved = {}
+@pytest.mark.parametrize("case", list(EXACT_CASES))
+def test_bf16_engine_equals_the_reference_bit_for_bit(daemon, tmp_path, case):
+    """The engine on a bf16 model equals the reference bit for bit at every step, losses and
+    final bf16 values, with reselections; and a run saved after step 9 (mid-round in zenflow
+    S = 4: its rounds end at steps 6, 10, ...; buffered transfers) and resumed from the state
+    dict in a fresh model and optimizer (direct transfers) equals the reference's uninterrupted
+    run from step 10 on."""
+    mode, opts, ref_kind = EXACT_CASES[case]
+    ref_opts = dict(topk_ratio=1.0, update_interval=1, await_updates=True, warmup_steps=0) \
+        if ref_kind == "dense" else {k: v for k, v in opts.items() if k not in models.FP32}
+    ref = models.train(lambda g: ReferenceZenFlow(g, betas=(0.9, 0.999), eps=1e-8, **ref_opts),
+                       STEPS, seed=SEED, model=bf16_model())
 
     def save(step, model, opt, extra):
-        if step == 10:
+        if step == 9:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                         "sched": extra["sched"].state_dict()}, tmp_path / "ck.pt")
 
-    whole = models.train(lambda g: ZenFlowAdamW(g, transfers=saved_with, **cfg), STEPS,
-                         seed=SEED, model=bf16_model(), after_step=save)
+    def engine(transfers):
+        return lambda g: ZenFlowAdamW(g, betas=(0.9, 0.999), eps=1e-8, mode=mode,
+                                      socket=daemon.socket, transfers=transfers, **opts)
+
+    whole = models.train(engine("buffered"), STEPS, seed=SEED, model=bf16_model(),
+                         after_step=save)
+    assert whole.losses == ref.losses
+    for name, p in ref.params.items():
+        assert p.dtype == BF16 and torch.equal(whole.params[name], p), name
     ck = torch.load(tmp_path / "ck.pt", weights_only=True)
     model = bf16_model()
     model.load_state_dict(ck["model"])
@@ -142,11 +141,11 @@ def test_bf16_state_dict_round_trip_is_bit_exact(daemon, tmp_path, saved_with, r
         opt.load_state_dict(ck["opt"])
         sched.load_state_dict(ck["sched"])
 
-    rest = models.train(lambda g: ZenFlowAdamW(g, transfers=resumed_with, **cfg), STEPS,
-                        seed=SEED, model=model, start=11, setup=setup)
-    assert rest.losses == whole.losses[10:]
-    for name, p in whole.params.items():
+    rest = models.train(engine("direct"), STEPS, seed=SEED, model=model, start=10, setup=setup)
+    assert rest.losses == ref.losses[9:]
+    for name, p in ref.params.items():
         assert torch.equal(rest.params[name], p), name
+    assert whole.losses[-1] < whole.losses[0] - 0.3  # it trains
 
 
 def test_device_bytes_of_a_bf16_model(daemon):

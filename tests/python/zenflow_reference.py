@@ -60,19 +60,31 @@ def _k_of(ratio, cols):
 def _adamw_(p, g, m, v, steps, lr, beta1, beta2, eps, wd, bc=None):
     """In place, on 2-D [rows, n] slices with a step count per column (steps: [n] int64, already
     incremented), or on any shape with a scalar steps. bc: (bc1, bc2) given instead of
-    1 - beta ** steps (the sqrt_rule variant's per-column products)."""
-    p.mul_(1 - lr * wd)
-    m.mul_(beta1).add_(g, alpha=1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    1 - beta ** steps (the sqrt_rule variant's per-column products).
+
+    torch.optim.AdamW's step, written as kernels/optimizer.h states it: the constants (beta,
+    1 - beta, 1 - lr wd, eps, lr / (1 - beta1^t), sqrt(1 - beta2^t)) computed in double and
+    rounded to fp32 once, then one fp32 operation at a time, each rounded (no fused multiply-
+    add: torch's add with alpha and addcmul may fuse, so they are not used):
+        p = p * decay;  m = b1 m + (1 - b1) g;  v = b2 v + ((1 - b2) g) g;
+        p = p - step_size * (m / (sqrt(v) / bc2_sqrt + eps)).
+    So a run equals the engine's kernels bit for bit, not merely to rounding."""
+    f32 = torch.float32
+    p.mul_(1 - lr * wd)  # a Python float: torch rounds it to the tensor's fp32 once
+    m.mul_(beta1).add_(g * (1 - beta1))
+    v.mul_(beta2).add_(g * (1 - beta2) * g)
     if bc is None:
-        t = steps.to(torch.float64)
-        bc1 = 1 - beta1 ** t
-        bc2 = 1 - beta2 ** t
+        ts = steps.reshape(-1).tolist()  # C's pow, as the kernels' std::pow
+        step_size = torch.tensor([lr / (1 - math.pow(beta1, t)) for t in ts], dtype=f32)
+        bc2_sqrt = torch.tensor([math.sqrt(1 - math.pow(beta2, t)) for t in ts], dtype=f32)
     else:
         bc1, bc2 = bc
-    step_size = (lr / bc1).to(p.dtype)
-    denom = (v.sqrt() / bc2.sqrt().to(p.dtype)).add_(eps)
-    p.addcdiv_(m * step_size, denom, value=-1.0)
+        step_size = (lr / bc1).to(f32)
+        bc2_sqrt = bc2.sqrt().to(f32)
+    # sqrt in double, rounded once: the correctly rounded fp32 sqrt (torch's fp32 sqrt on the
+    # CPU is not: it differs in the last bit for about 0.6% of values).
+    denom = (v.double().sqrt().to(f32) / bc2_sqrt).add_(eps)
+    p.sub_(step_size * (m / denom))
 
 
 class _Split:
@@ -228,7 +240,8 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 sp.master[:, hot], sp.m[:, hot], sp.v[:, hot] = mh, mm, mv
                 view[:, hot] = _as(mh, p)
                 # Cold columns: the round's mean gradient, applied at the boundary.
-                sp.acc[:, cold] += g[:, cold] / S * self.cold_scale
+                # scale 1/S rounded to fp32 once, as the daemon's accumulation takes it
+                sp.acc[:, cold] += g[:, cold] * (torch.tensor(1.0 / S) * self.cold_scale).float()
                 if boundary:
                     sp.steps[cold] += 1
                     cb1, cb2, ceps, clr, cwd = b1, b2, eps, cold_lr, wd
