@@ -194,6 +194,11 @@ struct PState {
   // compact position j; hot_steps[i] the hot column's AdamW step count.
   std::vector<int64_t> hot_idx, cold_idx, hot_steps;
   OpsBuffer hot_master, hot_m, hot_v;
+  // stream_gradients: the hot columns' gradient (the parameter's dtype), gathered by
+  // StageGradient (or by Step from an unstaged gradient); staged: the next Step's gradient is
+  // here and in the slot (or the send buffer), whatever p.grad says.
+  OpsBuffer hot_grad;
+  bool staged = false;
   int64_t consts_at = 0;  // its hot columns' AdamW constants in Impl::hot_consts: ss, then bc2
   OpsBuffer hot_idx_dev, cold_idx_dev, scores, topk_dev;  // int64 arrays as 2 floats each
   // kSplit and kOffloaded: the device buffers of buffered transfers (zenflow.h, "Transfers"),
@@ -215,6 +220,10 @@ struct PState {
   int64_t round_grads = 0;
 
   int64_t offload_numel() const { return kind == kSplit ? rows * ncold : numel; }
+  // A split weight of a stream_gradients engine (its hot_grad is allocated at Setup).
+  bool streamed() const { return kind == kSplit && !hot_grad.empty(); }
+  // Whether the parameter has a gradient in the coming Step.
+  bool has_grad() const { return staged || p.grad != nullptr; }
   kernels::GradType gtype() const { return bf16 ? GradType::kBf16 : GradType::kFp32; }
   size_t esize() const { return bf16 ? 2 : 4; }
   float* value32() const { return static_cast<float*>(p.value); }
@@ -234,9 +243,9 @@ struct PState {
     auto b = [](const OpsBuffer& x) { return x.size() * 4; };
     f->masters += b(master) + b(hot_master);
     f->moments += b(m) + b(v) + b(hot_m) + b(hot_v);
-    f->transfers += b(send) + b(back) + b(tail);
+    f->transfers += b(send) + b(back) + b(tail) + b(hot_grad);
     f->selection += b(hot_idx_dev) + b(cold_idx_dev) + b(scores) + b(topk_dev) + b(tail_idx);
-    f->params += 2 * numel * static_cast<int64_t>(esize());
+    f->params += (streamed() ? 1 : 2) * numel * static_cast<int64_t>(esize());
   }
 };
 
@@ -260,6 +269,11 @@ struct ZenFlowEngine::Impl {
   // Direct: the backend's view of the staging area (the initial load gathers into it).
   float* staging_view = nullptr;
   int64_t send_task = 0;          // copy-thread task that last downloaded the send buffers
+  // StageGradient: the step whose gradients are being staged (0: none), so the waits for the
+  // send buffers and the slot are done once; what the staging moved and took, for that Step's
+  // timings.
+  int64_t staging_for = 0;
+  StepTimings staged_tm;
   int64_t slot_task[2] = {0, 0};  // copy-thread task that last pushed each gradient slot
   // The version of the Update that last pushed each gradient slot (fused push; 0: none): the
   // daemon reads the slot until that Update is done.
@@ -337,6 +351,22 @@ struct ZenFlowEngine::Impl {
   absl::Status ScatterParams(PState& ps, uint32_t slot, bool uploaded, StepTimings* tm);
   void UploadParams(const kernels::TransformerOps& on, PState& ps, uint32_t slot);
   absl::Status DoStep(double lr);
+  absl::Status StageGradient(PState& ps, const void* grad);
+  // The step's kind (see zenflow.h): warm-up, a round boundary, a reselection.
+  bool Warm(int64_t t) const { return t <= cfg.warmup_steps; }
+  bool Boundary(int64_t t) const {
+    return offloading() && (Warm(t) || cfg.mode == OffloadMode::kSyncOffload ||
+                            (t - cfg.warmup_steps) % cfg.update_interval == 0);
+  }
+  bool Reselects(int64_t t) const {
+    return cfg.mode == OffloadMode::kZenFlow && Boundary(t) &&
+           t >= std::max<int64_t>(cfg.warmup_steps, 1) &&
+           (t - cfg.warmup_steps) % cfg.EffectiveSelectInterval() == 0;
+  }
+  // Before step t's cold gradients are written: the send buffers once the previous step's
+  // download from them is done; direct, the gradient slot once the daemon is done with it (the
+  // push that last wrote it, and a fused Update that reads it).
+  absl::Status WaitToSend(int64_t t, StepTimings* tm);
 };
 
 absl::Status ZenFlowEngine::Impl::Setup() {
@@ -424,7 +454,10 @@ absl::Status ZenFlowEngine::Impl::SetupTransfers() {
   int64_t scratch = 0;
   for (PState& ps : params) {
     if (ps.kind != PState::kSplit) continue;
-    scratch = std::max(scratch, FloatsFor(HotBlockRows(ps) * ps.k, ps.p.dtype));
+    if (cfg.stream_gradients)
+      ps.hot_grad = OpsBuffer(&ops, FloatsFor(ps.rows * ps.k, ps.p.dtype));
+    else
+      scratch = std::max(scratch, FloatsFor(HotBlockRows(ps) * ps.k, ps.p.dtype));
     for (uint32_t s = 0; direct && s < 2; ++s) {
       std::string why;
       ps.grad_view[s] = ops.HostView(session->GradSlot(s, ps.p.name), &why);
@@ -534,7 +567,9 @@ absl::Status ZenFlowEngine::Impl::LoadDaemon() {
 }
 
 absl::Status ZenFlowEngine::Impl::EnqueueTopColumns(PState& ps, std::vector<int64_t>* hot) {
-  if (ps.p.grad == nullptr) {
+  if (ps.staged) {
+    // StageGradient computed them from the gradient it was given.
+  } else if (ps.p.grad == nullptr) {
     std::vector<float> zeros(ps.cols, 0.0f);
     ops.Upload(ps.scores.data(), zeros.data(), ps.cols);
   } else {
@@ -584,7 +619,7 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
   };
   std::vector<Move> moves;
   for (PState& ps : params) {
-    if (ps.kind != PState::kSplit || ps.p.grad == nullptr) continue;
+    if (ps.kind != PState::kSplit || !ps.has_grad()) continue;
     moves.push_back(Move{&ps});
     RETURN_IF_ERROR(EnqueueTopColumns(ps, &moves.back().hot));
   }
@@ -808,23 +843,28 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   const int64_t t = ++step;
   tm.step = t;
   const int64_t W = cfg.warmup_steps;
-  const bool warm = t <= W;
+  const bool warm = Warm(t);
   const bool sync = cfg.mode == OffloadMode::kSyncOffload;
   const int64_t S = (warm || sync) ? 1 : cfg.update_interval;
   const bool await = cfg.await_updates || warm || sync;
-  tm.boundary = offloading() && (warm || sync || (t - W) % cfg.update_interval == 0);
+  tm.boundary = Boundary(t);
   // Reselection at the end of a round boundary step t >= max(W, 1) with (t - W) a multiple of
   // select_interval (the last warm-up step, then every select_interval steps), from this step's
   // gradient, after this step's updates.
-  const bool reselect = cfg.mode == OffloadMode::kZenFlow && offloading() && tm.boundary &&
-                        t >= std::max<int64_t>(W, 1) &&
-                        (t - W) % cfg.EffectiveSelectInterval() == 0;
+  const bool reselect = Reselects(t);
+  // What staging this step's gradients took (StageGradient).
+  if (staging_for == t) {
+    tm.copies += staged_tm.copies;
+    tm.optimizer += staged_tm.optimizer;
+    tm.stall += staged_tm.stall;
+    tm.bytes_to_host += staged_tm.bytes_to_host;
+  }
   const kernels::AdamWConfig adam = cfg.AdamW(lr, t);
 
   if (offloading() && !loaded) {
     // Step 1: the first selection defines which columns the daemon holds; then load them.
     for (PState& ps : params)
-      if (ps.kind == PState::kSplit) RETURN_IF_ERROR(SelectInitial(ps, &tm));
+      if (ps.kind == PState::kSplit && ps.hot_idx.empty()) RETURN_IF_ERROR(SelectInitial(ps, &tm));
     RETURN_IF_ERROR(LoadDaemon());
   }
 
@@ -839,7 +879,7 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   }
   if (!hot_consts_host.empty()) {
     for (PState& ps : params) {
-      if (ps.kind != PState::kSplit || ps.p.grad == nullptr) continue;
+      if (ps.kind != PState::kSplit || !ps.has_grad()) continue;
       for (int64_t& s : ps.hot_steps) ++s;
       float* c = hot_consts_host.data() + ps.consts_at;
       kernels::MakeColumnConstants(adam, ps.hot_steps.data(), ps.k, c, c + ps.k);
@@ -848,7 +888,7 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
                static_cast<int64_t>(hot_consts_host.size()));
   }
   for (PState& ps : params) {
-    if (ps.p.grad == nullptr) continue;  // a device parameter without a gradient this step
+    if (!ps.has_grad()) continue;  // a device parameter without a gradient this step
     if (ps.kind == PState::kDevice) {
       kernels::AdamWConfig a = adam;
       a.step = ++ps.dstep;
@@ -861,14 +901,18 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     } else if (ps.kind == PState::kSplit) {
       // The hot columns' gradient in row blocks through the scratch (stream ordered on a
       // device), each block's AdamW on the matching rows of the masters and moments.
+      // (stream_gradients: all rows through its own hot_grad, where StageGradient may have
+      // put them already).
       const float* c = hot_consts.data() + ps.consts_at;
-      const int64_t block = HotBlockRows(ps);
+      const int64_t block = ps.streamed() ? ps.rows : HotBlockRows(ps);
+      float* buf = ps.streamed() ? ps.hot_grad.data() : hot_scratch.data();
       for (int64_t r0 = 0; r0 < ps.rows; r0 += block) {
         const int64_t nr = std::min(block, ps.rows - r0), at = r0 * ps.k;
-        k.GatherColumns(Advance(ps.p.grad, r0 * ps.cols, ps.esize()), ps.esize(), nr, ps.cols,
-                        AsInts(ps.hot_idx_dev), ps.k, hot_scratch.data());
+        if (!ps.staged)
+          k.GatherColumns(Advance(ps.p.grad, r0 * ps.cols, ps.esize()), ps.esize(), nr, ps.cols,
+                          AsInts(ps.hot_idx_dev), ps.k, buf);
         k.AdamWColumns(adam, c, c + ps.k, ps.hot_master.data() + at, ps.hot_m.data() + at,
-                       ps.hot_v.data() + at, hot_scratch.data(), ps.gtype(), nr, ps.k, nullptr);
+                       ps.hot_v.data() + at, buf, ps.gtype(), nr, ps.k, nullptr);
       }
       if (ps.bf16)
         k.ScatterColumnsToBf16(ps.hot_master.data(), ps.rows, ps.cols, AsInts(ps.hot_idx_dev),
@@ -890,14 +934,7 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   // them is done; direct, into this step's gradient slot once the daemon is done with it (the
   // push that last wrote it, and a fused Update that reads it).
   const uint32_t slot = static_cast<uint32_t>(t % 2);
-  t0 = Clock::now();
-  RETURN_IF_ERROR(copier->WaitFor(send_task));
-  if (direct) {
-    RETURN_IF_ERROR(copier->WaitFor(slot_task[slot]));
-    if (slot_update[slot] > 0) RETURN_IF_ERROR(session->WaitUpdate(slot_update[slot]).status());
-    slot_update[slot] = 0;
-  }
-  tm.stall += Since(t0);
+  if (staging_for != t) RETURN_IF_ERROR(WaitToSend(t, &tm));
   t0 = Clock::now();
   std::vector<char> present(params.size(), 0);
   const GradType gt = DTypeOf(cfg.grad_dtype);
@@ -906,11 +943,13 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     if (ps.kind == PState::kDevice) continue;
     // A parameter without a gradient this step pushes zeros, written on the host by the copy
     // task: it adds nothing to the round's mean.
-    if (ps.p.grad == nullptr) continue;
+    if (!ps.has_grad()) continue;
     present[i] = 1;
     ++ps.round_grads;
     const int64_t n = ps.offload_numel();
-    if (ps.kind == PState::kSplit) {
+    if (ps.staged) {
+      // already in the slot or the send buffer, and counted by the staging
+    } else if (ps.kind == PState::kSplit) {
       k.GatherColumnsAs(ps.gtype(), ps.p.grad, ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
                         ps.ncold, gt, direct ? ps.grad_view[slot] : ps.send.data());
     } else if (!ps.straight_grad(cfg.grad_dtype) && ps.bf16) {
@@ -922,7 +961,7 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
       // tail.
       k.GatherColumns(ps.p.grad, 2, 1, n, AsInts(ps.tail_idx), 1, ps.tail.data() + slot);
     }
-    tm.bytes_to_host += n * DTypeBytes(cfg.grad_dtype);
+    if (!ps.staged) tm.bytes_to_host += n * DTypeBytes(cfg.grad_dtype);
   }
   RETURN_IF_ERROR(Sync("gathering the cold gradients"));
   tm.copies += Since(t0);
@@ -1081,8 +1120,76 @@ absl::StatusOr<std::unique_ptr<ZenFlowEngine>> ZenFlowEngine::Create(
 absl::Status ZenFlowEngine::Step(double lr) {
   if (!impl_->failure.ok()) return impl_->failure;
   absl::Status st = impl_->DoStep(lr);
+  for (PState& ps : impl_->params) ps.staged = false;
+  impl_->staging_for = 0;
+  impl_->staged_tm = StepTimings();
   if (!st.ok()) impl_->failure = st;
   return st;
+}
+
+absl::Status ZenFlowEngine::StageGradient(size_t index, const void* grad) {
+  if (!impl_->failure.ok()) return impl_->failure;
+  if (index >= impl_->params.size())
+    return Invalid("index", absl::StrCat(index, " is not below ", impl_->params.size()));
+  if (grad == nullptr) return Invalid("grad", "null");
+  if (!impl_->cfg.stream_gradients)
+    return absl::FailedPreconditionError(
+        "StageGradient: the engine was created without stream_gradients");
+  PState& ps = impl_->params[index];
+  if (ps.kind != PState::kSplit)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "StageGradient: '", ps.p.name, "' is not a split weight (Splits(", index,
+        ") is false): its gradient stays in its buffer until Step"));
+  if (ps.staged)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "StageGradient: '", ps.p.name, "' already has a gradient for step ",
+        impl_->step + 1, ": one backward per step (gradient accumulation needs the whole "
+        "gradient kept until Step)"));
+  absl::Status st = impl_->StageGradient(ps, grad);
+  if (!st.ok()) impl_->failure = st;
+  return st;
+}
+
+absl::Status ZenFlowEngine::Impl::WaitToSend(int64_t t, StepTimings* tm) {
+  const uint32_t slot = static_cast<uint32_t>(t % 2);
+  const auto t0 = Clock::now();
+  RETURN_IF_ERROR(copier->WaitFor(send_task));
+  if (direct) {
+    RETURN_IF_ERROR(copier->WaitFor(slot_task[slot]));
+    if (slot_update[slot] > 0) RETURN_IF_ERROR(session->WaitUpdate(slot_update[slot]).status());
+    slot_update[slot] = 0;
+  }
+  tm->stall += Since(t0);
+  return absl::OkStatus();
+}
+
+absl::Status ZenFlowEngine::Impl::StageGradient(PState& ps, const void* grad) {
+  // What the coming Step t would read from the gradient, read now: step 1's selection, the
+  // scores where t reselects, the hot columns into hot_grad, the cold ones where Step's gather
+  // puts them (direct: the slot; buffered: the send buffer). Then the caller may free it.
+  const int64_t t = step + 1;
+  if (staging_for != t) {
+    staged_tm = StepTimings();
+    RETURN_IF_ERROR(WaitToSend(t, &staged_tm));
+    staging_for = t;
+  }
+  ps.p.grad = grad;
+  if (!loaded && ps.hot_idx.empty()) RETURN_IF_ERROR(SelectInitial(ps, &staged_tm));
+  const auto t0 = Clock::now();
+  if (Reselects(t))
+    k.ColumnScores(grad, ps.gtype(), ps.rows, ps.cols, ps.cols, nullptr, ps.scores.data());
+  k.GatherColumns(grad, ps.esize(), ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
+                  ps.hot_grad.data());
+  const uint32_t slot = static_cast<uint32_t>(t % 2);
+  k.GatherColumnsAs(ps.gtype(), grad, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
+                    DTypeOf(cfg.grad_dtype), direct ? ps.grad_view[slot] : ps.send.data());
+  absl::Status st = Sync("staging a gradient");
+  ps.p.grad = nullptr;
+  RETURN_IF_ERROR(st);
+  ps.staged = true;
+  staged_tm.copies += Since(t0);
+  staged_tm.bytes_to_host += ps.offload_numel() * DTypeBytes(cfg.grad_dtype);
+  return absl::OkStatus();
 }
 
 absl::Status ZenFlowEngine::Flush() {
@@ -1099,6 +1206,10 @@ absl::Status ZenFlowEngine::Flush() {
 absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
   Impl& im = *impl_;
   if (!im.failure.ok()) return im.failure;
+  if (im.staging_for != 0)
+    return absl::FailedPreconditionError(
+        "Checkpoint: gradients are staged for the next Step (StageGradient); checkpoint after "
+        "that Step");
   if (im.offloading()) {
     RETURN_IF_ERROR(im.copier->WaitAll());
     if (im.pending_version > 0)
@@ -1267,6 +1378,9 @@ absl::Status ZenFlowEngine::SetAdamW(double beta1, double beta2, double eps,
 bool ZenFlowEngine::OnDevice(size_t index) const {
   return index < impl_->params.size() && impl_->params[index].kind == PState::kDevice;
 }
+bool ZenFlowEngine::Splits(size_t index) const {
+  return index < impl_->params.size() && impl_->params[index].kind == PState::kSplit;
+}
 
 int64_t ZenFlowEngine::step() const { return impl_->step; }
 const StepTimings& ZenFlowEngine::last_timings() const { return impl_->last; }
@@ -1277,6 +1391,9 @@ DeviceFootprint ZenFlowEngine::Footprint() const {
   f.selection += impl_->hot_consts.size() * 4;
   f.transfers += impl_->hot_scratch.size() * 4;
   f.transient_peak = impl_->transient_peak;
+  for (const PState& ps : impl_->params)  // a streamed gradient, one at a time
+    if (ps.streamed())
+      f.transient_peak = std::max<int64_t>(f.transient_peak, ps.numel * ps.esize());
   return f;
 }
 const ZenFlowConfig& ZenFlowEngine::config() const { return impl_->cfg; }

@@ -142,6 +142,10 @@ struct ZenFlowConfig {
   v1::DType grad_dtype = v1::DTYPE_FP32;
   v1::DType param_dtype = v1::DTYPE_FP32;
   Transfers transfers = Transfers::kAuto;
+  // The caller hands split weights' gradients over as the backward produces them
+  // (StageGradient): each split weight keeps a [rows, k] hot-gradient buffer of its own instead
+  // of the shared row-block scratch, and its gradient counts as transient (DeviceFootprint).
+  bool stream_gradients = false;
 
   // OK, or InvalidArgument naming the field.
   absl::Status Validate() const;
@@ -176,7 +180,9 @@ struct DeviceFootprint {
   int64_t selection = 0;  // column scores, top-k and hot / cold index arrays, per-column constants
   int64_t transient_peak = 0;
   // The caller's value and gradient buffers (numel x dtype bytes x 2): not the engine's, but
-  // what a parameter costs on the device with it.
+  // what a parameter costs on the device with it. With stream_gradients a split weight's
+  // gradient lives only from the backward's producing it to StageGradient, one at a time: it is
+  // not here, and the largest is in transient_peak.
   int64_t params = 0;
   int64_t engine() const { return masters + moments + transfers + selection; }
   int64_t total() const { return engine() + params; }
@@ -239,6 +245,22 @@ class ZenFlowEngine {
   // (S = 1) that is exactly torch's skip.
   // The buffers are in the parameter's dtype.
   absl::Status SetBuffers(size_t index, void* value, const void* grad);
+  // Streamed gradients: hands split weight `index`'s gradient (`grad`, backend memory of its
+  // dtype) to the engine before the Step that uses it, as the backward produces it, so the
+  // caller may free it when this returns: the whole-model gradient need never be resident. The
+  // engine reads now what that Step would read (the scores where it selects, the hot columns
+  // into a [rows, k] buffer of its own, the cold ones straight to the daemon's slot, or the send
+  // buffer when buffered), and that Step takes the parameter as having this gradient whatever
+  // SetBuffers says. The Step's timings include the staging. FailedPrecondition without
+  // stream_gradients in the config, for a parameter that is not a split weight
+  // (Splits(index)), or one already staged for this Step (a second
+  // backward: gradient accumulation needs the whole gradient until Step); Checkpoint refuses
+  // while gradients are staged. The first staging of a step waits, as Step would, for the
+  // daemon to be done with the slot.
+  absl::Status StageGradient(size_t index, const void* grad);
+  // Whether parameter `index` is split by column (hot columns on the device, cold in the
+  // daemon): what StageGradient takes.
+  bool Splits(size_t index) const;
   // Changes AdamW's betas, eps and weight decay from the next Step on (validated as in Create).
   absl::Status SetAdamW(double beta1, double beta2, double eps, double weight_decay);
   // Whether parameter `index` lives wholly on the device (its gradient may be absent).

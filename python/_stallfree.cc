@@ -50,6 +50,7 @@ stallfree::api::EngineConfig ConfigFrom(const py::dict& d) {
   c.grad_dtype = d["grad_dtype"].cast<std::string>();
   c.param_dtype = d["param_dtype"].cast<std::string>();
   if (d.contains("transfers")) c.transfers = d["transfers"].cast<std::string>();
+  if (d.contains("stream_gradients")) c.stream_gradients = d["stream_gradients"].cast<bool>();
   return c;
 }
 
@@ -110,6 +111,9 @@ PYBIND11_MODULE(_stallfree, m) {
       .def("set_adamw", &Engine::SetAdamW)
       .def("set_values", &Engine::SetValues)
       .def("on_device", &Engine::OnDevice)
+      .def("splits", &Engine::Splits)
+      .def("stage_gradient", &Engine::StageGradient, py::arg("index"), py::arg("grad"),
+           py::call_guard<py::gil_scoped_release>())
       .def("hot_columns", &Engine::HotColumns)
       .def("last_timings", [](Engine& e) { return TimingsDict(e.LastTimings()); })
       // {masters, moments, transfers, selection, engine, transient_peak, params, total}: bytes

@@ -81,6 +81,7 @@ ZenFlowConfig ToConfig(const EngineConfig& e) {
   auto transfers = ParseTransfers(e.transfers);
   if (!transfers.ok()) throw InvalidArgument(std::string(transfers.status().message()));
   c.transfers = *transfers;
+  c.stream_gradients = e.stream_gradients;
   absl::Status valid = c.Validate();
   if (!valid.ok()) throw InvalidArgument(std::string(valid.message()));
   return c;
@@ -166,6 +167,10 @@ class EngineImpl : public Engine {
       Check(e.SetBuffers(i, reinterpret_cast<void*>(values[i]), nullptr));
   }
   bool OnDevice(size_t i) override { return Live().OnDevice(i); }
+  bool Splits(size_t i) override { return Live().Splits(i); }
+  void StageGradient(size_t i, uintptr_t grad) override {
+    Check(Live().StageGradient(i, reinterpret_cast<const void*>(grad)));
+  }
   int64_t StepCount() override { return Live().step(); }
   std::vector<int64_t> HotColumns(const std::string& name) override {
     return Take(Live().HotColumns(name));

@@ -52,6 +52,7 @@ struct EngineConfig {
   std::string grad_dtype = "bf16";
   std::string param_dtype = "bf16";
   std::string transfers = "auto";  // "auto" | "buffered" | "direct" (ZenFlowConfig::transfers)
+  bool stream_gradients = false;   // ZenFlowConfig::stream_gradients
 };
 
 struct ParamDesc {
@@ -97,6 +98,10 @@ class Engine {
   virtual void SetValues(const std::vector<uintptr_t>& values) = 0;
   virtual void SetScoreReduce(ScoreReduce fn) = 0;
   virtual bool OnDevice(size_t index) = 0;
+  // ZenFlowEngine::Splits and ::StageGradient (the gradient's address, of the parameter's dtype;
+  // the caller may free it when this returns).
+  virtual bool Splits(size_t index) = 0;
+  virtual void StageGradient(size_t index, uintptr_t grad) = 0;
   virtual int64_t StepCount() = 0;
   virtual std::vector<int64_t> HotColumns(const std::string& name) = 0;
   virtual Timings LastTimings() = 0;

@@ -455,6 +455,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     host link's speed), "buffered" (through device buffers of about (1 - topk_ratio) x 4 bytes
     per parameter with bf16 transfers, their copies overlapped with the next step's compute),
     or "auto" (direct on the CPU, buffered on CUDA); `device_transfers` says which is in use.
+    stream_gradients (zenflow, one process, torch >= 2.1): each split weight's gradient goes to
+    the engine as the backward produces it (a post-accumulate-grad hook) and is freed there, so
+    the model's whole gradient is never resident on the device. It needs one backward per
+    step() (no gradient accumulation: a second backward raises) and nothing that reads those
+    weights' .grad between backward() and step() (torch.nn.utils.clip_grad_norm_ would not see
+    them; Hugging Face Trainer clips by default: max_grad_norm=0 turns that off).
 
     socket: the daemon's socket; None means $STALLFREE_SOCKET, else the node's default socket,
     and if no daemon answers there a private one is started (and stopped with the optimizer).
@@ -505,8 +511,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, mode="zenflow", topk_ratio=0.1,
                  update_interval=4, select_interval=None, warmup_steps=20, await_updates=False,
-                 grad_dtype="bf16", param_dtype="bf16", transfers="auto", socket=None,
-                 session_name=None, process_group=None, reduce_gradients=False, timeout=300.0):
+                 grad_dtype="bf16", param_dtype="bf16", transfers="auto",
+                 stream_gradients=False, socket=None, session_name=None, process_group=None,
+                 reduce_gradients=False, timeout=300.0):
         _check_hyper(lr, betas, eps, weight_decay, "")
         for flag, value in (("amsgrad", amsgrad), ("maximize", maximize),
                             ("capturable", capturable), ("differentiable", differentiable)):
@@ -534,13 +541,28 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             select_interval=int(select_interval or 0),
                             warmup_steps=int(warmup_steps), await_updates=bool(await_updates),
                             grad_dtype=grad_dtype, param_dtype=param_dtype,
-                            transfers=str(transfers))
+                            transfers=str(transfers), stream_gradients=bool(stream_gradients))
         self._session_name = session_name or "torch"
         self._group = _data_parallel_group(process_group)
         if not timeout > 0:
             raise ValueError("timeout: %r is not a positive number of seconds" % (timeout,))
         self._timeout = datetime.timedelta(seconds=float(timeout))
         self._reduce_gradients = bool(reduce_gradients)
+        if stream_gradients:
+            if mode != "zenflow":
+                raise ValueError("stream_gradients: only in mode 'zenflow' (what streams is each "
+                                 "weight's split into hot and cold columns), not %r" % (mode,))
+            if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+                raise ValueError("stream_gradients needs torch >= 2.1 "
+                                 "(Tensor.register_post_accumulate_grad_hook); this is %s"
+                                 % torch.__version__)
+            if self._group is not None and torch.distributed.get_world_size(self._group) > 1:
+                raise ValueError(
+                    "stream_gradients: not with data parallelism: a weight's gradient would "
+                    "leave before DistributedDataParallel (or reduce_gradients) averages it over "
+                    "the ranks; use stream_gradients=False there")
+        self._hooks = []     # stream_gradients: the post-accumulate-grad hooks' handles
+        self._staged = []    # per param group: indices whose gradient the engine has for step()
         if self._group is not None and torch.distributed.get_world_size(self._group) > 1:
             _announce()
         self._shards = []    # per param group: its _Shards (the data-parallel partition)
@@ -627,6 +649,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._hypers.append(_hyper_of(group))
         self._streams.append(stream)
         self._engines.append(engine)
+        self._staged.append(set())
+        if self._config["stream_gradients"] and engine is not None:
+            for i, (name, p) in enumerate(members):
+                if engine.splits(i):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        functools.partial(self._stage, gi, i, name)))
         for _, p in members:
             self.state[p] = {"step": torch.tensor(0.0)}
         self._mark_blob_entries()
@@ -663,6 +691,27 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # --- stepping ---------------------------------------------------------------------------
 
     @torch.no_grad()
+    def _stage(self, gi, i, name, p):
+        """stream_gradients: the post-accumulate-grad hook of a split weight. Its gradient goes
+        to the engine (the hot columns into the engine's buffer, the cold ones to the daemon's
+        pinned memory) and is freed, during the backward."""
+        g = p.grad
+        if g is None or self._closed:
+            return
+        if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device or g.is_sparse:
+            raise Error("parameter '%s': its gradient is %s %s on %s, not a dense gradient of "
+                        "its parameter's dtype (%s), shape and device"
+                        % (name, g.dtype, list(g.shape), g.device, p.dtype))
+        g = g.contiguous()
+        try:
+            with self._ordered(gi):
+                self._engine(gi).stage_gradient(i, g.data_ptr())
+        except Error as e:
+            raise self._explain(e) from e
+        self._staged[gi].add(i)
+        p.grad = None
+
+    @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step with each group's current lr (and betas, eps, weight_decay). Every
         group's gradients and hyper-parameters are checked before any engine steps, so a
@@ -678,7 +727,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if self._engines[gi] is None:
                 continue
             grads, keep, stepped = [], [], []
-            for name, p in self._members[gi]:
+            for i, (name, p) in enumerate(self._members[gi]):
+                if i in self._staged[gi]:
+                    stepped.append(p)  # its gradient is in the engine already (_stage)
                 g = p.grad
                 if g is not None:
                     if g.is_sparse or g.layout != torch.strided:
@@ -736,6 +787,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 shards.gather(shards.hot_index(engine))
             timing = dict(timing, collective_bytes=shards.sent - sent_before)
             torch._foreach_add_([self.state[p]["step"] for p in stepped], 1)
+            self._staged[gi].clear()
             timings.append(timing)
         if timings:
             self._last_timings = _sum_timings(timings)
@@ -1020,9 +1072,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if meta.get("version") not in (1, _STATE_VERSION):
             raise Error("%s: state dict version %r, this stallfree reads 1 and %d"
                         % (where, meta.get("version"), _STATE_VERSION))
-        # transfers choose how the same numbers move, not the numbers: any may resume any.
+        # transfers and stream_gradients choose how the same numbers move, not the numbers: any
+        # may resume any.
         diff = {k: (meta["config"].get(k), v) for k, v in self._config.items()
-                if k != "transfers" and meta["config"].get(k) != v}
+                if k not in ("transfers", "stream_gradients") and meta["config"].get(k) != v}
         if diff:
             raise Error("the state dict was written with another configuration (saved, now): %s"
                         % diff)
@@ -1088,6 +1141,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                       "(%s); this rank's parameters hold the newest values of its own rows only"
                       % (str(e).splitlines()[0][:300],), file=sys.stderr)
         self._closed = True
+        for hook in getattr(self, "_hooks", []):
+            hook.remove()
         for engine in self._engines:
             if engine is not None:
                 engine.close(flush=not flushed)

@@ -354,6 +354,64 @@ TEST_F(ZenFlowBf16Test, RoundsOfFourEqualReferenceAwaitedAndAsynchronous) {
   }
 }
 
+// Streamed gradients: each split weight's gradient handed over with StageGradient as soon as it
+// is computed (but at steps 3 and 8), then poisoned (NaN bits) and unbound, as a framework that
+// frees it would leave it:
+// S = 4 asynchronous with a reselection every round, direct and buffered, equals the reference at
+// every step (device-side columns) and after each Flush (everything), like the unstreamed run;
+// a checkpoint refuses while gradients are staged; staging twice, or a weight that is not
+// split, is refused naming the parameter.
+TEST_F(ZenFlowBf16Test, StreamedGradientsEqualReference) {
+  for (Transfers how : {Transfers::kDirect, Transfers::kBuffered}) {
+    SCOPED_TRACE(TransfersName(how));
+    const int seed = 6;
+    ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, false);
+    cfg.transfers = how;
+    cfg.stream_gradients = true;
+    std::vector<Tensor16> model = MakeModel(seed);
+    Reference ref(model, cfg);
+    std::unique_ptr<Session> session;
+    auto engine = Make(cfg, &model, &session, "bf16-streamed");
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    ZenFlowEngine& e = **engine;
+    ASSERT_TRUE(e.Splits(0) && e.Splits(1) && !e.Splits(2) && !e.Splits(3));
+    // The caller's bytes: every value (351 bf16), the gradients of 'narrow' and 'bias' only
+    // (39); a split weight's gradient is transient, the larger one w1's 192 x 2.
+    EXPECT_EQ(e.Footprint().params, 2 * 351 + 2 * 39);
+    EXPECT_GE(e.Footprint().transient_peak, 2 * 192);
+    int64_t migrated = 0;
+    for (int64_t t = 1; t <= 24; ++t) {
+      FillGrads(&model, t, seed);
+      // Step 3 and step 8 (a reselection) are not staged: Step reads the gradients itself.
+      for (size_t i : {0, 1}) {
+        if (t == 3 || t == 8) break;
+        ASSERT_TRUE(e.StageGradient(i, model[i].grad.data()).ok()) << "step " << t;
+        std::fill(model[i].grad.begin(), model[i].grad.end(), uint16_t{0x7fc1});
+        ASSERT_TRUE(e.SetBuffers(i, model[i].value.data(), nullptr).ok());
+      }
+      if (t == 5) {
+        EXPECT_EQ(e.StageGradient(0, model[0].grad.data()).code(),
+                  absl::StatusCode::kFailedPrecondition);
+        EXPECT_EQ(e.Checkpoint("staged").status().code(), absl::StatusCode::kFailedPrecondition);
+      }
+      ASSERT_TRUE(e.Step(Lr(t)).ok()) << "step " << t;
+      for (size_t i : {0, 1})
+        ASSERT_TRUE(e.SetBuffers(i, model[i].value.data(), model[i].grad.data()).ok());
+      ref.Step(t, seed);
+      migrated += e.last_timings().migrated_columns;
+      ExpectDeviceColumns(e, model, ref, true, absl::StrCat("step ", t));
+      if (t % 8 == 0) {
+        ASSERT_TRUE(e.Flush().ok());
+        ExpectValues(model, ref, absl::StrCat("step ", t, " (flushed)"));
+      }
+    }
+    EXPECT_GT(migrated, 0);
+    const absl::Status not_split = e.StageGradient(2, model[2].grad.data());
+    EXPECT_EQ(not_split.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(not_split.message().find("narrow"), std::string::npos) << not_split;
+  }
+}
+
 // sync-offload (every parameter in the daemon, 'narrow' of odd size through the engine's tail)
 // and no-offload (fp32 masters, m, v on the device) equal the reference at every step.
 TEST_F(ZenFlowBf16Test, SyncOffloadAndNoOffloadEqualReference) {

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import models
+import stallfree
 from stallfree.torch import ZenFlowAdamW
 from zenflow_reference import ReferenceZenFlow
 
@@ -101,6 +102,9 @@ EXACT_CASES = {
     "zenflow S=4 asynchronous bf16 transfers": (
         "zenflow", dict(topk_ratio=0.25, update_interval=4, select_interval=8, warmup_steps=2),
         None),
+    "zenflow S=4 asynchronous, gradients streamed": (
+        "zenflow", dict(topk_ratio=0.25, update_interval=4, select_interval=8, warmup_steps=2,
+                        stream_gradients=True), None),
     "sync-offload": ("sync-offload", dict(warmup_steps=0), "dense"),
     "no-offload": ("no-offload", dict(warmup_steps=0), "dense"),
 }
@@ -115,7 +119,8 @@ def test_bf16_engine_equals_the_reference_bit_for_bit(daemon, tmp_path, case):
     run from step 10 on."""
     mode, opts, ref_kind = EXACT_CASES[case]
     ref_opts = dict(topk_ratio=1.0, update_interval=1, await_updates=True, warmup_steps=0) \
-        if ref_kind == "dense" else {k: v for k, v in opts.items() if k not in models.FP32}
+        if ref_kind == "dense" else {k: v for k, v in opts.items()
+                                     if k not in models.FP32 and k != "stream_gradients"}
     ref = models.train(lambda g: ReferenceZenFlow(g, betas=(0.9, 0.999), eps=1e-8, **ref_opts),
                        STEPS, seed=SEED, model=bf16_model())
 
@@ -187,3 +192,35 @@ def test_device_bytes_per_parameter_of_square_bf16_weights(daemon, transfers, wa
     assert db["params"] == 4 * n, db
     assert round(db["total"] / n, 3) == want, db
     print("%s: %.3f device bytes per parameter %s" % (transfers, db["total"] / n, db))
+
+
+def test_streamed_gradients_leave_during_the_backward(daemon):
+    """stream_gradients: after backward() the split weights hold no gradient (the engine has
+    it), the 1-D ones keep theirs; the device bytes count the split weights' values only; a
+    second backward before step() (gradient accumulation) raises naming the weight; other modes
+    and data parallelism are refused at construction."""
+    model = bf16_model()
+    opt = ZenFlowAdamW(models.param_groups(model), socket=daemon.socket, warmup_steps=0,
+                       stream_gradients=True)
+    try:
+        models.loss_fn(model, models.batch(SEED, 1)).backward()
+        split = {n for n, p in model.named_parameters() if p.dim() == 2 and p.grad is None}
+        kept = {n for n, p in model.named_parameters() if p.grad is not None}
+        assert split and kept and all(model.get_parameter(n).dim() == 1 or n in split
+                                      for n in split | kept), (split, kept)
+        n_split = sum(model.get_parameter(n).numel() for n in split)
+        n_all = sum(p.numel() for p in model.parameters())
+        db = opt.device_bytes
+        assert db["params"] == 2 * n_all + 2 * (n_all - n_split), db
+        assert db["transient_peak"] >= 2 * max(model.get_parameter(n).numel() for n in split)
+        opt.step()
+        opt.zero_grad()
+        loss = models.loss_fn(model, models.batch(SEED, 2))
+        loss.backward(retain_graph=True)
+        with pytest.raises(stallfree.Error, match="already has a gradient"):
+            loss.backward()
+    finally:
+        opt.close()
+    with pytest.raises(ValueError, match="stream_gradients: only in mode 'zenflow'"):
+        ZenFlowAdamW(bf16_model().parameters(), mode="sync-offload", stream_gradients=True,
+                     socket=daemon.socket)
