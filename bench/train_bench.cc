@@ -1,5 +1,7 @@
 // train_bench: the trainer on the same model and data in the three offload modes, one after the
-// other against one stallfreed, then the figures and a plot of the three runs.
+// other against one stallfreed, then the figures and a plot of the three runs. The fine-tuning
+// comparison runs each mode from the same pre-trained weights, and zenflow and no-offload once
+// more with a bf16 model (--model_dtype bf16: bf16 weights and gradients, fp32 masters).
 //
 //   bazel run //bench:train_bench [-- --quick] [-- --nproc 2 --steps 200 ...]
 #include <sys/wait.h>
@@ -101,7 +103,7 @@ int Run(int argc, char** argv) {
   FlagSet flags("train_bench",
                 "trains one model in zenflow, sync-offload and no-offload modes (same data, "
                 "seed and schedule) and prints the comparison.");
-  flags.AddBool("quick", &quick, "fewer steps (within 180 s on 2 cores)");
+  flags.AddBool("quick", &quick, "fewer steps (about 3 minutes on 2 cores)");
   flags.AddInt("steps", &steps, "steps per mode from scratch (0: 200 quick, 500 otherwise)");
   flags.AddInt("nproc", &nproc, "TSP ranks per run");
   flags.AddInt("layers", &layers, "model blocks");
@@ -198,7 +200,7 @@ int Run(int argc, char** argv) {
   }
   // Fine-tuning, the published setting: every mode starts from the same no-offload pre-trained
   // weights (fresh optimizer, another data order) at a lower learning rate.
-  std::map<std::string, std::map<std::string, double>> tuned;
+  std::map<std::string, std::map<std::string, double>> tuned, tuned_bf16;
   if (pretrain_steps > 0) {
     if (!train("pretrain", "no-offload", pretrain_steps, "--lr 3e-3")) return 1;
     const std::string init = absl::StrCat(out_dir, "/pretrain/checkpoints/bench-pretrain-step",
@@ -210,6 +212,16 @@ int Run(int argc, char** argv) {
                               mode == "zenflow" ? " " + zenflow_args : "")))
         return 1;
       tuned[mode] = ReadSummary(out_dir + "/" + name + "/summary.json");
+    }
+    // The same fine-tuning with a bf16 model (the fp32 pre-trained weights rounded to bf16), in
+    // zenflow against no-offload.
+    for (const std::string mode : {"no-offload", "zenflow"}) {
+      const std::string name = "finetune-bf16-" + mode;
+      if (!train(name, mode, finetune_steps,
+                 absl::StrCat("--seed 2 --lr_warmup 0 --lr ", finetune_lr, " --init_from ", init,
+                              " --model_dtype bf16", mode == "zenflow" ? " " + zenflow_args : "")))
+        return 1;
+      tuned_bf16[mode] = ReadSummary(out_dir + "/" + name + "/summary.json");
     }
   }
   const std::string png = out_dir + "/train_bench.png";
@@ -227,19 +239,36 @@ int Run(int argc, char** argv) {
   if (!tuned.empty()) {
     printf("\nfine-tuning: %ld no-offload steps, then %ld steps per mode at lr %.1e\n",
            (long)pretrain_steps, (long)finetune_steps, finetune_lr);
-    printf("%-14s %12s %12s\n", "mode", "train loss", "eval loss");
+    printf("%-16s %12s %12s\n", "mode", "train loss", "eval loss");
     for (const std::string& mode : modes)
-      printf("%-14s %12.4f %12.4f\n", mode.c_str(), tuned[mode]["final_train_loss"],
+      printf("%-16s %12.4f %12.4f\n", mode.c_str(), tuned[mode]["final_train_loss"],
              tuned[mode]["final_eval_loss"]);
+    for (const std::string mode : {"no-offload", "zenflow"})
+      printf("%-16s %12.4f %12.4f   (bf16 model: %.2f bytes of weights and gradients per "
+             "parameter; the engine's device state %.2f)\n",
+             (mode + " bf16").c_str(), tuned_bf16[mode]["final_train_loss"],
+             tuned_bf16[mode]["final_eval_loss"], tuned_bf16[mode]["model_bytes_per_param"],
+             tuned_bf16[mode]["engine_device_bytes_per_param"]);
   }
   auto& z = summary["zenflow"];
   auto& n = summary["no-offload"];
   auto& y = summary["sync-offload"];
   printf("\nFIGURE train_zenflow_vs_nooffload_eval_loss_scratch %.4f x (target <= 1.05)\n",
          z["final_eval_loss"] / n["final_eval_loss"]);
-  if (!tuned.empty())
+  if (!tuned.empty()) {
     printf("FIGURE train_zenflow_vs_nooffload_eval_loss_finetune %.4f x (target <= 1.01)\n",
            tuned["zenflow"]["final_eval_loss"] / tuned["no-offload"]["final_eval_loss"]);
+    printf("FIGURE train_zenflow_vs_nooffload_eval_loss_finetune_bf16 %.4f x (target <= 1.01)\n",
+           tuned_bf16["zenflow"]["final_eval_loss"] / tuned_bf16["no-offload"]["final_eval_loss"]);
+    // What the model's storage costs (the engine's accounting of the buffers it updates and
+    // reads): bf16 against the fp32 model's 8. The CPU trainer computes in fp32 from working
+    // copies beside it (summary.json's working_bytes_per_param).
+    printf("FIGURE train_bf16_model_weight_grad_bytes_per_param %.2f bytes (fp32 model: %.2f)\n",
+           tuned_bf16["zenflow"]["model_bytes_per_param"],
+           tuned["zenflow"]["model_bytes_per_param"]);
+    printf("FIGURE train_bf16_zenflow_engine_device_bytes_per_param %.2f bytes\n",
+           tuned_bf16["zenflow"]["engine_device_bytes_per_param"]);
+  }
   int64_t at = 0, at_tuned = 0;
   double jump = MaxOwnJump(out_dir + "/zenflow/metrics.csv", out_dir + "/no-offload/metrics.csv",
                            &at);

@@ -136,11 +136,80 @@ class BackendShard {
 struct Tensor {
   std::string name;
   std::vector<int64_t> shape;
+  // The model's fp32 values and gradients, which the model computes with: an fp32 model's own
+  // (the engine's parameters), a bf16 model's working copies (widened values, gradients before
+  // their rounding).
   float* value;
   float* grad;
   int64_t numel;
   bool replicated;  // the same on every rank (its gradient is all-reduced)
+  // A bf16 model's storage (null for fp32): the engine's value and gradient buffers.
+  uint16_t* value16 = nullptr;
+  uint16_t* grad16 = nullptr;
+
+  bool bf16() const { return value16 != nullptr; }
+  // The engine's (the model's stored) value and gradient, and their element size.
+  void* stored_value() const {
+    return bf16() ? static_cast<void*>(value16) : static_cast<void*>(value);
+  }
+  void* stored_grad() const {
+    return bf16() ? static_cast<void*>(grad16) : static_cast<void*>(grad);
+  }
+  size_t elem_size() const { return bf16() ? 2 : 4; }
+  v1::DType dtype() const { return bf16() ? v1::DTYPE_BF16 : v1::DTYPE_FP32; }
 };
+
+// A bf16 model's storage in a backend's memory (kernels/ops.h): one allocation holding every
+// tensor's bf16 value and bf16 gradient, each at a 256-byte-aligned offset (so a tensor is also
+// a whole number of floats from the start: Upload / Download move it as floats, exactly). Points
+// the tensors' value16 / grad16 at it; zeros. The backend must outlive it.
+class Bf16Storage {
+ public:
+  Bf16Storage(const kernels::TransformerOps& ops, std::vector<Tensor>* tensors) {
+    constexpr int64_t kAlign = 128;  // bf16 elements
+    std::vector<int64_t> offsets;
+    int64_t total = 0;  // bf16 elements
+    for (int half = 0; half < 2; ++half)
+      for (const Tensor& t : *tensors) {
+        offsets.push_back(total);
+        total += (t.numel + kAlign - 1) / kAlign * kAlign;
+      }
+    buffer_ = kernels::OpsBuffer(&ops, total / 2);
+    uint16_t* base = reinterpret_cast<uint16_t*>(buffer_.data());
+    const size_t n = tensors->size();
+    for (size_t i = 0; i < n; ++i) {
+      (*tensors)[i].value16 = base + offsets[i];
+      (*tensors)[i].grad16 = base + offsets[n + i];
+    }
+  }
+  bool ok() const { return !buffer_.empty() && buffer_.data() != nullptr; }
+
+ private:
+  kernels::OpsBuffer buffer_;
+};
+
+// A tensor's stored values moved between host memory (numel x elem_size bytes, `host` at least
+// a whole number of floats long) and the backend: bf16 ones as whole floats (the storage's
+// tensors are float-aligned and padded), bit for bit.
+void UploadStored(const kernels::TransformerOps& ops, const Tensor& t, const std::string& host) {
+  if (!t.bf16()) {
+    ops.Upload(t.value, reinterpret_cast<const float*>(host.data()), t.numel);
+    return;
+  }
+  const int64_t floats = (t.numel + 1) / 2;
+  std::vector<float> padded(floats, 0.0f);
+  memcpy(padded.data(), host.data(), t.numel * 2);
+  ops.Upload(reinterpret_cast<float*>(t.value16), padded.data(), floats);
+}
+// Download's result is in *host after the backend's Synchronize().
+void DownloadStored(const kernels::TransformerOps& ops, const Tensor& t, std::string* host) {
+  host->assign(((t.numel * t.elem_size()) + 3) / 4 * 4, '\0');
+  if (!t.bf16())
+    ops.Download(reinterpret_cast<float*>(host->data()), t.value, t.numel);
+  else
+    ops.Download(reinterpret_cast<float*>(host->data()),
+                 reinterpret_cast<const float*>(t.value16), (t.numel + 1) / 2);
+}
 
 std::vector<Tensor> ShardTensors(const parallel::ModelConfig& cfg, int D, const ShardPointers& w,
                                  const ShardPointers& g) {
@@ -213,14 +282,28 @@ double LearningRate(const TrainOptions& o, int64_t step) {
 
 // ---- Trainer checkpoint files ----
 
-constexpr char kMagic[8] = {'S', 'F', 'T', 'R', 'A', 'I', 'N', '1'};
+// Version 1 (fp32 models only): magic, step, data position, the shape key, the tensors (each its
+// element count, then its fp32 values), the engine's state, a checksum. Version 2 adds the model
+// dtype after the shape key (kFileFp32 / kFileBf16) and stores each tensor in it (bf16: 2 bytes
+// an element). Both are read; version 2 is written.
+constexpr char kMagicV1[8] = {'S', 'F', 'T', 'R', 'A', 'I', 'N', '1'};
+constexpr char kMagicV2[8] = {'S', 'F', 'T', 'R', 'A', 'I', 'N', '2'};
+constexpr int64_t kFileFp32 = 0, kFileBf16 = 1;
+
+// What --model_dtype calls a model dtype.
+const char* ModelDtypeName(v1::DType d) { return d == v1::DTYPE_BF16 ? "bf16" : "fp32"; }
 
 struct RankState {
   int64_t step = 0;
   int64_t data_position = 0;
   std::vector<int64_t> shape;  // rank, D, layers, C, H, FF, vocab, T, B, mode, tied, learned
-  std::vector<std::vector<float>> tensors;
+  v1::DType dtype = v1::DTYPE_FP32;  // the model's: how `tensors` hold the values
+  // Each tensor's values, little-endian, numel x (4 or 2) bytes (fp32 or bf16 bits).
+  std::vector<std::string> tensors;
   std::string engine;
+
+  size_t elem_size() const { return dtype == v1::DTYPE_BF16 ? 2 : 4; }
+  int64_t numel(size_t i) const { return static_cast<int64_t>(tensors[i].size() / elem_size()); }
 };
 
 void PutI64(std::string* out, int64_t x) { out->append(reinterpret_cast<const char*>(&x), 8); }
@@ -263,15 +346,16 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
 }
 
 std::string EncodeState(const RankState& s) {
-  std::string out(kMagic, 8);
+  std::string out(kMagicV2, 8);
   PutI64(&out, s.step);
   PutI64(&out, s.data_position);
   PutI64(&out, static_cast<int64_t>(s.shape.size()));
   for (int64_t x : s.shape) PutI64(&out, x);
+  PutI64(&out, s.dtype == v1::DTYPE_BF16 ? kFileBf16 : kFileFp32);
   PutI64(&out, static_cast<int64_t>(s.tensors.size()));
-  for (const auto& t : s.tensors) {
-    PutI64(&out, static_cast<int64_t>(t.size()));
-    out.append(reinterpret_cast<const char*>(t.data()), t.size() * 4);
+  for (size_t i = 0; i < s.tensors.size(); ++i) {
+    PutI64(&out, s.numel(i));
+    out.append(s.tensors[i].data(), s.numel(i) * s.elem_size());
   }
   PutI64(&out, static_cast<int64_t>(s.engine.size()));
   out += s.engine;
@@ -289,7 +373,10 @@ absl::StatusOr<RankState> DecodeState(const std::string& path) {
   auto corrupt = [&](const std::string& why) {
     return absl::DataLossError(absl::StrCat("trainer checkpoint ", path, " is ", why));
   };
-  if (in.size() < 16 || memcmp(in.data(), kMagic, 8) != 0) return corrupt("not a checkpoint");
+  if (in.size() < 16 ||
+      (memcmp(in.data(), kMagicV1, 8) != 0 && memcmp(in.data(), kMagicV2, 8) != 0))
+    return corrupt("not a checkpoint");
+  const bool v2 = memcmp(in.data(), kMagicV2, 8) == 0;
   Checksum64 sum;
   sum.Update(in.data(), in.size() - 8);
   uint64_t stored;
@@ -309,19 +396,44 @@ absl::StatusOr<RankState> DecodeState(const std::string& path) {
   s.shape.resize(n);
   for (int64_t& x : s.shape)
     if (!i64(&x)) return corrupt("malformed");
+  if (v2) {
+    int64_t dtype;
+    if (!i64(&dtype) || (dtype != kFileFp32 && dtype != kFileBf16))
+      return corrupt("malformed (unknown model dtype)");
+    s.dtype = dtype == kFileBf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+  }
+  const int64_t elem = static_cast<int64_t>(s.elem_size());
   if (!i64(&n) || n < 0 || n > 100000) return corrupt("malformed");
   s.tensors.resize(n);
   for (auto& t : s.tensors) {
     int64_t len;
-    if (!i64(&len) || len < 0 || pos + len * 4 > in.size() - 8) return corrupt("malformed");
-    t.resize(len);
-    memcpy(t.data(), in.data() + pos, len * 4);
-    pos += len * 4;
+    if (!i64(&len) || len < 0 || len > static_cast<int64_t>(in.size()) ||
+        pos + len * elem > in.size() - 8)
+      return corrupt("malformed");
+    t.assign(in.data() + pos, len * elem);
+    pos += len * elem;
   }
   int64_t len;
   if (!i64(&len) || len < 0 || pos + len != in.size() - 8) return corrupt("malformed");
   s.engine.assign(in.data() + pos, len);
   return s;
+}
+
+// Tensor i of a trainer file as fp32 values (bf16 ones widened, exactly).
+std::vector<float> FileValuesAsFloat(const RankState& s, size_t i) {
+  const int64_t n = s.numel(i);
+  std::vector<float> out(n);
+  if (s.dtype != v1::DTYPE_BF16) {
+    memcpy(out.data(), s.tensors[i].data(), n * 4);
+    return out;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    uint16_t h;
+    memcpy(&h, s.tensors[i].data() + 2 * j, 2);
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    memcpy(&out[j], &bits, 4);
+  }
+  return out;
 }
 
 absl::Status MakeDirs(const std::string& path) {
@@ -576,7 +688,8 @@ struct World {
 // The data-parallel partition of a rank's tensors over N replicas (client/partition.h): a
 // tensor of shape [..., cols] is rows = numel / cols rows (a 1-D one: numel rows of one column);
 // replica q owns the row block blocks[q]. The all-gather after a step packs each replica's
-// blocks into a slot of `slot` floats, tensor i at `offset[i]` padded to its largest block.
+// blocks into a slot of `slot` elements of the model's dtype (a bf16 model's: an even number, a
+// whole number of floats), tensor i at `offset[i]` padded to its largest block.
 struct DpPartition {
   struct Part {
     int64_t rows = 0, cols = 1;
@@ -603,17 +716,20 @@ struct DpPartition {
       }
       parts.push_back(std::move(p));
     }
+    if (!tensors.empty() && tensors[0].bf16()) slot += slot % 2;
   }
 
-  // Tensor i's view for replica q's engine: its block's rows (the whole tensor when N is 1).
+  // Tensor i's view for replica q's engine: its block's rows (the whole tensor when N is 1) of
+  // the stored value and gradient.
   EngineParam View(const Tensor& t, size_t i, int q, int N) const {
-    if (N == 1) return EngineParam{t.name, t.shape, t.value, t.grad};
+    if (N == 1) return EngineParam{t.name, t.shape, t.stored_value(), t.stored_grad(), t.dtype()};
     const Part& p = parts[i];
     const RowBlock& b = p.blocks[q];
     std::vector<int64_t> shape = t.shape.size() >= 2 ? std::vector<int64_t>{b.rows(), p.cols}
                                                      : std::vector<int64_t>{b.rows()};
-    return EngineParam{t.name, std::move(shape), t.value + b.begin * p.cols,
-                       t.grad + b.begin * p.cols};
+    const int64_t skip = b.begin * p.cols * static_cast<int64_t>(t.elem_size());  // bytes
+    return EngineParam{t.name, std::move(shape), static_cast<char*>(t.stored_value()) + skip,
+                       static_cast<char*>(t.stored_grad()) + skip, t.dtype()};
   }
 };
 
@@ -727,6 +843,16 @@ absl::StatusOr<ResumeState> ReadResume(const TrainOptions& o, const std::vector<
     return absl::DataLossError(absl::StrCat("resume: ", RankFile(o, tag, p),
                                             " has a malformed header"));
   if (head->shape[kKeyD] != D) return nproc_error(head->shape[kKeyD]);
+  auto dtype_error = [&](const RankState& written, const std::string& file) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "resume: checkpoint '", tag, "' (", file, ") holds a --model_dtype ",
+        ModelDtypeName(written.dtype), " model, and this run has --model_dtype ",
+        ModelDtypeName(o.model_dtype), "; a resume keeps the model's storage: resume with "
+        "--model_dtype ", ModelDtypeName(written.dtype), " (a new run with --init_from ",
+        o.out_dir, "/checkpoints/", tag, " --model_dtype ", ModelDtypeName(o.model_dtype),
+        " starts from its weights with a fresh optimizer)"));
+  };
+  if (head->dtype != o.model_dtype) return dtype_error(*head, RankFile(o, tag, p));
   if (!SameModel(head->shape, key) || head->tensors.size() != tensors.size())
     return absl::FailedPreconditionError(absl::StrCat(
         "resume: checkpoint '", tag, "' was written by a run with another model, batch, "
@@ -749,6 +875,7 @@ absl::StatusOr<ResumeState> ReadResume(const TrainOptions& o, const std::vector<
       out.st = *std::move(head);
     } else {
       ASSIGN_OR_RETURN(out.st, DecodeState(RankFile(o, tag, rank)));
+      if (out.st.dtype != o.model_dtype) return dtype_error(out.st, RankFile(o, tag, rank));
     }
     if (out.st.shape != key || out.st.tensors.size() != tensors.size())
       return absl::FailedPreconditionError(absl::StrCat(
@@ -770,6 +897,7 @@ absl::StatusOr<ResumeState> ReadResume(const TrainOptions& o, const std::vector<
     } else {
       const std::string file = RankFile(o, tag, from);
       ASSIGN_OR_RETURN(RankState sj, DecodeState(file));
+      if (sj.dtype != o.model_dtype) return dtype_error(sj, file);
       const bool same = SameModel(sj.shape, head->shape) && WrittenDp(sj) == old_n &&
                         sj.shape.size() > kDpKey + 1 && sj.shape[kDpKey + 1] == j &&
                         sj.shape[kKeyBatch] == old_b;
@@ -841,6 +969,13 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
         "dump_init: writes a run's starting point, and a resumed run starts from a checkpoint's "
         "optimizer state; drop --resume (--init_from is fine: its weights are dumped)");
   RETURN_IF_ERROR(o.engine.Validate());
+  if (o.model_dtype != v1::DTYPE_FP32 && o.model_dtype != v1::DTYPE_BF16)
+    return absl::InvalidArgumentError("model_dtype: must be fp32 or bf16");
+  const bool bf16 = o.model_dtype == v1::DTYPE_BF16;
+  if (bf16 && !o.dump_init.empty())
+    return absl::InvalidArgumentError(
+        "dump_init: writes an fp32 model's starting point for a re-implementation that follows "
+        "it in fp32, and this run has --model_dtype bf16; run it with --model_dtype fp32");
 
   // Data.
   Corpus corpus;
@@ -904,6 +1039,36 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
     params_local += t.numel;
     params_total += t.replicated ? t.numel : t.numel * D;
   }
+  // A bf16 model: its storage (the engine's parameters) beside the fp32 working copies in w / g
+  // (or dw / dg). The values start as the rounding of the fp32 initialisation, widened back into
+  // the working copies; `widened` says whether the working values are the stored ones (every
+  // change of the stored values clears it, each forward widens them first if not).
+  std::unique_ptr<Bf16Storage> storage;
+  bool widened = true;
+  // Working values := the stored bf16 values, widened (exact).
+  auto widen = [&]() -> absl::Status {
+    if (!bf16 || widened) return absl::OkStatus();
+    for (const Tensor& t : tensors) dev->kernel().Bf16ToFloat(t.value16, t.value, t.numel);
+    RETURN_IF_ERROR(dev->Synchronize());
+    widened = true;
+    return absl::OkStatus();
+  };
+  // Stored values := the working fp32 values rounded to nearest even, then widened back (the
+  // working copies then hold the bf16 model exactly).
+  auto round_values = [&]() -> absl::Status {
+    if (!bf16) return absl::OkStatus();
+    for (const Tensor& t : tensors) dev->kernel().FloatToBf16(t.value, t.value16, t.numel);
+    widened = false;
+    return widen();
+  };
+  if (bf16) {
+    storage = std::make_unique<Bf16Storage>(ops, &tensors);
+    if (!storage->ok() && params_local > 0)
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "model_dtype bf16: cannot allocate the bf16 weights and gradients (",
+          4 * params_local, " bytes) on ", dev->name()));
+    RETURN_IF_ERROR(round_values());
+  }
 
   // Engine and daemon session.
   std::unique_ptr<Client> client;
@@ -938,12 +1103,28 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
       return dp_dev->AllReduce(scores, cols);
     });
   }
-  // Data-parallel buffers (device memory): the all-gather's slots (N x partition.slot).
+  // Data-parallel buffers (device memory): the all-gather's slots (N x partition.slot elements
+  // of the model's dtype; a bf16 slot is an even number of elements, moved as floats: the
+  // collective copies their bits).
+  auto slot_floats = [&](int64_t slot) { return bf16 ? slot / 2 : slot; };
   kernels::OpsBuffer dp_send, dp_recv;
+  // A bf16 model's whole-block copies: GatherColumns / ScatterColumns of every column (0, 1, ...
+  // up to the widest tensor's; int64 as 2 floats).
+  kernels::OpsBuffer all_columns;
   if (N > 1) {
-    dp_send = kernels::OpsBuffer(&ops, std::max<int64_t>(partition.slot, 1));
-    dp_recv = kernels::OpsBuffer(&ops, N * std::max<int64_t>(partition.slot, 1));
-    ops.Fill(dp_send.data(), std::max<int64_t>(partition.slot, 1), 0.0f);  // the padding
+    const int64_t floats = std::max<int64_t>(slot_floats(partition.slot), 1);
+    dp_send = kernels::OpsBuffer(&ops, floats);
+    dp_recv = kernels::OpsBuffer(&ops, N * floats);
+    ops.Fill(dp_send.data(), floats, 0.0f);  // the padding
+    if (bf16) {
+      int64_t widest = 1;
+      for (const DpPartition::Part& p : partition.parts) widest = std::max(widest, p.cols);
+      std::vector<int64_t> idx(widest);
+      std::iota(idx.begin(), idx.end(), int64_t{0});
+      all_columns = kernels::OpsBuffer(&ops, 2 * widest);
+      ops.Upload(all_columns.data(), reinterpret_cast<const float*>(idx.data()), 2 * widest);
+      RETURN_IF_ERROR(dev->Synchronize());
+    }
   }
   double sum_dp = 0;  // seconds in the data-parallel collectives
   // Gradients := their mean over the replicas (one all-reduce of them all).
@@ -966,8 +1147,9 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
   // Between round boundaries a zenflow step changes only the hot columns of the weights the
   // engine splits (and the tensors wholly on the device): the cold columns change only where a
   // daemon update lands, at a boundary. So those steps gather only the hot columns of the split
-  // weights, packed [rows, k] at hot_offset[i] in a slot of hot_slot floats; boundary steps (and
-  // Flush) gather everything. hot_idx[i]: the hot columns on the device (int64 as 2 floats),
+  // weights, packed [rows, k] at hot_offset[i] in a slot of hot_slot elements (of the model's
+  // dtype; even for bf16); boundary steps (and Flush) gather everything (a bf16 model's blocks
+  // through all_columns). hot_idx[i]: the hot columns on the device (int64 as 2 floats),
   // refreshed at the first such step after a boundary (reselections happen only there).
   // The layout is made at the first such step (the hot sets exist from step 1's selection on;
   // their sizes never change).
@@ -1007,36 +1189,47 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
           ops.Upload(hot_idx[i].data(), reinterpret_cast<const float*>(hot.data()),
                      2 * hot_k[i]);
       }
+      if (layout && bf16) hot_slot += hot_slot % 2;
       hot_stale = false;
     }
     const int64_t slot = hot_only ? hot_slot : partition.slot;
-    auto pack = [&](size_t i, int q, float* packed, bool unpack) {
+    const size_t elem = bf16 ? 2 : 4;
+    // Replica q's block of tensor i to or from `packed` (the block's place in a slot).
+    auto pack = [&](size_t i, int q, char* packed, bool unpack) {
       const DpPartition::Part& p = partition.parts[i];
       const RowBlock& b = p.blocks[q];
-      float* rows = tensors[i].value + b.begin * p.cols;
-      if (hot_only && hot_k[i] > 0) {
-        const int64_t* idx = reinterpret_cast<const int64_t*>(hot_idx[i].data());
+      char* rows = static_cast<char*>(tensors[i].stored_value()) + b.begin * p.cols * elem;
+      const bool hot = hot_only && hot_k[i] > 0;
+      if (hot || bf16) {
+        const int64_t* idx = reinterpret_cast<const int64_t*>(
+            hot ? hot_idx[i].data() : all_columns.data());
+        const int64_t k = hot ? hot_k[i] : p.cols;
         if (unpack)
-          dev->kernel().ScatterColumns(packed, 4, b.rows(), p.cols, idx, hot_k[i], rows);
+          dev->kernel().ScatterColumns(packed, elem, b.rows(), p.cols, idx, k, rows);
         else
-          dev->kernel().GatherColumns(rows, 4, b.rows(), p.cols, idx, hot_k[i], packed);
+          dev->kernel().GatherColumns(rows, elem, b.rows(), p.cols, idx, k, packed);
       } else if (unpack) {
-        ops.CopyFloats(rows, packed, b.rows() * p.cols);
+        ops.CopyFloats(reinterpret_cast<float*>(rows), reinterpret_cast<const float*>(packed),
+                       b.rows() * p.cols);
       } else {
-        ops.CopyFloats(packed, rows, b.rows() * p.cols);
+        ops.CopyFloats(reinterpret_cast<float*>(packed), reinterpret_cast<const float*>(rows),
+                       b.rows() * p.cols);
       }
     };
-    auto offset = [&](size_t i) { return hot_only ? hot_offset[i] : partition.parts[i].offset; };
+    auto at = [&](const kernels::OpsBuffer& buf, int64_t slot_index, size_t i) {
+      const int64_t off = hot_only ? hot_offset[i] : partition.parts[i].offset;
+      return reinterpret_cast<char*>(buf.data()) + (slot_index * slot + off) * elem;
+    };
     for (size_t i = 0; i < tensors.size(); ++i)
-      if (!partition.parts[i].replicated) pack(i, replica, dp_send.data() + offset(i), false);
-    RETURN_IF_ERROR(dp_dev->AllGather(dp_send.data(), dp_recv.data(), slot));
+      if (!partition.parts[i].replicated) pack(i, replica, at(dp_send, 0, i), false);
+    RETURN_IF_ERROR(dp_dev->AllGather(dp_send.data(), dp_recv.data(), slot_floats(slot)));
     for (int q = 0; q < N; ++q) {
       if (q == replica) continue;
       for (size_t i = 0; i < tensors.size(); ++i)
-        if (!partition.parts[i].replicated)
-          pack(i, q, dp_recv.data() + q * slot + offset(i), true);
+        if (!partition.parts[i].replicated) pack(i, q, at(dp_recv, q, i), true);
     }
     RETURN_IF_ERROR(dev->Synchronize());
+    widened = !bf16;  // other replicas' blocks (and this one's update) are new
     sum_dp += Since(t0);
     return absl::OkStatus();
   };
@@ -1066,12 +1259,14 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
     ResumeState rs = *std::move(read);
     RankState& st = rs.st;
     for (size_t i = 0; i < tensors.size(); ++i) {
-      if (static_cast<int64_t>(st.tensors[i].size()) != tensors[i].numel)
+      if (st.numel(i) != tensors[i].numel)
         return absl::DataLossError(absl::StrCat("resume: tensor '", tensors[i].name,
                                                 "' has the wrong size in the checkpoint"));
-      ops.Upload(tensors[i].value, st.tensors[i].data(), tensors[i].numel);
+      UploadStored(ops, tensors[i], st.tensors[i]);  // the stored values, as they were
     }
     RETURN_IF_ERROR(dev->Synchronize());
+    widened = !bf16;
+    RETURN_IF_ERROR(widen());
     st.tensors.clear();
     absl::Status restored = engine->Restore(rs.daemon_tag, st.engine);
     if (rs.uploaded) {  // the re-partitioned daemon state was only for this Restore
@@ -1108,15 +1303,23 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
       return absl::FailedPreconditionError(absl::StrCat(
           "init_from: ", file, " holds another model, batch or rank count"));
     for (size_t i = 0; i < tensors.size(); ++i) {
-      if (static_cast<int64_t>(st.tensors[i].size()) != tensors[i].numel)
+      if (st.numel(i) != tensors[i].numel)
         return absl::DataLossError(absl::StrCat("init_from: tensor '", tensors[i].name,
                                                 "' has the wrong size in ", file));
-      ops.Upload(tensors[i].value, st.tensors[i].data(), tensors[i].numel);
+      // Into the working fp32 values (a bf16 file's widened, exact); a bf16 model rounds them
+      // below (a bf16 file's: back to the same bits).
+      const std::vector<float> values = FileValuesAsFloat(st, i);
+      ops.Upload(tensors[i].value, values.data(), tensors[i].numel);
     }
     RETURN_IF_ERROR(dev->Synchronize());
+    RETURN_IF_ERROR(round_values());
     if (lead)
-      printf("initialised from %s (step %ld of that run); optimizer state and data order new\n",
-             o.init_from.c_str(), (long)st.step);
+      printf("initialised from %s (step %ld of that run); its %s weights%s; optimizer state and "
+             "data order new\n",
+             o.init_from.c_str(), (long)st.step, ModelDtypeName(st.dtype),
+             st.dtype == o.model_dtype ? ""
+             : bf16 ? ", rounded to bf16"
+                    : ", widened to fp32");
   }
 
   // Output files (rank 0).
@@ -1140,12 +1343,13 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
                : absl::StrCat(D, " TSP ranks, x ", N, " data-parallel replicas (", N * D,
                               " ranks; each rank's optimizer state 1/", N, " of its shard's)");
     printf("training %s: preset %s, %ld layers, d_model %ld, %ld heads, d_ff %ld, seq %ld, "
-           "batch %s, vocab %ld: %.2fM parameters (%.2fM on each of %s); mode %s; "
-           "device %s; data %s (%zu train / %zu eval tokens)\n",
+           "batch %s, vocab %ld: %.2fM parameters (%.2fM on each of %s); %s weights and "
+           "gradients; mode %s; device %s; data %s (%zu train / %zu eval tokens)\n",
            o.run_name.c_str(), o.preset.c_str(), (long)cfg.layers, (long)cfg.C, (long)cfg.H,
            (long)cfg.FF, (long)T, batch.c_str(), (long)cfg.vocab, params_total / 1e6,
-           params_local / 1e6, ranks.c_str(), OffloadModeName(o.engine.mode),
-           dev->name().c_str(), corpus.source.c_str(), corpus.train.size(),
+           params_local / 1e6, ranks.c_str(), ModelDtypeName(o.model_dtype),
+           OffloadModeName(o.engine.mode), dev->name().c_str(), corpus.source.c_str(),
+           corpus.train.size(),
            corpus.eval.size());
     std::fflush(stdout);
   }
@@ -1206,6 +1410,7 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
   // The model's forward on this rank's device (the CPU API on host memory, the view form on a
   // GPU); cache may be null (no backward).
   auto forward = [&](parallel::DistributedCache* cache) -> absl::StatusOr<double> {
+    RETURN_IF_ERROR(widen());  // a bf16 model's working values are its stored ones
     if (dev->host())
       return model.Forward(ops, w, tokens.data() + mine, targets.data() + mine, B, T, cache);
     return model.Forward(ops, wv, tokens.data() + mine, targets.data() + mine, B, T, cache);
@@ -1238,11 +1443,12 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
     st.step = step;
     st.data_position = batcher.position();
     st.shape = shape_key;
-    for (const Tensor& t : tensors) {
-      st.tensors.emplace_back(t.numel);
-      ops.Download(st.tensors.back().data(), t.value, t.numel);
-    }
+    st.dtype = o.model_dtype;
+    st.tensors.resize(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) DownloadStored(ops, tensors[i], &st.tensors[i]);
     RETURN_IF_ERROR(dev->Synchronize());
+    for (size_t i = 0; i < tensors.size(); ++i)  // drop a bf16 tensor's padding to whole floats
+      st.tensors[i].resize(tensors[i].numel * tensors[i].elem_size());
     absl::StatusOr<std::string> engine_state = engine->Checkpoint(absl::StrCat(tag, ".r", rank));
     RETURN_IF_ERROR(AgreeOnDaemon(world, progress, engine_state.status()));
     st.engine = std::move(*engine_state);
@@ -1308,8 +1514,14 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
                                    kernels::AccumulateMode::kOverwrite);
       }
     }
+    if (bf16) {
+      // The gradient the engine reads: the averaged, clipped fp32 gradient rounded once to
+      // nearest even.
+      for (const Tensor& t : tensors) dev->kernel().FloatToBf16(t.grad, t.grad16, t.numel);
+    }
     const double lr = LearningRate(o, step);
     RETURN_IF_ERROR(AgreeOnDaemon(world, progress, engine->Step(lr)));
+    widened = !bf16;  // the step wrote new stored values
     RETURN_IF_ERROR(gather_blocks(o.engine.mode == OffloadMode::kZenFlow &&
                                   !engine->last_timings().boundary));
     const StepTimings& tm = engine->last_timings();
@@ -1352,6 +1564,16 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
       RETURN_IF_ERROR(checkpoint(step));
   }
   RETURN_IF_ERROR(AgreeOnDaemon(world, progress, engine->Flush()));
+  widened = !bf16;
+  // The engine's accounting of the buffers it was given (DeviceFootprint::params: value and
+  // gradient, numel x dtype bytes each) and of its own, over the elements it updates.
+  const DeviceFootprint footprint = engine->Footprint();
+  int64_t engine_elements = 0;
+  for (const EngineParam& p : eparams) {
+    int64_t n = 1;
+    for (int64_t d : p.shape) n *= d;
+    engine_elements += n;
+  }
   RETURN_IF_ERROR(gather_blocks(false));  // the flushed cold columns of every replica's blocks
   // Traffic over every rank (each moves its own shards): one all-reduce for the whole run.
   ASSIGN_OR_RETURN(sum_traffic, world.Sum(sum_traffic));
@@ -1388,6 +1610,12 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
         n > 0 ? std::accumulate(losses.end() - tail, losses.end(), 0.0) / tail : std::nan("");
     const double steps_done = std::max<int64_t>(timed, 1);
     const double model_bf16 = 2.0 * static_cast<double>(params_total);
+    // Bytes per parameter of this rank: the model's weights and gradients as stored (the
+    // engine's parameters), a bf16 model's fp32 working copies, the engine's own device state.
+    const double elements = static_cast<double>(std::max<int64_t>(engine_elements, 1));
+    const double stored_bytes = static_cast<double>(footprint.params) / elements;
+    const double working_bytes = bf16 ? 8.0 : 0.0;  // fp32 value and gradient per element
+    const double engine_bytes = static_cast<double>(footprint.engine()) / elements;
     const std::string plot = o.out_dir + "/train.png";
     absl::Status plotted = WritePlot(plot, {{OffloadModeName(o.engine.mode), csv_path}},
                                      absl::StrCat(o.run_name, ": ", o.preset, ", D=", D));
@@ -1402,7 +1630,9 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
         "\"reselections\": %ld, \"migrated_columns\": %.0f, "
         "\"run_param_elements\": %.0f, \"run_pinned_bytes\": %.0f, "
         "\"daemon_sessions\": %ld, \"daemon_param_elements\": %ld, "
-        "\"daemon_pinned_bytes\": %lu}\n",
+        "\"daemon_pinned_bytes\": %lu, \"model_dtype\": \"%s\", "
+        "\"model_bytes_per_param\": %.4f, \"working_bytes_per_param\": %.4f, "
+        "\"engine_device_bytes_per_param\": %.4f}\n",
         OffloadModeName(o.engine.mode), D, N, (long)B, (long)(N * B), o.preset,
         (long)params_total, (long)o.steps,
         (long)(start + 1), (long)last_step, first_loss, final_loss, last_eval,
@@ -1411,7 +1641,8 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
         sum_copies / steps_done, sum_stall / steps_done, sum_stall / std::max(sum_step, 1e-12),
         sum_traffic / std::max<double>(n, 1) / model_bf16, sum_dp / std::max<double>(n, 1),
         (long)reselections, migrated, run_elements, run_pinned, (long)daemon_stats.sessions(),
-        (long)daemon_stats.param_elements(), (unsigned long)daemon_stats.pinned_bytes());
+        (long)daemon_stats.param_elements(), (unsigned long)daemon_stats.pinned_bytes(),
+        ModelDtypeName(o.model_dtype), stored_bytes, working_bytes, engine_bytes);
     RETURN_IF_ERROR(WriteFileAtomically(o.out_dir + "/summary.json", summary));
     const std::string ran =
         start == 0 && last_step == o.steps
@@ -1432,6 +1663,13 @@ absl::Status TrainAttempt(const TrainOptions& o, const World& world, int local_r
            sum_step / steps_done, sum_compute / steps_done, sum_opt / steps_done,
            sum_copies / steps_done, sum_stall / steps_done,
            100.0 * sum_stall / std::max(sum_step, 1e-12));
+    printf("  model        %s weights and gradients: %.2f bytes per parameter%s; the engine's "
+           "device-side state %.2f bytes per parameter (rank 0)\n",
+           ModelDtypeName(o.model_dtype), stored_bytes,
+           bf16 ? absl::StrFormat(" (and %.2f of fp32 working copies for the fp32 compute)",
+                                  working_bytes).c_str()
+                : "",
+           engine_bytes);
     printf("  host traffic %.3f x the model's bf16 size per step\n",
            sum_traffic / std::max<double>(n, 1) / model_bf16);
     if (N > 1)

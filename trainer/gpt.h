@@ -40,6 +40,22 @@
 // uninterrupted run would. After each checkpoint only the run's newest --keep_checkpoints stay:
 // each rank removes its older trainer files and the daemon's checkpoints of the same tags.
 //
+// bf16 models (--model_dtype bf16, TrainOptions::model_dtype): every tensor's value and gradient
+// buffers, the ones the engine updates and reads (EngineParam::dtype BF16), are bf16 storage
+// (2 + 2 bytes per parameter instead of 4 + 4); the engine holds the fp32 masters of the
+// device-side share and the daemon those of the cold columns, and every bf16 value is the
+// rounding of its master. The model computes in fp32 (parallel::DistributedModel has no bf16
+// weights): before a forward, the bf16 values are widened (exactly) into fp32 working copies of
+// the shard's weights, the backward writes fp32 working gradients, which are averaged over the
+// replicas, clipped by their global norm (all in fp32, as for an fp32 model), then rounded once
+// to nearest even into the bf16 gradient buffers the engine reads. The working copies are the
+// compute path's, whole-shard and kept between steps (the model takes whole-shard views; a
+// layer-by-layer widening needs a bf16-weight model API). Initial weights are the bf16 rounding
+// of the fp32 initialisation; --init_from rounds an fp32 checkpoint's weights (and widens a bf16
+// one's into an fp32 model). The data-parallel all-gather moves the updated bf16 blocks as bf16.
+// Checkpoints store the bf16 values (2 bytes each) and record the model dtype: a resume with
+// another --model_dtype is refused. --dump_init (an fp32 model's starting point) is refused.
+//
 // Devices (trainer/device.h): with device "cpu" the shard, its gradients and the engine's
 // device-side state are host memory, the model's collectives run over the Gloo group. With
 // "cuda" (CUDA builds) each rank uses GPU LOCAL_RANK: the shard and gradients live in device
@@ -88,6 +104,11 @@ struct TrainOptions {
   double clip = 1.0;          // global gradient-norm clip (0: off)
   uint32_t seed = 1;
   ZenFlowConfig engine;       // mode, ratio, intervals, AdamW betas / eps / weight decay
+  // The model's own storage of its weights and gradients (--model_dtype): FP32, or BF16 (uint16,
+  // round to nearest even; the engine keeps the fp32 masters, client/zenflow.h "bf16
+  // parameters"). Not engine.param_dtype / grad_dtype, which name what crosses to and from the
+  // daemon. See "bf16 models" above.
+  v1::DType model_dtype = v1::DTYPE_FP32;
   // Data.
   std::string data;           // empty: the generated default corpus
   std::string format = "auto";

@@ -56,7 +56,7 @@ int Run(int argc, char** argv) {
   using namespace stallfree;
   trainer::TrainOptions o;
   o.socket = DefaultSocket();
-  std::string mode = "zenflow", grad_dtype = "bf16", param_dtype = "bf16";
+  std::string mode = "zenflow", grad_dtype = "bf16", param_dtype = "bf16", model_dtype = "fp32";
   int64_t nproc = 0, dp = 1, seed = 1;  // nproc 0: not given (1, or WORLD_SIZE / dp)
   std::string presets;
   for (const auto& p : trainer::Presets())
@@ -96,8 +96,18 @@ int Run(int argc, char** argv) {
                "ZenFlow: first steps with synchronous full updates");
   flags.AddBool("await_updates", &o.engine.await_updates,
                 "ZenFlow: wait for each daemon update (no staleness)");
-  flags.AddString("grad_dtype", &grad_dtype, "gradients sent to the daemon: bf16 or fp32");
-  flags.AddString("param_dtype", &param_dtype, "parameters returned by the daemon: bf16 or fp32");
+  flags.AddString("model_dtype", &model_dtype,
+                  "the model's weight and gradient storage: fp32, or bf16 (2 + 2 "
+                  "bytes per parameter; the optimizer keeps fp32 masters, the engine those of the "
+                  "device-side share, stallfreed those of the cold columns; the model computes "
+                  "in fp32 from widened copies). Distinct from --param_dtype / --grad_dtype, "
+                  "which name only what crosses to and from stallfreed. A resume keeps it");
+  flags.AddString("grad_dtype", &grad_dtype,
+                  "gradients sent to the daemon: bf16 or fp32 (a transfer format, not the "
+                  "model's storage: see --model_dtype)");
+  flags.AddString("param_dtype", &param_dtype,
+                  "parameters returned by the daemon: bf16 or fp32 (a transfer format, not the "
+                  "model's storage: see --model_dtype)");
   flags.AddString("data", &o.data, "training text (UTF-8, byte tokens) or uint16 token ids "
                                    "(.u16 / .bin); empty: the generated default corpus");
   flags.AddString("format", &o.format, "data format: auto, bytes or uint16");
@@ -164,7 +174,8 @@ int Run(int argc, char** argv) {
   }
   o.engine.mode = *parsed;
   for (auto [name, text, out] : {std::make_tuple("grad_dtype", grad_dtype, &o.engine.grad_dtype),
-                                 std::make_tuple("param_dtype", param_dtype, &o.engine.param_dtype)}) {
+                                 std::make_tuple("param_dtype", param_dtype, &o.engine.param_dtype),
+                                 std::make_tuple("model_dtype", model_dtype, &o.model_dtype)}) {
     if (text != "bf16" && text != "fp32") {
       fprintf(stderr, "trainer: --%s: '%s' is not bf16 or fp32\n", name, text.c_str());
       return 2;

@@ -11,6 +11,9 @@
 //     (1e-6) relative of the uninterrupted GPU run's (the backends are deterministic on one
 //     device, so this is expected to be exact; the tolerance only allows for library
 //     reproducibility across processes, which CUDA does not promise).
+// All of it twice: with an fp32 model, then with a bf16 one (--model_dtype bf16: bf16 weights and
+// gradients in device memory, fp32 masters in the engine and the daemon, fp32 working copies for
+// the model's compute; the CPU run bf16 too).
 // Prints each step's losses, then "PASS" or the failures ("FAIL: ..."); exit status 0 iff PASS.
 //
 // Binaries: trainer/trainer and server/stallfreed from this binary's runfiles (bazel build), or,
@@ -85,12 +88,13 @@ int Main() {
   };
   {
     testing::Daemon daemon({}, "warning");
+    std::string model_dtype;  // of the runs below
     auto train = [&](const std::string& name, const std::string& device, const std::string& extra) {
       std::string cmd = "'" + trainer + "' --preset tiny --steps " + std::to_string(kSteps) +
                         " --quiet --mode zenflow --eval_every 0 --lr_warmup 5 --nproc " +
                         std::to_string(D) + " --socket '" + daemon.socket() + "' --out_dir '" +
                         work + "/runs/" + name + "' --run_name " + name + " --device " + device +
-                        " " + extra;
+                        " --model_dtype " + model_dtype + " " + extra;
       std::printf("$ %s\n", cmd.c_str());
       std::fflush(stdout);
       Run r = Shell(cmd);
@@ -102,51 +106,61 @@ int Main() {
     };
     auto csv = [&](const std::string& name) { return work + "/runs/" + name + "/metrics.csv"; };
 
-    std::printf("=== D = %d\n", D);
-    const Run gpu = train("gpu", "cuda", "");
-    if (ok && gpu.output.find("device cuda:0") == std::string::npos) {
-      std::printf("%s", gpu.output.c_str());
-      fail("the --device cuda run does not report device cuda:0");
-    }
-    train("cpu", "cpu", "");
-    train("part", "cuda", "--stop_at " + std::to_string(kStopAt));
-    const Run resumed = train("part", "cuda", "--resume part-step" + std::to_string(kStopAt));
-    if (ok && resumed.output.find("resumed from checkpoint") == std::string::npos)
-      fail("the resumed run does not say it resumed:\n" + resumed.output);
-
-    if (ok) {
-      const std::vector<double> g = Losses(csv("gpu")), c = Losses(csv("cpu")),
-                                p = Losses(csv("part"));
-      if (g.size() != kSteps || c.size() != kSteps || p.size() != kSteps) {
-        fail("metrics: " + std::to_string(g.size()) + " / " + std::to_string(c.size()) + " / " +
-             std::to_string(p.size()) + " steps, want " + std::to_string(kSteps) + " each");
-      } else {
-        double worst_cpu = 0, worst_resume = 0;
-        std::printf("step   cuda loss    cpu loss     rel diff   resumed cuda\n");
-        for (int i = 0; i < kSteps; ++i) {
-          const double rel = std::fabs(g[i] - c[i]) / std::fabs(c[i]);
-          const double rel_resume = std::fabs(g[i] - p[i]) / std::fabs(g[i]);
-          worst_cpu = std::max(worst_cpu, rel);
-          worst_resume = std::max(worst_resume, rel_resume);
-          std::printf("%4d  %10.6f  %10.6f  %9.2e  %10.6f\n", i + 1, g[i], c[i], rel, p[i]);
-          if (rel > kCpuTolerance)
-            fail("step " + std::to_string(i + 1) + ": cuda loss " + std::to_string(g[i]) +
-                 " vs cpu " + std::to_string(c[i]) + " differ by more than 2e-2 relative");
-          if (rel_resume > kResumeTolerance)
-            fail("step " + std::to_string(i + 1) + ": the resumed cuda run's loss " +
-                 std::to_string(p[i]) + " vs the uninterrupted " + std::to_string(g[i]));
-        }
-        const double first = (g[0] + g[1] + g[2]) / 3;
-        const double last = (g[kSteps - 3] + g[kSteps - 2] + g[kSteps - 1]) / 3;
-        std::printf(
-            "cuda loss %.4f -> %.4f; worst step vs cpu %.2e (tolerance %.0e), resumed vs "
-            "uninterrupted %.2e (tolerance %.0e)\n",
-            first, last, worst_cpu, kCpuTolerance, worst_resume, kResumeTolerance);
-        if (!(last < 0.8 * first))
-          fail("the cuda loss did not fall: " + std::to_string(first) + " -> " +
-               std::to_string(last));
+    for (const std::string dtype : {"fp32", "bf16"}) {
+      model_dtype = dtype;
+      std::printf("=== D = %d, --model_dtype %s\n", D, dtype.c_str());
+      const std::string gpu_name = "gpu-" + dtype, cpu_name = "cpu-" + dtype,
+                        part_name = "part-" + dtype;
+      const Run gpu = train(gpu_name, "cuda", "");
+      if (ok && gpu.output.find("device cuda:0") == std::string::npos) {
+        std::printf("%s", gpu.output.c_str());
+        fail("the --device cuda run does not report device cuda:0");
       }
-    }
+      if (ok && gpu.output.find(dtype + " weights and gradients") == std::string::npos) {
+        std::printf("%s", gpu.output.c_str());
+        fail("the --device cuda run does not report " + dtype + " weights and gradients");
+      }
+      train(cpu_name, "cpu", "");
+      train(part_name, "cuda", "--stop_at " + std::to_string(kStopAt));
+      const Run resumed =
+          train(part_name, "cuda", "--resume " + part_name + "-step" + std::to_string(kStopAt));
+      if (ok && resumed.output.find("resumed from checkpoint") == std::string::npos)
+        fail("the resumed run does not say it resumed:\n" + resumed.output);
+
+      if (ok) {
+        const std::vector<double> g = Losses(csv(gpu_name)), c = Losses(csv(cpu_name)),
+                                  p = Losses(csv(part_name));
+        if (g.size() != kSteps || c.size() != kSteps || p.size() != kSteps) {
+          fail("metrics: " + std::to_string(g.size()) + " / " + std::to_string(c.size()) + " / " +
+               std::to_string(p.size()) + " steps, want " + std::to_string(kSteps) + " each");
+        } else {
+          double worst_cpu = 0, worst_resume = 0;
+          std::printf("step   cuda loss    cpu loss     rel diff   resumed cuda\n");
+          for (int i = 0; i < kSteps; ++i) {
+            const double rel = std::fabs(g[i] - c[i]) / std::fabs(c[i]);
+            const double rel_resume = std::fabs(g[i] - p[i]) / std::fabs(g[i]);
+            worst_cpu = std::max(worst_cpu, rel);
+            worst_resume = std::max(worst_resume, rel_resume);
+            std::printf("%4d  %10.6f  %10.6f  %9.2e  %10.6f\n", i + 1, g[i], c[i], rel, p[i]);
+            if (rel > kCpuTolerance)
+              fail("step " + std::to_string(i + 1) + ": cuda loss " + std::to_string(g[i]) +
+                   " vs cpu " + std::to_string(c[i]) + " differ by more than 2e-2 relative");
+            if (rel_resume > kResumeTolerance)
+              fail("step " + std::to_string(i + 1) + ": the resumed cuda run's loss " +
+                   std::to_string(p[i]) + " vs the uninterrupted " + std::to_string(g[i]));
+          }
+          const double first = (g[0] + g[1] + g[2]) / 3;
+          const double last = (g[kSteps - 3] + g[kSteps - 2] + g[kSteps - 1]) / 3;
+          std::printf(
+              "cuda loss %.4f -> %.4f; worst step vs cpu %.2e (tolerance %.0e), resumed vs "
+              "uninterrupted %.2e (tolerance %.0e)\n",
+              first, last, worst_cpu, kCpuTolerance, worst_resume, kResumeTolerance);
+          if (!(last < 0.8 * first))
+            fail("the cuda loss did not fall: " + std::to_string(first) + " -> " +
+                 std::to_string(last));
+        }
+      }
+    }  // the model dtypes
     if (!ok) std::printf("daemon log:\n%s\n", daemon.Log().c_str());
   }
   if (chdir("/") != 0) std::perror("chdir /");

@@ -90,12 +90,14 @@ TEST_F(TrainerTest, ZenFlowWithZeroStalenessTrainsExactlyLikeNoOffload) {
 }
 
 TEST_F(TrainerTest, ResumeEqualsUninterruptedRun) {
-  // S = 4: the checkpoint at step 10 falls in the middle of a round with an update pending.
-  TrainerRun full = Trainer(Cat(Base("full", 20), {"--nproc", "2"}));
+  // 4 warm-up steps, then S = 4 (boundaries at steps 8, 12, 16, 20): the checkpoint at step 10
+  // falls in the middle of a round, with the Update of the round that ended at step 8 pending.
+  const std::vector<std::string> rounds = {"--nproc", "2", "--engine_warmup", "4"};
+  TrainerRun full = Trainer(Cat(Base("full", 20), rounds));
   ASSERT_EQ(full.code, 0) << full.output;
-  TrainerRun first = Trainer(Cat(Base("part", 20), {"--nproc", "2", "--stop_at", "10"}));
+  TrainerRun first = Trainer(Cat(Base("part", 20), Cat(rounds, {"--stop_at", "10"})));
   ASSERT_EQ(first.code, 0) << first.output;
-  TrainerRun resumed = Trainer(Cat(Base("part", 20), {"--nproc", "2", "--resume", "part-step10"}));
+  TrainerRun resumed = Trainer(Cat(Base("part", 20), Cat(rounds, {"--resume", "part-step10"})));
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from checkpoint 'part-step10' at step 10"),
             std::string::npos)
