@@ -39,7 +39,7 @@ mkdir -p "$BUNDLE/bin" "$BUNDLE/lib" "$BUNDLE/tests/testdata" "$BUNDLE/python/st
 cp python/stallfree/*.py "$BUNDLE/python/stallfree/"
 cp python/_stallfree.cc python/engine_api.h "$BUNDLE/python/"
 cp tests/python/*.py "$BUNDLE/tests/python/"
-cp tests/gpu/hf_causal_lm.py "$BUNDLE/tests/python/"
+cp tests/gpu/hf_causal_lm.py tests/gpu/hf_memory.py "$BUNDLE/tests/python/"
 cat >"$BUNDLE/python/build_binding.sh" <<'BUILD_SH'
 #!/usr/bin/env bash
 # Compiles the binding (_stallfree.cc, over engine_api.h) against python3 (or $1) and links it to
@@ -106,7 +106,8 @@ cat >"$BUNDLE/run.sh" <<'RUN_SH'
 # model-on-NCCL test, the trainer on GPUs (bin/trainer with bin/stallfreed), then the PyTorch
 # front-end: the binding compiled against this machine's python3 (torch_build), the pytest
 # suite on CUDA tensors (torch_tests) and a Hugging Face causal LM trained with ZenFlowAdamW
-# (hf_causal_lm), each under a timeout (770 s in all; `run.sh NAME...` runs only those
+# (hf_causal_lm) and the device memory of a bf16 model's step against AdamW's (hf_memory), each
+# under a timeout (860 s in all; `run.sh NAME...` runs only those
 # checks, e.g. `run.sh torch_build torch_tests hf_causal_lm`). Needs an
 # NVIDIA GPU, its driver (CUDA 13 or newer) and the CUDA 13 runtime, cuBLAS and NCCL
 # (/usr/local/cuda/lib64, or on LD_LIBRARY_PATH). Exit status 0 when every binary passed (or skipped for want of a device).
@@ -177,6 +178,7 @@ run torch_tests 150 bash -c 'if ! "$0" -c "import torch, sys; sys.exit(not torch
   tests/python/test_adamw_equivalence.py tests/python/test_errors.py \
   tests/python/test_state_dict.py tests/python/test_torch2.py' "$PY"
 run hf_causal_lm 90 "$PY" tests/python/hf_causal_lm.py
+run hf_memory 90 "$PY" tests/python/hf_memory.py
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 exit $failed
