@@ -2,7 +2,7 @@
 """torch_bench: stallfree's PyTorch front-end (stallfree.torch.ZenFlowAdamW) against torch's AdamW.
 
     PYTHONPATH=bazel-bin/python .venv/bin/python bench/torch_bench.py --quick   # about 2 min here
-    PYTHONPATH=bazel-bin/python .venv/bin/python bench/torch_bench.py [--part 1|2|3] [--steps N]
+    PYTHONPATH=bazel-bin/python .venv/bin/python bench/torch_bench.py [--part 1|2|3|4] [--steps N]
 
 A benchmark, not a test: it prints what it measured, whatever it is. One private stallfreed
 (stallfree.Daemon) serves the whole run, started before anything is timed; every optimizer is
@@ -49,6 +49,16 @@ printed; over 1e-4 the run fails). Then a subprocess tries DeepSpeed's whole Zen
 (deepspeed.initialize, ZeRO-2 and ZeRO-3 with offload_optimizer cpu and zenflow) on the CPU and
 prints what runs and, for what does not, the exception and DeepSpeed's line that raised it.
 
+Part 4 (examples/bf16_finetune.py's pretrain() and finetune()): fine-tuning a bf16 model. Part 1's
+GPT is pretrained in fp32 with torch.optim.AdamW (150 steps, lr 3e-3, the generated text), then
+fine-tuned from those weights in bf16 (`model.to(torch.bfloat16)`; the loss from logits widened
+to fp32) on a shifted text (another generated text with its vowels rotated) at a 10x lower lr
+(3e-4), with ZenFlowAdamW zenflow (the defaults: ratio 0.1, S = 4, 20-step engine warm-up, bf16
+transfers) and ZenFlowAdamW no-offload, both keeping fp32 masters; and the same two in fp32, to
+tell what bf16 adds. FIGURE torch_zenflow_vs_nooffload_eval_loss_finetune_bf16 is zenflow's
+held-out eval loss after the last step over no-offload's (mean over --ft_seeds; each seed its
+own pretraining).
+
 Every figure is printed as `FIGURE <name> <value> <unit>`.
 """
 
@@ -72,6 +82,17 @@ def import_example():
     spec = importlib.util.spec_from_file_location("torch_gpt", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["torch_gpt"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def import_bf16_example():
+    """examples/bf16_finetune.py (which imports torch_gpt: import_example() first)."""
+    sys.dont_write_bytecode = True
+    path = REPO_ROOT / "examples" / "bf16_finetune.py"
+    spec = importlib.util.spec_from_file_location("bf16_finetune", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bf16_finetune"] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -256,6 +277,64 @@ def part2(args, sf, socket):
     return med
 
 
+# ---- Part 4 ----
+
+PART4_MODES = [("zenflow", "zenflow"), ("no-offload", "no_offload")]  # (mode, figure key)
+
+
+def part4(args, socket):
+    bf = import_bf16_example()
+    steps = args.ft_steps or (60 if args.quick else 200)
+    seeds = [int(s) for s in (args.ft_seeds or ("1" if args.quick else "1,2,3")).split(",")]
+    ns = bf.build_parser().parse_args(["--steps", str(steps), "--threads", str(args.threads),
+                                       "--socket", socket])
+    print(f"\n== Part 4: fine-tuning a bf16 model (examples/bf16_finetune.py): part 1's GPT "
+          f"pretrained in fp32 ({ns.pretrain_steps} steps, torch.optim.AdamW, lr "
+          f"{ns.pretrain_lr}), then {steps} steps at lr {ns.lr} on a shifted text with "
+          f"ZenFlowAdamW zenflow (defaults) and no-offload, fp32 masters, the model in bf16 (and "
+          f"in fp32 for comparison); seeds {seeds}", flush=True)
+    res = {}  # (seed, dtype, key) -> finetune()'s summary
+    pre = {}
+    for seed in seeds:
+        ns.seed = seed
+        state, pre[seed] = bf.pretrain(ns, quiet=True)
+        for dtype in ("bf16", "fp32"):
+            ns.dtype = dtype
+            for mode, key in PART4_MODES:
+                res[seed, dtype, key] = bf.finetune(ns, state, mode, quiet=True)
+    print(f"\n{'seed':>4} {'model':>5} {'optimizer':<24} {'eval before':>11} {'eval after':>10} "
+          f"{'after flush':>11} {'train loss':>10} {'seconds':>8} {'device B/param':>14}")
+    for (seed, dtype, key), r in res.items():
+        print(f"{seed:4d} {dtype:>5} {'ZenFlowAdamW ' + r['mode']:<24} {r['eval_before']:11.4f} "
+              f"{r['eval_loss']:10.4f} {r['eval_flushed']:11.4f} {r['final_loss']:10.4f} "
+              f"{r['seconds']:8.1f} {r['device_bytes']['total']:14.2f}")
+    print("(pretraining's eval loss: " + ", ".join(f"seed {s} {v:.4f}" for s, v in pre.items())
+          + "; eval after: at the last step, as part 1's; after flush: once zenflow's last "
+          "daemon update has landed; train loss: mean of the last 10 steps)")
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    ratio = {d: [res[s, d, "zenflow"]["eval_loss"] / res[s, d, "no_offload"]["eval_loss"]
+                 for s in seeds] for d in ("bf16", "fp32")}
+    for d in ("bf16", "fp32"):
+        print(f"zenflow / no-offload eval loss, {d}: " + ", ".join(f"{x:.4f}" for x in ratio[d]))
+    print(flush=True)
+    figure("torch_zenflow_vs_nooffload_eval_loss_finetune_bf16", mean(ratio["bf16"]), "x")
+    figure("torch_zenflow_vs_nooffload_eval_loss_finetune_fp32", mean(ratio["fp32"]), "x")
+    for _, key in PART4_MODES:
+        figure(f"torch_finetune_bf16_vs_fp32_eval_loss_{key}",
+               mean([res[s, "bf16", key]["eval_loss"] / res[s, "fp32", key]["eval_loss"]
+                     for s in seeds]), "x")
+        for d in ("bf16", "fp32"):
+            figure(f"torch_finetune_eval_loss_{d}_{key}",
+                   mean([res[s, d, key]["eval_loss"] for s in seeds]), "nats")
+    for d in ("bf16", "fp32"):
+        figure(f"torch_finetune_device_bytes_per_param_zenflow_{d}",
+               res[seeds[0], d, "zenflow"]["device_bytes"]["total"], "bytes")
+    return res
+
+
 def main():
     p = argparse.ArgumentParser(
         description="ZenFlowAdamW (stallfree.torch) against torch.optim.AdamW: a small GPT "
@@ -263,13 +342,14 @@ def main():
                     "parameters (part 2), and DeepSpeed side by side on the same tensors "
                     "(part 3: DeepSpeedCPUAdam, ZenFlowCPUAdam, DeepSpeed's ZenFlow optimizer "
                     "process and ZenFlowSelectiveAdamW against the daemon's AdamW, checked "
-                    "against torch's AdamW; then DeepSpeed's ZenFlow engine tried on the CPU). "
+                    "against torch's AdamW; then DeepSpeed's ZenFlow engine tried on the CPU), "
+                    "and a bf16 model fine-tuned with zenflow and no-offload (part 4). "
                     "Prints FIGURE lines.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="fewer steps (about 2 min on 2 cores, DeepSpeed's ops built)")
-    p.add_argument("--part", choices=("all", "1", "2", "3"), default="all",
-                   help="which part to run (3: DeepSpeed side by side)")
+    p.add_argument("--part", choices=("all", "1", "2", "3", "4"), default="all",
+                   help="which part to run (3: DeepSpeed side by side; 4: bf16 fine-tuning)")
     p.add_argument("--steps", type=int, default=0, help="part 1 steps per run (0: 60 quick, 300)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d_model", type=int, default=128)
@@ -292,6 +372,11 @@ def main():
                    help="part 3: seconds after a zenflow round boundary (its daemon Update)")
     p.add_argument("--ds_skip_engine", action="store_true",
                    help="part 3: do not try DeepSpeed's ZenFlow engine (deepspeed.initialize)")
+    p.add_argument("--ft_steps", type=int, default=0,
+                   help="part 4: fine-tuning steps per run (0: 60 quick, 200)")
+    p.add_argument("--ft_seeds", default="",
+                   help="part 4: comma-separated seeds, each with its own pretraining (empty: "
+                        "1 quick, 1,2,3)")
     p.add_argument("--threads", type=int, default=2,
                    help="torch.set_num_threads (part 3 sets DeepSpeed's OpenMP and torch's threads "
                         "to the daemon's workers instead)")
@@ -318,6 +403,8 @@ def main():
         if args.part in ("all", "3"):
             import deepspeed_compare  # bench/, this script's directory, is on sys.path
             deepspeed_compare.part3(args, sf, daemon.socket, figure, make_params)
+        if args.part in ("all", "4"):
+            part4(args, daemon.socket)
     print(f"\ntorch_bench: {time.perf_counter() - t_start:.1f} s", flush=True)
 
 
