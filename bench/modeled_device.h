@@ -1,5 +1,5 @@
 // ModeledDevice: a stand-in accelerator for benchmarks, so that the ZenFlow engine's own code
-// path (client/zenflow.h) runs for a model of hundreds of millions of parameters without that
+// path (engine/zenflow.h) runs for a model of hundreds of millions of parameters without that
 // much device memory or CPU time. It is one object implementing both kernel interfaces the
 // engine takes (kernels::TransformerOps and kernels::OptimizerKernel).
 //

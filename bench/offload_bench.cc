@@ -1,4 +1,4 @@
-// offload_bench: the ZenFlow engine (client/zenflow.h) in its three modes — zenflow,
+// offload_bench: the ZenFlow engine (engine/zenflow.h) in its three modes — zenflow,
 // sync-offload (ZeRO-Offload behaviour) and no-offload — against a real stallfreed, in one run on
 // the same parameters, gradients and data.
 //
@@ -45,7 +45,7 @@
 #include "absl/strings/str_cat.h"
 #include "bench/modeled_device.h"
 #include "client/client.h"
-#include "client/zenflow.h"
+#include "engine/zenflow.h"
 #include "common/bf16.h"
 #include "common/flags.h"
 #include "kernels/ops.h"

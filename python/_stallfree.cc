@@ -179,7 +179,7 @@ PYBIND11_MODULE(_stallfree, m) {
         "(begin, end, replicated): rank's rows of a parameter over world data-parallel ranks");
   m.def("repartition_sources", &stallfree::api::RepartitionSources, py::arg("params"),
         py::arg("old_world"), py::arg("new_world"), py::arg("new_rank"),
-        "the old ranks whose states rank new_rank of new_world needs (client/repartition.h)");
+        "the old ranks whose states rank new_rank of new_world needs (engine/repartition.h)");
   // old: per old rank, (state address, size, daemon address, size) of its uint8 tensors, or
   // None where not needed; returns rank new_rank's (state, daemon) as bytearrays.
   m.def(

@@ -131,7 +131,7 @@ std::string DefaultCorpusText(int64_t approx_bytes, uint32_t seed);
 bool CudaEnabled();
 
 // Rank `rank`'s rows [begin, end) of a parameter of `rows` rows over `world` data-parallel ranks,
-// and whether every rank holds it whole (client/partition.h, the rule the trainer uses too).
+// and whether every rank holds it whole (engine/partition.h, the rule the trainer uses too).
 struct RowRange {
   int64_t begin = 0, end = 0;
   bool replicated = false;
@@ -141,7 +141,7 @@ RowRange PartitionRows(int64_t rows, int world, int rank);
 // A group's parameters, whole (name, shape), in the engine's order.
 using WholeShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 // The ranks of an old partition over old_world whose states rank new_rank of new_world needs
-// (client/repartition.h).
+// (engine/repartition.h).
 std::vector<int> RepartitionSources(const WholeShapes& params, int old_world, int new_world,
                                     int new_rank);
 // Rank new_rank of new_world's (engine state, daemon checkpoint) from the old ranks' (old[j]:

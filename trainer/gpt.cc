@@ -25,8 +25,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/client.h"
-#include "client/partition.h"
-#include "client/repartition.h"
+#include "engine/partition.h"
+#include "engine/repartition.h"
 #include "common/checksum.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -685,7 +685,7 @@ struct World {
   }
 };
 
-// The data-parallel partition of a rank's tensors over N replicas (client/partition.h): a
+// The data-parallel partition of a rank's tensors over N replicas (engine/partition.h): a
 // tensor of shape [..., cols] is rows = numel / cols rows (a 1-D one: numel rows of one column);
 // replica q owns the row block blocks[q]. The all-gather after a step packs each replica's
 // blocks into a slot of `slot` elements of the model's dtype (a bf16 model's: an even number, a
@@ -814,7 +814,7 @@ struct ResumeState {
 // Written with another (N' replicas of the same D): the old replicas j at this TSP position
 // (global ranks j D + p) whose row blocks overlap this replica's (SourceRanks), each one's engine
 // state from its trainer file and its daemon checkpoint's bytes through the session, cut and
-// joined for this replica by Repartition (client/repartition.h); the daemon part is uploaded as
+// joined for this replica by Repartition (engine/repartition.h); the daemon part is uploaded as
 // "<tag>.dp<N>.r<rank>" (Session::WriteCheckpointBytes, as the PyTorch optimizer's
 // load_state_dict does) for the engine's Restore. A rank reads only its sources. The global batch
 // must stay the same (N' B' = N B: the data stream continues at the same window).
@@ -884,7 +884,7 @@ absl::StatusOr<ResumeState> ReadResume(const TrainOptions& o, const std::vector<
     out.daemon_tag = absl::StrCat(tag, ".r", rank);
     return out;
   }
-  // Another --dp: this replica's blocks from the old replicas' (client/repartition.h).
+  // Another --dp: this replica's blocks from the old replicas' (engine/repartition.h).
   std::vector<WholeParam> whole;
   for (const Tensor& t : tensors) whole.push_back({t.name, t.shape});
   const std::vector<int> sources = SourceRanks(whole, static_cast<int>(old_n), N, replica);

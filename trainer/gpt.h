@@ -1,5 +1,5 @@
 // The GPT trainer: a GPT-style model (parallel::DistributedModel in the TSP layout) trained by
-// D ranks with the ZenFlow engine (client/zenflow.h) over stallfreed, optionally replicated N
+// D ranks with the ZenFlow engine (engine/zenflow.h) over stallfreed, optionally replicated N
 // times for data parallelism (--dp N: N x D ranks).
 //
 // One rank's work is RunRank: every rank reads the same corpus and draws the same batches (the
@@ -16,7 +16,7 @@
 // `--dp N --batch B` sees the batches of `--dp 1 --batch N*B`. After the backward the gradients
 // are averaged over the data-parallel group (one all-reduce of all of them), then clipped
 // (the norm, the same on every replica, over the TSP group). The optimizer state is partitioned
-// by client/partition.h's rule: the engine of data-parallel rank r is built over row-block
+// by engine/partition.h's rule: the engine of data-parallel rank r is built over row-block
 // views of the rank's tensors (rows [R r/N, R (r+1)/N) of each, replicated whole where R < N),
 // so its daemon session registers, receives and updates only that block; the engine's
 // ScoreReduce all-reduces the column scores of the partitioned weights over the group (every
@@ -26,7 +26,7 @@
 // batch. Checkpoint files and daemon tags carry the global rank. A resume may change --dp (not
 // D, nor the global batch N x batch): the model tensors are whole in every rank's file, and rank
 // (replica s, TSP index p) of the new run reads the files and daemon checkpoints of only the old
-// replicas at index p whose row blocks overlap its own (client/repartition.h, SourceRanks), cuts
+// replicas at index p whose row blocks overlap its own (engine/repartition.h, SourceRanks), cuts
 // its engine and daemon state from them by whole rows (Repartition), uploads the daemon part
 // (Session::WriteCheckpointBytes, as <tag>.dp<N>.r<rank>, removed after the Restore) and
 // restores its fresh engine from it: the run continues as the uninterrupted one would, up to the
@@ -72,7 +72,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "client/zenflow.h"
+#include "engine/zenflow.h"
 #include "parallel/communicator.h"
 #include "parallel/reference_block.h"
 
@@ -105,7 +105,7 @@ struct TrainOptions {
   uint32_t seed = 1;
   ZenFlowConfig engine;       // mode, ratio, intervals, AdamW betas / eps / weight decay
   // The model's own storage of its weights and gradients (--model_dtype): FP32, or BF16 (uint16,
-  // round to nearest even; the engine keeps the fp32 masters, client/zenflow.h "bf16
+  // round to nearest even; the engine keeps the fp32 masters, engine/zenflow.h "bf16
   // parameters"). Not engine.param_dtype / grad_dtype, which name what crosses to and from the
   // daemon. See "bf16 models" above.
   v1::DType model_dtype = v1::DTYPE_FP32;

@@ -3,7 +3,7 @@
     from stallfree.torch import ZenFlowAdamW
     opt = ZenFlowAdamW(model.parameters(), lr=3e-4, weight_decay=0.1)   # instead of AdamW
 
-Each parameter group is one ZenFlow engine (client/zenflow.h) with its own session on the
+Each parameter group is one ZenFlow engine (engine/zenflow.h) with its own session on the
 node's stallfreed; the engine does all the work on the tensors' own memory (data_ptr), nothing
 of it is re-implemented here. See the README, "Using stallfree from PyTorch". Needs torch 2.1
 or newer (torch 2.6's param_names and weights_only loading included).
@@ -106,7 +106,7 @@ def _data_parallel_group(process_group):
 
 
 def _rows_cols(p):
-    """A parameter as rows of columns (client/partition.h): the last dimension is the columns,
+    """A parameter as rows of columns (engine/partition.h): the last dimension is the columns,
     the leading ones the rows; a 1-D parameter is numel rows of one column."""
     if p.dim() <= 1:
         return p.numel(), 1
@@ -114,7 +114,7 @@ def _rows_cols(p):
 
 
 class _Shards:
-    """One parameter group's data-parallel partition of the offloaded state (client/partition.h,
+    """One parameter group's data-parallel partition of the offloaded state (engine/partition.h,
     ARCHITECTURE.md "Scale-out"): over the L ranks of the group, this rank's engine works on
     rows [R r/L, R (r+1)/L) of each parameter (a contiguous view of its memory), so its daemon
     session holds, receives and updates 1/L of the group's offloaded state; a parameter with
@@ -468,7 +468,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     process_group: the data-parallel group over which the optimizer state is partitioned
     (default: torch.distributed's default group when it is initialized; under tensor or
     pipeline parallelism or hybrid sharding, pass the data-parallel subgroup). Rank r of L
-    updates rows [R r/L, R (r+1)/L) of every parameter (client/partition.h), so its daemon
+    updates rows [R r/L, R (r+1)/L) of every parameter (engine/partition.h), so its daemon
     sessions hold 1/L of the offloaded state; the ranks sum their column scores (the same hot
     columns everywhere) and all-gather the updated rows after every step, so step(), flush()
     and close() are collectives of the group. Its ranks must train the same parameters.
@@ -915,7 +915,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         Partitioned over data-parallel ranks, each rank loads the state dict its own rank saved.
         With another number of ranks than the run that saved it, pass the list of the state
         dicts of all its L ranks, in rank order (a single one when it was saved by one process):
-        this rank takes its rows from the ranks whose rows overlap them (client/repartition.h),
+        this rank takes its rows from the ranks whose rows overlap them (engine/repartition.h),
         and reads nothing of the others, so loading them with torch.load(..., mmap=True) keeps
         each rank's memory to its own share."""
         if self._closed:

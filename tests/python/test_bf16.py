@@ -174,7 +174,7 @@ def test_device_bytes_of_a_bf16_model(daemon):
 @pytest.mark.parametrize("transfers,want", [("direct", 5.275), ("buffered", 8.877)])
 def test_device_bytes_per_parameter_of_square_bf16_weights(daemon, transfers, want):
     """Three bf16 1024 x 1024 weights, top-k 0.1: the device bytes per parameter the engine
-    counts (tests/client/zenflow_bf16_test.cc counts them by hand: 5.275 direct, within the
+    counts (tests/engine/zenflow_bf16_test.cc counts them by hand: 5.275 direct, within the
     5.3 of issue 22; 8.877 buffered), through the binding, after a step."""
     torch.manual_seed(SEED)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False)

@@ -2,7 +2,7 @@
 L = 1, 2, 4 gloo ranks under DistributedDataParallel on ONE stallfreed, two daemons of two
 ranks each ("two nodes"), and a rank that dies.
 
-Each rank's engine works on rows [R r/L, R (r+1)/L) of every parameter (client/partition.h):
+Each rank's engine works on rows [R r/L, R (r+1)/L) of every parameter (engine/partition.h):
 its daemon session holds, receives and updates only those; the ranks all-gather the updated
 blocks after every step and all-reduce the column scores.
 
@@ -209,7 +209,7 @@ def saved_by_4(daemon, tmp_path_factory):
 @pytest.mark.parametrize("world", [4, 2, 1])
 def test_save_with_4_ranks_resume_with_fewer(saved_by_4, daemon, tmp_path, world):
     """Each rank of the resumed run loads the list of the 4 ranks' state dicts (mmap) and takes
-    its rows (client/repartition.h). With 4 ranks again it continues bit for bit; with 2 or 1
+    its rows (engine/repartition.h). With 4 ranks again it continues bit for bit; with 2 or 1
     the only change is the summation order of the gradient average and of the column scores,
     so it ends within PARAM_ATOL / LOSS_RTOL of the uninterrupted run (the DDP tolerances above).
     A resumed run whose optimizer state is lost (a fresh optimizer) misses them by far: see

@@ -201,7 +201,7 @@ TEST_F(TrainerDpTest, ResumeWithTheSameDpEqualsTheUninterruptedRun) {
 // run at step 9 (inside a round, S = 2, with an Update pending, one step after a reselection)
 // resumed with --dp 1 --batch 8 and --dp 4 --batch 2 (the same global batch of 8 sequences),
 // each replica's engine and daemon state cut from the old replicas' by whole rows
-// (client/repartition.h), against the uninterrupted --dp 2 run; and with --dp 2, bit for bit.
+// (engine/repartition.h), against the uninterrupted --dp 2 run; and with --dp 2, bit for bit.
 //
 // The tolerance, derived as in TwoReplicasTrainLikeOneReplicaOnTheSameGlobalBatch. Re-
 // partitioning copies whole rows of every state array and changes no number, so the resumed

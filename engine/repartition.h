@@ -1,5 +1,5 @@
 // Re-partitioning a data-parallel run's optimizer state for another number of ranks
-// (client/partition.h). Rank j of L wrote, per parameter group, its engine's state
+// (engine/partition.h). Rank j of L wrote, per parameter group, its engine's state
 // (ZenFlowEngine::Checkpoint) and its daemon session's checkpoint file (the bytes of
 // <state_dir>/<uid>/<tag>.sfckpt), both of its own row blocks. Rank s of M takes the states of
 // the old ranks whose blocks overlap its own and gets the engine state and the daemon checkpoint

@@ -1,4 +1,4 @@
-// client/repartition.h: which old ranks a new rank reads (SourceRanks), and Repartition on real
+// engine/repartition.h: which old ranks a new rank reads (SourceRanks), and Repartition on real
 // engine states and daemon checkpoints: a run of 4 data-parallel ranks (ZenFlowEngines over row
 // blocks, CPU backend, one real stallfreed) saved mid-round and continued by 2, 1 and 4 ranks
 // equals the uninterrupted 4-rank run bit for bit; and the errors: a needed rank missing, ranks
@@ -10,7 +10,7 @@
 // host from the whole gradient, as the data-parallel all-reduce would. Every update is element-
 // wise with per-column step counts, so any partition computes the same numbers: the continued
 // runs must equal the uninterrupted one exactly.
-#include "client/repartition.h"
+#include "engine/repartition.h"
 
 #include <cmath>
 #include <cstring>
@@ -23,8 +23,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
-#include "client/partition.h"
-#include "client/zenflow.h"
+#include "engine/partition.h"
+#include "engine/zenflow.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
 #include "tests/support/daemon_process.h"

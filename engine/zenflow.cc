@@ -1,4 +1,4 @@
-#include "client/zenflow.h"
+#include "engine/zenflow.h"
 
 #include <algorithm>
 #include <chrono>
@@ -13,7 +13,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "client/blob.h"
+#include "engine/blob.h"
 #include "common/log.h"
 #include "common/status.h"
 
@@ -174,7 +174,7 @@ absl::Status ZenFlowConfig::Validate() const {
 
 // One parameter's engine state.
 struct PState {
-  // The values of the checkpoint blob's kinds (client/blob.h).
+  // The values of the checkpoint blob's kinds (engine/blob.h).
   enum Kind {
     kDevice = kBlobDevice,        // wholly on the device: plain AdamW with m, v, dstep
     kSplit = kBlobSplit,          // zenflow: hot columns on the device, cold columns in the daemon
@@ -1221,7 +1221,7 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
     im.ops.Download(host.data(), b.data(), b.size());
     return host;
   };
-  // V2 unless a parameter is bf16 (client/blob.h).
+  // V2 unless a parameter is bf16 (engine/blob.h).
   const bool v3 = std::any_of(im.params.begin(), im.params.end(),
                               [](const PState& ps) { return ps.bf16; });
   BlobWriter w;

@@ -20,9 +20,9 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
-#include "client/blob.h"
+#include "engine/blob.h"
 #include "client/client.h"
-#include "client/zenflow.h"
+#include "engine/zenflow.h"
 #include "common/bf16.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"

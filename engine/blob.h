@@ -1,6 +1,6 @@
 // The ZenFlow engine's checkpoint blob (ZenFlowEngine::Checkpoint): a flat little-endian byte
 // string of int64 scalars and length-prefixed int64 / fp32 arrays, written and read by the
-// engine (client/zenflow.cc) and re-partitioned by client/repartition.cc.
+// engine (engine/zenflow.cc) and re-partitioned by engine/repartition.cc.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +16,7 @@ namespace stallfree {
 // 1 bf16) and, after a device parameter's m and v, its fp32 master (numel floats for a bf16
 // parameter whose master exists, else none). An engine writes the oldest version that holds its
 // state: V2 when every parameter is fp32 (byte for byte what it wrote before bf16 parameters
-// existed, so older readers and client/repartition.cc keep reading it), V3 when one is bf16.
+// existed, so older readers and engine/repartition.cc keep reading it), V3 when one is bf16.
 // The engine reads all three.
 constexpr int64_t kEngineBlobMagicV1 = 0x315446574e455a53;  // "SZENWFT1"
 constexpr int64_t kEngineBlobMagic = 0x325446574e455a53;    // "SZENWFT2": + round_grads

@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
-#include "client/zenflow.h"
+#include "engine/zenflow.h"
 #include "common/bf16.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"

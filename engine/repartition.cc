@@ -1,4 +1,4 @@
-#include "client/repartition.h"
+#include "engine/repartition.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -12,8 +12,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "client/blob.h"
-#include "client/partition.h"
+#include "engine/blob.h"
+#include "engine/partition.h"
 #include "common/status.h"
 #include "server/checkpoint.h"
 
@@ -247,7 +247,7 @@ absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& para
   }
   if (!dmn.empty() && dmn.size() != eng.size()) return Disagree("whether the daemon holds state");
 
-  // V3 (dtypes, bf16 masters) where the ranks wrote it, else V2 (client/blob.h).
+  // V3 (dtypes, bf16 masters) where the ranks wrote it, else V2 (engine/blob.h).
   const bool v3 = first.magic == kEngineBlobMagicV3;
   for (const auto& [j, s] : eng)
     if ((s.magic == kEngineBlobMagicV3) != v3) return Disagree("the engine state's version");
