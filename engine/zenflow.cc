@@ -117,6 +117,14 @@ const char* OffloadModeName(OffloadMode mode) {
   return "?";
 }
 
+int64_t HotColumnCount(double topk_ratio, int64_t cols) {
+  return std::clamp<int64_t>(std::llround(topk_ratio * static_cast<double>(cols)), 1, cols);
+}
+
+bool SplitsWeight(double topk_ratio, int64_t cols) {
+  return cols - HotColumnCount(topk_ratio, cols) >= kMinColdColumns;
+}
+
 const char* TransfersName(Transfers t) {
   switch (t) {
     case Transfers::kAuto: return "auto";
@@ -380,9 +388,9 @@ absl::Status ZenFlowEngine::Impl::Setup() {
     if (cfg.mode == OffloadMode::kSyncOffload) {
       ps.kind = PState::kOffloaded;
     } else if (cfg.mode == OffloadMode::kZenFlow && ps.p.shape.size() >= 2) {
-      ps.k = std::clamp<int64_t>(std::llround(cfg.topk_ratio * ps.cols), 1, ps.cols);
+      ps.k = HotColumnCount(cfg.topk_ratio, ps.cols);
       ps.ncold = ps.cols - ps.k;
-      ps.kind = ps.ncold >= 4 ? PState::kSplit : PState::kDevice;
+      ps.kind = SplitsWeight(cfg.topk_ratio, ps.cols) ? PState::kSplit : PState::kDevice;
     } else {
       ps.kind = PState::kDevice;
     }

@@ -123,6 +123,15 @@ enum class Transfers { kAuto, kBuffered, kDirect };
 const char* TransfersName(Transfers t);  // "auto", "buffered", "direct"
 absl::StatusOr<Transfers> ParseTransfers(const std::string& name);
 
+// The split rule of zenflow mode, one copy for the engine, the benches and the trainer: a weight
+// of `cols` input columns has HotColumnCount(ratio, cols) = clamp(round(ratio * cols), 1, cols)
+// hot columns (round half away from zero), and is split (hot columns on the device, cold ones in
+// the daemon) when at least kMinColdColumns are cold; else it stays wholly on the device (fewer
+// cannot migrate through the daemon's staging area: see MigrateColumns).
+inline constexpr int64_t kMinColdColumns = 4;
+int64_t HotColumnCount(double topk_ratio, int64_t cols);
+bool SplitsWeight(double topk_ratio, int64_t cols);
+
 // The engine warm-up's default, chosen by measurement (README, "Known behaviour"): 20 steps of
 // exact AdamW (S = 1, awaited) before ZenFlow proper.
 inline constexpr int64_t kDefaultWarmupSteps = 20;
