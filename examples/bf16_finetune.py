@@ -96,6 +96,12 @@ def build_parser():
                         "ZenFlowAdamW's, 20)")
     p.add_argument("--await_updates", action="store_true",
                    help="zenflow: wait for each round's daemon update (no staleness)")
+    p.add_argument("--transfers", choices=("auto", "direct", "buffered"), default=None,
+                   help="zenflow: how the cold columns cross to the daemon (None: "
+                        "ZenFlowAdamW's default, auto: direct on the CPU, buffered on CUDA)")
+    p.add_argument("--stream_gradients", action="store_true",
+                   help="zenflow: each weight's gradient goes to the engine during the backward "
+                        "and is freed (needs --clip 0: nothing may read those gradients)")
     p.add_argument("--grad_dtype", choices=("bf16", "fp32"), default="bf16",
                    help="the gradients' dtype on their way to the daemon")
     p.add_argument("--param_dtype", choices=("bf16", "fp32"), default="bf16",
@@ -230,6 +236,10 @@ def finetune(args, state, mode, socket=None, label=None, quiet=False):
               param_dtype=args.param_dtype, socket=socket if socket is not None else args.socket)
     if args.warmup_steps is not None:
         kw["warmup_steps"] = args.warmup_steps
+    if args.transfers is not None:
+        kw["transfers"] = args.transfers
+    if args.stream_gradients and mode == "zenflow":
+        kw["stream_gradients"] = True
     opt = ZenFlowAdamW(tg.param_groups(model, args.weight_decay, named=True), lr=args.lr,
                        betas=BETAS, eps=EPS, **kw)
     t0 = time.monotonic()
@@ -237,6 +247,7 @@ def finetune(args, state, mode, socket=None, label=None, quiet=False):
         before = evaluate(model, batches)
         losses, evals = train_loop(args, label, model, opt, batches, args.steps, quiet)
         per = device_bytes_report(opt, model)
+        transfers = getattr(opt, "device_transfers", None) if mode == "zenflow" else None
         opt.flush()  # zenflow: the cold columns brought to the newest daemon update
         flushed = evaluate(model, batches)
     finally:
@@ -244,7 +255,7 @@ def finetune(args, state, mode, socket=None, label=None, quiet=False):
     tail = min(10, len(losses))
     return dict(label=label, mode=mode, dtype=args.dtype, losses=losses, evals=evals,
                 eval_before=before, eval_loss=evals[args.steps], eval_flushed=flushed,
-                final_loss=sum(losses[-tail:]) / tail, device_bytes=per,
+                final_loss=sum(losses[-tail:]) / tail, device_bytes=per, transfers=transfers,
                 params=sum(p.numel() for p in model.parameters()),
                 seconds=time.monotonic() - t0,
                 dtypes=sorted({str(p.dtype) for p in model.parameters()}))
@@ -253,9 +264,10 @@ def finetune(args, state, mode, socket=None, label=None, quiet=False):
 def print_device_bytes(r):
     per = r["device_bytes"]
     cats = ", ".join(f"{k} {v:.2f}" for k, v in sorted(per["categories"].items()))
-    print(f"{r['label']}: device bytes per parameter {per['total']:.2f} = the model's values "
-          f"and gradients {per['params']:.2f} + the engine's {per['engine']:.2f} ({cats}; largest "
-          f"transient {per.get('transient_peak', 0):.2f})")
+    how = f" (transfers {r['transfers']})" if r.get("transfers") else ""
+    print(f"{r['label']}{how}: device bytes per parameter {per['total']:.2f} = the model's "
+          f"values and gradients {per['params']:.2f} + the engine's {per['engine']:.2f} ({cats}; "
+          f"largest transient {per.get('transient_peak', 0):.2f})")
 
 
 def main(argv=None):
@@ -264,6 +276,9 @@ def main(argv=None):
                  "eval_batches", "log_every"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1")
+    if args.stream_gradients and args.clip > 0:
+        raise SystemExit("--stream_gradients needs --clip 0: clipping reads the gradients that "
+                         "streaming hands to the engine during the backward")
     tg.import_stallfree()
     torch.set_num_threads(args.threads)
     t0 = time.monotonic()
