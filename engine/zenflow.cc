@@ -354,11 +354,55 @@ struct ZenFlowEngine::Impl {
   // slot: the gradient slot this step's cold gradients were gathered into.
   absl::Status Reselect(const kernels::AdamWConfig& adam, float scale, uint32_t slot,
                         StepTimings* tm);
+  // A reselection's moves of one split weight, and one handover call's share of them.
+  struct Move {
+    PState* ps;
+    std::vector<int64_t> hot, leaving, entering;  // hot positions leaving, compact positions
+    size_t done = 0;                               // entering, paired in order
+  };
+  struct Batch {
+    Move* mv;
+    int64_t n = 0;
+    uint64_t staging_at = 0;  // floats into the staging area
+    std::vector<int64_t> pos, cols, steps;
+    OpsBuffer pos_dev, cols_dev, tmp, grad, ss, bc2;
+  };
+  absl::Status ChooseMoves(std::vector<Move>* moves, StepTimings* tm);
+  absl::Status StageHandOver(std::vector<Move>* moves, uint32_t slot, std::vector<Batch>* batches,
+                             std::vector<Session::ColumnMove>* request);
+  absl::Status TakeEnteringColumns(const kernels::AdamWConfig& adam, float scale,
+                                   const v1::MigrateColumnsResponse& got,
+                                   std::vector<Batch>* batches, StepTimings* tm);
   absl::Status ApplyPendingUpdate(StepTimings* tm);
   // The parameters of slot `slot` into ps's values (uploaded: already in ps's cold buffers).
   absl::Status ScatterParams(PState& ps, uint32_t slot, bool uploaded, StepTimings* tm);
   void UploadParams(const kernels::TransformerOps& on, PState& ps, uint32_t slot);
+  // One Step, as the algorithm's steps (zenflow.h): plan the step, update the device's share,
+  // gather the cold gradients, reselect at a selection boundary, prepare the round's Update at
+  // a boundary, post the pushes (and the Update), land the previous round, prefetch the next.
   absl::Status DoStep(double lr);
+  struct StepPlan {
+    int64_t t = 0;
+    double lr = 0;
+    float scale = 1;  // 1/S: the daemon accumulates the round's mean gradient
+    bool await = false, boundary = false, reselect = false;
+    uint32_t slot = 0;  // this step's gradient slot
+    kernels::AdamWConfig adam;
+  };
+  struct RoundUpdate {  // a boundary's Update
+    v1::AdamWHyper hyper;
+    uint32_t pslot = 0;
+    std::vector<std::string> skip;
+  };
+  StepPlan Plan(double lr);
+  absl::Status UpdateDeviceShare(const StepPlan& plan, StepTimings* tm);
+  void UpdateHotColumns(PState& ps, const kernels::AdamWConfig& adam);
+  absl::Status GatherColdGradients(const StepPlan& plan, std::vector<char>* present,
+                                   StepTimings* tm);
+  absl::Status PrepareRound(const StepPlan& plan, RoundUpdate* round, StepTimings* tm);
+  void PostPushes(const StepPlan& plan, const std::vector<char>& present,
+                  const RoundUpdate& round);
+  void PrefetchForNextBoundary(const StepPlan& plan);
   absl::Status StageGradient(PState& ps, const void* grad);
   // The step's kind (see zenflow.h): warm-up, a round boundary, a reselection.
   bool Warm(int64_t t) const { return t <= cfg.warmup_steps; }
@@ -618,21 +662,63 @@ absl::Status ZenFlowEngine::Impl::SelectInitial(PState& ps, StepTimings* tm) {
 absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, float scale,
                                            uint32_t slot, StepTimings* tm) {
   // At a round boundary, after this step's updates and pushes, from this step's gradient (a
-  // parameter without one keeps its hot set).
-  auto t0 = Clock::now();
-  struct Move {
-    PState* ps;
-    std::vector<int64_t> hot, leaving, entering;  // hot positions leaving, compact positions
-    size_t done = 0;                               // entering, paired in order
-  };
+  // parameter without one keeps its hot set). The handover (MigrateColumnsRequest.handover),
+  // while the daemon may still be busy with the previous round's Update: the leaving columns'
+  // state goes to the daemon, which hands back the entering columns' state from before this
+  // round's Update with their accumulated gradient; their round's AdamW step is taken here,
+  // exactly as the daemon's fused Update would take it, and the daemon's Update leaves the
+  // arrived columns alone. One call for every parameter, in rounds of what fits the staging
+  // area (StageHandOver).
   std::vector<Move> moves;
+  RETURN_IF_ERROR(ChooseMoves(&moves, tm));
+  for (;;) {
+    auto t0 = Clock::now();
+    std::vector<Batch> batches;
+    std::vector<Session::ColumnMove> request;
+    RETURN_IF_ERROR(StageHandOver(&moves, slot, &batches, &request));
+    if (batches.empty()) break;
+    tm->optimizer += Since(t0);
+    t0 = Clock::now();
+    absl::StatusOr<v1::MigrateColumnsResponse> got = session->HandOverColumns(request);
+    tm->stall += Since(t0);
+    RETURN_IF_ERROR(got.status());
+    t0 = Clock::now();
+    RETURN_IF_ERROR(TakeEnteringColumns(adam, scale, *got, &batches, tm));
+    tm->optimizer += Since(t0);
+  }
+  const uint64_t staging_cap = session->staging_floats();
+  for (const Move& mv : moves)
+    if (mv.done != mv.leaving.size())
+      return absl::InternalError(absl::StrCat(
+          "reselection of '", mv.ps->p.name, "': ", mv.leaving.size() - mv.done,
+          " columns did not fit the daemon's staging area of ", staging_cap, " floats"));
+  const auto t0 = Clock::now();
+  for (Move& mv : moves) {
+    if (mv.leaving.empty()) continue;
+    PState& ps = *mv.ps;
+    UploadInts(ps.hot_idx_dev, ps.hot_idx);
+    UploadInts(ps.cold_idx_dev, ps.cold_idx);
+    // The entering columns' values are their fresh masters from now on (a bf16 value: their
+    // rounding; the leaving columns keep theirs, the rounding of the masters they took along).
+    k.ScatterColumnsAs(GradType::kFp32, ps.hot_master.data(), ps.rows, ps.cols,
+                       AsInts(ps.hot_idx_dev), ps.k, ps.gtype(), ps.p.value);
+  }
+  absl::Status st = Sync("migrating columns");
+  tm->optimizer += Since(t0);
+  return st;
+}
+
+absl::Status ZenFlowEngine::Impl::ChooseMoves(std::vector<Move>* moves, StepTimings* tm) {
+  // Each split weight with a gradient: the new hot set, the hot positions that leave and the
+  // compact positions that enter (paired in order).
+  const auto t0 = Clock::now();
   for (PState& ps : params) {
     if (ps.kind != PState::kSplit || !ps.has_grad()) continue;
-    moves.push_back(Move{&ps});
-    RETURN_IF_ERROR(EnqueueTopColumns(ps, &moves.back().hot));
+    moves->push_back(Move{&ps});
+    RETURN_IF_ERROR(EnqueueTopColumns(ps, &moves->back().hot));
   }
   RETURN_IF_ERROR(Sync("selecting hot columns"));
-  for (Move& mv : moves) {
+  for (Move& mv : *moves) {
     PState& ps = *mv.ps;
     std::vector<char> is_new(ps.cols, 0);
     for (int64_t c : mv.hot) is_new[c] = 1;
@@ -646,138 +732,106 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
                                               mv.entering.size(), " enter"));
   }
   tm->optimizer += Since(t0);
-  // The handover (MigrateColumnsRequest.handover), while the daemon may still be busy with the
-  // previous round's Update: the leaving columns' state goes to the daemon, which hands back the
-  // entering columns' state from before this round's Update with their accumulated gradient;
-  // their round's AdamW step is taken here, exactly as the daemon's fused Update would take it,
-  // and the daemon's Update leaves the arrived columns alone. One call for every parameter, in
-  // rounds of what fits the staging area (4 blocks of [rows, n] per parameter, one parameter's
-  // after the other's; at most ncold / 4 columns of a parameter per call).
+  return absl::OkStatus();
+}
+
+absl::Status ZenFlowEngine::Impl::StageHandOver(std::vector<Move>* moves, uint32_t slot,
+                                                std::vector<Batch>* batches,
+                                                std::vector<Session::ColumnMove>* request) {
+  // One handover call's batches: per parameter 4 blocks of [rows, n] in the staging area, one
+  // parameter's after the other's, at most ncold / 4 columns of a parameter per call (the
+  // staging area holds 4 blocks of one column of any parameter, so the first batch of a call
+  // always moves at least one column). The leaving columns' master, m, v go to the staging
+  // area; the entering columns' gradient of this step is gathered as the daemon received it.
   const bool bf16 = cfg.grad_dtype == v1::DTYPE_BF16;
   const uint64_t staging_cap = session->staging_floats();
-  struct Batch {
-    Move* mv;
-    int64_t n = 0;
-    uint64_t staging_at = 0;  // floats into the staging area
-    std::vector<int64_t> pos, cols, steps;
-    OpsBuffer pos_dev, cols_dev, tmp, grad, ss, bc2;
-  };
-  for (;;) {
-    t0 = Clock::now();
-    std::vector<Batch> batches;
-    std::vector<Session::ColumnMove> request;
-    uint64_t used = 0;  // staging floats taken by this call's batches
-    int64_t transient = 0;  // bytes of the batches' buffers
-    for (Move& mv : moves) {
-      PState& ps = *mv.ps;
-      const int64_t left = static_cast<int64_t>(mv.leaving.size() - mv.done);
-      if (left == 0) continue;
-      // The daemon's staging area holds 4 blocks of one column of any parameter, so the first
-      // batch of a call always moves at least one column.
-      const int64_t fit = static_cast<int64_t>((staging_cap - used) / (4 * ps.rows));
-      if (fit == 0) continue;
-      Batch b;
-      b.mv = &mv;
-      b.n = std::min<int64_t>({ps.ncold / 4, left, fit});
-      b.staging_at = used;
-      const int64_t n = b.n, rn = ps.rows * n;
-      used += 4 * static_cast<uint64_t>(rn);
-      b.pos.assign(mv.leaving.begin() + mv.done, mv.leaving.begin() + mv.done + n);
-      b.cols.assign(mv.entering.begin() + mv.done, mv.entering.begin() + mv.done + n);
-      b.steps.resize(n);
-      for (int64_t q = 0; q < n; ++q) b.steps[q] = ps.hot_steps[b.pos[q]];
-      b.pos_dev = Ints(n);
-      b.cols_dev = Ints(n);
-      b.tmp = OpsBuffer(&ops, 4 * rn);
-      b.grad = OpsBuffer(&ops, bf16 ? (rn + 1) / 2 : rn);
-      b.ss = OpsBuffer(&ops, n);
-      b.bc2 = OpsBuffer(&ops, n);
-      transient += 4 * (b.pos_dev.size() + b.cols_dev.size() + b.tmp.size() + b.grad.size() +
-                        b.ss.size() + b.bc2.size());
-      UploadInts(b.pos_dev, b.pos);
-      UploadInts(b.cols_dev, b.cols);
-      const float* hot_state[3] = {ps.hot_master.data(), ps.hot_m.data(), ps.hot_v.data()};
-      for (int a = 0; a < 3; ++a)
-        k.GatherColumns(hot_state[a], 4, ps.rows, ps.k, AsInts(b.pos_dev), n,
-                        b.tmp.data() + a * rn);
-      // The entering columns' gradient of this step exactly as the daemon receives it: their
-      // compact positions in this step's slot buffer (bf16 already when transfers are).
-      const void* sent = direct ? ps.grad_view[slot] : ps.send.data();
-      k.GatherColumns(sent, bf16 ? 2 : 4, ps.rows, ps.ncold, AsInts(b.cols_dev), n,
-                      b.grad.data());
-      ops.Download(session->Staging() + b.staging_at, b.tmp.data(), 3 * rn);
-      request.push_back({ps.p.name, b.cols, b.steps});
-      batches.push_back(std::move(b));
-      batches.back().mv->done += n;
-    }
-    if (batches.empty()) break;
-    NoteTransient(transient);
-    RETURN_IF_ERROR(Sync("gathering the leaving columns' state"));
-    tm->optimizer += Since(t0);
-    t0 = Clock::now();
-    absl::StatusOr<v1::MigrateColumnsResponse> got = session->HandOverColumns(request);
-    tm->stall += Since(t0);
-    RETURN_IF_ERROR(got.status());
-    t0 = Clock::now();
-    const bool acc_zero = got->pushes() == 0;
-    for (size_t i = 0; i < batches.size(); ++i) {
-      Batch& b = batches[i];
-      PState& ps = *b.mv->ps;
-      const int64_t n = b.n, rn = ps.rows * n;
-      const auto& out_steps = i == 0 ? got->steps() : got->more(static_cast<int>(i - 1)).steps();
-      if (out_steps.size() != n)
-        return absl::InternalError(absl::StrCat("handover of '", ps.p.name, "': ",
-                                                out_steps.size(), " step counts for ", n,
-                                                " columns"));
-      std::vector<int64_t> in_steps(n);
-      for (int64_t q = 0; q < n; ++q) in_steps[q] = out_steps[q] + 1;
-      std::vector<float> ss_h(n), bc2_h(n);
-      kernels::MakeColumnConstants(adam, in_steps.data(), n, ss_h.data(), bc2_h.data());
-      ops.Upload(b.ss.data(), ss_h.data(), n);
-      ops.Upload(b.bc2.data(), bc2_h.data(), n);
-      ops.Upload(b.tmp.data(), session->Staging() + b.staging_at, 4 * rn);
-      k.AccumulateAdamWColumns(
-          adam, b.ss.data(), b.bc2.data(), b.tmp.data(), b.tmp.data() + rn, b.tmp.data() + 2 * rn,
-          acc_zero ? nullptr : b.tmp.data() + 3 * rn, b.grad.data(),
-          bf16 ? GradType::kBf16 : GradType::kFp32, scale, ps.rows, n, nullptr);
-      float* hot_state[3] = {ps.hot_master.data(), ps.hot_m.data(), ps.hot_v.data()};
-      for (int a = 0; a < 3; ++a)
-        k.ScatterColumns(b.tmp.data() + a * rn, 4, ps.rows, ps.k, AsInts(b.pos_dev), n,
-                         hot_state[a]);
-      for (int64_t q = 0; q < n; ++q) {
-        std::swap(ps.hot_idx[b.pos[q]], ps.cold_idx[b.cols[q]]);
-        ps.hot_steps[b.pos[q]] = in_steps[q];
-      }
-      tm->bytes_to_host += 3 * rn * 4;
-      tm->bytes_to_device += 4 * rn * 4;
-      tm->migrated_columns += 2 * n;
-    }
-    RETURN_IF_ERROR(Sync("taking the entering columns' round step"));
-    tm->optimizer += Since(t0);
-  }
-  for (const Move& mv : moves)
-    if (mv.done != mv.leaving.size())
-      return absl::InternalError(absl::StrCat(
-          "reselection of '", mv.ps->p.name, "': ", mv.leaving.size() - mv.done,
-          " columns did not fit the daemon's staging area of ", staging_cap, " floats"));
-  t0 = Clock::now();
-  for (Move& mv : moves) {
-    if (mv.leaving.empty()) continue;
+  uint64_t used = 0;      // staging floats taken by this call's batches
+  int64_t transient = 0;  // bytes of the batches' buffers
+  for (Move& mv : *moves) {
     PState& ps = *mv.ps;
-    UploadInts(ps.hot_idx_dev, ps.hot_idx);
-    UploadInts(ps.cold_idx_dev, ps.cold_idx);
-    // The entering columns' values are their fresh masters from now on (a bf16 value: their
-    // rounding; the leaving columns keep theirs, the rounding of the masters they took along).
-    if (ps.bf16)
-      k.ScatterColumnsToBf16(ps.hot_master.data(), ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
-                             ps.value16());
-    else
-      k.ScatterColumns(ps.hot_master.data(), 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
-                       ps.p.value);
+    const int64_t left = static_cast<int64_t>(mv.leaving.size() - mv.done);
+    const int64_t fit = static_cast<int64_t>((staging_cap - used) / (4 * ps.rows));
+    if (left == 0 || fit == 0) continue;
+    Batch b;
+    b.mv = &mv;
+    b.n = std::min<int64_t>({ps.ncold / 4, left, fit});
+    b.staging_at = used;
+    const int64_t n = b.n, rn = ps.rows * n;
+    used += 4 * static_cast<uint64_t>(rn);
+    b.pos.assign(mv.leaving.begin() + mv.done, mv.leaving.begin() + mv.done + n);
+    b.cols.assign(mv.entering.begin() + mv.done, mv.entering.begin() + mv.done + n);
+    b.steps.resize(n);
+    for (int64_t q = 0; q < n; ++q) b.steps[q] = ps.hot_steps[b.pos[q]];
+    b.pos_dev = Ints(n);
+    b.cols_dev = Ints(n);
+    b.tmp = OpsBuffer(&ops, 4 * rn);
+    b.grad = OpsBuffer(&ops, bf16 ? (rn + 1) / 2 : rn);
+    b.ss = OpsBuffer(&ops, n);
+    b.bc2 = OpsBuffer(&ops, n);
+    transient += 4 * (b.pos_dev.size() + b.cols_dev.size() + b.tmp.size() + b.grad.size() +
+                      b.ss.size() + b.bc2.size());
+    UploadInts(b.pos_dev, b.pos);
+    UploadInts(b.cols_dev, b.cols);
+    const float* hot_state[3] = {ps.hot_master.data(), ps.hot_m.data(), ps.hot_v.data()};
+    for (int a = 0; a < 3; ++a)
+      k.GatherColumns(hot_state[a], 4, ps.rows, ps.k, AsInts(b.pos_dev), n,
+                      b.tmp.data() + a * rn);
+    // Their compact positions in this step's slot (direct) or send buffer, in grad_dtype.
+    const void* sent = direct ? ps.grad_view[slot] : ps.send.data();
+    k.GatherColumns(sent, bf16 ? 2 : 4, ps.rows, ps.ncold, AsInts(b.cols_dev), n, b.grad.data());
+    ops.Download(session->Staging() + b.staging_at, b.tmp.data(), 3 * rn);
+    request->push_back({ps.p.name, b.cols, b.steps});
+    batches->push_back(std::move(b));
+    mv.done += n;
   }
-  absl::Status st = Sync("migrating columns");
-  tm->optimizer += Since(t0);
-  return st;
+  if (batches->empty()) return absl::OkStatus();
+  NoteTransient(transient);
+  return Sync("gathering the leaving columns' state");
+}
+
+absl::Status ZenFlowEngine::Impl::TakeEnteringColumns(const kernels::AdamWConfig& adam,
+                                                      float scale,
+                                                      const v1::MigrateColumnsResponse& got,
+                                                      std::vector<Batch>* batches,
+                                                      StepTimings* tm) {
+  // The entering columns' state from the staging area, their round step with the daemon's
+  // accumulated gradient and this step's (AccumulateAdamWColumns: the daemon's fused pass),
+  // into the hot positions the leaving columns freed.
+  const bool bf16 = cfg.grad_dtype == v1::DTYPE_BF16;
+  const bool acc_zero = got.pushes() == 0;
+  for (size_t i = 0; i < batches->size(); ++i) {
+    Batch& b = (*batches)[i];
+    PState& ps = *b.mv->ps;
+    const int64_t n = b.n, rn = ps.rows * n;
+    const auto& out_steps = i == 0 ? got.steps() : got.more(static_cast<int>(i - 1)).steps();
+    if (out_steps.size() != n)
+      return absl::InternalError(absl::StrCat("handover of '", ps.p.name, "': ",
+                                              out_steps.size(), " step counts for ", n,
+                                              " columns"));
+    std::vector<int64_t> in_steps(n);
+    for (int64_t q = 0; q < n; ++q) in_steps[q] = out_steps[q] + 1;
+    std::vector<float> ss_h(n), bc2_h(n);
+    kernels::MakeColumnConstants(adam, in_steps.data(), n, ss_h.data(), bc2_h.data());
+    ops.Upload(b.ss.data(), ss_h.data(), n);
+    ops.Upload(b.bc2.data(), bc2_h.data(), n);
+    ops.Upload(b.tmp.data(), session->Staging() + b.staging_at, 4 * rn);
+    k.AccumulateAdamWColumns(
+        adam, b.ss.data(), b.bc2.data(), b.tmp.data(), b.tmp.data() + rn, b.tmp.data() + 2 * rn,
+        acc_zero ? nullptr : b.tmp.data() + 3 * rn, b.grad.data(),
+        bf16 ? GradType::kBf16 : GradType::kFp32, scale, ps.rows, n, nullptr);
+    float* hot_state[3] = {ps.hot_master.data(), ps.hot_m.data(), ps.hot_v.data()};
+    for (int a = 0; a < 3; ++a)
+      k.ScatterColumns(b.tmp.data() + a * rn, 4, ps.rows, ps.k, AsInts(b.pos_dev), n,
+                       hot_state[a]);
+    for (int64_t q = 0; q < n; ++q) {
+      std::swap(ps.hot_idx[b.pos[q]], ps.cold_idx[b.cols[q]]);
+      ps.hot_steps[b.pos[q]] = in_steps[q];
+    }
+    tm->bytes_to_host += 3 * rn * 4;
+    tm->bytes_to_device += 4 * rn * 4;
+    tm->migrated_columns += 2 * n;
+  }
+  return Sync("taking the entering columns' round step");
 }
 
 void ZenFlowEngine::Impl::UploadParams(const kernels::TransformerOps& on, PState& ps,
@@ -848,36 +902,73 @@ absl::Status ZenFlowEngine::Impl::ApplyPendingUpdate(StepTimings* tm) {
 absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   const auto t_start = Clock::now();
   StepTimings tm;
-  const int64_t t = ++step;
-  tm.step = t;
-  const int64_t W = cfg.warmup_steps;
-  const bool warm = Warm(t);
-  const bool sync = cfg.mode == OffloadMode::kSyncOffload;
-  const int64_t S = (warm || sync) ? 1 : cfg.update_interval;
-  const bool await = cfg.await_updates || warm || sync;
-  tm.boundary = Boundary(t);
-  // Reselection at the end of a round boundary step t >= max(W, 1) with (t - W) a multiple of
-  // select_interval (the last warm-up step, then every select_interval steps), from this step's
-  // gradient, after this step's updates.
-  const bool reselect = Reselects(t);
-  // What staging this step's gradients took (StageGradient).
-  if (staging_for == t) {
+  const StepPlan plan = Plan(lr);
+  tm.step = plan.t;
+  tm.boundary = plan.boundary;
+  if (staging_for == plan.t) {  // what staging this step's gradients took (StageGradient)
     tm.copies += staged_tm.copies;
     tm.optimizer += staged_tm.optimizer;
     tm.stall += staged_tm.stall;
     tm.bytes_to_host += staged_tm.bytes_to_host;
   }
-  const kernels::AdamWConfig adam = cfg.AdamW(lr, t);
-
   if (offloading() && !loaded) {
     // Step 1: the first selection defines which columns the daemon holds; then load them.
     for (PState& ps : params)
       if (ps.kind == PState::kSplit && ps.hot_idx.empty()) RETURN_IF_ERROR(SelectInitial(ps, &tm));
     RETURN_IF_ERROR(LoadDaemon());
   }
+  RETURN_IF_ERROR(UpdateDeviceShare(plan, &tm));
+  if (offloading()) {
+    std::vector<char> present;
+    RETURN_IF_ERROR(GatherColdGradients(plan, &present, &tm));
+    if (plan.reselect) {
+      // The previous round's Update lands first, through the compact positions as they are;
+      // the handovers then go to the daemon after this round's earlier pushes (the copy
+      // thread's previous task) and before this step's fused Update.
+      RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
+      const auto t0 = Clock::now();
+      RETURN_IF_ERROR(copier->WaitFor(slot_task[plan.slot ^ 1u]));
+      tm.stall += Since(t0);
+      RETURN_IF_ERROR(Reselect(plan.adam, plan.scale, plan.slot, &tm));
+      tm.reselected = true;
+    }
+    RoundUpdate round;
+    if (plan.boundary) RETURN_IF_ERROR(PrepareRound(plan, &round, &tm));
+    PostPushes(plan, present, round);
+    if (plan.boundary) {
+      RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
+      pending_task = slot_task[plan.slot];
+      pending_version = plan.t;
+      pending_pslot = round.pslot;
+      if (plan.await) RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
+    }
+    PrefetchForNextBoundary(plan);
+  }
+  tm.total = Since(t_start);
+  last = tm;
+  return absl::OkStatus();
+}
 
+ZenFlowEngine::Impl::StepPlan ZenFlowEngine::Impl::Plan(double lr) {
+  StepPlan p;
+  p.t = ++step;
+  p.lr = lr;
+  const bool warm = Warm(p.t);
+  const bool sync = cfg.mode == OffloadMode::kSyncOffload;
+  const int64_t S = (warm || sync) ? 1 : cfg.update_interval;
+  p.scale = static_cast<float>(1.0 / static_cast<double>(S));
+  p.await = cfg.await_updates || warm || sync;
+  p.boundary = Boundary(p.t);
+  p.reselect = Reselects(p.t);
+  p.adam = cfg.AdamW(lr, p.t);
+  p.slot = static_cast<uint32_t>(p.t % 2);
+  return p;
+}
+
+absl::Status ZenFlowEngine::Impl::UpdateDeviceShare(const StepPlan& plan, StepTimings* tm) {
   // The device's share: 1-D and device-only parameters whole, hot columns of split weights.
-  auto t0 = Clock::now();
+  const auto t0 = Clock::now();
+  const kernels::AdamWConfig& adam = plan.adam;
   // A bf16 device parameter's master starts as its value widened, at its first Step (the value
   // buffer may have been rebound since Create).
   for (PState& ps : params) {
@@ -907,57 +998,53 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
         k.AdamW(a, ps.value32(), ps.m.data(), ps.v.data(), ps.p.grad, GradType::kFp32, ps.numel,
                 nullptr);
     } else if (ps.kind == PState::kSplit) {
-      // The hot columns' gradient in row blocks through the scratch (stream ordered on a
-      // device), each block's AdamW on the matching rows of the masters and moments.
-      // (stream_gradients: all rows through its own hot_grad, where StageGradient may have
-      // put them already).
-      const float* c = hot_consts.data() + ps.consts_at;
-      const int64_t block = ps.streamed() ? ps.rows : HotBlockRows(ps);
-      float* buf = ps.streamed() ? ps.hot_grad.data() : hot_scratch.data();
-      for (int64_t r0 = 0; r0 < ps.rows; r0 += block) {
-        const int64_t nr = std::min(block, ps.rows - r0), at = r0 * ps.k;
-        if (!ps.staged)
-          k.GatherColumns(Advance(ps.p.grad, r0 * ps.cols, ps.esize()), ps.esize(), nr, ps.cols,
-                          AsInts(ps.hot_idx_dev), ps.k, buf);
-        k.AdamWColumns(adam, c, c + ps.k, ps.hot_master.data() + at, ps.hot_m.data() + at,
-                       ps.hot_v.data() + at, buf, ps.gtype(), nr, ps.k, nullptr);
-      }
-      if (ps.bf16)
-        k.ScatterColumnsToBf16(ps.hot_master.data(), ps.rows, ps.cols, AsInts(ps.hot_idx_dev),
-                               ps.k, ps.value16());
-      else
-        k.ScatterColumns(ps.hot_master.data(), 4, ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
-                         ps.p.value);
+      UpdateHotColumns(ps, adam);
     }
   }
   RETURN_IF_ERROR(Sync("the device-side optimizer"));
-  tm.optimizer += Since(t0);
-  if (!offloading()) {
-    tm.total = Since(t_start);
-    last = tm;
-    return absl::OkStatus();
-  }
+  tm->optimizer += Since(t0);
+  return absl::OkStatus();
+}
 
-  // Cold gradients on their way: into the send buffers once the previous step's download from
-  // them is done; direct, into this step's gradient slot once the daemon is done with it (the
-  // push that last wrote it, and a fused Update that reads it).
-  const uint32_t slot = static_cast<uint32_t>(t % 2);
-  if (staging_for != t) RETURN_IF_ERROR(WaitToSend(t, &tm));
-  t0 = Clock::now();
-  std::vector<char> present(params.size(), 0);
+void ZenFlowEngine::Impl::UpdateHotColumns(PState& ps, const kernels::AdamWConfig& adam) {
+  // The hot columns' gradient in row blocks through the scratch (stream ordered on a device),
+  // each block's AdamW on the matching rows of the masters and moments (stream_gradients: all
+  // rows through its own hot_grad, where StageGradient may have put them already); then the
+  // masters (rounded, for bf16) into the value.
+  const float* c = hot_consts.data() + ps.consts_at;
+  const int64_t block = ps.streamed() ? ps.rows : HotBlockRows(ps);
+  float* buf = ps.streamed() ? ps.hot_grad.data() : hot_scratch.data();
+  for (int64_t r0 = 0; r0 < ps.rows; r0 += block) {
+    const int64_t nr = std::min(block, ps.rows - r0), at = r0 * ps.k;
+    if (!ps.staged)
+      k.GatherColumns(Advance(ps.p.grad, r0 * ps.cols, ps.esize()), ps.esize(), nr, ps.cols,
+                      AsInts(ps.hot_idx_dev), ps.k, buf);
+    k.AdamWColumns(adam, c, c + ps.k, ps.hot_master.data() + at, ps.hot_m.data() + at,
+                   ps.hot_v.data() + at, buf, ps.gtype(), nr, ps.k, nullptr);
+  }
+  k.ScatterColumnsAs(GradType::kFp32, ps.hot_master.data(), ps.rows, ps.cols,
+                     AsInts(ps.hot_idx_dev), ps.k, ps.gtype(), ps.p.value);
+}
+
+absl::Status ZenFlowEngine::Impl::GatherColdGradients(const StepPlan& plan,
+                                                      std::vector<char>* present,
+                                                      StepTimings* tm) {
+  // Cold gradients on their way: into the send buffers, or, direct, into this step's gradient
+  // slot (WaitToSend: once each is free). A parameter without a gradient this step pushes
+  // zeros, written on the host by the copy task: it adds nothing to the round's mean.
+  const uint32_t slot = plan.slot;
+  if (staging_for != plan.t) RETURN_IF_ERROR(WaitToSend(plan.t, tm));
+  const auto t0 = Clock::now();
+  present->assign(params.size(), 0);
   const GradType gt = DTypeOf(cfg.grad_dtype);
   for (size_t i = 0; i < params.size(); ++i) {
     PState& ps = params[i];
-    if (ps.kind == PState::kDevice) continue;
-    // A parameter without a gradient this step pushes zeros, written on the host by the copy
-    // task: it adds nothing to the round's mean.
-    if (!ps.has_grad()) continue;
-    present[i] = 1;
+    if (ps.kind == PState::kDevice || !ps.has_grad()) continue;
+    (*present)[i] = 1;
     ++ps.round_grads;
     const int64_t n = ps.offload_numel();
-    if (ps.staged) {
-      // already in the slot or the send buffer, and counted by the staging
-    } else if (ps.kind == PState::kSplit) {
+    if (ps.staged) continue;  // already in the slot or the send buffer, counted by the staging
+    if (ps.kind == PState::kSplit) {
       k.GatherColumnsAs(ps.gtype(), ps.p.grad, ps.rows, ps.cols, AsInts(ps.cold_idx_dev),
                         ps.ncold, gt, direct ? ps.grad_view[slot] : ps.send.data());
     } else if (!ps.straight_grad(cfg.grad_dtype) && ps.bf16) {
@@ -969,66 +1056,59 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
       // tail.
       k.GatherColumns(ps.p.grad, 2, 1, n, AsInts(ps.tail_idx), 1, ps.tail.data() + slot);
     }
-    if (!ps.staged) tm.bytes_to_host += n * DTypeBytes(cfg.grad_dtype);
+    tm->bytes_to_host += n * DTypeBytes(cfg.grad_dtype);
   }
   RETURN_IF_ERROR(Sync("gathering the cold gradients"));
-  tm.copies += Since(t0);
-  const float scale = static_cast<float>(1.0 / static_cast<double>(S));
-  if (reselect) {
-    // The previous round's Update lands first, through the compact positions as they are; the
-    // handovers then go to the daemon after this round's earlier pushes (the copy thread's
-    // previous task) and before this step's fused Update.
-    RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
-    t0 = Clock::now();
-    RETURN_IF_ERROR(copier->WaitFor(slot_task[slot ^ 1u]));
-    tm.stall += Since(t0);
-    RETURN_IF_ERROR(Reselect(adam, scale, slot, &tm));
-    tm.reselected = true;
-  }
+  tm->copies += Since(t0);
+  return absl::OkStatus();
+}
+
+absl::Status ZenFlowEngine::Impl::PrepareRound(const StepPlan& plan, RoundUpdate* round,
+                                               StepTimings* tm) {
   // At a round boundary the round's last push is folded into the Update (the daemon's fused
   // boundary pass: no accumulator write and re-read for it), so the copy task that writes the
-  // slot then issues the Update itself. The task waits, before writing, for an Update still
-  // reading the slot, and before a fused Update, for the previous round's Update (the daemon
-  // runs one at a time); both are normally long done by then.
-  v1::AdamWHyper hyper;
-  uint32_t pslot = 0;
-  std::vector<std::string> skip;  // no gradient in the whole round: no step, no decay
-  if (tm.boundary) {
-    for (PState& ps : params) {
-      if (ps.kind != PState::kDevice && ps.round_grads == 0) skip.push_back(ps.p.name);
-      ps.round_grads = 0;
-    }
-    hyper.set_lr(lr);
-    hyper.set_beta1(cfg.beta1);
-    hyper.set_beta2(cfg.beta2);
-    hyper.set_eps(cfg.eps);
-    hyper.set_weight_decay(cfg.weight_decay);
-    pslot = static_cast<uint32_t>(rounds++ % param_slots);
-    // The Update posted below writes parameter slot pslot as soon as the copy thread issues it.
-    // A pending Update's parameters still in that slot (one slot: always) must be read out
-    // first. The prefetch task does that ahead of this Update on the copy thread (posted
-    // earlier, it runs first); with await_updates, in warm-up and in sync-offload the pending
-    // Update landed in its own step, and at a reselection above; otherwise (an engine restored
-    // just before a boundary: Restore drops the prefetch) it lands here, before the post.
-    auto unread = [&] {
-      return pending_version > 0 && pending_pslot == pslot &&
-             prefetched_version != pending_version;
-    };
-    if (unread()) RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
-    // The guard of that order (ZenFlowTest.ResumeFromCheckpointEqualsUninterruptedRun, k = 5,
-    // trips it if the landing above goes): an error, never a read racing the daemon's write.
-    if (unread())
-      return absl::InternalError(absl::StrCat(
-          "step ", t, ": the Update would overwrite parameter slot ", pslot,
-          " before version ", pending_version, "'s parameters were read from it"));
+  // slot then issues the Update itself (PostPushes).
+  for (PState& ps : params) {  // no gradient in the whole round: no step, no decay
+    if (ps.kind != PState::kDevice && ps.round_grads == 0) round->skip.push_back(ps.p.name);
+    ps.round_grads = 0;
   }
-  const v1::DType out = cfg.param_dtype;
-  const bool fuse = tm.boundary;
-  const int64_t slot_busy = slot_update[slot];    // an Update that still reads the slot
-  const int64_t prev_update = pending_version;    // an Update that may still run
-  slot_update[slot] = fuse ? t : 0;
-  // The slot's bytes (what the send buffers hold, straight from whole parameters' buffers,
-  // zeros for a missing gradient) once no Update reads it; direct ones are already there.
+  round->hyper.set_lr(plan.lr);
+  round->hyper.set_beta1(cfg.beta1);
+  round->hyper.set_beta2(cfg.beta2);
+  round->hyper.set_eps(cfg.eps);
+  round->hyper.set_weight_decay(cfg.weight_decay);
+  const uint32_t pslot = static_cast<uint32_t>(rounds++ % param_slots);
+  round->pslot = pslot;
+  // The Update posted next writes parameter slot pslot as soon as the copy thread issues it. A
+  // pending Update's parameters still in that slot (one slot: always) must be read out first.
+  // The prefetch task does that ahead of this Update on the copy thread (posted earlier, it
+  // runs first); with await_updates, in warm-up and in sync-offload the pending Update landed
+  // in its own step, and at a reselection above; otherwise (direct transfers; an engine
+  // restored just before a boundary: Restore drops the prefetch) it lands here, before the post.
+  auto unread = [&] {
+    return pending_version > 0 && pending_pslot == pslot && prefetched_version != pending_version;
+  };
+  if (unread()) RETURN_IF_ERROR(ApplyPendingUpdate(tm));
+  // The guard of that order (ZenFlowTest.ResumeFromCheckpointEqualsUninterruptedRun, k = 5,
+  // trips it if the landing above goes): an error, never a read racing the daemon's write.
+  if (unread())
+    return absl::InternalError(absl::StrCat(
+        "step ", plan.t, ": the Update would overwrite parameter slot ", pslot,
+        " before version ", pending_version, "'s parameters were read from it"));
+  return absl::OkStatus();
+}
+
+void ZenFlowEngine::Impl::PostPushes(const StepPlan& plan, const std::vector<char>& present,
+                                     const RoundUpdate& round) {
+  // Two copy-thread tasks: the slot's bytes (what the send buffers hold, straight from whole
+  // parameters' buffers, zeros for a missing gradient; direct ones are already there) once no
+  // Update reads the slot; then the push, or at a boundary the fused Update (after the previous
+  // round's: the daemon runs one at a time; both normally long done by then).
+  const uint32_t slot = plan.slot;
+  const bool fuse = plan.boundary;
+  const int64_t slot_busy = slot_update[slot];  // an Update that still reads the slot
+  const int64_t prev_update = pending_version;  // an Update that may still run
+  slot_update[slot] = fuse ? plan.t : 0;
   send_task = copier->Post([this, slot, slot_busy, present]() -> absl::Status {
     if (slot_busy > 0) RETURN_IF_ERROR(session->WaitUpdate(slot_busy).status());
     for (size_t i = 0; i < params.size(); ++i) {
@@ -1052,38 +1132,34 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     }
     return CopySync("copying the cold gradients to the host");
   });
-  slot_task[slot] = copier->Post([this, slot, t, scale, fuse, prev_update, hyper, pslot, out,
-                                  skip]() -> absl::Status {
+  const int64_t t = plan.t;
+  const float scale = plan.scale;
+  const v1::DType out = cfg.param_dtype;
+  slot_task[slot] = copier->Post([this, slot, t, scale, fuse, prev_update, round,
+                                  out]() -> absl::Status {
     if (!fuse) return session->Push(t, slot, scale).status();
     if (prev_update > 0) RETURN_IF_ERROR(session->WaitUpdate(prev_update).status());
-    return session->UpdateWithPush(t, hyper, pslot, out, slot, scale, skip);
+    return session->UpdateWithPush(t, round.hyper, round.pslot, out, slot, scale, round.skip);
   });
+}
 
-  if (tm.boundary) {
-    RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
-    pending_task = slot_task[slot];
-    pending_version = t;
-    pending_pslot = pslot;
-    if (await) RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
-  }
-  // Before the step that lands a pending Update, the copy thread uploads its parameters while
-  // the caller computes that step (zenflow: only split weights go through the daemon).
-  const int64_t u = t + 1;
-  if (cfg.mode == OffloadMode::kZenFlow && !direct && pending_version > 0 &&
-      prefetched_version == 0 && u > W && (u - W) % cfg.update_interval == 0) {
-    const int64_t v = pending_version;
-    const uint32_t from = pending_pslot;
-    prefetch_task = copier->Post([this, v, from]() -> absl::Status {
-      RETURN_IF_ERROR(session->WaitUpdate(v).status());
-      for (PState& ps : params)
-        if (ps.kind == PState::kSplit) UploadParams(CopyOps(), ps, from);
-      return CopySync("uploading the daemon's parameters");
-    });
-    prefetched_version = v;
-  }
-  tm.total = Since(t_start);
-  last = tm;
-  return absl::OkStatus();
+void ZenFlowEngine::Impl::PrefetchForNextBoundary(const StepPlan& plan) {
+  // Buffered: before the step that lands a pending Update, the copy thread uploads its
+  // parameters while the caller computes that step (zenflow: only split weights go through the
+  // daemon).
+  const int64_t u = plan.t + 1, W = cfg.warmup_steps;
+  if (cfg.mode != OffloadMode::kZenFlow || direct || pending_version == 0 ||
+      prefetched_version != 0 || u <= W || (u - W) % cfg.update_interval != 0)
+    return;
+  const int64_t v = pending_version;
+  const uint32_t from = pending_pslot;
+  prefetch_task = copier->Post([this, v, from]() -> absl::Status {
+    RETURN_IF_ERROR(session->WaitUpdate(v).status());
+    for (PState& ps : params)
+      if (ps.kind == PState::kSplit) UploadParams(CopyOps(), ps, from);
+    return CopySync("uploading the daemon's parameters");
+  });
+  prefetched_version = v;
 }
 
 ZenFlowEngine::ZenFlowEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
