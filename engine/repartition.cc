@@ -218,39 +218,59 @@ std::vector<int> SourceRanks(const std::vector<WholeParam>& params, int old_worl
   return out;
 }
 
-absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& params,
-                                             const std::vector<const PartitionedState*>& old,
-                                             int new_world, int new_rank,
-                                             const std::string& tmp_dir) {
-  const int old_world = static_cast<int>(old.size());
-  if (old_world < 1 || new_world < 1 || new_rank < 0 || new_rank >= new_world)
-    return absl::InvalidArgumentError("Repartition: needs old ranks, and 0 <= new_rank < new_world");
-  const std::vector<int> sources = SourceRanks(params, old_world, new_world, new_rank);
-  std::map<int, EngineState> eng;
-  std::map<int, DaemonState> dmn;
-  for (int j : sources) {
+namespace {
+
+// One Repartition: the old ranks' states it needs, parsed, and the new rank's, cut from them.
+class Repartitioner {
+ public:
+  Repartitioner(const std::vector<WholeParam>& params, int old_world, int new_world,
+                int new_rank)
+      : params_(params), old_world_(old_world), new_world_(new_world), new_rank_(new_rank) {}
+
+  // Parses the ranks SourceRanks names and checks that they were saved together.
+  absl::Status Load(const std::vector<const PartitionedState*>& old, const std::string& tmp_dir);
+  absl::StatusOr<PartitionedState> Cut(const std::string& tmp_dir);
+
+ private:
+  absl::Status CutEngineParam(size_t i, bool v3, BlobWriter* w);
+  absl::Status CutDaemonParam(size_t i, int h, DaemonState* out);
+  absl::StatusOr<std::string> WriteDaemon(DaemonState& d, const std::string& tmp_dir);
+
+  const std::vector<WholeParam>& params_;
+  const int old_world_, new_world_, new_rank_;
+  std::map<int, EngineState> eng_;
+  std::map<int, DaemonState> dmn_;
+};
+
+absl::Status Repartitioner::Load(const std::vector<const PartitionedState*>& old,
+                                 const std::string& tmp_dir) {
+  for (int j : SourceRanks(params_, old_world_, new_world_, new_rank_)) {
     if (old[j] == nullptr)
-      return absl::InvalidArgumentError(absl::StrCat("rank ", j, " of ", old_world,
+      return absl::InvalidArgumentError(absl::StrCat("rank ", j, " of ", old_world_,
                                                      "'s state is needed and was not given"));
-    ASSIGN_OR_RETURN(eng[j], ParseEngine(old[j]->engine, j, params.size()));
+    ASSIGN_OR_RETURN(eng_[j], ParseEngine(old[j]->engine, j, params_.size()));
     if (!old[j]->daemon.empty()) {
-      ASSIGN_OR_RETURN(dmn[j], ParseDaemon(old[j]->daemon, j, tmp_dir));
+      ASSIGN_OR_RETURN(dmn_[j], ParseDaemon(old[j]->daemon, j, tmp_dir));
     }
   }
-  const EngineState& first = eng.begin()->second;
-  for (const auto& [j, s] : eng) {
+  const EngineState& first = eng_.begin()->second;
+  for (const auto& [j, s] : eng_) {
     if (s.mode != first.mode) return Disagree("the mode");
     if (s.step != first.step || s.rounds != first.rounds ||
         s.pending_version != first.pending_version || s.loaded != first.loaded)
       return Disagree(absl::StrCat("the step (rank ", j, ": ", s.step, ", rank ",
-                                   eng.begin()->first, ": ", first.step, ")"));
+                                   eng_.begin()->first, ": ", first.step, ")"));
+    if ((s.magic == kEngineBlobMagicV3) != (first.magic == kEngineBlobMagicV3))
+      return Disagree("the engine state's version");
   }
-  if (!dmn.empty() && dmn.size() != eng.size()) return Disagree("whether the daemon holds state");
+  if (!dmn_.empty() && dmn_.size() != eng_.size()) return Disagree("whether the daemon holds state");
+  return absl::OkStatus();
+}
 
+absl::StatusOr<PartitionedState> Repartitioner::Cut(const std::string& tmp_dir) {
   // V3 (dtypes, bf16 masters) where the ranks wrote it, else V2 (engine/blob.h).
+  const EngineState& first = eng_.begin()->second;
   const bool v3 = first.magic == kEngineBlobMagicV3;
-  for (const auto& [j, s] : eng)
-    if ((s.magic == kEngineBlobMagicV3) != v3) return Disagree("the engine state's version");
   BlobWriter w;
   w.I64(v3 ? kEngineBlobMagicV3 : kEngineBlobMagic);
   w.I64(first.mode);
@@ -258,141 +278,162 @@ absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& para
   w.I64(first.rounds);
   w.I64(first.pending_version);
   w.I64(first.loaded);
-  w.I64(static_cast<int64_t>(params.size()));
+  w.I64(static_cast<int64_t>(params_.size()));
   DaemonState out_d;
-  if (!dmn.empty()) {
-    out_d.header = dmn.begin()->second.header;
+  if (!dmn_.empty()) {
+    out_d.header = dmn_.begin()->second.header;
     out_d.header.clear_params();
   }
   int daemon_index = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const RowShape rc = RowsOf(params[i].shape);
-    const RowBlock nb = PartitionRows(rc.rows, new_world, new_rank);
-    const RowSource rows(rc.rows, old_world);
-    const EngineParam& p0 = first.params[i];
-    for (const auto& [j, s] : eng) {
-      const EngineParam& p = s.params[i];
-      if (p.kind != p0.kind || p.k != p0.k || p.dstep != p0.dstep || p.dtype != p0.dtype ||
-          p.master.empty() != p0.master.empty() ||
-          p.round_grads != p0.round_grads || p.hot_idx != p0.hot_idx ||
-          p.cold_idx != p0.cold_idx || p.hot_steps != p0.hot_steps)
-        return Disagree(absl::StrCat("parameter '", params[i].name, "' (its split, hot columns or "
-                                     "step counts)"));
-    }
-    auto engine_of = [&](std::vector<float> EngineParam::*field) {
-      return [&eng, i, field](int j) -> const std::vector<float>* {
-        auto it = eng.find(j);
-        return it == eng.end() ? nullptr : &(it->second.params[i].*field);
-      };
-    };
-    w.I64(p0.kind);
-    w.I64(nb.rows() * rc.cols);
-    w.I64(p0.k);
-    if (v3) w.I64(p0.dtype);
-    if (p0.kind == kBlobDevice) {
-      w.I64(p0.dstep);
-      for (auto field : {&EngineParam::m, &EngineParam::v}) {
-        absl::StatusOr<std::vector<float>> a = rows.Take(nb.begin, nb.end, rc.cols, engine_of(field));
-        if (!a.ok()) return a.status();
-        w.Floats(*a);
-      }
-      if (v3) {
-        if (p0.master.empty()) {
-          w.Floats({});  // no master yet: the first Step widens the value
-        } else {
-          absl::StatusOr<std::vector<float>> a =
-              rows.Take(nb.begin, nb.end, rc.cols, engine_of(&EngineParam::master));
-          if (!a.ok()) return a.status();
-          w.Floats(*a);
-        }
-      }
-    } else {
-      w.I64(p0.round_grads);
-    }
-    if (p0.kind == kBlobSplit) {
-      w.Ints(p0.hot_idx);
-      w.Ints(p0.cold_idx);
-      w.Ints(p0.hot_steps);
-      for (auto field : {&EngineParam::hot_master, &EngineParam::hot_m, &EngineParam::hot_v}) {
-        absl::StatusOr<std::vector<float>> a = rows.Take(nb.begin, nb.end, p0.k, engine_of(field));
-        if (!a.ok()) return a.status();
-        w.Floats(*a);
-      }
-    }
-    if (p0.kind == kBlobDevice || dmn.empty()) continue;
-    // The daemon's arrays of this parameter: [rows, width], width = its offloaded columns.
-    const int h = daemon_index++;
-    const DaemonState& d0 = dmn.begin()->second;
-    if (h >= d0.header.params_size())
-      return absl::DataLossError("the daemon checkpoint has fewer parameters than the engine offloads");
-    // The daemon counts steps per column of the parameter's last dimension: the partition's
-    // columns for a weight, but each element (each of the partition's rows) of a 1-D one, whose
-    // step counts are then cut and joined by rows like its arrays.
-    const bool steps_by_row = p0.kind != kBlobSplit && params[i].shape.size() <= 1;
-    for (const auto& [j, d] : dmn) {
-      if (d.header.params_size() != d0.header.params_size() ||
-          d.header.params(h).spec().name() != params[i].name ||
-          (!steps_by_row &&
-           (d.header.params(h).col_steps().size() != d0.header.params(h).col_steps().size() ||
-            !std::equal(d.header.params(h).col_steps().begin(),
-                        d.header.params(h).col_steps().end(),
-                        d0.header.params(h).col_steps().begin()))) ||
-          d.header.version() != d0.header.version() || d.header.last_step() != d0.header.last_step())
-        return Disagree(absl::StrCat("the daemon's parameter '", params[i].name, "'"));
-    }
-    // (a daemon checkpoint exists only once the engine has loaded the daemon, at its first
-    // step, which selects the column sets)
-    const int64_t width =
-        p0.kind == kBlobSplit ? static_cast<int64_t>(p0.cold_idx.size()) : rc.cols;
-    v1::CheckpointHeader::Param* hp = out_d.header.add_params();
-    *hp = d0.header.params(h);
-    hp->mutable_spec()->clear_shape();
-    if (p0.kind == kBlobSplit) {
-      hp->mutable_spec()->add_shape(nb.rows());
-      hp->mutable_spec()->add_shape(width);
-    } else if (nb.replicated || new_world == 1) {
-      for (int64_t x : params[i].shape) hp->mutable_spec()->add_shape(x);
-      if (params[i].shape.empty()) hp->mutable_spec()->add_shape(1);
-    } else {
-      hp->mutable_spec()->add_shape(nb.rows());
-      if (params[i].shape.size() >= 2) hp->mutable_spec()->add_shape(rc.cols);
-    }
-    if (steps_by_row) {
-      std::map<int, std::vector<int64_t>> steps;
-      for (const auto& [j, d] : dmn)
-        steps[j].assign(d.header.params(h).col_steps().begin(), d.header.params(h).col_steps().end());
-      auto steps_of = [&steps](int j) -> const std::vector<int64_t>* {
-        auto it = steps.find(j);
-        return it == steps.end() ? nullptr : &it->second;
-      };
-      absl::StatusOr<std::vector<int64_t>> a =
-          rows.Take<decltype(steps_of), int64_t>(nb.begin, nb.end, 1, steps_of);
-      if (!a.ok()) return a.status();
-      hp->clear_col_steps();
-      for (int64_t x : *a) hp->add_col_steps(x);
-    }
-    for (auto field : {&DaemonState::master, &DaemonState::m, &DaemonState::v, &DaemonState::acc}) {
-      auto daemon_of = [&dmn, h, field](int j) -> const std::vector<float>* {
-        auto it = dmn.find(j);
-        return it == dmn.end() ? nullptr : &(it->second.*field)[h];
-      };
-      absl::StatusOr<std::vector<float>> a = rows.Take(nb.begin, nb.end, width, daemon_of);
-      if (!a.ok()) return a.status();
-      (out_d.*field).push_back(std::move(*a));
-    }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    RETURN_IF_ERROR(CutEngineParam(i, v3, &w));
+    if (first.params[i].kind == kBlobDevice || dmn_.empty()) continue;
+    RETURN_IF_ERROR(CutDaemonParam(i, daemon_index++, &out_d));
   }
   PartitionedState out;
   out.engine = std::move(w.out);
-  if (!dmn.empty()) {
-    ASSIGN_OR_RETURN(std::unique_ptr<TempFile> file, TempFile::Make(tmp_dir));
-    std::vector<CheckpointArrays> arrays;
-    for (size_t h = 0; h < out_d.master.size(); ++h)
-      arrays.push_back({out_d.master[h].data(), out_d.m[h].data(), out_d.v[h].data(),
-                        out_d.acc[h].data(), static_cast<int64_t>(out_d.master[h].size())});
-    RETURN_IF_ERROR(WriteCheckpoint(file->path(), out_d.header, arrays).status());
-    ASSIGN_OR_RETURN(out.daemon, file->Read());
+  if (!dmn_.empty()) {
+    ASSIGN_OR_RETURN(out.daemon, WriteDaemon(out_d, tmp_dir));
   }
   return out;
+}
+
+absl::Status Repartitioner::CutEngineParam(size_t i, bool v3, BlobWriter* w) {
+  const RowShape rc = RowsOf(params_[i].shape);
+  const RowBlock nb = PartitionRows(rc.rows, new_world_, new_rank_);
+  const RowSource rows(rc.rows, old_world_);
+  const EngineParam& p0 = eng_.begin()->second.params[i];
+  for (const auto& [j, s] : eng_) {
+    const EngineParam& p = s.params[i];
+    if (p.kind != p0.kind || p.k != p0.k || p.dstep != p0.dstep || p.dtype != p0.dtype ||
+        p.master.empty() != p0.master.empty() || p.round_grads != p0.round_grads ||
+        p.hot_idx != p0.hot_idx || p.cold_idx != p0.cold_idx || p.hot_steps != p0.hot_steps)
+      return Disagree(absl::StrCat("parameter '", params_[i].name, "' (its split, hot columns or "
+                                   "step counts)"));
+  }
+  // The rows [nb.begin, nb.end) of one of the engine's per-parameter arrays of `width` columns.
+  auto take = [&](std::vector<float> EngineParam::*field, int64_t width) -> absl::Status {
+    auto of = [this, i, field](int j) -> const std::vector<float>* {
+      auto it = eng_.find(j);
+      return it == eng_.end() ? nullptr : &(it->second.params[i].*field);
+    };
+    absl::StatusOr<std::vector<float>> a = rows.Take(nb.begin, nb.end, width, of);
+    if (!a.ok()) return a.status();
+    w->Floats(*a);
+    return absl::OkStatus();
+  };
+  w->I64(p0.kind);
+  w->I64(nb.rows() * rc.cols);
+  w->I64(p0.k);
+  if (v3) w->I64(p0.dtype);
+  if (p0.kind == kBlobDevice) {
+    w->I64(p0.dstep);
+    RETURN_IF_ERROR(take(&EngineParam::m, rc.cols));
+    RETURN_IF_ERROR(take(&EngineParam::v, rc.cols));
+    if (v3 && p0.master.empty()) w->Floats({});  // no master yet: the first Step widens the value
+    else if (v3) RETURN_IF_ERROR(take(&EngineParam::master, rc.cols));
+  } else {
+    w->I64(p0.round_grads);
+  }
+  if (p0.kind == kBlobSplit) {
+    w->Ints(p0.hot_idx);
+    w->Ints(p0.cold_idx);
+    w->Ints(p0.hot_steps);
+    for (auto field : {&EngineParam::hot_master, &EngineParam::hot_m, &EngineParam::hot_v})
+      RETURN_IF_ERROR(take(field, p0.k));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Repartitioner::CutDaemonParam(size_t i, int h, DaemonState* out) {
+  // The daemon's arrays of parameter i (its h-th offloaded one): [rows, width], width = its
+  // offloaded columns.
+  const RowShape rc = RowsOf(params_[i].shape);
+  const RowBlock nb = PartitionRows(rc.rows, new_world_, new_rank_);
+  const RowSource rows(rc.rows, old_world_);
+  const EngineParam& p0 = eng_.begin()->second.params[i];
+  const DaemonState& d0 = dmn_.begin()->second;
+  if (h >= d0.header.params_size())
+    return absl::DataLossError("the daemon checkpoint has fewer parameters than the engine offloads");
+  // The daemon counts steps per column of the parameter's last dimension: the partition's
+  // columns for a weight, but each element (each of the partition's rows) of a 1-D one, whose
+  // step counts are then cut and joined by rows like its arrays.
+  const bool steps_by_row = p0.kind != kBlobSplit && params_[i].shape.size() <= 1;
+  for (const auto& [j, d] : dmn_) {
+    if (d.header.params_size() != d0.header.params_size() ||
+        d.header.params(h).spec().name() != params_[i].name ||
+        (!steps_by_row &&
+         (d.header.params(h).col_steps().size() != d0.header.params(h).col_steps().size() ||
+          !std::equal(d.header.params(h).col_steps().begin(), d.header.params(h).col_steps().end(),
+                      d0.header.params(h).col_steps().begin()))) ||
+        d.header.version() != d0.header.version() || d.header.last_step() != d0.header.last_step())
+      return Disagree(absl::StrCat("the daemon's parameter '", params_[i].name, "'"));
+  }
+  // (a daemon checkpoint exists only once the engine has loaded the daemon, at its first step,
+  // which selects the column sets)
+  const int64_t width = p0.kind == kBlobSplit ? static_cast<int64_t>(p0.cold_idx.size()) : rc.cols;
+  v1::CheckpointHeader::Param* hp = out->header.add_params();
+  *hp = d0.header.params(h);
+  hp->mutable_spec()->clear_shape();
+  if (p0.kind == kBlobSplit) {
+    hp->mutable_spec()->add_shape(nb.rows());
+    hp->mutable_spec()->add_shape(width);
+  } else if (nb.replicated || new_world_ == 1) {
+    for (int64_t x : params_[i].shape) hp->mutable_spec()->add_shape(x);
+    if (params_[i].shape.empty()) hp->mutable_spec()->add_shape(1);
+  } else {
+    hp->mutable_spec()->add_shape(nb.rows());
+    if (params_[i].shape.size() >= 2) hp->mutable_spec()->add_shape(rc.cols);
+  }
+  if (steps_by_row) {
+    std::map<int, std::vector<int64_t>> steps;
+    for (const auto& [j, d] : dmn_)
+      steps[j].assign(d.header.params(h).col_steps().begin(), d.header.params(h).col_steps().end());
+    auto steps_of = [&steps](int j) -> const std::vector<int64_t>* {
+      auto it = steps.find(j);
+      return it == steps.end() ? nullptr : &it->second;
+    };
+    absl::StatusOr<std::vector<int64_t>> a =
+        rows.Take<decltype(steps_of), int64_t>(nb.begin, nb.end, 1, steps_of);
+    if (!a.ok()) return a.status();
+    hp->clear_col_steps();
+    for (int64_t x : *a) hp->add_col_steps(x);
+  }
+  for (auto field : {&DaemonState::master, &DaemonState::m, &DaemonState::v, &DaemonState::acc}) {
+    auto daemon_of = [this, h, field](int j) -> const std::vector<float>* {
+      auto it = dmn_.find(j);
+      return it == dmn_.end() ? nullptr : &(it->second.*field)[h];
+    };
+    absl::StatusOr<std::vector<float>> a = rows.Take(nb.begin, nb.end, width, daemon_of);
+    if (!a.ok()) return a.status();
+    (out->*field).push_back(std::move(*a));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Repartitioner::WriteDaemon(DaemonState& d,
+                                                       const std::string& tmp_dir) {
+  ASSIGN_OR_RETURN(std::unique_ptr<TempFile> file, TempFile::Make(tmp_dir));
+  std::vector<CheckpointArrays> arrays;
+  for (size_t h = 0; h < d.master.size(); ++h)
+    arrays.push_back({d.master[h].data(), d.m[h].data(), d.v[h].data(), d.acc[h].data(),
+                      static_cast<int64_t>(d.master[h].size())});
+  RETURN_IF_ERROR(WriteCheckpoint(file->path(), d.header, arrays).status());
+  return file->Read();
+}
+
+}  // namespace
+
+absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& params,
+                                             const std::vector<const PartitionedState*>& old,
+                                             int new_world, int new_rank,
+                                             const std::string& tmp_dir) {
+  const int old_world = static_cast<int>(old.size());
+  if (old_world < 1 || new_world < 1 || new_rank < 0 || new_rank >= new_world)
+    return absl::InvalidArgumentError("Repartition: needs old ranks, and 0 <= new_rank < new_world");
+  Repartitioner r(params, old_world, new_world, new_rank);
+  RETURN_IF_ERROR(r.Load(old, tmp_dir));
+  return r.Cut(tmp_dir);
 }
 
 }  // namespace stallfree
