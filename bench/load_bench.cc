@@ -32,8 +32,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "common/flags.h"
-#include "tests/support/daemon_process.h"
-#include "tests/support/spawn.h"
+#include "testing/daemon_process.h"
+#include "testing/spawn.h"
 
 namespace stallfree {
 namespace {

@@ -51,7 +51,7 @@
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
 #include "parallel/reference_block.h"
-#include "tests/support/daemon_process.h"
+#include "testing/daemon_process.h"
 #include "trainer/data.h"
 
 namespace stallfree {

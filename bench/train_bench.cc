@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/flags.h"
-#include "tests/support/daemon_process.h"
+#include "testing/daemon_process.h"
 #include "trainer/plot.h"
 
 namespace {

@@ -12,7 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "client/client.h"
 #include "common/flags.h"
-#include "tests/support/daemon_process.h"
+#include "testing/daemon_process.h"
 
 namespace {
 using Clock = std::chrono::steady_clock;

@@ -8,7 +8,7 @@ warm-up and the causes of ZenFlow's own loss spikes (README, "Known behaviour").
 
 The model is examples/torch_gpt.py's GPT (4 layers, d_model 128, 0.87M parameters, 8 x 64 bytes a
 step, warm-up 10 steps + cosine, clip 1.0, weight decay 0.1 on the linear weights) on the
-generated corpus. The optimizer is tests/python/zenflow_reference.py's ReferenceZenFlow (which
+generated corpus. The optimizer is testing/python/zenflow_reference.py's ReferenceZenFlow (which
 the engine equals, tests/python/test_zenflow_reference.py), configured per variant. Per
 run: the mean train loss of the last 10 steps, the eval loss, both over AdamW's, and the largest
 "own" jump: a step's gradient norm over the median of its previous 10, at steps where AdamW's own
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "python"))
+sys.path.insert(0, str(REPO / "testing" / "python"))
 import zenflow_reference as zr  # noqa: E402
 
 

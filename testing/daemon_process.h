@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "tests/support/binaries.h"
+#include "testing/binaries.h"
 
 namespace stallfree {
 namespace testing {

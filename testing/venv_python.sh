@@ -4,8 +4,8 @@
 # the test naming the fix.
 venv=${STALLFREE_VENV:-}
 if [[ -z "$venv" ]]; then
-  src=$(readlink -f tests/support/venv_python.sh)
-  venv="${src%/tests/support/venv_python.sh}/.venv"
+  src=$(readlink -f testing/venv_python.sh)
+  venv="${src%/testing/venv_python.sh}/.venv"
 fi
 PYTHON="$venv/bin/python"
 if [[ ! -x "$PYTHON" ]]; then

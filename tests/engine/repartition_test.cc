@@ -27,7 +27,7 @@
 #include "engine/zenflow.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
-#include "tests/support/daemon_process.h"
+#include "testing/daemon_process.h"
 
 namespace stallfree {
 namespace {

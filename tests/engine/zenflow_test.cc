@@ -20,7 +20,7 @@
 #include "common/bf16.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
-#include "tests/support/daemon_process.h"
+#include "testing/daemon_process.h"
 
 namespace stallfree {
 namespace {

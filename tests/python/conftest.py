@@ -26,8 +26,11 @@ except ImportError:
     import stallfree  # noqa: F401
 import stallfree.torch  # noqa: F401,E402
 
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+# testing/python: support shared with the benchmarks (zenflow_reference.ReferenceZenFlow).
+TESTING_PY = os.path.join(os.path.dirname(os.path.dirname(HERE)), "testing", "python")
+for path in (TESTING_PY, HERE):
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 # 2 cores shared with a build: keep torch single-threaded (models.train and the child scripts
 # call torch.set_num_threads(1) too). Do NOT put OMP_NUM_THREADS into the children's

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs one pytest file of tests/python against the stallfree package built by Bazel (in the
-# test's runfiles), with the project's Python (tests/support/venv_python.sh: the virtual
+# test's runfiles), with the project's Python (testing/venv_python.sh: the virtual
 # environment `make deps` makes).
 set -euo pipefail
 cd "${TEST_SRCDIR}/${TEST_WORKSPACE}"
-source tests/support/venv_python.sh
+source testing/venv_python.sh
 export STALLFREE_PYTHONPATH="$PWD/python"
 # The trainer binary, for the tests that run it (in the runfiles of the rules that depend on it).
 if [[ -x trainer/trainer ]]; then export STALLFREE_TRAINER="$PWD/trainer/trainer"; fi

@@ -12,8 +12,8 @@
 #include "client/client.h"
 #include "common/bf16.h"
 #include "kernels/optimizer.h"
-#include "tests/support/daemon_process.h"
-#include "tests/support/hyper.h"
+#include "testing/daemon_process.h"
+#include "testing/hyper.h"
 
 namespace stallfree {
 namespace {

@@ -20,8 +20,8 @@
 #include <gtest/gtest.h>
 
 #include "client/client.h"
-#include "tests/support/daemon_process.h"
-#include "tests/support/hyper.h"
+#include "testing/daemon_process.h"
+#include "testing/hyper.h"
 
 namespace stallfree {
 namespace {

@@ -19,8 +19,8 @@
 #include "client/client.h"
 #include "common/bf16.h"
 #include "common/unix_socket.h"
-#include "tests/support/daemon_process.h"
-#include "tests/support/hyper.h"
+#include "testing/daemon_process.h"
+#include "testing/hyper.h"
 #include "kernels/optimizer.h"
 
 namespace stallfree {

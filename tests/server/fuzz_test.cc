@@ -27,7 +27,7 @@
 
 #include "client/client.h"
 #include "common/tbb_sync.h"
-#include "tests/support/daemon_process.h"
+#include "testing/daemon_process.h"
 
 namespace stallfree {
 namespace {

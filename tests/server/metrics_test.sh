@@ -4,5 +4,5 @@ set -euo pipefail
 for tool in promtool prometheus; do
   command -v "$tool" >/dev/null || { echo "FAIL: $tool is missing (make deps installs prometheus)"; exit 1; }
 done
-source tests/support/venv_python.sh
+source testing/venv_python.sh
 exec "$PYTHON" tests/server/metrics_test.py

@@ -16,8 +16,8 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/support/binaries.h"
-#include "tests/support/spawn.h"
+#include "testing/binaries.h"
+#include "testing/spawn.h"
 
 namespace stallfree {
 namespace {

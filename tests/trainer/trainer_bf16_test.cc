@@ -16,7 +16,7 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/support/daemon_process.h"
+#include "testing/daemon_process.h"
 #include "tests/trainer/trainer_process.h"
 
 namespace stallfree {

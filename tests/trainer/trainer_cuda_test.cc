@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "parallel/nccl_communicator.h"
-#include "tests/support/daemon_process.h"
+#include "testing/daemon_process.h"
 #include "tests/trainer/trainer_process.h"
 
 namespace stallfree {
@@ -52,7 +52,7 @@ std::vector<double> Losses(const std::string& csv) { return testing::MetricsLoss
 int Main() {
   // The binaries first, so that a broken build or bundle shows even without a device.
   // From this binary's runfiles (bazel build), or next to it in a gpu-check bundle
-  // (tests/support/binaries.h).
+  // (testing/binaries.h).
   const std::string trainer = testing::FindBinary("trainer/trainer");
   const std::string daemon_bin = testing::FindBinary("server/stallfreed");
   if (trainer.empty() || daemon_bin.empty()) {

@@ -17,8 +17,8 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/support/daemon_process.h"
-#include "tests/support/spawn.h"
+#include "testing/daemon_process.h"
+#include "testing/spawn.h"
 #include "tests/trainer/trainer_process.h"
 
 namespace stallfree {
