@@ -21,9 +21,9 @@ Runs: ZenFlowAdamW in every mode of MODES (topk_ratio 0.1, update_interval 4, bf
 warmup_steps 0 so that the steps are ZenFlow steps; the engine allocates its buffers when it is
 built, so the figure does not depend on that): zenflow with its defaults (transfers "auto":
 direct on the CPU, buffered on CUDA; the table says which), zenflow with transfers "direct" and
-"buffered" and with stream_gradients=True (each skipped when the installed ZenFlowAdamW lacks
-the keyword), sync-offload and no-offload; plus --variant runs, and two torch references computed from what torch allocates (the bytes of every
-tensor of the parameters, their gradients and the optimizer's state):
+"buffered" and with stream_gradients=True, sync-offload and no-offload; plus --variant runs, and
+two torch references computed from what torch allocates (the bytes of every tensor of the
+parameters, their gradients and the optimizer's state):
 - torch.optim.AdamW on the fp32 model: 4 (value) + 4 (gradient) + 8 (exp_avg, exp_avg_sq);
 - the usual bf16 mixed-precision recipe: the bf16 model (2 + 2) and torch.optim.AdamW over fp32
   master copies (4 + 8); the masters' fp32 gradients exist only inside the step (each master's
@@ -41,14 +41,15 @@ a new column), and `FIGURE <name> <value> <unit>` lines:
   the engine's bytes + the caller's parameters and gradients, over the parameter count;
 - device_bytes_per_param_<mode>_<dtype>_<category> (linear): the breakdown;
 - device_bytes_per_param[_gpt2]_torch_adamw_fp32 and ..._torch_mixed_bf16: the references;
-- device_bytes_zenflow_bf16_over_torch_mixed_bf16[_gpt2].
+- device_bytes_zenflow_bf16_over_torch_mixed_bf16[_gpt2];
+- device_bytes_per_param[_gpt2]_zenflow_bf16_streamed: streamed gradients, what stays on the
+  device plus one weight's gradient in flight (the largest: the engine's transient_peak).
 
 Adding a mode: a line in MODES (figure key, label, ZenFlowAdamW keywords), or --variant
 'KEY:{json keywords}' on the command line. --option KEY=VALUE adds a keyword to every
 ZenFlowAdamW run (a new engine option, say).
 """
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -69,8 +70,7 @@ except ImportError:
 import stallfree  # noqa: E402
 from stallfree.torch import ZenFlowAdamW  # noqa: E402
 
-MODES = [  # (figure key, label, ZenFlowAdamW keywords); a run whose keyword the installed
-    # ZenFlowAdamW does not take is skipped (said so in the output)
+MODES = [  # (figure key, label, ZenFlowAdamW keywords)
     ("zenflow", "zenflow", dict(mode="zenflow")),
     ("zenflow_direct", "zenflow direct", dict(mode="zenflow", transfers="direct")),
     ("zenflow_buffered", "zenflow buffered", dict(mode="zenflow", transfers="buffered")),
@@ -302,14 +302,7 @@ def main():
         if not sep:
             p.error(f"--option {o!r}: KEY=VALUE")
         options[key] = parse_value(value)
-    accepted = inspect.signature(ZenFlowAdamW).parameters
-    modes = []
-    for key, label, kw in MODES:
-        missing = [k for k in kw if k not in accepted]
-        if missing:
-            print(f"({key}: skipped, this ZenFlowAdamW takes no {', '.join(missing)})")
-        else:
-            modes.append((key, label, kw))
+    modes = list(MODES)
     for v in args.variant:
         key, sep, kw = v.partition(":")
         if not sep:
@@ -356,6 +349,12 @@ def main():
         if "zenflow_bf16" in runs:
             figure(f"device_bytes_zenflow_bf16_over_torch_mixed_bf16{prefix}",
                    runs["zenflow_bf16"]["total"] / runs["torch_mixed_bf16"]["total"], "x")
+        if "zenflow_streamed_bf16" in runs:
+            # Issue 22's streamed figure: what stays, plus the one gradient in flight (the
+            # largest weight's: the engine's transient_peak), target <= 3.5.
+            r = runs["zenflow_streamed_bf16"]
+            figure(f"device_bytes_per_param{prefix}_zenflow_bf16_streamed",
+                   (r["total"] + r["transient"]) / n, "bytes (target <= 3.5)")
         if m == "linear":
             for key, r in runs.items():
                 if key.startswith("torch_"):
