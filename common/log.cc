@@ -96,7 +96,8 @@ absl::Status ErrnoStatus(const std::string& call, const std::string& object, int
   SF_LOG(kError, "%s", msg);
   if (err == ENOMEM || err == EAGAIN) return absl::ResourceExhaustedError(msg);
   if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(msg);
-  if (err == ENOENT || err == ECONNREFUSED) return absl::UnavailableError(msg);
+  if (err == ENOENT) return absl::NotFoundError(msg);
+  if (err == ECONNREFUSED) return absl::UnavailableError(msg);
   return absl::InternalError(msg);
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace stallfree {
 namespace parallel {
@@ -64,10 +65,8 @@ absl::StatusOr<CommOptions> CommOptions::FromEnvironment() {
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   bool has_rank = false, has_size = false, present = false;
   int64_t rank = 0, size = 1, value = 0;
-  absl::Status s = ReadIntEnv("RANK", 0, kIntMax, &has_rank, &rank);
-  if (!s.ok()) return s;
-  s = ReadIntEnv("WORLD_SIZE", 1, kIntMax, &has_size, &size);
-  if (!s.ok()) return s;
+  RETURN_IF_ERROR(ReadIntEnv("RANK", 0, kIntMax, &has_rank, &rank));
+  RETURN_IF_ERROR(ReadIntEnv("WORLD_SIZE", 1, kIntMax, &has_size, &size));
   // A missing WORLD_SIZE means 1 and a missing RANK means 0, so an unlaunched process is a
   // single rank; a group of several ranks without RANK is an error.
   if (has_size && size > 1 && !has_rank) {
@@ -80,21 +79,18 @@ absl::StatusOr<CommOptions> CommOptions::FromEnvironment() {
   }
   options.rank = static_cast<int>(rank);
   options.size = static_cast<int>(size);
-  s = ReadIntEnv("LOCAL_RANK", 0, kIntMax, &present, &value);
-  if (!s.ok()) return s;
+  RETURN_IF_ERROR(ReadIntEnv("LOCAL_RANK", 0, kIntMax, &present, &value));
   options.local_rank = present ? static_cast<int>(value) : options.rank;
   if (const char* addr = std::getenv("MASTER_ADDR"); addr != nullptr && *addr != '\0') {
     options.master_addr = addr;
   }
-  s = ReadIntEnv("MASTER_PORT", 1, 65535, &present, &value);
-  if (!s.ok()) return s;
+  RETURN_IF_ERROR(ReadIntEnv("MASTER_PORT", 1, 65535, &present, &value));
   if (present) options.master_port = static_cast<int>(value);
   if (const char* dir = std::getenv("STALLFREE_STORE_DIR"); dir != nullptr) {
     options.store_dir = dir;
   }
-  s = ReadIntEnv("STALLFREE_COMM_TIMEOUT_MS", 1, std::numeric_limits<int64_t>::max() / 2,
-                 &present, &value);
-  if (!s.ok()) return s;
+  RETURN_IF_ERROR(ReadIntEnv("STALLFREE_COMM_TIMEOUT_MS", 1,
+                             std::numeric_limits<int64_t>::max() / 2, &present, &value));
   if (present) options.timeout = std::chrono::milliseconds(value);
   return options;
 }

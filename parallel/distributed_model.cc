@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
+#include "common/status.h"
 #include "parallel/block_cache.h"
 #include "parallel/zigzag.h"
 
@@ -15,12 +16,6 @@ namespace {
 
 using kernels::Trans;
 using kernels::TransformerOps;
-
-#define DM_RETURN_IF_ERROR(expr)     \
-  do {                               \
-    absl::Status dm_st_ = (expr);    \
-    if (!dm_st_.ok()) return dm_st_; \
-  } while (0)
 
 absl::Status CheckSize(const std::vector<float>& v, int64_t want, const std::string& name) {
   if (static_cast<int64_t>(v.size()) != want) {
@@ -62,7 +57,7 @@ absl::Status AllGatherShards(Communicator* comm, const S& own, std::vector<S>* s
   send.reserve(static_cast<size_t>(count));
   for (const std::vector<float>* f : fields) send.insert(send.end(), f->begin(), f->end());
   std::vector<float> recv(static_cast<size_t>(count) * D);
-  DM_RETURN_IF_ERROR(comm->AllGather(send.data(), recv.data(), count));
+  RETURN_IF_ERROR(comm->AllGather(send.data(), recv.data(), count));
   shards->assign(static_cast<size_t>(D), own);
   for (int q = 0; q < D; ++q) {
     const float* src = recv.data() + static_cast<int64_t>(q) * count;
@@ -96,14 +91,14 @@ const char* LayoutName(Layout layout) {
 
 absl::Status DistributedModel::Validate() const {
   if (comm_ == nullptr) return absl::InvalidArgumentError("distributed_model: null communicator");
-  DM_RETURN_IF_ERROR(ValidateModelConfig(cfg_));
+  RETURN_IF_ERROR(ValidateModelConfig(cfg_));
   if (layout_ == Layout::kTsp) return CheckTspConfig(cfg_.block(), comm_->size());
   return ValidateTpspConfig(cfg_.block(), comm_->size(), comm_->rank());
 }
 
 absl::StatusOr<DistributedShard> DistributedModel::Shard(const ModelWeights& full) const {
-  DM_RETURN_IF_ERROR(Validate());
-  DM_RETURN_IF_ERROR(CheckModelWeights(cfg_, full));
+  RETURN_IF_ERROR(Validate());
+  RETURN_IF_ERROR(CheckModelWeights(cfg_, full));
   const int D = comm_->size(), p = comm_->rank();
   DistributedShard s;
   s.embedding = full.embedding;
@@ -112,20 +107,18 @@ absl::StatusOr<DistributedShard> DistributedModel::Shard(const ModelWeights& ful
   s.head = full.head;
   for (const BlockWeights& b : full.blocks) {
     if (layout_ == Layout::kTsp) {
-      absl::StatusOr<TspShard> t = ShardBlockWeights(cfg_.block(), b, D, p);
-      if (!t.ok()) return t.status();
-      s.tsp_blocks.push_back(*std::move(t));
+      ASSIGN_OR_RETURN(TspShard t, ShardBlockWeights(cfg_.block(), b, D, p));
+      s.tsp_blocks.push_back(std::move(t));
     } else {
-      absl::StatusOr<BlockWeights> t = ShardTpspWeights(cfg_.block(), b, D, p);
-      if (!t.ok()) return t.status();
-      s.tpsp_blocks.push_back(*std::move(t));
+      ASSIGN_OR_RETURN(BlockWeights t, ShardTpspWeights(cfg_.block(), b, D, p));
+      s.tpsp_blocks.push_back(std::move(t));
     }
   }
   return s;
 }
 
 absl::StatusOr<std::vector<int32_t>> DistributedModel::LocalPositions(int64_t T) const {
-  DM_RETURN_IF_ERROR(Validate());
+  RETURN_IF_ERROR(Validate());
   const int64_t D = comm_->size(), p = comm_->rank();
   if (layout_ == Layout::kTsp) return ZigzagPositions(T, D, p);
   if (T <= 0 || T % D != 0 || T > INT32_MAX) {
@@ -140,11 +133,11 @@ absl::StatusOr<std::vector<int32_t>> DistributedModel::LocalPositions(int64_t T)
 
 absl::Status DistributedModel::CheckShard(const DistributedShard& w, const char* what) const {
   const int64_t C = cfg_.C, V = cfg_.vocab, D = comm_->size();
-  DM_RETURN_IF_ERROR(CheckSize(w.embedding, V * C, absl::StrCat(what, "embedding")));
-  DM_RETURN_IF_ERROR(
+  RETURN_IF_ERROR(CheckSize(w.embedding, V * C, absl::StrCat(what, "embedding")));
+  RETURN_IF_ERROR(
       CheckSize(w.pos_embedding, PosEmbeddingSize(cfg_), absl::StrCat(what, "pos_embedding")));
-  DM_RETURN_IF_ERROR(CheckSize(w.ln_f, C, absl::StrCat(what, "ln_f")));
-  DM_RETURN_IF_ERROR(CheckSize(w.head, HeadSize(cfg_), absl::StrCat(what, "head")));
+  RETURN_IF_ERROR(CheckSize(w.ln_f, C, absl::StrCat(what, "ln_f")));
+  RETURN_IF_ERROR(CheckSize(w.head, HeadSize(cfg_), absl::StrCat(what, "head")));
   const size_t want_tsp = layout_ == Layout::kTsp ? cfg_.layers : 0;
   const size_t want_tpsp = layout_ == Layout::kTpsp ? cfg_.layers : 0;
   if (w.tsp_blocks.size() != want_tsp || w.tpsp_blocks.size() != want_tpsp) {
@@ -153,13 +146,13 @@ absl::Status DistributedModel::CheckShard(const DistributedShard& w, const char*
                      w.tpsp_blocks.size(), " tpsp blocks, want ", want_tsp, " and ", want_tpsp));
   }
   for (const TspShard& b : w.tsp_blocks) {
-    DM_RETURN_IF_ERROR(CheckSize(b.ln1, C, absl::StrCat(what, "tsp ln1")));
-    DM_RETURN_IF_ERROR(CheckSize(b.ln2, C, absl::StrCat(what, "tsp ln2")));
-    DM_RETURN_IF_ERROR(CheckSize(b.attn, 4 * C * (C / D), absl::StrCat(what, "tsp attn")));
-    DM_RETURN_IF_ERROR(CheckSize(b.mlp, 3 * (cfg_.FF / D) * C, absl::StrCat(what, "tsp mlp")));
+    RETURN_IF_ERROR(CheckSize(b.ln1, C, absl::StrCat(what, "tsp ln1")));
+    RETURN_IF_ERROR(CheckSize(b.ln2, C, absl::StrCat(what, "tsp ln2")));
+    RETURN_IF_ERROR(CheckSize(b.attn, 4 * C * (C / D), absl::StrCat(what, "tsp attn")));
+    RETURN_IF_ERROR(CheckSize(b.mlp, 3 * (cfg_.FF / D) * C, absl::StrCat(what, "tsp mlp")));
   }
   for (const BlockWeights& b : w.tpsp_blocks) {
-    DM_RETURN_IF_ERROR(CheckTpspShard(cfg_.block(), b, static_cast<int>(D)));
+    RETURN_IF_ERROR(CheckTpspShard(cfg_.block(), b, static_cast<int>(D)));
   }
   return absl::OkStatus();
 }
@@ -271,8 +264,8 @@ absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
                                                  const DistributedShard& w, const int32_t* tokens,
                                                  const int32_t* targets, int64_t B, int64_t T,
                                                  DistributedCache* cache) const {
-  DM_RETURN_IF_ERROR(Validate());
-  DM_RETURN_IF_ERROR(CheckShard(w, ""));
+  RETURN_IF_ERROR(Validate());
+  RETURN_IF_ERROR(CheckShard(w, ""));
   WeightRefs r;
   r.embedding = w.embedding.data();
   r.pos_embedding = cfg_.learned_positions ? w.pos_embedding.data() : nullptr;
@@ -287,8 +280,8 @@ absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
                                                  const int32_t* tokens, const int32_t* targets,
                                                  int64_t B, int64_t T,
                                                  DistributedCache* cache) const {
-  DM_RETURN_IF_ERROR(Validate());
-  DM_RETURN_IF_ERROR(CheckView(w, ""));
+  RETURN_IF_ERROR(Validate());
+  RETURN_IF_ERROR(CheckView(w, ""));
   WeightRefs r;
   r.embedding = w.embedding;
   r.pos_embedding = w.pos_embedding;
@@ -307,8 +300,7 @@ absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, 
   if (tokens == nullptr || targets == nullptr) {
     return absl::InvalidArgumentError("distributed_model: null tokens or targets");
   }
-  absl::StatusOr<std::vector<int32_t>> pos = LocalPositions(T);
-  if (!pos.ok()) return pos.status();
+  ASSIGN_OR_RETURN(std::vector<int32_t> pos, LocalPositions(T));
   if (cfg_.learned_positions && T > cfg_.max_seq) {
     return absl::InvalidArgumentError(absl::StrCat(
         "distributed_model: T=", T, " exceeds the position table's max_seq=", cfg_.max_seq));
@@ -326,7 +318,7 @@ absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, 
   DistributedCache& c = cache != nullptr ? *cache : scratch;
   c.B = B;
   c.T = T;
-  c.positions = *std::move(pos);
+  c.positions = std::move(pos);
   c.tokens.resize(nl);
   c.targets.resize(nl);
   int64_t local_valid = 0;
@@ -386,14 +378,14 @@ absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, 
     ops.EmbeddingForward(w.pos_embedding, C, cr.pos_ids, nl, pe.data());
     ops.Add(x, pe.data(), nl * C, x);
   }
-  DM_RETURN_IF_ERROR(Sync(ops, "embedding forward"));
+  RETURN_IF_ERROR(Sync(ops, "embedding forward"));
   if (layout_ == Layout::kTsp) {
     c.tsp_blocks.assign(static_cast<size_t>(L), TspCache());
     c.tpsp_blocks.clear();
     const TspBlock block(cfg_.block(), comm_);
     for (int64_t l = 0; l < L; ++l) {
       float* y = output_of(l);
-      DM_RETURN_IF_ERROR(
+      RETURN_IF_ERROR(
           backend ? block.Forward(ops, w.view->tsp_blocks[l], x, B, T, y, &c.tsp_blocks[l])
                   : block.Forward(ops, w.shard->tsp_blocks[l], x, B, T, y, &c.tsp_blocks[l]));
       x = y;
@@ -404,7 +396,7 @@ absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, 
     const TpspBlock block(cfg_.block(), comm_);
     for (int64_t l = 0; l < L; ++l) {
       float* y = output_of(l);
-      DM_RETURN_IF_ERROR(
+      RETURN_IF_ERROR(
           backend ? block.Forward(ops, w.view->tpsp_blocks[l], x, B, T, y, &c.tpsp_blocks[l])
                   : block.Forward(ops, w.shard->tpsp_blocks[l], x, B, T, y, &c.tpsp_blocks[l]));
       x = y;
@@ -419,7 +411,7 @@ absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, 
   // same sum in both forms (a device reduction would round differently from the CPU API's).
   std::vector<float> token_loss(static_cast<size_t>(nl));
   ops.Download(token_loss.data(), loss.data(), nl);
-  DM_RETURN_IF_ERROR(Sync(ops, "head forward"));
+  RETURN_IF_ERROR(Sync(ops, "head forward"));
   double sum = 0;
   for (int64_t i = 0; i < nl; ++i) {
     if (c.targets[i] >= 0) sum += token_loss[i];
@@ -438,9 +430,9 @@ absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, 
   {
     const kernels::OpsBuffer sent(&ops, 3), gathered(&ops, 3 * D);
     ops.Upload(sent.data(), send, 3);
-    DM_RETURN_IF_ERROR(comm_->AllGather(sent.data(), gathered.data(), 3));
+    RETURN_IF_ERROR(comm_->AllGather(sent.data(), gathered.data(), 3));
     ops.Download(recv.data(), gathered.data(), 3 * D);
-    DM_RETURN_IF_ERROR(Sync(ops, "loss all-gather"));
+    RETURN_IF_ERROR(Sync(ops, "loss all-gather"));
   }
   double total = 0;
   int64_t valid = 0;
@@ -486,19 +478,19 @@ absl::Status DistributedModel::CheckCache(const DistributedCache& c) const {
 
 absl::Status DistributedModel::Backward(const TransformerOps& ops, const DistributedShard& w,
                                         const DistributedCache& c, DistributedGrads* grads) const {
-  DM_RETURN_IF_ERROR(Validate());
-  DM_RETURN_IF_ERROR(CheckShard(w, ""));
+  RETURN_IF_ERROR(Validate());
+  RETURN_IF_ERROR(CheckShard(w, ""));
   if (grads == nullptr) return absl::InvalidArgumentError("distributed_model: null grads");
   const int64_t D = comm_->size(), C = cfg_.C, V = cfg_.vocab;
-  DM_RETURN_IF_ERROR(CheckCache(c));
+  RETURN_IF_ERROR(CheckCache(c));
   const size_t layers = static_cast<size_t>(cfg_.layers);
   const bool tsp = layout_ == Layout::kTsp;
   // Size the gradients like the weights.
   const int64_t P = PosEmbeddingSize(cfg_), Hd = HeadSize(cfg_);
-  DM_RETURN_IF_ERROR(PrepareGrad(&grads->embedding, V * C, "embedding"));
-  DM_RETURN_IF_ERROR(PrepareGrad(&grads->pos_embedding, P, "pos_embedding"));
-  DM_RETURN_IF_ERROR(PrepareGrad(&grads->ln_f, C, "ln_f"));
-  DM_RETURN_IF_ERROR(PrepareGrad(&grads->head, Hd, "head"));
+  RETURN_IF_ERROR(PrepareGrad(&grads->embedding, V * C, "embedding"));
+  RETURN_IF_ERROR(PrepareGrad(&grads->pos_embedding, P, "pos_embedding"));
+  RETURN_IF_ERROR(PrepareGrad(&grads->ln_f, C, "ln_f"));
+  RETURN_IF_ERROR(PrepareGrad(&grads->head, Hd, "head"));
   if (tsp) {
     if (grads->tsp_blocks.empty()) grads->tsp_blocks.resize(layers);
   } else {
@@ -544,10 +536,10 @@ absl::Status DistributedModel::Backward(const TransformerOps& ops, const Distrib
 absl::Status DistributedModel::Backward(const TransformerOps& ops, const DistributedShardView& w,
                                         const DistributedCache& c,
                                         const DistributedGradsView& grads) const {
-  DM_RETURN_IF_ERROR(Validate());
-  DM_RETURN_IF_ERROR(CheckView(w, ""));
-  DM_RETURN_IF_ERROR(CheckView(grads, "gradient "));
-  DM_RETURN_IF_ERROR(CheckCache(c));
+  RETURN_IF_ERROR(Validate());
+  RETURN_IF_ERROR(CheckView(w, ""));
+  RETURN_IF_ERROR(CheckView(grads, "gradient "));
+  RETURN_IF_ERROR(CheckCache(c));
   bool in_buffers = c.buffers != nullptr;
   for (const TspCache& b : c.tsp_blocks) in_buffers = in_buffers && b.buffers != nullptr;
   for (const TpspCache& b : c.tpsp_blocks) in_buffers = in_buffers && b.buffers != nullptr;
@@ -598,12 +590,12 @@ absl::Status DistributedModel::BackwardImpl(const TransformerOps& ops, const Wei
   float* dx = dx_buf.data();
   float* dprev = dprev_buf.data();
   ops.RmsNormBackward(cr.x_final, w.ln_f, cr.rstd_f, dnf.data(), nl, C, dx, d_ln_f);
-  DM_RETURN_IF_ERROR(Sync(ops, "head backward"));
+  RETURN_IF_ERROR(Sync(ops, "head backward"));
   dlogits.reset();
   if (layout_ == Layout::kTsp) {
     const TspBlock block(cfg_.block(), comm_);
     for (int64_t l = cfg_.layers - 1; l >= 0; --l) {
-      DM_RETURN_IF_ERROR(backend ? block.Backward(ops, w.view->tsp_blocks[l], c.tsp_blocks[l], dx,
+      RETURN_IF_ERROR(backend ? block.Backward(ops, w.view->tsp_blocks[l], c.tsp_blocks[l], dx,
                                                   dprev, g.view->tsp_blocks[l])
                                  : block.Backward(ops, w.shard->tsp_blocks[l], c.tsp_blocks[l], dx,
                                                   dprev, &g.grads->tsp_blocks[l]));
@@ -612,7 +604,7 @@ absl::Status DistributedModel::BackwardImpl(const TransformerOps& ops, const Wei
   } else {
     const TpspBlock block(cfg_.block(), comm_);
     for (int64_t l = cfg_.layers - 1; l >= 0; --l) {
-      DM_RETURN_IF_ERROR(backend ? block.Backward(ops, w.view->tpsp_blocks[l], c.tpsp_blocks[l], dx,
+      RETURN_IF_ERROR(backend ? block.Backward(ops, w.view->tpsp_blocks[l], c.tpsp_blocks[l], dx,
                                                   dprev, g.view->tpsp_blocks[l])
                                  : block.Backward(ops, w.shard->tpsp_blocks[l], c.tpsp_blocks[l],
                                                   dx, dprev, &g.grads->tpsp_blocks[l]));
@@ -621,8 +613,8 @@ absl::Status DistributedModel::BackwardImpl(const TransformerOps& ops, const Wei
   }
   ops.EmbeddingBackward(dx, C, cr.tokens, nl, d_embedding);
   if (cfg_.learned_positions) ops.EmbeddingBackward(dx, C, cr.pos_ids, nl, d_pos);
-  DM_RETURN_IF_ERROR(Sync(ops, "embedding backward"));
-  DM_RETURN_IF_ERROR(comm_->AllReduce(partial.data(), partial.size()));
+  RETURN_IF_ERROR(Sync(ops, "embedding backward"));
+  RETURN_IF_ERROR(comm_->AllReduce(partial.data(), partial.size()));
   ops.Add(g.embedding, d_embedding, V * C, g.embedding);
   if (P > 0) ops.Add(g.pos_embedding, d_pos, P, g.pos_embedding);
   ops.Add(g.ln_f, d_ln_f, C, g.ln_f);
@@ -631,8 +623,8 @@ absl::Status DistributedModel::BackwardImpl(const TransformerOps& ops, const Wei
 }
 
 absl::StatusOr<ModelGrads> DistributedModel::GatherGrads(const DistributedGrads& grads) const {
-  DM_RETURN_IF_ERROR(Validate());
-  DM_RETURN_IF_ERROR(CheckShard(grads, "gradient "));
+  RETURN_IF_ERROR(Validate());
+  RETURN_IF_ERROR(CheckShard(grads, "gradient "));
   const int D = comm_->size();
   ModelGrads full;
   full.embedding = grads.embedding;
@@ -643,15 +635,13 @@ absl::StatusOr<ModelGrads> DistributedModel::GatherGrads(const DistributedGrads&
   for (int64_t l = 0; l < cfg_.layers; ++l) {
     if (layout_ == Layout::kTsp) {
       std::vector<TspShard> shards;
-      DM_RETURN_IF_ERROR(AllGatherShards(comm_, grads.tsp_blocks[l], &shards));
-      absl::StatusOr<BlockWeights> b = UnshardGrads(cfg_.block(), shards);
-      if (!b.ok()) return b.status();
-      full.blocks[l] = *std::move(b);
+      RETURN_IF_ERROR(AllGatherShards(comm_, grads.tsp_blocks[l], &shards));
+      ASSIGN_OR_RETURN(full.blocks[l], UnshardGrads(cfg_.block(), shards));
     } else {
       std::vector<BlockWeights> shards;
-      DM_RETURN_IF_ERROR(AllGatherShards(comm_, grads.tpsp_blocks[l], &shards));
+      RETURN_IF_ERROR(AllGatherShards(comm_, grads.tpsp_blocks[l], &shards));
       for (int q = 0; q < D; ++q) {
-        DM_RETURN_IF_ERROR(PlaceTpspShardGrads(cfg_.block(), shards[q], D, q, &full.blocks[l]));
+        RETURN_IF_ERROR(PlaceTpspShardGrads(cfg_.block(), shards[q], D, q, &full.blocks[l]));
       }
     }
   }

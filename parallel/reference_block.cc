@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace stallfree {
 namespace parallel {
@@ -40,8 +41,7 @@ absl::Status PrepareBlockGrads(const BlockConfig& cfg, BlockGrads* grads) {
   const std::vector<int64_t> sizes = BlockSizes(cfg);
   const std::vector<std::vector<float>*> t = grads->Tensors();
   for (size_t i = 0; i < t.size(); ++i) {
-    absl::Status st = PrepareGrad(t[i], sizes[i], BlockTensorNames()[i]);
-    if (!st.ok()) return st;
+    RETURN_IF_ERROR(PrepareGrad(t[i], sizes[i], BlockTensorNames()[i]));
   }
   return absl::OkStatus();
 }
@@ -149,13 +149,11 @@ const std::vector<const char*>& BlockTensorNames() {
 }
 
 absl::Status CheckBlockWeights(const BlockConfig& cfg, const BlockWeights& w) {
-  absl::Status st = ValidateBlockConfig(cfg);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(ValidateBlockConfig(cfg));
   const std::vector<int64_t> sizes = BlockSizes(cfg);
   const std::vector<const std::vector<float>*> t = w.Tensors();
   for (size_t i = 0; i < t.size(); ++i) {
-    st = CheckSize(*t[i], sizes[i], BlockTensorNames()[i]);
-    if (!st.ok()) return st;
+    RETURN_IF_ERROR(CheckSize(*t[i], sizes[i], BlockTensorNames()[i]));
   }
   return absl::OkStatus();
 }
@@ -163,9 +161,8 @@ absl::Status CheckBlockWeights(const BlockConfig& cfg, const BlockWeights& w) {
 absl::Status ReferenceBlock::Forward(const TransformerOps& ops, const BlockWeights& w,
                                      const float* x, const int32_t* positions, int64_t B, int64_t T,
                                      float* y, BlockCache* cache) const {
-  absl::Status st = CheckBlockWeights(cfg_, w);
-  if (st.ok()) st = CheckBT(B, T);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(CheckBlockWeights(cfg_, w));
+  RETURN_IF_ERROR(CheckBT(B, T));
   if (x == nullptr || positions == nullptr || y == nullptr) {
     return absl::InvalidArgumentError("reference: null x, positions or y");
   }
@@ -211,9 +208,8 @@ absl::Status ReferenceBlock::Forward(const TransformerOps& ops, const BlockWeigh
 absl::Status ReferenceBlock::Backward(const TransformerOps& ops, const BlockWeights& w,
                                       const BlockCache& c, const float* dy, float* dx,
                                       BlockGrads* grads) const {
-  absl::Status st = CheckBlockWeights(cfg_, w);
-  if (st.ok()) st = CheckBT(c.B, c.T);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(CheckBlockWeights(cfg_, w));
+  RETURN_IF_ERROR(CheckBT(c.B, c.T));
   if (dy == nullptr || dx == nullptr || grads == nullptr) {
     return absl::InvalidArgumentError("reference: null dy, dx or grads");
   }
@@ -221,8 +217,7 @@ absl::Status ReferenceBlock::Backward(const TransformerOps& ops, const BlockWeig
   if (static_cast<int64_t>(c.x.size()) != n * C || static_cast<int64_t>(c.m.size()) != n * FF) {
     return absl::InvalidArgumentError("reference: block cache does not match its B, T");
   }
-  st = PrepareBlockGrads(cfg_, grads);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(PrepareBlockGrads(cfg_, grads));
 
   std::vector<float> dm(n * FF), dg(n * FF), du(n * FF), dn2(n * C), dh(n * C), datt(n * C);
   std::vector<float> dqkv(n * C3), dn1(n * C);
@@ -322,19 +317,17 @@ std::vector<std::string> ModelTensorNames(const ModelConfig& cfg) {
 }
 
 absl::Status CheckModelWeights(const ModelConfig& cfg, const ModelWeights& w) {
-  absl::Status st = ValidateModelConfig(cfg);
-  if (st.ok()) st = CheckSize(w.embedding, cfg.vocab * cfg.C, "embedding");
-  if (st.ok()) st = CheckSize(w.pos_embedding, PosEmbeddingSize(cfg), "pos_embedding");
-  if (st.ok()) st = CheckSize(w.ln_f, cfg.C, "ln_f");
-  if (st.ok()) st = CheckSize(w.head, HeadSize(cfg), "head");
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(ValidateModelConfig(cfg));
+  RETURN_IF_ERROR(CheckSize(w.embedding, cfg.vocab * cfg.C, "embedding"));
+  RETURN_IF_ERROR(CheckSize(w.pos_embedding, PosEmbeddingSize(cfg), "pos_embedding"));
+  RETURN_IF_ERROR(CheckSize(w.ln_f, cfg.C, "ln_f"));
+  RETURN_IF_ERROR(CheckSize(w.head, HeadSize(cfg), "head"));
   if (static_cast<int64_t>(w.blocks.size()) != cfg.layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("reference: ", w.blocks.size(), " blocks, want ", cfg.layers));
   }
   for (const BlockWeights& b : w.blocks) {
-    st = CheckBlockWeights(cfg.block(), b);
-    if (!st.ok()) return st;
+    RETURN_IF_ERROR(CheckBlockWeights(cfg.block(), b));
   }
   return absl::OkStatus();
 }
@@ -367,9 +360,8 @@ absl::StatusOr<double> ReferenceModel::Forward(const TransformerOps& ops, const 
                                                const int32_t* tokens, const int32_t* targets,
                                                int64_t B, int64_t T, const int32_t* positions,
                                                ModelCache* cache) const {
-  absl::Status st = CheckModelWeights(cfg_, w);
-  if (st.ok()) st = CheckBT(B, T);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(CheckModelWeights(cfg_, w));
+  RETURN_IF_ERROR(CheckBT(B, T));
   if (tokens == nullptr || targets == nullptr) {
     return absl::InvalidArgumentError("reference: null tokens or targets");
   }
@@ -398,8 +390,7 @@ absl::StatusOr<double> ReferenceModel::Forward(const TransformerOps& ops, const 
     c.positions.resize(T);
     std::iota(c.positions.begin(), c.positions.end(), 0);
   }
-  st = CheckPositions(cfg_, c.positions);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(CheckPositions(cfg_, c.positions));
   c.blocks.resize(static_cast<size_t>(cfg_.layers));
 
   std::vector<float> x(n * C);
@@ -413,9 +404,8 @@ absl::StatusOr<double> ReferenceModel::Forward(const TransformerOps& ops, const 
   }
   const ReferenceBlock block(cfg_.block());
   for (int64_t l = 0; l < cfg_.layers; ++l) {
-    st = block.Forward(ops, w.blocks[l], x.data(), c.positions.data(), B, T, c.x_final.data(),
-                       &c.blocks[l]);
-    if (!st.ok()) return st;
+    RETURN_IF_ERROR(block.Forward(ops, w.blocks[l], x.data(), c.positions.data(), B, T,
+                                  c.x_final.data(), &c.blocks[l]));
     x.swap(c.x_final);
   }
   c.x_final.swap(x);  // The last block's output.
@@ -440,9 +430,8 @@ absl::StatusOr<double> ReferenceModel::Forward(const TransformerOps& ops, const 
 
 absl::Status ReferenceModel::Backward(const TransformerOps& ops, const ModelWeights& w,
                                       const ModelCache& c, ModelGrads* grads) const {
-  absl::Status st = CheckModelWeights(cfg_, w);
-  if (st.ok()) st = CheckBT(c.B, c.T);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(CheckModelWeights(cfg_, w));
+  RETURN_IF_ERROR(CheckBT(c.B, c.T));
   if (grads == nullptr) return absl::InvalidArgumentError("reference: null grads");
   const int64_t n = c.B * c.T, C = cfg_.C, V = cfg_.vocab;
   if (static_cast<int64_t>(c.blocks.size()) != cfg_.layers ||
@@ -451,20 +440,18 @@ absl::Status ReferenceModel::Backward(const TransformerOps& ops, const ModelWeig
       static_cast<int64_t>(c.tokens.size()) != n) {
     return absl::InvalidArgumentError("reference: model cache does not match the config");
   }
-  st = CheckPositions(cfg_, c.positions);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(CheckPositions(cfg_, c.positions));
   if (grads->blocks.empty()) grads->blocks.resize(static_cast<size_t>(cfg_.layers));
   if (static_cast<int64_t>(grads->blocks.size()) != cfg_.layers) {
     return absl::InvalidArgumentError("reference: gradient blocks do not match layers");
   }
-  st = PrepareGrad(&grads->embedding, V * C, "embedding");
-  if (st.ok()) st = PrepareGrad(&grads->pos_embedding, PosEmbeddingSize(cfg_), "pos_embedding");
-  if (st.ok()) st = PrepareGrad(&grads->ln_f, C, "ln_f");
-  if (st.ok()) st = PrepareGrad(&grads->head, HeadSize(cfg_), "head");
-  for (int64_t l = 0; st.ok() && l < cfg_.layers; ++l) {
-    st = PrepareBlockGrads(cfg_.block(), &grads->blocks[l]);
+  RETURN_IF_ERROR(PrepareGrad(&grads->embedding, V * C, "embedding"));
+  RETURN_IF_ERROR(PrepareGrad(&grads->pos_embedding, PosEmbeddingSize(cfg_), "pos_embedding"));
+  RETURN_IF_ERROR(PrepareGrad(&grads->ln_f, C, "ln_f"));
+  RETURN_IF_ERROR(PrepareGrad(&grads->head, HeadSize(cfg_), "head"));
+  for (int64_t l = 0; l < cfg_.layers; ++l) {
+    RETURN_IF_ERROR(PrepareBlockGrads(cfg_.block(), &grads->blocks[l]));
   }
-  if (!st.ok()) return st;
   if (c.valid == 0) return absl::OkStatus();  // The loss is the constant 0.
 
   std::vector<float> dlogits(n * V), dnf(n * C), dx(n * C), dprev(n * C);
@@ -479,8 +466,8 @@ absl::Status ReferenceModel::Backward(const TransformerOps& ops, const ModelWeig
                       grads->ln_f.data());
   const ReferenceBlock block(cfg_.block());
   for (int64_t l = cfg_.layers - 1; l >= 0; --l) {
-    st = block.Backward(ops, w.blocks[l], c.blocks[l], dx.data(), dprev.data(), &grads->blocks[l]);
-    if (!st.ok()) return st;
+    RETURN_IF_ERROR(
+        block.Backward(ops, w.blocks[l], c.blocks[l], dx.data(), dprev.data(), &grads->blocks[l]));
     dx.swap(dprev);
   }
   ops.EmbeddingBackward(dx.data(), C, c.tokens.data(), n, grads->embedding.data());

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "parallel/zigzag.h"
 
 namespace stallfree {
@@ -16,12 +17,6 @@ namespace {
 using kernels::AttentionShape;
 using kernels::Trans;
 using kernels::TransformerOps;
-
-#define TSP_RETURN_IF_ERROR(expr)              \
-  do {                                         \
-    ::absl::Status tsp_status_ = (expr);       \
-    if (!tsp_status_.ok()) return tsp_status_; \
-  } while (0)
 
 // Point-to-point tags of the MLP rings.
 constexpr int kTagFwdWeights = 101;
@@ -80,9 +75,9 @@ absl::Status CheckSize(const std::vector<float>& v, int64_t want, const char* na
 }
 
 absl::Status CheckShard(const Dims& d, const TspShard& w, const char* what) {
-  TSP_RETURN_IF_ERROR(CheckSize(w.ln1, d.C, absl::StrCat(what, " ln1").c_str()));
-  TSP_RETURN_IF_ERROR(CheckSize(w.ln2, d.C, absl::StrCat(what, " ln2").c_str()));
-  TSP_RETURN_IF_ERROR(CheckSize(w.attn, d.attn(), absl::StrCat(what, " attn").c_str()));
+  RETURN_IF_ERROR(CheckSize(w.ln1, d.C, absl::StrCat(what, " ln1").c_str()));
+  RETURN_IF_ERROR(CheckSize(w.ln2, d.C, absl::StrCat(what, " ln2").c_str()));
+  RETURN_IF_ERROR(CheckSize(w.attn, d.attn(), absl::StrCat(what, " attn").c_str()));
   return CheckSize(w.mlp, d.mlp(), absl::StrCat(what, " mlp").c_str());
 }
 
@@ -217,7 +212,7 @@ absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const Tran
 }  // namespace
 
 absl::Status CheckTspConfig(const BlockConfig& cfg, int64_t D) {
-  TSP_RETURN_IF_ERROR(ValidateBlockConfig(cfg));
+  RETURN_IF_ERROR(ValidateBlockConfig(cfg));
   if (D < 1 || cfg.H % D != 0 || cfg.FF % D != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("tsp: D=", D, " must be >= 1 and divide H=", cfg.H, " and FF=", cfg.FF));
@@ -237,8 +232,8 @@ TspShard TspShard::Zeros(const BlockConfig& cfg, int64_t D) {
 
 absl::StatusOr<TspShard> ShardBlockWeights(const BlockConfig& cfg, const BlockWeights& full,
                                            int64_t D, int64_t p) {
-  TSP_RETURN_IF_ERROR(CheckTspConfig(cfg, D));
-  TSP_RETURN_IF_ERROR(CheckBlockWeights(cfg, full));
+  RETURN_IF_ERROR(CheckTspConfig(cfg, D));
+  RETURN_IF_ERROR(CheckBlockWeights(cfg, full));
   if (p < 0 || p >= D) {
     return absl::InvalidArgumentError(absl::StrCat("tsp: rank ", p, " not in [0, ", D, ")"));
   }
@@ -268,9 +263,9 @@ absl::StatusOr<TspShard> ShardBlockWeights(const BlockConfig& cfg, const BlockWe
 absl::StatusOr<BlockWeights> UnshardGrads(const BlockConfig& cfg,
                                           absl::Span<const TspShard> shards) {
   const int64_t D = static_cast<int64_t>(shards.size());
-  TSP_RETURN_IF_ERROR(CheckTspConfig(cfg, D));
+  RETURN_IF_ERROR(CheckTspConfig(cfg, D));
   const Dims d(cfg, D);
-  for (const TspShard& s : shards) TSP_RETURN_IF_ERROR(CheckShard(d, s, "shard"));
+  for (const TspShard& s : shards) RETURN_IF_ERROR(CheckShard(d, s, "shard"));
   BlockWeights full = BlockWeights::Zeros(cfg);
   full.ln1 = shards[0].ln1;
   full.ln2 = shards[0].ln2;
@@ -299,8 +294,8 @@ absl::Status TspBlock::Forward(const TransformerOps& ops, const TspShard& w, con
                                int64_t B, int64_t T, float* y_local, TspCache* cache) const {
   if (comm_ == nullptr) return absl::InvalidArgumentError("tsp: null communicator");
   const int64_t D = comm_->size();
-  TSP_RETURN_IF_ERROR(CheckTspConfig(cfg_, D));
-  TSP_RETURN_IF_ERROR(CheckShard(Dims(cfg_, D), w, "weights"));
+  RETURN_IF_ERROR(CheckTspConfig(cfg_, D));
+  RETURN_IF_ERROR(CheckShard(Dims(cfg_, D), w, "weights"));
   return ForwardImpl(cfg_, comm_, ops, ViewOf(w), x_local, B, T, y_local, cache,
                      /*backend_cache=*/false);
 }
@@ -317,14 +312,14 @@ absl::Status TspBlock::Backward(const TransformerOps& ops, const TspShard& w, co
                                 TspShardGrads* grads) const {
   if (comm_ == nullptr) return absl::InvalidArgumentError("tsp: null communicator");
   const int64_t D = comm_->size();
-  TSP_RETURN_IF_ERROR(CheckTspConfig(cfg_, D));
+  RETURN_IF_ERROR(CheckTspConfig(cfg_, D));
   const Dims d(cfg_, D);
-  TSP_RETURN_IF_ERROR(CheckShard(d, w, "weights"));
+  RETURN_IF_ERROR(CheckShard(d, w, "weights"));
   if (grads == nullptr) return absl::InvalidArgumentError("tsp: null grads");
-  TSP_RETURN_IF_ERROR(PrepareGrad(&grads->ln1, d.C, "gradient ln1"));
-  TSP_RETURN_IF_ERROR(PrepareGrad(&grads->ln2, d.C, "gradient ln2"));
-  TSP_RETURN_IF_ERROR(PrepareGrad(&grads->attn, d.attn(), "gradient attn"));
-  TSP_RETURN_IF_ERROR(PrepareGrad(&grads->mlp, d.mlp(), "gradient mlp"));
+  RETURN_IF_ERROR(PrepareGrad(&grads->ln1, d.C, "gradient ln1"));
+  RETURN_IF_ERROR(PrepareGrad(&grads->ln2, d.C, "gradient ln2"));
+  RETURN_IF_ERROR(PrepareGrad(&grads->attn, d.attn(), "gradient attn"));
+  RETURN_IF_ERROR(PrepareGrad(&grads->mlp, d.mlp(), "gradient mlp"));
   const TspGradsView g{grads->ln1.data(), grads->ln2.data(), grads->attn.data(),
                        grads->mlp.data()};
   return BackwardImpl(cfg_, comm_, ops, ViewOf(w), c, dy_local, dx_local, g);
@@ -345,9 +340,9 @@ absl::Status ForwardImpl(const BlockConfig& cfg, Communicator* comm, const Trans
                          float* y_local, TspCache* cache, bool backend_cache) {
   if (comm == nullptr) return absl::InvalidArgumentError("tsp: null communicator");
   const int64_t D = comm->size(), p = comm->rank();
-  TSP_RETURN_IF_ERROR(CheckTspConfig(cfg, D));
+  RETURN_IF_ERROR(CheckTspConfig(cfg, D));
   const Dims d(cfg, D);
-  TSP_RETURN_IF_ERROR(CheckZigzag(T, D, p));
+  RETURN_IF_ERROR(CheckZigzag(T, D, p));
   if (B <= 0) return absl::InvalidArgumentError(absl::StrCat("tsp: B=", B, " must be > 0"));
   if (x_local == nullptr || y_local == nullptr) {
     return absl::InvalidArgumentError("tsp: null x_local or y_local");
@@ -357,14 +352,8 @@ absl::Status ForwardImpl(const BlockConfig& cfg, Communicator* comm, const Trans
   TspCache& c = cache != nullptr ? *cache : scratch;
   c.B = B;
   c.T = T;
-  {
-    absl::StatusOr<std::vector<int32_t>> q_pos = ZigzagPositions(T, D, p);
-    if (!q_pos.ok()) return q_pos.status();
-    absl::StatusOr<std::vector<int32_t>> k_pos = ZigzagOrder(T, D);
-    if (!k_pos.ok()) return k_pos.status();
-    c.q_pos = *std::move(q_pos);
-    c.k_pos = *std::move(k_pos);
-  }
+  ASSIGN_OR_RETURN(c.q_pos, ZigzagPositions(T, D, p));
+  ASSIGN_OR_RETURN(c.k_pos, ZigzagOrder(T, D));
   const int64_t sizes[12] = {nl * C,           nl * C,     nl,     D * nl * 3 * Ch,
                              D * nl * Ch,      D * B * d.Hd * Tl,  nl * C, nl * C,
                              nl,               D * nl * F, D * nl * F, D * nl * F};
@@ -415,14 +404,14 @@ absl::Status ForwardImpl(const BlockConfig& cfg, Communicator* comm, const Trans
   s.out_ld = Ch;
   std::shared_ptr<Work> next = start_broadcast(0);
   for (int64_t r = 0; r < D; ++r) {
-    TSP_RETURN_IF_ERROR(WaitIfSet(&next));
+    RETURN_IF_ERROR(WaitIfSet(&next));
     const float* wr = wbuf.data() + (r % 2) * wa;  // Wq|Wk|Wv [3Ch, C], then Wo [C, Ch]
     float* qkv = cr.qkv + r * nl * 3 * Ch;
     float* att = cr.att + r * nl * Ch;
     float* lse = cr.lse + r * B * d.Hd * Tl;
     Linear(ops, cr.n1, C, wr, C, nl, 3 * Ch, C, 0.0f, qkv, 3 * Ch);
     PackKv(ops, qkv, nl, Ch, kv_send.data());
-    TSP_RETURN_IF_ERROR(comm->AllGather(kv_send.data(), kv_recv.data(), nl * 2 * Ch));
+    RETURN_IF_ERROR(comm->AllGather(kv_send.data(), kv_recv.data(), nl * 2 * Ch));
     // Prefetch shard r+1 into the other buffer while attending with r (the backend runs
     // operations in issue order, so issued before the all-gather it would delay it).
     if (r + 1 < D) next = start_broadcast(r + 1);
@@ -453,8 +442,8 @@ absl::Status ForwardImpl(const BlockConfig& cfg, Communicator* comm, const Trans
     Linear(ops, cr.n2, C, cur + fc, C, nl, F, C, 0.0f, u, F);
     ops.SwiGluForward(g, u, nl * F, m);
     Linear(ops, m, F, cur + 2 * fc, F, nl, C, F, j == 0 ? 0.0f : 1.0f, y_local, C);
-    TSP_RETURN_IF_ERROR(WaitIfSet(&send));
-    TSP_RETURN_IF_ERROR(WaitIfSet(&recv));
+    RETURN_IF_ERROR(WaitIfSet(&send));
+    RETURN_IF_ERROR(WaitIfSet(&recv));
     cur = nxt;
   }
   ops.Add(cr.h, y_local, nl * C, y_local);
@@ -466,9 +455,9 @@ absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const Tran
                           float* dx_local, const TspGradsView& grads) {
   if (comm == nullptr) return absl::InvalidArgumentError("tsp: null communicator");
   const int64_t D = comm->size(), p = comm->rank();
-  TSP_RETURN_IF_ERROR(CheckTspConfig(cfg, D));
+  RETURN_IF_ERROR(CheckTspConfig(cfg, D));
   const Dims d(cfg, D);
-  TSP_RETURN_IF_ERROR(CheckZigzag(c.T, D, p));
+  RETURN_IF_ERROR(CheckZigzag(c.T, D, p));
   if (dy_local == nullptr || dx_local == nullptr) {
     return absl::InvalidArgumentError("tsp: null dy_local, dx_local or grads");
   }
@@ -506,19 +495,19 @@ absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const Tran
       const int64_t k = j % 2, k1 = (j + 1) % 2;
       const float* W = j + 1 < D ? wring.data() + k * wm : w.mlp;
       float* G = gring.data() + k * wm;
-      TSP_RETURN_IF_ERROR(WaitIfSet(&wrecv));
+      RETURN_IF_ERROR(WaitIfSet(&wrecv));
       if (j + 2 < D) {  // p-1 uses this shard at its step j+1; the next one arrives for j+1.
-        TSP_RETURN_IF_ERROR(WaitIfSet(&wsend[k1]));
+        RETURN_IF_ERROR(WaitIfSet(&wsend[k1]));
         wrecv = drain.Add(comm->IRecv(wring.data() + k1 * wm, wm, right, kTagBwdWeights));
         wsend[k] = drain.Add(comm->ISend(W, wm, left, kTagBwdWeights));
       }
       if (j == 0) {
         ops.Fill(G, wm, 0.0f);
       } else {
-        TSP_RETURN_IF_ERROR(WaitIfSet(&grecv_w));
+        RETURN_IF_ERROR(WaitIfSet(&grecv_w));
       }
       if (j + 1 < D) {  // The accumulator of the next step's shard.
-        TSP_RETURN_IF_ERROR(WaitIfSet(&gsend[k1]));
+        RETURN_IF_ERROR(WaitIfSet(&gsend[k1]));
         grecv_w = drain.Add(comm->IRecv(gring.data() + k1 * wm, wm, right, kTagBwdGrads));
       }
       const float* g = cr.g + sh * nl * F;
@@ -541,10 +530,10 @@ absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const Tran
         ops.Add(grads.mlp, G, wm, grads.mlp);  // Own shard: the sum over every rank's tokens.
       }
     }
-    TSP_RETURN_IF_ERROR(WaitIfSet(&own_send));
+    RETURN_IF_ERROR(WaitIfSet(&own_send));
     for (int k = 0; k < 2; ++k) {
-      TSP_RETURN_IF_ERROR(WaitIfSet(&wsend[k]));
-      TSP_RETURN_IF_ERROR(WaitIfSet(&gsend[k]));
+      RETURN_IF_ERROR(WaitIfSet(&wsend[k]));
+      RETURN_IF_ERROR(WaitIfSet(&gsend[k]));
     }
   }
   ops.RmsNormBackward(cr.h, w.ln2, cr.rstd2, dn2.data(), nl, C, dh.data(), lngrad.data() + C);
@@ -583,11 +572,11 @@ absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const Tran
   };
   std::shared_ptr<Work> next = start_broadcast(0), reduce[2];
   for (int64_t r = 0; r < D; ++r) {
-    TSP_RETURN_IF_ERROR(WaitIfSet(&next));
+    RETURN_IF_ERROR(WaitIfSet(&next));
     const int64_t k = r % 2;
     const float* wr = wbuf.data() + k * wa;
     float* gb = gbuf.data() + k * wa;
-    TSP_RETURN_IF_ERROR(WaitIfSet(&reduce[k]));  // shard r-2's reduce used gb
+    RETURN_IF_ERROR(WaitIfSet(&reduce[k]));  // shard r-2's reduce used gb
     const float* qkv = cr.qkv + r * nl * 3 * Ch;
     const float* att = cr.att + r * nl * Ch;
     const float* lse = cr.lse + r * B * d.Hd * Tl;
@@ -597,7 +586,7 @@ absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const Tran
     ops.Gemm(Trans::kYes, Trans::kNo, C, Ch, nl, 1.0f, dh.data(), C, att, Ch, 0.0f, gb + 3 * Ch * C,
              Ch);
     PackKv(ops, qkv, nl, Ch, kv_send.data());
-    TSP_RETURN_IF_ERROR(comm->AllGather(kv_send.data(), kv_recv.data(), nl * 2 * Ch));
+    RETURN_IF_ERROR(comm->AllGather(kv_send.data(), kv_recv.data(), nl * 2 * Ch));
     // Prefetch shard r+1 into the other buffer while attending with r (the backend runs
     // operations in issue order, so issued before the all-gather it would delay it).
     if (r + 1 < D) next = start_broadcast(r + 1);
@@ -607,7 +596,7 @@ absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const Tran
     ops.AttentionBackward(s, qkv, keys, keys + Ch, cr.q_pos, cr.k_pos, att, lse, dA.data(),
                           dqkv.data(), dkeys, dkeys + Ch);
     if (B > 1) Relayout(ops, dkv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/false, dkv_send.data());
-    TSP_RETURN_IF_ERROR(comm->ReduceScatter(dkv_send.data(), dkv_local.data(), nl * 2 * Ch));
+    RETURN_IF_ERROR(comm->ReduceScatter(dkv_send.data(), dkv_local.data(), nl * 2 * Ch));
     ops.Copy2D(dqkv.data() + Ch, 3 * Ch, dkv_local.data(), 2 * Ch, nl, 2 * Ch);
     // q|k|v = n1 Wqkv_r^T.
     ops.Gemm(Trans::kYes, Trans::kNo, 3 * Ch, C, nl, 1.0f, dqkv.data(), 3 * Ch, cr.n1, C, 0.0f, gb,
@@ -617,11 +606,11 @@ absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const Tran
     reduce[k] =
         drain.Add(comm->IReduce(gb, r == p ? grecv.data() : nullptr, wa, static_cast<int>(r)));
   }
-  for (int k = 0; k < 2; ++k) TSP_RETURN_IF_ERROR(WaitIfSet(&reduce[k]));
+  for (int k = 0; k < 2; ++k) RETURN_IF_ERROR(WaitIfSet(&reduce[k]));
   ops.Add(grads.attn, grecv.data(), wa, grads.attn);
   ops.RmsNormBackward(cr.x, w.ln1, cr.rstd1, dn1.data(), nl, C, dx_local, lngrad.data());
   ops.Add(dx_local, dh.data(), nl * C, dx_local);
-  TSP_RETURN_IF_ERROR(comm->AllReduce(lngrad.data(), 2 * C));
+  RETURN_IF_ERROR(comm->AllReduce(lngrad.data(), 2 * C));
   ops.Add(grads.ln1, lngrad.data(), C, grads.ln1);
   ops.Add(grads.ln2, lngrad.data() + C, C, grads.ln2);
   return SyncStatus(ops, "block backward");

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace stallfree {
 namespace parallel {
@@ -54,8 +55,7 @@ absl::Status CheckZigzag(int64_t T, int64_t D, int64_t p) {
 }
 
 absl::StatusOr<std::vector<int32_t>> ZigzagPositions(int64_t T, int64_t D, int64_t p) {
-  absl::Status st = CheckZigzag(T, D, p);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(CheckZigzag(T, D, p));
   const int64_t chunk = T / (2 * D);
   std::vector<int32_t> pos;
   pos.reserve(static_cast<size_t>(2 * chunk));
@@ -66,31 +66,27 @@ absl::StatusOr<std::vector<int32_t>> ZigzagPositions(int64_t T, int64_t D, int64
 }
 
 absl::StatusOr<std::vector<int32_t>> ZigzagOrder(int64_t T, int64_t D) {
-  absl::Status st = CheckZigzag(T, D, 0);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(CheckZigzag(T, D, 0));
   std::vector<int32_t> order;
   for (int64_t p = 0; p < D; ++p) {
-    absl::StatusOr<std::vector<int32_t>> pos = ZigzagPositions(T, D, p);
-    if (!pos.ok()) return pos.status();
-    order.insert(order.end(), pos->begin(), pos->end());
+    ASSIGN_OR_RETURN(const std::vector<int32_t> pos, ZigzagPositions(T, D, p));
+    order.insert(order.end(), pos.begin(), pos.end());
   }
   return order;
 }
 
 absl::Status ZigzagScatter(const float* full, int64_t B, int64_t T, int64_t C, int64_t D, int64_t p,
                            float* local) {
-  absl::Status st = CheckZigzag(T, D, p);
-  if (st.ok()) st = CheckShape(B, C);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(CheckZigzag(T, D, p));
+  RETURN_IF_ERROR(CheckShape(B, C));
   CopyRows(B, T, C, D, p, /*to_local=*/true, full, local);
   return absl::OkStatus();
 }
 
 absl::Status ZigzagGatherRank(const float* local, int64_t B, int64_t T, int64_t C, int64_t D,
                               int64_t p, float* full) {
-  absl::Status st = CheckZigzag(T, D, p);
-  if (st.ok()) st = CheckShape(B, C);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(CheckZigzag(T, D, p));
+  RETURN_IF_ERROR(CheckShape(B, C));
   CopyRows(B, T, C, D, p, /*to_local=*/false, local, full);
   return absl::OkStatus();
 }
@@ -98,9 +94,8 @@ absl::Status ZigzagGatherRank(const float* local, int64_t B, int64_t T, int64_t 
 absl::Status ZigzagGather(absl::Span<const float* const> locals, int64_t B, int64_t T, int64_t C,
                           float* full) {
   const int64_t D = static_cast<int64_t>(locals.size());
-  absl::Status st = CheckZigzag(T, D, 0);
-  if (st.ok()) st = CheckShape(B, C);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(CheckZigzag(T, D, 0));
+  RETURN_IF_ERROR(CheckShape(B, C));
   for (int64_t p = 0; p < D; ++p) {
     if (locals[p] == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("zigzag: shard of rank ", p, " is null"));

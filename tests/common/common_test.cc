@@ -1,12 +1,15 @@
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include <gtest/gtest.h>
 
 #include "common/bf16.h"
 #include "common/bounds.h"
+#include "common/status.h"
 
 namespace stallfree {
 namespace {
@@ -82,6 +85,70 @@ TEST(Bf16, RoundsToNearestEven) {
   EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(from_bits(0x7f800001u)))));
   EXPECT_EQ(FloatToBf16(-0.0f), 0x8000);
   EXPECT_EQ(Bits(Bf16ToFloat(0x3f80)), 0x3f800000u);
+}
+
+// The one macro set (common/status.h): the error passes unchanged, or with its context before
+// the message and its code kept; OK falls through; StatusOr works in both macros.
+absl::Status Fails(absl::StatusCode code) { return absl::Status(code, "disk on fire"); }
+absl::StatusOr<int> Value(bool ok) {
+  if (!ok) return absl::NotFoundError("no value");
+  return 7;
+}
+absl::Status Plain(absl::Status s, int* reached) {
+  RETURN_IF_ERROR(s);
+  RETURN_IF_ERROR(Value(true));
+  *reached = 1;
+  return absl::OkStatus();
+}
+absl::Status WithCtx(absl::Status s, int* reached) {
+  RETURN_IF_ERROR_CTX(s, "writing ", 3, " files");
+  *reached = 1;
+  return absl::OkStatus();
+}
+absl::StatusOr<int> Assign(bool ok) {
+  ASSIGN_OR_RETURN(int v, Value(ok));
+  return v + 1;
+}
+absl::StatusOr<int> AssignCtx(bool ok) {
+  ASSIGN_OR_RETURN_CTX(int v, Value(ok), "param ", "w");
+  return v + 1;
+}
+
+TEST(StatusMacros, ReturnTheErrorOrFallThrough) {
+  int reached = 0;
+  absl::Status st = Plain(Fails(absl::StatusCode::kDataLoss), &reached);
+  EXPECT_EQ(st, Fails(absl::StatusCode::kDataLoss));
+  EXPECT_EQ(reached, 0);
+  EXPECT_TRUE(Plain(absl::OkStatus(), &reached).ok());
+  EXPECT_EQ(reached, 1);
+  EXPECT_EQ(Assign(true).value(), 8);
+  EXPECT_EQ(Assign(false).status(), absl::NotFoundError("no value"));
+}
+
+TEST(StatusMacros, ContextGoesBeforeTheMessageAndKeepsTheCode) {
+  int reached = 0;
+  absl::Status st = WithCtx(Fails(absl::StatusCode::kUnavailable), &reached);
+  EXPECT_EQ(st, absl::UnavailableError("writing 3 files: disk on fire"));
+  EXPECT_EQ(reached, 0);
+  EXPECT_TRUE(WithCtx(absl::OkStatus(), &reached).ok());
+  EXPECT_EQ(reached, 1);
+  EXPECT_EQ(AssignCtx(true).value(), 8);
+  EXPECT_EQ(AssignCtx(false).status(), absl::NotFoundError("param w: no value"));
+}
+
+// ErrnoStatus codes by errno: a missing file is NOT_FOUND (it was UNAVAILABLE, which callers
+// read as "the daemon went away"); only a refused connection is UNAVAILABLE. The message names
+// the call, the object and errno.
+TEST(ErrnoStatus, CodesFollowErrno) {
+  const absl::Status missing = ErrnoStatus("open", "/state/1000/a.sfckpt", ENOENT);
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.message().find("open(/state/1000/a.sfckpt)"), std::string::npos) << missing;
+  EXPECT_NE(missing.message().find("(errno " + std::to_string(ENOENT) + ")"), std::string::npos)
+      << missing;
+  EXPECT_EQ(ErrnoStatus("connect", "s", ECONNREFUSED).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(ErrnoStatus("mmap", "r", ENOMEM).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(ErrnoStatus("open", "f", EACCES).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(ErrnoStatus("write", "f", EIO).code(), absl::StatusCode::kInternal);
 }
 
 }  // namespace
