@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 
+#include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/ops_cuda.h"
 #include "kernels/ops.h"
 
@@ -25,10 +26,6 @@ namespace cuda {
 namespace {
 
 constexpr float kNegInf = -INFINITY;
-
-std::string CudaErr(const char* what, cudaError_t e) {
-  return std::string(what) + " failed: " + cudaGetErrorString(e);
-}
 
 // Grid size for a grid-stride loop over n items: enough blocks to fill the device several
 // times over, never more than the work needs.
@@ -1240,54 +1237,6 @@ std::unique_ptr<TransformerOps> CudaOps::NewCopyStream(std::string* error) const
   static_cast<CudaOps*>(ops.get())->owns_stream_ = true;
   return ops;
 }
-
-bool OpsDeviceAvailable(std::string* why) {
-  int count = 0;
-  cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess) {
-    *why = CudaErr("cudaGetDeviceCount", e);
-    return false;
-  }
-  if (count == 0) {
-    *why = "no CUDA device present";
-    return false;
-  }
-  return true;
-}
-
-namespace mem {
-
-std::string DeviceAlloc(size_t bytes, void** ptr) {
-  cudaError_t e = cudaMalloc(ptr, std::max<size_t>(bytes, 1));
-  return e == cudaSuccess ? "" : CudaErr("cudaMalloc", e);
-}
-
-std::string DeviceFree(void* ptr) {
-  cudaError_t e = cudaFree(ptr);
-  return e == cudaSuccess ? "" : CudaErr("cudaFree", e);
-}
-
-std::string CopyToDevice(void* dst, const void* src, size_t bytes) {
-  cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
-  return e == cudaSuccess ? "" : CudaErr("cudaMemcpy (to device)", e);
-}
-
-std::string CopyToHost(void* dst, const void* src, size_t bytes) {
-  cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost);
-  return e == cudaSuccess ? "" : CudaErr("cudaMemcpy (to host)", e);
-}
-
-std::string DeviceMemset(void* dst, int value, size_t bytes) {
-  cudaError_t e = cudaMemset(dst, value, bytes);
-  return e == cudaSuccess ? "" : CudaErr("cudaMemset", e);
-}
-
-std::string DeviceSynchronize() {
-  cudaError_t e = cudaDeviceSynchronize();
-  return e == cudaSuccess ? "" : CudaErr("cudaDeviceSynchronize", e);
-}
-
-}  // namespace mem
 
 }  // namespace cuda
 }  // namespace kernels

@@ -19,6 +19,7 @@
 #include <memory>
 #include <string>
 
+#include "kernels/cuda/cuda_util.h"  // DeviceAvailable, the device-memory helpers
 #include "kernels/ops.h"
 
 namespace stallfree {
@@ -30,23 +31,6 @@ namespace cuda {
 // (no device, no driver). AttentionForward / AttentionBackward support head_dim <= 128; a larger
 // head_dim records an error (returned by Synchronize()) and launches nothing.
 std::unique_ptr<TransformerOps> NewCudaOps(void* stream, std::string* error);
-
-// True if a CUDA device can be used; otherwise *why says why. (The same check as
-// DeviceAvailable() in optimizer_cuda.h, kept here so ops users need not link the optimizer.)
-bool OpsDeviceAvailable(std::string* why);
-
-// Small synchronous device-memory helpers for tests and benchmarks. Each returns "" on success or
-// a message naming the CUDA call and its error.
-namespace mem {
-std::string DeviceAlloc(size_t bytes, void** ptr);
-std::string DeviceFree(void* ptr);
-std::string CopyToDevice(void* dst, const void* src, size_t bytes);
-std::string CopyToHost(void* dst, const void* src, size_t bytes);
-// Sets `bytes` bytes at dst to `value` (as memset).
-std::string DeviceMemset(void* dst, int value, size_t bytes);
-// Waits for all work on the device (cudaDeviceSynchronize).
-std::string DeviceSynchronize();
-}  // namespace mem
 
 }  // namespace cuda
 }  // namespace kernels

@@ -20,22 +20,19 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
-#include <vector>
 
+#include "kernels/cuda/cuda_util.h"  // DeviceAvailable, the device-memory helpers
 #include "kernels/optimizer.h"
 
 namespace stallfree {
 namespace kernels {
 namespace cuda {
 
-// True if a CUDA device can be used; otherwise *why says why (no driver, no device).
-bool DeviceAvailable(std::string* why);
-
 // The CUDA backend on `stream` (a cudaStream_t; nullptr = the legacy default stream), on the
-// device current at the call. Returns null and sets *error if no device can be used.
+// device current at the call. Returns null and sets *error if no device can be used
+// (DeviceAvailable, kernels/cuda/cuda_util.h).
 std::unique_ptr<OptimizerKernel> NewCudaOptimizerKernel(void* stream, std::string* error);
 
 // Benchmark support: enqueues on `stream` a streaming kernel over n fp32 elements that reads
@@ -44,34 +41,6 @@ std::unique_ptr<OptimizerKernel> NewCudaOptimizerKernel(void* stream, std::strin
 // with fp32 gradients reads 4 and writes 3). Returns "" or the launch error.
 std::string LaunchStreamPattern(void* stream, const float* const* in, int num_in, float* const* out,
                                 int num_out, int64_t n);
-
-// Small device-memory, stream and timing helpers for tests and benchmarks, so that they need no
-// CUDA headers. Each returns "" on success or a message naming the CUDA call and its error.
-namespace dmem {
-// Synchronous: they do not wait for work enqueued on other streams (call the kernel's
-// Synchronize() before reading its results), and the copies return once complete.
-std::string Alloc(size_t bytes, void** ptr);  // bytes == 0 gives nullptr.
-void Free(void* ptr);                         // nullptr is a no-op.
-std::string ToDevice(void* dst, const void* src, size_t bytes);
-std::string ToHost(void* dst, const void* src, size_t bytes);
-std::string Memset(void* dst, int value, size_t bytes);
-
-// Enqueued on `stream`: a device-to-device copy.
-std::string CopyOnStream(void* dst, const void* src, size_t bytes, void* stream);
-
-// A stream that does not synchronize with the legacy default stream (a cudaStream_t).
-std::string CreateStream(void** stream);
-void DestroyStream(void* stream);
-std::string SyncStream(void* stream);
-
-// Times `enqueue` (which enqueues work on `stream`) with CUDA events: `warmup` untimed calls,
-// then `reps` calls, each between its own pair of events; *ms gets each call's milliseconds.
-std::string TimeOnStream(void* stream, const std::function<void()>& enqueue, int warmup, int reps,
-                         std::vector<float>* ms);
-
-// "<name>, <SMs> SMs, <GiB> GiB, CC <major>.<minor>" of the current device.
-std::string DeviceDescription();
-}  // namespace dmem
 
 }  // namespace cuda
 }  // namespace kernels

@@ -19,6 +19,7 @@
 #include "common/bf16.h"
 #include "kernels/cuda/ops_cuda.h"
 #include "kernels/ops.h"
+#include "tests/kernels/cuda_test_util.h"
 
 namespace {
 
@@ -26,42 +27,10 @@ using stallfree::kernels::AttentionShape;
 using stallfree::kernels::CpuOps;
 using stallfree::kernels::Trans;
 using stallfree::kernels::TransformerOps;
-namespace mem = stallfree::kernels::cuda::mem;
+using stallfree::testing::CheckOk;
+using stallfree::testing::DeviceArray;
 
 int g_failures = 0;
-
-// Device errors are fatal for a test binary: report and stop.
-void CheckOk(const std::string& error, const char* what) {
-  if (!error.empty()) {
-    std::printf("FAIL %s: %s\n", what, error.c_str());
-    std::exit(1);
-  }
-}
-
-// A device copy of a host vector (RAII; copy back with Get()).
-template <typename T>
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(const std::vector<T>& host) : n_(host.size()) {
-    CheckOk(mem::DeviceAlloc(bytes(), &ptr_), "DeviceAlloc");
-    CheckOk(mem::CopyToDevice(ptr_, host.data(), bytes()), "CopyToDevice");
-  }
-  ~DeviceBuffer() { mem::DeviceFree(ptr_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  T* get() const { return static_cast<T*>(ptr_); }
-  std::vector<T> Get() const {
-    std::vector<T> host(n_);
-    CheckOk(mem::CopyToHost(host.data(), ptr_, bytes()), "CopyToHost");
-    return host;
-  }
-
- private:
-  size_t bytes() const { return n_ * sizeof(T); }
-  size_t n_;
-  void* ptr_ = nullptr;
-};
 
 std::mt19937 g_rng(20240611);
 
@@ -137,7 +106,7 @@ void TestGemm(const TransformerOps& gpu) {
 
       std::vector<float> c_cpu = c;
       CpuOps().Gemm(ta, tb, m, n, k, alpha, a.data(), lda, b.data(), ldb, beta, c_cpu.data(), ldc);
-      DeviceBuffer<float> da(a), db(b), dc(c);
+      DeviceArray<float> da(a), db(b), dc(c);
       gpu.Gemm(ta, tb, m, n, k, alpha, da.get(), lda, db.get(), ldb, beta, dc.get(), ldc);
       if (SyncOk(gpu, "gemm_" + tag)) Compare("gemm_fp32_" + tag, dc.Get(), c_cpu, 1e-5);
 
@@ -156,8 +125,8 @@ void TestGemm(const TransformerOps& gpu) {
       std::vector<float> c16_cpu = c;
       CpuOps().Gemm(ta, tb, m, n, k, alpha, ar.data(), lda, br.data(), ldb, beta, c16_cpu.data(),
                     ldc);
-      DeviceBuffer<uint16_t> da16(a16), db16(b16);
-      DeviceBuffer<float> dc16(c);
+      DeviceArray<uint16_t> da16(a16), db16(b16);
+      DeviceArray<float> dc16(c);
       gpu.GemmBf16(ta, tb, m, n, k, alpha, da16.get(), lda, db16.get(), ldb, beta, dc16.get(),
                    ldc);
       if (SyncOk(gpu, "gemm_bf16_" + tag)) Compare("gemm_bf16_" + tag, dc16.Get(), c16_cpu, 1e-4);
@@ -172,8 +141,8 @@ void TestEmbedding(const TransformerOps& gpu) {
   ids[5] = ids[6] = ids[100] = 7;  // a run of equal ids next to each other and apart
   std::vector<float> out_cpu(n * dim);
   CpuOps().EmbeddingForward(table.data(), dim, ids.data(), n, out_cpu.data());
-  DeviceBuffer<float> dtable_in(table), dout(std::vector<float>(n * dim, 0.0f));
-  DeviceBuffer<int32_t> dids(ids);
+  DeviceArray<float> dtable_in(table), dout(std::vector<float>(n * dim, 0.0f));
+  DeviceArray<int32_t> dids(ids);
   gpu.EmbeddingForward(dtable_in.get(), dim, dids.get(), n, dout.get());
   if (SyncOk(gpu, "embedding_fwd")) Compare("embedding_fwd", dout.Get(), out_cpu, 0);
 
@@ -181,7 +150,7 @@ void TestEmbedding(const TransformerOps& gpu) {
   std::vector<float> dtable = Uniform(vocab * dim, -1, 1);  // accumulates onto existing values
   std::vector<float> dtable_cpu = dtable;
   CpuOps().EmbeddingBackward(grad.data(), dim, ids.data(), n, dtable_cpu.data());
-  DeviceBuffer<float> dgrad(grad), ddtable(dtable);
+  DeviceArray<float> dgrad(grad), ddtable(dtable);
   gpu.EmbeddingBackward(dgrad.get(), dim, dids.get(), n, ddtable.get());
   if (SyncOk(gpu, "embedding_bwd")) Compare("embedding_bwd", ddtable.Get(), dtable_cpu, 1e-5);
 }
@@ -192,7 +161,7 @@ void TestRmsNorm(const TransformerOps& gpu, int64_t rows, int64_t dim) {
   std::vector<float> x = Uniform(rows * dim, -2, 2), w = Uniform(dim, 0.5f, 1.5f);
   std::vector<float> y_cpu(rows * dim), rstd_cpu(rows);
   CpuOps().RmsNormForward(x.data(), w.data(), rows, dim, eps, y_cpu.data(), rstd_cpu.data());
-  DeviceBuffer<float> dx_in(x), dw_in(w), dy_out(y_cpu), drstd(rstd_cpu);
+  DeviceArray<float> dx_in(x), dw_in(w), dy_out(y_cpu), drstd(rstd_cpu);
   gpu.RmsNormForward(dx_in.get(), dw_in.get(), rows, dim, eps, dy_out.get(), drstd.get());
   if (SyncOk(gpu, "rmsnorm_fwd_" + tag)) {
     Compare("rmsnorm_fwd_y_" + tag, dy_out.Get(), y_cpu, 1e-5);
@@ -200,13 +169,13 @@ void TestRmsNorm(const TransformerOps& gpu, int64_t rows, int64_t dim) {
   }
 
   // Backward from the CPU's rstd, so the two sides see identical inputs.
-  DeviceBuffer<float> drstd_cpu(rstd_cpu);
+  DeviceArray<float> drstd_cpu(rstd_cpu);
   std::vector<float> dy = Uniform(rows * dim, -1, 1);
   std::vector<float> dwt = Uniform(dim, -1, 1);  // dw accumulates
   std::vector<float> dx_cpu(rows * dim), dw_cpu = dwt;
   CpuOps().RmsNormBackward(x.data(), w.data(), rstd_cpu.data(), dy.data(), rows, dim,
                            dx_cpu.data(), dw_cpu.data());
-  DeviceBuffer<float> ddy(dy), ddx(std::vector<float>(rows * dim, 0.0f)), ddw(dwt);
+  DeviceArray<float> ddy(dy), ddx(std::vector<float>(rows * dim, 0.0f)), ddw(dwt);
   gpu.RmsNormBackward(dx_in.get(), dw_in.get(), drstd_cpu.get(), ddy.get(), rows, dim, ddx.get(),
                       ddw.get());
   if (SyncOk(gpu, "rmsnorm_bwd_" + tag)) {
@@ -222,7 +191,7 @@ void TestSwiGlu(const TransformerOps& gpu) {
   CpuOps().SwiGluForward(gate.data(), up.data(), n, out_cpu.data());
   CpuOps().SwiGluBackward(gate.data(), up.data(), dout.data(), n, dgate_cpu.data(),
                           dup_cpu.data());
-  DeviceBuffer<float> dg(gate), du(up), ddo(dout), dout_f(out_cpu), ddg(out_cpu), ddu(out_cpu);
+  DeviceArray<float> dg(gate), du(up), ddo(dout), dout_f(out_cpu), ddg(out_cpu), ddu(out_cpu);
   gpu.SwiGluForward(dg.get(), du.get(), n, dout_f.get());
   gpu.SwiGluBackward(dg.get(), du.get(), ddo.get(), n, ddg.get(), ddu.get());
   if (SyncOk(gpu, "swiglu")) {
@@ -244,8 +213,8 @@ void TestCrossEntropy(const TransformerOps& gpu, int64_t rows, int64_t vocab) {
   std::vector<float> loss_cpu(rows), lse_cpu(rows);
   CpuOps().CrossEntropyForward(logits.data(), rows, vocab, targets.data(), loss_cpu.data(),
                                lse_cpu.data());
-  DeviceBuffer<float> dlogits_in(logits), dloss(loss_cpu), dlse(lse_cpu);
-  DeviceBuffer<int32_t> dtargets(targets);
+  DeviceArray<float> dlogits_in(logits), dloss(loss_cpu), dlse(lse_cpu);
+  DeviceArray<int32_t> dtargets(targets);
   gpu.CrossEntropyForward(dlogits_in.get(), rows, vocab, dtargets.get(), dloss.get(), dlse.get());
   if (SyncOk(gpu, "cross_entropy_fwd_" + tag)) {
     Compare("cross_entropy_fwd_loss_" + tag, dloss.Get(), loss_cpu, 1e-5);
@@ -264,7 +233,7 @@ void TestCrossEntropy(const TransformerOps& gpu, int64_t rows, int64_t vocab) {
   std::vector<float> dlogits_cpu(rows * vocab);
   CpuOps().CrossEntropyBackward(logits.data(), lse_cpu.data(), targets.data(), rows, vocab, dl,
                                 dlogits_cpu.data());
-  DeviceBuffer<float> dlse_cpu(lse_cpu), ddlogits(std::vector<float>(rows * vocab, 9.0f));
+  DeviceArray<float> dlse_cpu(lse_cpu), ddlogits(std::vector<float>(rows * vocab, 9.0f));
   gpu.CrossEntropyBackward(dlogits_in.get(), dlse_cpu.get(), dtargets.get(), rows, vocab, dl,
                            ddlogits.get());
   if (SyncOk(gpu, "cross_entropy_bwd_" + tag)) {
@@ -280,7 +249,7 @@ void TestAdd(const TransformerOps& gpu) {
     const int64_t len = n - offset;
     std::vector<float> ref(len);
     for (int64_t i = 0; i < len; ++i) ref[i] = a[offset + i] + b[offset + i];
-    DeviceBuffer<float> da(a), db(b), dout(std::vector<float>(n + 1, 0.0f));
+    DeviceArray<float> da(a), db(b), dout(std::vector<float>(n + 1, 0.0f));
     gpu.Add(da.get() + offset, db.get() + offset, len, dout.get() + offset);
     gpu.Add(da.get() + offset, db.get() + offset, len, da.get() + offset);  // out aliases a
     if (SyncOk(gpu, "add")) {
@@ -384,11 +353,11 @@ void TestAttention(const TransformerOps& gpu, const AttnCase& tc) {
   CpuOps().AttentionForward(s, qbuf.data() + q_off, kvref.data() + k_off, kvref.data() + v_off,
                             tc.q_pos.data(), tc.k_pos.data(), out_cpu.data(), lse_cpu.data());
 
-  DeviceBuffer<float> dq_in(qbuf), dkv_in(tc.fused_qkv ? std::vector<float>(1) : kvbuf);
+  DeviceArray<float> dq_in(qbuf), dkv_in(tc.fused_qkv ? std::vector<float>(1) : kvbuf);
   float* dkv = tc.fused_qkv ? dq_in.get() : dkv_in.get();
-  DeviceBuffer<int32_t> dqpos(tc.q_pos), dkpos(tc.k_pos);
-  DeviceBuffer<float> dev_out(std::vector<float>(out_cpu.size(), 5.0f));
-  DeviceBuffer<float> dev_lse(std::vector<float>(lse_cpu.size(), 5.0f));
+  DeviceArray<int32_t> dqpos(tc.q_pos), dkpos(tc.k_pos);
+  DeviceArray<float> dev_out(std::vector<float>(out_cpu.size(), 5.0f));
+  DeviceArray<float> dev_lse(std::vector<float>(lse_cpu.size(), 5.0f));
   gpu.AttentionForward(s, dq_in.get() + q_off, dkv + k_off, dkv + v_off, dqpos.get(), dkpos.get(),
                        dev_out.get(), dev_lse.get());
   if (!SyncOk(gpu, "attention_fwd_" + tc.name)) return;
@@ -427,9 +396,9 @@ void TestAttention(const TransformerOps& gpu, const AttnCase& tc) {
                              tc.q_pos.data(), tc.k_pos.data(), out_cpu.data(), lse_cpu.data(),
                              dout_grad.data(), gq_cpu.data() + q_off, gkvref.data() + k_off,
                              gkvref.data() + v_off);
-  DeviceBuffer<float> dout_cpu(out_cpu), dlse_cpu(lse_cpu), ddout(dout_grad);
-  DeviceBuffer<float> dgq(std::vector<float>(qbuf.size(), 3.0f));
-  DeviceBuffer<float> dgkv(std::vector<float>(std::max<size_t>(kvbuf.size(), 1), 3.0f));
+  DeviceArray<float> dout_cpu(out_cpu), dlse_cpu(lse_cpu), ddout(dout_grad);
+  DeviceArray<float> dgq(std::vector<float>(qbuf.size(), 3.0f));
+  DeviceArray<float> dgkv(std::vector<float>(std::max<size_t>(kvbuf.size(), 1), 3.0f));
   float* gkv = tc.fused_qkv ? dgq.get() : dgkv.get();
   gpu.AttentionBackward(s, dq_in.get() + q_off, dkv + k_off, dkv + v_off, dqpos.get(),
                         dkpos.get(), dout_cpu.get(), dlse_cpu.get(), ddout.get(),
@@ -517,12 +486,12 @@ void TimeAttention(const TransformerOps& gpu) {
   s.q_ld = s.k_ld = s.v_ld = s.out_ld = hd;
   std::vector<int32_t> pos(t);
   std::iota(pos.begin(), pos.end(), 0);
-  DeviceBuffer<float> q(Uniform(t * hd, -1, 1)), k(Uniform(t * hd, -1, 1)),
+  DeviceArray<float> q(Uniform(t * hd, -1, 1)), k(Uniform(t * hd, -1, 1)),
       v(Uniform(t * hd, -1, 1)), out(std::vector<float>(t * hd)),
       lse(std::vector<float>(heads * t)), dout(Uniform(t * hd, -1, 1)),
       dq(std::vector<float>(t * hd)), dk(std::vector<float>(t * hd)),
       dv(std::vector<float>(t * hd));
-  DeviceBuffer<int32_t> dpos(pos);
+  DeviceArray<int32_t> dpos(pos);
   using Clock = std::chrono::steady_clock;
   auto run_fwd = [&] {
     gpu.AttentionForward(s, q.get(), k.get(), v.get(), dpos.get(), dpos.get(), out.get(),
@@ -558,7 +527,7 @@ void TimeAttention(const TransformerOps& gpu) {
 
 int main() {
   std::string why;
-  if (!stallfree::kernels::cuda::OpsDeviceAvailable(&why)) {
+  if (!stallfree::kernels::cuda::DeviceAvailable(&why)) {
     std::printf("SKIP: %s\n", why.c_str());
     return 0;
   }

@@ -30,6 +30,7 @@
 
 #include "common/bf16.h"
 #include "kernels/optimizer.h"
+#include "tests/kernels/cuda_test_util.h"
 #include "tests/kernels/testdata.h"
 
 namespace {
@@ -40,48 +41,12 @@ using stallfree::kernels::GradType;
 using stallfree::kernels::OptimizerKernel;
 using stallfree::kernels::ReferenceKernel;
 namespace dmem = stallfree::kernels::cuda::dmem;
+using stallfree::testing::CheckOk;
+using stallfree::testing::DeviceArray;
 
 const OptimizerKernel& Ref() { return ReferenceKernel(); }
 
 int g_failures = 0;
-
-// Device errors end a test binary: report and stop.
-void CheckOk(const std::string& error, const std::string& what) {
-  if (!error.empty()) {
-    std::printf("FAIL %s: %s\n", what.c_str(), error.c_str());
-    std::fflush(stdout);
-    std::exit(1);
-  }
-}
-
-// A device copy of a host vector (RAII).
-template <typename T>
-class DeviceArray {
- public:
-  explicit DeviceArray(const std::vector<T>& host) : n_(host.size()) {
-    CheckOk(dmem::Alloc(bytes(), &ptr_), "dmem::Alloc");
-    Put(host);
-  }
-  ~DeviceArray() { dmem::Free(ptr_); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-
-  T* get() const { return static_cast<T*>(ptr_); }
-  void Put(const std::vector<T>& host) {
-    if (host.size() != n_) CheckOk("size mismatch", "DeviceArray::Put");
-    CheckOk(dmem::ToDevice(ptr_, host.data(), bytes()), "dmem::ToDevice");
-  }
-  std::vector<T> Get() const {
-    std::vector<T> host(n_);
-    CheckOk(dmem::ToHost(host.data(), ptr_, bytes()), "dmem::ToHost");
-    return host;
-  }
-
- private:
-  size_t bytes() const { return n_ * sizeof(T); }
-  size_t n_;
-  void* ptr_ = nullptr;
-};
 
 uint32_t Bits(float f) {
   uint32_t u;
