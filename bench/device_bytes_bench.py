@@ -43,7 +43,9 @@ a new column), and `FIGURE <name> <value> <unit>` lines:
 - device_bytes_per_param[_gpt2]_torch_adamw_fp32 and ..._torch_mixed_bf16: the references;
 - device_bytes_zenflow_bf16_over_torch_mixed_bf16[_gpt2];
 - device_bytes_per_param[_gpt2]_zenflow_bf16_streamed: streamed gradients, what stays on the
-  device plus one weight's gradient in flight (the largest: the engine's transient_peak).
+  device plus one weight's gradient in flight (the largest: the engine's transient_peak);
+- zenflow_step_ms_{direct,buffered}_{bf16,fp32} and zenflow_step_direct_over_buffered_*: what
+  the transfers cost in time (step_times: 5 weights of 2048 x 2048, opt.step medians).
 
 Adding a mode: a line in MODES (figure key, label, ZenFlowAdamW keywords), or --variant
 'KEY:{json keywords}' on the command line. --option KEY=VALUE adds a keyword to every
@@ -52,6 +54,7 @@ ZenFlowAdamW run (a new engine option, say).
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -275,6 +278,43 @@ def parse_value(text):
         return text
 
 
+def step_times(socket, weights, width, steps):
+    """What the transfers cost in time: opt.step() of zenflow direct against buffered (bf16 and
+    fp32; `weights` weights of width x width, fixed random gradients, warm-up 0), the runs
+    stepping in alternation with a pause before each step so one run's background work does not
+    land in another's timing. Medians of `steps` timed steps after two untimed ones."""
+    runs = {}
+    for dname, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for how in ("direct", "buffered"):
+            torch.manual_seed(0)
+            ps = [torch.nn.Parameter(torch.randn(width, width, dtype=dtype) * 0.02)
+                  for _ in range(weights)]
+            gs = [torch.randn(width, width, dtype=dtype) * 1e-3 for _ in range(weights)]
+            opt = ZenFlowAdamW(ps, lr=1e-4, warmup_steps=0, transfers=how, socket=socket)
+            runs[(dname, how)] = (opt, ps, gs, [])
+    try:
+        for it in range(steps + 2):
+            order = list(runs.items())
+            order = order[it % len(order):] + order[:it % len(order)]
+            for _, (opt, ps, gs, times) in order:
+                for p_, g in zip(ps, gs):
+                    p_.grad = g.clone()
+                time.sleep(0.05)
+                t0 = time.perf_counter()
+                opt.step()
+                if it >= 2:
+                    times.append(time.perf_counter() - t0)
+    finally:
+        for opt, _, _, _ in runs.values():
+            opt.close()
+    print(f"\nopt.step() of zenflow, {weights} weights of {width} x {width}, median of {steps}:")
+    for dname in ("bf16", "fp32"):
+        ms = {how: statistics.median(runs[(dname, how)][3]) * 1e3 for how in ("direct", "buffered")}
+        figure(f"zenflow_step_ms_direct_{dname}", ms["direct"], "ms")
+        figure(f"zenflow_step_ms_buffered_{dname}", ms["buffered"], "ms")
+        figure(f"zenflow_step_direct_over_buffered_{dname}", ms["direct"] / ms["buffered"], "x")
+
+
 def main():
     p = argparse.ArgumentParser(
         description="Device bytes per parameter of ZenFlowAdamW by mode and dtype (the engine's "
@@ -294,6 +334,8 @@ def main():
                    help="another engine run: figure key and its ZenFlowAdamW keywords, e.g. "
                         "'zenflow_s1:{\"mode\": \"zenflow\", \"update_interval\": 1}'; repeatable")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--step_time_steps", type=int, default=16,
+                   help="timed steps of the direct-vs-buffered step time (0: skip it)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     options = {}
@@ -337,6 +379,8 @@ def main():
                 n = rows[0][1]["n"]
                 print_table(spec.title, n, args.steps, rows)
                 results[m] = (prefix, n, runs)
+            if args.step_time_steps > 0:
+                step_times(daemon.socket, 5, 2048, args.step_time_steps)
     except Failure as e:
         print(f"device_bytes_bench: FAILED: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
