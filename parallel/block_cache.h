@@ -1,7 +1,7 @@
-// Where a parallel block's cached activations live: in the cache's std::vectors (the blocks'
-// CPU API, host memory) or in OpsBuffers of the backend (their view API, the backend's memory).
-// Header-only, shared by the TP+SP and TP x CP blocks, which list their cache's float tensors
-// in a fixed order and address them through the pointers CacheData gives.
+// The cached activations of a parallel block in the backend's memory: OpsBuffers of `ops` that
+// the forward allocates and the backward reads back. Header-only, shared by the TP+SP and
+// TP x CP blocks (and the distributed model's positions), which list their cache's float
+// tensors in a fixed order and address them through the pointers CacheData gives.
 #pragma once
 
 #include <array>
@@ -18,35 +18,27 @@ namespace layer {
 template <size_t N>
 using CacheSizes = std::array<int64_t, N>;
 
-// Sizes a cache's N float tensors: as OpsBuffers of `ops` (in_backend; the vectors are
-// released, so a cache holds one copy) or as the std::vectors (the buffers are untouched; the
-// caller drops them).
+// Allocates the N tensors (zeroed) in ops' memory; the buffers' previous memory is released
+// first, one buffer at a time.
 template <size_t N>
-void SizeCache(const kernels::TransformerOps& ops, const CacheSizes<N>& sizes, bool in_backend,
-               const std::array<std::vector<float>*, N>& vecs,
-               const std::array<kernels::OpsBuffer*, N>& bufs) {
+void AllocateCache(const kernels::TransformerOps& ops, const CacheSizes<N>& sizes,
+                   const std::array<kernels::OpsBuffer*, N>& bufs) {
   for (size_t i = 0; i < N; ++i) {
-    if (in_backend) {
-      std::vector<float>().swap(*vecs[i]);
-      *bufs[i] = kernels::OpsBuffer(&ops, sizes[i]);
-    } else {
-      vecs[i]->resize(static_cast<size_t>(sizes[i]));
-    }
+    bufs[i]->reset();
+    *bufs[i] = kernels::OpsBuffer(&ops, sizes[i]);
   }
 }
 
-// The tensors' data pointers: the buffers' (bufs non-null) or the vectors'. False if a tensor's
-// size is not `sizes`. Forward writes the cache through these pointers (it owns the cache);
-// Backward only reads them, hence the const vectors.
+// The tensors' data pointers. False if a tensor's size is not `sizes` or a buffer is not ops'
+// (a cache of another backend). Forward writes the cache through these pointers (it owns the
+// cache); Backward only reads them.
 template <size_t N>
-bool CacheData(const std::array<const std::vector<float>*, N>& vecs,
-               const std::array<const kernels::OpsBuffer*, N>* bufs, const CacheSizes<N>& sizes,
+bool CacheData(const kernels::TransformerOps& ops,
+               const std::array<const kernels::OpsBuffer*, N>& bufs, const CacheSizes<N>& sizes,
                std::array<float*, N>* data) {
   for (size_t i = 0; i < N; ++i) {
-    const int64_t size =
-        bufs != nullptr ? (*bufs)[i]->size() : static_cast<int64_t>(vecs[i]->size());
-    if (size != sizes[i]) return false;
-    (*data)[i] = bufs != nullptr ? (*bufs)[i]->data() : const_cast<float*>(vecs[i]->data());
+    if (bufs[i]->size() != sizes[i] || (sizes[i] > 0 && bufs[i]->ops() != &ops)) return false;
+    (*data)[i] = bufs[i]->data();
   }
   return true;
 }

@@ -396,9 +396,9 @@ absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, 
     const TpspBlock block(cfg_.block(), comm_);
     for (int64_t l = 0; l < L; ++l) {
       float* y = output_of(l);
-      RETURN_IF_ERROR(
-          backend ? block.Forward(ops, w.view->tpsp_blocks[l], x, B, T, y, &c.tpsp_blocks[l])
-                  : block.Forward(ops, w.shard->tpsp_blocks[l], x, B, T, y, &c.tpsp_blocks[l]));
+      const TpspShardView wl =
+          backend ? w.view->tpsp_blocks[l] : TpspViewOf(w.shard->tpsp_blocks[l]);
+      RETURN_IF_ERROR(block.Forward(ops, wl, x, B, T, y, &c.tpsp_blocks[l]));
       x = y;
     }
   }
@@ -500,21 +500,14 @@ absl::Status DistributedModel::Backward(const TransformerOps& ops, const Distrib
       (tsp ? grads->tpsp_blocks.size() : grads->tsp_blocks.size()) != 0) {
     return absl::InvalidArgumentError("distributed_model: gradient blocks do not match layers");
   }
+  // The TP+SP blocks accumulate into views: their gradients are sized here.
+  for (BlockGrads& g : grads->tpsp_blocks) {
+    RETURN_IF_ERROR(SizeTpspGrads(cfg_.block(), static_cast<int>(D), &g));
+  }
   if (c.valid == 0) {
     // The loss is the constant 0; still size the block gradients (all ranks return here).
-    if (tsp) {
-      for (TspShard& g : grads->tsp_blocks) {
-        if (g.attn.empty()) g = TspShard::Zeros(cfg_.block(), D);
-      }
-    } else {
-      for (BlockWeights& g : grads->tpsp_blocks) {
-        if (g.wq.empty()) {
-          absl::StatusOr<BlockWeights> z = ShardTpspWeights(
-              cfg_.block(), BlockWeights::Zeros(cfg_.block()), static_cast<int>(D), 0);
-          if (!z.ok()) return z.status();
-          g = *std::move(z);
-        }
-      }
+    for (TspShard& g : grads->tsp_blocks) {
+      if (g.attn.empty()) g = TspShard::Zeros(cfg_.block(), D);
     }
     return CheckShard(*grads, "gradient ");
   }
@@ -604,10 +597,11 @@ absl::Status DistributedModel::BackwardImpl(const TransformerOps& ops, const Wei
   } else {
     const TpspBlock block(cfg_.block(), comm_);
     for (int64_t l = cfg_.layers - 1; l >= 0; --l) {
-      RETURN_IF_ERROR(backend ? block.Backward(ops, w.view->tpsp_blocks[l], c.tpsp_blocks[l], dx,
-                                                  dprev, g.view->tpsp_blocks[l])
-                                 : block.Backward(ops, w.shard->tpsp_blocks[l], c.tpsp_blocks[l],
-                                                  dx, dprev, &g.grads->tpsp_blocks[l]));
+      const TpspShardView wl =
+          backend ? w.view->tpsp_blocks[l] : TpspViewOf(w.shard->tpsp_blocks[l]);
+      const TpspGradsView gl =
+          backend ? g.view->tpsp_blocks[l] : TpspViewOf(&g.grads->tpsp_blocks[l]);
+      RETURN_IF_ERROR(block.Backward(ops, wl, c.tpsp_blocks[l], dx, dprev, gl));
       std::swap(dx, dprev);
     }
   }

@@ -31,7 +31,8 @@
 // both forms; the model's tensors are where the form puts them:
 // - The DistributedShard / DistributedGrads overloads are the CPU API: their std::vectors are
 //   host memory, so `ops` must be a host backend (kernels::CpuOps()) and the Communicator a host
-//   one (Gloo); the cache keeps its activations in its std::vectors.
+//   one (Gloo); the cache keeps its activations in its std::vectors (the TP+SP blocks', which
+//   have only a view API, in their OpsBuffers of `ops`, host memory here).
 // - The DistributedShardView / DistributedGradsView overloads take pointers in the backend's
 //   memory (device memory for a CUDA backend), and the Communicator must accept that memory
 //   (NCCL on the same device, in stream order with the backend's ops). The cache then keeps its
@@ -114,8 +115,9 @@ struct DistributedCacheBuffers {
 
 // What the backward needs (nl = B T/D local tokens). Both Forward overloads fill the host
 // metadata (B, T, valid, positions, tokens, targets); the CPU API fills the float vectors and
-// the blocks' vector caches, the view form leaves the float vectors empty and fills `buffers`
-// and the blocks' buffers instead (shared by copies of the cache).
+// the TSP blocks' vector caches, the view form leaves the float vectors empty and fills
+// `buffers` and the TSP blocks' buffers instead (shared by copies of the cache). The TP+SP
+// blocks' caches are in their buffers in both forms.
 struct DistributedCache {
   int64_t B = 0, T = 0;
   int64_t valid = 0;                                 // valid targets of the global batch

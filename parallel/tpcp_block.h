@@ -42,12 +42,12 @@
 //
 // Memory spaces, as the TP+SP block's (parallel/tpsp_block.h): every buffer the block
 // allocates comes from `ops` (kernels::OpsBuffer) and is only touched through ops calls and the
-// Communicators. The BlockWeights / BlockGrads overloads are the CPU API (host memory, a host
-// backend and host Communicators; the cache in its std::vectors). The TpspShardView /
-// TpspGradsView overloads take pointers in `ops`' memory, the Communicators must accept that
-// memory (NCCL on the same device) and run in stream order with the backend (both NCCL
-// communicators and the CUDA ops on one stream), and the cache keeps its activations in
-// TpcpCache::buffers (Backward must use the same backend).
+// Communicators. Its one API takes the TP+SP views (TpspShardView / TpspGradsView): pointers in
+// `ops`' memory; the Communicators must accept that memory (NCCL on the same device) and run in
+// stream order with the backend (both NCCL communicators and the CUDA ops on one stream), and the
+// cache keeps its activations in TpcpCache::buffers (Backward must use the same backend). The
+// steps it shares with the TP+SP block (the TP group's gathers, the MLP) are in
+// parallel/tp_sublayers.h.
 #pragma once
 
 #include <cstdint>
@@ -88,30 +88,27 @@ absl::Status CheckTpcpSequence(int64_t B, int64_t T, int t, int c);
 absl::StatusOr<std::vector<int32_t>> TpcpPositions(int64_t T, int t, int c, int tp_index,
                                                    int cp_index);
 
-// The cache's activations in the backend's memory (the view overloads); q_pos / k_pos hold the
-// int32 positions bit for bit in float-sized elements.
+// What the backward needs from the forward, in the backend's memory. nc = B*T/c (the CP shard),
+// nl = nc/t (local). q_pos / k_pos hold the int32 positions bit for bit in float-sized elements.
 struct TpcpCacheBuffers {
-  kernels::OpsBuffer q_pos, k_pos, x, rstd1, n1, q, kv, att, lse, h, rstd2, n2, g, u, m;
+  kernels::OpsBuffer q_pos;     // [T/c] the CP shard's positions (ZigzagPositions)
+  kernels::OpsBuffer k_pos;     // [T] ZigzagOrder(T, c)
+  kernels::OpsBuffer x;         // [nl, C] block input (local tokens)
+  kernels::OpsBuffer rstd1;     // [nl]
+  kernels::OpsBuffer n1;        // [nc, C] TP-gathered rmsnorm(x, ln1)
+  kernels::OpsBuffer q;         // [nc, C/t] own heads
+  kernels::OpsBuffer kv;        // [B, T, 2C/t] own heads' k | v of every token (CP-gathered)
+  kernels::OpsBuffer att, lse;  // [nc, C/t], [B, H/t, T/c]
+  kernels::OpsBuffer h;         // [nl, C]
+  kernels::OpsBuffer rstd2;     // [nl]
+  kernels::OpsBuffer n2;        // [nc, C] TP-gathered rmsnorm(h, ln2)
+  kernels::OpsBuffer g, u, m;   // [nc, FF/t]
 };
-
-// What the backward needs from the forward. nc = B*T/c (the CP shard), nl = nc/t (local).
-// The CPU API fills the std::vectors; the view form fills q_pos / k_pos (host metadata) and
-// `buffers` (shared by copies of the cache) and leaves the float vectors empty.
 struct TpcpCache {
   int64_t B = 0, T = 0;
-  std::vector<int32_t> q_pos;   // [T/c] the CP shard's positions (ZigzagPositions)
-  std::vector<int32_t> k_pos;   // [T] ZigzagOrder(T, c)
-  std::vector<float> x;         // [nl, C] block input (local tokens)
-  std::vector<float> rstd1;     // [nl]
-  std::vector<float> n1;        // [nc, C] TP-gathered rmsnorm(x, ln1)
-  std::vector<float> q;         // [nc, C/t] own heads
-  std::vector<float> kv;        // [B, T, 2C/t] own heads' k | v of every token (CP-gathered)
-  std::vector<float> att, lse;  // [nc, C/t], [B, H/t, T/c]
-  std::vector<float> h;         // [nl, C]
-  std::vector<float> rstd2;     // [nl]
-  std::vector<float> n2;        // [nc, C] TP-gathered rmsnorm(h, ln2)
-  std::vector<float> g, u, m;   // [nc, FF/t]
-  std::shared_ptr<TpcpCacheBuffers> buffers;  // the same tensors in backend memory, or null
+  std::shared_ptr<TpcpCacheBuffers> buffers;  // shared by copies of the cache; null before Forward
+  // The bytes of the cached tensors (positions included); 0 before Forward.
+  int64_t bytes() const;
 };
 
 class TpcpBlock {
@@ -121,45 +118,24 @@ class TpcpBlock {
       : cfg_(cfg), tp_(tp), cp_(cp) {}
   const BlockConfig& config() const { return cfg_; }
 
-  // y_local [B, T/(c*t), C] from x_local (this rank's tokens, as above). shard is the TP+SP
-  // shard tp_index of t. cache may be null (no backward). InvalidArgument on bad shapes;
-  // communication errors as the Communicators report them.
-  absl::Status Forward(const kernels::TransformerOps& ops, const BlockWeights& shard,
+  // y_local [B, T/(c*t), C] from x_local (this rank's tokens, as above), all in `ops`' memory
+  // (sizes are the caller's responsibility). shard is the TP+SP shard tp_index of t. cache may
+  // be null (no backward). InvalidArgument on bad shapes or null pointers; communication errors
+  // as the Communicators report them.
+  absl::Status Forward(const kernels::TransformerOps& ops, const TpspShardView& shard,
                        const float* x_local, int64_t B, int64_t T, float* y_local,
                        TpcpCache* cache) const;
 
   // From dy_local [B, T/(c*t), C]: writes dx_local and accumulates (+=) the shard's complete
   // weight gradients (shard shapes, summed over every rank's tokens; identical on the CP
-  // group's ranks) into *grads (empty fields are first sized and zeroed).
-  absl::Status Backward(const kernels::TransformerOps& ops, const BlockWeights& shard,
-                        const TpcpCache& cache, const float* dy_local, float* dx_local,
-                        BlockGrads* grads) const;
-
-  // The same in the backend's memory: every pointer of shard and grads, x_local, y_local,
-  // dy_local and dx_local in `ops`' memory (sizes are the caller's responsibility). grads is
-  // accumulated (+=), so it must be initialised (e.g. zeroed with ops.Fill). The cache may come
-  // from either Forward overload.
-  absl::Status Forward(const kernels::TransformerOps& ops, const TpspShardView& shard,
-                       const float* x_local, int64_t B, int64_t T, float* y_local,
-                       TpcpCache* cache) const;
+  // group's ranks) into grads, which must be initialised (e.g. zeroed with ops.Fill, or
+  // SizeTpspGrads for host vectors).
   absl::Status Backward(const kernels::TransformerOps& ops, const TpspShardView& shard,
                         const TpcpCache& cache, const float* dy_local, float* dx_local,
                         const TpspGradsView& grads) const;
 
  private:
   absl::Status Check() const;
-  absl::Status ForwardImpl(const kernels::TransformerOps& ops, const TpspShardView& w,
-                           const float* x_local, int64_t B, int64_t T, float* y_local,
-                           TpcpCache* cache, bool backend_cache) const;
-  absl::Status BackwardImpl(const kernels::TransformerOps& ops, const TpspShardView& w,
-                            const TpcpCache& cache, const float* dy_local, float* dx_local,
-                            const TpspGradsView& grads) const;
-  // full [B, T/c, C] := the TP ranks' local [B, T/(c*t), C], backend memory.
-  absl::Status GatherTp(const kernels::TransformerOps& ops, const float* local, int64_t B,
-                        int64_t Tc, float* full) const;
-  // local [B, T/(c*t), C] := sum over the TP ranks of their partial [B, T/c, C], own tokens.
-  absl::Status ReduceScatterTp(const kernels::TransformerOps& ops, const float* full, int64_t B,
-                               int64_t Tc, float* local) const;
 
   BlockConfig cfg_;
   Communicator* tp_;

@@ -11,6 +11,7 @@
 #include "common/status.h"
 #include "parallel/block_cache.h"
 #include "parallel/linear.h"
+#include "parallel/tp_sublayers.h"
 
 namespace stallfree {
 namespace parallel {
@@ -37,38 +38,32 @@ layer::CacheSizes<kCacheTensors> CacheSizes(const BlockConfig& cfg, int D, int64
           nl, n * C, n * Fl, n * Fl, n * Fl};
 }
 
-// Cache is TpspCache or const TpspCache; Buffers likewise.
-template <class Cache>
-std::array<decltype(&std::declval<Cache*>()->x), kCacheTensors> VectorsOf(Cache* c) {
-  return {&c->x, &c->rstd1, &c->n1, &c->qkv, &c->att, &c->lse,
-          &c->h, &c->rstd2, &c->n2, &c->g,   &c->u,   &c->m};
-}
+// Buffers is TpspCacheBuffers or const TpspCacheBuffers.
 template <class Buffers>
-std::array<decltype(&std::declval<Buffers*>()->x), kCacheTensors> BuffersOf(Buffers* b) {
+std::array<decltype(&std::declval<Buffers*>()->x), kCacheTensors> TensorsOf(Buffers* b) {
   return {&b->x, &b->rstd1, &b->n1, &b->qkv, &b->att, &b->lse,
           &b->h, &b->rstd2, &b->n2, &b->g,   &b->u,   &b->m};
 }
 
-// The cache's tensors, wherever they live.
+// The cache's tensors.
 struct CacheRefs {
   const int32_t* positions = nullptr;
   float *x, *rstd1, *n1, *qkv, *att, *lse, *h, *rstd2, *n2, *g, *u, *m;
+
+  tp::MlpCache mlp() const { return {rstd2, n2, g, u, m}; }
 };
 
-// False if the cache's tensors do not have `sizes` or (in backend memory) do not belong to ops.
-bool RefsOf(const TpspCache& c, const layer::CacheSizes<kCacheTensors>& sizes,
-            const TransformerOps& ops, CacheRefs* r) {
-  std::array<float*, kCacheTensors> p;
+// False if the cache is empty, its tensors do not have the sizes for (D, c.B, c.T) or they are
+// not ops' memory.
+bool RefsOf(const TpspCache& c, const BlockConfig& cfg, int D, const TransformerOps& ops,
+            CacheRefs* r) {
   const TpspCacheBuffers* b = c.buffers.get();
-  if (b != nullptr) {
-    const auto bufs = BuffersOf(b);
-    if (b->x.ops() != &ops || !layer::CacheData(VectorsOf(&c), &bufs, sizes, &p)) return false;
-    r->positions = reinterpret_cast<const int32_t*>(b->positions.data());
-  } else {
-    if (!layer::CacheData<kCacheTensors>(VectorsOf(&c), nullptr, sizes, &p)) return false;
-    r->positions = c.positions.data();
+  std::array<float*, kCacheTensors> p;
+  if (b == nullptr || b->positions.size() != c.T ||
+      !layer::CacheData(ops, TensorsOf(b), CacheSizes(cfg, D, c.B, c.T), &p)) {
+    return false;
   }
-  if (static_cast<int64_t>(c.positions.size()) != c.T) return false;
+  r->positions = reinterpret_cast<const int32_t*>(b->positions.data());
   float** named[kCacheTensors] = {&r->x, &r->rstd1, &r->n1, &r->qkv, &r->att, &r->lse,
                                   &r->h, &r->rstd2, &r->n2, &r->g,   &r->u,   &r->m};
   for (size_t i = 0; i < kCacheTensors; ++i) *named[i] = p[i];
@@ -126,8 +121,7 @@ using layer::LinearWeightGrad;
 }  // namespace
 
 absl::Status ValidateTpspConfig(const BlockConfig& cfg, int D, int p) {
-  absl::Status st = ValidateBlockConfig(cfg);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(ValidateBlockConfig(cfg));
   if (D <= 0 || p < 0 || p >= D || cfg.H % D != 0 || cfg.FF % D != 0) {
     return absl::InvalidArgumentError(absl::StrCat("tpsp: bad degree D=", D, " rank ", p,
                                                    " for H=", cfg.H, " FF=", cfg.FF,
@@ -138,9 +132,8 @@ absl::Status ValidateTpspConfig(const BlockConfig& cfg, int D, int p) {
 
 absl::StatusOr<BlockWeights> ShardTpspWeights(const BlockConfig& cfg, const BlockWeights& full,
                                               int D, int p) {
-  absl::Status st = ValidateTpspConfig(cfg, D, p);
-  if (st.ok()) st = CheckBlockWeights(cfg, full);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(ValidateTpspConfig(cfg, D, p));
+  RETURN_IF_ERROR(CheckBlockWeights(cfg, full));
   const int64_t C = cfg.C, Cl = C / D, Fl = cfg.FF / D;
   BlockWeights s;
   s.ln1 = full.ln1;
@@ -162,8 +155,7 @@ absl::StatusOr<BlockWeights> ShardTpspWeights(const BlockConfig& cfg, const Bloc
 }
 
 absl::Status CheckTpspShard(const BlockConfig& cfg, const BlockWeights& shard, int D) {
-  absl::Status st = ValidateTpspConfig(cfg, D, 0);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(ValidateTpspConfig(cfg, D, 0));
   const std::vector<int64_t> sizes = ShardSizes(cfg, D);
   const std::vector<const std::vector<float>*> t = shard.Tensors();
   for (size_t i = 0; i < t.size(); ++i) {
@@ -177,15 +169,13 @@ absl::Status CheckTpspShard(const BlockConfig& cfg, const BlockWeights& shard, i
 
 absl::Status PlaceTpspShardGrads(const BlockConfig& cfg, const BlockGrads& shard, int D, int p,
                                  BlockGrads* full) {
-  absl::Status st = ValidateTpspConfig(cfg, D, p);
-  if (st.ok()) st = CheckTpspShard(cfg, shard, D);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(ValidateTpspConfig(cfg, D, p));
+  RETURN_IF_ERROR(CheckTpspShard(cfg, shard, D));
   if (full == nullptr) return absl::InvalidArgumentError("tpsp: null full gradients");
   bool empty = true;
   for (const std::vector<float>* v : full->Tensors()) empty = empty && v->empty();
   if (empty) *full = BlockWeights::Zeros(cfg);
-  st = CheckBlockWeights(cfg, *full);
-  if (!st.ok()) return st;
+  RETURN_IF_ERROR(CheckBlockWeights(cfg, *full));
   const int64_t C = cfg.C, Cl = C / D, Fl = cfg.FF / D;
   full->ln1 = shard.ln1;
   full->ln2 = shard.ln2;
@@ -202,160 +192,108 @@ absl::Status PlaceTpspShardGrads(const BlockConfig& cfg, const BlockGrads& shard
   return absl::OkStatus();
 }
 
+absl::Status SizeTpspGrads(const BlockConfig& cfg, int D, BlockGrads* grads) {
+  RETURN_IF_ERROR(ValidateTpspConfig(cfg, D, 0));
+  if (grads == nullptr) return absl::InvalidArgumentError("tpsp: null grads");
+  const std::vector<int64_t> sizes = ShardSizes(cfg, D);
+  const std::vector<std::vector<float>*> t = grads->Tensors();
+  for (size_t i = 0; i < t.size(); ++i) {
+    if (t[i]->empty()) t[i]->assign(static_cast<size_t>(sizes[i]), 0.0f);
+  }
+  return CheckTpspShard(cfg, *grads, D);
+}
+
 TpspShardView TpspViewOf(const BlockWeights& w) {
-  return TpspShardView{w.ln1.data(), w.wq.data(),  w.wk.data(), w.wv.data(), w.wo.data(),
+  return TpspShardView{w.ln1.data(), w.wq.data(), w.wk.data(), w.wv.data(), w.wo.data(),
                        w.ln2.data(), w.wg.data(), w.wu.data(), w.wd.data()};
 }
 
 TpspGradsView TpspViewOf(BlockGrads* g) {
-  return TpspGradsView{g->ln1.data(), g->wq.data(),  g->wk.data(), g->wv.data(), g->wo.data(),
+  return TpspGradsView{g->ln1.data(), g->wq.data(), g->wk.data(), g->wv.data(), g->wo.data(),
                        g->ln2.data(), g->wg.data(), g->wu.data(), g->wd.data()};
 }
 
-absl::Status TpspBlock::GatherSequence(const TransformerOps& ops, const float* local, int64_t B,
-                                       int64_t T, float* full) const {
-  const int D = comm_->size();
-  const int64_t chunk = (T / D) * cfg_.C;
-  kernels::OpsBuffer recv(&ops, D * B * chunk);
-  absl::Status st = comm_->AllGather(local, recv.data(), B * chunk);
-  if (!st.ok()) return st;
-  // recv is [D, B, T/D, C]; full is [B, T, C] with rank d's tokens at [d*T/D, (d+1)*T/D).
-  for (int d = 0; d < D; ++d) {
-    ops.Copy2D(full + d * chunk, D * chunk, recv.data() + d * B * chunk, chunk, B, chunk);
-  }
-  return absl::OkStatus();
+int64_t TpspCache::bytes() const {
+  if (buffers == nullptr) return 0;
+  int64_t floats = buffers->positions.size();
+  for (const kernels::OpsBuffer* b : TensorsOf(buffers.get())) floats += b->size();
+  return floats * static_cast<int64_t>(sizeof(float));
 }
 
-absl::Status TpspBlock::ReduceScatterSequence(const TransformerOps& ops, const float* full,
-                                              int64_t B, int64_t T, float* local) const {
-  const int D = comm_->size();
-  const int64_t chunk = (T / D) * cfg_.C;
-  // [B, T, C] -> [D, B, T/D, C]: block d of the reduce-scatter is rank d's tokens.
-  kernels::OpsBuffer send(&ops, D * B * chunk);
-  for (int d = 0; d < D; ++d) {
-    ops.Copy2D(send.data() + d * B * chunk, chunk, full + d * chunk, D * chunk, B, chunk);
-  }
-  return comm_->ReduceScatter(send.data(), local, B * chunk);
-}
-
-absl::Status TpspBlock::Forward(const TransformerOps& ops, const BlockWeights& w,
-                                const float* x_local, int64_t B, int64_t T, float* y_local,
-                                TpspCache* cache) const {
+absl::Status TpspBlock::Check() const {
   if (comm_ == nullptr) return absl::InvalidArgumentError("tpsp: null communicator");
-  RETURN_IF_ERROR(CheckTpspShard(cfg_, w, comm_->size()));
-  return ForwardImpl(ops, TpspViewOf(w), x_local, B, T, y_local, cache, /*backend_cache=*/false);
+  return ValidateTpspConfig(cfg_, comm_->size(), comm_->rank());
 }
 
 absl::Status TpspBlock::Forward(const TransformerOps& ops, const TpspShardView& w,
                                 const float* x_local, int64_t B, int64_t T, float* y_local,
                                 TpspCache* cache) const {
-  if (w.AnyNull()) return absl::InvalidArgumentError("tpsp: null weight pointer");
-  return ForwardImpl(ops, w, x_local, B, T, y_local, cache, /*backend_cache=*/true);
-}
-
-absl::Status TpspBlock::Backward(const TransformerOps& ops, const BlockWeights& w,
-                                 const TpspCache& c, const float* dy_local, float* dx_local,
-                                 BlockGrads* grads) const {
-  if (comm_ == nullptr) return absl::InvalidArgumentError("tpsp: null communicator");
+  RETURN_IF_ERROR(Check());
   const int D = comm_->size();
-  RETURN_IF_ERROR(ValidateTpspConfig(cfg_, D, comm_->rank()));
-  RETURN_IF_ERROR(CheckTpspShard(cfg_, w, D));
-  if (grads == nullptr) return absl::InvalidArgumentError("tpsp: null grads");
-  // Size empty gradient fields; any other size is an error.
-  const std::vector<int64_t> sizes = ShardSizes(cfg_, D);
-  const std::vector<std::vector<float>*> t = grads->Tensors();
-  for (size_t i = 0; i < t.size(); ++i) {
-    if (t[i]->empty()) t[i]->assign(static_cast<size_t>(sizes[i]), 0.0f);
-  }
-  RETURN_IF_ERROR(CheckTpspShard(cfg_, *grads, D));
-  return BackwardImpl(ops, TpspViewOf(w), c, dy_local, dx_local, TpspViewOf(grads));
-}
-
-absl::Status TpspBlock::Backward(const TransformerOps& ops, const TpspShardView& w,
-                                 const TpspCache& c, const float* dy_local, float* dx_local,
-                                 const TpspGradsView& grads) const {
-  if (w.AnyNull()) return absl::InvalidArgumentError("tpsp: null weight pointer");
-  if (grads.AnyNull()) return absl::InvalidArgumentError("tpsp: null gradient pointer");
-  return BackwardImpl(ops, w, c, dy_local, dx_local, grads);
-}
-
-absl::Status TpspBlock::ForwardImpl(const TransformerOps& ops, const TpspShardView& w,
-                                    const float* x_local, int64_t B, int64_t T, float* y_local,
-                                    TpspCache* cache, bool backend_cache) const {
-  if (comm_ == nullptr) return absl::InvalidArgumentError("tpsp: null communicator");
-  const int D = comm_->size();
-  RETURN_IF_ERROR(ValidateTpspConfig(cfg_, D, comm_->rank()));
   RETURN_IF_ERROR(CheckBT(B, T, D));
+  if (w.AnyNull()) return absl::InvalidArgumentError("tpsp: null weight pointer");
   if (x_local == nullptr || y_local == nullptr) {
     return absl::InvalidArgumentError("tpsp: null x or y");
   }
   TpspCache scratch;
   TpspCache& c = cache != nullptr ? *cache : scratch;
-  const int64_t C = cfg_.C, Cl = C / D, Fl = cfg_.FF / D, C3 = 3 * Cl;
-  const int64_t n = B * T, nl = n / D;
+  const int64_t C = cfg_.C, Cl = C / D, C3 = 3 * Cl;
   c.B = B;
   c.T = T;
-  c.positions.resize(T);
-  for (int64_t t = 0; t < T; ++t) c.positions[t] = static_cast<int32_t>(t);
-  // The previous step's buffers are released first (peak memory).
+  // The previous step's buffers are released first, and the host positions once uploaded (peak
+  // memory).
   c.buffers = nullptr;
-  const layer::CacheSizes<kCacheTensors> sizes = CacheSizes(cfg_, D, B, T);
-  if (backend_cache) {
-    auto b = std::make_shared<TpspCacheBuffers>();
-    layer::SizeCache(ops, sizes, true, VectorsOf(&c), BuffersOf(b.get()));
-    b->positions = layer::UploadPositions(ops, c.positions);
-    c.buffers = std::move(b);
-  } else {
-    TpspCacheBuffers unused;
-    layer::SizeCache(ops, sizes, false, VectorsOf(&c), BuffersOf(&unused));
+  auto b = std::make_shared<TpspCacheBuffers>();
+  {
+    std::vector<int32_t> positions(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) positions[t] = static_cast<int32_t>(t);
+    b->positions = layer::UploadPositions(ops, positions);
+    RETURN_IF_ERROR(Sync(ops, "positions upload"));
   }
+  layer::AllocateCache(ops, CacheSizes(cfg_, D, B, T), TensorsOf(b.get()));
+  c.buffers = std::move(b);
   CacheRefs r;
-  RefsOf(c, sizes, ops, &r);  // sized just now
+  RefsOf(c, cfg_, D, ops, &r);  // sized just now
+  const tp::SequenceParallel sp(ops, cfg_, comm_, B, T / D);
+  const int64_t n = sp.tokens(), nl = sp.local_tokens();
   ops.CopyFloats(r.x, x_local, nl * C);
   kernels::OpsBuffer norm_local(&ops, nl * C), partial(&ops, n * C);
 
   // Attention: h = x + RS(attn_p(AG(rmsnorm(x)))).
-  ops.RmsNormForward(x_local, w.ln1, nl, C, cfg_.eps, norm_local.data(), r.rstd1);
-  RETURN_IF_ERROR(GatherSequence(ops, norm_local.data(), B, T, r.n1));
+  RETURN_IF_ERROR(sp.NormGather(x_local, w.ln1, r.rstd1, norm_local.data(), r.n1));
   Linear(ops, r.n1, C, w.wq, n, Cl, C, r.qkv, C3);
   Linear(ops, r.n1, C, w.wk, n, Cl, C, r.qkv + Cl, C3);
   Linear(ops, r.n1, C, w.wv, n, Cl, C, r.qkv + 2 * Cl, C3);
   const AttentionShape s = LocalShape(cfg_, D, B, T);
   ops.AttentionForward(s, r.qkv, r.qkv + Cl, r.qkv + 2 * Cl, r.positions, r.positions, r.att,
                        r.lse);
-  Linear(ops, r.att, Cl, w.wo, n, C, Cl, partial.data(), C);
-  RETURN_IF_ERROR(ReduceScatterSequence(ops, partial.data(), B, T, r.h));
-  ops.Add(x_local, r.h, nl * C, r.h);
+  RETURN_IF_ERROR(sp.RowParallelResidual(r.att, Cl, w.wo, x_local, partial.data(), r.h));
 
   // MLP: y = h + RS(mlp_p(AG(rmsnorm(h)))).
-  ops.RmsNormForward(r.h, w.ln2, nl, C, cfg_.eps, norm_local.data(), r.rstd2);
-  RETURN_IF_ERROR(GatherSequence(ops, norm_local.data(), B, T, r.n2));
-  Linear(ops, r.n2, C, w.wg, n, Fl, C, r.g, Fl);
-  Linear(ops, r.n2, C, w.wu, n, Fl, C, r.u, Fl);
-  ops.SwiGluForward(r.g, r.u, n * Fl, r.m);
-  Linear(ops, r.m, Fl, w.wd, n, C, Fl, partial.data(), C);
-  RETURN_IF_ERROR(ReduceScatterSequence(ops, partial.data(), B, T, y_local));
-  ops.Add(r.h, y_local, nl * C, y_local);
+  RETURN_IF_ERROR(sp.Mlp({w.ln2, w.wg, w.wu, w.wd}, r.h, r.mlp(), norm_local.data(),
+                         partial.data(), y_local));
   return Sync(ops, "block forward");
 }
 
-absl::Status TpspBlock::BackwardImpl(const TransformerOps& ops, const TpspShardView& w,
-                                     const TpspCache& c, const float* dy_local, float* dx_local,
-                                     const TpspGradsView& grads) const {
-  if (comm_ == nullptr) return absl::InvalidArgumentError("tpsp: null communicator");
+absl::Status TpspBlock::Backward(const TransformerOps& ops, const TpspShardView& w,
+                                 const TpspCache& c, const float* dy_local, float* dx_local,
+                                 const TpspGradsView& grads) const {
+  RETURN_IF_ERROR(Check());
   const int D = comm_->size();
-  RETURN_IF_ERROR(ValidateTpspConfig(cfg_, D, comm_->rank()));
   RETURN_IF_ERROR(CheckBT(c.B, c.T, D));
+  if (w.AnyNull()) return absl::InvalidArgumentError("tpsp: null weight pointer");
+  if (grads.AnyNull()) return absl::InvalidArgumentError("tpsp: null gradient pointer");
   if (dy_local == nullptr || dx_local == nullptr) {
     return absl::InvalidArgumentError("tpsp: null dy or dx");
   }
-  const int64_t B = c.B, T = c.T, C = cfg_.C, Cl = C / D, Fl = cfg_.FF / D, C3 = 3 * Cl;
-  const int64_t n = B * T, nl = n / D;
   CacheRefs r;
-  if (!RefsOf(c, CacheSizes(cfg_, D, B, T), ops, &r)) {
+  if (!RefsOf(c, cfg_, D, ops, &r)) {
     return absl::InvalidArgumentError(
         "tpsp: cache does not match its B, T, the group size or the backend");
   }
+  const tp::SequenceParallel sp(ops, cfg_, comm_, c.B, c.T / D);
+  const int64_t C = cfg_.C, Cl = C / D, Fl = cfg_.FF / D, C3 = 3 * Cl;
+  const int64_t n = sp.tokens(), nl = sp.local_tokens();
 
   // The gathered gradient and the partial input gradient [n, C].
   kernels::OpsBuffer full(&ops, n * C), dfull(&ops, n * C);
@@ -363,25 +301,17 @@ absl::Status TpspBlock::BackwardImpl(const TransformerOps& ops, const TpspShardV
       dqkv(&ops, n * C3);
   kernels::OpsBuffer dh(&ops, nl * C), dnorm(&ops, nl * C);
   kernels::OpsBuffer dln(&ops, 2 * C);  // ln1 | ln2 partial gradients over the local tokens
+  const tp::Scratch scratch{full.data(), dfull.data(), dm.data(), dg.data(), du.data(),
+                            dnorm.data()};
 
   // MLP: y = h + m Wd_p^T (summed over ranks by the reduce-scatter).
-  RETURN_IF_ERROR(GatherSequence(ops, dy_local, B, T, full.data()));
-  LinearWeightGrad(ops, full.data(), C, r.m, n, C, Fl, grads.wd);
-  LinearInputGrad(ops, full.data(), C, w.wd, n, C, Fl, dm.data());
-  ops.SwiGluBackward(r.g, r.u, dm.data(), n * Fl, dg.data(), du.data());
-  LinearWeightGrad(ops, dg.data(), Fl, r.n2, n, Fl, C, grads.wg);
-  LinearWeightGrad(ops, du.data(), Fl, r.n2, n, Fl, C, grads.wu);
-  LinearInputGrad(ops, dg.data(), Fl, w.wg, n, Fl, C, dfull.data());
-  LinearInputGrad(ops, du.data(), Fl, w.wu, n, Fl, C, dfull.data(), 1.0f);
-  RETURN_IF_ERROR(ReduceScatterSequence(ops, dfull.data(), B, T, dnorm.data()));
-  ops.RmsNormBackward(r.h, w.ln2, r.rstd2, dnorm.data(), nl, C, dh.data(), dln.data() + C);
-  ops.Add(dh.data(), dy_local, nl * C, dh.data());  // The residual's identity branch.
+  RETURN_IF_ERROR(sp.MlpBackward({w.ln2, w.wg, w.wu, w.wd}, r.h, r.mlp(), dy_local, scratch,
+                                 {grads.wg, grads.wu, grads.wd}, dln.data() + C, dh.data()));
 
   // Attention: h = x + att_p Wo_p^T (summed over ranks).
-  RETURN_IF_ERROR(GatherSequence(ops, dh.data(), B, T, full.data()));
-  LinearWeightGrad(ops, full.data(), C, r.att, n, C, Cl, grads.wo);
-  LinearInputGrad(ops, full.data(), C, w.wo, n, C, Cl, datt.data());
-  const AttentionShape s = LocalShape(cfg_, D, B, T);
+  RETURN_IF_ERROR(
+      sp.RowParallelBackward(dh.data(), r.att, Cl, w.wo, full.data(), grads.wo, datt.data()));
+  const AttentionShape s = LocalShape(cfg_, D, c.B, c.T);
   ops.AttentionBackward(s, r.qkv, r.qkv + Cl, r.qkv + 2 * Cl, r.positions, r.positions, r.att,
                         r.lse, datt.data(), dqkv.data(), dqkv.data() + Cl, dqkv.data() + 2 * Cl);
   const float* wqkv[3] = {w.wq, w.wk, w.wv};
@@ -391,9 +321,8 @@ absl::Status TpspBlock::BackwardImpl(const TransformerOps& ops, const TpspShardV
     LinearInputGrad(ops, dqkv.data() + i * Cl, C3, wqkv[i], n, Cl, C, dfull.data(),
                     i == 0 ? 0.0f : 1.0f);
   }
-  RETURN_IF_ERROR(ReduceScatterSequence(ops, dfull.data(), B, T, dnorm.data()));
-  ops.RmsNormBackward(r.x, w.ln1, r.rstd1, dnorm.data(), nl, C, dx_local, dln.data());
-  ops.Add(dx_local, dh.data(), nl * C, dx_local);
+  RETURN_IF_ERROR(sp.NormBackward(dfull.data(), r.x, w.ln1, r.rstd1, dh.data(), dnorm.data(),
+                                  dx_local, dln.data()));
 
   // The replicated norms' gradients: sums over every rank's tokens.
   RETURN_IF_ERROR(comm_->AllReduce(dln.data(), 2 * C));

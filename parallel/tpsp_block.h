@@ -30,17 +30,15 @@
 //
 // Memory spaces. Every buffer the block allocates comes from `ops` (kernels::OpsBuffer) and is
 // only touched through ops calls and the Communicator, so the block runs in host memory (CpuOps
-// + Gloo) or device memory (a CUDA backend + the NCCL communicator):
-// - The BlockWeights / BlockGrads overloads are the CPU API: their std::vectors (and x_local,
-//   y_local, dy_local, dx_local) are host memory, so `ops` must be a host backend and the
-//   Communicator a host one; the cache keeps its activations in its std::vectors.
-// - The TpspShardView / TpspGradsView overloads take pointers in the backend's memory: every
-//   pointer of the views and x_local, y_local, dy_local, dx_local must be in `ops`' memory
-//   (device memory for a CUDA backend) and the Communicator must accept that memory (NCCL on the
-//   same device). The cache then keeps its activations in TpspCache::buffers (allocated through
-//   `ops`; Backward must use the same backend). A device Communicator must run its operations in
-//   stream order with the backend (NCCL and the CUDA ops on one stream), because the block
-//   issues ops and communication back to back without synchronising in between.
+// + Gloo) or device memory (a CUDA backend + the NCCL communicator). Its one API takes views
+// (TpspShardView / TpspGradsView): every pointer of the views and x_local, y_local, dy_local,
+// dx_local must be in `ops`' memory (host vectors through TpspViewOf for a host backend, device
+// memory for a CUDA backend), and the Communicator must accept that memory (NCCL on the same
+// device). The cache keeps its activations in TpspCache::buffers (allocated through `ops`;
+// Backward must use the same backend). A device Communicator must run its operations in stream
+// order with the backend (NCCL and the CUDA ops on one stream), because the block issues ops and
+// communication back to back without synchronising in between. The shared steps of a TP group
+// are in parallel/tp_sublayers.h.
 #pragma once
 
 #include <cstdint>
@@ -73,19 +71,24 @@ absl::Status CheckTpspShard(const BlockConfig& cfg, const BlockWeights& shard, i
 absl::Status PlaceTpspShardGrads(const BlockConfig& cfg, const BlockGrads& shard, int D, int p,
                                  BlockGrads* full);
 
+// Sizes the empty fields of *grads to the shard shapes for degree D, zeroed; then OK iff every
+// field has its shard shape (CheckTpspShard): host gradients for Backward (TpspViewOf(grads)).
+absl::Status SizeTpspGrads(const BlockConfig& cfg, int D, BlockGrads* grads);
+
 // A shard's tensors (the BlockWeights fields, shard shapes as above) as pointers into the
-// backend's memory (see "Memory spaces" above). The TP x CP block (parallel/tpcp_block.h) takes
-// the same views.
-struct TpspShardView {
-  const float* ln1 = nullptr;
-  const float* wq = nullptr;
-  const float* wk = nullptr;
-  const float* wv = nullptr;
-  const float* wo = nullptr;
-  const float* ln2 = nullptr;
-  const float* wg = nullptr;
-  const float* wu = nullptr;
-  const float* wd = nullptr;
+// backend's memory (see "Memory spaces" above): TpspShardView the weights, TpspGradsView the
+// gradients. The TP x CP block (parallel/tpcp_block.h) takes the same views.
+template <typename T>
+struct TpspView {
+  T* ln1 = nullptr;
+  T* wq = nullptr;
+  T* wk = nullptr;
+  T* wv = nullptr;
+  T* wo = nullptr;
+  T* ln2 = nullptr;
+  T* wg = nullptr;
+  T* wu = nullptr;
+  T* wd = nullptr;
 
   bool AnyNull() const {
     for (const float* p : {ln1, wq, wk, wv, wo, ln2, wg, wu, wd}) {
@@ -94,51 +97,33 @@ struct TpspShardView {
     return false;
   }
 };
-struct TpspGradsView {
-  float* ln1 = nullptr;
-  float* wq = nullptr;
-  float* wk = nullptr;
-  float* wv = nullptr;
-  float* wo = nullptr;
-  float* ln2 = nullptr;
-  float* wg = nullptr;
-  float* wu = nullptr;
-  float* wd = nullptr;
-
-  bool AnyNull() const {
-    for (const float* p : {ln1, wq, wk, wv, wo, ln2, wg, wu, wd}) {
-      if (p == nullptr) return true;
-    }
-    return false;
-  }
-};
+using TpspShardView = TpspView<const float>;
+using TpspGradsView = TpspView<float>;
 
 // Views of host tensors (for a host backend); the views point into w / *g.
 TpspShardView TpspViewOf(const BlockWeights& w);
 TpspGradsView TpspViewOf(BlockGrads* g);
 
-// The cache's activations in the backend's memory (the view overloads); positions holds the
-// int32 positions bit for bit in float-sized elements.
+// What the backward needs from the forward, in the backend's memory. n = B * T (all tokens),
+// nl = B * T / D (local). positions holds the int32 positions 0..T-1 bit for bit in float-sized
+// elements.
 struct TpspCacheBuffers {
-  kernels::OpsBuffer positions, x, rstd1, n1, qkv, att, lse, h, rstd2, n2, g, u, m;
+  kernels::OpsBuffer positions;  // [T]
+  kernels::OpsBuffer x;          // [nl, C] block input (local tokens)
+  kernels::OpsBuffer rstd1;      // [nl]
+  kernels::OpsBuffer n1;         // [n, C] gathered rmsnorm(x, ln1)
+  kernels::OpsBuffer qkv;        // [n, 3C/D] own heads: q | k | v
+  kernels::OpsBuffer att, lse;   // [n, C/D], [B, H/D, T]
+  kernels::OpsBuffer h;          // [nl, C]
+  kernels::OpsBuffer rstd2;      // [nl]
+  kernels::OpsBuffer n2;         // [n, C] gathered rmsnorm(h, ln2)
+  kernels::OpsBuffer g, u, m;    // [n, FF/D]
 };
-
-// What the backward needs from the forward. n = B * T (all tokens), nl = B * T / D (local).
-// The CPU API fills the std::vectors; the view form fills `positions` (host metadata) and
-// `buffers` (shared by copies of the cache) and leaves the float vectors empty.
 struct TpspCache {
-  int64_t B = 0, T = 0;            // T is the global sequence length
-  std::vector<int32_t> positions;  // [T] 0..T-1
-  std::vector<float> x;            // [nl, C] block input (local tokens)
-  std::vector<float> rstd1;        // [nl]
-  std::vector<float> n1;           // [n, C] gathered rmsnorm(x, ln1)
-  std::vector<float> qkv;          // [n, 3C/D] own heads: q | k | v
-  std::vector<float> att, lse;     // [n, C/D], [B, H/D, T]
-  std::vector<float> h;            // [nl, C]
-  std::vector<float> rstd2;        // [nl]
-  std::vector<float> n2;           // [n, C] gathered rmsnorm(h, ln2)
-  std::vector<float> g, u, m;      // [n, FF/D]
-  std::shared_ptr<TpspCacheBuffers> buffers;  // the same tensors in backend memory, or null
+  int64_t B = 0, T = 0;  // T is the global sequence length
+  std::shared_ptr<TpspCacheBuffers> buffers;  // shared by copies of the cache; null before Forward
+  // The bytes of the cached tensors (positions included); 0 before Forward.
+  int64_t bytes() const;
 };
 
 class TpspBlock {
@@ -147,45 +132,23 @@ class TpspBlock {
   TpspBlock(const BlockConfig& cfg, Communicator* comm) : cfg_(cfg), comm_(comm) {}
   const BlockConfig& config() const { return cfg_; }
 
-  // y_local [B, T/D, C] from x_local [B, T/D, C] (this rank's tokens of a [B, T, C] batch).
-  // cache may be null (no backward). InvalidArgument on bad shapes; communication errors as
-  // the Communicator reports them.
-  absl::Status Forward(const kernels::TransformerOps& ops, const BlockWeights& shard,
+  // y_local [B, T/D, C] from x_local [B, T/D, C] (this rank's tokens of a [B, T, C] batch),
+  // all in `ops`' memory (sizes are the caller's responsibility). cache may be null (no
+  // backward). InvalidArgument on bad shapes or null pointers; communication errors as the
+  // Communicator reports them.
+  absl::Status Forward(const kernels::TransformerOps& ops, const TpspShardView& shard,
                        const float* x_local, int64_t B, int64_t T, float* y_local,
                        TpspCache* cache) const;
 
   // From dy_local [B, T/D, C]: writes dx_local [B, T/D, C] and accumulates (+=) the shard's
-  // weight gradients (shard shapes; ln1/ln2 all-reduced, hence full) into *grads (empty
-  // fields are first sized and zeroed).
-  absl::Status Backward(const kernels::TransformerOps& ops, const BlockWeights& shard,
-                        const TpspCache& cache, const float* dy_local, float* dx_local,
-                        BlockGrads* grads) const;
-
-  // The same in the backend's memory: every pointer of w and grads, x_local, y_local, dy_local
-  // and dx_local in `ops`' memory (sizes are the caller's responsibility). grads is accumulated
-  // (+=), so it must be initialised (e.g. zeroed with ops.Fill). The cache may come from either
-  // Forward overload.
-  absl::Status Forward(const kernels::TransformerOps& ops, const TpspShardView& shard,
-                       const float* x_local, int64_t B, int64_t T, float* y_local,
-                       TpspCache* cache) const;
+  // weight gradients (shard shapes; ln1/ln2 all-reduced, hence full) into grads, which must be
+  // initialised (e.g. zeroed with ops.Fill, or SizeTpspGrads for host vectors).
   absl::Status Backward(const kernels::TransformerOps& ops, const TpspShardView& shard,
                         const TpspCache& cache, const float* dy_local, float* dx_local,
                         const TpspGradsView& grads) const;
 
  private:
-  // The forward of both overloads; backend_cache selects where the cache's tensors live.
-  absl::Status ForwardImpl(const kernels::TransformerOps& ops, const TpspShardView& w,
-                           const float* x_local, int64_t B, int64_t T, float* y_local,
-                           TpspCache* cache, bool backend_cache) const;
-  absl::Status BackwardImpl(const kernels::TransformerOps& ops, const TpspShardView& w,
-                            const TpspCache& cache, const float* dy_local, float* dx_local,
-                            const TpspGradsView& grads) const;
-  // full [B, T, C] := the ranks' local [B, T/D, C] (all-gather + rearrangement), backend memory.
-  absl::Status GatherSequence(const kernels::TransformerOps& ops, const float* local, int64_t B,
-                              int64_t T, float* full) const;
-  // local [B, T/D, C] := sum over ranks of their partial [B, T, C], own tokens.
-  absl::Status ReduceScatterSequence(const kernels::TransformerOps& ops, const float* full,
-                                     int64_t B, int64_t T, float* local) const;
+  absl::Status Check() const;
 
   BlockConfig cfg_;
   Communicator* comm_;

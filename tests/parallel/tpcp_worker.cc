@@ -17,8 +17,9 @@
 //   TP backward: as forward, plus all-reduce 1 call of 2C floats (ring: sends
 //                4*(2n - blk(r) - blk(r+1)), receives 4*(2n - blk(r-1) - blk(r))).
 //   CP backward: reduce-scatter 1 call, 4*N_kv*(c-1) bytes; all-reduce 1 call of N_w floats.
-// The backend-memory form (TpspShardView / TpspGradsView, the cache in OpsBuffers) on the same
-// host backend must give bit-identical y, dx and gradients (CheckViewForm, worker_check.h).
+// The block runs on views (TpspShardView / TpspGradsView): here of host vectors (TpspViewOf),
+// then of copies in the backend's buffers (OpsBuffers) on the same host backend, which must give
+// bit-identical y, dx and gradients (CheckViewForm, worker_check.h).
 // Prints "OK rank p" and exits 0, or the first mismatch and exits 1.
 #include <algorithm>
 #include <cmath>
@@ -147,7 +148,9 @@ bool RunCase(sp::TpcpGroups& g, int64_t B, int64_t T) {
   CHECK_OK(g.cp->Barrier(), at + " cp barrier");
   g.tp->ResetCounters();
   g.cp->ResetCounters();
-  CHECK_OK(block.Forward(ops, *shard, x_local.data(), B, T, y.data(), &cache), at + " forward");
+  CHECK_OK(sp::SizeTpspGrads(cfg, t, &g_shard), at + " gradient shapes");
+  CHECK_OK(block.Forward(ops, sp::TpspViewOf(*shard), x_local.data(), B, T, y.data(), &cache),
+           at + " forward");
 
   const int64_t n_tp = B * (T / c) * C, n_kv = B * (T / c) * 2 * C / t;
   const int64_t n_w = 2 * C + 4 * C * C / t + 3 * C * cfg.FF / t;
@@ -160,7 +163,8 @@ bool RunCase(sp::TpcpGroups& g, int64_t B, int64_t T) {
   if (!CheckCounters(*g.cp, at + " forward cp", cp_fwd)) return false;
   g.tp->ResetCounters();
   g.cp->ResetCounters();
-  CHECK_OK(block.Backward(ops, *shard, cache, dy_local.data(), dx.data(), &g_shard),
+  CHECK_OK(block.Backward(ops, sp::TpspViewOf(*shard), cache, dy_local.data(), dx.data(),
+                          sp::TpspViewOf(&g_shard)),
            at + " backward");
   Expects tp_bwd = tp_fwd;
   tp_bwd.push_back({sp::OpKind::kAllReduce, AllReduceExpect(*g.tp, 2 * C)});

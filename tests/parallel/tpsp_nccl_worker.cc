@@ -71,9 +71,8 @@ bool CheckBlock(const std::string& what, const Block& block, const kernels::Tran
   const std::vector<float> x_local = TokensAt(ref.x, pos), dy_local = TokensAt(ref.dy, pos);
 
   const BlockBuffers w = BlockBuffers::Upload(ops, *shard);
-  BlockGrads zeros = *gwant;  // the shard's shapes; Backward accumulates into them
-  for (std::vector<float>* v : zeros.Tensors()) std::fill(v->begin(), v->end(), 0.0f);
-  const BlockBuffers g = BlockBuffers::Upload(ops, zeros);
+  // The shard's shapes; Backward accumulates into them.
+  const BlockBuffers g = BlockBuffers::Upload(ops, testing::ZerosLike(*gwant));
   const OpsBuffer bx = Upload(ops, x_local), bdy = Upload(ops, dy_local);
   const OpsBuffer by(&ops, bx.size()), bdx(&ops, bx.size());
   Cache cache;

@@ -13,8 +13,9 @@
 //             reduce-scatter 2 calls, the same bytes; nothing else.
 //   backward: the same, plus one all-reduce of 2C floats (sent 4*(2*2C - blk(p) - blk(p+1)),
 //             the Gloo ring's closed form, parallel/gloo_communicator.cc).
-// The backend-memory form (TpspShardView / TpspGradsView, the cache in OpsBuffers) on the same
-// host backend must give bit-identical y, dx and gradients (CheckViewForm, worker_check.h).
+// The block runs on views (TpspShardView / TpspGradsView): here of host vectors (TpspViewOf),
+// then of copies in the backend's buffers (OpsBuffers) on the same host backend, which must give
+// bit-identical y, dx and gradients (CheckViewForm, worker_check.h).
 // Prints "OK rank p" and exits 0, or the first mismatch and exits 1.
 #include <algorithm>
 #include <cmath>
@@ -124,12 +125,15 @@ bool RunCase(sp::Communicator& comm, int64_t B, int64_t T) {
   sp::BlockGrads g_shard;
   CHECK_OK(comm.Barrier(), at + " barrier");
   comm.ResetCounters();
-  CHECK_OK(block.Forward(ops, *shard, x_local.data(), B, T, y.data(), &cache), at + " forward");
+  CHECK_OK(sp::SizeTpspGrads(cfg, D, &g_shard), at + " gradient shapes");
+  CHECK_OK(block.Forward(ops, sp::TpspViewOf(*shard), x_local.data(), B, T, y.data(), &cache),
+           at + " forward");
   // Per all-gather / reduce-scatter of the [B, T, C] activation: 4*B*T*C*(D-1)/D bytes sent.
   const int64_t per_collective = 4 * B * T * C * (D - 1) / D;
   if (!CheckCounters(comm, at + " forward", per_collective, false, 0)) return false;
   comm.ResetCounters();
-  CHECK_OK(block.Backward(ops, *shard, cache, dy_local.data(), dx.data(), &g_shard),
+  CHECK_OK(block.Backward(ops, sp::TpspViewOf(*shard), cache, dy_local.data(), dx.data(),
+                          sp::TpspViewOf(&g_shard)),
            at + " backward");
   if (!CheckCounters(comm, at + " backward", per_collective, true, 2 * C)) return false;
 

@@ -113,6 +113,13 @@ inline std::vector<float> Download(const kernels::TransformerOps& ops,
   return v;
 }
 
+// w with every element 0 (the same shapes): gradients a block accumulates into.
+inline parallel::BlockWeights ZerosLike(const parallel::BlockWeights& w) {
+  parallel::BlockWeights z = w;
+  for (std::vector<float>* f : z.Tensors()) std::fill(f->begin(), f->end(), 0.0f);
+  return z;
+}
+
 // BlockWeights-shaped tensors (a TP+SP shard or its gradients) in a backend's memory, in
 // BlockWeights::Tensors() order, with the views the TP+SP and TP x CP blocks take.
 struct BlockBuffers {
@@ -140,12 +147,13 @@ struct BlockBuffers {
   }
 };
 
-// Checks a TP+SP-sharded block's backend-memory form (Block = parallel::TpspBlock or
-// parallel::TpcpBlock, Cache its cache type) against its std::vector form on a host backend:
-// the same operations in the same order, so bit-identical results. Runs the view form once on
-// uploaded copies of shard, x_local and dy_local, with gradients that start from the vector
-// form's `grads` (so they must end at exactly 2 x grads), and checks y / dx against the vector
-// form's; then a vector-form backward from the view form's cache must reproduce dx and grads.
+// Checks a TP+SP-sharded block (Block = parallel::TpspBlock or parallel::TpcpBlock, Cache its
+// cache type) on tensors in the backend's buffers (OpsBuffers) against the same block on views of
+// host vectors (TpspViewOf), whose results y, dx and grads the caller got: the same operations in
+// the same order, so bit-identical results. Runs the block once on uploaded copies of shard,
+// x_local and dy_local, with gradients that start from `grads` (so they must end at exactly
+// 2 x grads), and checks y / dx; then a backward on the host vectors from the uploaded run's
+// cache must reproduce dx and grads.
 template <class Block, class Cache>
 bool CheckViewForm(const std::string& at, const Block& block, const kernels::TransformerOps& ops,
                    const parallel::BlockWeights& shard, const std::vector<float>& x_local,
@@ -158,11 +166,11 @@ bool CheckViewForm(const std::string& at, const Block& block, const kernels::Tra
       vdx(&ops, static_cast<int64_t>(dx.size()));
   Cache cache;
   CHECK_OK(block.Forward(ops, w.view(), x.data(), B, T, vy.data(), &cache), at + " view forward");
-  CHECK_OR_FAIL(cache.buffers != nullptr && cache.x.empty(), at, " view cache not in buffers");
+  CHECK_OR_FAIL(cache.buffers != nullptr && cache.bytes() > 0, at, " view cache not in buffers");
   CHECK_OK(block.Backward(ops, w.view(), cache, dy.data(), vdx.data(), g.grads()),
            at + " view backward");
-  CHECK_OR_FAIL(Download(ops, vy) == y, at, " view forward y differs from the vector form");
-  CHECK_OR_FAIL(Download(ops, vdx) == dx, at, " view backward dx differs from the vector form");
+  CHECK_OR_FAIL(Download(ops, vy) == y, at, " view forward y differs from the host-vector run");
+  CHECK_OR_FAIL(Download(ops, vdx) == dx, at, " view backward dx differs from the host-vector run");
   const parallel::BlockGrads twice = g.Download(ops);
   const std::vector<const std::vector<float>*> got = twice.Tensors(), first = grads.Tensors();
   for (size_t f = 0; f < got.size(); ++f) {
@@ -173,17 +181,19 @@ bool CheckViewForm(const std::string& at, const Block& block, const kernels::Tra
                     want);
     }
   }
-  parallel::BlockGrads g3;
+  parallel::BlockGrads g3 = ZerosLike(grads);
   std::vector<float> dx3(dx.size());
-  CHECK_OK(block.Backward(ops, shard, cache, dy_local.data(), dx3.data(), &g3),
-           at + " vector backward from a view cache");
-  CHECK_OR_FAIL(dx3 == dx, at, " vector backward from a view cache: dx differs");
+  CHECK_OK(block.Backward(ops, parallel::TpspViewOf(shard), cache, dy_local.data(), dx3.data(),
+                          parallel::TpspViewOf(&g3)),
+           at + " host-vector backward from a view cache");
+  CHECK_OR_FAIL(dx3 == dx, at, " host-vector backward from a view cache: dx differs");
   const std::vector<const std::vector<float>*> got3 = std::as_const(g3).Tensors();
   for (size_t f = 0; f < got3.size(); ++f) {
-    CHECK_OR_FAIL(*got3[f] == *first[f], at, " vector backward from a view cache: d",
+    CHECK_OR_FAIL(*got3[f] == *first[f], at, " host-vector backward from a view cache: d",
                   parallel::BlockTensorNames()[f], " differs");
   }
-  std::printf("rank %d %s view form: bit-identical to the vector form\n", g_rank, at.c_str());
+  std::printf("rank %d %s in backend buffers: bit-identical to the host-vector run\n", g_rank,
+              at.c_str());
   return true;
 }
 
