@@ -180,14 +180,8 @@ int64_t CacheBytes(const sp::TspCache& c) {
   return SumBytes(c.q_pos, c.k_pos, c.x, c.n1, c.rstd1, c.qkv, c.att, c.lse, c.h, c.n2, c.rstd2,
                   c.g, c.u, c.m);
 }
-int64_t CacheBytes(const sp::TpspCache& c) {
-  return SumBytes(c.positions, c.x, c.rstd1, c.n1, c.qkv, c.att, c.lse, c.h, c.rstd2, c.n2, c.g,
-                  c.u, c.m);
-}
-int64_t CacheBytes(const sp::TpcpCache& c) {
-  return SumBytes(c.q_pos, c.k_pos, c.x, c.rstd1, c.n1, c.q, c.kv, c.att, c.lse, c.h, c.rstd2,
-                  c.n2, c.g, c.u, c.m);
-}
+int64_t CacheBytes(const sp::TpspCache& c) { return c.bytes(); }
+int64_t CacheBytes(const sp::TpcpCache& c) { return c.bytes(); }
 int64_t ParamBytes(const sp::BlockWeights& w) {
   int64_t b = 0;
   for (const std::vector<float>* t : w.Tensors()) b += Bytes(*t);
@@ -281,13 +275,17 @@ int RunWorker(const WorkerFlags& wf) {
       *cache_bytes = CacheBytes(cache);
     } else if (wf.scheme == "tpsp") {
       sp::TpspCache cache;
-      s = tpsp.Forward(ops, tp_w, x_local.data(), B, T, y_local.data(), &cache);
-      if (s.ok()) s = tpsp.Backward(ops, tp_w, cache, dy_local.data(), dx_local.data(), &tp_g);
+      s = tpsp.Forward(ops, sp::TpspViewOf(tp_w), x_local.data(), B, T, y_local.data(), &cache);
+      if (s.ok())
+        s = tpsp.Backward(ops, sp::TpspViewOf(tp_w), cache, dy_local.data(), dx_local.data(),
+                          sp::TpspViewOf(&tp_g));
       *cache_bytes = CacheBytes(cache);
     } else {
       sp::TpcpCache cache;
-      s = tpcp.Forward(ops, tp_w, x_local.data(), B, T, y_local.data(), &cache);
-      if (s.ok()) s = tpcp.Backward(ops, tp_w, cache, dy_local.data(), dx_local.data(), &tp_g);
+      s = tpcp.Forward(ops, sp::TpspViewOf(tp_w), x_local.data(), B, T, y_local.data(), &cache);
+      if (s.ok())
+        s = tpcp.Backward(ops, sp::TpspViewOf(tp_w), cache, dy_local.data(), dx_local.data(),
+                          sp::TpspViewOf(&tp_g));
       *cache_bytes = CacheBytes(cache);
     }
     return s;
