@@ -20,6 +20,13 @@ namespace stallfree {
 
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
+  // The daemon answers with the canonical code of its own status, never UNKNOWN or CANCELLED:
+  // those come from the transport, a call cut off when the connection broke.
+  if (s.error_code() == grpc::StatusCode::UNKNOWN ||
+      s.error_code() == grpc::StatusCode::CANCELLED) {
+    return absl::UnavailableError(
+        absl::StrCat("the connection to stallfreed broke: ", s.error_message()));
+  }
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
@@ -158,6 +165,15 @@ Session::Session(Client* client, v1::SessionRef ref, std::string fd_socket)
 
 Session::~Session() { Close().IgnoreError(); }
 
+absl::Status Session::Rpc(const grpc::Status& s) const {
+  absl::Status st = FromGrpc(s);
+  if (st.ok() || absl::IsUnavailable(st) || conn_ < 0 || !PeerClosed(conn_)) return st;
+  // The daemon that held the session closed the session's connection: its process is gone, and
+  // whatever answered (a restarted daemon: "no session", a wrong token) does not have the session.
+  return absl::UnavailableError(absl::StrCat("stallfreed went away (the connection of session ",
+                                             ref_.session_id(), " closed): ", st.ToString()));
+}
+
 absl::Status Session::Close() {
   if (closed_) return absl::OkStatus();
   closed_ = true;
@@ -166,7 +182,7 @@ absl::Status Session::Close() {
   v1::CloseSessionRequest req;
   *req.mutable_session() = ref_;
   v1::CloseSessionResponse resp;
-  absl::Status st = FromGrpc(client_->stub()->CloseSession(&ctx, req, &resp));
+  absl::Status st = Rpc(client_->stub()->CloseSession(&ctx, req, &resp));
   if (host_registered_) HostUnregister(region_->data(), region_->size());
   region_.reset();
   if (conn_ >= 0) close(conn_);
@@ -215,7 +231,7 @@ absl::Status Session::RegisterParams(const std::vector<ParamSpec>& params,
     s->set_grad_dtype(p.grad_dtype);
   }
   v1::RegisterParamsResponse resp;
-  RETURN_IF_ERROR(FromGrpc(client_->stub()->RegisterParams(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Rpc(client_->stub()->RegisterParams(&ctx, req, &resp)));
   layout_ = resp.layout();
   // A daemon from before param_slots (stallfree 0.1.0) lays out two fp32 parameter slots and
   // names neither.
@@ -288,7 +304,7 @@ absl::Status Session::LoadParams(const std::vector<LoadRange>& ranges) {
     out->set_staging_offset(r.staging_offset);
   }
   v1::LoadParamsResponse resp;
-  return FromGrpc(client_->stub()->LoadParams(&ctx, req, &resp));
+  return Rpc(client_->stub()->LoadParams(&ctx, req, &resp));
 }
 
 absl::Status Session::LoadValues(
@@ -323,7 +339,7 @@ absl::StatusOr<v1::PushGradientsResponse> Session::Push(const v1::PushGradientsR
   v1::PushGradientsRequest req = request;
   *req.mutable_session() = ref_;
   v1::PushGradientsResponse resp;
-  RETURN_IF_ERROR(FromGrpc(client_->stub()->PushGradients(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Rpc(client_->stub()->PushGradients(&ctx, req, &resp)));
   return resp;
 }
 
@@ -333,12 +349,6 @@ absl::StatusOr<v1::PushGradientsResponse> Session::Push(int64_t step, uint32_t s
   req.set_slot(slot);
   req.set_scale(scale);
   return Push(req);
-}
-
-std::future<absl::StatusOr<v1::PushGradientsResponse>> Session::PushAsync(int64_t step,
-                                                                          uint32_t slot,
-                                                                          float scale) {
-  return std::async(std::launch::async, [this, step, slot, scale] { return Push(step, slot, scale); });
 }
 
 absl::Status Session::Update(int64_t step, const v1::AdamWHyper& hyper, uint32_t param_slot,
@@ -373,7 +383,7 @@ absl::Status Session::Update(v1::UpdateRequest req) {
   grpc::ClientContext ctx;
   *req.mutable_session() = ref_;
   v1::UpdateResponse resp;
-  return FromGrpc(client_->stub()->Update(&ctx, req, &resp));
+  return Rpc(client_->stub()->Update(&ctx, req, &resp));
 }
 
 namespace {
@@ -395,7 +405,7 @@ absl::StatusOr<std::vector<int64_t>> Session::MigrateColumns(const std::string& 
                                                              const std::vector<int64_t>& steps) {
   grpc::ClientContext ctx;
   v1::MigrateColumnsResponse resp;
-  RETURN_IF_ERROR(FromGrpc(client_->stub()->MigrateColumns(
+  RETURN_IF_ERROR(Rpc(client_->stub()->MigrateColumns(
       &ctx, MigrateRequest(ref_, param, columns, steps, false), &resp)));
   return std::vector<int64_t>(resp.steps().begin(), resp.steps().end());
 }
@@ -413,7 +423,7 @@ absl::StatusOr<v1::MigrateColumnsResponse> Session::HandOverColumns(
   }
   grpc::ClientContext ctx;
   v1::MigrateColumnsResponse resp;
-  RETURN_IF_ERROR(FromGrpc(client_->stub()->MigrateColumns(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Rpc(client_->stub()->MigrateColumns(&ctx, req, &resp)));
   if (resp.more_size() != static_cast<int>(moves.size()) - 1)
     return absl::InternalError(absl::StrCat("HandOverColumns: ", resp.more_size() + 1,
                                             " answers for ", moves.size(), " parameters"));
@@ -428,7 +438,7 @@ absl::StatusOr<v1::WaitUpdateResponse> Session::WaitUpdate(int64_t min_version,
   req.set_min_version(min_version);
   req.set_timeout_ms(timeout_ms);
   v1::WaitUpdateResponse resp;
-  RETURN_IF_ERROR(FromGrpc(client_->stub()->WaitUpdate(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Rpc(client_->stub()->WaitUpdate(&ctx, req, &resp)));
   return resp;
 }
 
@@ -438,7 +448,7 @@ absl::StatusOr<v1::CheckpointResponse> Session::Checkpoint(const std::string& ta
   *req.mutable_session() = ref_;
   req.set_tag(tag);
   v1::CheckpointResponse resp;
-  RETURN_IF_ERROR(FromGrpc(client_->stub()->Checkpoint(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Rpc(client_->stub()->Checkpoint(&ctx, req, &resp)));
   return resp;
 }
 
@@ -449,7 +459,7 @@ absl::StatusOr<v1::RestoreResponse> Session::Restore(const std::string& tag, v1:
   req.set_tag(tag);
   req.set_out_dtype(out_dtype);
   v1::RestoreResponse resp;
-  RETURN_IF_ERROR(FromGrpc(client_->stub()->Restore(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Rpc(client_->stub()->Restore(&ctx, req, &resp)));
   return resp;
 }
 
@@ -466,7 +476,7 @@ absl::StatusOr<std::string> Session::ReadCheckpointBytes(const std::string& tag,
     req.set_offset(offset);
     req.set_delete_after(delete_after);
     v1::ReadCheckpointResponse resp;
-    RETURN_IF_ERROR(FromGrpc(client_->stub()->ReadCheckpoint(&ctx, req, &resp)));
+    RETURN_IF_ERROR(Rpc(client_->stub()->ReadCheckpoint(&ctx, req, &resp)));
     if (offset == 0) out.reserve(resp.total_bytes());
     out.append(reinterpret_cast<const char*>(staging), resp.length());
     offset += resp.length();
@@ -494,7 +504,7 @@ absl::Status Session::WriteCheckpointBytes(const std::string& tag, const std::st
     req.set_length(n);
     req.set_total_bytes(bytes.size());
     v1::WriteCheckpointResponse resp;
-    RETURN_IF_ERROR(FromGrpc(client_->stub()->WriteCheckpoint(&ctx, req, &resp)));
+    RETURN_IF_ERROR(Rpc(client_->stub()->WriteCheckpoint(&ctx, req, &resp)));
     offset += n;
   } while (offset < bytes.size());
   return absl::OkStatus();
@@ -506,7 +516,7 @@ absl::Status Session::DeleteCheckpoint(const std::string& tag) {
   *req.mutable_session() = ref_;
   req.set_tag(tag);
   v1::DeleteCheckpointResponse resp;
-  return FromGrpc(client_->stub()->DeleteCheckpoint(&ctx, req, &resp));
+  return Rpc(client_->stub()->DeleteCheckpoint(&ctx, req, &resp));
 }
 
 std::future<absl::StatusOr<v1::WaitUpdateResponse>> Session::WaitUpdateAsync(int64_t min_version) {

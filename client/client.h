@@ -17,6 +17,26 @@
 // nor read a parameter slot while an Update into it runs (the gradient slots are double
 // buffered for this; a session registered with one parameter slot must read each Update's
 // parameters before it issues the next Update).
+//
+// Errors are absl::Status with the daemon's canonical codes (offload.proto says which call gives
+// which). The codes that mean the daemon went away, or no longer has a session, so that callers
+// decide by code and never by message text:
+//   UNAVAILABLE  from any method: the daemon is gone. No daemon answers at the socket (Connect,
+//                and every call after it went), the connection to it broke mid-call (gRPC's
+//                transport errors; the fd socket's refused, reset or closed connection), or the
+//                daemon is shutting down (SIGTERM). From a Session's methods also: any failure
+//                after the connection that keeps the session alive has closed, i.e. the daemon
+//                process that held the session exited, crashed or restarted (a restarted
+//                daemon's "no session" or "wrong token" for it comes back as UNAVAILABLE, the
+//                daemon's own message after "stallfreed went away (...): ").
+//   NOT_FOUND    from a Session's methods, while the daemon that holds the session still runs,
+//                naming "session.session_id: no session <id>": an operator closed the session
+//                (stallfreectl close) or the daemon reclaimed it. NOT_FOUND also names a missing
+//                parameter or checkpoint tag (the daemon's own files included: a missing file
+//                is never UNAVAILABLE), so a caller that must tell the two apart asks
+//                Client::ListSessions whether the session is still listed.
+//   ABORTED      from WaitUpdate / WaitUpdateAsync: the session was closed or reclaimed while the
+//                call waited (ABORTED also refuses an Update while the previous one runs).
 #pragma once
 
 #include <future>
@@ -40,6 +60,8 @@ struct ParamSpec {
   v1::DType grad_dtype = v1::DTYPE_FP32;
 };
 
+// A gRPC status as an absl::Status of the same code; UNKNOWN and CANCELLED, which only the
+// transport gives (the daemon never answers them), become UNAVAILABLE.
 absl::Status FromGrpc(const grpc::Status& s);
 
 class Session;
@@ -132,8 +154,6 @@ class Session {
   absl::StatusOr<v1::PushGradientsResponse> Push(int64_t step, uint32_t slot, float scale = 1.0f);
   // The general form: explicit ranges.
   absl::StatusOr<v1::PushGradientsResponse> Push(const v1::PushGradientsRequest& request);
-  std::future<absl::StatusOr<v1::PushGradientsResponse>> PushAsync(int64_t step, uint32_t slot,
-                                                                   float scale = 1.0f);
   // Starts AdamW; returns when the daemon accepted it (not when it finished).
   // column_steps: each column's bias correction uses its own step count (offload.proto).
   absl::Status Update(int64_t step, const v1::AdamWHyper& hyper, uint32_t param_slot,
@@ -187,6 +207,9 @@ class Session {
   friend class Client;
   Session(Client* client, v1::SessionRef ref, std::string fd_socket);
   absl::Status Attach();
+  // The status of one of this session's RPCs: FromGrpc's, or UNAVAILABLE once the session's
+  // connection to the daemon has closed (see the top of this file).
+  absl::Status Rpc(const grpc::Status& s) const;
 
   Client* client_;
   v1::SessionRef ref_;

@@ -97,7 +97,8 @@ absl::Status ErrnoStatus(const std::string& call, const std::string& object, int
   if (err == ENOMEM || err == EAGAIN) return absl::ResourceExhaustedError(msg);
   if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(msg);
   if (err == ENOENT) return absl::NotFoundError(msg);
-  if (err == ECONNREFUSED) return absl::UnavailableError(msg);
+  if (err == ECONNREFUSED || err == ECONNRESET || err == EPIPE || err == ENOTCONN)
+    return absl::UnavailableError(msg);
   return absl::InternalError(msg);
 }
 

@@ -64,7 +64,9 @@ inline absl::Status WithContext(absl::Status s, absl::string_view context) {
 // callers decide by code:
 //   ENOENT              NOT_FOUND (a file or directory is missing; where that means a
 //                       misconfiguration, the caller returns its own FAILED_PRECONDITION)
-//   ECONNREFUSED        UNAVAILABLE (nobody listens: the peer process is gone)
+//   ECONNREFUSED, ECONNRESET, EPIPE, ENOTCONN
+//                       UNAVAILABLE (nobody listens, or the connection broke: the peer process
+//                       is gone)
 //   ENOMEM, EAGAIN      RESOURCE_EXHAUSTED
 //   EACCES, EPERM       PERMISSION_DENIED
 //   anything else       INTERNAL

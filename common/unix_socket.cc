@@ -1,6 +1,7 @@
 #include "common/unix_socket.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -145,6 +146,22 @@ absl::StatusOr<std::string> ReadLine(int sock, size_t max_bytes) {
     line.push_back(c);
   }
   return absl::InvalidArgumentError(absl::StrCat("line longer than ", max_bytes, " bytes"));
+}
+
+bool PeerClosed(int sock) {
+  struct pollfd p;
+  p.fd = sock;
+  p.events = POLLIN | POLLRDHUP;
+  p.revents = 0;
+  int r;
+  do {
+    r = poll(&p, 1, 0);
+  } while (r < 0 && errno == EINTR);
+  if (r <= 0) return false;
+  if (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) return true;
+  char c;
+  const ssize_t n = recv(sock, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
 }  // namespace stallfree

@@ -25,5 +25,10 @@ absl::Status SendWithFd(int sock, const std::string& message, int fd);
 absl::Status RecvWithFd(int sock, size_t max_bytes, std::string* message, int* fd);
 // Reads one '\n'-terminated line (without the newline), at most max_bytes.
 absl::StatusOr<std::string> ReadLine(int sock, size_t max_bytes);
+// True if the peer of the connected socket `sock` has closed its end (or the connection broke),
+// without waiting and without consuming data: for a connection on which the peer sends nothing
+// more, such as a session's connection to the daemon's fd socket (the daemon's process going
+// away closes it).
+bool PeerClosed(int sock);
 
 }  // namespace stallfree

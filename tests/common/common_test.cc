@@ -1,3 +1,6 @@
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
@@ -10,6 +13,7 @@
 #include "common/bf16.h"
 #include "common/bounds.h"
 #include "common/status.h"
+#include "common/unix_socket.h"
 
 namespace stallfree {
 namespace {
@@ -137,18 +141,32 @@ TEST(StatusMacros, ContextGoesBeforeTheMessageAndKeepsTheCode) {
 }
 
 // ErrnoStatus codes by errno: a missing file is NOT_FOUND (it was UNAVAILABLE, which callers
-// read as "the daemon went away"); only a refused connection is UNAVAILABLE. The message names
-// the call, the object and errno.
+// read as "the daemon went away"); a refused or broken connection is UNAVAILABLE. The message
+// names the call, the object and errno.
 TEST(ErrnoStatus, CodesFollowErrno) {
   const absl::Status missing = ErrnoStatus("open", "/state/1000/a.sfckpt", ENOENT);
   EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
   EXPECT_NE(missing.message().find("open(/state/1000/a.sfckpt)"), std::string::npos) << missing;
   EXPECT_NE(missing.message().find("(errno " + std::to_string(ENOENT) + ")"), std::string::npos)
       << missing;
-  EXPECT_EQ(ErrnoStatus("connect", "s", ECONNREFUSED).code(), absl::StatusCode::kUnavailable);
+  for (int err : {ECONNREFUSED, ECONNRESET, EPIPE, ENOTCONN})
+    EXPECT_EQ(ErrnoStatus("sendmsg", "fd 3", err).code(), absl::StatusCode::kUnavailable) << err;
   EXPECT_EQ(ErrnoStatus("mmap", "r", ENOMEM).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(ErrnoStatus("open", "f", EACCES).code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(ErrnoStatus("write", "f", EIO).code(), absl::StatusCode::kInternal);
+}
+
+// PeerClosed: a session's liveness connection (the client's test for "the daemon that held my
+// session is gone"): open is false, even with unread bytes; the other end closed is true.
+TEST(PeerClosed, TellsAClosedConnectionFromAnOpenOne) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  EXPECT_FALSE(PeerClosed(sv[0]));
+  ASSERT_EQ(write(sv[1], "x", 1), 1);
+  EXPECT_FALSE(PeerClosed(sv[0]));
+  close(sv[1]);
+  EXPECT_TRUE(PeerClosed(sv[0]));
+  close(sv[0]);
 }
 
 }  // namespace

@@ -434,5 +434,68 @@ TEST(Daemon, SigtermFinishesRunningUpdateAndExitsZero) {
   EXPECT_NE(stat(d.socket().c_str(), &st), 0) << "socket file left behind";
 }
 
+// A stallfreed at `socket` (its state under state_dir), started by hand so that it can take the
+// socket of a daemon that went away; killed by the caller. -1 without a binary.
+pid_t StartDaemonAt(const std::string& socket, const std::string& state_dir) {
+  const std::string binary = testing::FindBinary("server/stallfreed");
+  if (binary.empty()) return -1;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int null = open("/dev/null", O_WRONLY);
+    dup2(null, 2);
+    execl(binary.c_str(), binary.c_str(), "--socket", socket.c_str(), "--state_dir",
+          state_dir.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return pid;
+}
+
+// The daemon a session lived in went away and another came back on its socket without the
+// session: every call of the session is UNAVAILABLE (the new daemon's "no session" included),
+// so callers decide by code. A live daemon's missing checkpoint stays NOT_FOUND.
+TEST(Daemon, ASessionWhoseDaemonRestartedIsUnavailable) {
+  Daemon d;
+  ASSERT_TRUE(d.started()) << d.error();
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto session = (*client)->OpenSession("lost", 0);
+  ASSERT_TRUE(session.ok()) << session.status();
+  Session& s = **session;
+  ASSERT_TRUE(s.RegisterParams({{"w", {64}, v1::DTYPE_FP32}}).ok());
+  ASSERT_TRUE(s.Push(1, 0).ok());
+  const int status = d.Terminate();
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+
+  const pid_t again = StartDaemonAt(d.socket(), d.dir() + "/state2");
+  ASSERT_GT(again, 0);
+  // Until the old client's channel has reconnected, the calls fail in the transport; then the
+  // new daemon answers "no session". Both are UNAVAILABLE.
+  absl::Status push;
+  bool daemon_answered = false;
+  for (int i = 0; i < 200 && !daemon_answered; ++i) {
+    push = s.Push(2, 0).status();
+    ASSERT_EQ(push.code(), Code::kUnavailable) << push;
+    daemon_answered = push.message().find("no session") != absl::string_view::npos;
+    if (!daemon_answered) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(daemon_answered) << "the new daemon never answered: " << push;
+  EXPECT_NE(push.message().find("stallfreed went away"), absl::string_view::npos) << push;
+  const absl::Status wait = s.WaitUpdate(1).status();
+  EXPECT_EQ(wait.code(), Code::kUnavailable) << wait;
+  const absl::Status restore = s.Restore("anything").status();
+  EXPECT_EQ(restore.code(), Code::kUnavailable) << restore;
+
+  // A session of the new daemon: its missing checkpoint is NOT_FOUND, its calls go on.
+  auto fresh_client = Client::Connect(d.socket());
+  ASSERT_TRUE(fresh_client.ok()) << fresh_client.status();
+  auto fresh = (*fresh_client)->OpenSession("fresh", 0);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  ASSERT_TRUE((*fresh)->RegisterParams({{"w", {64}, v1::DTYPE_FP32}}).ok());
+  EXPECT_EQ((*fresh)->Restore("never-written").status().code(), Code::kNotFound);
+  EXPECT_TRUE((*fresh)->Push(1, 0).ok());
+  kill(again, SIGKILL);
+  waitpid(again, nullptr, 0);
+}
+
 }  // namespace
 }  // namespace stallfree
