@@ -110,14 +110,22 @@ cat >"$BUNDLE/run.sh" <<'RUN_SH'
 # under a timeout (860 s in all; `run.sh NAME...` runs only those
 # checks, e.g. `run.sh torch_build torch_tests hf_causal_lm`). Needs an
 # NVIDIA GPU, its driver (CUDA 13 or newer) and the CUDA 13 runtime, cuBLAS and NCCL
-# (/usr/local/cuda/lib64, or on LD_LIBRARY_PATH). Exit status 0 when every binary passed (or skipped for want of a device).
+# (/usr/local/cuda/lib64, or on LD_LIBRARY_PATH). Exit status 0 when every check passed. A check
+# that says SKIP passes only where nvidia-smi lists no GPU: on a machine where it lists one, a
+# SKIP means the device is there but unusable (a broken driver, a runtime that does not match)
+# and fails the run, except a multi-device case skipped because only one GPU is listed.
 # GPU_CHECK_LOG_DIR=<dir> also writes each binary's output to <dir>/<name>.log.
 set -u
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH="$PWD/lib:${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64"
 LOG_DIR=${GPU_CHECK_LOG_DIR:-}
 [[ -n "$LOG_DIR" ]] && mkdir -p "$LOG_DIR"
-command -v nvidia-smi >/dev/null && nvidia-smi -L
+# The GPUs nvidia-smi lists: with any, a check may not skip for want of a device.
+gpus=0
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi -L
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU") || gpus=0
+fi
 failed=0
 summary=()
 only=("$@")
@@ -146,7 +154,15 @@ run() {
   rc=${PIPESTATUS[0]}
   local took=$((SECONDS - start))
   if [[ $rc == 0 ]]; then
-    if grep -q "^SKIP" "$log" 2>/dev/null; then
+    # A SKIP the listed GPUs do not explain: any with a GPU listed, but a multi-device case
+    # ("need(s) 2 devices") where only one is.
+    local unexplained
+    unexplained=$(grep "^SKIP" "$log" 2>/dev/null |
+      { if [[ $gpus == 1 ]]; then grep -Ev "needs? 2 devices"; else cat; fi; } || true)
+    if [[ $gpus -gt 0 && -n "$unexplained" ]]; then
+      summary+=("FAIL $name (said SKIP, but nvidia-smi lists $gpus GPU(s): ${unexplained%%$'\n'*})")
+      failed=1
+    elif grep -q "^SKIP" "$log" 2>/dev/null; then
       summary+=("SKIP $name (${took}s)")
     else
       summary+=("PASS $name (${took}s)")

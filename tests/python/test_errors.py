@@ -102,11 +102,47 @@ def test_invalid_hyperparameter_is_value_error_naming_it(kwargs, arg, daemon):
         assert re.search(r"\b%s\b" % arg, str(err.value)), str(err.value)
 
 
-def test_boundary_hyperparameters_are_accepted(daemon):
+# The edges of the valid ranges: lr and weight_decay 0, betas 0 (bias corrections 1 - 0^t = 1),
+# every column hot (topk_ratio 1), an update every step.
+BOUNDARY = dict(betas=(0.0, 0.0), weight_decay=0.0, topk_ratio=1.0, update_interval=1)
+
+
+@pytest.mark.parametrize("mode", ["default", *MODES])
+def test_boundary_hyperparameters_with_zero_lr_change_nothing(mode, daemon):
+    """The boundary values are accepted, and with lr = 0 (and weight_decay = 0) three steps leave
+    every parameter exactly as it was, as torch.optim.AdamW would; the steps did run (each
+    parameter has its optimizer state). "default": ZenFlowAdamW's own defaults otherwise (zenflow
+    with its warm-up)."""
     model = models.make_model(0)
-    with ZenFlowAdamW(model.parameters(), lr=0.0, betas=(0.0, 0.0), weight_decay=0.0,
-                      topk_ratio=1.0, update_interval=1, socket=daemon.socket) as opt:
-        one_step(model, opt)
+    before = models.snapshot(model)
+    kw = {**({} if mode == "default" else MODES[mode]), **BOUNDARY, "lr": 0.0}
+    with make_opt(model.parameters(), daemon, **kw) as opt:
+        for step in range(1, 4):
+            one_step(model, opt, step)
+        assert len(opt.state_dict()["state"]) == len(before), opt.state_dict()["state"].keys()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach().cpu(), before[name]), name
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_boundary_betas_train_like_torch_adamw(mode, daemon):
+    """The same boundary values with a learning rate train like torch.optim.AdamW with
+    betas (0, 0): the update is lr * g / (|g| + eps), with no division by a zero bias
+    correction."""
+    def factory(groups):  # the groups' own lr and weight_decay (models.param_groups) apply
+        return make_opt(groups, daemon, **{**MODES[mode], **BOUNDARY})
+
+    def reference(groups):
+        return torch.optim.AdamW(groups, betas=(0.0, 0.0), eps=1e-8)
+
+    init = models.snapshot(models.make_model(0))
+    run = models.train(factory, 6)
+    ref = models.train(reference, 6)
+    for step, (a, b) in enumerate(zip(run.losses, ref.losses), 1):
+        assert models.rel_diff(a, b) <= models.LOSS_RTOL, (step, a, b)
+    for name, d in models.max_abs_diff(run.params, ref.params).items():
+        assert d <= models.PARAM_ATOL, (name, d)
+        assert not torch.equal(run.params[name], init[name]), name
 
 
 def exact_factory(daemon, mode):

@@ -81,7 +81,9 @@ class SessionManagerTest : public ::testing::Test {
     manager_->PushGradients(push_, &push_resp_, [this, &entered](absl::Status s) {
       push_status_ = s;
       entered.set_value();
-      if (s.ok()) released_.wait();  // an error comes inline, on this thread
+      if (!s.ok()) return;  // an error comes inline, on this thread
+      released_.wait();
+      manager_alive_after_release_.store(!destroyed_.load());
     });
     entered.get_future().wait();
     ASSERT_TRUE(push_status_.ok()) << push_status_;
@@ -108,11 +110,20 @@ class SessionManagerTest : public ::testing::Test {
   }
 
   // Destroys the manager on another thread; returns that thread. destroyed_ is set when done.
+  // Returns once the destructor has begun: the manager refuses requests as it drains.
   std::thread DestroyManager() {
-    return std::thread([this] {
+    SessionManager* const manager = manager_.get();
+    std::thread destroyer([this] {
       manager_.reset();
       destroyed_.store(true);
     });
+    // A condition, not a sleep: a request for no session is NOT_FOUND until Drain (the
+    // destructor's first step) refuses it as UNAVAILABLE. The manager is still there: this
+    // fixture's held task keeps the destructor waiting, which is what the tests check.
+    v1::UpdateRequest probe;
+    probe.mutable_session()->set_session_id(~uint64_t{0});
+    while (manager->Update(probe).code() != Code::kUnavailable) std::this_thread::yield();
+    return destroyer;
   }
 
   tbb::task_arena arena_{2, 0};
@@ -126,6 +137,8 @@ class SessionManagerTest : public ::testing::Test {
   std::shared_future<void> released_ = release_.get_future().share();
   bool released_once_ = false;
   std::atomic<bool> destroyed_{false};
+  // What the held task saw when released: the manager not destroyed yet.
+  std::atomic<bool> manager_alive_after_release_{false};
 };
 
 // Close while a task runs and another waits behind it, then destroy the manager: the destructor
@@ -150,11 +163,11 @@ TEST_F(SessionManagerTest, DestroyingTheManagerWaitsForAClosedSessionsWork) {
   EXPECT_GT(stats.pinned_bytes(), 0u);  // the running push still uses the memory
 
   std::thread destroyer = DestroyManager();
-  std::this_thread::sleep_for(300ms);
   EXPECT_FALSE(destroyed_.load()) << "the manager went while a closed session's task ran";
   Release();
   destroyer.join();
   EXPECT_TRUE(destroyed_.load());
+  EXPECT_TRUE(manager_alive_after_release_.load()) << "the manager went before its task ended";
   EXPECT_TRUE(push_status_.ok()) << push_status_;
 }
 
@@ -195,16 +208,18 @@ TEST_F(SessionManagerTest, DestroyingTheManagerWaitsForDetachedWork) {
   manager_->ListCheckpoints(list, &resp, [&](absl::Status s) {
     listed = s;
     entered.set_value();
-    if (s.ok()) released_.wait();  // an error comes inline, on this thread
+    if (!s.ok()) return;  // an error comes inline, on this thread
+    released_.wait();
+    manager_alive_after_release_.store(!destroyed_.load());
   });
   entered.get_future().wait();
   ASSERT_TRUE(listed.ok()) << listed;
   std::thread destroyer = DestroyManager();
-  std::this_thread::sleep_for(300ms);
   EXPECT_FALSE(destroyed_.load()) << "the manager went while a detached task ran";
   Release();
   destroyer.join();
   EXPECT_TRUE(destroyed_.load());
+  EXPECT_TRUE(manager_alive_after_release_.load()) << "the manager went before its task ended";
 }
 
 // After Drain every request is refused (UNAVAILABLE), also the ones that run detached.

@@ -1,7 +1,10 @@
 // stallfreed under systemd's service protocol (Type=notify), with the test as systemd: the daemon
 // is started with $NOTIFY_SOCKET pointing at the test's own datagram socket and $WATCHDOG_USEC
-// set, and must send READY=1 (with a STATUS= naming its sessions and pinned bytes), then
-// WATCHDOG=1 at least every half period, then, on SIGTERM, STOPPING=1 last, and exit 0.
+// set. Every datagram must be well formed (KEY=VALUE lines of READY, STATUS, WATCHDOG,
+// STOPPING); the first is READY=1 with the STATUS of an empty daemon; WATCHDOG=1 follows within
+// every watchdog period (systemd would kill the daemon otherwise), and its STATUS= follows the
+// daemon's state (a session with registered parameters and one update); on SIGTERM STOPPING=1
+// comes last, and the daemon exits 0.
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -11,12 +14,17 @@
 
 #include <chrono>
 #include <cstring>
+#include <functional>
+#include <map>
+#include <regex>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "client/client.h"
 #include "testing/binaries.h"
+#include "testing/hyper.h"
 #include "testing/spawn.h"
 
 namespace stallfree {
@@ -51,6 +59,64 @@ class NotifySocket {
   bool bound_ = false;
 };
 
+using Clock = std::chrono::steady_clock;
+
+// One datagram: its KEY=VALUE lines, and when it arrived.
+struct Notification {
+  std::map<std::string, std::string> fields;
+  Clock::time_point at;
+  std::string text;
+  bool Has(const std::string& key) const { return fields.count(key) > 0; }
+};
+
+// Parses and checks a datagram as systemd would read it; adds a failure for anything else.
+Notification Parse(const std::string& text) {
+  Notification n;
+  n.text = text;
+  n.at = Clock::now();
+  const std::regex status(R"(\d+ sessions, \d+ MiB pinned, \d+ updates|stopping: .+)");
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(start, end - start);
+    start = end + 1;
+    const size_t eq = line.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      ADD_FAILURE() << "not KEY=VALUE: '" << line << "' in " << text;
+      continue;
+    }
+    const std::string key = line.substr(0, eq), value = line.substr(eq + 1);
+    EXPECT_TRUE(n.fields.emplace(key, value).second) << key << " twice in " << text;
+    if (key == "READY" || key == "WATCHDOG" || key == "STOPPING") {
+      EXPECT_EQ(value, "1") << text;
+    } else if (key == "STATUS") {
+      EXPECT_TRUE(std::regex_match(value, status)) << "STATUS: '" << value << "'";
+    } else {
+      ADD_FAILURE() << "unexpected " << key << " in " << text;
+    }
+  }
+  return n;
+}
+
+// "<n> sessions, <m> MiB pinned, <u> updates" -> n, m, u (-1 each when not that form).
+struct StatusNumbers {
+  int64_t sessions = -1, pinned_mib = -1, updates = -1;
+};
+StatusNumbers Numbers(const Notification& n) {
+  StatusNumbers out;
+  auto it = n.fields.find("STATUS");
+  if (it == n.fields.end()) return out;
+  std::smatch m;
+  const std::regex re(R"((\d+) sessions, (\d+) MiB pinned, (\d+) updates)");
+  if (std::regex_match(it->second, m, re)) {
+    out.sessions = std::stoll(m[1]);
+    out.pinned_mib = std::stoll(m[2]);
+    out.updates = std::stoll(m[3]);
+  }
+  return out;
+}
+
 TEST(Systemd, ReadyStatusWatchdogThenStoppingInOrder) {
   char tmpl[] = "/tmp/stallfree-sd-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);
@@ -59,61 +125,96 @@ TEST(Systemd, ReadyStatusWatchdogThenStoppingInOrder) {
   ASSERT_TRUE(notify.bound());
   const std::string daemon = testing::FindBinary("server/stallfreed");
   ASSERT_FALSE(daemon.empty());
-  // A 300 ms watchdog: WATCHDOG=1 is due every 150 ms.
-  const pid_t pid = testing::Spawn("exec env NOTIFY_SOCKET=" + dir + "/notify WATCHDOG_USEC=300000 " +
+  // A 2 s watchdog: WATCHDOG=1 is due every second, and systemd restarts a daemon that is
+  // silent for the whole period.
+  const auto period = std::chrono::seconds(2);
+  const pid_t pid = testing::Spawn("exec env NOTIFY_SOCKET=" + dir + "/notify WATCHDOG_USEC=2000000 " +
                                    daemon + " --socket " + dir + "/d.sock --state_dir " + dir +
                                    "/state --log_level warning 2>" + dir + "/log");
-  std::vector<std::string> got;
-  int watchdogs = 0;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (watchdogs < 4 && std::chrono::steady_clock::now() < until) {
-    std::string m = notify.Receive();
-    if (m.empty()) continue;
-    got.push_back(m);
-    if (m.find("WATCHDOG=1") != std::string::npos) ++watchdogs;
-  }
-  ASSERT_GE(watchdogs, 4) << "no watchdog feeding within 20 s";
+  std::vector<Notification> got;
+  // Receives until `done` holds for a datagram (true) or 20 s pass (false).
+  auto receive_until = [&](const std::function<bool(const Notification&)>& done) {
+    const auto until = Clock::now() + std::chrono::seconds(20);
+    while (Clock::now() < until) {
+      const std::string m = notify.Receive();
+      if (m.empty()) continue;
+      got.push_back(Parse(m));
+      if (done(got.back())) return true;
+    }
+    return false;
+  };
+  ASSERT_TRUE(receive_until([](const Notification& n) { return n.Has("READY"); }))
+      << "no READY=1 within 20 s";
+  ASSERT_EQ(got.size(), 1u) << "READY=1 must come first: " << got.front().text;
+  EXPECT_EQ(got.front().fields["STATUS"], "0 sessions, 0 MiB pinned, 0 updates");
+
+  // A session with 4 Mi registered elements and one update: the watchdog's STATUS follows.
+  auto client = Client::Connect(dir + "/d.sock");
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto session = (*client)->OpenSession("sd", 0);
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_TRUE((*session)->RegisterParams({{"w", {int64_t{4} << 20}, v1::DTYPE_FP32}}).ok());
+  ASSERT_TRUE((*session)->Update(1, testing::TestHyper(0.01), 0).ok());
+  ASSERT_TRUE((*session)->WaitUpdate(1).ok());
+  ASSERT_TRUE(receive_until([](const Notification& n) {
+    const StatusNumbers s = Numbers(n);
+    return n.Has("WATCHDOG") && s.sessions == 1 && s.updates == 1;
+  })) << "no WATCHDOG=1 with the session and its update in its STATUS within 20 s";
+  const StatusNumbers busy = Numbers(got.back());
+  EXPECT_GE(busy.pinned_mib, 16) << got.back().text;  // values, m, v, accumulator: 16 MiB
+  ASSERT_TRUE((*session)->Close().ok());
+  session->reset();
+  // Two more feedings after the session went: back to no sessions and no pinned memory.
+  int after_close = 0;
+  ASSERT_TRUE(receive_until([&](const Notification& n) {
+    return n.Has("WATCHDOG") && Numbers(n).sessions == 0 && ++after_close == 2;
+  })) << "no WATCHDOG=1 with the session gone within 20 s";
+  EXPECT_EQ(Numbers(got.back()).pinned_mib, 0) << got.back().text;
+
   kill(pid, SIGTERM);
-  bool stopping = false;
-  const auto stop_until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!stopping && std::chrono::steady_clock::now() < stop_until) {
-    std::string m = notify.Receive();
-    if (m.empty()) continue;
-    got.push_back(m);
-    stopping = m.find("STOPPING=1") != std::string::npos;
-  }
+  const bool stopping =
+      receive_until([](const Notification& n) { return n.Has("STOPPING"); });
   int status = 0;
   waitpid(pid, &status, 0);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
-  ASSERT_TRUE(stopping);
-  // READY first, with the status line; STOPPING last; every WATCHDOG in between.
-  ASSERT_FALSE(got.empty());
-  EXPECT_NE(got.front().find("READY=1"), std::string::npos) << got.front();
-  EXPECT_NE(got.front().find("STATUS=0 sessions, 0 MiB pinned"), std::string::npos)
-      << got.front();
-  EXPECT_NE(got.back().find("STOPPING=1"), std::string::npos) << got.back();
-  for (size_t i = 1; i + 1 < got.size(); ++i) {
-    EXPECT_EQ(got[i].find("READY=1"), std::string::npos) << i << ": " << got[i];
-    EXPECT_EQ(got[i].find("STOPPING=1"), std::string::npos) << i << ": " << got[i];
+  ASSERT_TRUE(stopping) << "no STOPPING=1 within 20 s of SIGTERM";
+  // STOPPING last; READY only first; WATCHDOG=1 never further apart than the period, from READY.
+  EXPECT_EQ(got.back().fields["STATUS"], "stopping: finishing running updates");
+  int watchdogs = 0;
+  Clock::time_point last_feed = got.front().at;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].Has("READY"), i == 0) << i << ": " << got[i].text;
+    EXPECT_EQ(got[i].Has("STOPPING"), i + 1 == got.size()) << i << ": " << got[i].text;
+    if (!got[i].Has("WATCHDOG")) continue;
+    ++watchdogs;
+    EXPECT_LT(got[i].at - last_feed, period) << "watchdog " << watchdogs << " came late";
+    last_feed = got[i].at;
   }
+  EXPECT_GE(watchdogs, 3);
   if (system(("rm -rf " + dir).c_str()) != 0) perror("rm");
 }
 
-// Without $NOTIFY_SOCKET the daemon runs as before (sd_notify is a no-op).
+// Without $NOTIFY_SOCKET the daemon runs as before (sd_notify is a no-op): it serves, and exits 0
+// on SIGTERM.
 TEST(Systemd, WithoutNotifySocketNothingChanges) {
   char tmpl[] = "/tmp/stallfree-sd-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);
   const std::string dir = tmpl;
   const std::string daemon = testing::FindBinary("server/stallfreed");
-  const pid_t pid = testing::Spawn("exec env -u NOTIFY_SOCKET " + daemon + " --socket " + dir +
-                                   "/d.sock --state_dir " + dir + "/state --log_level warning");
-  struct stat st;
-  bool up = false;
-  for (int i = 0; i < 200 && !up; ++i) {
-    up = stat((dir + "/d.sock").c_str(), &st) == 0;
-    usleep(25000);
+  ASSERT_FALSE(daemon.empty());
+  const pid_t pid = testing::Spawn("exec env -u NOTIFY_SOCKET -u WATCHDOG_USEC " + daemon +
+                                   " --socket " + dir + "/d.sock --state_dir " + dir +
+                                   "/state --log_level warning");
+  // Until the daemon listens (at most 10 s); then it must answer.
+  absl::StatusOr<std::unique_ptr<Client>> client = absl::UnavailableError("not tried");
+  for (int i = 0; i < 400 && !client.ok(); ++i) {
+    client = Client::Connect(dir + "/d.sock", 100);
+    if (!client.ok()) usleep(25000);
   }
-  EXPECT_TRUE(up);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto health = (*client)->Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, "SERVING");
   kill(pid, SIGTERM);
   int status = 0;
   waitpid(pid, &status, 0);
