@@ -373,5 +373,27 @@ void ModeledDevice::ScatterColumns(const void* src, size_t elem_size, int64_t ro
   Hbm(2.0 * static_cast<double>(rows) * k * elem_size);
 }
 
+void ModeledDevice::GatherColumnsAs(GradType src_type, const void* src, int64_t rows,
+                                    int64_t ld, const int64_t* idx, int64_t k,
+                                    GradType dst_type, void* dst) const {
+  if (!AnyVirtual({src, idx, dst}))
+    CpuK().GatherColumnsAs(src_type, src, rows, ld, idx, k, dst_type, dst);
+  Hbm(static_cast<double>(rows) * k * (Sz(src_type) + Sz(dst_type)));
+}
+
+void ModeledDevice::ScatterColumnsAs(GradType src_type, const void* src, int64_t rows,
+                                     int64_t ld, const int64_t* idx, int64_t k,
+                                     GradType dst_type, void* dst) const {
+  if (!AnyVirtual({src, idx, dst}))
+    CpuK().ScatterColumnsAs(src_type, src, rows, ld, idx, k, dst_type, dst);
+  Hbm(static_cast<double>(rows) * k * (Sz(src_type) + Sz(dst_type)));
+}
+
+void* ModeledDevice::HostView(void* host, std::string* error) const {
+  (void)host;
+  if (error) *error = "the modeled device does not model direct transfers";
+  return nullptr;
+}
+
 }  // namespace bench
 }  // namespace stallfree

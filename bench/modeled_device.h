@@ -30,6 +30,11 @@
 // selection (sigma = 2, rho = 0.998: the top 10% of columns hold ~78% of the mass and ~5% of the
 // top 10% change per call). Deterministic for a given seed and call order.
 //
+// Transfers. Every host thread has a stream of its own, so the engine's copy thread overlaps its
+// copies with compute as a CUDA copy stream does, without NewCopyStream. The engine's direct
+// transfers (kernels reading and writing host memory through HostView) are not modeled: HostView
+// refuses, and the engine should be configured with Transfers::kBuffered, CUDA's default.
+//
 // Thread safety: all methods are thread safe. The device must outlive every buffer allocated from
 // it; virtual address space is never reused (Free of a virtual block only updates the counters).
 #pragma once
@@ -160,6 +165,15 @@ class ModeledDevice final : public kernels::TransformerOps, public kernels::Opti
                      const int64_t* idx, int64_t k, void* dst) const override;
   void ScatterColumns(const void* src, size_t elem_size, int64_t rows, int64_t ld,
                       const int64_t* idx, int64_t k, void* dst) const override;
+  void GatherColumnsAs(kernels::GradType src_type, const void* src, int64_t rows, int64_t ld,
+                       const int64_t* idx, int64_t k, kernels::GradType dst_type,
+                       void* dst) const override;
+  void ScatterColumnsAs(kernels::GradType src_type, const void* src, int64_t rows, int64_t ld,
+                        const int64_t* idx, int64_t k, kernels::GradType dst_type,
+                        void* dst) const override;
+  // Null: kernels here do not address host memory (the engine's direct transfers would take the
+  // modeled HBM time instead of the link's). Run the engine with buffered transfers, as on CUDA.
+  void* HostView(void* host, std::string* error) const override;
 
  private:
   using Clock = std::chrono::steady_clock;
