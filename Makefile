@@ -95,7 +95,8 @@ bench: deps
 	$(BAZEL) run //bench:transport_bench
 	$(BAZEL) run //bench:load_bench
 	$(BAZEL) run //bench:tsp_bench
-	$(BAZEL) run //bench:offload_bench
+	$(BAZEL) run //bench:offload_quality_bench
+	$(BAZEL) run //bench:offload_modeled_bench
 	$(BAZEL) run //bench:train_bench -- --quick
 	$(BAZEL) build //python:stallfree_package
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/torch_bench.py
