@@ -386,35 +386,22 @@ absl::Status Session::Update(v1::UpdateRequest req) {
   return Rpc(client_->stub()->Update(&ctx, req, &resp));
 }
 
-namespace {
-v1::MigrateColumnsRequest MigrateRequest(const v1::SessionRef& ref, const std::string& param,
-                                         const std::vector<int64_t>& columns,
-                                         const std::vector<int64_t>& steps, bool handover) {
-  v1::MigrateColumnsRequest req;
-  *req.mutable_session() = ref;
-  req.set_param(param);
-  for (int64_t c : columns) req.add_columns(c);
-  for (int64_t t : steps) req.add_steps(t);
-  req.set_handover(handover);
-  return req;
-}
-}  // namespace
-
-absl::StatusOr<std::vector<int64_t>> Session::MigrateColumns(const std::string& param,
-                                                             const std::vector<int64_t>& columns,
-                                                             const std::vector<int64_t>& steps) {
-  grpc::ClientContext ctx;
-  v1::MigrateColumnsResponse resp;
-  RETURN_IF_ERROR(Rpc(client_->stub()->MigrateColumns(
-      &ctx, MigrateRequest(ref_, param, columns, steps, false), &resp)));
-  return std::vector<int64_t>(resp.steps().begin(), resp.steps().end());
+absl::StatusOr<std::vector<int64_t>> Session::MigrateColumns(const std::string&,
+                                                             const std::vector<int64_t>&,
+                                                             const std::vector<int64_t>&) {
+  return absl::UnimplementedError(
+      "MigrateColumns: the quiescent column swap is gone; use HandOverColumns");
 }
 
 absl::StatusOr<v1::MigrateColumnsResponse> Session::HandOverColumns(
     const std::vector<ColumnMove>& moves) {
   if (moves.empty()) return absl::InvalidArgumentError("HandOverColumns: no moves");
-  v1::MigrateColumnsRequest req =
-      MigrateRequest(ref_, moves[0].param, moves[0].columns, moves[0].steps, true);
+  v1::MigrateColumnsRequest req;
+  *req.mutable_session() = ref_;
+  req.set_handover(true);
+  req.set_param(moves[0].param);
+  for (int64_t c : moves[0].columns) req.add_columns(c);
+  for (int64_t t : moves[0].steps) req.add_steps(t);
   for (size_t i = 1; i < moves.size(); ++i) {
     v1::ColumnHandover* h = req.add_more();
     h->set_param(moves[i].param);

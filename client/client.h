@@ -168,17 +168,18 @@ class Session {
                               const std::vector<std::string>& skip_params = {});
   // The general form: an explicit request (its session is set here).
   absl::Status Update(v1::UpdateRequest request);
-  // Swaps the state of `columns` of parameter `param` with the three [rows, n] blocks (values,
-  // m, v) the caller wrote at Staging(); returns the columns' previous step counts (their
-  // previous state is then in the staging blocks). See MigrateColumnsRequest.
+  // Gone (the daemon migrates columns only as a handover): UNIMPLEMENTED. Kept only until
+  // tests/engine/zenflow_test.cc's MigrateColumnsValidates, its last caller, is removed.
   absl::StatusOr<std::vector<int64_t>> MigrateColumns(const std::string& param,
                                                       const std::vector<int64_t>& columns,
                                                       const std::vector<int64_t>& steps);
-  // The same in the middle of a round for several parameters in one call
-  // (MigrateColumnsRequest.handover): each move's four [rows, n] blocks follow the previous
-  // move's in Staging() (the first at its start; all must fit), the fourth receiving the
-  // outgoing columns' accumulated gradient; the response has their step counts (moves[0]'s in steps, the others'
-  // in more) and whether those blocks are zero (pushes == 0). moves must not be empty.
+  // Hands over columns of one or more parameters in the middle of a round, in one call
+  // (MigrateColumnsRequest.handover): the caller wrote each move's three incoming [rows, n]
+  // blocks (values, m, v) in Staging(), each move's four blocks after the previous move's (the
+  // first at its start; all must fit); the outgoing columns' state and accumulated gradient come
+  // back in the four blocks. The response has their step counts (moves[0]'s in steps, the
+  // others' in more) and whether the gradient blocks are zero (pushes == 0). moves must not be
+  // empty.
   struct ColumnMove {
     std::string param;
     std::vector<int64_t> columns, steps;
@@ -195,7 +196,7 @@ class Session {
   // chunks (offload.proto: ReadCheckpoint); with delete_after the daemon removes the file once
   // it has been read. And the inverse: stores `bytes` (a whole checkpoint file, verified by the
   // daemon) as `tag`, for a later Restore. Both need registered parameters and must not run
-  // while the staging area is in use (LoadParams, MigrateColumns).
+  // while the staging area is in use (LoadParams, HandOverColumns).
   absl::StatusOr<std::string> ReadCheckpointBytes(const std::string& tag, bool delete_after);
   absl::Status WriteCheckpointBytes(const std::string& tag, const std::string& bytes);
   absl::Status DeleteCheckpoint(const std::string& tag);

@@ -155,19 +155,6 @@ absl::Status OffloadSession::BeginUpdate(int64_t step) {
   return absl::OkStatus();
 }
 
-absl::Status OffloadSession::CheckMigratable() const {
-  MutexLock lock(&mu_);
-  if (update_running_)
-    return absl::AbortedError(absl::StrCat("the update of step ", last_step_,
-                                           " is still running for session ", id_,
-                                           "; wait for it before migrating columns"));
-  if (pushes_since_update_ > 0)
-    return absl::FailedPreconditionError(absl::StrCat(
-        pushes_since_update_, " gradient pushes since the last Update are pending; "
-        "migrate columns only between an Update and the next push"));
-  return absl::OkStatus();
-}
-
 absl::Status OffloadSession::BeginRestore() {
   MutexLock lock(&mu_);
   if (update_running_)
@@ -498,32 +485,6 @@ void OffloadSession::Update(const UpdatePlan& plan) {
   }
   SF_LOG(kDebug, "session %d: update of step %d done in %.3f s", id_, cfg.step, secs);
   for (Waiter& w : ready) w.done(result);
-}
-
-MigrateResult OffloadSession::Migrate(const MigratePlan& plan) {
-  const auto t0 = Clock::now();
-  const std::vector<int64_t>& columns = plan.columns;
-  const ParamLayout& p = layout_->params[plan.param];
-  const int64_t n = static_cast<int64_t>(columns.size());
-  float* staging = Staging() + plan.staging_at;
-  float* state[3] = {master_ + p.elem_offset, m_ + p.elem_offset, v_ + p.elem_offset};
-  for (int a = 0; a < 3; ++a) {
-    float* block = staging + a * p.rows * n;
-    for (int64_t r = 0; r < p.rows; ++r) {
-      float* row = state[a] + r * p.cols;
-      for (int64_t j = 0; j < n; ++j) std::swap(block[r * n + j], row[columns[j]]);
-    }
-  }
-  MigrateResult result;
-  std::vector<int64_t>& col_steps = col_steps_[plan.param];
-  result.steps.resize(static_cast<size_t>(n));
-  for (int64_t j = 0; j < n; ++j) {
-    result.steps[j] = col_steps[columns[j]];
-    col_steps[columns[j]] = plan.steps[j];
-  }
-  env_.counters->migrated_columns.fetch_add(2 * n);
-  env_.counters->migrate_seconds.Observe(Seconds(Clock::now() - t0));
-  return result;
 }
 
 namespace {

@@ -9,7 +9,7 @@
 // Two kinds of methods, two rules:
 //  - Control methods (attach, claims of an update, versions, counters, waiters) are thread
 //    safe: they take mu_, which guards the control state, and never block on optimizer work.
-//  - Work methods (Allocate, LoadParams, Accumulate, Update, Migrate, Snapshot, Restore,
+//  - Work methods (Allocate, LoadParams, Accumulate, Update, HandOver, Snapshot, Restore,
 //    ReadBytes, WriteBytes) touch the memory and the fp32 state. Each runs on strand(): one at a
 //    time, in the order they were posted, never two at once (a caller that owns the session
 //    alone, with nothing posted to its strand, may call them directly). Their comments say
@@ -176,13 +176,12 @@ struct UpdatePlan {
   std::vector<char> skip;  // per parameter: left unchanged by this Update (column steps only)
 };
 
-// A validated MigrateColumns: columns[j] of parameter `param` takes steps[j].
+// A validated MigrateColumns (a handover): columns[j] of parameter `param` takes steps[j].
 struct MigratePlan {
   size_t param = 0;  // position in the layout
   std::vector<int64_t> columns;
   std::vector<int64_t> steps;
-  bool handover = false;  // MigrateColumnsRequest.handover
-  uint64_t staging_at = 0;  // where its blocks start, in floats into the staging area
+  uint64_t staging_at = 0;  // where its four blocks start, in floats into the staging area
 };
 
 // One validated copy of a LoadParams: `count` values from float `staging_at` of the staging
@@ -194,7 +193,7 @@ struct LoadJob {
   uint64_t staging_at = 0;
 };
 
-// What a handover Migrate returns: the outgoing step counts, and how many pushes the handed-over
+// What a handover returns: the outgoing step counts, and how many pushes the handed-over
 // accumulator block holds (0: it is zero).
 struct MigrateResult {
   std::vector<int64_t> steps;
@@ -243,10 +242,7 @@ class OffloadSession {
   // Claims the Update of `step`: Aborted while an update or restore runs, FailedPrecondition
   // unless step is after the last one. The claim ends with Update.
   absl::Status BeginUpdate(int64_t step) ABSL_LOCKS_EXCLUDED(mu_);
-  // FailedPrecondition / Aborted unless columns may move now: no update running, no push since
-  // the last Update.
-  absl::Status CheckMigratable() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Claims the session for a Restore (no Update, Migrate or LoadParams until it is done);
+  // Claims the session for a Restore (no Update, handover or LoadParams until it is done);
   // Aborted while an update runs. The claim ends with Restore.
   absl::Status BeginRestore() ABSL_LOCKS_EXCLUDED(mu_);
   // Calls done at once with the newest version if it is >= min_version, else when an Update
@@ -287,10 +283,6 @@ class OffloadSession {
   // On the strand. The AdamW step of `plan` (BeginUpdate came first): master, moments, column
   // steps, the parameter slot; then the version is ready and its waiters are called.
   void Update(const UpdatePlan& plan) ABSL_LOCKS_EXCLUDED(mu_);
-  // On the strand. Swaps the master, m and v values of the plan's n columns with the three
-  // [rows, n] blocks at plan.staging_at, sets the columns' step counts to the
-  // plan's and returns their previous ones.
-  MigrateResult Migrate(const MigratePlan& plan);
   // On the strand. The handovers of `plans` (MigrateColumnsRequest.handover; distinct
   // parameters): each column's state and accumulated gradient go to the four staging blocks
   // at its plan's staging_at,

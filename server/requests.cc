@@ -321,7 +321,7 @@ namespace {
 absl::StatusOr<MigratePlan> PlanOneMigration(const std::string& param,
                                              const google::protobuf::RepeatedField<int64_t>& cols,
                                              const google::protobuf::RepeatedField<int64_t>& steps,
-                                             bool handover, const SessionLayout& layout) {
+                                             const SessionLayout& layout) {
   const int64_t which = layout.Find(param);
   if (which < 0)
     return absl::NotFoundError(absl::StrCat("param: no parameter '", param, "'"));
@@ -331,9 +331,8 @@ absl::StatusOr<MigratePlan> PlanOneMigration(const std::string& param,
   if (steps.size() != n)
     return absl::InvalidArgumentError(absl::StrCat("steps of '", p.name, "': ", steps.size(),
                                                    " step counts for ", n, " columns"));
-  // 3 blocks of [rows, n] (4 for a handover) must fit in the parameter's staging area of
-  // rows * cols floats.
-  const int64_t blocks = handover ? 4 : 3;
+  // 4 blocks of [rows, n] must fit in the parameter's staging area of rows * cols floats.
+  const int64_t blocks = 4;
   if (n > p.cols / blocks)
     return absl::InvalidArgumentError(absl::StrCat(
         "columns: ", n, " columns of '", p.name, "' need ", blocks * n * p.rows,
@@ -357,22 +356,23 @@ absl::StatusOr<MigratePlan> PlanOneMigration(const std::string& param,
   plan.param = static_cast<size_t>(which);
   plan.columns.assign(cols.begin(), cols.end());
   plan.steps.assign(steps.begin(), steps.end());
-  plan.handover = handover;
   return plan;
 }
 }  // namespace
 
 absl::StatusOr<std::vector<MigratePlan>> PlanMigrate(const v1::MigrateColumnsRequest& req,
                                                      const SessionLayout& layout) {
-  if (req.more_size() > 0 && !req.handover())
-    return absl::InvalidArgumentError("more: only a handover names further parameters");
+  if (!req.handover())
+    return absl::InvalidArgumentError(
+        "handover: must be true; stallfreed migrates columns only as a handover (the quiescent "
+        "migration of stallfree 0.1 is gone)");
   std::vector<MigratePlan> plans;
-  ASSIGN_OR_RETURN(MigratePlan first, PlanOneMigration(req.param(), req.columns(), req.steps(),
-                                                       req.handover(), layout));
+  ASSIGN_OR_RETURN(MigratePlan first,
+                   PlanOneMigration(req.param(), req.columns(), req.steps(), layout));
   plans.push_back(std::move(first));
   for (const v1::ColumnHandover& h : req.more()) {
     ASSIGN_OR_RETURN(MigratePlan plan,
-                     PlanOneMigration(h.param(), h.columns(), h.steps(), true, layout));
+                     PlanOneMigration(h.param(), h.columns(), h.steps(), layout));
     for (const MigratePlan& earlier : plans)
       if (earlier.param == plan.param)
         return absl::InvalidArgumentError(
@@ -386,12 +386,12 @@ absl::StatusOr<std::vector<MigratePlan>> PlanMigrate(const v1::MigrateColumnsReq
   for (MigratePlan& plan : plans) {
     const ParamLayout& p = layout.params[plan.param];
     plan.staging_at = at;
-    at += (plan.handover ? 4 : 3) * static_cast<uint64_t>(p.rows) * plan.columns.size();
+    at += 4 * static_cast<uint64_t>(p.rows) * plan.columns.size();
   }
   if (at > staging_floats)
     return absl::InvalidArgumentError(absl::StrCat(
-        "columns: this migration needs ", at * 4, " staging bytes (", plans[0].handover ? 4 : 3,
-        " fp32 blocks of [rows, columns] per parameter), the staging area holds ",
+        "columns: this migration needs ", at * 4,
+        " staging bytes (4 fp32 blocks of [rows, columns] per parameter), the staging area holds ",
         layout.region.staging_bytes(), "; move fewer columns per call"));
   return plans;
 }

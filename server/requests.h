@@ -42,8 +42,8 @@ absl::StatusOr<PushPlan> PlanPush(const v1::PushGradientsInlineRequest& request,
 absl::StatusOr<UpdatePlan> PlanUpdate(const v1::UpdateRequest& request,
                                       const SessionLayout& layout, uint64_t session_id);
 
-// A MigrateColumns request's parameter, columns and step counts; a handover's further
-// parameters (request.more) follow, in order.
+// A MigrateColumns request's parameter, columns and step counts, and its further parameters
+// (request.more), in order. InvalidArgument unless request.handover (the only migration).
 absl::StatusOr<std::vector<MigratePlan>> PlanMigrate(const v1::MigrateColumnsRequest& request,
                                                      const SessionLayout& layout);
 

@@ -356,14 +356,11 @@ void SessionManager::MigrateColumns(const v1::MigrateColumnsRequest& req,
   auto found = Lookup(req.session(), "MigrateColumns", true);
   if (!found.ok()) return Fail(found.status(), done);
   std::shared_ptr<OffloadSession> s = *std::move(found);
+  // A handover needs no quiescent session: the strand orders it after the earlier work.
   absl::StatusOr<std::vector<MigratePlan>> plans = PlanMigrate(req, *s->layout());
-  absl::Status st = !plans.ok() ? plans.status()
-                    : req.handover() ? absl::OkStatus()  // ordered by the strand
-                                     : s->CheckMigratable();
-  if (!st.ok()) return Fail(st, done);
+  if (!plans.ok()) return Fail(plans.status(), done);
   PostOrFail(*s, [s, plans = *std::move(plans), resp, done] {
-    std::vector<MigrateResult> results =
-        plans[0].handover ? s->HandOver(plans) : std::vector<MigrateResult>{s->Migrate(plans[0])};
+    const std::vector<MigrateResult> results = s->HandOver(plans);
     for (size_t i = 0; i < results.size(); ++i) {
       auto* steps = i == 0 ? resp->mutable_steps() : resp->add_more()->mutable_steps();
       for (int64_t t : results[i].steps) steps->Add(t);

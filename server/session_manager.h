@@ -69,7 +69,8 @@ class SessionManager {
                            v1::PushGradientsResponse* response, Done done);
   // Validates and starts the update; returns at once. The result is observed by WaitUpdate.
   absl::Status Update(const v1::UpdateRequest& request);
-  // Swaps the state of some columns with the staging area (offload.proto, MigrateColumns).
+  // Hands over the state of some columns through the staging area (offload.proto,
+  // MigrateColumns with handover).
   void MigrateColumns(const v1::MigrateColumnsRequest& request,
                       v1::MigrateColumnsResponse* response, Done done);
   // Checkpoint files (offload.proto): written / read on the session's strand.

@@ -497,5 +497,59 @@ TEST(Daemon, ASessionWhoseDaemonRestartedIsUnavailable) {
   waitpid(again, nullptr, 0);
 }
 
+// MigrateColumns is a handover or nothing: the daemon refuses what would lose state or touch
+// memory it must not, refuses the quiescent swap of stallfree 0.1, and hands the columns' state
+// out through the staging area.
+TEST(Daemon, HandOverColumnsValidatesAndHandsTheStateOut) {
+  Daemon d;
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto session = (*client)->OpenSession("handover", 0);
+  ASSERT_TRUE(session.ok()) << session.status();
+  Session& s = **session;
+  ASSERT_TRUE(s.RegisterParams({{"w", {4, 9}, v1::DTYPE_FP32}}).ok());
+  std::vector<float> init(36);
+  for (int i = 0; i < 36; ++i) init[i] = static_cast<float>(i);
+  ASSERT_TRUE(s.LoadValues({{"w", init.data()}}).ok());
+  auto code = [&](const std::vector<Session::ColumnMove>& moves) {
+    return s.HandOverColumns(moves).status().code();
+  };
+  EXPECT_EQ(code({{"nope", {0}, {0}}}), Code::kNotFound);
+  EXPECT_EQ(code({{"w", {9}, {0}}}), Code::kInvalidArgument);         // column out of range
+  EXPECT_EQ(code({{"w", {1, 1}, {0, 0}}}), Code::kInvalidArgument);   // a column twice
+  EXPECT_EQ(code({{"w", {1}, {}}}), Code::kInvalidArgument);          // no step for it
+  EXPECT_EQ(code({{"w", {1}, {-1}}}), Code::kInvalidArgument);        // a negative step
+  EXPECT_EQ(code({{"w", {0, 1, 2}, {0, 0, 0}}}), Code::kInvalidArgument);  // 4 x 4 x 3 > 36
+  EXPECT_EQ(code({{"w", {1}, {0}}, {"w", {2}, {0}}}), Code::kInvalidArgument);  // w twice
+  EXPECT_EQ(code({}), Code::kInvalidArgument);
+  v1::MigrateColumnsRequest quiescent;
+  *quiescent.mutable_session() = s.ref();
+  quiescent.set_param("w");
+  quiescent.add_columns(1);
+  quiescent.add_steps(0);
+  grpc::ClientContext ctx;
+  v1::MigrateColumnsResponse resp;
+  EXPECT_EQ(FromGrpc((*client)->stub()->MigrateColumns(&ctx, quiescent, &resp)).code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(s.MigrateColumns("w", {1}, {0}).status().code(), Code::kUnimplemented);
+
+  // Columns 2 and 7 go out with their values (m, v zero after the load; nothing pushed: a zero
+  // gradient block); the incoming blocks land at the next Update.
+  float* staging = s.Staging();
+  std::fill(staging, staging + 4 * 4 * 2, 5.0f);
+  auto out = s.HandOverColumns({{"w", {2, 7}, {3, 4}}});
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(std::vector<int64_t>(out->steps().begin(), out->steps().end()),
+            (std::vector<int64_t>{0, 0}));
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(staging[r * 2 + 0], init[r * 9 + 2]) << r;
+    EXPECT_EQ(staging[r * 2 + 1], init[r * 9 + 7]) << r;
+    for (int a = 1; a < 4; ++a) EXPECT_EQ(staging[a * 8 + r * 2], 0.0f) << a << " " << r;
+  }
+  auto stats = (*client)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->migrated_columns(), 4);
+}
+
 }  // namespace
 }  // namespace stallfree

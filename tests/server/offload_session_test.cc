@@ -359,68 +359,6 @@ TEST_F(OffloadSessionTest, AccumulatorIsLogicallyZeroAfterEveryUpdate) {
   EXPECT_EQ(info.version(), 6);
 }
 
-TEST_F(OffloadSessionTest, MigrateSwapsColumnsWithTheStagingAreaAndTheirSteps) {
-  Registered r = Register(1, {{"w", {4, 9}, v1::DTYPE_FP32}});
-  const size_t n = r.layout->total_elems;  // 36 and 12 of padding
-  const int64_t rows = 4, cols = 9;
-  Model model(n);
-  for (int i = 0; i < 36; ++i) model.p[i] = 0.02f * i - 0.3f;
-  Load(r, model);
-  std::vector<float> g1 = Normal(n, 11);
-  std::fill(g1.begin() + 36, g1.end(), 0.0f);
-  r.WriteGrad(0, g1);
-  r.PushAll(0, 1.0f);
-  model.acc = g1;
-  Update(r, Plan(r, 1, true));
-  model.Step(1);
-
-  // Three [rows, 2] blocks (values, m, v) for columns 7 and 2, in that order.
-  const std::vector<int64_t> columns = {7, 2};
-  const int64_t k = 2;
-  float* staging = r.Staging();
-  std::vector<float> blocks(3 * rows * k);
-  for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = 1.0f + 0.125f * static_cast<float>(i);
-  memcpy(staging, blocks.data(), blocks.size() * 4);
-  EXPECT_EQ(r.s->Migrate({0, columns, {5, 6}}).steps, (std::vector<int64_t>{1, 1}));
-  EXPECT_EQ(counters_.migrated_columns.load(), 4);
-
-  // The staging blocks now hold the columns' previous state.
-  std::vector<float>* state[3] = {&model.p, &model.m, &model.v};
-  for (int a = 0; a < 3; ++a)
-    for (int64_t row = 0; row < rows; ++row)
-      for (int64_t j = 0; j < k; ++j) {
-        const float want = (*state[a])[row * cols + columns[j]];
-        ASSERT_NEAR(staging[a * rows * k + row * k + j], want, 2e-6f + 2e-5f * std::fabs(want))
-            << "block " << a << " row " << row << " column " << columns[j];
-      }
-  // The state holds the blocks' values in those columns, and the columns their new steps.
-  for (int a = 0; a < 3; ++a)
-    for (int64_t row = 0; row < rows; ++row)
-      for (int64_t j = 0; j < k; ++j)
-        (*state[a])[row * cols + columns[j]] =
-            blocks[a * rows * k + row * k + j];
-  FileState f = Snapshot(r, "migrated");
-  for (int64_t row = 0; row < rows; ++row)
-    for (int64_t j = 0; j < k; ++j) {
-      const size_t i = row * cols + columns[j];
-      EXPECT_EQ(f.master[i], model.p[i]);
-      EXPECT_EQ(f.m[i], model.m[i]);
-      EXPECT_EQ(f.v[i], model.v[i]);
-    }
-  ExpectNear(model.p, f.master.data(), "master after the migration");
-  const auto& steps = f.header.params(0).col_steps();
-  EXPECT_EQ(std::vector<int64_t>(steps.begin(), steps.end()),
-            (std::vector<int64_t>{1, 1, 6, 1, 1, 1, 1, 5, 1}));
-
-  // The next column-step Update uses each column's own step.
-  std::vector<int64_t> col_steps = {2, 2, 7, 2, 2, 2, 2, 6, 2};
-  std::vector<int64_t> elem_steps(n, 2);
-  for (int64_t i = 0; i < 36; ++i) elem_steps[i] = col_steps[i % cols];
-  Update(r, Plan(r, 2, true));
-  model.Step(2, {}, 1.0f, elem_steps);
-  ExpectNear(model.p, r.ParamSlot(0), "params after step 2");
-}
-
 // A handover in the middle of a round: the outgoing columns' state from before the round's
 // Update and their accumulated gradient go out; the round's fused Update steps every other
 // column (fused push included) and leaves the incoming ones exactly as they arrived, in the
@@ -456,7 +394,7 @@ TEST_F(OffloadSessionTest, HandOverMidRoundHandsTheRoundOutAndKeepsTheIncomingCo
   std::vector<float> incoming(3 * rows * k);
   for (size_t i = 0; i < incoming.size(); ++i) incoming[i] = 0.5f - 0.0625f * static_cast<float>(i);
   memcpy(staging, incoming.data(), incoming.size() * 4);
-  std::vector<MigrateResult> got = r.s->HandOver({MigratePlan{0, columns, {9, 4}, true}});
+  std::vector<MigrateResult> got = r.s->HandOver({MigratePlan{0, columns, {9, 4}, 0}});
   ASSERT_EQ(got.size(), 1u);
   EXPECT_EQ(got[0].steps, (std::vector<int64_t>{1, 1}));
   EXPECT_EQ(got[0].pushes, 1);
