@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/atomic_file.h"
 #include "common/log.h"
 #include "common/status.h"
 
@@ -34,10 +35,8 @@ struct Fd {
   }
 };
 
-absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path,
-                      Checksum64* sum) {
+absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
   const char* p = static_cast<const char*>(data);
-  if (sum != nullptr) sum->Update(data, n);
   while (n > 0) {
     ssize_t w = write(fd, p, std::min(n, kIoChunk));
     if (w < 0 && errno == EINTR) continue;
@@ -113,14 +112,6 @@ absl::StatusOr<uint64_t> OpenForRead(const std::string& path, Fd* fd) {
   return static_cast<uint64_t>(st.st_size);
 }
 
-absl::Status FsyncDir(const std::string& dir) {
-  Fd dfd;
-  dfd.fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd.fd < 0) return SysError("open", dir);
-  if (fsync(dfd.fd) != 0) return SysError("fsync", dir);
-  return absl::OkStatus();
-}
-
 std::string DirOf(const std::string& path) { return path.substr(0, path.rfind('/')); }
 
 // Verifies an open checkpoint file: its header, that its size is what the header describes, and
@@ -151,7 +142,7 @@ absl::StatusOr<v1::CheckpointHeader> VerifyFd(int fd, const std::string& path, u
 }
 
 // A hidden file next to `path` ('.' never starts a tag, so it is never a checkpoint):
-// <dir>/.<name><suffix>, for temporary files and uploads.
+// <dir>/.<name><suffix>, for uploads.
 std::string HiddenSibling(const std::string& path, const std::string& suffix) {
   return absl::StrCat(DirOf(path), "/.", path.substr(path.rfind('/') + 1), suffix);
 }
@@ -277,37 +268,24 @@ absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointFiles(const std::s
 absl::StatusOr<CheckpointWritten> WriteCheckpoint(const std::string& path,
                                                   const v1::CheckpointHeader& header,
                                                   const std::vector<CheckpointArrays>& arrays) {
-  const std::string tmp = HiddenSibling(path, absl::StrCat(".tmp.", getpid()));
-  Fd fd;
-  fd.fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd.fd < 0) return SysError("open", tmp);
-  auto fail = [&](absl::Status st) {
-    unlink(tmp.c_str());
-    return st;
-  };
+  ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> file, AtomicFileWriter::Open(path, 0600));
   Checksum64 sum;
+  auto append = [&](const void* data, size_t n) {
+    sum.Update(data, n);
+    return file->Append(data, n);
+  };
   std::string text;
   header.SerializeToString(&text);
   const uint64_t header_bytes = text.size();
-  absl::Status st = WriteAll(fd.fd, kMagic, 8, tmp, &sum);
-  if (st.ok()) st = WriteAll(fd.fd, &header_bytes, 8, tmp, &sum);
-  if (st.ok()) st = WriteAll(fd.fd, text.data(), text.size(), tmp, &sum);
-  for (const CheckpointArrays& a : arrays) {
-    for (const float* x : {a.master, a.m, a.v, a.acc}) {
-      if (st.ok()) st = WriteAll(fd.fd, x, a.numel * sizeof(float), tmp, &sum);
-    }
-  }
+  RETURN_IF_ERROR(append(kMagic, 8));
+  RETURN_IF_ERROR(append(&header_bytes, 8));
+  RETURN_IF_ERROR(append(text.data(), text.size()));
+  for (const CheckpointArrays& a : arrays)
+    for (const float* x : {a.master, a.m, a.v, a.acc})
+      RETURN_IF_ERROR(append(x, a.numel * sizeof(float)));
   const uint64_t digest = sum.Digest();
-  if (st.ok()) st = WriteAll(fd.fd, &digest, 8, tmp, nullptr);
-  if (!st.ok()) return fail(st);
-  if (fsync(fd.fd) != 0) return fail(SysError("fsync", tmp));
-  if (close(fd.fd) != 0) {
-    fd.fd = -1;
-    return fail(SysError("close", tmp));
-  }
-  fd.fd = -1;
-  if (rename(tmp.c_str(), path.c_str()) != 0) return fail(SysError("rename", tmp + " -> " + path));
-  RETURN_IF_ERROR(FsyncDir(DirOf(path)));
+  RETURN_IF_ERROR(file->Append(&digest, 8));
+  RETURN_IF_ERROR(file->Commit());
   CheckpointWritten out;
   out.path = path;
   out.bytes = 16 + header_bytes + BodyBytes(header) + 8;
@@ -379,7 +357,7 @@ absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offs
     unlink(upload.c_str());
     return s;
   };
-  absl::Status w = WriteAll(fd.fd, src, length, upload, nullptr);
+  absl::Status w = WriteAll(fd.fd, src, length, upload);
   if (!w.ok()) return discard(w);
   if (offset + length < total) return false;
   if (fsync(fd.fd) != 0) return discard(SysError("fsync", upload));
@@ -390,9 +368,8 @@ absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offs
     return discard(absl::PermissionDeniedError(absl::StrCat(
         "checkpoint ", path, " belongs to uid ", header->owner_uid(), ", not to uid ", owner,
         "; checkpoint bytes move only between processes of one uid")));
-  if (rename(upload.c_str(), path.c_str()) != 0)
-    return discard(SysError("rename", upload + " -> " + path));
-  RETURN_IF_ERROR(FsyncDir(DirOf(path)));
+  absl::Status renamed = RenameDurably(upload, path);
+  if (!renamed.ok()) return discard(renamed);
   return true;
 }
 
@@ -401,7 +378,7 @@ absl::Status DeleteCheckpointFile(const std::string& path) {
     if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no checkpoint ", path));
     return SysError("unlink", path);
   }
-  return FsyncDir(DirOf(path));
+  return FsyncDirectory(DirOf(path));
 }
 
 }  // namespace stallfree

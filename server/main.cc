@@ -13,6 +13,7 @@
 #include <tbb/task_arena.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
 #include "common/flags.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -40,17 +41,6 @@ std::string DefaultStateDir() {
   const char* home = getenv("HOME");
   if (home != nullptr && *home != '\0') return absl::StrCat(home, "/.local/state/stallfree");
   return "";
-}
-
-// mkdir -p.
-absl::Status MakeDirs(const std::string& path, mode_t mode) {
-  for (size_t i = 1; i <= path.size(); ++i) {
-    if (i < path.size() && path[i] != '/') continue;
-    const std::string prefix = path.substr(0, i);
-    if (mkdir(prefix.c_str(), mode) != 0 && errno != EEXIST)
-      return stallfree::ErrnoStatus("mkdir", prefix);
-  }
-  return absl::OkStatus();
 }
 
 int Run(int argc, char** argv) {
