@@ -13,7 +13,7 @@
 #include "engine/zenflow.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
-#include "trainer/data.h"
+#include "common/corpus.h"
 #ifdef STALLFREE_CUDA
 #include "kernels/cuda/ops_cuda.h"
 #include "kernels/cuda/optimizer_cuda.h"

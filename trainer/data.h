@@ -4,8 +4,8 @@
 // Sources:
 //   - LoadCorpus(path, ...): a user's file, either UTF-8 (or any) text read as one token per
 //     byte (vocab 256), or a flat file of little-endian uint16 token ids.
-//   - DefaultCorpus(...): a generated English-like text the project ships as code, so the demo
-//     needs no download. The same bytes on every machine and standard library.
+//   - DefaultCorpus(...): the generated English-like text of common/corpus.h (DefaultCorpusText,
+//     the same bytes on every machine and standard library) as byte tokens.
 //
 // Example:
 //   ASSIGN_OR_RETURN(Corpus corpus, LoadCorpus(path, DataFormat::kAuto, 0.1));
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/corpus.h"
 
 namespace stallfree {
 
@@ -61,15 +62,6 @@ absl::StatusOr<Corpus> SplitCorpus(std::vector<uint16_t> tokens, int64_t vocab, 
 //                    eval_fraction outside [0, 0.5].
 absl::StatusOr<Corpus> LoadCorpus(const std::string& path, DataFormat format, double eval_fraction,
                                   int64_t vocab = 0);
-
-// The default corpus's text: paragraphs of English sentences generated from a small fixed
-// grammar (about 390 real words: names, nouns with a/an, adjectives, past-tense verbs, adverbs,
-// prepositions, conjunctions), with capitalised sentence starts, commas, full stops, questions
-// and quoted speech, each paragraph about one protagonist and a few topic nouns, one blank line
-// between paragraphs. Printable ASCII and '\n' only. Exactly max(approx_bytes, 1024) bytes
-// (the last sentence is cut); a shorter text with the same seed is a prefix of a longer one.
-// Deterministic: uses only std::mt19937's raw outputs, so every platform gives the same bytes.
-std::string DefaultCorpusText(int64_t approx_bytes = 1 << 20, uint32_t seed = 1);
 
 // The fraction of DefaultCorpus held out for evaluation.
 inline constexpr double kDefaultEvalFraction = 0.1;
