@@ -35,7 +35,7 @@
 //
 // Checkpoints (every --checkpoint_every steps and at the end): each rank writes
 // <out_dir>/checkpoints/<tag>.rank<r>.trainer (its shard, the engine's state, the data position,
-// a checksum; temporary file, fsync, rename, directory fsync) and the daemon writes its state as
+// a checksum; trainer/checkpoint.h, written atomically) and the daemon writes its state as
 // <tag>.r<r> (r: the global rank).  --resume <tag> continues from there exactly as the
 // uninterrupted run would. After each checkpoint only the run's newest --keep_checkpoints stay:
 // each rank removes its older trainer files and the daemon's checkpoints of the same tags.
@@ -64,6 +64,14 @@
 // through the session's region), the gradient norm comes from per-column sums of squares on the
 // device, and checkpoints hold the downloaded values in the same file format (resume uploads
 // them).
+//
+// The code: RunRank (trainer/gpt.cc) runs attempts of trainer/run.h's TrainRun (setup, restore,
+// open, loop, finish), again from the last checkpoint when the daemon went away (trainer/
+// daemon_loss.h decides that by status code). Beside it: the model tensors on the device
+// (trainer/shard.h), the data-parallel partition and collectives (trainer/data_parallel.h), the
+// checkpoint files (trainer/checkpoint.h) and --resume's reading of them (trainer/resume.h),
+// --dump_init (trainer/init_dump.h), the summary (trainer/summary.h) and the presets
+// (trainer/presets.h).
 #pragma once
 
 #include <cstdint>
@@ -75,18 +83,10 @@
 #include "engine/zenflow.h"
 #include "parallel/communicator.h"
 #include "parallel/reference_block.h"
+#include "trainer/presets.h"
 
 namespace stallfree {
 namespace trainer {
-
-struct Preset {
-  std::string name;
-  int64_t layers, d_model, heads, d_ff, seq_len, batch;
-  std::string note;
-};
-// tiny (tests), demo (~20M parameters, make demo), gpt2-small (124M), 1b (GPU shapes).
-const std::vector<Preset>& Presets();
-absl::StatusOr<Preset> FindPreset(const std::string& name);
 
 struct TrainOptions {
   // Model: the preset's shape, where a field here is 0.
@@ -145,10 +145,10 @@ struct TrainOptions {
   //                  head [vocab, C] (untied head). Every W is [out, in] as in F.linear.
   //   tokens.i32, targets.i32            int32 [steps, B, T]: the batch of each step 1..steps.
   //   eval_tokens.i32, eval_targets.i32  int32 [eval_batches, B, T]: every evaluation's batches.
-  // The math is parallel/reference_block.h's; the schedule LearningRate's (gpt.cc); clipping
-  // scales every gradient by float(clip / norm) when the fp64 global norm exceeds clip; AdamW
-  // (kernels/optimizer.h) decays every tensor, 1-D ones included. The run checks that each
-  // batch it trains and evaluates on is the dumped one.
+  // The math is parallel/reference_block.h's; the schedule LearningRate's (trainer/run.cc);
+  // clipping scales every gradient by float(clip / norm) when the fp64 global norm exceeds clip;
+  // AdamW (kernels/optimizer.h) decays every tensor, 1-D ones included. The run checks that
+  // each batch it trains and evaluates on is the dumped one.
   std::string dump_init;
   std::string socket;            // stallfreed's socket (zenflow, sync-offload)
   bool quiet = false;            // no per-step lines
