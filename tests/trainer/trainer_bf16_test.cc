@@ -123,6 +123,16 @@ TEST_F(TrainerBf16Test, ResumeEqualsUninterruptedRunInZenFlowAndSyncOffload) {
       EXPECT_EQ(Summary(full, "reselections"), 3);
       EXPECT_GT(Summary(full, "migrated_columns"), 0);
       EXPECT_EQ(Summary(part, "reselections"), 1);
+      // And stale where the test resumes: the same run with every Update awaited agrees through
+      // the warm-up and differs at every step after the resume (the pending Update is real).
+      TrainerRun awaited =
+          Trainer(Cat(Base("zenflow-awaited", steps), Cat(flags, {"--await_updates"})));
+      ASSERT_EQ(awaited.code, 0) << awaited.output;
+      const std::vector<double> lc = Losses("zenflow-awaited");
+      ASSERT_EQ(lc.size(), static_cast<size_t>(steps));
+      for (int64_t i = 0; i < 2; ++i) EXPECT_EQ(lc[i], la[i]) << "step " << i + 1 << " (warm-up)";
+      for (int64_t i = 11; i < steps; ++i)
+        EXPECT_NE(lc[i], la[i]) << "step " << i + 1 << " (after the resume)";
     }
   }
 }

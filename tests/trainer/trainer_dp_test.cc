@@ -194,6 +194,14 @@ TEST_F(TrainerDpTest, ResumeWithTheSameDpEqualsTheUninterruptedRun) {
     std::ifstream f(Dir("part") + "/checkpoints/part-step9.rank" + std::to_string(r) + ".trainer");
     EXPECT_TRUE(f.good()) << "rank " << r;
   }
+  // The rounds are stale where the test resumes: the same run with every Update awaited agrees
+  // through the warm-up and differs at every step after the resume (the pending Update is real).
+  TrainerRun awaited = Trainer(Cat(Base("awaited", 20), Cat(dp, {"--await_updates"})));
+  ASSERT_EQ(awaited.code, 0) << awaited.output;
+  const std::vector<double> c = Losses("awaited");
+  ASSERT_EQ(c.size(), 20u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(c[i], a[i]) << "step " << i + 1 << " (warm-up)";
+  for (int i = 9; i < 20; ++i) EXPECT_NE(c[i], a[i]) << "step " << i + 1 << " (after the resume)";
 
 }
 

@@ -78,15 +78,27 @@ TEST_F(TrainerTest, LossFallsAndTwoRanksTrainLikeOne) {
   EXPECT_NE(one.output.find("== summary"), std::string::npos) << one.output;
 }
 
+// With no staleness (S = 1, awaited, a reselection every step, fp32 transfers) zenflow computes
+// what no-offload does. 2 warm-up steps (exact AdamW by construction), then 18 steps of rounds;
+// the same run without --await_updates (each daemon update lands a step late) computes other
+// losses from then on: the runs do reach ZenFlow's rounds, where staleness could show.
 TEST_F(TrainerTest, ZenFlowWithZeroStalenessTrainsExactlyLikeNoOffload) {
-  const std::vector<std::string> exact = {"--update_interval", "1", "--select_interval", "1",
-                                          "--await_updates",   "--grad_dtype", "fp32",
-                                          "--param_dtype",     "fp32", "--topk_ratio", "0.25"};
-  TrainerRun zf = Trainer(Cat(Cat(Base("zf", 20), exact), {"--mode", "zenflow"}));
+  const std::vector<std::string> rounds = {"--update_interval", "1",    "--select_interval", "1",
+                                           "--grad_dtype",      "fp32", "--param_dtype",     "fp32",
+                                           "--topk_ratio",      "0.25", "--engine_warmup",   "2",
+                                           "--mode",            "zenflow"};
+  TrainerRun zf = Trainer(Cat(Cat(Base("zf", 20), rounds), {"--await_updates"}));
   ASSERT_EQ(zf.code, 0) << zf.output;
   TrainerRun plain = Trainer(Cat(Base("plain", 20), {"--mode", "no-offload"}));
   ASSERT_EQ(plain.code, 0) << plain.output;
   EXPECT_EQ(Losses(Csv("zf")), Losses(Csv("plain")));
+  TrainerRun stale = Trainer(Cat(Base("stale", 20), rounds));
+  ASSERT_EQ(stale.code, 0) << stale.output;
+  const std::vector<double> a = Losses(Csv("plain")), b = Losses(Csv("stale"));
+  ASSERT_EQ(a.size(), 20u);
+  ASSERT_EQ(b.size(), 20u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(b[i], a[i]) << "step " << i + 1 << " (warm-up)";
+  for (int i = 4; i < 20; ++i) EXPECT_NE(b[i], a[i]) << "step " << i + 1 << " (rounds)";
 }
 
 TEST_F(TrainerTest, ResumeEqualsUninterruptedRun) {
@@ -115,6 +127,15 @@ TEST_F(TrainerTest, ResumeEqualsUninterruptedRun) {
   ASSERT_EQ(a.size(), 20u);
   ASSERT_EQ(b.size(), 20u);
   for (int i = 0; i < 20; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+  // The rounds are stale where the test resumes: the same run with every Update awaited agrees
+  // through the warm-up and differs at every step after the resume, so a resume that lost or
+  // applied early the pending Update could not have matched the uninterrupted run.
+  TrainerRun awaited = Trainer(Cat(Base("awaited", 20), Cat(rounds, {"--await_updates"})));
+  ASSERT_EQ(awaited.code, 0) << awaited.output;
+  const std::vector<double> c = Losses(Csv("awaited"));
+  ASSERT_EQ(c.size(), 20u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(c[i], a[i]) << "step " << i + 1 << " (warm-up)";
+  for (int i = 10; i < 20; ++i) EXPECT_NE(c[i], a[i]) << "step " << i + 1 << " (after the resume)";
 }
 
 // --keep_checkpoints N: after each checkpoint only the run's newest N stay, the trainer's files
@@ -212,7 +233,11 @@ bool WaitForSteps(const std::string& csv, size_t rows) {
 // continues from its last checkpoint (computing the steps since again), and its losses equal an
 // uninterrupted run's, every one of them.
 TEST_F(TrainerTest, ADaemonKilledMidRunIsWaitedForAndTheRunEqualsAnUninterruptedOne) {
-  const std::vector<std::string> flags = {"--nproc", "2", "--checkpoint_every", "5"};
+  // 4 warm-up steps, then rounds of S = 4 (boundaries at 8, 12, ...): from step 10 on, every
+  // checkpoint the run can continue from (every 5 steps) holds an Update in flight, launched at
+  // the last boundary (ResumeEqualsUninterruptedRun shows these rounds are stale).
+  const std::vector<std::string> flags = {"--nproc", "2", "--checkpoint_every", "5",
+                                          "--engine_warmup", "4"};
   TrainerRun ref = Trainer(Cat(Base("ref", 60), flags));
   ASSERT_EQ(ref.code, 0) << ref.output;
   OwnDaemon own(daemon_->dir() + "/own");
