@@ -34,9 +34,6 @@ class ServiceNotifier {
   // Sends STOPPING=1 and stops the thread.
   void Stopping();
 
-  // The watchdog period systemd asked for (0: none).
-  uint64_t watchdog_usec() const { return watchdog_usec_; }
-
  private:
   void Loop();
 

@@ -66,19 +66,6 @@ std::string ToHost(void* dst, const void* src, size_t bytes) {
   return e == cudaSuccess ? "" : CudaErr("cudaStreamSynchronize (to host)", e);
 }
 
-std::string Memset(void* dst, int value, size_t bytes) {
-  if (bytes == 0) return "";
-  cudaError_t e = cudaMemsetAsync(dst, value, bytes, 0);
-  if (e != cudaSuccess) return CudaErr("cudaMemsetAsync", e);
-  e = cudaStreamSynchronize(0);
-  return e == cudaSuccess ? "" : CudaErr("cudaStreamSynchronize (memset)", e);
-}
-
-std::string DeviceSynchronize() {
-  const cudaError_t e = cudaDeviceSynchronize();
-  return e == cudaSuccess ? "" : CudaErr("cudaDeviceSynchronize", e);
-}
-
 std::string CopyOnStream(void* dst, const void* src, size_t bytes, void* stream) {
   const cudaError_t e =
       cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
@@ -94,11 +81,6 @@ std::string CreateStream(void** stream) {
 
 void DestroyStream(void* stream) {
   if (stream != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
-}
-
-std::string SyncStream(void* stream) {
-  const cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
-  return e == cudaSuccess ? "" : CudaErr("cudaStreamSynchronize", e);
 }
 
 std::string TimeOnStream(void* stream, const std::function<void()>& enqueue, int warmup, int reps,

@@ -35,10 +35,6 @@ std::string Alloc(size_t bytes, void** ptr);  // bytes == 0 gives nullptr.
 void Free(void* ptr);                         // nullptr is a no-op.
 std::string ToDevice(void* dst, const void* src, size_t bytes);
 std::string ToHost(void* dst, const void* src, size_t bytes);
-// Sets `bytes` bytes at dst to `value` (as memset).
-std::string Memset(void* dst, int value, size_t bytes);
-// Waits for all work on the device (cudaDeviceSynchronize).
-std::string DeviceSynchronize();
 
 // Enqueued on `stream`: a device-to-device copy.
 std::string CopyOnStream(void* dst, const void* src, size_t bytes, void* stream);
@@ -46,7 +42,6 @@ std::string CopyOnStream(void* dst, const void* src, size_t bytes, void* stream)
 // A stream that does not synchronize with the legacy default stream (a cudaStream_t).
 std::string CreateStream(void** stream);
 void DestroyStream(void* stream);
-std::string SyncStream(void* stream);
 
 // Times `enqueue` (which enqueues work on `stream`) with CUDA events: `warmup` untimed calls,
 // then `reps` calls, each between its own pair of events; *ms gets each call's milliseconds.
