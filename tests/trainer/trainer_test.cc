@@ -264,6 +264,41 @@ TEST_F(TrainerTest, ADaemonKilledMidRunIsWaitedForAndTheRunEqualsAnUninterrupted
   for (int i = 0; i < 60; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
 }
 
+// A session the daemon closes under a running trainer (stallfreectl close: the daemon then
+// answers NOT_FOUND, or ABORTED to a call waiting on the session) is a lost daemon too
+// (trainer/daemon_loss.h decides by status code, and by asking the daemon whether it still has
+// the session): the trainer continues from its last checkpoint with a new session, and its
+// losses equal an uninterrupted run's, every one of them.
+TEST_F(TrainerTest, ASessionClosedUnderARunIsRecoveredLikeALostDaemon) {
+  const std::vector<std::string> flags = {"--checkpoint_every", "5", "--engine_warmup", "4"};
+  TrainerRun ref = Trainer(Cat(Base("ref", 120), flags));
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const pid_t trainer = testing::Spawn(OnSocket(Cat(Base("closed", 120), flags),
+                                                daemon_->socket()) +
+                                       " --reconnect_s 30 > " + out_ + "/closed.log 2>&1");
+  ASSERT_TRUE(WaitForSteps(Csv("closed"), 12)) << "the run did not reach step 12";
+  // The run's session, the only one on the test's daemon.
+  const std::string ctl = "client/stallfreectl --socket " + daemon_->socket();
+  const TrainerRun listed = testing::RunShell(ctl + " -o json sessions");
+  const size_t at = listed.output.find("\"session_id\": \"");
+  ASSERT_NE(at, std::string::npos) << listed.output;
+  const std::string id = listed.output.substr(at + 15, listed.output.find('"', at + 15) - at - 15);
+  const TrainerRun closed = testing::RunShell(ctl + " close " + id);
+  EXPECT_EQ(closed.code, 0) << closed.output;
+  int status = 0;
+  waitpid(trainer, &status, 0);
+  const std::string log = testing::RunShell("cat " + out_ + "/closed.log").output;
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << log;
+  EXPECT_NE(log.find("went away"), std::string::npos) << log;
+  EXPECT_NE(log.find("stallfreed is back; continuing from checkpoint 'closed-step"),
+            std::string::npos)
+      << log;
+  const std::vector<double> a = Losses(Csv("ref")), b = Losses(Csv("closed"));
+  ASSERT_EQ(a.size(), 120u);
+  ASSERT_EQ(b.size(), 120u) << "metrics.csv must hold each step once";
+  for (int i = 0; i < 120; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+}
+
 // Without the daemon coming back within --reconnect_s, the run stops with an error that names
 // the socket, the last checkpoint and the command that continues from it.
 TEST_F(TrainerTest, ADaemonThatStaysAwayEndsTheRunWithTheResumeCommand) {
