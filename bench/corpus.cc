@@ -7,6 +7,8 @@
 #include <string>
 #include <utility>
 
+#include "common/corpus.h"
+
 namespace stallfree {
 namespace bench {
 namespace {
@@ -16,7 +18,7 @@ constexpr double kSuccessorProb[4] = {0.55, 0.25, 0.12, 0.08};
 // The uniform noise's share, and the successors' share (1 - kNoise).
 constexpr double kNoise = 0.05, kSignal = 0.95;
 
-// The first names DefaultCorpusText draws from (trainer/data.cc's kNames), and the names that
+// The first names DefaultCorpusText draws from (common/corpus.cc's kNames), and the names that
 // replace them, one for one, in the fine-tuning text: none occurs in the pre-training text.
 const char* const kCorpusNames[] = {
     "Anna",  "Tom",   "Maria", "Jack",   "Lucy",  "Peter", "Sara",  "David", "Emma", "Oliver",

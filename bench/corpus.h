@@ -1,7 +1,7 @@
 // The offload benchmarks' training data (bench/offload_quality_bench.cc), as token batches:
 //   - MarkovCorpus: a synthetic order-2 Markov chain, for pre-training from scratch, with its
 //     own cross-entropy as the loss floor;
-//   - FineTuneTokens: the default corpus (trainer/data.h) rewritten into a shifted distribution
+//   - FineTuneTokens: the default corpus (common/corpus.h) rewritten into a shifted distribution
 //     (new first names, vowels rotated), for fine-tuning a model pre-trained on the original;
 //   - StreamBatch and CorpusBatches: [B, T] input / next-token target batches of either.
 //

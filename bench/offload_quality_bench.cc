@@ -7,7 +7,7 @@
 //
 // Two settings. (a) Fine-tuning, issue 5's target setting (ZenFlow's published quality results
 // are fine-tuning): the model is pre-trained with no-offload on the default corpus
-// (trainer/data.h), then every mode fine-tunes those same weights at a 10x lower lr on a shifted
+// (DefaultCorpus), then every mode fine-tunes those same weights at a 10x lower lr on a shifted
 // text (bench/corpus.h: another seed, new first names, vowels rotated); also zenflow with the
 // engine's warm-up. (b) Pre-training from scratch on a synthetic order-2 Markov corpus (plus
 // zenflow at S = 1). Per mode the step time (forward + backward, the engine's Step and its
