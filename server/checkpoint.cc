@@ -23,8 +23,12 @@ constexpr char kMagic[8] = {'S', 'F', 'C', 'K', 'P', 'T', '1', '\n'};
 constexpr size_t kIoChunk = size_t{8} << 20;
 constexpr char kExt[] = ".sfckpt";
 
-absl::Status SysError(const std::string& call, const std::string& object) {
-  return ErrnoStatus(call, object);
+// The daemon's own state directory is gone (ENOENT under it, already logged with its errno): a
+// misconfiguration for the operator to fix, not a missing checkpoint and not a lost daemon.
+absl::Status StateDirMissing(const std::string& state_dir, const absl::Status& cause) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "stallfreed's state directory ", state_dir, " is missing (", cause.message(),
+      "); create it (mode 0700, owned by stallfreed's user) or restart stallfreed, which does"));
 }
 
 // Closes an fd on scope exit.
@@ -40,7 +44,7 @@ absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& pat
   while (n > 0) {
     ssize_t w = write(fd, p, std::min(n, kIoChunk));
     if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return SysError("write", path);
+    if (w < 0) return ErrnoStatus("write", path);
     p += w;
     n -= static_cast<size_t>(w);
   }
@@ -52,7 +56,7 @@ absl::Status ReadAt(int fd, void* data, size_t n, uint64_t offset, const std::st
   while (n > 0) {
     ssize_t r = pread(fd, p, std::min(n, kIoChunk), static_cast<off_t>(offset));
     if (r < 0 && errno == EINTR) continue;
-    if (r < 0) return SysError("pread", path);
+    if (r < 0) return ErrnoStatus("pread", path);
     if (r == 0) return absl::DataLossError(absl::StrCat("checkpoint ", path, " is truncated"));
     p += r;
     n -= static_cast<size_t>(r);
@@ -105,10 +109,10 @@ absl::StatusOr<uint64_t> OpenForRead(const std::string& path, Fd* fd) {
   fd->fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd->fd < 0) {
     if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no checkpoint ", path));
-    return SysError("open", path);
+    return ErrnoStatus("open", path);
   }
   struct stat st;
-  if (fstat(fd->fd, &st) != 0) return SysError("fstat", path);
+  if (fstat(fd->fd, &st) != 0) return ErrnoStatus("fstat", path);
   return static_cast<uint64_t>(st.st_size);
 }
 
@@ -176,14 +180,18 @@ std::string CheckpointPath(const std::string& state_dir, uid_t uid, const std::s
 
 absl::Status EnsureOwnerDir(const std::string& state_dir, uid_t uid) {
   const std::string dir = OwnerDir(state_dir, uid);
-  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return SysError("mkdir", dir);
+  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    const bool missing = errno == ENOENT;
+    const absl::Status st = ErrnoStatus("mkdir", dir);
+    return missing ? StateDirMissing(state_dir, st) : st;
+  }
   struct stat st;
-  if (lstat(dir.c_str(), &st) != 0) return SysError("lstat", dir);
+  if (lstat(dir.c_str(), &st) != 0) return ErrnoStatus("lstat", dir);
   if (!S_ISDIR(st.st_mode))
     return absl::FailedPreconditionError(absl::StrCat(
         dir, " is not a directory; remove it so that stallfreed can keep uid ", uid,
         "'s checkpoints there"));
-  if ((st.st_mode & 07777) != 0700 && chmod(dir.c_str(), 0700) != 0) return SysError("chmod", dir);
+  if ((st.st_mode & 07777) != 0700 && chmod(dir.c_str(), 0700) != 0) return ErrnoStatus("chmod", dir);
   return absl::OkStatus();
 }
 
@@ -199,7 +207,11 @@ absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointFiles(const std::s
   if (all) {
     dirs.push_back({state_dir, 0, false});
     DIR* d = opendir(state_dir.c_str());
-    if (d == nullptr) return SysError("opendir", state_dir);
+    if (d == nullptr) {
+      const bool missing = errno == ENOENT;
+      const absl::Status st = ErrnoStatus("opendir", state_dir);
+      return missing ? StateDirMissing(state_dir, st) : st;
+    }
     while (struct dirent* e = readdir(d)) {
       const std::string name = e->d_name;
       if (name.empty() || name.size() > 10 ||
@@ -216,7 +228,7 @@ absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointFiles(const std::s
     DIR* d = opendir(dir.path.c_str());
     if (d == nullptr) {
       if (errno == ENOENT) continue;  // this uid never wrote a checkpoint
-      return SysError("opendir", dir.path);
+      return ErrnoStatus("opendir", dir.path);
     }
     std::vector<std::string> tags;
     const std::string ext = kExt;
@@ -345,14 +357,14 @@ absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offs
   if (fd.fd < 0 && errno == ENOENT)
     return absl::FailedPreconditionError(absl::StrCat(
         "offset: ", offset, " but no upload of ", path, " is in progress; start at offset 0"));
-  if (fd.fd < 0) return SysError("open", upload);
+  if (fd.fd < 0) return ErrnoStatus("open", upload);
   struct stat st;
-  if (fstat(fd.fd, &st) != 0) return SysError("fstat", upload);
+  if (fstat(fd.fd, &st) != 0) return ErrnoStatus("fstat", upload);
   if (static_cast<uint64_t>(st.st_size) != offset)
     return absl::FailedPreconditionError(absl::StrCat(
         "offset: ", offset, " but the upload of ", path, " holds ", st.st_size,
         " bytes; start again at offset 0"));
-  if (lseek(fd.fd, static_cast<off_t>(offset), SEEK_SET) < 0) return SysError("lseek", upload);
+  if (lseek(fd.fd, static_cast<off_t>(offset), SEEK_SET) < 0) return ErrnoStatus("lseek", upload);
   auto discard = [&](absl::Status s) {
     unlink(upload.c_str());
     return s;
@@ -360,7 +372,7 @@ absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offs
   absl::Status w = WriteAll(fd.fd, src, length, upload);
   if (!w.ok()) return discard(w);
   if (offset + length < total) return false;
-  if (fsync(fd.fd) != 0) return discard(SysError("fsync", upload));
+  if (fsync(fd.fd) != 0) return discard(ErrnoStatus("fsync", upload));
   uint64_t header_end = 0;
   absl::StatusOr<v1::CheckpointHeader> header = VerifyFd(fd.fd, upload, total, &header_end);
   if (!header.ok()) return discard(header.status());
@@ -376,7 +388,7 @@ absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offs
 absl::Status DeleteCheckpointFile(const std::string& path) {
   if (unlink(path.c_str()) != 0) {
     if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no checkpoint ", path));
-    return SysError("unlink", path);
+    return ErrnoStatus("unlink", path);
   }
   return FsyncDirectory(DirOf(path));
 }

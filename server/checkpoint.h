@@ -33,10 +33,12 @@ std::string OwnerDir(const std::string& state_dir, uid_t uid);
 std::string CheckpointPath(const std::string& state_dir, uid_t uid, const std::string& tag);
 
 // Creates <state_dir>/<uid> (0700) if missing; fails unless it is a directory (not a link).
+// FailedPrecondition, naming state_dir, when state_dir itself is missing.
 absl::Status EnsureOwnerDir(const std::string& state_dir, uid_t uid);
 
 // The checkpoints of `uid` (all: every uid's, and the unowned files of stallfreed 0.1.0 in
-// state_dir itself), sorted by owner and tag, with what their headers say.
+// state_dir itself), sorted by owner and tag, with what their headers say. None when uid's
+// directory does not exist; with `all`, FailedPrecondition when state_dir is missing.
 absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointFiles(const std::string& state_dir,
                                                                     uid_t uid, bool all);
 

@@ -432,5 +432,34 @@ TEST_F(CheckpointTest, WithoutStateDirectoryCheckpointsAreOff) {
   EXPECT_EQ(a->Restore("x").status().code(), Code::kFailedPrecondition);
 }
 
+// The state directory removed under a running daemon: a checkpoint is FAILED_PRECONDITION naming
+// it (ENOENT was UNAVAILABLE, which clients read as a lost daemon), a missing tag NOT_FOUND, and
+// the daemon goes on serving.
+TEST_F(CheckpointTest, AMissingStateDirectoryIsAFailedPreconditionNotALostDaemon) {
+  const std::string dir = tmp_ + "/ckpt";
+  Daemon d({"--threads", "2", "--state_dir", dir}, "info");
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto a = Open(client->get(), "a");
+  ASSERT_EQ(system(("rm -rf " + dir).c_str()), 0);
+  const absl::Status saved = a->Checkpoint("x").status();
+  EXPECT_EQ(saved.code(), Code::kFailedPrecondition) << saved;
+  EXPECT_NE(saved.message().find("state directory " + dir + " is missing"), std::string::npos)
+      << saved;
+  EXPECT_NE(saved.message().find("errno"), std::string::npos) << saved;
+  EXPECT_EQ(a->Restore("x").status().code(), Code::kNotFound);
+  auto listed = (*client)->ListCheckpoints();  // root lists every uid's: state_dir itself
+  if (getuid() == 0) {
+    EXPECT_EQ(listed.status().code(), Code::kFailedPrecondition) << listed.status();
+  } else {
+    EXPECT_TRUE(listed.ok()) << listed.status();
+  }
+  EXPECT_NE(d.Log().find("mkdir(" + dir + "/"), std::string::npos) << "not logged";
+  Train(a.get(), 1);
+  auto health = (*client)->Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, "SERVING");
+}
+
 }  // namespace
 }  // namespace stallfree
