@@ -42,8 +42,9 @@
 #define ASSIGN_OR_RETURN(lhs, expr) \
   SF_ASSIGN_OR_RETURN_IMPL(SF_CONCAT(sf_statusor_, __LINE__), lhs, expr, "")
 // The same, with "<StrCat(context...)>: " before the message.
-#define ASSIGN_OR_RETURN_CTX(lhs, expr, ...) \
-  SF_ASSIGN_OR_RETURN_IMPL(SF_CONCAT(sf_statusor_, __LINE__), lhs, expr, ::absl::StrCat(__VA_ARGS__))
+#define ASSIGN_OR_RETURN_CTX(lhs, expr, ...)                              \
+  SF_ASSIGN_OR_RETURN_IMPL(SF_CONCAT(sf_statusor_, __LINE__), lhs, expr, \
+                           ::absl::StrCat(__VA_ARGS__))
 #define SF_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr, context)                 \
   auto tmp = (expr);                                                      \
   if (!tmp.ok()) return ::stallfree::WithContext(tmp.status(), context); \

@@ -191,7 +191,8 @@ absl::Status EnsureOwnerDir(const std::string& state_dir, uid_t uid) {
     return absl::FailedPreconditionError(absl::StrCat(
         dir, " is not a directory; remove it so that stallfreed can keep uid ", uid,
         "'s checkpoints there"));
-  if ((st.st_mode & 07777) != 0700 && chmod(dir.c_str(), 0700) != 0) return ErrnoStatus("chmod", dir);
+  if ((st.st_mode & 07777) != 0700 && chmod(dir.c_str(), 0700) != 0)
+    return ErrnoStatus("chmod", dir);
   return absl::OkStatus();
 }
 

@@ -3,8 +3,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <memory>
+#include <string>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
@@ -43,8 +46,8 @@ std::string DefaultStateDir() {
   return "";
 }
 
-int Run(int argc, char** argv) {
-  using namespace stallfree;
+// Every flag; each is also read from STALLFREE_<NAME> (common/flags.h).
+struct Flags {
   std::string socket = DefaultSocketDir() + "/stallfreed.sock";
   std::string fd_socket;
   int64_t threads = 0;
@@ -55,77 +58,170 @@ int Run(int argc, char** argv) {
   std::string state_dir = DefaultStateDir();
   int64_t parent_pid = 0;
   std::string metrics_address;
-  FlagSet flags("stallfreed",
-                "the stallfree offload daemon: owns pinned host memory and applies AdamW to the "
-                "gradients trainers push through shared memory.");
-  flags.AddString("socket", &socket,
+};
+
+// Parses the command line into *f; -1 to go on, else the exit code (help, a bad flag).
+int ParseFlags(int argc, char** argv, Flags* f) {
+  stallfree::FlagSet flags(
+      "stallfreed",
+      "the stallfree offload daemon: owns pinned host memory and applies AdamW to the "
+      "gradients trainers push through shared memory.");
+  flags.AddString("socket", &f->socket,
                   "gRPC unix socket path ($XDG_RUNTIME_DIR/stallfree/ or /run/stallfree/)");
-  flags.AddString("fd_socket", &fd_socket, "fd hand-off socket path (default: <socket>.fd)");
-  flags.AddInt("threads", &threads, "optimizer worker threads (0: all cores)");
-  flags.AddInt("pinned_mib", &pinned_mib,
+  flags.AddString("fd_socket", &f->fd_socket, "fd hand-off socket path (default: <socket>.fd)");
+  flags.AddInt("threads", &f->threads, "optimizer worker threads (0: all cores)");
+  flags.AddInt("pinned_mib", &f->pinned_mib,
                "pinned-memory budget in MiB for all sessions' regions and state (0: unlimited)");
-  flags.AddString("pin", &pin,
+  flags.AddString("pin", &f->pin,
                   "mlock policy: require (fail if mlock fails), best-effort (warn), off");
-  flags.AddString("log_level", &log_level, "debug, info, warning or error");
-  flags.AddString("log_format", &log_format,
+  flags.AddString("log_level", &f->log_level, "debug, info, warning or error");
+  flags.AddString("log_format", &f->log_format,
                   "text, or json: one JSON object a line (time, level, file, line, message)");
-  flags.AddString("state_dir", &state_dir,
+  flags.AddString("state_dir", &f->state_dir,
                   "directory for checkpoints (Checkpoint / Restore); created if missing; empty "
                   "disables them ($STATE_DIRECTORY, else $XDG_STATE_HOME/stallfree or "
                   "~/.local/state/stallfree, /var/lib/stallfree for root)");
-  flags.AddInt("parent_pid", &parent_pid,
+  flags.AddInt("parent_pid", &f->parent_pid,
                "stop (as on SIGTERM) when this process, the daemon's parent, exits or is killed: "
                "for a private daemon started by a trainer (0: never)");
-  flags.AddString("metrics_address", &metrics_address,
+  flags.AddString("metrics_address", &f->metrics_address,
                   "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464; "
                   "port 0: any free one, logged); empty: off. Every uid's session names appear "
                   "there: bind it where only the node's monitoring reaches");
-  if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
+  return flags.ParseCommandLine(argc, argv);
+}
+
+// The logging set up and the daemon's options from the flags; false (after saying why on
+// stderr) for a value that is not one of a flag's words, or a negative count.
+bool Configure(Flags* f, stallfree::DaemonOptions* opts) {
+  using namespace stallfree;
   LogLevel level;
-  if (!ParseLogLevel(log_level, &level)) {
+  if (!ParseLogLevel(f->log_level, &level)) {
     fprintf(stderr, "stallfreed: --log_level: '%s' is not debug, info, warning or error\n",
-            log_level.c_str());
-    return 2;
+            f->log_level.c_str());
+    return false;
   }
   SetLogLevel(level);
   LogFormat format;
-  if (!ParseLogFormat(log_format, &format)) {
-    fprintf(stderr, "stallfreed: --log_format: '%s' is not text or json\n", log_format.c_str());
-    return 2;
+  if (!ParseLogFormat(f->log_format, &format)) {
+    fprintf(stderr, "stallfreed: --log_format: '%s' is not text or json\n",
+            f->log_format.c_str());
+    return false;
   }
   SetLogFormat(format);
-  DaemonOptions opts;
-  if (pin == "require") opts.pin = PinPolicy::kRequire;
-  else if (pin == "best-effort") opts.pin = PinPolicy::kBestEffort;
-  else if (pin == "off") opts.pin = PinPolicy::kOff;
+  if (f->pin == "require") opts->pin = PinPolicy::kRequire;
+  else if (f->pin == "best-effort") opts->pin = PinPolicy::kBestEffort;
+  else if (f->pin == "off") opts->pin = PinPolicy::kOff;
   else {
-    fprintf(stderr, "stallfreed: --pin: '%s' is not require, best-effort or off\n", pin.c_str());
-    return 2;
+    fprintf(stderr, "stallfreed: --pin: '%s' is not require, best-effort or off\n",
+            f->pin.c_str());
+    return false;
   }
-  if (threads < 0 || pinned_mib < 0) {
+  if (f->threads < 0 || f->pinned_mib < 0) {
     fprintf(stderr, "stallfreed: --threads and --pinned_mib must be >= 0\n");
-    return 2;
+    return false;
   }
-  if (fd_socket.empty()) fd_socket = socket + ".fd";
-  std::string dir = socket.substr(0, socket.rfind('/'));
+  if (f->fd_socket.empty()) f->fd_socket = f->socket + ".fd";
+  opts->state_dir = f->state_dir;
+  opts->fd_socket_path = f->fd_socket;
+  opts->pinned_budget_bytes = static_cast<uint64_t>(f->pinned_mib) << 20;
+  opts->worker_threads =
+      f->threads > 0 ? static_cast<int>(f->threads) : tbb::this_task_arena::max_concurrency();
+  return true;
+}
+
+// The socket's directory and the state directory; false (logged) if one cannot be made.
+bool MakeDirectories(const Flags& f) {
+  std::string dir = f.socket.substr(0, f.socket.rfind('/'));
   if (!dir.empty() && mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
     SF_LOG(kError, "mkdir(%s) failed: %s (errno %d)", dir, strerror(errno), errno);
-    return 1;
+    return false;
   }
-  if (!state_dir.empty()) {
-    absl::Status made = MakeDirs(state_dir, 0700);
+  if (!f.state_dir.empty()) {
+    absl::Status made = stallfree::MakeDirs(f.state_dir, 0700);
     if (!made.ok()) {
-      SF_LOG(kError, "--state_dir %s: %s", state_dir, made.ToString());
-      return 1;
+      SF_LOG(kError, "--state_dir %s: %s", f.state_dir, made.ToString());
+      return false;
     }
   }
-  opts.state_dir = state_dir;
-  opts.fd_socket_path = fd_socket;
-  opts.pinned_budget_bytes = static_cast<uint64_t>(pinned_mib) << 20;
-  opts.worker_threads =
-      threads > 0 ? static_cast<int>(threads) : tbb::this_task_arena::max_concurrency();
+  return true;
+}
 
-  // SIGTERM/SIGINT are taken by a dedicated thread with sigwait.
+// The gRPC server of `service` on unix:socket (health service on); null (logged) if it cannot
+// listen.
+std::unique_ptr<grpc::Server> StartGrpc(const std::string& socket,
+                                        stallfree::OffloadService* service) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
+  builder.RegisterService(service);
+  builder.SetMaxReceiveMessageSize(1 << 30);
+  builder.SetMaxSendMessageSize(64 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) {
+    SF_LOG(kError, "cannot listen on unix:%s (is another stallfreed running?)", socket);
+    return nullptr;
+  }
+  chmod(socket.c_str(), 0666);
+  return server;
+}
+
+// systemd (Type=notify): READY once both sockets listen; the watchdog is fed only while a
+// GetStats through the daemon's own socket answers. STATUS= counts sessions, pinned memory and
+// updates.
+std::unique_ptr<stallfree::ServiceNotifier> NewNotifier(const std::string& socket,
+                                                        stallfree::SessionManager* sessions) {
+  using namespace stallfree;
+  std::shared_ptr<v1::Offload::Stub> self(v1::Offload::NewStub(
+      grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials())));
+  return std::make_unique<ServiceNotifier>(
+      [self]() -> absl::Status {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+        v1::GetStatsResponse resp;
+        const grpc::Status st = self->GetStats(&ctx, v1::GetStatsRequest(), &resp);
+        return st.ok() ? absl::OkStatus()
+                       : absl::UnavailableError(absl::StrCat("GetStats: ", st.error_message()));
+      },
+      [sessions] {
+        const v1::Stats st = sessions->GetStats();
+        return absl::StrCat(st.sessions(), " sessions, ", st.pinned_bytes() >> 20,
+                            " MiB pinned", st.pinned_budget_bytes() > 0
+                                ? absl::StrCat(" of ", st.pinned_budget_bytes() >> 20, " MiB")
+                                : std::string(),
+                            ", ", st.updates(), " updates");
+      });
+}
+
+// A private daemon follows its parent: when the parent dies (even by SIGKILL) the daemon is
+// re-parented, getppid() changes, and it stops as on SIGTERM. Runs until *stop; not joinable
+// without a parent_pid.
+std::thread WatchParent(int64_t parent_pid, const std::atomic<bool>* stop) {
+  if (parent_pid <= 0) return std::thread();
+  if (getppid() != static_cast<pid_t>(parent_pid))
+    SF_LOG(kWarning, "--parent_pid %d: the parent is already gone (getppid %d); stopping",
+           parent_pid, getppid());
+  return std::thread([stop, parent_pid] {
+    while (!stop->load()) {
+      if (getppid() != static_cast<pid_t>(parent_pid)) {
+        SF_LOG(kInfo, "parent process %d is gone; stopping", parent_pid);
+        kill(getpid(), SIGTERM);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+}
+
+int Run(int argc, char** argv) {
+  using namespace stallfree;
+  Flags f;
+  if (int code = ParseFlags(argc, argv, &f); code >= 0) return code;
+  DaemonOptions opts;
+  if (!Configure(&f, &opts)) return 2;
+  if (!MakeDirectories(f)) return 1;
+
+  // SIGTERM/SIGINT are taken by this thread with sigwait.
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
@@ -142,63 +238,31 @@ int Run(int argc, char** argv) {
   tbb::task_arena arena(opts.worker_threads, /*reserved_for_masters=*/0);
   SessionManager sessions(opts, &arena);
   FdServer fd_server(&sessions);
-  absl::Status st = fd_server.Start(fd_socket);
+  absl::Status st = fd_server.Start(f.fd_socket);
   if (!st.ok()) {
-    SF_LOG(kError, "cannot serve the fd socket %s: %s", fd_socket, st.ToString());
+    SF_LOG(kError, "cannot serve the fd socket %s: %s", f.fd_socket, st.ToString());
     return 1;
   }
   OffloadService service(&sessions, [&sessions] { return RenderMetrics(&sessions); });
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
-  builder.RegisterService(&service);
-  builder.SetMaxReceiveMessageSize(1 << 30);
-  builder.SetMaxSendMessageSize(64 << 20);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server) {
-    SF_LOG(kError, "cannot listen on unix:%s (is another stallfreed running?)", socket);
-    return 1;
-  }
-  chmod(socket.c_str(), 0666);
+  std::unique_ptr<grpc::Server> server = StartGrpc(f.socket, &service);
+  if (!server) return 1;
   SF_LOG(kInfo,
          "stallfreed serving on unix:%s (fd socket %s), %d worker threads, budget %d MiB, pin %s, "
          "optimizer kernel %s",
-         socket, fd_socket, opts.worker_threads, pinned_mib, pin,
+         f.socket, f.fd_socket, opts.worker_threads, f.pinned_mib, f.pin,
          kernels::DefaultCpuKernel().name());
-
   MetricsServer metrics(&sessions);
-  if (!metrics_address.empty()) {
-    absl::Status m = metrics.Start(metrics_address);
+  if (!f.metrics_address.empty()) {
+    absl::Status m = metrics.Start(f.metrics_address);
     if (!m.ok()) {
       SF_LOG(kError, "%s", m.ToString());
       return 1;
     }
-    const std::string host = metrics_address.substr(0, metrics_address.rfind(':'));
+    const std::string host = f.metrics_address.substr(0, f.metrics_address.rfind(':'));
     SF_LOG(kInfo, "metrics on http://%s:%d/metrics", host, metrics.port());
   }
-
-  // systemd (Type=notify): READY once both sockets listen; the watchdog is fed only while a
-  // GetStats through the daemon's own socket answers.
-  auto self_channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
-  auto self_stub = v1::Offload::NewStub(self_channel);
-  ServiceNotifier notifier(
-      [&]() -> absl::Status {
-        grpc::ClientContext ctx;
-        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-        v1::GetStatsResponse resp;
-        const grpc::Status st = self_stub->GetStats(&ctx, v1::GetStatsRequest(), &resp);
-        return st.ok() ? absl::OkStatus()
-                       : absl::UnavailableError(absl::StrCat("GetStats: ", st.error_message()));
-      },
-      [&] {
-        const v1::Stats st = sessions.GetStats();
-        return absl::StrCat(st.sessions(), " sessions, ", st.pinned_bytes() >> 20,
-                            " MiB pinned", st.pinned_budget_bytes() > 0
-                                ? absl::StrCat(" of ", st.pinned_budget_bytes() >> 20, " MiB")
-                                : std::string(),
-                            ", ", st.updates(), " updates");
-      });
-  notifier.Ready();
+  std::unique_ptr<ServiceNotifier> notifier = NewNotifier(f.socket, &sessions);
+  notifier->Ready();
 
   std::atomic<bool> stop{false};
   std::thread housekeeping([&] {
@@ -207,28 +271,11 @@ int Run(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   });
-  // A private daemon follows its parent: when the parent dies (even by SIGKILL) the daemon is
-  // re-parented, getppid() changes, and it stops as on SIGTERM.
-  std::thread parent_watch;
-  if (parent_pid > 0) {
-    if (getppid() != static_cast<pid_t>(parent_pid))
-      SF_LOG(kWarning, "--parent_pid %d: the parent is already gone (getppid %d); stopping",
-             parent_pid, getppid());
-    parent_watch = std::thread([&stop, parent_pid] {
-      while (!stop.load()) {
-        if (getppid() != static_cast<pid_t>(parent_pid)) {
-          SF_LOG(kInfo, "parent process %d is gone; stopping", parent_pid);
-          kill(getpid(), SIGTERM);
-          return;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      }
-    });
-  }
+  std::thread parent_watch = WatchParent(f.parent_pid, &stop);
   int sig = 0;
   sigwait(&sigs, &sig);
   SF_LOG(kInfo, "signal %d: no new requests; finishing running updates", sig);
-  notifier.Stopping();
+  notifier->Stopping();
   sessions.Drain();  // new requests get UNAVAILABLE; queued and running work completes.
   metrics.Stop();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -236,7 +283,7 @@ int Run(int argc, char** argv) {
   housekeeping.join();
   if (parent_watch.joinable()) parent_watch.join();
   fd_server.Stop();
-  unlink(socket.c_str());
+  unlink(f.socket.c_str());
   SF_LOG(kInfo, "stallfreed stopped");
   return 0;
 }

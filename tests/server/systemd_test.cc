@@ -128,9 +128,10 @@ TEST(Systemd, ReadyStatusWatchdogThenStoppingInOrder) {
   // A 2 s watchdog: WATCHDOG=1 is due every second, and systemd restarts a daemon that is
   // silent for the whole period.
   const auto period = std::chrono::seconds(2);
-  const pid_t pid = testing::Spawn("exec env NOTIFY_SOCKET=" + dir + "/notify WATCHDOG_USEC=2000000 " +
-                                   daemon + " --socket " + dir + "/d.sock --state_dir " + dir +
-                                   "/state --log_level warning 2>" + dir + "/log");
+  const pid_t pid = testing::Spawn("exec env NOTIFY_SOCKET=" + dir +
+                                   "/notify WATCHDOG_USEC=2000000 " + daemon + " --socket " + dir +
+                                   "/d.sock --state_dir " + dir + "/state --log_level warning 2>" +
+                                   dir + "/log");
   std::vector<Notification> got;
   // Receives until `done` holds for a datagram (true) or 20 s pass (false).
   auto receive_until = [&](const std::function<bool(const Notification&)>& done) {
