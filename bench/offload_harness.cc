@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "testing/binaries.h"
 
 namespace stallfree {
@@ -79,10 +80,26 @@ std::unique_ptr<BenchDaemon> StartDaemon(const std::string& stallfreed) {
   return d;
 }
 
-absl::StatusOr<std::unique_ptr<Session>> OpenModeSession(Client* client, OffloadMode mode,
-                                                         const std::string& name) {
-  if (mode == OffloadMode::kNoOffload) return std::unique_ptr<Session>();
-  return client->OpenSession(name, 0);
+absl::StatusOr<ModeEngine> StartModeEngine(Client* client, const std::string& session_name,
+                                           const ZenFlowConfig& cfg,
+                                           std::vector<EngineParam> params,
+                                           const kernels::OptimizerKernel& kernel,
+                                           const kernels::TransformerOps& ops) {
+  ModeEngine e;
+  if (cfg.mode != OffloadMode::kNoOffload) {
+    ASSIGN_OR_RETURN_CTX(e.session, client->OpenSession(session_name, 0), "OpenSession");
+  }
+  ASSIGN_OR_RETURN_CTX(e.engine,
+                       ZenFlowEngine::Create(cfg, std::move(params), kernel, ops, e.session.get()),
+                       "ZenFlowEngine::Create");
+  return e;
+}
+
+absl::Status FlushAndClose(ModeEngine* e) {
+  RETURN_IF_ERROR_CTX(e->engine->Flush(), "flush");
+  e->engine.reset();
+  e->session.reset();
+  return absl::OkStatus();
 }
 
 void StepRecorder::Add(double compute, const StepTimings& tm) {

@@ -78,9 +78,22 @@ class BenchDaemon {
 // Starts one (`stallfreed`: the binary, "" to search for it); nullptr after printing why not.
 std::unique_ptr<BenchDaemon> StartDaemon(const std::string& stallfreed);
 
-// A session named `name` for an engine in `mode`; nullptr for no-offload (the engine needs none).
-absl::StatusOr<std::unique_ptr<Session>> OpenModeSession(Client* client, OffloadMode mode,
-                                                         const std::string& name);
+// An engine in one mode and its daemon session (none for no-offload). The engine is declared
+// last, so it goes before the session it uses.
+struct ModeEngine {
+  std::unique_ptr<Session> session;
+  std::unique_ptr<ZenFlowEngine> engine;
+};
+// Opens the daemon session `session_name` (unless cfg.mode is no-offload) and creates the engine
+// over `params` on `kernel` and `ops`; the error says which of the two failed.
+absl::StatusOr<ModeEngine> StartModeEngine(Client* client, const std::string& session_name,
+                                           const ZenFlowConfig& cfg,
+                                           std::vector<EngineParam> params,
+                                           const kernels::OptimizerKernel& kernel,
+                                           const kernels::TransformerOps& ops);
+// Flushes the engine (the pending update lands), then closes it and the session (the daemon
+// frees its region and state). The flush's error, with "flush: " before it.
+absl::Status FlushAndClose(ModeEngine* e);
 
 // Means over a run's steps, in seconds; traffic in bytes per step (to host + to device).
 struct StepMeans {

@@ -365,31 +365,26 @@ ModeResult RunMode(const Options& o, OffloadMode mode, Client* client, pid_t dae
   dev->ResetStats();
   DeviceParams d;
   AllocateParams(o, dev, ps, &d);
-  auto session = OpenModeSession(client, mode, absl::StrCat("offload-bench-big-", mname));
-  if (!session.ok()) {
-    fprintf(stderr, "offload_modeled_bench %s: OpenSession: %s\n", mname,
-            session.status().ToString().c_str());
-    return r;
-  }
   ZenFlowConfig cfg = EngineConfig(o.engine, mode, o.big_select);
   cfg.transfers = Transfers::kBuffered;  // the modeled device's copies overlap compute (CUDA's)
-  auto engine = ZenFlowEngine::Create(cfg, d.params, *dev, *dev, session->get());
-  if (!engine.ok()) {
-    fprintf(stderr, "offload_modeled_bench %s: %s\n", mname, engine.status().ToString().c_str());
+  auto run = StartModeEngine(client, absl::StrCat("offload-bench-big-", mname), cfg,
+                             std::move(d.params), *dev, *dev);
+  if (!run.ok()) {
+    fprintf(stderr, "offload_modeled_bench %s: %s\n", mname, run.status().ToString().c_str());
     return r;
   }
-  if (*session)
-    PrepareDaemon(o, session->get(), ps, mode == OffloadMode::kZenFlow, dev->spec().score_sigma,
+  Session* session = run->session.get();
+  if (session)
+    PrepareDaemon(o, session, ps, mode == OffloadMode::kZenFlow, dev->spec().score_sigma,
                   daemon_pid, &r);
   r.setup = Since(t_setup);
-  if (!TimeSteps(client, *session != nullptr, dev, compute_s, engine->get(), mname, &r)) return r;
-  if (absl::Status st = (*engine)->Flush(); !st.ok()) {
-    fprintf(stderr, "offload_modeled_bench %s flush: %s\n", mname, st.ToString().c_str());
+  if (!TimeSteps(client, session != nullptr, dev, compute_s, run->engine.get(), mname, &r))
+    return r;
+  if (absl::Status st = FlushAndClose(&*run); !st.ok()) {
+    fprintf(stderr, "offload_modeled_bench %s: %s\n", mname, st.ToString().c_str());
     return r;
   }
   r.device_virtual_gib = GiB(static_cast<double>(dev->stats().virtual_peak_bytes));
-  engine->reset();
-  session->reset();  // closes the session: the daemon frees its region and state
   r.ok = true;
   return r;
 }

@@ -198,31 +198,22 @@ TrainResult TrainMode(const Options& o, OffloadMode mode, Client* client,
   std::vector<EngineParam> params;
   for (size_t i = 0; i < names.size(); ++i)
     params.push_back({names[i], shapes[i], wt[i]->data(), gt[i]->data()});
-  auto session =
-      OpenModeSession(client, mode, absl::StrCat("offload-bench-small-", tag, "-", mname));
-  if (!session.ok()) {
-    fprintf(stderr, "offload_quality_bench %s: OpenSession: %s\n", mname,
-            session.status().ToString().c_str());
-    return r;
-  }
   ZenFlowConfig zcfg = EngineConfig(o.engine, mode, 0);
   zcfg.warmup_steps = o.zen_warmup;
-  auto engine = ZenFlowEngine::Create(zcfg, params, kernels::DefaultCpuKernel(), kernels::CpuOps(),
-                                      session->get());
-  if (!engine.ok()) {
-    fprintf(stderr, "offload_quality_bench %s: %s\n", mname, engine.status().ToString().c_str());
+  auto run = StartModeEngine(client, absl::StrCat("offload-bench-small-", tag, "-", mname), zcfg,
+                             std::move(params), kernels::DefaultCpuKernel(), kernels::CpuOps());
+  if (!run.ok()) {
+    fprintf(stderr, "offload_quality_bench %s: %s\n", mname, run.status().ToString().c_str());
     return r;
   }
   StepRecorder rec;
-  if (!TrainSteps(o, mode, cfg, train, engine->get(), &w, &g, &r, &rec)) return r;
-  if (absl::Status st = (*engine)->Flush(); !st.ok()) {
-    fprintf(stderr, "offload_quality_bench %s flush: %s\n", mname, st.ToString().c_str());
+  if (!TrainSteps(o, mode, cfg, train, run->engine.get(), &w, &g, &r, &rec)) return r;
+  if (absl::Status st = FlushAndClose(&*run); !st.ok()) {
+    fprintf(stderr, "offload_quality_bench %s: %s\n", mname, st.ToString().c_str());
     return r;
   }
   r.eval_loss = EvalLoss(o, cfg, w, eval);
   if (std::isnan(r.eval_loss)) return r;
-  engine->reset();
-  session->reset();
   r.t = rec.Means();
   const size_t last = std::min<size_t>(10, r.losses.size());
   for (size_t i = r.losses.size() - last; i < r.losses.size(); ++i) r.final_loss += r.losses[i];
