@@ -6,9 +6,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <ctime>
+#include <chrono>
 #include <string>
 #include <thread>
-#include <chrono>
+#include <vector>
 
 #include <google/protobuf/util/json_util.h>
 
@@ -150,10 +151,25 @@ int Top(stallfree::Client* client, double interval, int64_t iterations) {
   }
 }
 
-int Run(int argc, char** argv) {
-  using namespace stallfree;
+// Reports a failed call of `what`; the exit code 1.
+int Fail(const char* what, const absl::Status& st) {
+  fprintf(stderr, "stallfreectl: %s: %s\n", what, st.ToString().c_str());
+  return 1;
+}
+
+// The command line: the flags and COMMAND [ARG].
+struct Command {
   std::string socket = DefaultSocket();
   std::string output = "table";
+  double watch = 0;
+  int64_t iterations = 0;
+  std::vector<std::string> args;  // args[0] is the command
+  const std::string& name() const { return args[0]; }
+};
+
+// Parses and checks the command line into *c; -1 to go on, else the exit code (help, usage).
+int ParseCommand(int argc, char** argv, Command* c) {
+  using namespace stallfree;
   FlagSet flags("stallfreectl",
                 "admin CLI for stallfreed.\n\nUsage: stallfreectl [flags] COMMAND\n"
                 "  health                     the daemon's health (exit 0 iff SERVING)\n"
@@ -165,19 +181,17 @@ int Run(int argc, char** argv) {
                 "  top                        a live view (every --watch seconds, default 1) until q\n"
                 "  metrics                    the Prometheus text (root or the daemon's uid), e.g.\n"
                 "                             for node_exporter's textfile collector");
-  flags.AddString("socket", &socket, "the daemon's gRPC unix socket");
-  flags.AddString("o", &output, "output format: table or json");
-  double watch = 0;
-  int64_t iterations = 0;
-  flags.AddDouble("watch", &watch,
+  flags.AddString("socket", &c->socket, "the daemon's gRPC unix socket");
+  flags.AddString("o", &c->output, "output format: table or json");
+  flags.AddDouble("watch", &c->watch,
                   "stats: print again every SECONDS until Ctrl-C (0: once); top: the refresh "
                   "interval (0: 1 s)");
-  flags.AddInt("iterations", &iterations, "stats --watch, top: stop after N prints (0: never)");
+  flags.AddInt("iterations", &c->iterations, "stats --watch, top: stop after N prints (0: never)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
-  const std::vector<std::string>& args = flags.positional();
-  const std::string cmd = args.empty() ? "" : args[0];
+  c->args = flags.positional();
+  const std::string cmd = c->args.empty() ? "" : c->args[0];
   const size_t want_args = cmd == "delete-checkpoint" || cmd == "close" ? 2 : 1;
-  if (args.size() != want_args || (output != "table" && output != "json")) {
+  if (c->args.size() != want_args || (c->output != "table" && c->output != "json")) {
     fprintf(stderr, "%s", flags.Help().c_str());
     return 2;
   }
@@ -189,105 +203,95 @@ int Run(int argc, char** argv) {
             cmd.c_str());
     return 2;
   }
-  if (watch < 0 || iterations < 0 || (watch > 0 && cmd != "stats" && cmd != "top")) {
+  if (c->watch < 0 || c->iterations < 0 || (c->watch > 0 && cmd != "stats" && cmd != "top")) {
     fprintf(stderr,
             "stallfreectl: --watch SECONDS (> 0) and --iterations N go with stats and top\n");
     return 2;
   }
-  auto client = Client::Connect(socket);
-  if (!client.ok()) {
-    fprintf(stderr, "stallfreectl: %s\n", std::string(client.status().message()).c_str());
-    return 1;
+  return -1;
+}
+
+int Health(stallfree::Client* client, const Command& c) {
+  auto h = client->Health();
+  if (!h.ok()) return Fail("health", h.status());
+  if (c.output == "json") {
+    printf("{\"status\": \"%s\", \"socket\": \"%s\"}\n", h->c_str(), c.socket.c_str());
+  } else {
+    printf("%s  %s\n", h->c_str(), c.socket.c_str());
   }
-  if (cmd == "health") {
-    auto h = (*client)->Health();
-    if (!h.ok()) {
-      fprintf(stderr, "stallfreectl: health: %s\n", h.status().ToString().c_str());
-      return 1;
-    }
-    if (output == "json") printf("{\"status\": \"%s\", \"socket\": \"%s\"}\n", h->c_str(), socket.c_str());
-    else printf("%s  %s\n", h->c_str(), socket.c_str());
-    return *h == "SERVING" ? 0 : 1;
+  return *h == "SERVING" ? 0 : 1;
+}
+
+int Stats(stallfree::Client* client, const Command& c) {
+  for (int64_t n = 1;; ++n) {
+    if (int code = PrintStats(client, c.output); code != 0) return code;
+    if (c.watch <= 0 || (c.iterations > 0 && n >= c.iterations)) return 0;
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::duration<double>(c.watch));
+    if (c.output == "table") printf("\n");
   }
-  if (cmd == "stats") {
-    for (int64_t n = 1;; ++n) {
-      if (int code = PrintStats(client->get(), output); code != 0) return code;
-      if (watch <= 0 || (iterations > 0 && n >= iterations)) return 0;
-      std::fflush(stdout);
-      std::this_thread::sleep_for(std::chrono::duration<double>(watch));
-      if (output == "table") printf("\n");
-    }
+}
+
+int Metrics(stallfree::Client* client) {
+  auto text = client->Metrics();
+  if (!text.ok()) return Fail("metrics", text.status());
+  fputs(text->c_str(), stdout);
+  return 0;
+}
+
+int Close(stallfree::Client* client, const std::string& arg) {
+  char* end = nullptr;
+  const unsigned long long id = strtoull(arg.c_str(), &end, 10);
+  if (arg.empty() || *end != '\0' || id == 0) {
+    fprintf(stderr, "stallfreectl: close: '%s' is not a session id (see stallfreectl sessions)\n",
+            arg.c_str());
+    return 2;
   }
-  if (cmd == "top") return Top(client->get(), watch > 0 ? watch : 1.0, iterations);
-  if (cmd == "metrics") {
-    auto text = (*client)->Metrics();
-    if (!text.ok()) {
-      fprintf(stderr, "stallfreectl: metrics: %s\n", text.status().ToString().c_str());
-      return 1;
-    }
-    fputs(text->c_str(), stdout);
+  auto freed = client->CloseSession(id);
+  if (!freed.ok()) return Fail("close", freed.status());
+  printf("closed session %llu (%s freed)\n", id, Bytes(*freed).c_str());
+  return 0;
+}
+
+int DeleteCheckpoint(stallfree::Client* client, const std::string& tag) {
+  absl::Status st = client->DeleteCheckpoint(tag);
+  if (!st.ok()) return Fail("delete-checkpoint", st);
+  printf("deleted checkpoint %s\n", tag.c_str());
+  return 0;
+}
+
+int Checkpoints(stallfree::Client* client, const Command& cmd) {
+  auto c = client->ListCheckpoints();
+  if (!c.ok()) return Fail("checkpoints", c.status());
+  if (cmd.output == "json") {
+    printf("%s", Json(*c).c_str());
     return 0;
   }
-  if (cmd == "close") {
-    char* end = nullptr;
-    const unsigned long long id = strtoull(args[1].c_str(), &end, 10);
-    if (args[1].empty() || *end != '\0' || id == 0) {
-      fprintf(stderr, "stallfreectl: close: '%s' is not a session id (see stallfreectl sessions)\n",
-              args[1].c_str());
-      return 2;
+  printf("state directory %s\n", c->state_dir().c_str());
+  printf("%-6s %-24s %-12s %-16s %-5s %-8s %-12s %-10s %s\n", "UID", "TAG", "SIZE", "SESSION",
+         "RANK", "PARAMS", "ELEMENTS", "VERSION", "MODIFIED");
+  for (const auto& k : c->checkpoints()) {
+    char when[32] = "-";
+    time_t t = static_cast<time_t>(k.mtime_unix());
+    struct tm tm;
+    if (t > 0 && localtime_r(&t, &tm) != nullptr) strftime(when, sizeof when, "%F %T", &tm);
+    if (!k.error().empty()) {
+      printf("%-6u %-24s %-12s unusable: %s\n", k.owner_uid(), k.tag().c_str(),
+             Bytes(k.bytes()).c_str(), k.error().c_str());
+      continue;
     }
-    auto freed = (*client)->CloseSession(id);
-    if (!freed.ok()) {
-      fprintf(stderr, "stallfreectl: close: %s\n", freed.status().ToString().c_str());
-      return 1;
-    }
-    printf("closed session %llu (%s freed)\n", id, Bytes(*freed).c_str());
-    return 0;
+    printf("%-6u %-24s %-12s %-16s %-5d %-8ld %-12ld %-10ld %s\n", k.owner_uid(), k.tag().c_str(),
+           Bytes(k.bytes()).c_str(), k.session_name().c_str(), k.rank(), (long)k.params(),
+           (long)k.param_elements(), (long)k.version(), when);
   }
-  if (cmd == "delete-checkpoint") {
-    absl::Status st = (*client)->DeleteCheckpoint(args[1]);
-    if (!st.ok()) {
-      fprintf(stderr, "stallfreectl: delete-checkpoint: %s\n", st.ToString().c_str());
-      return 1;
-    }
-    printf("deleted checkpoint %s\n", args[1].c_str());
-    return 0;
-  }
-  if (cmd == "checkpoints") {
-    auto c = (*client)->ListCheckpoints();
-    if (!c.ok()) {
-      fprintf(stderr, "stallfreectl: checkpoints: %s\n", c.status().ToString().c_str());
-      return 1;
-    }
-    if (output == "json") {
-      printf("%s", Json(*c).c_str());
-      return 0;
-    }
-    printf("state directory %s\n", c->state_dir().c_str());
-    printf("%-6s %-24s %-12s %-16s %-5s %-8s %-12s %-10s %s\n", "UID", "TAG", "SIZE", "SESSION",
-           "RANK", "PARAMS", "ELEMENTS", "VERSION", "MODIFIED");
-    for (const auto& k : c->checkpoints()) {
-      char when[32] = "-";
-      time_t t = static_cast<time_t>(k.mtime_unix());
-      struct tm tm;
-      if (t > 0 && localtime_r(&t, &tm) != nullptr) strftime(when, sizeof when, "%F %T", &tm);
-      if (!k.error().empty()) {
-        printf("%-6u %-24s %-12s unusable: %s\n", k.owner_uid(), k.tag().c_str(),
-               Bytes(k.bytes()).c_str(), k.error().c_str());
-        continue;
-      }
-      printf("%-6u %-24s %-12s %-16s %-5d %-8ld %-12ld %-10ld %s\n", k.owner_uid(), k.tag().c_str(),
-             Bytes(k.bytes()).c_str(), k.session_name().c_str(), k.rank(), (long)k.params(),
-             (long)k.param_elements(), (long)k.version(), when);
-    }
-    return 0;
-  }
-  auto list = (*client)->ListSessions();
-  if (!list.ok()) {
-    fprintf(stderr, "stallfreectl: sessions: %s\n", list.status().ToString().c_str());
-    return 1;
-  }
-  if (output == "json") {
+  return 0;
+}
+
+int Sessions(stallfree::Client* client, const Command& c) {
+  using namespace stallfree;
+  auto list = client->ListSessions();
+  if (!list.ok()) return Fail("sessions", list.status());
+  if (c.output == "json") {
     v1::ListSessionsResponse resp;
     for (auto& s : *list) *resp.add_sessions() = s;
     printf("%s", Json(resp).c_str());
@@ -303,6 +307,27 @@ int Run(int argc, char** argv) {
            (long)s.last_step(), (long)s.pushes(), (long)s.updates());
   }
   return 0;
+}
+
+int Run(int argc, char** argv) {
+  using namespace stallfree;
+  Command c;
+  if (int code = ParseCommand(argc, argv, &c); code >= 0) return code;
+  auto connected = Client::Connect(c.socket);
+  if (!connected.ok()) {
+    fprintf(stderr, "stallfreectl: %s\n", std::string(connected.status().message()).c_str());
+    return 1;
+  }
+  Client* client = connected->get();
+  const std::string& cmd = c.name();
+  if (cmd == "health") return Health(client, c);
+  if (cmd == "stats") return Stats(client, c);
+  if (cmd == "top") return Top(client, c.watch > 0 ? c.watch : 1.0, c.iterations);
+  if (cmd == "metrics") return Metrics(client);
+  if (cmd == "close") return Close(client, c.args[1]);
+  if (cmd == "delete-checkpoint") return DeleteCheckpoint(client, c.args[1]);
+  if (cmd == "checkpoints") return Checkpoints(client, c);
+  return Sessions(client, c);
 }
 
 }  // namespace
