@@ -94,6 +94,191 @@ void PumpLines(int fd, int out_fd, std::string prefix) {
   ::close(fd);
 }
 
+// A fresh store directory for LaunchOptions::Store::kFile, under $TEST_TMPDIR, $TMPDIR or /tmp.
+absl::StatusOr<std::string> MakeStoreDir() {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  if (tmp == nullptr || *tmp == '\0') tmp = std::getenv("TMPDIR");
+  if (tmp == nullptr || *tmp == '\0') tmp = "/tmp";
+  std::string templ = absl::StrCat(tmp, "/stallfree_store.XXXXXX");
+  if (::mkdtemp(&templ[0]) == nullptr) return ErrnoStatus("mkdtemp", templ);
+  return templ;
+}
+
+// The ranks' common environment: ours, minus what we set, plus the launcher variables.
+std::map<std::string, std::string> BaseEnvironment(int nproc, int master_port,
+                                                   const std::string& store_dir) {
+  std::map<std::string, std::string> base;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const char* eq = std::strchr(*e, '=');
+    if (eq == nullptr) continue;
+    base[std::string(*e, static_cast<size_t>(eq - *e))] = eq + 1;
+  }
+  base.erase("STALLFREE_STORE_DIR");
+  base["WORLD_SIZE"] = std::to_string(nproc);
+  base["LOCAL_WORLD_SIZE"] = std::to_string(nproc);
+  base["MASTER_ADDR"] = "127.0.0.1";
+  base["MASTER_PORT"] = std::to_string(master_port);
+  if (!store_dir.empty()) base["STALLFREE_STORE_DIR"] = store_dir;
+  return base;
+}
+
+// The ranks of one launch: starts them, waits for them (with the grace, timeout, cancel and
+// kill escalation of LaunchOptions) and records how each ended in the result.
+class RankGroup {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  RankGroup(const LaunchOptions& options, LaunchResult* result)
+      : o_(options), result_(result), running_(options.nproc, false) {
+    result_->ranks.resize(options.nproc);
+  }
+
+  // Starts every rank; stops at the first that cannot be started (its error), leaving the
+  // started ones to Wait.
+  absl::Status Start(const std::map<std::string, std::string>& base) {
+    for (int r = 0; r < o_.nproc; ++r) RETURN_IF_ERROR(StartRank(r, base));
+    return absl::OkStatus();
+  }
+
+  // Waits until every started rank has ended; a failed start counts as a failure from now (the
+  // others get the grace period).
+  void Wait(Clock::time_point start, bool start_failed) {
+    failure_seen_ = start_failed;
+    failure_time_ = Clock::now();
+    while (Reap()) {
+      Escalate(Clock::now(), start);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    for (std::thread& t : pumps_) t.join();
+  }
+
+ private:
+  absl::Status StartRank(int r, const std::map<std::string, std::string>& base) {
+    std::map<std::string, std::string> env = base;
+    env["RANK"] = std::to_string(r);
+    env["LOCAL_RANK"] = std::to_string(r);
+    for (const auto& kv : o_.env) env[kv.first] = kv.second;
+    std::vector<std::string> env_strings;
+    for (const auto& kv : env) env_strings.push_back(kv.first + "=" + kv.second);
+    std::vector<char*> envp, argv;
+    for (std::string& s : env_strings) envp.push_back(&s[0]);
+    envp.push_back(nullptr);
+    std::vector<std::string> args = o_.argv;
+    for (std::string& s : args) argv.push_back(&s[0]);
+    argv.push_back(nullptr);
+
+    int out_pipe[2] = {-1, -1}, err_pipe[2] = {-1, -1};
+    if (o_.prefix_output &&
+        (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0)) {
+      return ErrnoStatus("pipe2", absl::StrCat("output of rank ", r));
+    }
+    pid_t pid = ::fork();
+    if (pid < 0) return ErrnoStatus("fork", absl::StrCat("rank ", r));
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (o_.prefix_output) {
+        ::dup2(out_pipe[1], STDOUT_FILENO);
+        ::dup2(err_pipe[1], STDERR_FILENO);
+      }
+      ::execvpe(argv[0], argv.data(), envp.data());
+      const char msg[] = "launch: exec failed\n";
+      if (::write(STDERR_FILENO, msg, sizeof(msg) - 1) < 0) {
+      }
+      ::_exit(127);
+    }
+    ::setpgid(pid, pid);  // both sides, to avoid the race
+    result_->ranks[r].pid = pid;
+    running_[r] = true;
+    if (o_.prefix_output) {
+      ::close(out_pipe[1]);
+      ::close(err_pipe[1]);
+      std::string prefix = absl::StrCat("[rank ", r, "] ");
+      pumps_.emplace_back(PumpLines, out_pipe[0], STDOUT_FILENO, prefix);
+      pumps_.emplace_back(PumpLines, err_pipe[0], STDERR_FILENO, prefix);
+    }
+    return absl::OkStatus();
+  }
+
+  // Records every rank that has ended since the last call; true while any still runs.
+  bool Reap() {
+    bool any_running = false;
+    for (int r = 0; r < o_.nproc; ++r) {
+      if (!running_[r]) continue;
+      int status = 0;
+      pid_t got = ::waitpid(result_->ranks[r].pid, &status, WNOHANG);
+      if (got == 0 || (got < 0 && errno == EINTR)) {
+        any_running = true;
+        continue;
+      }
+      running_[r] = false;
+      RankExit& e = result_->ranks[r];
+      if (got > 0 && WIFEXITED(status)) {
+        e.exited = true;
+        e.exit_code = WEXITSTATUS(status);
+      } else if (got > 0 && WIFSIGNALED(status)) {
+        e.signal = WTERMSIG(status);
+      }
+      // A rank that we killed ourselves after a timeout is not "the first failure".
+      const bool stopped_by_us =
+          (result_->timed_out || result_->cancelled) && e.killed_by_launcher;
+      if (!e.ok() && result_->first_failed_rank < 0 && !stopped_by_us) {
+        result_->first_failed_rank = r;
+        if (!failure_seen_) {
+          failure_seen_ = true;
+          failure_time_ = Clock::now();
+        }
+      }
+      // Reap the group's leftovers (e.g. children of a shell) without blocking.
+      if (got > 0) ::kill(-e.pid, SIGKILL);
+    }
+    return any_running;
+  }
+
+  // SIGTERM on a timeout, a cancel or when a failure's grace is over; SIGKILL kill_after later.
+  void Escalate(Clock::time_point now, Clock::time_point start) {
+    if (!result_->timed_out && o_.timeout.count() > 0 && now - start >= o_.timeout) {
+      result_->timed_out = true;
+      Terminate(now);
+    }
+    if (!result_->cancelled && o_.cancel != nullptr && o_.cancel->load()) {
+      result_->cancelled = true;
+      Terminate(now);
+    }
+    if (failure_seen_ && now - failure_time_ >= o_.grace) Terminate(now);
+    if (term_sent_ && !kill_sent_ && now - term_time_ >= o_.kill_after) {
+      SignalAll(SIGKILL);
+      kill_sent_ = true;
+    }
+  }
+
+  // SIGTERM to every running rank, once.
+  void Terminate(Clock::time_point now) {
+    if (term_sent_) return;
+    SignalAll(SIGTERM);
+    term_sent_ = true;
+    term_time_ = now;
+  }
+
+  void SignalAll(int sig) {
+    for (int r = 0; r < o_.nproc; ++r) {
+      if (!running_[r]) continue;
+      result_->ranks[r].killed_by_launcher = true;
+      ::kill(-result_->ranks[r].pid, sig);
+      ::kill(result_->ranks[r].pid, sig);
+    }
+  }
+
+  const LaunchOptions& o_;
+  LaunchResult* const result_;
+  std::vector<bool> running_;
+  std::vector<std::thread> pumps_;
+  bool failure_seen_ = false;
+  Clock::time_point failure_time_;
+  bool term_sent_ = false, kill_sent_ = false;
+  Clock::time_point term_time_;
+};
+
 }  // namespace
 
 absl::StatusOr<LaunchResult> LaunchLocal(const LaunchOptions& options) {
@@ -108,168 +293,17 @@ absl::StatusOr<LaunchResult> LaunchLocal(const LaunchOptions& options) {
   }
   std::string store_dir;
   if (options.store == LaunchOptions::Store::kFile) {
-    const char* tmp = std::getenv("TEST_TMPDIR");
-    if (tmp == nullptr || *tmp == '\0') tmp = std::getenv("TMPDIR");
-    if (tmp == nullptr || *tmp == '\0') tmp = "/tmp";
-    std::string templ = absl::StrCat(tmp, "/stallfree_store.XXXXXX");
-    if (::mkdtemp(&templ[0]) == nullptr) return ErrnoStatus("mkdtemp", templ);
-    store_dir = templ;
+    ASSIGN_OR_RETURN(store_dir, MakeStoreDir());
   }
-
-  // The environment: ours, minus what we set, plus the launcher variables.
-  std::map<std::string, std::string> base;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const char* eq = std::strchr(*e, '=');
-    if (eq == nullptr) continue;
-    base[std::string(*e, static_cast<size_t>(eq - *e))] = eq + 1;
-  }
-  base.erase("STALLFREE_STORE_DIR");
-  base["WORLD_SIZE"] = std::to_string(options.nproc);
-  base["LOCAL_WORLD_SIZE"] = std::to_string(options.nproc);
-  base["MASTER_ADDR"] = "127.0.0.1";
-  base["MASTER_PORT"] = std::to_string(result.master_port);
-  if (!store_dir.empty()) base["STALLFREE_STORE_DIR"] = store_dir;
-
-  auto start = std::chrono::steady_clock::now();
-  result.ranks.resize(options.nproc);
-  std::vector<std::thread> pumps;
-  std::vector<bool> running(options.nproc, false);
-  absl::Status start_error;
-  for (int r = 0; r < options.nproc; ++r) {
-    std::map<std::string, std::string> env = base;
-    env["RANK"] = std::to_string(r);
-    env["LOCAL_RANK"] = std::to_string(r);
-    for (const auto& kv : options.env) env[kv.first] = kv.second;
-    std::vector<std::string> env_strings;
-    for (const auto& kv : env) env_strings.push_back(kv.first + "=" + kv.second);
-    std::vector<char*> envp, argv;
-    for (std::string& s : env_strings) envp.push_back(&s[0]);
-    envp.push_back(nullptr);
-    std::vector<std::string> args = options.argv;
-    for (std::string& s : args) argv.push_back(&s[0]);
-    argv.push_back(nullptr);
-
-    int out_pipe[2] = {-1, -1}, err_pipe[2] = {-1, -1};
-    if (options.prefix_output) {
-      if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0) {
-        start_error = ErrnoStatus("pipe2", absl::StrCat("output of rank ", r));
-        break;
-      }
-    }
-    pid_t pid = ::fork();
-    if (pid < 0) {
-      start_error = ErrnoStatus("fork", absl::StrCat("rank ", r));
-      break;
-    }
-    if (pid == 0) {
-      ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-      if (options.prefix_output) {
-        ::dup2(out_pipe[1], STDOUT_FILENO);
-        ::dup2(err_pipe[1], STDERR_FILENO);
-      }
-      ::execvpe(argv[0], argv.data(), envp.data());
-      const char msg[] = "launch: exec failed\n";
-      if (::write(STDERR_FILENO, msg, sizeof(msg) - 1) < 0) {
-      }
-      ::_exit(127);
-    }
-    ::setpgid(pid, pid);  // both sides, to avoid the race
-    result.ranks[r].pid = pid;
-    running[r] = true;
-    if (options.prefix_output) {
-      ::close(out_pipe[1]);
-      ::close(err_pipe[1]);
-      std::string prefix = absl::StrCat("[rank ", r, "] ");
-      pumps.emplace_back(PumpLines, out_pipe[0], STDOUT_FILENO, prefix);
-      pumps.emplace_back(PumpLines, err_pipe[0], STDERR_FILENO, prefix);
-    }
-  }
-
-  // Wait loop.
-  using Clock = std::chrono::steady_clock;
-  bool failure_seen = !start_error.ok();
-  Clock::time_point failure_time = Clock::now();
-  Clock::time_point term_time;
-  bool term_sent = false, kill_sent = false;
-  auto signal_all = [&](int sig) {
-    for (int r = 0; r < options.nproc; ++r) {
-      if (!running[r]) continue;
-      result.ranks[r].killed_by_launcher = true;
-      ::kill(-result.ranks[r].pid, sig);
-      ::kill(result.ranks[r].pid, sig);
-    }
-  };
-  for (;;) {
-    bool any_running = false;
-    for (int r = 0; r < options.nproc; ++r) {
-      if (!running[r]) continue;
-      int status = 0;
-      pid_t got = ::waitpid(result.ranks[r].pid, &status, WNOHANG);
-      if (got == 0) {
-        any_running = true;
-        continue;
-      }
-      if (got < 0 && errno == EINTR) {
-        any_running = true;
-        continue;
-      }
-      running[r] = false;
-      RankExit& e = result.ranks[r];
-      if (got > 0 && WIFEXITED(status)) {
-        e.exited = true;
-        e.exit_code = WEXITSTATUS(status);
-      } else if (got > 0 && WIFSIGNALED(status)) {
-        e.signal = WTERMSIG(status);
-      }
-      // A rank that we killed ourselves after a timeout is not "the first failure".
-      bool stopped_by_us = (result.timed_out || result.cancelled) && e.killed_by_launcher;
-      if (!e.ok() && result.first_failed_rank < 0 && !stopped_by_us) {
-        result.first_failed_rank = r;
-        if (!failure_seen) {
-          failure_seen = true;
-          failure_time = Clock::now();
-        }
-      }
-      if (got > 0) {
-        // Reap the group's leftovers (e.g. children of a shell) without blocking.
-        ::kill(-e.pid, SIGKILL);
-      }
-    }
-    if (!any_running) break;
-    Clock::time_point now = Clock::now();
-    if (!result.timed_out && options.timeout.count() > 0 && now - start >= options.timeout) {
-      result.timed_out = true;
-      if (!term_sent) {
-        signal_all(SIGTERM);
-        term_sent = true;
-        term_time = now;
-      }
-    }
-    if (!result.cancelled && options.cancel != nullptr && options.cancel->load()) {
-      result.cancelled = true;
-      if (!term_sent) {
-        signal_all(SIGTERM);
-        term_sent = true;
-        term_time = now;
-      }
-    }
-    if (failure_seen && !term_sent && now - failure_time >= options.grace) {
-      signal_all(SIGTERM);
-      term_sent = true;
-      term_time = now;
-    }
-    if (term_sent && !kill_sent && now - term_time >= options.kill_after) {
-      signal_all(SIGKILL);
-      kill_sent = true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  for (std::thread& t : pumps) t.join();
+  const auto start = RankGroup::Clock::now();
+  RankGroup ranks(options, &result);
+  const absl::Status start_error =
+      ranks.Start(BaseEnvironment(options.nproc, result.master_port, store_dir));
+  ranks.Wait(start, !start_error.ok());
   if (!store_dir.empty()) {
     ::nftw(store_dir.c_str(), RemoveEntry, 16, FTW_DEPTH | FTW_PHYS);
   }
-  result.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
+  result.wall_s = std::chrono::duration<double>(RankGroup::Clock::now() - start).count();
   if (!start_error.ok()) return start_error;
   return result;
 }
