@@ -450,6 +450,166 @@ absl::Status ForwardImpl(const BlockConfig& cfg, Communicator* comm, const Trans
   return SyncStatus(ops, "block forward");
 }
 
+// The backward after its argument checks, in two phases that share the cache and the rank's
+// place: Mlp (the reverse ring) gives dh and ln2's partial gradient, then Attention (its buffers
+// allocated once the MLP's are released: peak memory) gives dx_local and ln1's.
+struct TspBackward {
+  TspBackward(const BlockConfig& cfg, Communicator* comm, const TransformerOps& ops,
+              const TspShardView& w, const TspCache& c, const CacheRefs& cr,
+              const float* dy_local, float* dx_local, const TspGradsView& grads)
+      : cfg(cfg), comm(comm), ops(ops), w(w), cr(cr), dy_local(dy_local), dx_local(dx_local),
+        grads(grads), D(comm->size()), p(comm->rank()), d(cfg, D), C(d.C), Ch(d.Ch), F(d.F),
+        B(c.B), T(c.T), Tl(T / D), nl(B * Tl) {}
+
+  // dh := dy + d(mlp)/dh, lngrad[C, 2C) += ln2's partial gradient, grads.mlp += its own shard's.
+  absl::Status Mlp(float* dh, float* lngrad) const {
+    // ---- MLP: reverse ring p+1 -> p -> p-1 of (weights, gradient accumulator). ----
+    // Step j handles shard (p+1+j) mod D; its weights come from p+1 (for j < D-1; at j = D-1 it
+    // is p's own), its accumulator from p+1 (for j > 0), and both go on to p-1.
+    const int64_t wm = d.mlp(), fc = F * C;
+    const int left = static_cast<int>((p - 1 + D) % D), right = static_cast<int>((p + 1) % D);
+    kernels::OpsBuffer wring(&ops, 2 * wm), gring(&ops, 2 * wm);
+    kernels::OpsBuffer dm(&ops, nl * F), dg(&ops, nl * F), du(&ops, nl * F), dn2(&ops, nl * C);
+    WorkDrain drain;  // after the buffers its operations use
+    {
+      std::shared_ptr<Work> own_send, wrecv, grecv_w, wsend[2], gsend[2];
+      if (D > 1) {
+        wrecv = drain.Add(comm->IRecv(wring.data(), wm, right, kTagBwdWeights));
+        own_send = drain.Add(comm->ISend(w.mlp, wm, left, kTagBwdWeights));
+      }
+      for (int64_t j = 0; j < D; ++j) {
+        const int64_t sh = (p + 1 + j) % D;
+        const int64_t k = j % 2, k1 = (j + 1) % 2;
+        const float* W = j + 1 < D ? wring.data() + k * wm : w.mlp;
+        float* G = gring.data() + k * wm;
+        RETURN_IF_ERROR(WaitIfSet(&wrecv));
+        if (j + 2 < D) {  // p-1 uses this shard at its step j+1; the next one arrives for j+1.
+          RETURN_IF_ERROR(WaitIfSet(&wsend[k1]));
+          wrecv = drain.Add(comm->IRecv(wring.data() + k1 * wm, wm, right, kTagBwdWeights));
+          wsend[k] = drain.Add(comm->ISend(W, wm, left, kTagBwdWeights));
+        }
+        if (j == 0) {
+          ops.Fill(G, wm, 0.0f);
+        } else {
+          RETURN_IF_ERROR(WaitIfSet(&grecv_w));
+        }
+        if (j + 1 < D) {  // The accumulator of the next step's shard.
+          RETURN_IF_ERROR(WaitIfSet(&gsend[k1]));
+          grecv_w = drain.Add(comm->IRecv(gring.data() + k1 * wm, wm, right, kTagBwdGrads));
+        }
+        const float* g = cr.g + sh * nl * F;
+        const float* u = cr.u + sh * nl * F;
+        const float* m = cr.m + sh * nl * F;
+        // y = h + m Wd^T; m = silu(g) * u; g = n2 Wg^T, u = n2 Wu^T.
+        ops.Gemm(Trans::kNo, Trans::kNo, nl, F, C, 1.0f, dy_local, C, W + 2 * fc, F, 0.0f,
+                 dm.data(), F);
+        ops.Gemm(Trans::kYes, Trans::kNo, C, F, nl, 1.0f, dy_local, C, m, F, 1.0f, G + 2 * fc, F);
+        ops.SwiGluBackward(g, u, dm.data(), nl * F, dg.data(), du.data());
+        ops.Gemm(Trans::kYes, Trans::kNo, F, C, nl, 1.0f, dg.data(), F, cr.n2, C, 1.0f, G, C);
+        ops.Gemm(Trans::kYes, Trans::kNo, F, C, nl, 1.0f, du.data(), F, cr.n2, C, 1.0f, G + fc, C);
+        ops.Gemm(Trans::kNo, Trans::kNo, nl, C, F, 1.0f, dg.data(), F, W, C, j == 0 ? 0.0f : 1.0f,
+                 dn2.data(), C);
+        ops.Gemm(Trans::kNo, Trans::kNo, nl, C, F, 1.0f, du.data(), F, W + fc, C, 1.0f, dn2.data(),
+                 C);
+        if (j + 1 < D) {
+          gsend[k] = drain.Add(comm->ISend(G, wm, left, kTagBwdGrads));
+        } else {
+          ops.Add(grads.mlp, G, wm, grads.mlp);  // Own shard: the sum over every rank's tokens.
+        }
+      }
+      RETURN_IF_ERROR(WaitIfSet(&own_send));
+      for (int k = 0; k < 2; ++k) {
+        RETURN_IF_ERROR(WaitIfSet(&wsend[k]));
+        RETURN_IF_ERROR(WaitIfSet(&gsend[k]));
+      }
+    }
+    ops.RmsNormBackward(cr.h, w.ln2, cr.rstd2, dn2.data(), nl, C, dh, lngrad + C);
+    ops.Add(dh, dy_local, nl * C, dh);
+    return absl::OkStatus();
+  }
+
+  // dx_local := d(block)/dx from dh, lngrad[0, C) += ln1's partial gradient, grads.attn += its
+  // own head shard's (reduced from every rank).
+  absl::Status Attention(const float* dh, float* lngrad) const {
+    const int64_t wa = d.attn();
+    kernels::OpsBuffer wbuf(&ops, 2 * wa), gbuf(&ops, 2 * wa), grecv(&ops, wa), dA(&ops, nl * Ch),
+        kv_send(&ops, nl * 2 * Ch), kv_recv(&ops, D * nl * 2 * Ch),
+        kv(&ops, B > 1 ? B * T * 2 * Ch : 0), dkv(&ops, B > 1 ? B * T * 2 * Ch : 0),
+        dkv_send(&ops, D * nl * 2 * Ch), dkv_local(&ops, nl * 2 * Ch), dqkv(&ops, nl * 3 * Ch),
+        dn1(&ops, nl * C);
+    WorkDrain drain;  // after the buffers its operations use
+    // ---- Attention: re-broadcast head shards, re-gather K|V, reduce-scatter dK|dV, reduce the
+    // shard gradients to their owners. ----
+    AttentionShape s;
+    s.batch = B;
+    s.tq = Tl;
+    s.tk = T;
+    s.heads = d.Hd;
+    s.head_dim = d.hd;
+    s.q_ld = 3 * Ch;
+    s.k_ld = s.v_ld = 2 * Ch;
+    s.out_ld = Ch;
+    auto start_broadcast = [&](int64_t r) {
+      float* buf = wbuf.data() + (r % 2) * wa;
+      if (r == p) ops.CopyFloats(buf, w.attn, wa);
+      return drain.Add(comm->IBroadcast(buf, wa, static_cast<int>(r)));
+    };
+    std::shared_ptr<Work> next = start_broadcast(0), reduce[2];
+    for (int64_t r = 0; r < D; ++r) {
+      RETURN_IF_ERROR(WaitIfSet(&next));
+      const int64_t k = r % 2;
+      const float* wr = wbuf.data() + k * wa;
+      float* gb = gbuf.data() + k * wa;
+      RETURN_IF_ERROR(WaitIfSet(&reduce[k]));  // shard r-2's reduce used gb
+      const float* qkv = cr.qkv + r * nl * 3 * Ch;
+      const float* att = cr.att + r * nl * Ch;
+      const float* lse = cr.lse + r * B * d.Hd * Tl;
+      // h = x + sum_r att_r Wo_r^T.
+      ops.Gemm(Trans::kNo, Trans::kNo, nl, Ch, C, 1.0f, dh, C, wr + 3 * Ch * C, Ch, 0.0f,
+               dA.data(), Ch);
+      ops.Gemm(Trans::kYes, Trans::kNo, C, Ch, nl, 1.0f, dh, C, att, Ch, 0.0f, gb + 3 * Ch * C,
+               Ch);
+      PackKv(ops, qkv, nl, Ch, kv_send.data());
+      RETURN_IF_ERROR(comm->AllGather(kv_send.data(), kv_recv.data(), nl * 2 * Ch));
+      // Prefetch shard r+1 into the other buffer while attending with r (the backend runs
+      // operations in issue order, so issued before the all-gather it would delay it).
+      if (r + 1 < D) next = start_broadcast(r + 1);
+      const float* keys = GatheredKeys(ops, kv_recv.data(), D, B, Tl, Ch, kv.data());
+      // With one batch row the sequence layout is the reduce-scatter's layout: write dK|dV there.
+      float* dkeys = B > 1 ? dkv.data() : dkv_send.data();
+      ops.AttentionBackward(s, qkv, keys, keys + Ch, cr.q_pos, cr.k_pos, att, lse, dA.data(),
+                            dqkv.data(), dkeys, dkeys + Ch);
+      if (B > 1) Relayout(ops, dkv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/false, dkv_send.data());
+      RETURN_IF_ERROR(comm->ReduceScatter(dkv_send.data(), dkv_local.data(), nl * 2 * Ch));
+      ops.Copy2D(dqkv.data() + Ch, 3 * Ch, dkv_local.data(), 2 * Ch, nl, 2 * Ch);
+      // q|k|v = n1 Wqkv_r^T.
+      ops.Gemm(Trans::kYes, Trans::kNo, 3 * Ch, C, nl, 1.0f, dqkv.data(), 3 * Ch, cr.n1, C, 0.0f,
+               gb, C);
+      ops.Gemm(Trans::kNo, Trans::kNo, nl, C, 3 * Ch, 1.0f, dqkv.data(), 3 * Ch, wr, C,
+               r == 0 ? 0.0f : 1.0f, dn1.data(), C);
+      reduce[k] =
+          drain.Add(comm->IReduce(gb, r == p ? grecv.data() : nullptr, wa, static_cast<int>(r)));
+    }
+    for (int k = 0; k < 2; ++k) RETURN_IF_ERROR(WaitIfSet(&reduce[k]));
+    ops.Add(grads.attn, grecv.data(), wa, grads.attn);
+    ops.RmsNormBackward(cr.x, w.ln1, cr.rstd1, dn1.data(), nl, C, dx_local, lngrad);
+    ops.Add(dx_local, dh, nl * C, dx_local);
+    return absl::OkStatus();
+  }
+
+  const BlockConfig& cfg;
+  Communicator* const comm;
+  const TransformerOps& ops;
+  const TspShardView& w;
+  const CacheRefs& cr;
+  const float* const dy_local;
+  float* const dx_local;
+  const TspGradsView& grads;
+  const int64_t D, p;
+  const Dims d;
+  const int64_t C, Ch, F, B, T, Tl, nl;
+};
+
 absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const TransformerOps& ops,
                           const TspShardView& w, const TspCache& c, const float* dy_local,
                           float* dx_local, const TspGradsView& grads) {
@@ -469,147 +629,11 @@ absl::Status BackwardImpl(const BlockConfig& cfg, Communicator* comm, const Tran
     return absl::InvalidArgumentError(
         "tsp: cache does not match its B, T, the group size or the backend");
   }
-
-  // ---- MLP: reverse ring p+1 -> p -> p-1 of (weights, gradient accumulator). ----
-  // Step j handles shard (p+1+j) mod D; its weights come from p+1 (for j < D-1; at j = D-1 it
-  // is p's own), its accumulator from p+1 (for j > 0), and both go on to p-1.
-  const int64_t wm = d.mlp(), fc = F * C, wa = d.attn();
-  const int left = static_cast<int>((p - 1 + D) % D), right = static_cast<int>((p + 1) % D);
-  kernels::OpsBuffer wring(&ops, 2 * wm), gring(&ops, 2 * wm);
-  kernels::OpsBuffer dm(&ops, nl * F), dg(&ops, nl * F), du(&ops, nl * F), dn2(&ops, nl * C),
-      dh(&ops, nl * C);
+  const TspBackward backward(cfg, comm, ops, w, c, cr, dy_local, dx_local, grads);
+  kernels::OpsBuffer dh(&ops, nl * C);
   kernels::OpsBuffer lngrad(&ops, 2 * C);  // this rank's dln1 | dln2 (zeroed), then all-reduced
-  // Attention buffers: declared here, before the drain, so they outlive its operations, but
-  // allocated only once the MLP phase has released its ring buffers (peak memory).
-  kernels::OpsBuffer wbuf, gbuf, grecv, dA, kv_send, kv_recv, kv, dkv, dkv_send, dkv_local, dqkv,
-      dn1;
-  WorkDrain drain;
-  {
-    std::shared_ptr<Work> own_send, wrecv, grecv_w, wsend[2], gsend[2];
-    if (D > 1) {
-      wrecv = drain.Add(comm->IRecv(wring.data(), wm, right, kTagBwdWeights));
-      own_send = drain.Add(comm->ISend(w.mlp, wm, left, kTagBwdWeights));
-    }
-    for (int64_t j = 0; j < D; ++j) {
-      const int64_t sh = (p + 1 + j) % D;
-      const int64_t k = j % 2, k1 = (j + 1) % 2;
-      const float* W = j + 1 < D ? wring.data() + k * wm : w.mlp;
-      float* G = gring.data() + k * wm;
-      RETURN_IF_ERROR(WaitIfSet(&wrecv));
-      if (j + 2 < D) {  // p-1 uses this shard at its step j+1; the next one arrives for j+1.
-        RETURN_IF_ERROR(WaitIfSet(&wsend[k1]));
-        wrecv = drain.Add(comm->IRecv(wring.data() + k1 * wm, wm, right, kTagBwdWeights));
-        wsend[k] = drain.Add(comm->ISend(W, wm, left, kTagBwdWeights));
-      }
-      if (j == 0) {
-        ops.Fill(G, wm, 0.0f);
-      } else {
-        RETURN_IF_ERROR(WaitIfSet(&grecv_w));
-      }
-      if (j + 1 < D) {  // The accumulator of the next step's shard.
-        RETURN_IF_ERROR(WaitIfSet(&gsend[k1]));
-        grecv_w = drain.Add(comm->IRecv(gring.data() + k1 * wm, wm, right, kTagBwdGrads));
-      }
-      const float* g = cr.g + sh * nl * F;
-      const float* u = cr.u + sh * nl * F;
-      const float* m = cr.m + sh * nl * F;
-      // y = h + m Wd^T; m = silu(g) * u; g = n2 Wg^T, u = n2 Wu^T.
-      ops.Gemm(Trans::kNo, Trans::kNo, nl, F, C, 1.0f, dy_local, C, W + 2 * fc, F, 0.0f, dm.data(),
-               F);
-      ops.Gemm(Trans::kYes, Trans::kNo, C, F, nl, 1.0f, dy_local, C, m, F, 1.0f, G + 2 * fc, F);
-      ops.SwiGluBackward(g, u, dm.data(), nl * F, dg.data(), du.data());
-      ops.Gemm(Trans::kYes, Trans::kNo, F, C, nl, 1.0f, dg.data(), F, cr.n2, C, 1.0f, G, C);
-      ops.Gemm(Trans::kYes, Trans::kNo, F, C, nl, 1.0f, du.data(), F, cr.n2, C, 1.0f, G + fc, C);
-      ops.Gemm(Trans::kNo, Trans::kNo, nl, C, F, 1.0f, dg.data(), F, W, C, j == 0 ? 0.0f : 1.0f,
-               dn2.data(), C);
-      ops.Gemm(Trans::kNo, Trans::kNo, nl, C, F, 1.0f, du.data(), F, W + fc, C, 1.0f, dn2.data(),
-               C);
-      if (j + 1 < D) {
-        gsend[k] = drain.Add(comm->ISend(G, wm, left, kTagBwdGrads));
-      } else {
-        ops.Add(grads.mlp, G, wm, grads.mlp);  // Own shard: the sum over every rank's tokens.
-      }
-    }
-    RETURN_IF_ERROR(WaitIfSet(&own_send));
-    for (int k = 0; k < 2; ++k) {
-      RETURN_IF_ERROR(WaitIfSet(&wsend[k]));
-      RETURN_IF_ERROR(WaitIfSet(&gsend[k]));
-    }
-  }
-  ops.RmsNormBackward(cr.h, w.ln2, cr.rstd2, dn2.data(), nl, C, dh.data(), lngrad.data() + C);
-  ops.Add(dh.data(), dy_local, nl * C, dh.data());
-  // Every MLP operation has completed (or, on a device backend, is ordered before the frees):
-  // release its buffers before the attention phase.
-  for (kernels::OpsBuffer* b : {&wring, &gring, &dm, &dg, &du, &dn2}) b->reset();
-  wbuf = kernels::OpsBuffer(&ops, 2 * wa);
-  gbuf = kernels::OpsBuffer(&ops, 2 * wa);
-  grecv = kernels::OpsBuffer(&ops, wa);
-  dA = kernels::OpsBuffer(&ops, nl * Ch);
-  kv_send = kernels::OpsBuffer(&ops, nl * 2 * Ch);
-  kv_recv = kernels::OpsBuffer(&ops, D * nl * 2 * Ch);
-  kv = kernels::OpsBuffer(&ops, B > 1 ? B * T * 2 * Ch : 0);
-  dkv = kernels::OpsBuffer(&ops, B > 1 ? B * T * 2 * Ch : 0);
-  dkv_send = kernels::OpsBuffer(&ops, D * nl * 2 * Ch);
-  dkv_local = kernels::OpsBuffer(&ops, nl * 2 * Ch);
-  dqkv = kernels::OpsBuffer(&ops, nl * 3 * Ch);
-  dn1 = kernels::OpsBuffer(&ops, nl * C);
-
-  // ---- Attention: re-broadcast head shards, re-gather K|V, reduce-scatter dK|dV, reduce the
-  // shard gradients to their owners. ----
-  AttentionShape s;
-  s.batch = B;
-  s.tq = Tl;
-  s.tk = T;
-  s.heads = d.Hd;
-  s.head_dim = d.hd;
-  s.q_ld = 3 * Ch;
-  s.k_ld = s.v_ld = 2 * Ch;
-  s.out_ld = Ch;
-  auto start_broadcast = [&](int64_t r) {
-    float* buf = wbuf.data() + (r % 2) * wa;
-    if (r == p) ops.CopyFloats(buf, w.attn, wa);
-    return drain.Add(comm->IBroadcast(buf, wa, static_cast<int>(r)));
-  };
-  std::shared_ptr<Work> next = start_broadcast(0), reduce[2];
-  for (int64_t r = 0; r < D; ++r) {
-    RETURN_IF_ERROR(WaitIfSet(&next));
-    const int64_t k = r % 2;
-    const float* wr = wbuf.data() + k * wa;
-    float* gb = gbuf.data() + k * wa;
-    RETURN_IF_ERROR(WaitIfSet(&reduce[k]));  // shard r-2's reduce used gb
-    const float* qkv = cr.qkv + r * nl * 3 * Ch;
-    const float* att = cr.att + r * nl * Ch;
-    const float* lse = cr.lse + r * B * d.Hd * Tl;
-    // h = x + sum_r att_r Wo_r^T.
-    ops.Gemm(Trans::kNo, Trans::kNo, nl, Ch, C, 1.0f, dh.data(), C, wr + 3 * Ch * C, Ch, 0.0f,
-             dA.data(), Ch);
-    ops.Gemm(Trans::kYes, Trans::kNo, C, Ch, nl, 1.0f, dh.data(), C, att, Ch, 0.0f, gb + 3 * Ch * C,
-             Ch);
-    PackKv(ops, qkv, nl, Ch, kv_send.data());
-    RETURN_IF_ERROR(comm->AllGather(kv_send.data(), kv_recv.data(), nl * 2 * Ch));
-    // Prefetch shard r+1 into the other buffer while attending with r (the backend runs
-    // operations in issue order, so issued before the all-gather it would delay it).
-    if (r + 1 < D) next = start_broadcast(r + 1);
-    const float* keys = GatheredKeys(ops, kv_recv.data(), D, B, Tl, Ch, kv.data());
-    // With one batch row the sequence layout is the reduce-scatter's layout: write dK|dV there.
-    float* dkeys = B > 1 ? dkv.data() : dkv_send.data();
-    ops.AttentionBackward(s, qkv, keys, keys + Ch, cr.q_pos, cr.k_pos, att, lse, dA.data(),
-                          dqkv.data(), dkeys, dkeys + Ch);
-    if (B > 1) Relayout(ops, dkv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/false, dkv_send.data());
-    RETURN_IF_ERROR(comm->ReduceScatter(dkv_send.data(), dkv_local.data(), nl * 2 * Ch));
-    ops.Copy2D(dqkv.data() + Ch, 3 * Ch, dkv_local.data(), 2 * Ch, nl, 2 * Ch);
-    // q|k|v = n1 Wqkv_r^T.
-    ops.Gemm(Trans::kYes, Trans::kNo, 3 * Ch, C, nl, 1.0f, dqkv.data(), 3 * Ch, cr.n1, C, 0.0f, gb,
-             C);
-    ops.Gemm(Trans::kNo, Trans::kNo, nl, C, 3 * Ch, 1.0f, dqkv.data(), 3 * Ch, wr, C,
-             r == 0 ? 0.0f : 1.0f, dn1.data(), C);
-    reduce[k] =
-        drain.Add(comm->IReduce(gb, r == p ? grecv.data() : nullptr, wa, static_cast<int>(r)));
-  }
-  for (int k = 0; k < 2; ++k) RETURN_IF_ERROR(WaitIfSet(&reduce[k]));
-  ops.Add(grads.attn, grecv.data(), wa, grads.attn);
-  ops.RmsNormBackward(cr.x, w.ln1, cr.rstd1, dn1.data(), nl, C, dx_local, lngrad.data());
-  ops.Add(dx_local, dh.data(), nl * C, dx_local);
+  RETURN_IF_ERROR(backward.Mlp(dh.data(), lngrad.data()));
+  RETURN_IF_ERROR(backward.Attention(dh.data(), lngrad.data()));
   RETURN_IF_ERROR(comm->AllReduce(lngrad.data(), 2 * C));
   ops.Add(grads.ln1, lngrad.data(), C, grads.ln1);
   ops.Add(grads.ln2, lngrad.data() + C, C, grads.ln2);
