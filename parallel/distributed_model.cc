@@ -291,11 +291,9 @@ absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
   return ForwardImpl(ops, r, tokens, targets, B, T, cache);
 }
 
-absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, const WeightRefs& w,
-                                                     const int32_t* tokens, const int32_t* targets,
-                                                     int64_t B, int64_t T,
-                                                     DistributedCache* cache) const {
-  const bool backend = w.view != nullptr;
+absl::StatusOr<int64_t> DistributedModel::SelectTokens(const int32_t* tokens,
+                                                       const int32_t* targets, int64_t B,
+                                                       int64_t T, DistributedCache* c) const {
   if (B <= 0) return absl::InvalidArgumentError(absl::StrCat("distributed_model: B=", B));
   if (tokens == nullptr || targets == nullptr) {
     return absl::InvalidArgumentError("distributed_model: null tokens or targets");
@@ -305,7 +303,7 @@ absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, 
     return absl::InvalidArgumentError(absl::StrCat(
         "distributed_model: T=", T, " exceeds the position table's max_seq=", cfg_.max_seq));
   }
-  const int64_t D = comm_->size(), C = cfg_.C, V = cfg_.vocab, Tl = T / D, nl = B * Tl;
+  const int64_t V = cfg_.vocab, Tl = T / comm_->size(), nl = B * Tl;
   // Check the whole batch on every rank, so that a bad id fails every rank before any collective.
   for (int64_t i = 0; i < B * T; ++i) {
     if (tokens[i] < 0 || tokens[i] >= V || targets[i] >= V) {
@@ -314,115 +312,105 @@ absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, 
                                                      " out of range for vocab ", V));
     }
   }
-  DistributedCache scratch;
-  DistributedCache& c = cache != nullptr ? *cache : scratch;
-  c.B = B;
-  c.T = T;
-  c.positions = std::move(pos);
-  c.tokens.resize(nl);
-  c.targets.resize(nl);
+  c->B = B;
+  c->T = T;
+  c->positions = std::move(pos);
+  c->tokens.resize(nl);
+  c->targets.resize(nl);
   int64_t local_valid = 0;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < Tl; ++i) {
-      c.tokens[b * Tl + i] = tokens[b * T + c.positions[i]];
-      c.targets[b * Tl + i] = targets[b * T + c.positions[i]];
-      if (c.targets[b * Tl + i] >= 0) ++local_valid;
+      c->tokens[b * Tl + i] = tokens[b * T + c->positions[i]];
+      c->targets[b * Tl + i] = targets[b * T + c->positions[i]];
+      if (c->targets[b * Tl + i] >= 0) ++local_valid;
     }
   }
-  // Each local token's row of the position table (its global position); host memory until the
-  // uploads below have been synchronised.
-  const std::vector<int32_t> pos_ids =
-      cfg_.learned_positions ? TiledPositions(c.positions, B) : std::vector<int32_t>();
+  return local_valid;
+}
 
-  // The cache's tensors: OpsBuffers (view form) or the vectors (CPU API).
+void DistributedModel::AllocateCache(const TransformerOps& ops, bool backend,
+                                     const std::vector<int32_t>& pos_ids,
+                                     DistributedCache* c) const {
+  const int64_t C = cfg_.C, V = cfg_.vocab, nl = static_cast<int64_t>(c->tokens.size());
   if (backend) {
-    for (std::vector<float>* v : {&c.x_final, &c.nf, &c.rstd_f, &c.logits, &c.lse}) {
+    for (std::vector<float>* v : {&c->x_final, &c->nf, &c->rstd_f, &c->logits, &c->lse}) {
       std::vector<float>().swap(*v);
     }
-    c.buffers = nullptr;  // release the previous step's buffers first (peak memory)
+    c->buffers = nullptr;  // release the previous step's buffers first (peak memory)
     auto b = std::make_shared<DistributedCacheBuffers>();
-    b->tokens = layer::UploadPositions(ops, c.tokens);
-    b->targets = layer::UploadPositions(ops, c.targets);
+    b->tokens = layer::UploadPositions(ops, c->tokens);
+    b->targets = layer::UploadPositions(ops, c->targets);
     if (cfg_.learned_positions) b->pos_ids = layer::UploadPositions(ops, pos_ids);
     b->x_final = kernels::OpsBuffer(&ops, nl * C);
     b->nf = kernels::OpsBuffer(&ops, nl * C);
     b->rstd_f = kernels::OpsBuffer(&ops, nl);
     b->logits = kernels::OpsBuffer(&ops, nl * V);
     b->lse = kernels::OpsBuffer(&ops, nl);
-    c.buffers = std::move(b);
+    c->buffers = std::move(b);
   } else {
-    c.buffers = nullptr;
-    c.x_final.resize(nl * C);
-    c.nf.resize(nl * C);
-    c.rstd_f.resize(nl);
-    c.logits.resize(nl * V);
-    c.lse.resize(nl);
+    c->buffers = nullptr;
+    c->x_final.resize(nl * C);
+    c->nf.resize(nl * C);
+    c->rstd_f.resize(nl);
+    c->logits.resize(nl * V);
+    c->lse.resize(nl);
   }
-  const CacheRefs cr(c, cfg_.learned_positions);
-  // The cache is this call's to write.
-  float* const x_final = const_cast<float*>(cr.x_final);
-  float* const nf = const_cast<float*>(cr.nf);
-  float* const rstd_f = const_cast<float*>(cr.rstd_f);
-  float* const logits = const_cast<float*>(cr.logits);
-  float* const lse = const_cast<float*>(cr.lse);
+}
 
+absl::Status DistributedModel::BlocksForward(const TransformerOps& ops, const WeightRefs& w,
+                                             const int32_t* tokens, const int32_t* pos_ids,
+                                             float* x_final, DistributedCache* c) const {
+  const bool backend = w.view != nullptr;
+  const int64_t B = c->B, T = c->T, C = cfg_.C, nl = static_cast<int64_t>(c->tokens.size());
   // The residual stream alternates between x_final and `work`, starting so that the last block
   // (or, without blocks, the embedding) writes x_final.
   const int64_t L = cfg_.layers;
   kernels::OpsBuffer work(&ops, nl * C);
   const auto output_of = [&](int64_t l) { return (L - 1 - l) % 2 == 0 ? x_final : work.data(); };
   float* x = output_of(-1);
-  ops.EmbeddingForward(w.embedding, C, cr.tokens, nl, x);
+  ops.EmbeddingForward(w.embedding, C, tokens, nl, x);
   if (cfg_.learned_positions) {
     const kernels::OpsBuffer pe(&ops, nl * C);
-    ops.EmbeddingForward(w.pos_embedding, C, cr.pos_ids, nl, pe.data());
+    ops.EmbeddingForward(w.pos_embedding, C, pos_ids, nl, pe.data());
     ops.Add(x, pe.data(), nl * C, x);
   }
   RETURN_IF_ERROR(Sync(ops, "embedding forward"));
   if (layout_ == Layout::kTsp) {
-    c.tsp_blocks.assign(static_cast<size_t>(L), TspCache());
-    c.tpsp_blocks.clear();
+    c->tsp_blocks.assign(static_cast<size_t>(L), TspCache());
+    c->tpsp_blocks.clear();
     const TspBlock block(cfg_.block(), comm_);
     for (int64_t l = 0; l < L; ++l) {
       float* y = output_of(l);
       RETURN_IF_ERROR(
-          backend ? block.Forward(ops, w.view->tsp_blocks[l], x, B, T, y, &c.tsp_blocks[l])
-                  : block.Forward(ops, w.shard->tsp_blocks[l], x, B, T, y, &c.tsp_blocks[l]));
+          backend ? block.Forward(ops, w.view->tsp_blocks[l], x, B, T, y, &c->tsp_blocks[l])
+                  : block.Forward(ops, w.shard->tsp_blocks[l], x, B, T, y, &c->tsp_blocks[l]));
       x = y;
     }
   } else {
-    c.tpsp_blocks.assign(static_cast<size_t>(L), TpspCache());
-    c.tsp_blocks.clear();
+    c->tpsp_blocks.assign(static_cast<size_t>(L), TpspCache());
+    c->tsp_blocks.clear();
     const TpspBlock block(cfg_.block(), comm_);
     for (int64_t l = 0; l < L; ++l) {
       float* y = output_of(l);
       const TpspShardView wl =
           backend ? w.view->tpsp_blocks[l] : TpspViewOf(w.shard->tpsp_blocks[l]);
-      RETURN_IF_ERROR(block.Forward(ops, wl, x, B, T, y, &c.tpsp_blocks[l]));
+      RETURN_IF_ERROR(block.Forward(ops, wl, x, B, T, y, &c->tpsp_blocks[l]));
       x = y;
     }
   }
-  work.reset();
-  kernels::OpsBuffer loss(&ops, nl);
-  ops.RmsNormForward(x_final, w.ln_f, nl, C, cfg_.eps, nf, rstd_f);
-  ops.Gemm(Trans::kNo, Trans::kYes, nl, V, C, 1.0f, nf, C, w.head, C, 0.0f, logits, V);
-  ops.CrossEntropyForward(logits, nl, V, cr.targets, loss.data(), lse);
-  // The per-token losses come to the host and are added in double there, in token order: the
-  // same sum in both forms (a device reduction would round differently from the CPU API's).
-  std::vector<float> token_loss(static_cast<size_t>(nl));
-  ops.Download(token_loss.data(), loss.data(), nl);
-  RETURN_IF_ERROR(Sync(ops, "head forward"));
-  double sum = 0;
-  for (int64_t i = 0; i < nl; ++i) {
-    if (c.targets[i] >= 0) sum += token_loss[i];
-  }
+  return absl::OkStatus();
+}
 
+absl::StatusOr<double> DistributedModel::GlobalMeanLoss(const TransformerOps& ops, double sum,
+                                                        int64_t local_valid,
+                                                        DistributedCache* c) const {
   // The Communicator moves fp32: send the double sum as hi + lo (exact to ~2^-48 relative) and
   // the count (exact below 2^24), then add the ranks' parts in rank order on every rank. The
   // all-gather runs on backend memory (a device Communicator needs device buffers).
   if (local_valid >= (int64_t{1} << 24)) {
     return absl::InvalidArgumentError("distributed_model: too many targets on one rank");
   }
+  const int64_t D = comm_->size();
   const float hi = static_cast<float>(sum);
   const float lo = static_cast<float>(sum - static_cast<double>(hi));
   const float send[3] = {hi, lo, static_cast<float>(local_valid)};
@@ -440,9 +428,47 @@ absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, 
     total += static_cast<double>(recv[3 * q]) + static_cast<double>(recv[3 * q + 1]);
     valid += static_cast<int64_t>(recv[3 * q + 2]);
   }
-  c.valid = valid;
+  c->valid = valid;
   if (valid == 0) return 0.0;
   return total / static_cast<double>(valid);
+}
+
+absl::StatusOr<double> DistributedModel::ForwardImpl(const TransformerOps& ops, const WeightRefs& w,
+                                                     const int32_t* tokens, const int32_t* targets,
+                                                     int64_t B, int64_t T,
+                                                     DistributedCache* cache) const {
+  DistributedCache scratch;
+  DistributedCache& c = cache != nullptr ? *cache : scratch;
+  ASSIGN_OR_RETURN(const int64_t local_valid, SelectTokens(tokens, targets, B, T, &c));
+  const int64_t C = cfg_.C, V = cfg_.vocab, nl = static_cast<int64_t>(c.tokens.size());
+  // Each local token's row of the position table (its global position); host memory until the
+  // uploads below have been synchronised.
+  const std::vector<int32_t> pos_ids =
+      cfg_.learned_positions ? TiledPositions(c.positions, B) : std::vector<int32_t>();
+  // The cache's tensors: OpsBuffers (view form) or the vectors (CPU API).
+  AllocateCache(ops, w.view != nullptr, pos_ids, &c);
+  const CacheRefs cr(c, cfg_.learned_positions);
+  // The cache is this call's to write.
+  float* const x_final = const_cast<float*>(cr.x_final);
+  float* const nf = const_cast<float*>(cr.nf);
+  float* const rstd_f = const_cast<float*>(cr.rstd_f);
+  float* const logits = const_cast<float*>(cr.logits);
+  float* const lse = const_cast<float*>(cr.lse);
+  RETURN_IF_ERROR(BlocksForward(ops, w, cr.tokens, cr.pos_ids, x_final, &c));
+  kernels::OpsBuffer loss(&ops, nl);
+  ops.RmsNormForward(x_final, w.ln_f, nl, C, cfg_.eps, nf, rstd_f);
+  ops.Gemm(Trans::kNo, Trans::kYes, nl, V, C, 1.0f, nf, C, w.head, C, 0.0f, logits, V);
+  ops.CrossEntropyForward(logits, nl, V, cr.targets, loss.data(), lse);
+  // The per-token losses come to the host and are added in double there, in token order: the
+  // same sum in both forms (a device reduction would round differently from the CPU API's).
+  std::vector<float> token_loss(static_cast<size_t>(nl));
+  ops.Download(token_loss.data(), loss.data(), nl);
+  RETURN_IF_ERROR(Sync(ops, "head forward"));
+  double sum = 0;
+  for (int64_t i = 0; i < nl; ++i) {
+    if (c.targets[i] >= 0) sum += token_loss[i];
+  }
+  return GlobalMeanLoss(ops, sum, local_valid, &c);
 }
 
 absl::Status DistributedModel::CheckCache(const DistributedCache& c) const {

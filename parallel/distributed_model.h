@@ -192,6 +192,20 @@ class DistributedModel {
   absl::StatusOr<double> ForwardImpl(const kernels::TransformerOps& ops, const WeightRefs& w,
                                      const int32_t* tokens, const int32_t* targets, int64_t B,
                                      int64_t T, DistributedCache* cache) const;
+  // The forward's steps. SelectTokens checks the batch and fills the cache's host metadata (B, T,
+  // positions, this rank's tokens and targets); returns the local valid targets.
+  absl::StatusOr<int64_t> SelectTokens(const int32_t* tokens, const int32_t* targets, int64_t B,
+                                       int64_t T, DistributedCache* c) const;
+  // Sizes the cache's tensors: OpsBuffers of ops (backend: the view form) or the vectors.
+  void AllocateCache(const kernels::TransformerOps& ops, bool backend,
+                     const std::vector<int32_t>& pos_ids, DistributedCache* c) const;
+  // The embedding and the blocks; the last block's output in x_final.
+  absl::Status BlocksForward(const kernels::TransformerOps& ops, const WeightRefs& w,
+                             const int32_t* tokens, const int32_t* pos_ids, float* x_final,
+                             DistributedCache* c) const;
+  // The mean over the global batch's valid targets of this rank's loss sum and count (c->valid).
+  absl::StatusOr<double> GlobalMeanLoss(const kernels::TransformerOps& ops, double sum,
+                                        int64_t local_valid, DistributedCache* c) const;
   absl::Status CheckCache(const DistributedCache& c) const;
   absl::Status BackwardImpl(const kernels::TransformerOps& ops, const WeightRefs& w,
                             const DistributedCache& c, const GradRefs& g) const;
