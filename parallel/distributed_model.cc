@@ -8,6 +8,7 @@
 #include "absl/types/span.h"
 #include "common/status.h"
 #include "parallel/block_cache.h"
+#include "parallel/linear.h"
 #include "parallel/zigzag.h"
 
 namespace stallfree {
@@ -31,11 +32,7 @@ absl::Status PrepareGrad(std::vector<float>* g, int64_t want, const std::string&
 }
 
 absl::Status Sync(const TransformerOps& ops, const char* what) {
-  const std::string err = ops.Synchronize();
-  if (!err.empty()) {
-    return absl::InternalError(absl::StrCat("distributed_model: ", what, ": ", err));
-  }
-  return absl::OkStatus();
+  return layer::Sync(ops, "distributed_model", what);
 }
 
 // The sharded (non-replicated) fields of a block shard, in a fixed order.

@@ -1,6 +1,7 @@
-// The linear-layer GEMMs every parallel block uses (W is [out, in], as F.linear), and the
-// status check after a backend's queued work. Header-only, shared by the TP+SP and TP x CP
-// blocks.
+// What every parallel block uses: the linear-layer GEMMs (W is [out, in], as F.linear), the
+// relayout between a collective's rank-major and the kernels' batch-major token order, and the
+// status check after a backend's queued work. Header-only, shared by the TSP, TP+SP and TP x CP
+// blocks and the distributed model.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +36,26 @@ inline void LinearInputGrad(const kernels::TransformerOps& ops, const float* dy,
                             float beta = 0.0f) {
   ops.Gemm(kernels::Trans::kNo, kernels::Trans::kNo, rows, in, out, 1.0f, dy, lddy, w, in, beta,
            dx, in);
+}
+
+// [groups, B, rows, width] (rank-major, as an all-gather leaves it and a reduce-scatter takes
+// it) <-> [B, groups * rows, width] (batch-major, as the kernels read it): one strided copy per
+// group.
+inline void RankMajorToBatchMajor(const kernels::TransformerOps& ops, const float* src,
+                                  int64_t groups, int64_t B, int64_t rows, int64_t width,
+                                  float* dst) {
+  const int64_t chunk = rows * width;
+  for (int64_t g = 0; g < groups; ++g) {
+    ops.Copy2D(dst + g * chunk, groups * chunk, src + g * B * chunk, chunk, B, chunk);
+  }
+}
+inline void BatchMajorToRankMajor(const kernels::TransformerOps& ops, const float* src,
+                                  int64_t groups, int64_t B, int64_t rows, int64_t width,
+                                  float* dst) {
+  const int64_t chunk = rows * width;
+  for (int64_t g = 0; g < groups; ++g) {
+    ops.Copy2D(dst + g * B * chunk, chunk, src + g * chunk, groups * chunk, B, chunk);
+  }
 }
 
 // Waits for the backend's queued work; its error becomes INTERNAL naming the scheme and step.

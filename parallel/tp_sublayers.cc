@@ -8,25 +8,11 @@ namespace parallel {
 namespace tp {
 
 using kernels::TransformerOps;
+using layer::BatchMajorToRankMajor;
 using layer::Linear;
 using layer::LinearInputGrad;
 using layer::LinearWeightGrad;
-
-void RankMajorToBatchMajor(const TransformerOps& ops, const float* src, int64_t groups, int64_t B,
-                           int64_t rows, int64_t width, float* dst) {
-  const int64_t chunk = rows * width;
-  for (int64_t g = 0; g < groups; ++g) {
-    ops.Copy2D(dst + g * chunk, groups * chunk, src + g * B * chunk, chunk, B, chunk);
-  }
-}
-
-void BatchMajorToRankMajor(const TransformerOps& ops, const float* src, int64_t groups, int64_t B,
-                           int64_t rows, int64_t width, float* dst) {
-  const int64_t chunk = rows * width;
-  for (int64_t g = 0; g < groups; ++g) {
-    ops.Copy2D(dst + g * B * chunk, chunk, src + g * chunk, groups * chunk, B, chunk);
-  }
-}
+using layer::RankMajorToBatchMajor;
 
 SequenceParallel::SequenceParallel(const TransformerOps& ops, const BlockConfig& cfg,
                                    Communicator* group, int64_t B, int64_t rows)

@@ -29,13 +29,6 @@ namespace stallfree {
 namespace parallel {
 namespace tp {
 
-// [groups, B, rows, width] (rank-major, as an all-gather leaves it) <-> [B, groups * rows,
-// width] (batch-major, as the kernels read it): one strided copy per group.
-void RankMajorToBatchMajor(const kernels::TransformerOps& ops, const float* src, int64_t groups,
-                           int64_t B, int64_t rows, int64_t width, float* dst);
-void BatchMajorToRankMajor(const kernels::TransformerOps& ops, const float* src, int64_t groups,
-                           int64_t B, int64_t rows, int64_t width, float* dst);
-
 // The MLP's tensors: the shard's weights (ln2 [C], wg, wu [FF/t, C], wd [C, FF/t]), their
 // gradients, and the activations the forward caches: rstd2 [nl], n2 [n, C], g, u, m [n, FF/t].
 struct MlpWeights {

@@ -209,7 +209,7 @@ absl::Status TpcpBlock::Forward(const TransformerOps& ops, const TpspShardView& 
   Linear(ops, r.n1, C, w.wq, nc, Ct, C, r.q, Ct);  // overlapped
   RETURN_IF_ERROR(kv_gather->Wait());
   // [c, B, Tc, 2Ct] -> [B, T, 2Ct]: the keys of row b in zigzag order (k_pos).
-  tp::RankMajorToBatchMajor(ops, kv_recv.data(), c, B, T / c, 2 * Ct, r.kv);
+  layer::RankMajorToBatchMajor(ops, kv_recv.data(), c, B, T / c, 2 * Ct, r.kv);
   ops.AttentionForward(CpShape(cfg_, t, c, B, T), r.q, r.kv, r.kv + Ct, r.q_pos, r.k_pos, r.att,
                        r.lse);
   RETURN_IF_ERROR(sp.RowParallelResidual(r.att, Ct, w.wo, x_local, partial.data(), r.h));
@@ -275,7 +275,7 @@ absl::Status TpcpBlock::Backward(const TransformerOps& ops, const TpspShardView&
                         r.lse, datt.data(), dq.data(), dkv_all.data(), dkv_all.data() + Ct);
   // dK|dV of all T keys [B, T, 2Ct] -> [c, B, Tc, 2Ct]; block j goes to (is summed on) its
   // owner, CP rank j.
-  tp::BatchMajorToRankMajor(ops, dkv_all.data(), c, B, T / c, 2 * Ct, dkv_send.data());
+  layer::BatchMajorToRankMajor(ops, dkv_all.data(), c, B, T / c, 2 * Ct, dkv_send.data());
   std::shared_ptr<Work> dkv_scatter = cp_->IReduceScatter(dkv_send.data(), dkv.data(), nc * 2 * Ct);
   // Overlapped with the reduce-scatter: the q side.
   LinearWeightGrad(ops, dq.data(), Ct, r.n1, nc, Ct, C, d_wq);

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "parallel/linear.h"
 #include "parallel/zigzag.h"
 
 namespace stallfree {
@@ -93,31 +94,40 @@ void Linear(const TransformerOps& ops, const float* x, int64_t ldx, const float*
 const float* GatheredKeys(const TransformerOps& ops, const float* gathered, int64_t D, int64_t B,
                           int64_t Tl, int64_t Ch, float* seq_buf);
 
+// The attention of one head shard: this rank's Tl zigzag queries of each row (q in packed
+// q|k|v rows, 3Ch apart) against all T gathered keys (k|v rows, 2Ch apart).
+AttentionShape HeadShardAttention(const Dims& d, int64_t B, int64_t T, int64_t D) {
+  AttentionShape s;
+  s.batch = B;
+  s.tq = T / D;
+  s.tk = T;
+  s.heads = d.Hd;
+  s.head_dim = d.hd;
+  s.q_ld = 3 * d.Ch;
+  s.k_ld = s.v_ld = 2 * d.Ch;
+  s.out_ld = d.Ch;
+  return s;
+}
+
+// Starts the broadcast of rank r's attention shard (Wq|Wk|Wv|Wo, wa floats) into half r % 2 of
+// buf [2, wa]; rank p == r first copies its own shard `own` there.
+std::shared_ptr<Work> StartHeadBroadcast(const TransformerOps& ops, Communicator* comm,
+                                         WorkDrain* drain, const float* own, float* buf,
+                                         int64_t wa, int64_t r, int64_t p) {
+  float* half = buf + (r % 2) * wa;
+  if (r == p) ops.CopyFloats(half, own, wa);
+  return drain->Add(comm->IBroadcast(half, wa, static_cast<int>(r)));
+}
+
 // kv [nl, 2Ch] := the k|v columns of qkv [nl, 3Ch].
 void PackKv(const TransformerOps& ops, const float* qkv, int64_t nl, int64_t Ch, float* kv) {
   ops.Copy2D(kv, 2 * Ch, qkv + Ch, 3 * Ch, nl, 2 * Ch);
 }
 
-// Between the all-gather layout [D][B][Tl][w] (rank major) and the sequence layout
-// [B][D Tl][w] (batch major; within a row, rank q's tokens at q Tl..). to_seq selects the
-// direction. One strided copy per rank q: B rows of Tl w floats.
-void Relayout(const TransformerOps& ops, const float* src, int64_t D, int64_t B, int64_t Tl,
-              int64_t w, bool to_seq, float* dst) {
-  const int64_t block = Tl * w;
-  for (int64_t q = 0; q < D; ++q) {
-    const int64_t rank_major = q * B * block, seq = q * block;
-    if (to_seq) {
-      ops.Copy2D(dst + seq, D * block, src + rank_major, block, B, block);
-    } else {
-      ops.Copy2D(dst + rank_major, block, src + seq, D * block, B, block);
-    }
-  }
-}
-
 const float* GatheredKeys(const TransformerOps& ops, const float* gathered, int64_t D, int64_t B,
                           int64_t Tl, int64_t Ch, float* seq_buf) {
   if (B == 1) return gathered;
-  Relayout(ops, gathered, D, B, Tl, 2 * Ch, /*to_seq=*/true, seq_buf);
+  layer::RankMajorToBatchMajor(ops, gathered, D, B, Tl, 2 * Ch, seq_buf);
   return seq_buf;
 }
 
@@ -127,9 +137,7 @@ absl::Status PrepareGrad(std::vector<float>* g, int64_t want, const char* name) 
 }
 
 absl::Status SyncStatus(const TransformerOps& ops, const char* what) {
-  const std::string err = ops.Synchronize();
-  if (!err.empty()) return absl::InternalError(absl::StrCat("tsp: ", what, ": ", err));
-  return absl::OkStatus();
+  return layer::Sync(ops, "tsp", what);
 }
 
 // The cache's tensors, wherever they live.
@@ -389,19 +397,9 @@ absl::Status ForwardImpl(const BlockConfig& cfg, Communicator* comm, const Trans
       kv_recv(&ops, D * nl * 2 * Ch), kv(&ops, B > 1 ? B * T * 2 * Ch : 0);
   WorkDrain drain;
   auto start_broadcast = [&](int64_t r) {
-    float* buf = wbuf.data() + (r % 2) * wa;
-    if (r == p) ops.CopyFloats(buf, w.attn, wa);
-    return drain.Add(comm->IBroadcast(buf, wa, static_cast<int>(r)));
+    return StartHeadBroadcast(ops, comm, &drain, w.attn, wbuf.data(), wa, r, p);
   };
-  AttentionShape s;
-  s.batch = B;
-  s.tq = Tl;
-  s.tk = T;
-  s.heads = d.Hd;
-  s.head_dim = d.hd;
-  s.q_ld = 3 * Ch;
-  s.k_ld = s.v_ld = 2 * Ch;
-  s.out_ld = Ch;
+  const AttentionShape s = HeadShardAttention(d, B, T, D);
   std::shared_ptr<Work> next = start_broadcast(0);
   for (int64_t r = 0; r < D; ++r) {
     RETURN_IF_ERROR(WaitIfSet(&next));
@@ -540,19 +538,9 @@ struct TspBackward {
     WorkDrain drain;  // after the buffers its operations use
     // ---- Attention: re-broadcast head shards, re-gather K|V, reduce-scatter dK|dV, reduce the
     // shard gradients to their owners. ----
-    AttentionShape s;
-    s.batch = B;
-    s.tq = Tl;
-    s.tk = T;
-    s.heads = d.Hd;
-    s.head_dim = d.hd;
-    s.q_ld = 3 * Ch;
-    s.k_ld = s.v_ld = 2 * Ch;
-    s.out_ld = Ch;
+    const AttentionShape s = HeadShardAttention(d, B, T, D);
     auto start_broadcast = [&](int64_t r) {
-      float* buf = wbuf.data() + (r % 2) * wa;
-      if (r == p) ops.CopyFloats(buf, w.attn, wa);
-      return drain.Add(comm->IBroadcast(buf, wa, static_cast<int>(r)));
+      return StartHeadBroadcast(ops, comm, &drain, w.attn, wbuf.data(), wa, r, p);
     };
     std::shared_ptr<Work> next = start_broadcast(0), reduce[2];
     for (int64_t r = 0; r < D; ++r) {
@@ -579,7 +567,7 @@ struct TspBackward {
       float* dkeys = B > 1 ? dkv.data() : dkv_send.data();
       ops.AttentionBackward(s, qkv, keys, keys + Ch, cr.q_pos, cr.k_pos, att, lse, dA.data(),
                             dqkv.data(), dkeys, dkeys + Ch);
-      if (B > 1) Relayout(ops, dkv.data(), D, B, Tl, 2 * Ch, /*to_seq=*/false, dkv_send.data());
+      if (B > 1) layer::BatchMajorToRankMajor(ops, dkv.data(), D, B, Tl, 2 * Ch, dkv_send.data());
       RETURN_IF_ERROR(comm->ReduceScatter(dkv_send.data(), dkv_local.data(), nl * 2 * Ch));
       ops.Copy2D(dqkv.data() + Ch, 3 * Ch, dkv_local.data(), 2 * Ch, nl, 2 * Ch);
       // q|k|v = n1 Wqkv_r^T.

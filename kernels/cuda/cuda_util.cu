@@ -48,22 +48,25 @@ void Free(void* ptr) {
   if (ptr != nullptr) cudaFree(ptr);
 }
 
+namespace {
 // cudaMemcpy from pageable host memory may return before the DMA has landed; the explicit
 // stream synchronize makes "returned" mean "complete" for the device-side reader too.
-std::string ToDevice(void* dst, const void* src, size_t bytes) {
+std::string CopyAndWait(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                        const std::string& direction) {
   if (bytes == 0) return "";
-  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, 0);
-  if (e != cudaSuccess) return CudaErr("cudaMemcpyAsync (to device)", e);
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, 0);
+  if (e != cudaSuccess) return CudaErr(("cudaMemcpyAsync (" + direction + ")").c_str(), e);
   e = cudaStreamSynchronize(0);
-  return e == cudaSuccess ? "" : CudaErr("cudaStreamSynchronize (to device)", e);
+  return e == cudaSuccess ? "" : CudaErr(("cudaStreamSynchronize (" + direction + ")").c_str(), e);
+}
+}  // namespace
+
+std::string ToDevice(void* dst, const void* src, size_t bytes) {
+  return CopyAndWait(dst, src, bytes, cudaMemcpyHostToDevice, "to device");
 }
 
 std::string ToHost(void* dst, const void* src, size_t bytes) {
-  if (bytes == 0) return "";
-  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, 0);
-  if (e != cudaSuccess) return CudaErr("cudaMemcpyAsync (to host)", e);
-  e = cudaStreamSynchronize(0);
-  return e == cudaSuccess ? "" : CudaErr("cudaStreamSynchronize (to host)", e);
+  return CopyAndWait(dst, src, bytes, cudaMemcpyDeviceToHost, "to host");
 }
 
 std::string CopyOnStream(void* dst, const void* src, size_t bytes, void* stream) {
