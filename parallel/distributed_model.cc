@@ -257,18 +257,33 @@ absl::Status DistributedModel::CheckView(const View& v, const char* what) const 
   return absl::OkStatus();
 }
 
-absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
-                                                 const DistributedShard& w, const int32_t* tokens,
-                                                 const int32_t* targets, int64_t B, int64_t T,
-                                                 DistributedCache* cache) const {
-  RETURN_IF_ERROR(Validate());
-  RETURN_IF_ERROR(CheckShard(w, ""));
+DistributedModel::WeightRefs DistributedModel::RefsOf(const DistributedShard& w) const {
   WeightRefs r;
   r.embedding = w.embedding.data();
   r.pos_embedding = cfg_.learned_positions ? w.pos_embedding.data() : nullptr;
   r.ln_f = w.ln_f.data();
   r.head = cfg_.tied_head ? w.embedding.data() : w.head.data();
   r.shard = &w;
+  return r;
+}
+
+DistributedModel::WeightRefs DistributedModel::RefsOf(const DistributedShardView& w) const {
+  WeightRefs r;
+  r.embedding = w.embedding;
+  r.pos_embedding = w.pos_embedding;
+  r.ln_f = w.ln_f;
+  r.head = cfg_.tied_head ? w.embedding : w.head;
+  r.view = &w;
+  return r;
+}
+
+absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
+                                                 const DistributedShard& w, const int32_t* tokens,
+                                                 const int32_t* targets, int64_t B, int64_t T,
+                                                 DistributedCache* cache) const {
+  RETURN_IF_ERROR(Validate());
+  RETURN_IF_ERROR(CheckShard(w, ""));
+  const WeightRefs r = RefsOf(w);
   return ForwardImpl(ops, r, tokens, targets, B, T, cache);
 }
 
@@ -279,12 +294,7 @@ absl::StatusOr<double> DistributedModel::Forward(const TransformerOps& ops,
                                                  DistributedCache* cache) const {
   RETURN_IF_ERROR(Validate());
   RETURN_IF_ERROR(CheckView(w, ""));
-  WeightRefs r;
-  r.embedding = w.embedding;
-  r.pos_embedding = w.pos_embedding;
-  r.ln_f = w.ln_f;
-  r.head = cfg_.tied_head ? w.embedding : w.head;
-  r.view = &w;
+  const WeightRefs r = RefsOf(w);
   return ForwardImpl(ops, r, tokens, targets, B, T, cache);
 }
 
@@ -534,12 +544,7 @@ absl::Status DistributedModel::Backward(const TransformerOps& ops, const Distrib
     }
     return CheckShard(*grads, "gradient ");
   }
-  WeightRefs r;
-  r.embedding = w.embedding.data();
-  r.pos_embedding = cfg_.learned_positions ? w.pos_embedding.data() : nullptr;
-  r.ln_f = w.ln_f.data();
-  r.head = cfg_.tied_head ? w.embedding.data() : w.head.data();
-  r.shard = &w;
+  const WeightRefs r = RefsOf(w);
   GradRefs g;
   g.embedding = grads->embedding.data();
   g.pos_embedding = P > 0 ? grads->pos_embedding.data() : nullptr;
@@ -564,12 +569,7 @@ absl::Status DistributedModel::Backward(const TransformerOps& ops, const Distrib
         "distributed_model: the view Backward needs a cache from the view Forward");
   }
   if (c.valid == 0) return absl::OkStatus();  // The loss is the constant 0 (all ranks return).
-  WeightRefs r;
-  r.embedding = w.embedding;
-  r.pos_embedding = w.pos_embedding;
-  r.ln_f = w.ln_f;
-  r.head = cfg_.tied_head ? w.embedding : w.head;
-  r.view = &w;
+  const WeightRefs r = RefsOf(w);
   GradRefs g;
   g.embedding = grads.embedding;
   g.pos_embedding = grads.pos_embedding;

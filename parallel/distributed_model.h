@@ -185,6 +185,9 @@ class DistributedModel {
   struct WeightRefs;
   struct GradRefs;
 
+  // The weights of either form as WeightRefs (head: the embedding when tied).
+  WeightRefs RefsOf(const DistributedShard& w) const;
+  WeightRefs RefsOf(const DistributedShardView& w) const;
   absl::Status CheckShard(const DistributedShard& w, const char* what) const;
   template <class View>
   absl::Status CheckView(const View& v, const char* what) const;
