@@ -386,13 +386,6 @@ absl::Status Session::Update(v1::UpdateRequest req) {
   return Rpc(client_->stub()->Update(&ctx, req, &resp));
 }
 
-absl::StatusOr<std::vector<int64_t>> Session::MigrateColumns(const std::string&,
-                                                             const std::vector<int64_t>&,
-                                                             const std::vector<int64_t>&) {
-  return absl::UnimplementedError(
-      "MigrateColumns: the quiescent column swap is gone; use HandOverColumns");
-}
-
 absl::StatusOr<v1::MigrateColumnsResponse> Session::HandOverColumns(
     const std::vector<ColumnMove>& moves) {
   if (moves.empty()) return absl::InvalidArgumentError("HandOverColumns: no moves");

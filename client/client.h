@@ -168,11 +168,6 @@ class Session {
                               const std::vector<std::string>& skip_params = {});
   // The general form: an explicit request (its session is set here).
   absl::Status Update(v1::UpdateRequest request);
-  // Gone (the daemon migrates columns only as a handover): UNIMPLEMENTED. Kept only until
-  // tests/engine/zenflow_test.cc's MigrateColumnsValidates, its last caller, is removed.
-  absl::StatusOr<std::vector<int64_t>> MigrateColumns(const std::string& param,
-                                                      const std::vector<int64_t>& columns,
-                                                      const std::vector<int64_t>& steps);
   // Hands over columns of one or more parameters in the middle of a round, in one call
   // (MigrateColumnsRequest.handover): the caller wrote each move's three incoming [rows, n]
   // blocks (values, m, v) in Staging(), each move's four blocks after the previous move's (the

@@ -655,54 +655,5 @@ TEST_F(ZenFlowTest, BadConfigurationNamesTheField) {
                absl::StatusCode::kFailedPrecondition, "'w1'");
 }
 
-// The daemon's MigrateColumns refuses what would lose state or touch memory it must not.
-TEST_F(ZenFlowTest, MigrateColumnsValidates) {
-  auto s = NewSession("migrate");
-  ASSERT_TRUE(s->RegisterParams({{"w", {4, 9}, v1::DTYPE_FP32}}).ok());
-  std::vector<float> init(36);
-  for (int i = 0; i < 36; ++i) init[i] = static_cast<float>(i);
-  memcpy(s->StagingFp32("w"), init.data(), sizeof(float) * 36);
-  ASSERT_TRUE(s->LoadParams().ok());
-  using Code = absl::StatusCode;
-  EXPECT_EQ(s->MigrateColumns("nope", {0}, {0}).status().code(), Code::kNotFound);
-  EXPECT_EQ(s->MigrateColumns("w", {9}, {0}).status().code(), Code::kInvalidArgument);
-  EXPECT_EQ(s->MigrateColumns("w", {1, 1}, {0, 0}).status().code(), Code::kInvalidArgument);
-  EXPECT_EQ(s->MigrateColumns("w", {1}, {}).status().code(), Code::kInvalidArgument);
-  EXPECT_EQ(s->MigrateColumns("w", {1}, {-1}).status().code(), Code::kInvalidArgument);
-  EXPECT_EQ(s->MigrateColumns("w", {0, 1, 2, 3}, {0, 0, 0, 0}).status().code(),
-            Code::kInvalidArgument);  // 3 * 4 * 4 floats > 36
-  // A swap of columns 2 and 7 with known values, m = 100 + value, v = 200 + value; the blocks
-  // at the start of the staging area.
-  float* staging = s->Staging();
-  for (int r = 0; r < 4; ++r)
-    for (int j = 0; j < 2; ++j) {
-      staging[0 * 8 + r * 2 + j] = -1.0f - r - 10 * j;
-      staging[1 * 8 + r * 2 + j] = -2.0f;
-      staging[2 * 8 + r * 2 + j] = 3.0f;
-    }
-  auto steps = s->MigrateColumns("w", {2, 7}, {5, 6});
-  ASSERT_TRUE(steps.ok()) << steps.status();
-  EXPECT_EQ(*steps, (std::vector<int64_t>{0, 0}));
-  for (int r = 0; r < 4; ++r) {
-    EXPECT_EQ(staging[r * 2 + 0], init[r * 9 + 2]);
-    EXPECT_EQ(staging[r * 2 + 1], init[r * 9 + 7]);
-    EXPECT_EQ(staging[8 + r * 2], 0.0f);  // the daemon's m after LoadParams
-  }
-  // Swapping back returns what went in, and the step counts.
-  steps = s->MigrateColumns("w", {2, 7}, {0, 0});
-  ASSERT_TRUE(steps.ok());
-  EXPECT_EQ(*steps, (std::vector<int64_t>{5, 6}));
-  EXPECT_EQ(staging[0], -1.0f);
-  EXPECT_EQ(staging[8], -2.0f);
-  EXPECT_EQ(staging[16], 3.0f);
-  // Pending pushes make the session non-quiescent.
-  memset(s->GradSlot(0, "w"), 0, 36 * 4);
-  ASSERT_TRUE(s->Push(1, 0).ok());
-  EXPECT_EQ(s->MigrateColumns("w", {2}, {0}).status().code(), Code::kFailedPrecondition);
-  auto stats = client_->GetStats();
-  ASSERT_TRUE(stats.ok());
-  EXPECT_EQ(stats->migrated_columns(), 8);
-}
-
 }  // namespace
 }  // namespace stallfree

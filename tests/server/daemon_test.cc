@@ -531,7 +531,6 @@ TEST(Daemon, HandOverColumnsValidatesAndHandsTheStateOut) {
   v1::MigrateColumnsResponse resp;
   EXPECT_EQ(FromGrpc((*client)->stub()->MigrateColumns(&ctx, quiescent, &resp)).code(),
             Code::kInvalidArgument);
-  EXPECT_EQ(s.MigrateColumns("w", {1}, {0}).status().code(), Code::kUnimplemented);
 
   // Columns 2 and 7 go out with their values (m, v zero after the load; nothing pushed: a zero
   // gradient block); the incoming blocks land at the next Update.
