@@ -124,7 +124,7 @@ class Engine {
   virtual bool closed() const = 0;
 };
 
-// The generated corpus of trainer/data.h (DefaultCorpusText).
+// The generated corpus of common/corpus.h (DefaultCorpusText).
 std::string DefaultCorpusText(int64_t approx_bytes, uint32_t seed);
 
 // Whether this build has the CUDA backend.
