@@ -3,6 +3,8 @@
 // engine (engine/zenflow.cc) and re-partitioned by engine/repartition.cc.
 #pragma once
 
+#include "absl/status/statusor.h"
+
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -11,14 +13,13 @@
 namespace stallfree {
 
 //
-// Versions (the magic, the first int64): V1; V2 (kEngineBlobMagic) adds each offloaded
-// parameter's round_grads; V3 adds, after each parameter's kind, numel and k, its dtype (0 fp32,
+// Versions (the magic, the first int64): V2 (kEngineBlobMagic), each offloaded parameter with
+// its round_grads; V3 adds, after each parameter's kind, numel and k, its dtype (0 fp32,
 // 1 bf16) and, after a device parameter's m and v, its fp32 master (numel floats for a bf16
 // parameter whose master exists, else none). An engine writes the oldest version that holds its
 // state: V2 when every parameter is fp32 (byte for byte what it wrote before bf16 parameters
 // existed, so older readers and engine/repartition.cc keep reading it), V3 when one is bf16.
-// The engine reads all three.
-constexpr int64_t kEngineBlobMagicV1 = 0x315446574e455a53;  // "SZENWFT1"
+// The engine reads both (a V1 blob, of a development version without round_grads, is refused).
 constexpr int64_t kEngineBlobMagic = 0x325446574e455a53;    // "SZENWFT2": + round_grads
 constexpr int64_t kEngineBlobMagicV3 = 0x335446574e455a53;  // "SZENWFT3": + dtype, bf16 masters
 
@@ -95,5 +96,23 @@ class BlobReader {
   const std::string& s_;
   size_t pos_ = 0;
 };
+
+// An engine blob, parsed (ParseEngineBlob): the one reader of the format, for the engine's
+// Restore and for Repartition.
+struct EngineBlobParam {
+  int64_t kind = 0, numel = 0, k = 0, dtype = kBlobFp32;
+  std::vector<float> master;  // kBlobDevice, bf16 (V3): the fp32 master [rows, cols], or none yet
+  int64_t dstep = 0, round_grads = 0;
+  std::vector<float> m, v;                            // kBlobDevice: [rows, cols]
+  std::vector<int64_t> hot_idx, cold_idx, hot_steps;  // kBlobSplit (empty before the first step)
+  std::vector<float> hot_master, hot_m, hot_v;        // kBlobSplit: [rows, k] (likewise)
+};
+struct EngineBlob {
+  int64_t magic = 0, mode = 0, step = 0, rounds = 0, pending_version = 0, loaded = 0;
+  std::vector<EngineBlobParam> params;
+};
+// DataLoss naming what is wrong when `bytes` is not a whole V2 / V3 engine blob; whether it
+// fits an engine (its mode, parameters and shapes) is the caller's to check.
+absl::StatusOr<EngineBlob> ParseEngineBlob(const std::string& bytes);
 
 }  // namespace stallfree

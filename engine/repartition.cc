@@ -21,66 +21,18 @@ namespace stallfree {
 namespace {
 
 
-// One parameter's part of an engine blob (ZenFlowEngine::Checkpoint).
-struct EngineParam {
-  int64_t kind = 0, numel = 0, k = 0, dtype = kBlobFp32;
-  std::vector<float> master;  // kDevice, bf16 (V3): the fp32 master [rows, cols], or none yet
-  int64_t dstep = 0, round_grads = 0;
-  std::vector<float> m, v;                            // kDevice: [rows, cols]
-  std::vector<int64_t> hot_idx, cold_idx, hot_steps;  // kSplit
-  std::vector<float> hot_master, hot_m, hot_v;        // kSplit: [rows, k]
-};
+using EngineParam = EngineBlobParam;
+using EngineState = EngineBlob;
 
-struct EngineState {
-  int64_t magic = 0, mode = 0, step = 0, rounds = 0, pending_version = 0, loaded = 0;
-  std::vector<EngineParam> params;
-};
-
-absl::Status Corrupt(int rank, const std::string& what) {
-  return absl::DataLossError(
-      absl::StrCat("rank ", rank, "'s engine state: ", what, " (not a ZenFlow engine's state of "
-                   "these parameters)"));
-}
-
+// The blob of old rank `rank`, parsed, for a group of `nparams` parameters.
 absl::StatusOr<EngineState> ParseEngine(const std::string& blob, int rank, size_t nparams) {
-  BlobReader r(blob);
-  EngineState s;
-  int64_t magic = 0, n = 0;
-  if (!r.I64(&magic) || (magic != kEngineBlobMagicV3 && magic != kEngineBlobMagic &&
-                         magic != kEngineBlobMagicV1))
-    return Corrupt(rank, "bad magic");
-  s.magic = magic;
-  if (!r.I64(&s.mode) || !r.I64(&s.step) || !r.I64(&s.rounds) || !r.I64(&s.pending_version) ||
-      !r.I64(&s.loaded) || !r.I64(&n))
-    return Corrupt(rank, "truncated");
-  if (n != static_cast<int64_t>(nparams))
-    return Corrupt(rank, absl::StrCat(n, " parameters, the group has ", nparams));
-  for (int64_t i = 0; i < n; ++i) {
-    EngineParam p;
-    if (!r.I64(&p.kind) || !r.I64(&p.numel) || !r.I64(&p.k)) return Corrupt(rank, "truncated");
-    if (magic == kEngineBlobMagicV3 && !r.I64(&p.dtype)) return Corrupt(rank, "truncated");
-    if (p.kind == kBlobDevice) {
-      if (!r.I64(&p.dstep) || !r.Floats(&p.m, p.numel) || !r.Floats(&p.v, p.numel))
-        return Corrupt(rank, "truncated");
-      if (magic == kEngineBlobMagicV3 &&
-          (!r.AnyFloats(&p.master) || (!p.master.empty() &&
-                                       static_cast<int64_t>(p.master.size()) != p.numel)))
-        return Corrupt(rank, "a device master of the wrong size");
-    } else if (magic != kEngineBlobMagicV1) {
-      if (!r.I64(&p.round_grads)) return Corrupt(rank, "truncated");
-    } else {
-      p.round_grads = 1;  // version 1 engines always had every gradient
-    }
-    if (p.kind == kBlobSplit) {
-      if (!r.AnyInts(&p.hot_idx) || !r.AnyInts(&p.cold_idx) || !r.AnyInts(&p.hot_steps) ||
-          !r.AnyFloats(&p.hot_master) || !r.AnyFloats(&p.hot_m) || !r.AnyFloats(&p.hot_v))
-        return Corrupt(rank, "truncated");
-    } else if (p.kind != kBlobDevice && p.kind != kBlobOffloaded) {
-      return Corrupt(rank, absl::StrCat("parameter kind ", p.kind));
-    }
-    s.params.push_back(std::move(p));
-  }
-  if (!r.done()) return Corrupt(rank, "trailing bytes");
+  absl::StatusOr<EngineState> s = ParseEngineBlob(blob);
+  if (!s.ok())
+    return absl::DataLossError(absl::StrCat("rank ", rank, "'s ", s.status().message(),
+                                            " (not a ZenFlow engine's state of these parameters)"));
+  if (s->params.size() != nparams)
+    return absl::DataLossError(absl::StrCat("rank ", rank, "'s engine state: ", s->params.size(),
+                                            " parameters, the group has ", nparams));
   return s;
 }
 

@@ -404,6 +404,10 @@ struct ZenFlowEngine::Impl {
                   const RoundUpdate& round);
   void PrefetchForNextBoundary(const StepPlan& plan);
   absl::Status StageGradient(PState& ps, const void* grad);
+  // Restore: whether a parsed blob is this engine's (nothing changes), and one parameter's
+  // state from it.
+  absl::Status CheckBlob(const EngineBlob& blob) const;
+  void ApplyBlobParam(PState& ps, const EngineBlobParam& bp, bool selected);
   // The step's kind (see zenflow.h): warm-up, a round boundary, a reselection.
   bool Warm(int64_t t) const { return t <= cfg.warmup_steps; }
   bool Boundary(int64_t t) const {
@@ -1350,83 +1354,20 @@ absl::Status ZenFlowEngine::DeleteCheckpoint(const std::string& tag) {
 }
 
 absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& state) {
+  // The blob is parsed (engine/blob.h) and checked against this engine whole before anything
+  // changes: a refused blob leaves the engine as fresh as it was.
   Impl& im = *impl_;
   if (im.step != 0)
     return absl::FailedPreconditionError("Restore: the engine has already run a step");
-  BlobReader r(state);
-  int64_t magic = 0, mode = -1, nparams = -1, loaded = 0;
-  auto bad = [](const std::string& what) {
-    return absl::DataLossError(absl::StrCat("state: ", what));
-  };
-  if (!r.I64(&magic) || (magic != kEngineBlobMagicV3 && magic != kEngineBlobMagic && magic != kEngineBlobMagicV1))
-    return bad("not a ZenFlow engine checkpoint");
-  if (!r.I64(&mode) || mode != static_cast<int64_t>(im.cfg.mode))
-    return absl::InvalidArgumentError(absl::StrCat(
-        "state: written in mode ", mode, ", this engine runs ", OffloadModeName(im.cfg.mode)));
-  if (!r.I64(&im.step) || !r.I64(&im.rounds) || !r.I64(&im.pending_version) || !r.I64(&loaded) ||
-      !r.I64(&nparams))
-    return bad("truncated");
-  if (nparams != static_cast<int64_t>(im.params.size()))
-    return absl::InvalidArgumentError(absl::StrCat("state: ", nparams, " parameters, the engine has ",
-                                                   im.params.size()));
-  for (PState& ps : im.params) {
-    int64_t kind, numel, k;
-    if (!r.I64(&kind) || !r.I64(&numel) || !r.I64(&k)) return bad("truncated");
-    if (kind != ps.kind || numel != ps.numel || k != ps.k)
-      return absl::InvalidArgumentError(absl::StrCat(
-          "state: parameter '", ps.p.name, "' was checkpointed with another shape or split"));
-    // Blobs before V3 hold fp32 parameters only.
-    int64_t dtype = kBlobFp32;
-    if (magic == kEngineBlobMagicV3 && !r.I64(&dtype)) return bad("truncated");
-    if (dtype != (ps.bf16 ? kBlobBf16 : kBlobFp32))
-      return absl::InvalidArgumentError(absl::StrCat(
-          "state: parameter '", ps.p.name, "' was checkpointed as ",
-          dtype == kBlobBf16 ? "bf16" : dtype == kBlobFp32 ? "fp32" : "an unknown dtype",
-          ", the engine holds it as ", ps.bf16 ? "bf16" : "fp32"));
-    std::vector<float> a, b, c;
-    if (ps.kind == PState::kDevice) {
-      if (!r.I64(&ps.dstep) || !r.Floats(&a, ps.numel) || !r.Floats(&b, ps.numel))
-        return bad("truncated");
-      im.ops.Upload(ps.m.data(), a.data(), ps.numel);
-      im.ops.Upload(ps.v.data(), b.data(), ps.numel);
-      if (magic == kEngineBlobMagicV3) {
-        if (!r.AnyFloats(&c) || (!c.empty() && (!ps.bf16 || c.size() != static_cast<size_t>(ps.numel))))
-          return bad(absl::StrCat("the master of '", ps.p.name, "' is truncated or mis-sized"));
-        // Without one (checkpointed before its first Step) the first Step widens the value.
-        ps.master_ready = !c.empty();
-        if (ps.master_ready) im.ops.Upload(ps.master.data(), c.data(), ps.numel);
-      }
-    } else if (magic != kEngineBlobMagicV1) {
-      if (!r.I64(&ps.round_grads)) return bad("truncated");
-    } else {
-      ps.round_grads = 1;  // version 1 engines always had every gradient
-    }
-    if (ps.kind == PState::kSplit) {
-      const int64_t hot = ps.rows * ps.k;
-      // A weight checkpointed before its first selection (an engine that has not stepped) has
-      // no column sets yet (they come with the daemon's load at step 1): it restores unselected.
-      const bool selected = loaded != 0;
-      const int64_t k = selected ? ps.k : 0, ncold = selected ? ps.ncold : 0;
-      if (!r.Ints(&ps.hot_idx, k) || !r.Ints(&ps.cold_idx, ncold) ||
-          !r.Ints(&ps.hot_steps, k) || !r.Floats(&a, hot) || !r.Floats(&b, hot) ||
-          !r.Floats(&c, hot))
-        return bad("truncated");
-      if (!selected) continue;  // its device buffers are still the fresh engine's
-      std::vector<char> seen(ps.cols, 0);
-      for (int64_t col : ps.hot_idx) seen[std::clamp<int64_t>(col, 0, ps.cols - 1)]++;
-      for (int64_t col : ps.cold_idx) seen[std::clamp<int64_t>(col, 0, ps.cols - 1)]++;
-      for (int64_t col = 0; col < ps.cols; ++col)
-        if (seen[col] != 1) return bad(absl::StrCat("the column sets of '", ps.p.name, "' are corrupt"));
-      im.UploadInts(ps.hot_idx_dev, ps.hot_idx);
-      im.UploadInts(ps.cold_idx_dev, ps.cold_idx);
-      im.ops.Upload(ps.hot_master.data(), a.data(), hot);
-      im.ops.Upload(ps.hot_m.data(), b.data(), hot);
-      im.ops.Upload(ps.hot_v.data(), c.data(), hot);
-    }
-    RETURN_IF_ERROR(im.Sync("restoring the engine's state"));
-  }
-  if (!r.done()) return bad("trailing bytes");
-  im.loaded = loaded != 0;
+  ASSIGN_OR_RETURN(EngineBlob blob, ParseEngineBlob(state));
+  RETURN_IF_ERROR(im.CheckBlob(blob));
+  for (size_t i = 0; i < im.params.size(); ++i)
+    im.ApplyBlobParam(im.params[i], blob.params[i], blob.loaded != 0);
+  RETURN_IF_ERROR(im.Sync("restoring the engine's state"));
+  im.step = blob.step;
+  im.rounds = blob.rounds;
+  im.pending_version = blob.pending_version;
+  im.loaded = blob.loaded != 0;
   // The daemon's Restore puts the checkpointed parameters in parameter slot 0: the pending
   // round reads them there, and the next Update writes the other slot if there are two (with
   // one, DoStep lands the pending round before the next Update is issued).
@@ -1436,6 +1377,74 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   if (im.offloading() && im.loaded)
     RETURN_IF_ERROR(im.session->Restore(tag, im.cfg.param_dtype).status());
   return absl::OkStatus();
+}
+
+absl::Status ZenFlowEngine::Impl::CheckBlob(const EngineBlob& blob) const {
+  // InvalidArgument: a blob of another engine (mode, parameters, shapes, split, dtypes);
+  // DataLoss: one whose arrays do not fit what it says.
+  auto bad = [](const std::string& what) {
+    return absl::DataLossError(absl::StrCat("state: ", what));
+  };
+  if (blob.mode != static_cast<int64_t>(cfg.mode))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "state: written in mode ", blob.mode, ", this engine runs ", OffloadModeName(cfg.mode)));
+  if (blob.params.size() != params.size())
+    return absl::InvalidArgumentError(absl::StrCat("state: ", blob.params.size(),
+                                                   " parameters, the engine has ", params.size()));
+  for (size_t i = 0; i < params.size(); ++i) {
+    const PState& ps = params[i];
+    const EngineBlobParam& bp = blob.params[i];
+    if (bp.kind != ps.kind || bp.numel != ps.numel || bp.k != ps.k)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state: parameter '", ps.p.name, "' was checkpointed with another shape or split"));
+    if (bp.dtype != (ps.bf16 ? kBlobBf16 : kBlobFp32))  // blobs before V3: fp32 only
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state: parameter '", ps.p.name, "' was checkpointed as ",
+          bp.dtype == kBlobBf16 ? "bf16" : bp.dtype == kBlobFp32 ? "fp32" : "an unknown dtype",
+          ", the engine holds it as ", ps.bf16 ? "bf16" : "fp32"));
+    if (ps.kind == PState::kDevice && !bp.master.empty() && !ps.bf16)
+      return bad(absl::StrCat("an fp32 parameter '", ps.p.name, "' with a master"));
+    if (ps.kind != PState::kSplit) continue;
+    // A weight checkpointed before its first selection (an engine that has not stepped) has no
+    // column sets yet (they come with the daemon's load at step 1): it restores unselected.
+    // (its hot arrays are whole either way: the fresh engine's buffers).
+    const size_t k = blob.loaded != 0 ? ps.k : 0, ncold = blob.loaded != 0 ? ps.ncold : 0;
+    const size_t hot = static_cast<size_t>(ps.k * ps.rows);
+    if (bp.hot_idx.size() != k || bp.cold_idx.size() != ncold || bp.hot_steps.size() != k ||
+        bp.hot_master.size() != hot || bp.hot_m.size() != hot || bp.hot_v.size() != hot)
+      return bad(absl::StrCat("the hot columns of '", ps.p.name, "' are mis-sized"));
+    std::vector<int> seen(ps.cols, 0);
+    for (const std::vector<int64_t>* set : {&bp.hot_idx, &bp.cold_idx})
+      for (int64_t col : *set) {
+        if (col < 0 || col >= ps.cols || seen[col]++ > 0)
+          return bad(absl::StrCat("the column sets of '", ps.p.name, "' are corrupt"));
+      }
+  }
+  return absl::OkStatus();
+}
+
+void ZenFlowEngine::Impl::ApplyBlobParam(PState& ps, const EngineBlobParam& bp, bool selected) {
+  // A checked blob's parameter into the engine (CheckBlob passed).
+  if (ps.kind == PState::kDevice) {
+    ps.dstep = bp.dstep;
+    ops.Upload(ps.m.data(), bp.m.data(), ps.numel);
+    ops.Upload(ps.v.data(), bp.v.data(), ps.numel);
+    // Without a master (checkpointed before its first Step) the first Step widens the value.
+    ps.master_ready = !bp.master.empty();
+    if (ps.master_ready) ops.Upload(ps.master.data(), bp.master.data(), ps.numel);
+    return;
+  }
+  ps.round_grads = bp.round_grads;
+  if (ps.kind != PState::kSplit || !selected) return;  // unselected: the fresh engine's buffers
+  const int64_t hot = ps.rows * ps.k;
+  ps.hot_idx = bp.hot_idx;
+  ps.cold_idx = bp.cold_idx;
+  ps.hot_steps = bp.hot_steps;
+  UploadInts(ps.hot_idx_dev, ps.hot_idx);
+  UploadInts(ps.cold_idx_dev, ps.cold_idx);
+  ops.Upload(ps.hot_master.data(), bp.hot_master.data(), hot);
+  ops.Upload(ps.hot_m.data(), bp.hot_m.data(), hot);
+  ops.Upload(ps.hot_v.data(), bp.hot_v.data(), hot);
 }
 
 absl::Status ZenFlowEngine::SetBuffers(size_t index, void* value, const void* grad) {

@@ -491,7 +491,7 @@ TEST_F(ZenFlowBf16Test, CheckpointRestoreMidRoundEqualsReference) {
     std::unique_ptr<Session> session;
     auto engine = Make(cfg, &model, &session, what + " restored");
     ASSERT_TRUE(engine.ok()) << engine.status();
-    ASSERT_TRUE((*engine)->Restore(tag, blob).ok());
+    { const absl::Status rs = (*engine)->Restore(tag, blob); ASSERT_TRUE(rs.ok()) << rs; }
     for (int64_t t = cs.k + 1; t <= steps; ++t) {
       FillGrads(&model, t, seed);
       ASSERT_TRUE((*engine)->Step(Lr(t)).ok()) << "step " << t;

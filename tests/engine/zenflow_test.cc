@@ -607,6 +607,20 @@ TEST_F(ZenFlowTest, ResumeFromCheckpointEqualsUninterruptedRun) {
       ASSERT_TRUE(other.ok());
       EXPECT_EQ((*other)->Restore(tag, blob.substr(0, blob.size() / 2)).code(),
                 absl::StatusCode::kDataLoss);
+      // The refusal changed nothing (Restore checks the whole blob first): the same engine then
+      // takes the whole blob and continues as the uninterrupted run.
+      for (size_t i = 0; i < other_model.size(); ++i)  // the checkpointed values, in place
+        std::copy(straight[k - 1][i].value.begin(), straight[k - 1][i].value.end(),
+                  other_model[i].value.begin());
+      ASSERT_TRUE((*other)->Restore(tag, blob).ok()) << what;
+      EXPECT_EQ((*other)->step(), k);
+      for (int64_t t = k + 1; t <= steps; ++t) {
+        FillGrads(&other_model, t, seed);
+        ASSERT_TRUE((*other)->Step(Lr(t)).ok()) << what << " step " << t;
+      }
+      for (size_t i = 0; i < other_model.size(); ++i)
+        ASSERT_EQ(other_model[i].value, straight[steps - 1][i].value)
+            << what << ": " << other_model[i].name << " after a refused Restore";
     }
   }
 }
