@@ -68,7 +68,10 @@ PYBIND11_MODULE(_stallfree, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const stallfree::api::Error& e) {
-      error(e.what());
+      // stallfree.Error with the status code as `code` (what callers decide by, not the text).
+      py::object exc = py::reinterpret_borrow<py::object>(error.ptr())(e.what());
+      exc.attr("code") = e.code;
+      PyErr_SetObject(error.ptr(), exc.ptr());
     } catch (const stallfree::api::InvalidArgument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }

@@ -25,7 +25,8 @@ namespace {
 
 void Check(const absl::Status& s) {
   if (s.ok()) return;
-  throw Error(absl::StrCat(absl::StatusCodeToString(s.code()), ": ", s.message()));
+  const std::string code = absl::StatusCodeToString(s.code());
+  throw Error(absl::StrCat(code, ": ", s.message()), code);
 }
 
 template <typename T>

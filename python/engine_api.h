@@ -23,8 +23,12 @@
 namespace stallfree {
 namespace api {
 
+// code: the absl::StatusCode's name ("UNAVAILABLE": the daemon went away, client/client.h), or
+// "" for an error of the facade itself. Python sees it as stallfree.Error's `code`.
 struct Error : std::runtime_error {
-  using std::runtime_error::runtime_error;
+  explicit Error(const std::string& what, std::string status_code = "")
+      : std::runtime_error(what), code(std::move(status_code)) {}
+  std::string code;
 };
 struct InvalidArgument : std::invalid_argument {
   using std::invalid_argument::invalid_argument;

@@ -795,9 +795,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _explain(self, e):
         """The engine's error, or, when the daemon went away, what was lost and how to go on."""
-        msg = str(e)
-        if not (msg.startswith("UNAVAILABLE") or "no session" in msg):
+        # By code (client/client.h: UNAVAILABLE is a daemon that went away, a restarted one that
+        # no longer has the session included), not by the message's text.
+        if getattr(e, "code", "") != "UNAVAILABLE":
             return e
+        msg = str(e)
         return Error(
             "stallfreed at %s went away (%s): the daemon's part of this optimizer's state (the "
             "cold columns' fp32 values and moments) went with it, so this optimizer cannot go "

@@ -229,4 +229,5 @@ def test_daemon_gone_names_the_socket_and_how_to_resume():
                 one_step(model, opt, step)
         msg = str(err.value)
         assert msg.startswith("stallfreed at %s went away (" % d.socket), msg
+        assert err.value.__cause__.code == "UNAVAILABLE"  # decided by the code, not the text
         assert "state_dict()" in msg and "Restart stallfreed" in msg, msg
