@@ -7,8 +7,9 @@
 // bf16 (EngineParam::dtype; bf16 is uint16 storage, round to nearest even). A parameter of
 // two or more dimensions is a weight W[rows, cols] (rows = the product of the leading
 // dimensions) split by column (input channel); a 1-D parameter (norm, bias) is always updated on
-// the device. In `zenflow` mode a weight with fewer than 4 cold columns stays wholly on the
-// device too (it cannot migrate through the daemon's staging area; see MigrateColumns).
+// the device. In `zenflow` mode a weight with fewer than kMinColdColumns (4) cold columns stays
+// wholly on the device too (a reselection's handover moves at most a quarter of a weight's cold
+// columns a call: see SplitsWeight).
 //
 // One Step(lr) per training step, after the backward has written the gradients:
 // - selection at step 1 (before its updates): per-column scores (sum of squares, through the
@@ -24,9 +25,10 @@
 //   (per-column step counts) with the round's last push folded in. The engine first lands the
 //   previous round's Update: buffered, the copy thread has already uploaded its parameters
 //   during the step before (it waits for that Update first); direct, it waits for that Update
-//   now; and the engine scatters them into the cold columns. Hot columns are never written by the daemon's output. So each Update's parameters
-//   are read before the next Update is issued, and the engine registers one parameter slot, in
-//   param_dtype (offload.proto, RegisterParamsRequest).
+//   now; and the engine scatters them into the cold columns. Hot columns are never written by
+//   the daemon's output. So each Update's parameters are read before the next Update is issued,
+//   and the engine registers one parameter slot, in param_dtype (offload.proto,
+//   RegisterParamsRequest).
 // - reselection, at the end of a boundary step t >= max(W, 1) with (t - W) a multiple of
 //   select_interval, from step t's scores: the new hot set applies from step t + 1. It is not a
 //   sync point: the previous round's Update lands as at any boundary, then one MigrateColumns
@@ -126,8 +128,8 @@ absl::StatusOr<Transfers> ParseTransfers(const std::string& name);
 // The split rule of zenflow mode, one copy for the engine, the benches and the trainer: a weight
 // of `cols` input columns has HotColumnCount(ratio, cols) = clamp(round(ratio * cols), 1, cols)
 // hot columns (round half away from zero), and is split (hot columns on the device, cold ones in
-// the daemon) when at least kMinColdColumns are cold; else it stays wholly on the device (fewer
-// cannot migrate through the daemon's staging area: see MigrateColumns).
+// the daemon) when at least kMinColdColumns are cold; else it stays wholly on the device (a
+// reselection's handover moves at most ncold / 4 columns of a weight a call).
 inline constexpr int64_t kMinColdColumns = 4;
 int64_t HotColumnCount(double topk_ratio, int64_t cols);
 bool SplitsWeight(double topk_ratio, int64_t cols);
