@@ -109,8 +109,9 @@ def params_and_grads_bytes(model):
 
 class Linear3:
     def __init__(self, args):
-        self.width = args.width
-        self.title = f"three {args.width} x {args.width} weights (nn.Linear, no bias)"
+        self.width, self.weights = args.width, args.linear_weights
+        self.title = (f"{args.linear_weights} {args.width} x {args.width} weights (nn.Linear, "
+                      "no bias)")
         gen = torch.Generator().manual_seed(1)
         self.x = torch.randn(16, args.width, generator=gen)
         self.target = torch.randn(16, args.width, generator=gen)
@@ -118,10 +119,11 @@ class Linear3:
     def make(self, dtype):
         torch.manual_seed(0)
         w = self.width
-        return torch.nn.Sequential(
-            torch.nn.Linear(w, w, bias=False), torch.nn.Tanh(),
-            torch.nn.Linear(w, w, bias=False), torch.nn.Tanh(),
-            torch.nn.Linear(w, w, bias=False)).to(dtype)
+        layers = []
+        for i in range(self.weights):
+            layers += [torch.nn.Linear(w, w, bias=False)] + ([torch.nn.Tanh()]
+                                                             if i + 1 < self.weights else [])
+        return torch.nn.Sequential(*layers).to(dtype)
 
     def loss(self, model, step):
         dtype = next(model.parameters()).dtype
@@ -324,6 +326,7 @@ def main():
     p.add_argument("--models", default="linear,gpt2", help="comma-separated: linear, gpt2")
     p.add_argument("--steps", type=int, default=20, help="steps before the bytes are read")
     p.add_argument("--width", type=int, default=1024, help="linear: the weights' width")
+    p.add_argument("--linear_weights", type=int, default=3, help="linear: how many weights")
     p.add_argument("--gpt2_layers", type=int, default=4)
     p.add_argument("--gpt2_d_model", type=int, default=256)
     p.add_argument("--gpt2_heads", type=int, default=4)

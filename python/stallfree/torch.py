@@ -438,6 +438,19 @@ def _unsupported_kind(p):
     return None
 
 
+def _check_grad(name, p, g):
+    """Raises Error unless g is a dense plain tensor of p's dtype, device and shape."""
+    if g.is_sparse or g.layout != torch.strided:
+        raise Error("parameter '%s' has a sparse gradient: ZenFlowAdamW takes dense gradients "
+                    "(nn.Embedding(sparse=False))" % name)
+    if type(g) not in (torch.Tensor, torch.nn.Parameter):
+        raise Error("parameter '%s': its gradient is a %s, not a plain tensor"
+                    % (name, type(g).__name__))
+    if g.dtype != p.dtype or g.device != p.device or g.shape != p.shape:
+        raise Error("parameter '%s': its gradient is %s %s on %s, not of its parameter's dtype "
+                    "(%s), shape and device" % (name, g.dtype, list(g.shape), g.device, p.dtype))
+
+
 class ZenFlowAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with ZenFlow offloading.
 
@@ -698,10 +711,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         g = p.grad
         if g is None or self._closed:
             return
-        if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device or g.is_sparse:
-            raise Error("parameter '%s': its gradient is %s %s on %s, not a dense gradient of "
-                        "its parameter's dtype (%s), shape and device"
-                        % (name, g.dtype, list(g.shape), g.device, p.dtype))
+        _check_grad(name, p, g)
         g = g.contiguous()
         try:
             with self._ordered(gi):
@@ -732,16 +742,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     stepped.append(p)  # its gradient is in the engine already (_stage)
                 g = p.grad
                 if g is not None:
-                    if g.is_sparse or g.layout != torch.strided:
-                        raise Error("parameter '%s' has a sparse gradient: ZenFlowAdamW takes "
-                                    "dense gradients (nn.Embedding(sparse=False))" % name)
-                    if type(g) not in (torch.Tensor, torch.nn.Parameter):
-                        raise Error("parameter '%s': its gradient is a %s, not a plain tensor"
-                                    % (name, type(g).__name__))
-                    if g.dtype != p.dtype or g.device != p.device or g.shape != p.shape:
-                        raise Error("parameter '%s': its gradient is %s %s on %s, not of its "
-                                    "parameter's dtype (%s), shape and device"
-                                    % (name, g.dtype, list(g.shape), g.device, p.dtype))
+                    _check_grad(name, p, g)
                     if not g.is_contiguous():
                         g = g.contiguous()
                         keep.append(g)

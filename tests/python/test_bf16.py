@@ -204,10 +204,13 @@ def test_streamed_gradients_leave_during_the_backward(daemon):
                        stream_gradients=True)
     try:
         models.loss_fn(model, models.batch(SEED, 1)).backward()
-        split = {n for n, p in model.named_parameters() if p.dim() == 2 and p.grad is None}
-        kept = {n for n, p in model.named_parameters() if p.grad is not None}
-        assert split and kept and all(model.get_parameter(n).dim() == 1 or n in split
-                                      for n in split | kept), (split, kept)
+        named = dict(model.named_parameters())
+        # The split weights (fewer hot columns than columns) lost their gradient, all others
+        # kept theirs.
+        want = {n for n, p in named.items() if len(opt.hot_columns(p)) < p.shape[-1]}
+        split = {n for n, p in named.items() if p.grad is None}
+        kept = {n for n, p in named.items() if p.grad is not None}
+        assert want and split == want and kept == set(named) - want, (want, split, kept)
         n_split = sum(model.get_parameter(n).numel() for n in split)
         n_all = sum(p.numel() for p in model.parameters())
         db = opt.device_bytes
