@@ -61,8 +61,8 @@ ZenFlowConfig EngineConfig(const EngineOptions& o, OffloadMode mode, int64_t sel
   c.weight_decay = o.weight_decay;
   c.beta1 = 0.9;
   c.beta2 = 0.95;
-  c.grad_dtype = v1::DTYPE_BF16;
-  c.param_dtype = v1::DTYPE_BF16;
+  c.grad_dtype = DType::kBf16;
+  c.param_dtype = DType::kBf16;
   c.warmup_steps = 0;
   return c;
 }
@@ -87,10 +87,12 @@ absl::StatusOr<ModeEngine> StartModeEngine(Client* client, const std::string& se
                                            const kernels::TransformerOps& ops) {
   ModeEngine e;
   if (cfg.mode != OffloadMode::kNoOffload) {
-    ASSIGN_OR_RETURN_CTX(e.session, client->OpenSession(session_name, 0), "OpenSession");
+    std::unique_ptr<Session> session;
+    ASSIGN_OR_RETURN_CTX(session, client->OpenSession(session_name, 0), "OpenSession");
+    e.target = std::make_unique<SessionTarget>(std::move(session));
   }
   ASSIGN_OR_RETURN_CTX(e.engine,
-                       ZenFlowEngine::Create(cfg, std::move(params), kernel, ops, e.session.get()),
+                       ZenFlowEngine::Create(cfg, std::move(params), kernel, ops, e.target.get()),
                        "ZenFlowEngine::Create");
   return e;
 }
@@ -98,7 +100,7 @@ absl::StatusOr<ModeEngine> StartModeEngine(Client* client, const std::string& se
 absl::Status FlushAndClose(ModeEngine* e) {
   RETURN_IF_ERROR_CTX(e->engine->Flush(), "flush");
   e->engine.reset();
-  e->session.reset();
+  e->target.reset();
   return absl::OkStatus();
 }
 

@@ -26,6 +26,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/client.h"
+#include "client/session_target.h"
 #include "common/flags.h"
 #include "engine/zenflow.h"
 #include "testing/daemon_process.h"
@@ -81,7 +82,7 @@ std::unique_ptr<BenchDaemon> StartDaemon(const std::string& stallfreed);
 // An engine in one mode and its daemon session (none for no-offload). The engine is declared
 // last, so it goes before the session it uses.
 struct ModeEngine {
-  std::unique_ptr<Session> session;
+  std::unique_ptr<SessionTarget> target;  // owns the session
   std::unique_ptr<ZenFlowEngine> engine;
 };
 // Opens the daemon session `session_name` (unless cfg.mode is no-offload) and creates the engine

@@ -373,7 +373,7 @@ ModeResult RunMode(const Options& o, OffloadMode mode, Client* client, pid_t dae
     fprintf(stderr, "offload_modeled_bench %s: %s\n", mname, run.status().ToString().c_str());
     return r;
   }
-  Session* session = run->session.get();
+  Session* session = run->target ? run->target->session() : nullptr;
   if (session)
     PrepareDaemon(o, session, ps, mode == OffloadMode::kZenFlow, dev->spec().score_sigma,
                   daemon_pid, &r);

@@ -50,6 +50,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/region.h"
+#include "engine/offload_target.h"
 #include "stallfree/v1/offload.grpc.pb.h"
 
 namespace stallfree {
@@ -141,11 +142,7 @@ class Session {
   // Every parameter whole, from its StagingFp32 (small sessions only; see LoadParamsRequest).
   absl::Status LoadParams();
   // Ranges the caller wrote into Staging() (LoadParamsRequest.ranges).
-  struct LoadRange {
-    std::string param;
-    uint64_t first_element = 0, count = 0;
-    uint64_t staging_offset = 0;  // bytes into the staging area
-  };
+  using LoadRange = OffloadTarget::LoadRange;  // staging_offset: bytes into the staging area
   absl::Status LoadParams(const std::vector<LoadRange>& ranges);
   // Loads each named parameter's initial fp32 values from host memory (numel floats each),
   // through the staging area, as many ranges per call as fit.
@@ -175,10 +172,7 @@ class Session {
   // back in the four blocks. The response has their step counts (moves[0]'s in steps, the
   // others' in more) and whether the gradient blocks are zero (pushes == 0). moves must not be
   // empty.
-  struct ColumnMove {
-    std::string param;
-    std::vector<int64_t> columns, steps;
-  };
+  using ColumnMove = OffloadTarget::ColumnMove;
   absl::StatusOr<v1::MigrateColumnsResponse> HandOverColumns(const std::vector<ColumnMove>& moves);
   absl::StatusOr<v1::WaitUpdateResponse> WaitUpdate(int64_t min_version, uint32_t timeout_ms = 0);
   std::future<absl::StatusOr<v1::WaitUpdateResponse>> WaitUpdateAsync(int64_t min_version);

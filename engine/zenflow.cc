@@ -1,5 +1,7 @@
 #include "engine/zenflow.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -8,14 +10,15 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "engine/blob.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "engine/blob.h"
 
 namespace stallfree {
 namespace {
@@ -94,10 +97,9 @@ absl::Status Invalid(const std::string& field, const std::string& why) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
 }
 
-size_t DTypeBytes(v1::DType t) { return t == v1::DTYPE_BF16 ? 2 : 4; }
-GradType DTypeOf(v1::DType t) { return t == v1::DTYPE_BF16 ? GradType::kBf16 : GradType::kFp32; }
+GradType DTypeOf(DType t) { return t == DType::kBf16 ? GradType::kBf16 : GradType::kFp32; }
 // Floats that hold n elements of dtype t.
-int64_t FloatsFor(int64_t n, v1::DType t) { return t == v1::DTYPE_BF16 ? (n + 1) / 2 : n; }
+int64_t FloatsFor(int64_t n, DType t) { return t == DType::kBf16 ? (n + 1) / 2 : n; }
 // p advanced by `elems` elements of `size` bytes.
 const void* Advance(const void* p, int64_t elems, size_t size) {
   return static_cast<const char*>(p) + elems * static_cast<int64_t>(size);
@@ -173,10 +175,6 @@ absl::Status ZenFlowConfig::Validate() const {
   if (!(eps >= 0.0) || !std::isfinite(eps)) return Invalid("eps", "must be finite and >= 0");
   if (!(weight_decay >= 0.0) || !std::isfinite(weight_decay))
     return Invalid("weight_decay", "must be finite and >= 0");
-  if (grad_dtype != v1::DTYPE_FP32 && grad_dtype != v1::DTYPE_BF16)
-    return Invalid("grad_dtype", "must be FP32 or BF16");
-  if (param_dtype != v1::DTYPE_FP32 && param_dtype != v1::DTYPE_BF16)
-    return Invalid("param_dtype", "must be FP32 or BF16");
   return absl::OkStatus();
 }
 
@@ -240,10 +238,10 @@ struct PState {
   const uint16_t* grad16() const { return static_cast<const uint16_t*>(p.grad); }
   // A whole kOffloaded parameter's gradient and parameters cross straight from / into its
   // buffers when they cross in its dtype.
-  bool straight_grad(v1::DType grad_dtype) const {
+  bool straight_grad(DType grad_dtype) const {
     return kind == kOffloaded && p.dtype == grad_dtype;
   }
-  bool straight_params(v1::DType param_dtype) const {
+  bool straight_params(DType param_dtype) const {
     return kind == kOffloaded && p.dtype == param_dtype;
   }
   // The bytes of the buffers this parameter's state owns, by DeviceFootprint category.
@@ -261,7 +259,7 @@ struct ZenFlowEngine::Impl {
   ZenFlowConfig cfg;
   const kernels::OptimizerKernel& k;
   const kernels::TransformerOps& ops;
-  Session* session;
+  OffloadTarget* target;
   std::vector<PState> params;
   std::map<std::string, size_t> index;
   ScoreReduce reduce;
@@ -319,8 +317,8 @@ struct ZenFlowEngine::Impl {
   }
 
   Impl(const ZenFlowConfig& c, const kernels::OptimizerKernel& kk,
-       const kernels::TransformerOps& o, Session* s)
-      : cfg(c), k(kk), ops(o), session(s) {}
+       const kernels::TransformerOps& o, OffloadTarget* s)
+      : cfg(c), k(kk), ops(o), target(s) {}
 
   // Whether any state lives in the daemon: not in no-offload mode, nor in zenflow when every
   // parameter stays on the device (1-D ones, weights with fewer than 4 cold columns).
@@ -369,9 +367,9 @@ struct ZenFlowEngine::Impl {
   };
   absl::Status ChooseMoves(std::vector<Move>* moves, StepTimings* tm);
   absl::Status StageHandOver(std::vector<Move>* moves, uint32_t slot, std::vector<Batch>* batches,
-                             std::vector<Session::ColumnMove>* request);
+                             std::vector<OffloadTarget::ColumnMove>* request);
   absl::Status TakeEnteringColumns(const kernels::AdamWConfig& adam, float scale,
-                                   const v1::MigrateColumnsResponse& got,
+                                   const OffloadTarget::HandOver& got,
                                    std::vector<Batch>* batches, StepTimings* tm);
   absl::Status ApplyPendingUpdate(StepTimings* tm);
   // The parameters of slot `slot` into ps's values (uploaded: already in ps's cold buffers).
@@ -390,7 +388,7 @@ struct ZenFlowEngine::Impl {
     kernels::AdamWConfig adam;
   };
   struct RoundUpdate {  // a boundary's Update
-    v1::AdamWHyper hyper;
+    OffloadTarget::AdamW hyper;
     uint32_t pslot = 0;
     std::vector<std::string> skip;
   };
@@ -426,9 +424,9 @@ struct ZenFlowEngine::Impl {
 };
 
 absl::Status ZenFlowEngine::Impl::Setup() {
-  std::vector<ParamSpec> specs;
+  std::vector<OffloadTarget::Param> specs;
   for (PState& ps : params) {
-    ps.bf16 = ps.p.dtype == v1::DTYPE_BF16;
+    ps.bf16 = ps.p.dtype == DType::kBf16;
     ps.numel = 1;
     for (int64_t d : ps.p.shape) ps.numel *= d;
     ps.cols = ps.p.shape.back();
@@ -463,7 +461,7 @@ absl::Status ZenFlowEngine::Impl::Setup() {
         break;
     }
     if (ps.kind != PState::kDevice) {
-      ParamSpec spec;
+      OffloadTarget::Param spec;
       spec.name = ps.p.name;
       spec.shape = ps.kind == PState::kSplit ? std::vector<int64_t>{ps.rows, ps.ncold} : ps.p.shape;
       spec.grad_dtype = cfg.grad_dtype;
@@ -472,26 +470,26 @@ absl::Status ZenFlowEngine::Impl::Setup() {
   }
   RETURN_IF_ERROR(Sync("allocating the engine's buffers"));
   if (cfg.mode == OffloadMode::kNoOffload || specs.empty()) return absl::OkStatus();
-  if (session->layout().params_size() == 0) {
+  if (target->registered_params() == 0) {
     // The parameter slots hold what crosses (param_dtype), and one suffices: the engine reads
     // each Update's parameters before it issues the next (DoStep).
-    RETURN_IF_ERROR(session->RegisterParams(specs, cfg.param_dtype, /*param_slots=*/1));
+    RETURN_IF_ERROR(target->Register(specs, cfg.param_dtype, /*param_slots=*/1));
   } else {
-    if (session->layout().param_dtype() == v1::DTYPE_BF16 && cfg.param_dtype != v1::DTYPE_BF16)
+    if (target->param_dtype() == DType::kBf16 && cfg.param_dtype != DType::kBf16)
       return absl::FailedPreconditionError(
           "param_dtype: FP32, but the daemon session was registered with BF16 parameter slots");
     for (size_t i = 0; i < specs.size(); ++i) {
       int64_t numel = 1;
       for (int64_t d : specs[i].shape) numel *= d;
-      absl::StatusOr<const v1::ParamLayout*> pl = session->Param(specs[i].name);
-      if (!pl.ok() || (*pl)->numel() != numel)
+      absl::StatusOr<int64_t> registered = target->ParamNumel(specs[i].name);
+      if (!registered.ok() || *registered != numel)
         return absl::FailedPreconditionError(absl::StrCat(
             "params: the daemon session has no parameter '", specs[i].name, "' of ", numel,
             " elements (the engine offloads it with that size); register the session's "
             "parameters through the engine"));
     }
   }
-  param_slots = std::max<uint32_t>(1, session->layout().param_slots());
+  param_slots = std::max<uint32_t>(1, target->param_slots());
   hot_consts = OpsBuffer(&ops, static_cast<int64_t>(hot_consts_host.size()));
   std::string why;
   copy_stream = ops.NewCopyStream(&why);
@@ -516,11 +514,9 @@ absl::Status ZenFlowEngine::Impl::SetupTransfers() {
       scratch = std::max(scratch, FloatsFor(HotBlockRows(ps) * ps.k, ps.p.dtype));
     for (uint32_t s = 0; direct && s < 2; ++s) {
       std::string why;
-      ps.grad_view[s] = ops.HostView(session->GradSlot(s, ps.p.name), &why);
+      ps.grad_view[s] = ops.HostView(target->GradSlot(s, ps.p.name), &why);
       if (s < param_slots && ps.grad_view[s] != nullptr) {
-        const void* slot = cfg.param_dtype == v1::DTYPE_BF16
-                               ? static_cast<const void*>(session->ParamsBf16(s, ps.p.name))
-                               : static_cast<const void*>(session->ParamsFp32(s, ps.p.name));
+        const void* slot = target->ParamSlot(s, ps.p.name, cfg.param_dtype);
         ps.param_view[s] = ops.HostView(const_cast<void*>(slot), &why);
       }
       if (ps.grad_view[s] != nullptr && (s >= param_slots || ps.param_view[s] != nullptr))
@@ -537,7 +533,7 @@ absl::Status ZenFlowEngine::Impl::SetupTransfers() {
   hot_scratch = OpsBuffer(&ops, scratch);
   if (direct) {
     std::string why;
-    staging_view = static_cast<float*>(ops.HostView(session->Staging(), &why));
+    staging_view = static_cast<float*>(ops.HostView(target->Staging(), &why));
   }
   for (PState& ps : params) {
     if (ps.kind == PState::kDevice) continue;
@@ -562,12 +558,12 @@ absl::Status ZenFlowEngine::Impl::LoadDaemon() {
   // The offloaded values (a split weight's cold columns gathered first) go through the staging
   // area in ranges, as many per LoadParams as fit: the staging area is a small share of the
   // state (offload.proto, RegionLayout.staging_bytes).
-  const uint64_t cap = session->staging_floats();
-  std::vector<Session::LoadRange> batch;
+  const uint64_t cap = target->staging_floats();
+  std::vector<OffloadTarget::LoadRange> batch;
   uint64_t used = 0;
   auto flush = [&]() -> absl::Status {
     RETURN_IF_ERROR(Sync("staging the initial parameters"));
-    RETURN_IF_ERROR(session->LoadParams(batch));
+    RETURN_IF_ERROR(target->LoadParams(batch));
     batch.clear();
     used = 0;
     return absl::OkStatus();
@@ -595,7 +591,7 @@ absl::Status ZenFlowEngine::Impl::LoadDaemon() {
     // its values widened (exact): through `back` where it holds fp32, else a buffer of this
     // call.
     OpsBuffer widened;
-    float* gathered = cfg.param_dtype == v1::DTYPE_FP32 ? ps.back.data() : nullptr;
+    float* gathered = cfg.param_dtype == DType::kFp32 ? ps.back.data() : nullptr;
     if ((ps.kind == PState::kSplit || ps.bf16) && gathered == nullptr) {
       widened = OpsBuffer(&ops, ps.offload_numel());
       NoteTransient(widened.size() * 4);
@@ -611,7 +607,7 @@ absl::Status ZenFlowEngine::Impl::LoadDaemon() {
     for (uint64_t first = 0; first < n;) {
       if (used == cap) RETURN_IF_ERROR(flush());
       const uint64_t c = std::min(n - first, cap - used);
-      ops.Download(session->Staging() + used, src + first, static_cast<int64_t>(c));
+      ops.Download(target->Staging() + used, src + first, static_cast<int64_t>(c));
       batch.push_back({ps.p.name, first, c, used * 4});
       used += c;
       first += c;
@@ -678,19 +674,19 @@ absl::Status ZenFlowEngine::Impl::Reselect(const kernels::AdamWConfig& adam, flo
   for (;;) {
     auto t0 = Clock::now();
     std::vector<Batch> batches;
-    std::vector<Session::ColumnMove> request;
+    std::vector<OffloadTarget::ColumnMove> request;
     RETURN_IF_ERROR(StageHandOver(&moves, slot, &batches, &request));
     if (batches.empty()) break;
     tm->optimizer += Since(t0);
     t0 = Clock::now();
-    absl::StatusOr<v1::MigrateColumnsResponse> got = session->HandOverColumns(request);
+    absl::StatusOr<OffloadTarget::HandOver> got = target->HandOverColumns(request);
     tm->stall += Since(t0);
     RETURN_IF_ERROR(got.status());
     t0 = Clock::now();
     RETURN_IF_ERROR(TakeEnteringColumns(adam, scale, *got, &batches, tm));
     tm->optimizer += Since(t0);
   }
-  const uint64_t staging_cap = session->staging_floats();
+  const uint64_t staging_cap = target->staging_floats();
   for (const Move& mv : moves)
     if (mv.done != mv.leaving.size())
       return absl::InternalError(absl::StrCat(
@@ -741,14 +737,14 @@ absl::Status ZenFlowEngine::Impl::ChooseMoves(std::vector<Move>* moves, StepTimi
 
 absl::Status ZenFlowEngine::Impl::StageHandOver(std::vector<Move>* moves, uint32_t slot,
                                                 std::vector<Batch>* batches,
-                                                std::vector<Session::ColumnMove>* request) {
+                                                std::vector<OffloadTarget::ColumnMove>* request) {
   // One handover call's batches: per parameter 4 blocks of [rows, n] in the staging area, one
   // parameter's after the other's, at most ncold / 4 columns of a parameter per call (the
   // staging area holds 4 blocks of one column of any parameter, so the first batch of a call
   // always moves at least one column). The leaving columns' master, m, v go to the staging
   // area; the entering columns' gradient of this step is gathered as the daemon received it.
-  const bool bf16 = cfg.grad_dtype == v1::DTYPE_BF16;
-  const uint64_t staging_cap = session->staging_floats();
+  const bool bf16 = cfg.grad_dtype == DType::kBf16;
+  const uint64_t staging_cap = target->staging_floats();
   uint64_t used = 0;      // staging floats taken by this call's batches
   int64_t transient = 0;  // bytes of the batches' buffers
   for (Move& mv : *moves) {
@@ -783,7 +779,7 @@ absl::Status ZenFlowEngine::Impl::StageHandOver(std::vector<Move>* moves, uint32
     // Their compact positions in this step's slot (direct) or send buffer, in grad_dtype.
     const void* sent = direct ? ps.grad_view[slot] : ps.send.data();
     k.GatherColumns(sent, bf16 ? 2 : 4, ps.rows, ps.ncold, AsInts(b.cols_dev), n, b.grad.data());
-    ops.Download(session->Staging() + b.staging_at, b.tmp.data(), 3 * rn);
+    ops.Download(target->Staging() + b.staging_at, b.tmp.data(), 3 * rn);
     request->push_back({ps.p.name, b.cols, b.steps});
     batches->push_back(std::move(b));
     mv.done += n;
@@ -795,30 +791,30 @@ absl::Status ZenFlowEngine::Impl::StageHandOver(std::vector<Move>* moves, uint32
 
 absl::Status ZenFlowEngine::Impl::TakeEnteringColumns(const kernels::AdamWConfig& adam,
                                                       float scale,
-                                                      const v1::MigrateColumnsResponse& got,
+                                                      const OffloadTarget::HandOver& got,
                                                       std::vector<Batch>* batches,
                                                       StepTimings* tm) {
   // The entering columns' state from the staging area, their round step with the daemon's
   // accumulated gradient and this step's (AccumulateAdamWColumns: the daemon's fused pass),
   // into the hot positions the leaving columns freed.
-  const bool bf16 = cfg.grad_dtype == v1::DTYPE_BF16;
-  const bool acc_zero = got.pushes() == 0;
+  const bool bf16 = cfg.grad_dtype == DType::kBf16;
+  const bool acc_zero = got.pushes == 0;
   for (size_t i = 0; i < batches->size(); ++i) {
     Batch& b = (*batches)[i];
     PState& ps = *b.mv->ps;
     const int64_t n = b.n, rn = ps.rows * n;
-    const auto& out_steps = i == 0 ? got.steps() : got.more(static_cast<int>(i - 1)).steps();
-    if (out_steps.size() != n)
-      return absl::InternalError(absl::StrCat("handover of '", ps.p.name, "': ",
-                                              out_steps.size(), " step counts for ", n,
-                                              " columns"));
+    const size_t counts = i < got.steps.size() ? got.steps[i].size() : 0;
+    if (counts != static_cast<size_t>(n))
+      return absl::InternalError(absl::StrCat("handover of '", ps.p.name, "': ", counts,
+                                              " step counts for ", n, " columns"));
+    const std::vector<int64_t>& out_steps = got.steps[i];
     std::vector<int64_t> in_steps(n);
     for (int64_t q = 0; q < n; ++q) in_steps[q] = out_steps[q] + 1;
     std::vector<float> ss_h(n), bc2_h(n);
     kernels::MakeColumnConstants(adam, in_steps.data(), n, ss_h.data(), bc2_h.data());
     ops.Upload(b.ss.data(), ss_h.data(), n);
     ops.Upload(b.bc2.data(), bc2_h.data(), n);
-    ops.Upload(b.tmp.data(), session->Staging() + b.staging_at, 4 * rn);
+    ops.Upload(b.tmp.data(), target->Staging() + b.staging_at, 4 * rn);
     k.AccumulateAdamWColumns(
         adam, b.ss.data(), b.bc2.data(), b.tmp.data(), b.tmp.data() + rn, b.tmp.data() + 2 * rn,
         acc_zero ? nullptr : b.tmp.data() + 3 * rn, b.grad.data(),
@@ -841,9 +837,8 @@ absl::Status ZenFlowEngine::Impl::TakeEnteringColumns(const kernels::AdamWConfig
 void ZenFlowEngine::Impl::UploadParams(const kernels::TransformerOps& on, PState& ps,
                                        uint32_t slot) {
   const int64_t n = ps.offload_numel();
-  const float* src = cfg.param_dtype == v1::DTYPE_FP32
-                         ? session->ParamsFp32(slot, ps.p.name)
-                         : reinterpret_cast<const float*>(session->ParamsBf16(slot, ps.p.name));
+  // The slot's param_dtype elements as whole floats (FloatsFor).
+  const float* src = static_cast<const float*>(target->ParamSlot(slot, ps.p.name, cfg.param_dtype));
   if (!ps.straight_params(cfg.param_dtype)) {
     on.Upload(ps.back.data(), src, FloatsFor(n, cfg.param_dtype));
   } else if (!ps.bf16) {
@@ -877,7 +872,7 @@ absl::Status ZenFlowEngine::Impl::ScatterParams(PState& ps, uint32_t slot, bool 
     else if (ps.bf16 && n % 2 == 1)
       k.ScatterColumns(ps.tail.data() + 2, 2, 1, n, AsInts(ps.tail_idx), 1, ps.p.value);
   }
-  tm->bytes_to_device += n * DTypeBytes(cfg.param_dtype);
+  tm->bytes_to_device += n * DTypeSize(cfg.param_dtype);
   return absl::OkStatus();
 }
 
@@ -889,7 +884,7 @@ absl::Status ZenFlowEngine::Impl::ApplyPendingUpdate(StepTimings* tm) {
     RETURN_IF_ERROR(copier->WaitFor(prefetch_task));
   } else {
     RETURN_IF_ERROR(copier->WaitFor(pending_task));
-    RETURN_IF_ERROR(session->WaitUpdate(pending_version).status());
+    RETURN_IF_ERROR(target->WaitUpdate(pending_version));
   }
   prefetched_version = 0;
   tm->stall += Since(t0);
@@ -1060,7 +1055,7 @@ absl::Status ZenFlowEngine::Impl::GatherColdGradients(const StepPlan& plan,
       // tail.
       k.GatherColumns(ps.p.grad, 2, 1, n, AsInts(ps.tail_idx), 1, ps.tail.data() + slot);
     }
-    tm->bytes_to_host += n * DTypeBytes(cfg.grad_dtype);
+    tm->bytes_to_host += n * DTypeSize(cfg.grad_dtype);
   }
   RETURN_IF_ERROR(Sync("gathering the cold gradients"));
   tm->copies += Since(t0);
@@ -1076,11 +1071,7 @@ absl::Status ZenFlowEngine::Impl::PrepareRound(const StepPlan& plan, RoundUpdate
     if (ps.kind != PState::kDevice && ps.round_grads == 0) round->skip.push_back(ps.p.name);
     ps.round_grads = 0;
   }
-  round->hyper.set_lr(plan.lr);
-  round->hyper.set_beta1(cfg.beta1);
-  round->hyper.set_beta2(cfg.beta2);
-  round->hyper.set_eps(cfg.eps);
-  round->hyper.set_weight_decay(cfg.weight_decay);
+  round->hyper = {plan.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay};
   const uint32_t pslot = static_cast<uint32_t>(rounds++ % param_slots);
   round->pslot = pslot;
   // The Update posted next writes parameter slot pslot as soon as the copy thread issues it. A
@@ -1114,15 +1105,15 @@ void ZenFlowEngine::Impl::PostPushes(const StepPlan& plan, const std::vector<cha
   const int64_t prev_update = pending_version;  // an Update that may still run
   slot_update[slot] = fuse ? plan.t : 0;
   send_task = copier->Post([this, slot, slot_busy, present]() -> absl::Status {
-    if (slot_busy > 0) RETURN_IF_ERROR(session->WaitUpdate(slot_busy).status());
+    if (slot_busy > 0) RETURN_IF_ERROR(target->WaitUpdate(slot_busy));
     for (size_t i = 0; i < params.size(); ++i) {
       PState& ps = params[i];
       if (ps.kind == PState::kDevice || (ps.kind == PState::kSplit && direct && present[i]))
         continue;
       const int64_t n = ps.offload_numel();
-      float* dst = static_cast<float*>(session->GradSlot(slot, ps.p.name));
+      float* dst = static_cast<float*>(target->GradSlot(slot, ps.p.name));
       if (!present[i]) {
-        memset(dst, 0, n * DTypeBytes(cfg.grad_dtype));
+        memset(dst, 0, n * DTypeSize(cfg.grad_dtype));
       } else if (!ps.straight_grad(cfg.grad_dtype)) {
         CopyOps().Download(dst, ps.send.data(), FloatsFor(n, cfg.grad_dtype));
       } else if (!ps.bf16) {
@@ -1138,12 +1129,12 @@ void ZenFlowEngine::Impl::PostPushes(const StepPlan& plan, const std::vector<cha
   });
   const int64_t t = plan.t;
   const float scale = plan.scale;
-  const v1::DType out = cfg.param_dtype;
+  const DType out = cfg.param_dtype;
   slot_task[slot] = copier->Post([this, slot, t, scale, fuse, prev_update, round,
                                   out]() -> absl::Status {
-    if (!fuse) return session->Push(t, slot, scale).status();
-    if (prev_update > 0) RETURN_IF_ERROR(session->WaitUpdate(prev_update).status());
-    return session->UpdateWithPush(t, round.hyper, round.pslot, out, slot, scale, round.skip);
+    if (!fuse) return target->Push(t, slot, scale);
+    if (prev_update > 0) RETURN_IF_ERROR(target->WaitUpdate(prev_update));
+    return target->UpdateWithPush(t, round.hyper, round.pslot, out, slot, scale, round.skip);
   });
 }
 
@@ -1158,7 +1149,7 @@ void ZenFlowEngine::Impl::PrefetchForNextBoundary(const StepPlan& plan) {
   const int64_t v = pending_version;
   const uint32_t from = pending_pslot;
   prefetch_task = copier->Post([this, v, from]() -> absl::Status {
-    RETURN_IF_ERROR(session->WaitUpdate(v).status());
+    RETURN_IF_ERROR(target->WaitUpdate(v));
     for (PState& ps : params)
       if (ps.kind == PState::kSplit) UploadParams(CopyOps(), ps, from);
     return CopySync("uploading the daemon's parameters");
@@ -1175,13 +1166,13 @@ ZenFlowEngine::~ZenFlowEngine() {
 absl::StatusOr<std::unique_ptr<ZenFlowEngine>> ZenFlowEngine::Create(
     const ZenFlowConfig& config, std::vector<EngineParam> params,
     const kernels::OptimizerKernel& kernel, const kernels::TransformerOps& ops,
-    Session* session) {
+    OffloadTarget* target) {
   RETURN_IF_ERROR(config.Validate());
-  if (config.mode != OffloadMode::kNoOffload && session == nullptr)
+  if (config.mode != OffloadMode::kNoOffload && target == nullptr)
     return Invalid("session", absl::StrCat("mode ", OffloadModeName(config.mode),
                                            " needs a stallfreed session"));
   if (params.empty()) return Invalid("params", "empty");
-  auto impl = std::make_unique<Impl>(config, kernel, ops, session);
+  auto impl = std::make_unique<Impl>(config, kernel, ops, target);
   std::set<std::string> names;
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
@@ -1194,8 +1185,6 @@ absl::StatusOr<std::unique_ptr<ZenFlowEngine>> ZenFlowEngine::Create(
         return Invalid(absl::StrCat(field, ".shape[", d, "]"),
                        absl::StrCat(p.shape[d], " is not >= 1"));
     if (p.value == nullptr) return Invalid(field + ".value", "null");
-    if (p.dtype != v1::DTYPE_FP32 && p.dtype != v1::DTYPE_BF16)
-      return Invalid(field + ".dtype", "must be FP32 or BF16");
     impl->index[p.name] = i;
     PState ps;
     ps.p = p;
@@ -1244,7 +1233,7 @@ absl::Status ZenFlowEngine::Impl::WaitToSend(int64_t t, StepTimings* tm) {
   RETURN_IF_ERROR(copier->WaitFor(send_task));
   if (direct) {
     RETURN_IF_ERROR(copier->WaitFor(slot_task[slot]));
-    if (slot_update[slot] > 0) RETURN_IF_ERROR(session->WaitUpdate(slot_update[slot]).status());
+    if (slot_update[slot] > 0) RETURN_IF_ERROR(target->WaitUpdate(slot_update[slot]));
     slot_update[slot] = 0;
   }
   tm->stall += Since(t0);
@@ -1276,7 +1265,7 @@ absl::Status ZenFlowEngine::Impl::StageGradient(PState& ps, const void* grad) {
   RETURN_IF_ERROR(st);
   ps.staged = true;
   staged_tm.copies += Since(t0);
-  staged_tm.bytes_to_host += ps.offload_numel() * DTypeBytes(cfg.grad_dtype);
+  staged_tm.bytes_to_host += ps.offload_numel() * DTypeSize(cfg.grad_dtype);
   return absl::OkStatus();
 }
 
@@ -1301,8 +1290,8 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
   if (im.offloading()) {
     RETURN_IF_ERROR(im.copier->WaitAll());
     if (im.pending_version > 0)
-      RETURN_IF_ERROR(im.session->WaitUpdate(im.pending_version).status());
-    if (im.loaded) RETURN_IF_ERROR(im.session->Checkpoint(tag).status());
+      RETURN_IF_ERROR(im.target->WaitUpdate(im.pending_version));
+    if (im.loaded) RETURN_IF_ERROR(im.target->Checkpoint(tag));
   }
   auto download = [&](const OpsBuffer& b) {
     std::vector<float> host(b.size());
@@ -1349,8 +1338,8 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
 
 absl::Status ZenFlowEngine::DeleteCheckpoint(const std::string& tag) {
   Impl& im = *impl_;
-  if (!im.offloading() || im.session == nullptr) return absl::OkStatus();
-  return im.session->DeleteCheckpoint(tag);
+  if (!im.offloading() || im.target == nullptr) return absl::OkStatus();
+  return im.target->DeleteCheckpoint(tag);
 }
 
 absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& state) {
@@ -1375,8 +1364,45 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   im.prefetched_version = 0;
   if (im.rounds % 2 == 0) ++im.rounds;
   if (im.offloading() && im.loaded)
-    RETURN_IF_ERROR(im.session->Restore(tag, im.cfg.param_dtype).status());
+    RETURN_IF_ERROR(im.target->Restore(tag, im.cfg.param_dtype));
   return absl::OkStatus();
+}
+
+namespace {
+// A checkpoint tag no other engine on the node uses: the process, a per-process counter and a
+// random word (containers sharing one daemon may reuse pids).
+std::string TransientTag() {
+  static std::atomic<int64_t> counter{0};
+  static const uint64_t word = std::random_device{}() * 0x100000001ull ^ std::random_device{}();
+  return absl::StrCat("bytes-", getpid(), "-", counter.fetch_add(1), "-", absl::Hex(word));
+}
+}  // namespace
+
+absl::StatusOr<ZenFlowEngine::Snapshot> ZenFlowEngine::CheckpointBytes() {
+  Impl& im = *impl_;
+  const std::string tag = TransientTag();
+  Snapshot out;
+  ASSIGN_OR_RETURN(out.engine, Checkpoint(tag));
+  // Checkpoint had the target write its state only if it holds some.
+  if (im.offloading() && im.loaded) {
+    ASSIGN_OR_RETURN(out.daemon, im.target->ReadCheckpoint(tag, /*delete_after=*/true));
+  }
+  return out;
+}
+
+absl::Status ZenFlowEngine::RestoreBytes(const std::string& engine, const std::string& daemon) {
+  Impl& im = *impl_;
+  if (daemon.empty()) return Restore(TransientTag(), engine);
+  if (!im.offloading())
+    return absl::InvalidArgumentError(
+        "the state holds a daemon checkpoint but this engine offloads nothing (mode "
+        "no-offload, or no weight splits)");
+  const std::string tag = TransientTag();
+  RETURN_IF_ERROR(im.target->WriteCheckpoint(tag, daemon));
+  absl::Status st = Restore(tag, engine);
+  absl::Status del = im.target->DeleteCheckpoint(tag);
+  if (st.ok() && !del.ok() && del.code() != absl::StatusCode::kNotFound) st = del;
+  return st;
 }
 
 absl::Status ZenFlowEngine::Impl::CheckBlob(const EngineBlob& blob) const {

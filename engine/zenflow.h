@@ -94,7 +94,7 @@
 // stream of its own, so they overlap the caller's compute), else through ops. They need no
 // events: every buffer they read or write is handed over at a host synchronisation (the engine
 // synchronises its stream before it posts a copy, and waits for the copy task before it uses
-// the copied buffer). The session, kernels and ops must outlive the engine.
+// the copied buffer). The target, kernels and ops must outlive the engine.
 #pragma once
 
 #include <cstdint>
@@ -105,7 +105,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "client/client.h"
+#include "common/dtype.h"
+#include "engine/offload_target.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
 
@@ -150,8 +151,8 @@ struct ZenFlowConfig {
   // AdamW (decoupled weight decay); lr comes with each Step.
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   // What crosses to and from the daemon: pushed gradients and returned parameters.
-  v1::DType grad_dtype = v1::DTYPE_FP32;
-  v1::DType param_dtype = v1::DTYPE_FP32;
+  DType grad_dtype = DType::kFp32;
+  DType param_dtype = DType::kFp32;
   Transfers transfers = Transfers::kAuto;
   // The caller hands split weights' gradients over as the backward produces them
   // (StageGradient): each split weight keeps a [rows, k] hot-gradient buffer of its own instead
@@ -174,7 +175,7 @@ struct EngineParam {
   const void* grad = nullptr;  // backend memory, `dtype` elements, read by Step (may be null
                                // until SetBuffers)
   // FP32 or BF16 (value and gradient alike; see "bf16 parameters" above).
-  v1::DType dtype = v1::DTYPE_FP32;
+  DType dtype = DType::kFp32;
 };
 
 // The backend memory the engine allocates (bytes; device memory on CUDA, host memory on the CPU
@@ -229,14 +230,15 @@ struct ColumnState {
 class ZenFlowEngine {
  public:
   // Validates the config and the parameters and, unless mode is no-offload, registers the
-  // offloaded parameters with `session` (which must be fresh: no parameters registered yet), or,
-  // if the session already has a layout, checks that it matches (FailedPrecondition naming the
-  // parameter otherwise). `kernel` and `ops` are one backend (e.g. DefaultCpuKernel() and
+  // offloaded parameters with `target` (engine/offload_target.h; a stallfreed session through
+  // client/session_target.h), which must be fresh (no parameters registered yet), or, if it
+  // already has a layout, checks that it matches (FailedPrecondition naming the parameter
+  // otherwise). `target` may be null in no-offload mode. `kernel` and `ops` are one backend (e.g. DefaultCpuKernel() and
   // CpuOps()). InvalidArgument names the field: config fields, params[i].shape, .value, .grad.
   static absl::StatusOr<std::unique_ptr<ZenFlowEngine>> Create(
       const ZenFlowConfig& config, std::vector<EngineParam> params,
       const kernels::OptimizerKernel& kernel, const kernels::TransformerOps& ops,
-      Session* session);
+      OffloadTarget* target);
   ~ZenFlowEngine();
 
   // One optimizer step (t = step() + 1) with learning rate lr over the gradients now in the
@@ -300,11 +302,11 @@ class ZenFlowEngine {
 
   // Checkpoint, between Steps: waits for the copy thread and for a running daemon Update (whose
   // parameters it does not apply, so the run's trajectory is unchanged), has the daemon write its
-  // state as `tag` (Session::Checkpoint), and returns the engine's own state (step counts, hot
+  // state as `tag` (OffloadTarget::Checkpoint), and returns the engine's own state (step counts, hot
   // sets, device-side masters and moments, the pending round) as bytes for the caller to store
   // with the model's values. No-offload needs no tag (pass "").
   absl::StatusOr<std::string> Checkpoint(const std::string& tag);
-  // The inverse, on a fresh engine (same config and parameters, a fresh session, no Step yet)
+  // The inverse, on a fresh engine (same config and parameters, a fresh target, no Step yet)
   // whose value buffers already hold the checkpointed values: restores the daemon from `tag` and
   // the engine from `state`. The run then continues exactly as the checkpointed one would have.
   // InvalidArgument / DataLoss when `state` does not belong to this engine's configuration.
@@ -312,6 +314,16 @@ class ZenFlowEngine {
   // Removes the daemon's checkpoint `tag` (this uid's; NotFound if there is none). OK without
   // a daemon (no-offload, or nothing offloaded).
   absl::Status DeleteCheckpoint(const std::string& tag);
+  // Checkpoint and Restore through bytes alone, for callers that keep the whole state
+  // themselves (the PyTorch optimizer's state dict): the engine's state and the daemon's
+  // checkpoint bytes (empty when the daemon holds nothing), moved through a checkpoint of the
+  // target's that exists only during the call. RestoreBytes: InvalidArgument for daemon bytes
+  // on an engine that offloads nothing.
+  struct Snapshot {
+    std::string engine, daemon;
+  };
+  absl::StatusOr<Snapshot> CheckpointBytes();
+  absl::Status RestoreBytes(const std::string& engine, const std::string& daemon);
 
   // Called on every weight's per-column scores (backend memory, cols floats) before top-k:
   // data-parallel replicas all-reduce them here so that they agree on the selection.

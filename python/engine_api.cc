@@ -1,13 +1,12 @@
 #include "python/engine_api.h"
 
-#include <unistd.h>
-
-#include <atomic>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/session_target.h"
+#include "common/dtype.h"
 #include "engine/partition.h"
 #include "engine/repartition.h"
 #include "engine/zenflow.h"
@@ -58,6 +57,12 @@ class ConnectionImpl : public Connection {
   std::unique_ptr<Client> client_;
 };
 
+DType DTypeOf(const std::string& s, const std::string& field) {
+  absl::StatusOr<DType> t = ParseDType(s);
+  if (!t.ok()) throw InvalidArgument(absl::StrCat(field, ": ", t.status().message()));
+  return *t;
+}
+
 ZenFlowConfig ToConfig(const EngineConfig& e) {
   ZenFlowConfig c;
   auto mode = ParseOffloadMode(e.mode);
@@ -72,13 +77,8 @@ ZenFlowConfig ToConfig(const EngineConfig& e) {
   c.beta2 = e.beta2;
   c.eps = e.eps;
   c.weight_decay = e.weight_decay;
-  auto dtype = [](const std::string& s, const char* field) {
-    if (s == "fp32") return v1::DTYPE_FP32;
-    if (s == "bf16") return v1::DTYPE_BF16;
-    throw InvalidArgument(absl::StrCat(field, ": '", s, "' is not 'bf16' or 'fp32'"));
-  };
-  c.grad_dtype = dtype(e.grad_dtype, "grad_dtype");
-  c.param_dtype = dtype(e.param_dtype, "param_dtype");
+  c.grad_dtype = DTypeOf(e.grad_dtype, "grad_dtype");
+  c.param_dtype = DTypeOf(e.param_dtype, "param_dtype");
   auto transfers = ParseTransfers(e.transfers);
   if (!transfers.ok()) throw InvalidArgument(std::string(transfers.status().message()));
   c.transfers = *transfers;
@@ -119,22 +119,18 @@ class EngineImpl : public Engine {
     std::vector<EngineParam> ps;
     for (size_t i = 0; i < params.size(); ++i) {
       const ParamDesc& d = params[i];
-      v1::DType dtype;
-      if (d.dtype == "fp32") dtype = v1::DTYPE_FP32;
-      else if (d.dtype == "bf16") dtype = v1::DTYPE_BF16;
-      else
-        throw InvalidArgument(absl::StrCat("params[", i, "].dtype: '", d.dtype,
-                                           "' is not 'bf16' or 'fp32'"));
-      ps.push_back({d.name, d.shape, reinterpret_cast<void*>(d.value), nullptr, dtype});
+      ps.push_back({d.name, d.shape, reinterpret_cast<void*>(d.value), nullptr,
+                    DTypeOf(d.dtype, absl::StrCat("params[", i, "].dtype"))});
     }
     if (cfg.mode != OffloadMode::kNoOffload) {
       auto* conn = dynamic_cast<ConnectionImpl*>(connection_.get());
       if (conn == nullptr)
         throw Error(absl::StrCat("mode ", OffloadModeName(cfg.mode),
                                  " needs a daemon connection"));
-      session_ = Take(conn->client()->OpenSession(session_name, rank));
+      target_ = std::make_unique<SessionTarget>(
+          Take(conn->client()->OpenSession(session_name, rank)));
     }
-    engine_ = Take(ZenFlowEngine::Create(cfg, std::move(ps), *kernel_, *ops_, session_.get()));
+    engine_ = Take(ZenFlowEngine::Create(cfg, std::move(ps), *kernel_, *ops_, target_.get()));
   }
 
   ~EngineImpl() override {
@@ -229,37 +225,20 @@ class EngineImpl : public Engine {
   }
 
   std::pair<std::string, std::string> Checkpoint() override {
-    ZenFlowEngine& e = Live();
-    const std::string tag = Tag();
-    std::string state = Take(e.Checkpoint(tag)), daemon;
-    // The daemon wrote a checkpoint only if it holds state (ZenFlowEngine::Checkpoint).
-    if (session_ && session_->layout().params_size() > 0 && e.step() > 0)
-      daemon = Take(session_->ReadCheckpointBytes(tag, /*delete_after=*/true));
-    return {std::move(state), std::move(daemon)};
+    ZenFlowEngine::Snapshot s = Take(Live().CheckpointBytes());
+    return {std::move(s.engine), std::move(s.daemon)};
   }
 
   void Restore(const std::string& state, const std::string& daemon) override {
-    ZenFlowEngine& e = Live();
-    const std::string tag = Tag();
-    if (!daemon.empty() && !session_)
-      throw InvalidArgument(
-          "the state holds a daemon checkpoint but this optimizer runs without a daemon "
-          "(no-offload)");
-    if (!daemon.empty()) Check(session_->WriteCheckpointBytes(tag, daemon));
-    absl::Status st = e.Restore(tag, state);
-    if (!daemon.empty()) {
-      absl::Status del = session_->DeleteCheckpoint(tag);
-      if (st.ok() && !del.ok() && del.code() != absl::StatusCode::kNotFound) st = del;
-    }
-    Check(st);
+    Check(Live().RestoreBytes(state, daemon));
   }
 
   void Close(bool flush) override {
     if (!engine_) return;
     if (flush) engine_->Flush().IgnoreError();
     engine_.reset();
-    if (session_) session_->Close().IgnoreError();
-    session_.reset();
+    if (target_) target_->session()->Close().IgnoreError();
+    target_.reset();
   }
   bool closed() const override { return engine_ == nullptr; }
 
@@ -268,15 +247,8 @@ class EngineImpl : public Engine {
     if (!engine_) throw Error("the optimizer is closed");
     return *engine_;
   }
-  // A checkpoint tag unique to this process and session (offload.proto's tag alphabet).
-  std::string Tag() {
-    static std::atomic<int64_t> counter{0};
-    return absl::StrCat("torch-", session_ ? session_->ref().session_id() : 0, "-", getpid(), "-",
-                        counter.fetch_add(1));
-  }
-
   std::shared_ptr<Connection> connection_;
-  std::unique_ptr<Session> session_;
+  std::unique_ptr<SessionTarget> target_;  // owns the session
   std::unique_ptr<kernels::OptimizerKernel> own_kernel_;
   std::unique_ptr<kernels::TransformerOps> own_ops_;
   const kernels::OptimizerKernel* kernel_ = nullptr;

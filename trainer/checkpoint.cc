@@ -52,7 +52,6 @@ class Reader {
 
 }  // namespace
 
-const char* ModelDtypeName(v1::DType d) { return d == v1::DTYPE_BF16 ? "bf16" : "fp32"; }
 
 int64_t WrittenDp(const RankState& st) { return st.shape.size() > kDpKey ? st.shape[kDpKey] : 1; }
 
@@ -69,7 +68,7 @@ std::string EncodeState(const RankState& s) {
   PutI64(&out, s.data_position);
   PutI64(&out, static_cast<int64_t>(s.shape.size()));
   for (int64_t x : s.shape) PutI64(&out, x);
-  PutI64(&out, s.dtype == v1::DTYPE_BF16 ? kFileBf16 : kFileFp32);
+  PutI64(&out, s.dtype == DType::kBf16 ? kFileBf16 : kFileFp32);
   PutI64(&out, static_cast<int64_t>(s.tensors.size()));
   for (size_t i = 0; i < s.tensors.size(); ++i) {
     PutI64(&out, s.numel(i));
@@ -112,7 +111,7 @@ absl::StatusOr<RankState> DecodeState(const std::string& path) {
     int64_t dtype;
     if (!r.I64(&dtype) || (dtype != kFileFp32 && dtype != kFileBf16))
       return corrupt("malformed (unknown model dtype)");
-    s.dtype = dtype == kFileBf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+    s.dtype = dtype == kFileBf16 ? DType::kBf16 : DType::kFp32;
   }
   const int64_t elem = static_cast<int64_t>(s.elem_size());
   if (!r.I64(&n) || n < 0 || n > 100000) return corrupt("malformed");
@@ -131,7 +130,7 @@ absl::StatusOr<RankState> DecodeState(const std::string& path) {
 std::vector<float> FileValuesAsFloat(const RankState& s, size_t i) {
   const int64_t n = s.numel(i);
   std::vector<float> out(n);
-  if (s.dtype != v1::DTYPE_BF16) {
+  if (s.dtype != DType::kBf16) {
     memcpy(out.data(), s.tensors[i].data(), n * 4);
     return out;
   }

@@ -20,25 +20,23 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/dtype.h"
 #include "engine/zenflow.h"
 
 namespace stallfree {
 namespace trainer {
-
-// What --model_dtype calls a model dtype: "bf16" or "fp32".
-const char* ModelDtypeName(v1::DType d);
 
 // One rank's checkpoint, as written and read.
 struct RankState {
   int64_t step = 0;
   int64_t data_position = 0;
   std::vector<int64_t> shape;        // the shape key (below)
-  v1::DType dtype = v1::DTYPE_FP32;  // the model's: how `tensors` hold the values
+  DType dtype = DType::kFp32;  // the model's: how `tensors` hold the values
   // Each tensor's values, little-endian, numel x (4 or 2) bytes (fp32 or bf16 bits).
   std::vector<std::string> tensors;
   std::string engine;
 
-  size_t elem_size() const { return dtype == v1::DTYPE_BF16 ? 2 : 4; }
+  size_t elem_size() const { return dtype == DType::kBf16 ? 2 : 4; }
   int64_t numel(size_t i) const { return static_cast<int64_t>(tensors[i].size() / elem_size()); }
 };
 

@@ -108,7 +108,7 @@ struct TrainOptions {
   // round to nearest even; the engine keeps the fp32 masters, engine/zenflow.h "bf16
   // parameters"). Not engine.param_dtype / grad_dtype, which name what crosses to and from the
   // daemon. See "bf16 models" above.
-  v1::DType model_dtype = v1::DTYPE_FP32;
+  DType model_dtype = DType::kFp32;
   // Data.
   std::string data;           // empty: the generated default corpus
   std::string format = "auto";

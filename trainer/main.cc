@@ -190,11 +190,12 @@ int ApplyFlags(const CommandLine& c, stallfree::trainer::TrainOptions* o) {
        {std::make_tuple("grad_dtype", c.grad_dtype, &o->engine.grad_dtype),
         std::make_tuple("param_dtype", c.param_dtype, &o->engine.param_dtype),
         std::make_tuple("model_dtype", c.model_dtype, &o->model_dtype)}) {
-    if (text != "bf16" && text != "fp32") {
-      fprintf(stderr, "trainer: --%s: '%s' is not bf16 or fp32\n", name, text.c_str());
+    absl::StatusOr<DType> dtype = ParseDType(text);
+    if (!dtype.ok()) {
+      fprintf(stderr, "trainer: --%s: %s\n", name, std::string(dtype.status().message()).c_str());
       return 2;
     }
-    *out = text == "bf16" ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+    *out = *dtype;
   }
   if (c.seed < 0 || c.seed > UINT32_MAX || c.nproc < 0 || c.nproc > 64 || c.dp < 1 || c.dp > 64) {
     fprintf(stderr,

@@ -23,12 +23,12 @@ absl::Status DtypeError(const TrainOptions& o, const RankState& written, const s
   const std::string& tag = o.resume;
   return absl::FailedPreconditionError(
       absl::StrCat("resume: checkpoint '", tag, "' (", file, ") holds a --model_dtype ",
-                   ModelDtypeName(written.dtype), " model, and this run has --model_dtype ",
-                   ModelDtypeName(o.model_dtype),
+                   DTypeName(written.dtype), " model, and this run has --model_dtype ",
+                   DTypeName(o.model_dtype),
                    "; a resume keeps the model's storage: resume with "
                    "--model_dtype ",
-                   ModelDtypeName(written.dtype), " (a new run with --init_from ", o.out_dir,
-                   "/checkpoints/", tag, " --model_dtype ", ModelDtypeName(o.model_dtype),
+                   DTypeName(written.dtype), " (a new run with --init_from ", o.out_dir,
+                   "/checkpoints/", tag, " --model_dtype ", DTypeName(o.model_dtype),
                    " starts from its weights with a fresh optimizer)"));
 }
 

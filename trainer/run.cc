@@ -58,7 +58,7 @@ TrainRun::TrainRun(const TrainOptions& options, const World& world, int local_ra
       rank_(world.rank()),
       lead_(world.rank() == 0),
       tsp_lead_(world.tsp->rank() == 0),
-      bf16_(options.model_dtype == v1::DTYPE_BF16),
+      bf16_(options.model_dtype == DType::kBf16),
       eval_batcher_(absl::NotFoundError("no eval split")) {}
 
 TrainRun::~TrainRun() {
@@ -93,7 +93,7 @@ absl::Status TrainRun::CheckOptions() {
         "dump_init: writes a run's starting point, and a resumed run starts from a checkpoint's "
         "optimizer state; drop --resume (--init_from is fine: its weights are dumped)");
   RETURN_IF_ERROR(o.engine.Validate());
-  if (o.model_dtype != v1::DTYPE_FP32 && o.model_dtype != v1::DTYPE_BF16)
+  if (o.model_dtype != DType::kFp32 && o.model_dtype != DType::kBf16)
     return absl::InvalidArgumentError("model_dtype: must be fp32 or bf16");
   if (bf16_ && !o.dump_init.empty())
     return absl::InvalidArgumentError(
@@ -177,6 +177,7 @@ absl::Status TrainRun::StartEngine() {
     ASSIGN_OR_RETURN(session_,
                      client_->OpenSession(
                          absl::StrCat("gpt-", o.preset, "-", o.run_name, ".rank", rank_), rank_));
+    target_ = std::make_unique<SessionTarget>(session_.get());
   }
   dp_ = std::make_unique<DataParallelSync>(*dev_, dp_dev_, tensors_, N_, replica_, bf16_);
   std::set<std::string> replicated_params;  // held whole by every replica
@@ -185,7 +186,7 @@ absl::Status TrainRun::StartEngine() {
     if (dp_->partition().parts[i].replicated) replicated_params.insert(tensors_[i].name);
   }
   ASSIGN_OR_RETURN(engine_, ZenFlowEngine::Create(o.engine, eparams_, dev_->kernel(), dev_->ops(),
-                                                  session_.get()));
+                                                  target_.get()));
   if (N_ > 1) {
     // A partitioned weight's block scores sum to the whole weight's: every replica selects the
     // same hot columns. Replicated ones have the same (averaged) gradient on every replica.
@@ -299,7 +300,7 @@ absl::Status TrainRun::InitFrom() {
     printf(
         "initialised from %s (step %ld of that run); its %s weights%s; optimizer state and "
         "data order new\n",
-        o.init_from.c_str(), (long)st.step, ModelDtypeName(st.dtype),
+        o.init_from.c_str(), (long)st.step, DTypeName(st.dtype),
         st.dtype == o.model_dtype ? ""
         : bf16_                   ? ", rounded to bf16"
                                   : ", widened to fp32");
@@ -349,7 +350,7 @@ absl::Status TrainRun::OpenMetrics() {
       "gradients; mode %s; device %s; data %s (%zu train / %zu eval tokens)\n",
       o.run_name.c_str(), o.preset.c_str(), (long)cfg_.layers, (long)cfg_.C, (long)cfg_.H,
       (long)cfg_.FF, (long)T_, batch.c_str(), (long)cfg_.vocab, params_total_ / 1e6,
-      params_local_ / 1e6, ranks.c_str(), ModelDtypeName(o.model_dtype),
+      params_local_ / 1e6, ranks.c_str(), DTypeName(o.model_dtype),
       OffloadModeName(o.engine.mode), dev_->name().c_str(), corpus_.source.c_str(),
       corpus_.train.size(), corpus_.eval.size());
   std::fflush(stdout);

@@ -28,6 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/client.h"
+#include "client/session_target.h"
 #include "engine/zenflow.h"
 #include "parallel/distributed_model.h"
 #include "trainer/daemon_loss.h"
@@ -140,6 +141,7 @@ class TrainRun {
   // blocks (the whole tensors with one replica).
   std::unique_ptr<Client> client_;
   std::unique_ptr<Session> session_;
+  std::unique_ptr<SessionTarget> target_;  // the engine's view of session_
   std::unique_ptr<DataParallelSync> dp_;
   std::vector<EngineParam> eparams_;
   std::unique_ptr<ZenFlowEngine> engine_;

@@ -74,7 +74,7 @@ struct Tensor {
     return bf16() ? static_cast<void*>(grad16) : static_cast<void*>(grad);
   }
   size_t elem_size() const { return bf16() ? 2 : 4; }
-  v1::DType dtype() const { return bf16() ? v1::DTYPE_BF16 : v1::DTYPE_FP32; }
+  DType dtype() const { return bf16() ? DType::kBf16 : DType::kFp32; }
 };
 
 // The tensors of a shard of model `cfg` over D ranks: values at `w`, gradients at `g`.

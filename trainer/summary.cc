@@ -38,7 +38,7 @@ Figures Derive(const RunTotals& t) {
   f.model_bf16 = 2.0 * static_cast<double>(t.params_total);
   const double elements = static_cast<double>(std::max<int64_t>(t.engine_elements, 1));
   f.stored_bytes = static_cast<double>(t.footprint.params) / elements;
-  f.working_bytes = t.model_dtype == v1::DTYPE_BF16 ? 8.0 : 0.0;  // fp32 value and gradient
+  f.working_bytes = t.model_dtype == DType::kBf16 ? 8.0 : 0.0;  // fp32 value and gradient
   f.engine_bytes = static_cast<double>(t.footprint.engine()) / elements;
   return f;
 }
@@ -67,14 +67,14 @@ std::string SummaryJson(const RunTotals& t, const Figures& f) {
       t.traffic / std::max<double>(f.n, 1) / f.model_bf16,
       t.dp_collectives / std::max<double>(f.n, 1), (long)t.reselections, t.migrated, t.run_elements,
       t.run_pinned, (long)t.daemon_stats.sessions(), (long)t.daemon_stats.param_elements(),
-      (unsigned long)t.daemon_stats.pinned_bytes(), ModelDtypeName(t.model_dtype), f.stored_bytes,
+      (unsigned long)t.daemon_stats.pinned_bytes(), DTypeName(t.model_dtype), f.stored_bytes,
       f.working_bytes, f.engine_bytes);
 }
 
 void PrintSummary(const RunTotals& t, const Figures& f, const std::string& plot,
                   const absl::Status& plotted) {
   const int64_t N = t.N, B = t.B, T = t.T;
-  const bool bf16 = t.model_dtype == v1::DTYPE_BF16;
+  const bool bf16 = t.model_dtype == DType::kBf16;
   const std::string ran =
       t.start == 0 && t.last_step == t.steps
           ? absl::StrCat(t.steps, " steps")
@@ -96,7 +96,7 @@ void PrintSummary(const RunTotals& t, const Figures& f, const std::string& plot,
   printf(
       "  model        %s weights and gradients: %.2f bytes per parameter%s; the engine's "
       "device-side state %.2f bytes per parameter (rank 0)\n",
-      ModelDtypeName(t.model_dtype), f.stored_bytes,
+      DTypeName(t.model_dtype), f.stored_bytes,
       bf16 ? absl::StrFormat(" (and %.2f of fp32 working copies for the fp32 compute)",
                              f.working_bytes)
                  .c_str()

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "client/client.h"
 #include "engine/zenflow.h"
 
 namespace stallfree {
@@ -20,7 +21,7 @@ struct RunTotals {
   // The run.
   std::string run_name, preset, out_dir, csv_path;
   OffloadMode mode = OffloadMode::kZenFlow;
-  v1::DType model_dtype = v1::DTYPE_FP32;
+  DType model_dtype = DType::kFp32;
   int D = 1, N = 1;
   int64_t B = 0, T = 0, steps = 0;
   int64_t start = 0, last_step = 0;  // the steps this process ran: start + 1 .. last_step

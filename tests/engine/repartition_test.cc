@@ -23,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/session_target.h"
 #include "engine/partition.h"
 #include "engine/zenflow.h"
 #include "kernels/ops.h"
@@ -135,7 +136,7 @@ ZenFlowConfig Config(OffloadMode mode) {
   c.select_interval = mode == OffloadMode::kZenFlow ? 2 : 0;
   c.warmup_steps = 0;
   c.weight_decay = 0.05;
-  c.grad_dtype = v1::DTYPE_BF16;
+  c.grad_dtype = DType::kBf16;
   return c;
 }
 
@@ -144,7 +145,7 @@ double Lr(int64_t t) { return 1e-2 / (1.0 + 0.1 * t); }
 // Rank `rank` of `world`: its copy of the values, its session and its engine over its blocks.
 struct Rank {
   std::vector<Tensor> model;
-  std::unique_ptr<Session> session;
+  std::unique_ptr<SessionTarget> session;
   std::unique_ptr<ZenFlowEngine> engine;
 };
 
@@ -179,7 +180,7 @@ class RepartitionTest : public ::testing::Test {
         absl::StrCat("repartition-", OffloadModeName(mode), "-", world, "-", rank), rank);
     EXPECT_TRUE(session.ok()) << session.status();
     if (!session.ok()) return nullptr;
-    r->session = std::move(*session);
+    r->session = std::make_unique<SessionTarget>(std::move(*session));
     auto engine = ZenFlowEngine::Create(Config(mode), params, kernels::DefaultCpuKernel(),
                                         kernels::CpuOps(), r->session.get());
     EXPECT_TRUE(engine.ok()) << engine.status();
@@ -237,7 +238,7 @@ class RepartitionTest : public ::testing::Test {
       const std::string t = absl::StrCat(tag, ".r", r);
       auto engine = ranks[r]->engine->Checkpoint(t);
       EXPECT_TRUE(engine.ok()) << engine.status();
-      auto daemon = ranks[r]->session->ReadCheckpointBytes(t, /*delete_after=*/true);
+      auto daemon = ranks[r]->session->ReadCheckpoint(t, /*delete_after=*/true);
       EXPECT_TRUE(daemon.ok()) << daemon.status();
       out.push_back({engine.ok() ? *engine : "", daemon.ok() ? *daemon : ""});
     }
@@ -297,7 +298,7 @@ void RepartitionTest::ContinueWithOtherWorlds(OffloadMode mode) {
         EXPECT_EQ(mine->engine, saved[s].engine);  // the identity
       }
       const std::string tag = absl::StrCat("to", world, "-", OffloadModeName(mode), ".r", s);
-      ASSERT_TRUE(ranks[s]->session->WriteCheckpointBytes(tag, mine->daemon).ok());
+      ASSERT_TRUE(ranks[s]->session->WriteCheckpoint(tag, mine->daemon).ok());
       absl::Status st = ranks[s]->engine->Restore(tag, mine->engine);
       ASSERT_TRUE(st.ok()) << st;
       EXPECT_EQ(ranks[s]->engine->step(), kSaved);

@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/blob.h"
 #include "client/client.h"
+#include "client/session_target.h"
 #include "engine/zenflow.h"
 #include "common/bf16.h"
 #include "kernels/ops.h"
@@ -86,7 +87,7 @@ void FillGrads(std::vector<Tensor16>* ts, int64_t t, int seed) {
 std::vector<EngineParam> Params(std::vector<Tensor16>* ts) {
   std::vector<EngineParam> ps;
   for (Tensor16& t : *ts)
-    ps.push_back({t.name, t.shape, t.value.data(), t.grad.data(), v1::DTYPE_BF16});
+    ps.push_back({t.name, t.shape, t.value.data(), t.grad.data(), DType::kBf16});
   return ps;
 }
 
@@ -99,15 +100,15 @@ ZenFlowConfig Config(OffloadMode mode, int64_t S, int64_t select, bool await) {
   c.await_updates = await;
   c.weight_decay = 0.05;
   c.warmup_steps = 0;
-  c.grad_dtype = v1::DTYPE_BF16;
-  c.param_dtype = v1::DTYPE_BF16;
+  c.grad_dtype = DType::kBf16;
+  c.param_dtype = DType::kBf16;
   return c;
 }
 
 // bf16 and fp32 transfers, each direct (the CPU backend's default) and buffered (a device's).
-std::vector<std::pair<v1::DType, Transfers>> TransferCases() {
-  return {{v1::DTYPE_BF16, Transfers::kDirect}, {v1::DTYPE_BF16, Transfers::kBuffered},
-          {v1::DTYPE_FP32, Transfers::kDirect}, {v1::DTYPE_FP32, Transfers::kBuffered}};
+std::vector<std::pair<DType, Transfers>> TransferCases() {
+  return {{DType::kBf16, Transfers::kDirect}, {DType::kBf16, Transfers::kBuffered},
+          {DType::kFp32, Transfers::kDirect}, {DType::kFp32, Transfers::kBuffered}};
 }
 
 double Lr(int64_t t) { return 1e-2 / (1.0 + 0.1 * t); }
@@ -220,14 +221,14 @@ class ZenFlowBf16Test : public ::testing::Test {
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = std::move(*client);
   }
-  std::unique_ptr<Session> NewSession(const std::string& name) {
+  std::unique_ptr<SessionTarget> NewSession(const std::string& name) {
     auto s = client_->OpenSession(name, 0);
     EXPECT_TRUE(s.ok()) << s.status();
-    return s.ok() ? std::move(*s) : nullptr;
+    return s.ok() ? std::make_unique<SessionTarget>(std::move(*s)) : nullptr;
   }
   absl::StatusOr<std::unique_ptr<ZenFlowEngine>> Make(const ZenFlowConfig& cfg,
                                                       std::vector<Tensor16>* model,
-                                                      std::unique_ptr<Session>* session,
+                                                      std::unique_ptr<SessionTarget>* session,
                                                       const std::string& name) {
     if (cfg.mode != OffloadMode::kNoOffload) *session = NewSession(name);
     return ZenFlowEngine::Create(cfg, Params(model), kernels::DefaultCpuKernel(),
@@ -283,7 +284,7 @@ int64_t ExpectDeviceColumns(const ZenFlowEngine& e, const std::vector<Tensor16>&
 TEST_F(ZenFlowBf16Test, AwaitedS1EqualsReferenceAcrossMigrations) {
   for (auto [transfers, how] : TransferCases()) {
     const std::string what =
-        absl::StrCat(transfers == v1::DTYPE_BF16 ? "bf16 " : "fp32 ", TransfersName(how));
+        absl::StrCat(transfers == DType::kBf16 ? "bf16 " : "fp32 ", TransfersName(how));
     SCOPED_TRACE(what);
     const int seed = 1;
     ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 1, 1, true);
@@ -292,7 +293,7 @@ TEST_F(ZenFlowBf16Test, AwaitedS1EqualsReferenceAcrossMigrations) {
     cfg.transfers = how;
     std::vector<Tensor16> model = MakeModel(seed);
     Reference ref(model, cfg);
-    std::unique_ptr<Session> session;
+    std::unique_ptr<SessionTarget> session;
     auto engine = Make(cfg, &model, &session, "bf16-s1");
     ASSERT_TRUE(engine.ok()) << engine.status();
     ZenFlowEngine& e = **engine;
@@ -325,7 +326,7 @@ TEST_F(ZenFlowBf16Test, RoundsOfFourEqualReferenceAwaitedAndAsynchronous) {
     cfg.transfers = how;
     std::vector<Tensor16> model = MakeModel(seed);
     Reference ref(model, cfg);
-    std::unique_ptr<Session> session;
+    std::unique_ptr<SessionTarget> session;
     auto engine = Make(cfg, &model, &session, await ? "bf16-s4-await" : "bf16-s4-async");
     ASSERT_TRUE(engine.ok()) << engine.status();
     ZenFlowEngine& e = **engine;
@@ -370,7 +371,7 @@ TEST_F(ZenFlowBf16Test, StreamedGradientsEqualReference) {
     cfg.stream_gradients = true;
     std::vector<Tensor16> model = MakeModel(seed);
     Reference ref(model, cfg);
-    std::unique_ptr<Session> session;
+    std::unique_ptr<SessionTarget> session;
     auto engine = Make(cfg, &model, &session, "bf16-streamed");
     ASSERT_TRUE(engine.ok()) << engine.status();
     ZenFlowEngine& e = **engine;
@@ -416,9 +417,9 @@ TEST_F(ZenFlowBf16Test, StreamedGradientsEqualReference) {
 // and no-offload (fp32 masters, m, v on the device) equal the reference at every step.
 TEST_F(ZenFlowBf16Test, SyncOffloadAndNoOffloadEqualReference) {
   for (OffloadMode mode : {OffloadMode::kSyncOffload, OffloadMode::kNoOffload}) {
-    for (v1::DType transfers : {v1::DTYPE_BF16, v1::DTYPE_FP32}) {
+    for (DType transfers : {DType::kBf16, DType::kFp32}) {
       const std::string what =
-          absl::StrCat(OffloadModeName(mode), transfers == v1::DTYPE_BF16 ? " bf16" : " fp32",
+          absl::StrCat(OffloadModeName(mode), transfers == DType::kBf16 ? " bf16" : " fp32",
                        " transfers");
       SCOPED_TRACE(what);
       const int seed = 2;
@@ -427,7 +428,7 @@ TEST_F(ZenFlowBf16Test, SyncOffloadAndNoOffloadEqualReference) {
       cfg.param_dtype = transfers;
       std::vector<Tensor16> model = MakeModel(seed);
       Reference ref(model, cfg);
-      std::unique_ptr<Session> session;
+      std::unique_ptr<SessionTarget> session;
       auto engine = Make(cfg, &model, &session, "bf16-sync");
       ASSERT_TRUE(engine.ok()) << engine.status();
       for (int64_t t = 1; t <= 8; ++t) {
@@ -471,7 +472,7 @@ TEST_F(ZenFlowBf16Test, CheckpointRestoreMidRoundEqualsReference) {
     const std::string tag = absl::StrCat("bf16-resume-", OffloadModeName(cs.mode), "-",
                                          cs.await, "-", cs.k);
     {
-      std::unique_ptr<Session> session;
+      std::unique_ptr<SessionTarget> session;
       auto engine = Make(cfg, &model, &session, what);
       ASSERT_TRUE(engine.ok()) << engine.status();
       for (int64_t t = 1; t <= cs.k; ++t) {
@@ -488,7 +489,7 @@ TEST_F(ZenFlowBf16Test, CheckpointRestoreMidRoundEqualsReference) {
     }
     // A new process: the model's bf16 values from its own checkpoint (still in `model`), the
     // rest from the blob and the daemon.
-    std::unique_ptr<Session> session;
+    std::unique_ptr<SessionTarget> session;
     auto engine = Make(cfg, &model, &session, what + " restored");
     ASSERT_TRUE(engine.ok()) << engine.status();
     { const absl::Status rs = (*engine)->Restore(tag, blob); ASSERT_TRUE(rs.ok()) << rs; }
@@ -504,7 +505,7 @@ TEST_F(ZenFlowBf16Test, CheckpointRestoreMidRoundEqualsReference) {
     ExpectValues(model, ref, "flushed at the end");
     // The blob holds bf16 parameters: an engine of fp32 ones refuses it.
     std::vector<float> f32(24, 0.0f);
-    std::unique_ptr<Session> other_session;
+    std::unique_ptr<SessionTarget> other_session;
     if (cs.mode != OffloadMode::kNoOffload) other_session = NewSession("fp32");
     std::vector<EngineParam> ps = Params(&model);
     std::vector<std::vector<float>> values;
@@ -514,7 +515,7 @@ TEST_F(ZenFlowBf16Test, CheckpointRestoreMidRoundEqualsReference) {
       values.emplace_back(n, 0.0f);
       p.value = values.back().data();
       p.grad = nullptr;
-      p.dtype = v1::DTYPE_FP32;
+      p.dtype = DType::kFp32;
     }
     auto fp32 = ZenFlowEngine::Create(cfg, ps, kernels::DefaultCpuKernel(), kernels::CpuOps(),
                                       other_session.get());
@@ -538,7 +539,7 @@ TEST_F(ZenFlowBf16Test, MasterRebuiltFromTheValueEachStepDiffers) {
     const std::vector<Tensor16> initial = model;
     Reference exact(model, cfg), drifting(model, cfg, /*drifting=*/true);
     exact.lr = drifting.lr = SmallLr;
-    std::unique_ptr<Session> session;
+    std::unique_ptr<SessionTarget> session;
     auto engine = Make(cfg, &model, &session, "drift");
     ASSERT_TRUE(engine.ok()) << engine.status();
     for (int64_t t = 1; t <= 30; ++t) {
@@ -595,7 +596,7 @@ TEST_F(ZenFlowBf16Test, DeviceBytesOfASmallModelCountedByHand) {
       for (int64_t d : p.shape) n *= d;
       store->emplace_back(n, 0.0f);  // big enough for either dtype
       p.value = store->back().data();
-      p.dtype = bf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+      p.dtype = bf16 ? DType::kBf16 : DType::kFp32;
     }
     return ps;
   };
@@ -630,7 +631,7 @@ TEST_F(ZenFlowBf16Test, DeviceBytesOfASmallModelCountedByHand) {
     store.reserve(3);
     ZenFlowConfig cfg = Config(w.mode, 4, 0, false);  // bf16 transfers
     cfg.transfers = w.transfers;
-    std::unique_ptr<Session> session;
+    std::unique_ptr<SessionTarget> session;
     if (w.mode != OffloadMode::kNoOffload) session = NewSession("bytes");
     auto engine = ZenFlowEngine::Create(cfg, model_of(w.bf16, &store),
                                         kernels::DefaultCpuKernel(), kernels::CpuOps(),
@@ -671,11 +672,11 @@ TEST_F(ZenFlowBf16Test, DeviceBytesPerParameterOfThreeSquareWeights) {
       std::vector<EngineParam> ps;
       for (int64_t i = 0; i < weights; ++i)
         ps.push_back({absl::StrCat("w", i), {n, n}, store[i].data(), nullptr,
-                      bf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32});
+                      bf16 ? DType::kBf16 : DType::kFp32});
       ZenFlowConfig cfg = Config(run.mode, 4, 0, false);
       cfg.topk_ratio = 0.1;
       cfg.transfers = run.transfers;
-      std::unique_ptr<Session> session;
+      std::unique_ptr<SessionTarget> session;
       if (run.mode != OffloadMode::kNoOffload) session = NewSession("square");
       auto engine = ZenFlowEngine::Create(cfg, ps, kernels::DefaultCpuKernel(), kernels::CpuOps(),
                                           session.get());

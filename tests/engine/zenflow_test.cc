@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/session_target.h"
 #include "engine/zenflow.h"
 #include "common/bf16.h"
 #include "kernels/ops.h"
@@ -126,10 +127,10 @@ class ZenFlowTest : public ::testing::Test {
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = std::move(*client);
   }
-  std::unique_ptr<Session> NewSession(const std::string& name) {
+  std::unique_ptr<SessionTarget> NewSession(const std::string& name) {
     auto s = client_->OpenSession(name, 0);
     EXPECT_TRUE(s.ok()) << s.status();
-    return s.ok() ? std::move(*s) : nullptr;
+    return s.ok() ? std::make_unique<SessionTarget>(std::move(*s)) : nullptr;
   }
   std::unique_ptr<Daemon> daemon_;
   std::unique_ptr<Client> client_;
@@ -203,7 +204,7 @@ TEST_F(ZenFlowTest, TallWeightsLoadAndMigrateInChunksThroughTheStagingArea) {
   auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
                                       kernels::CpuOps(), session.get());
   ASSERT_TRUE(engine.ok()) << engine.status();
-  const v1::RegionLayout& layout = session->layout();
+  const v1::RegionLayout& layout = session->session()->layout();
   EXPECT_EQ(layout.param_slots(), 1u);
   EXPECT_EQ(layout.param_dtype(), v1::DTYPE_FP32);
   int64_t registered = 0;
@@ -303,7 +304,7 @@ struct PerColumnZenFlow {
         for (int64_t r = 0; r < rows; ++r) {
           // What crosses to the daemon: the gradient as it is, or rounded to bf16.
           const uint16_t g16 = FloatToBf16(g[r]);
-          const bool bf16 = cfg.grad_dtype == v1::DTYPE_BF16;
+          const bool bf16 = cfg.grad_dtype == DType::kBf16;
           kernels::ReferenceKernel().Accumulate(
               &acc[i][r * cols + c], bf16 ? static_cast<const void*>(&g16) : &g[r],
               bf16 ? kernels::GradType::kBf16 : kernels::GradType::kFp32, scale, 1);
@@ -324,9 +325,9 @@ struct PerColumnZenFlow {
 // with fp32 gradients, and with bf16 ones (the cold columns' gradients rounded as they cross,
 // the entering columns' round step taken on the device from the same rounded values).
 TEST_F(ZenFlowTest, RoundsWithReselectionEqualThePerColumnAlgorithm) {
- for (v1::DType grad_dtype : {v1::DTYPE_FP32, v1::DTYPE_BF16})
+ for (DType grad_dtype : {DType::kFp32, DType::kBf16})
  for (Transfers how : {Transfers::kDirect, Transfers::kBuffered}) {
-  SCOPED_TRACE(absl::StrCat(grad_dtype == v1::DTYPE_FP32 ? "fp32 gradients " : "bf16 gradients ",
+  SCOPED_TRACE(absl::StrCat(grad_dtype == DType::kFp32 ? "fp32 gradients " : "bf16 gradients ",
                             TransfersName(how)));
   const int seed = 6;
   ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, true);
@@ -334,7 +335,7 @@ TEST_F(ZenFlowTest, RoundsWithReselectionEqualThePerColumnAlgorithm) {
   cfg.transfers = how;
   std::vector<Tensor> model = MakeModel(seed);
   PerColumnZenFlow ref(model, cfg);
-  auto session = NewSession(grad_dtype == v1::DTYPE_FP32 ? "rounds" : "rounds-bf16");
+  auto session = NewSession(grad_dtype == DType::kFp32 ? "rounds" : "rounds-bf16");
   auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
                                       kernels::CpuOps(), session.get());
   ASSERT_TRUE(engine.ok()) << engine.status();
@@ -369,7 +370,7 @@ TEST_F(ZenFlowTest, SyncOffloadAndNoOffloadEqualDenseAdamW) {
     const ZenFlowConfig cfg = Config(mode, 4, 0, false);
     std::vector<Tensor> model = MakeModel(seed);
     Dense dense(model);
-    std::unique_ptr<Session> session;
+    std::unique_ptr<SessionTarget> session;
     if (mode == OffloadMode::kSyncOffload) session = NewSession("sync");
     auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
                                         kernels::CpuOps(), session.get());
@@ -398,7 +399,7 @@ TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
   {
     std::vector<Tensor> model = {MakeModel(seed)[2], MakeModel(seed)[3]};
     Dense dense(model);
-    std::unique_ptr<Session> session = NewSession("device-only");
+    std::unique_ptr<SessionTarget> session = NewSession("device-only");
     const ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 0, false);
     auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
                                         kernels::CpuOps(), session.get());
@@ -412,7 +413,7 @@ TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
         ASSERT_EQ(0, memcmp(model[i].value.data(), dense.ts[i].value.data(),
                             model[i].value.size() * 4)) << model[i].name << " step " << t;
     }
-    EXPECT_EQ(session->layout().params_size(), 0);  // nothing was registered
+    EXPECT_EQ(session->session()->layout().params_size(), 0);  // nothing was registered
     EXPECT_TRUE((*engine)->Checkpoint("unused").ok());
   }
   // Buffers rebound every step to fresh copies; "bias" (on the device) has no gradient in steps
@@ -430,7 +431,7 @@ TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
       v[i].assign(ref[i].value.size(), 0.0f);
     }
     ZenFlowConfig cfg = Config(mode, 1, 1, /*await=*/true);
-    std::unique_ptr<Session> session;
+    std::unique_ptr<SessionTarget> session;
     if (mode != OffloadMode::kNoOffload) session = NewSession("absent");
     auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
                                         kernels::CpuOps(), session.get());
@@ -549,12 +550,12 @@ TEST_F(ZenFlowTest, ResumeFromCheckpointEqualsUninterruptedRun) {
                            std::pair{OffloadMode::kNoOffload, Transfers::kAuto}}) {
     for (int64_t k : {4, 5}) {
       ZenFlowConfig cfg = Config(mode, 2, 4, false);
-      cfg.grad_dtype = v1::DTYPE_BF16;
-      cfg.param_dtype = k == 5 ? v1::DTYPE_BF16 : v1::DTYPE_FP32;
+      cfg.grad_dtype = DType::kBf16;
+      cfg.param_dtype = k == 5 ? DType::kBf16 : DType::kFp32;
       cfg.transfers = how;
       const std::string what = absl::StrCat(OffloadModeName(mode), " k=", k, " ",
                                             TransfersName(how));
-      auto make = [&](std::vector<Tensor>* model, std::unique_ptr<Session>* session) {
+      auto make = [&](std::vector<Tensor>* model, std::unique_ptr<SessionTarget>* session) {
         if (mode != OffloadMode::kNoOffload) *session = NewSession(what);
         return ZenFlowEngine::Create(cfg, Params(model), kernels::DefaultCpuKernel(),
                                      kernels::CpuOps(), session->get());
@@ -562,7 +563,7 @@ TEST_F(ZenFlowTest, ResumeFromCheckpointEqualsUninterruptedRun) {
       std::vector<std::vector<Tensor>> straight;
       {
         std::vector<Tensor> model = MakeModel(seed);
-        std::unique_ptr<Session> session;
+        std::unique_ptr<SessionTarget> session;
         auto engine = make(&model, &session);
         ASSERT_TRUE(engine.ok()) << engine.status();
         for (int64_t t = 1; t <= steps; ++t) {
@@ -575,7 +576,7 @@ TEST_F(ZenFlowTest, ResumeFromCheckpointEqualsUninterruptedRun) {
       std::string blob;
       const std::string tag = absl::StrCat("resume-", OffloadModeName(mode), "-", k);
       {
-        std::unique_ptr<Session> session;
+        std::unique_ptr<SessionTarget> session;
         auto engine = make(&model, &session);
         ASSERT_TRUE(engine.ok()) << engine.status();
         for (int64_t t = 1; t <= k; ++t) {
@@ -588,7 +589,7 @@ TEST_F(ZenFlowTest, ResumeFromCheckpointEqualsUninterruptedRun) {
       }
       // A new process would reload the model's values from its own checkpoint: here they are
       // still in `model`. Everything else comes from the blob and the daemon.
-      std::unique_ptr<Session> session;
+      std::unique_ptr<SessionTarget> session;
       auto engine = make(&model, &session);
       ASSERT_TRUE(engine.ok()) << engine.status();
       ASSERT_TRUE((*engine)->Restore(tag, blob).ok()) << what;
@@ -602,7 +603,7 @@ TEST_F(ZenFlowTest, ResumeFromCheckpointEqualsUninterruptedRun) {
       }
       // A blob of another mode or a damaged one is refused.
       std::vector<Tensor> other_model = MakeModel(seed);
-      std::unique_ptr<Session> other_session;
+      std::unique_ptr<SessionTarget> other_session;
       auto other = make(&other_model, &other_session);
       ASSERT_TRUE(other.ok());
       EXPECT_EQ((*other)->Restore(tag, blob.substr(0, blob.size() / 2)).code(),
@@ -629,7 +630,7 @@ TEST_F(ZenFlowTest, ResumeFromCheckpointEqualsUninterruptedRun) {
 TEST_F(ZenFlowTest, BadConfigurationNamesTheField) {
   std::vector<Tensor> model = MakeModel(4);
   auto session = NewSession("bad");
-  auto create = [&](const ZenFlowConfig& c, Session* s) {
+  auto create = [&](const ZenFlowConfig& c, OffloadTarget* s) {
     return ZenFlowEngine::Create(c, Params(&model), kernels::DefaultCpuKernel(),
                                  kernels::CpuOps(), s)
         .status();
@@ -664,7 +665,7 @@ TEST_F(ZenFlowTest, BadConfigurationNamesTheField) {
   }
   // A session whose daemon-side parameters do not match the engine's.
   auto other = NewSession("mismatch");
-  ASSERT_TRUE(other->RegisterParams({{"w1", {8, 7}, v1::DTYPE_FP32}}).ok());
+  ASSERT_TRUE(other->session()->RegisterParams({{"w1", {8, 7}, v1::DTYPE_FP32}}).ok());
   expect_field(create(Config(OffloadMode::kZenFlow, 4, 0, false), other.get()),
                absl::StatusCode::kFailedPrecondition, "'w1'");
 }

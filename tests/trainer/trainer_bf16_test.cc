@@ -320,7 +320,7 @@ TEST_F(TrainerBf16Test, InitFromRoundsAnFp32ModelAndMismatchesAreRefused) {
       << r.output;
   r = Trainer(Cat(Base("fp16", 2), {"--model_dtype", "fp16"}));
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_NE(r.output.find("--model_dtype: 'fp16' is not bf16 or fp32"), std::string::npos)
+  EXPECT_NE(r.output.find("--model_dtype: 'fp16' is not 'bf16' or 'fp32'"), std::string::npos)
       << r.output;
   r = Trainer({"--help"});
   EXPECT_EQ(r.code, 0);
