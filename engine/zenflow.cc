@@ -15,7 +15,9 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "engine/blob.h"
@@ -139,13 +141,66 @@ const char* TransfersName(Transfers t) {
 absl::StatusOr<Transfers> ParseTransfers(const std::string& name) {
   for (Transfers t : {Transfers::kAuto, Transfers::kBuffered, Transfers::kDirect})
     if (name == TransfersName(t)) return t;
-  return Invalid("transfers", absl::StrCat("'", name, "' is not auto, buffered or direct"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", name, "' is not auto, buffered or direct"));
 }
 
 absl::StatusOr<OffloadMode> ParseOffloadMode(const std::string& name) {
   for (OffloadMode m : {OffloadMode::kZenFlow, OffloadMode::kSyncOffload, OffloadMode::kNoOffload})
     if (name == OffloadModeName(m)) return m;
-  return Invalid("mode", absl::StrCat("'", name, "' is not zenflow, sync-offload or no-offload"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", name, "' is not zenflow, sync-offload or no-offload"));
+}
+
+namespace {
+std::string FieldText(double v) { return absl::StrFormat("%.17g", v); }
+std::string FieldText(int64_t v) { return absl::StrCat(v); }
+std::string FieldText(bool v) { return v ? "true" : "false"; }
+std::string FieldText(DType v) { return DTypeName(v); }
+std::string FieldText(OffloadMode v) { return OffloadModeName(v); }
+std::string FieldText(Transfers v) { return TransfersName(v); }
+
+absl::Status ParseField(const std::string& s, double* v) {
+  if (absl::SimpleAtod(s, v)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("'", s, "' is not a number"));
+}
+absl::Status ParseField(const std::string& s, int64_t* v) {
+  if (absl::SimpleAtoi(s, v)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("'", s, "' is not an integer"));
+}
+absl::Status ParseField(const std::string& s, bool* v) {
+  if (absl::SimpleAtob(s, v)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("'", s, "' is not true or false"));
+}
+template <typename T>
+absl::Status ParseEnum(absl::StatusOr<T> parsed, T* v) {
+  if (!parsed.ok()) return parsed.status();
+  *v = *parsed;
+  return absl::OkStatus();
+}
+absl::Status ParseField(const std::string& s, DType* v) { return ParseEnum(ParseDType(s), v); }
+absl::Status ParseField(const std::string& s, OffloadMode* v) {
+  return ParseEnum(ParseOffloadMode(s), v);
+}
+absl::Status ParseField(const std::string& s, Transfers* v) {
+  return ParseEnum(ParseTransfers(s), v);
+}
+}  // namespace
+
+std::map<std::string, std::string> ConfigFields(const ZenFlowConfig& c) {
+  std::map<std::string, std::string> out;
+  VisitConfigFields(c, [&](const char* name, const auto& v) { out[name] = FieldText(v); });
+  return out;
+}
+
+absl::Status SetConfigField(ZenFlowConfig* c, const std::string& name, const std::string& text) {
+  absl::Status st = Invalid(name, "not a field of the engine's configuration (engine/zenflow.h)");
+  VisitConfigFields(*c, [&](const char* field, auto& v) {
+    if (name != field) return;
+    st = ParseField(text, &v);
+    if (!st.ok()) st = Invalid(name, std::string(st.message()));
+  });
+  return st;
 }
 
 kernels::AdamWConfig ZenFlowConfig::AdamW(double lr, int64_t t) const {
@@ -325,13 +380,34 @@ struct ZenFlowEngine::Impl {
   bool offloading() const { return copier != nullptr; }
 
   absl::Status Sync(const char* what) {
+    RETURN_IF_ERROR(Allocated(what));
     std::string err = ops.Synchronize();
     if (err.empty()) err = k.Synchronize();
     if (!err.empty()) return absl::InternalError(absl::StrCat(what, ": ", err));
     return absl::OkStatus();
   }
 
-  OpsBuffer Ints(int64_t n) { return OpsBuffer(&ops, 2 * n); }
+  // Backend memory of n floats. A failed allocation (null) is counted, and the next Sync or
+  // Allocated() reports it as RESOURCE_EXHAUSTED naming the bytes.
+  OpsBuffer Alloc(int64_t n) {
+    OpsBuffer b(&ops, n);
+    if (n > 0 && b.data() == nullptr) {
+      alloc_failed_bytes += 4 * n;
+      ++alloc_failures;
+    }
+    return b;
+  }
+  int64_t alloc_failed_bytes = 0, alloc_failures = 0;
+  absl::Status Allocated(const char* what) {
+    if (alloc_failures == 0) return absl::OkStatus();
+    std::string err = ops.Synchronize();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, ": the ", ops.name(), " backend could not allocate ", alloc_failed_bytes,
+        " bytes (", alloc_failures, " buffer", alloc_failures == 1 ? "" : "s", ")",
+        err.empty() ? "" : " (" + err + ")",
+        "; free device memory, or keep less on the device (a lower topk_ratio)"));
+  }
+  OpsBuffer Ints(int64_t n) { return Alloc(2 * n); }
   static int64_t* AsInts(const OpsBuffer& b) { return reinterpret_cast<int64_t*>(b.data()); }
   void UploadInts(const OpsBuffer& dst, const std::vector<int64_t>& src) {
     ops.Upload(dst.data(), reinterpret_cast<const float*>(src.data()),
@@ -442,19 +518,19 @@ absl::Status ZenFlowEngine::Impl::Setup() {
     }
     switch (ps.kind) {
       case PState::kDevice:
-        ps.m = OpsBuffer(&ops, ps.numel);
-        ps.v = OpsBuffer(&ops, ps.numel);
-        if (ps.bf16) ps.master = OpsBuffer(&ops, ps.numel);
+        ps.m = Alloc(ps.numel);
+        ps.v = Alloc(ps.numel);
+        if (ps.bf16) ps.master = Alloc(ps.numel);
         break;
       case PState::kSplit:
-        ps.hot_master = OpsBuffer(&ops, ps.rows * ps.k);
-        ps.hot_m = OpsBuffer(&ops, ps.rows * ps.k);
-        ps.hot_v = OpsBuffer(&ops, ps.rows * ps.k);
+        ps.hot_master = Alloc(ps.rows * ps.k);
+        ps.hot_m = Alloc(ps.rows * ps.k);
+        ps.hot_v = Alloc(ps.rows * ps.k);
         ps.consts_at = static_cast<int64_t>(hot_consts_host.size());
         hot_consts_host.resize(hot_consts_host.size() + 2 * ps.k);
         ps.hot_idx_dev = Ints(ps.k);
         ps.cold_idx_dev = Ints(ps.ncold);
-        ps.scores = OpsBuffer(&ops, ps.cols);
+        ps.scores = Alloc(ps.cols);
         ps.topk_dev = Ints(ps.k);
         break;
       case PState::kOffloaded:
@@ -490,7 +566,7 @@ absl::Status ZenFlowEngine::Impl::Setup() {
     }
   }
   param_slots = std::max<uint32_t>(1, target->param_slots());
-  hot_consts = OpsBuffer(&ops, static_cast<int64_t>(hot_consts_host.size()));
+  hot_consts = Alloc(static_cast<int64_t>(hot_consts_host.size()));
   std::string why;
   copy_stream = ops.NewCopyStream(&why);
   if (copy_stream == nullptr && !why.empty())
@@ -509,7 +585,7 @@ absl::Status ZenFlowEngine::Impl::SetupTransfers() {
   for (PState& ps : params) {
     if (ps.kind != PState::kSplit) continue;
     if (cfg.stream_gradients)
-      ps.hot_grad = OpsBuffer(&ops, FloatsFor(ps.rows * ps.k, ps.p.dtype));
+      ps.hot_grad = Alloc(FloatsFor(ps.rows * ps.k, ps.p.dtype));
     else
       scratch = std::max(scratch, FloatsFor(HotBlockRows(ps) * ps.k, ps.p.dtype));
     for (uint32_t s = 0; direct && s < 2; ++s) {
@@ -530,7 +606,7 @@ absl::Status ZenFlowEngine::Impl::SetupTransfers() {
       direct = false;
     }
   }
-  hot_scratch = OpsBuffer(&ops, scratch);
+  hot_scratch = Alloc(scratch);
   if (direct) {
     std::string why;
     staging_view = static_cast<float*>(ops.HostView(target->Staging(), &why));
@@ -541,13 +617,14 @@ absl::Status ZenFlowEngine::Impl::SetupTransfers() {
     // Buffered: a device buffer for what crosses, unless it crosses straight from or into the
     // parameter's own buffers (a whole parameter in its dtype).
     const int64_t n = ps.offload_numel();
-    if (!ps.straight_grad(cfg.grad_dtype)) ps.send = OpsBuffer(&ops, FloatsFor(n, cfg.grad_dtype));
+    if (!ps.straight_grad(cfg.grad_dtype)) ps.send = Alloc(FloatsFor(n, cfg.grad_dtype));
     if (!ps.straight_params(cfg.param_dtype))
-      ps.back = OpsBuffer(&ops, FloatsFor(n, cfg.param_dtype));
+      ps.back = Alloc(FloatsFor(n, cfg.param_dtype));
     if (ps.bf16 && n % 2 == 1 &&
         (ps.straight_grad(cfg.grad_dtype) || ps.straight_params(cfg.param_dtype))) {
-      ps.tail = OpsBuffer(&ops, 3);
+      ps.tail = Alloc(3);
       ps.tail_idx = Ints(1);
+      RETURN_IF_ERROR(Allocated("allocating the engine's transfer buffers"));
       UploadInts(ps.tail_idx, {n - 1});
     }
   }
@@ -593,7 +670,8 @@ absl::Status ZenFlowEngine::Impl::LoadDaemon() {
     OpsBuffer widened;
     float* gathered = cfg.param_dtype == DType::kFp32 ? ps.back.data() : nullptr;
     if ((ps.kind == PState::kSplit || ps.bf16) && gathered == nullptr) {
-      widened = OpsBuffer(&ops, ps.offload_numel());
+      widened = Alloc(ps.offload_numel());
+      RETURN_IF_ERROR(Allocated("loading the daemon"));
       NoteTransient(widened.size() * 4);
       gathered = widened.data();
     }
@@ -764,10 +842,11 @@ absl::Status ZenFlowEngine::Impl::StageHandOver(std::vector<Move>* moves, uint32
     for (int64_t q = 0; q < n; ++q) b.steps[q] = ps.hot_steps[b.pos[q]];
     b.pos_dev = Ints(n);
     b.cols_dev = Ints(n);
-    b.tmp = OpsBuffer(&ops, 4 * rn);
-    b.grad = OpsBuffer(&ops, bf16 ? (rn + 1) / 2 : rn);
-    b.ss = OpsBuffer(&ops, n);
-    b.bc2 = OpsBuffer(&ops, n);
+    b.tmp = Alloc(4 * rn);
+    b.grad = Alloc(bf16 ? (rn + 1) / 2 : rn);
+    b.ss = Alloc(n);
+    b.bc2 = Alloc(n);
+    RETURN_IF_ERROR(Allocated("reselection"));
     transient += 4 * (b.pos_dev.size() + b.cols_dev.size() + b.tmp.size() + b.grad.size() +
                       b.ss.size() + b.bc2.size());
     UploadInts(b.pos_dev, b.pos);
@@ -1278,7 +1357,6 @@ absl::Status ZenFlowEngine::Flush() {
   if (!st.ok()) impl_->failure = st;
   return st;
 }
-
 
 absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
   Impl& im = *impl_;

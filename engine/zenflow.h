@@ -98,6 +98,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <functional>
 #include <memory>
 #include <string>
@@ -168,6 +169,31 @@ struct ZenFlowConfig {
   }
 };
 
+// ZenFlowConfig's fields, the one list of them: f(name, member) for each, so that the Python
+// binding (and anything else that names fields) reflects the config instead of copying it.
+template <typename Config, typename F>
+void VisitConfigFields(Config& c, F&& f) {
+  f("mode", c.mode);
+  f("topk_ratio", c.topk_ratio);
+  f("update_interval", c.update_interval);
+  f("select_interval", c.select_interval);
+  f("warmup_steps", c.warmup_steps);
+  f("await_updates", c.await_updates);
+  f("beta1", c.beta1);
+  f("beta2", c.beta2);
+  f("eps", c.eps);
+  f("weight_decay", c.weight_decay);
+  f("grad_dtype", c.grad_dtype);
+  f("param_dtype", c.param_dtype);
+  f("transfers", c.transfers);
+  f("stream_gradients", c.stream_gradients);
+}
+// The config as text by field name (numbers exactly, bools "true"/"false", enums by their
+// names), and one field set from such text: InvalidArgument naming the field for a name that is
+// not a field or text that is not of its type (ranges are Validate's).
+std::map<std::string, std::string> ConfigFields(const ZenFlowConfig& c);
+absl::Status SetConfigField(ZenFlowConfig* c, const std::string& name, const std::string& text);
+
 struct EngineParam {
   std::string name;
   std::vector<int64_t> shape;  // every dimension >= 1
@@ -216,6 +242,21 @@ struct StepTimings {
   bool reselected = false;
   int64_t migrated_columns = 0;
 };
+// StepTimings' fields, the one list of them (as VisitConfigFields).
+template <typename Timings, typename F>
+void VisitTimingFields(Timings& t, F&& f) {
+  f("step", t.step);
+  f("compute", t.compute);
+  f("optimizer", t.optimizer);
+  f("copies", t.copies);
+  f("stall", t.stall);
+  f("total", t.total);
+  f("bytes_to_host", t.bytes_to_host);
+  f("bytes_to_device", t.bytes_to_device);
+  f("boundary", t.boundary);
+  f("reselected", t.reselected);
+  f("migrated_columns", t.migrated_columns);
+}
 
 // The state of one column of a parameter, for tests and checkpoints.
 struct ColumnState {

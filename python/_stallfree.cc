@@ -8,6 +8,9 @@
 // stallfree.Error (a RuntimeError) carries every engine and daemon failure; ValueError a bad
 // argument. Engine.step releases the GIL while the engine runs; the score-reduce hook takes it
 // back to call into Python.
+#include <cmath>
+#include <string>
+
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -20,37 +23,24 @@ using stallfree::api::Engine;
 
 namespace {
 
-py::dict TimingsDict(const stallfree::api::Timings& t) {
-  py::dict d;
-  d["step"] = t.step;
-  d["optimizer"] = t.optimizer;
-  d["copies"] = t.copies;
-  d["stall"] = t.stall;
-  d["total"] = t.total;
-  d["bytes_to_host"] = t.bytes_to_host;
-  d["bytes_to_device"] = t.bytes_to_device;
-  d["boundary"] = t.boundary;
-  d["reselected"] = t.reselected;
-  d["migrated_columns"] = t.migrated_columns;
-  return d;
+// A config value as the engine's text (engine/zenflow.h, SetConfigField): bools as true/false,
+// floats by repr (which reads back exactly), the rest by str.
+std::string ConfigText(const py::handle& v) {
+  if (py::isinstance<py::bool_>(v)) return v.cast<bool>() ? "true" : "false";
+  if (py::isinstance<py::float_>(v)) {
+    // An integral float (2.0) as an integer, so that an integer field takes it as Python does.
+    const double x = v.cast<double>();
+    if (std::abs(x) < 9007199254740992.0 && x == std::floor(x))
+      return std::to_string(static_cast<int64_t>(x));
+    return py::repr(v).cast<std::string>();
+  }
+  return py::str(v).cast<std::string>();
 }
 
+// {field: value} as the engine's EngineConfig; the fields are the engine's (no list here).
 stallfree::api::EngineConfig ConfigFrom(const py::dict& d) {
   stallfree::api::EngineConfig c;
-  c.mode = d["mode"].cast<std::string>();
-  c.topk_ratio = d["topk_ratio"].cast<double>();
-  c.update_interval = d["update_interval"].cast<int64_t>();
-  c.select_interval = d["select_interval"].cast<int64_t>();
-  c.warmup_steps = d["warmup_steps"].cast<int64_t>();
-  c.await_updates = d["await_updates"].cast<bool>();
-  c.beta1 = d["beta1"].cast<double>();
-  c.beta2 = d["beta2"].cast<double>();
-  c.eps = d["eps"].cast<double>();
-  c.weight_decay = d["weight_decay"].cast<double>();
-  c.grad_dtype = d["grad_dtype"].cast<std::string>();
-  c.param_dtype = d["param_dtype"].cast<std::string>();
-  if (d.contains("transfers")) c.transfers = d["transfers"].cast<std::string>();
-  if (d.contains("stream_gradients")) c.stream_gradients = d["stream_gradients"].cast<bool>();
+  for (const auto& [k, v] : d) c[py::str(k).cast<std::string>()] = ConfigText(v);
   return c;
 }
 
@@ -118,7 +108,7 @@ PYBIND11_MODULE(_stallfree, m) {
       .def("stage_gradient", &Engine::StageGradient, py::arg("index"), py::arg("grad"),
            py::call_guard<py::gil_scoped_release>())
       .def("hot_columns", &Engine::HotColumns)
-      .def("last_timings", [](Engine& e) { return TimingsDict(e.LastTimings()); })
+      .def("last_timings", &Engine::LastTimings)
       // {masters, moments, transfers, selection, engine, transient_peak, params, total}: bytes
       // of the engine's device (backend) memory and of the parameters' values and gradients.
       .def("device_bytes", &Engine::DeviceBytes)
@@ -168,6 +158,12 @@ PYBIND11_MODULE(_stallfree, m) {
       .def_property_readonly("closed", &Engine::closed)
       .def_property_readonly("step_count", &Engine::StepCount);
 
+  m.def(
+      "validate_config",
+      [](const py::dict& config) { return stallfree::api::ValidateConfig(ConfigFrom(config)); },
+      py::arg("config"),
+      "config ({field: value} of the engine's ZenFlowConfig fields) as the engine takes it, or "
+      "ValueError naming the field");
   m.def("default_corpus_text",
         [](int64_t approx_bytes, uint32_t seed) {
           return py::bytes(stallfree::api::DefaultCorpusText(approx_bytes, seed));

@@ -65,28 +65,23 @@ DType DTypeOf(const std::string& s, const std::string& field) {
 
 ZenFlowConfig ToConfig(const EngineConfig& e) {
   ZenFlowConfig c;
-  auto mode = ParseOffloadMode(e.mode);
-  if (!mode.ok()) throw InvalidArgument(absl::StrCat("mode: ", mode.status().message()));
-  c.mode = *mode;
-  c.topk_ratio = e.topk_ratio;
-  c.update_interval = e.update_interval;
-  c.select_interval = e.select_interval;
-  c.warmup_steps = e.warmup_steps;
-  c.await_updates = e.await_updates;
-  c.beta1 = e.beta1;
-  c.beta2 = e.beta2;
-  c.eps = e.eps;
-  c.weight_decay = e.weight_decay;
-  c.grad_dtype = DTypeOf(e.grad_dtype, "grad_dtype");
-  c.param_dtype = DTypeOf(e.param_dtype, "param_dtype");
-  auto transfers = ParseTransfers(e.transfers);
-  if (!transfers.ok()) throw InvalidArgument(std::string(transfers.status().message()));
-  c.transfers = *transfers;
-  c.stream_gradients = e.stream_gradients;
+  for (const auto& [name, text] : e) {
+    absl::Status st = SetConfigField(&c, name, text);
+    if (!st.ok()) throw InvalidArgument(std::string(st.message()));
+  }
   absl::Status valid = c.Validate();
   if (!valid.ok()) throw InvalidArgument(std::string(valid.message()));
   return c;
 }
+
+// A config or timing field as the facade's Value (byte counts are far below 2^63).
+Value ValueOf(bool v) { return v; }
+Value ValueOf(int64_t v) { return v; }
+Value ValueOf(uint64_t v) { return static_cast<int64_t>(v); }
+Value ValueOf(double v) { return v; }
+Value ValueOf(DType v) { return std::string(DTypeName(v)); }
+Value ValueOf(OffloadMode v) { return std::string(OffloadModeName(v)); }
+Value ValueOf(Transfers v) { return std::string(TransfersName(v)); }
 
 class EngineImpl : public Engine {
  public:
@@ -173,18 +168,9 @@ class EngineImpl : public Engine {
     return Take(Live().HotColumns(name));
   }
   Timings LastTimings() override {
-    const StepTimings& t = Live().last_timings();
     Timings out;
-    out.step = t.step;
-    out.optimizer = t.optimizer;
-    out.copies = t.copies;
-    out.stall = t.stall;
-    out.total = t.total;
-    out.bytes_to_host = t.bytes_to_host;
-    out.bytes_to_device = t.bytes_to_device;
-    out.boundary = t.boundary;
-    out.reselected = t.reselected;
-    out.migrated_columns = t.migrated_columns;
+    VisitTimingFields(Live().last_timings(),
+                      [&](const char* name, const auto& v) { out[name] = ValueOf(v); });
     return out;
   }
 
@@ -235,10 +221,13 @@ class EngineImpl : public Engine {
 
   void Close(bool flush) override {
     if (!engine_) return;
-    if (flush) engine_->Flush().IgnoreError();
+    // Closed whatever the flush gave; then a failed flush is raised (the values may lack the
+    // newest cold columns, which the caller must know).
+    const absl::Status flushed = flush ? engine_->Flush() : absl::OkStatus();
     engine_.reset();
     if (target_) target_->session()->Close().IgnoreError();
     target_.reset();
+    Check(flushed);
   }
   bool closed() const override { return engine_ == nullptr; }
 
@@ -258,6 +247,15 @@ class EngineImpl : public Engine {
 };
 
 }  // namespace
+
+std::map<std::string, Value> ValidateConfig(const EngineConfig& config) {
+  const ZenFlowConfig c = ToConfig(config);
+  std::map<std::string, Value> out;
+  VisitConfigFields(c, [&](const char* name, const auto& v) {
+    if (config.count(name) > 0) out[name] = ValueOf(v);
+  });
+  return out;
+}
 
 std::shared_ptr<Connection> Connection::Open(const std::string& socket, int timeout_ms) {
   return std::make_shared<ConnectionImpl>(Take(Client::Connect(socket, timeout_ms)));

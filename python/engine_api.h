@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 namespace stallfree {
@@ -43,21 +44,16 @@ class Connection {
   virtual std::map<std::string, double> Stats() = 0;
 };
 
-// ZenFlowConfig in plain types; mode "zenflow" | "sync-offload" | "no-offload", dtypes
-// "bf16" | "fp32". Validated by Engine::Create (InvalidArgument naming the field).
-struct EngineConfig {
-  std::string mode = "zenflow";
-  double topk_ratio = 0.1;
-  int64_t update_interval = 4;
-  int64_t select_interval = 0;
-  int64_t warmup_steps = 0;
-  bool await_updates = false;
-  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
-  std::string grad_dtype = "bf16";
-  std::string param_dtype = "bf16";
-  std::string transfers = "auto";  // "auto" | "buffered" | "direct" (ZenFlowConfig::transfers)
-  bool stream_gradients = false;   // ZenFlowConfig::stream_gradients
-};
+// A field of the engine's config or timings (enums by name).
+using Value = std::variant<bool, int64_t, double, std::string>;
+
+// ZenFlowConfig's fields by name as text (engine/zenflow.h, ConfigFields and SetConfigField:
+// the engine's one list of them); a field not given keeps ZenFlowConfig's default.
+using EngineConfig = std::map<std::string, std::string>;
+// The given fields as the engine took them (typed: "4" of an integer field is 4), or
+// InvalidArgument naming the field unless the engine accepts `config` (what Engine::Create
+// checks first).
+std::map<std::string, Value> ValidateConfig(const EngineConfig& config);
 
 struct ParamDesc {
   std::string name;
@@ -68,14 +64,8 @@ struct ParamDesc {
   std::string dtype = "fp32";
 };
 
-// StepTimings of the last Step.
-struct Timings {
-  int64_t step = 0;
-  double optimizer = 0, copies = 0, stall = 0, total = 0;
-  uint64_t bytes_to_host = 0, bytes_to_device = 0;
-  bool boundary = false, reselected = false;
-  int64_t migrated_columns = 0;
-};
+// StepTimings of the last Step by field name (engine/zenflow.h, VisitTimingFields).
+using Timings = std::map<std::string, Value>;
 
 // Reduces one weight's column scores (host memory, cols floats) in place, across data-parallel
 // replicas. Throwing aborts the Step (the exception's what() is in the Error).
@@ -123,7 +113,8 @@ class Engine {
   // Waits for offload work and, with `flush`, writes the newest cold columns into the values
   // (ZenFlowEngine::Flush); then closes the session. Without `flush` the values are left as they
   // are (an engine being replaced by a restored one must not write its state over a model just
-  // loaded). Any later call throws Error.
+  // loaded). Any later call throws Error. A failed flush throws its Error once the engine and
+  // the session are closed.
   virtual void Close(bool flush = true) = 0;
   virtual bool closed() const = 0;
 };

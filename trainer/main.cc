@@ -182,7 +182,7 @@ int ApplyFlags(const CommandLine& c, stallfree::trainer::TrainOptions* o) {
   using namespace stallfree;
   auto parsed = ParseOffloadMode(c.mode);
   if (!parsed.ok()) {
-    fprintf(stderr, "trainer: --%s\n", std::string(parsed.status().message()).c_str());
+    fprintf(stderr, "trainer: --mode: %s\n", std::string(parsed.status().message()).c_str());
     return 2;
   }
   o->engine.mode = *parsed;

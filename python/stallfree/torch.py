@@ -29,10 +29,8 @@ from . import _stallfree
 from ._daemon import Daemon, default_socket
 from ._stallfree import Error
 
-_MODES = ("zenflow", "sync-offload", "no-offload")
 # The parameter dtypes the engine takes (EngineParam's), by the name the binding knows them by.
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-_DTYPES = ("bf16", "fp32")
 # 2: the engine and daemon state as uint8 tensors in the first parameter's entry of each group's
 # "state" (torch's own layout, which torch.load(weights_only=True) and
 # torch.distributed.checkpoint keep; partitioned over ranks, each rank's entries differ, which
@@ -533,28 +531,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if value:
                 raise ValueError("%s=True is not supported by ZenFlowAdamW (AdamW as "
                                  "torch.optim.AdamW computes it with %s=False)" % (flag, flag))
-        if mode not in _MODES:
-            raise ValueError("mode: %r is not one of %s" % (mode, ", ".join(_MODES)))
-        if not 0.0 < topk_ratio <= 1.0:
-            raise ValueError("topk_ratio: %r is not in (0, 1]" % (topk_ratio,))
-        if int(update_interval) != update_interval or update_interval < 1:
-            raise ValueError("update_interval: %r is not an integer >= 1" % (update_interval,))
-        if select_interval is not None and (
-                int(select_interval) != select_interval or select_interval < 1 or
-                select_interval % update_interval != 0):
-            raise ValueError("select_interval: %r is not a positive multiple of update_interval "
-                             "(%d)" % (select_interval, update_interval))
-        if int(warmup_steps) != warmup_steps or warmup_steps < 0:
-            raise ValueError("warmup_steps: %r is not an integer >= 0" % (warmup_steps,))
-        for field, value in (("grad_dtype", grad_dtype), ("param_dtype", param_dtype)):
-            if value not in _DTYPES:
-                raise ValueError("%s: %r is not 'bf16' or 'fp32'" % (field, value))
-        self._config = dict(mode=mode, topk_ratio=float(topk_ratio),
-                            update_interval=int(update_interval),
-                            select_interval=int(select_interval or 0),
-                            warmup_steps=int(warmup_steps), await_updates=bool(await_updates),
-                            grad_dtype=grad_dtype, param_dtype=param_dtype,
-                            transfers=str(transfers), stream_gradients=bool(stream_gradients))
+        if select_interval is not None and not select_interval:
+            raise ValueError("select_interval: %r is not >= 1 (None: 4 update intervals)"
+                             % (select_interval,))
+        config = dict(mode=mode, topk_ratio=topk_ratio, update_interval=update_interval,
+                      select_interval=select_interval or 0, warmup_steps=warmup_steps,
+                      await_updates=await_updates, grad_dtype=grad_dtype,
+                      param_dtype=param_dtype, transfers=transfers,
+                      stream_gradients=stream_gradients)
+        # The engine's checks (engine/zenflow.h: one copy of them), a ValueError naming the field.
+        self._config = _stallfree.validate_config(config)
         self._session_name = session_name or "torch"
         self._group = _data_parallel_group(process_group)
         if not timeout > 0:
@@ -1128,7 +1114,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         blocks are all-gathered), closes the daemon sessions and stops a private daemon.
         Further steps raise stallfree.Error. Closed implicitly (garbage collection, exit, a
         failed construction), a partitioned optimizer closes this rank alone: no collective,
-        whose order could differ between the ranks."""
+        whose order could differ between the ranks. A failed final flush raises its
+        stallfree.Error (the parameters may lack the newest cold columns) once everything is
+        closed."""
         self._close(gather=True)
 
     def _close(self, gather):
@@ -1146,13 +1134,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._closed = True
         for hook in getattr(self, "_hooks", []):
             hook.remove()
+        failed = None  # the first engine whose final flush failed: raised once all are closed
         for engine in self._engines:
             if engine is not None:
-                engine.close(flush=not flushed)
+                try:
+                    engine.close(flush=not flushed)
+                except Exception as e:
+                    failed = failed or e
         self._client = None
         if self.daemon is not None:
             self.daemon.close()
         _live.discard(self)
+        if failed is not None:
+            raise self._explain(failed) from failed
 
     def __enter__(self):
         return self

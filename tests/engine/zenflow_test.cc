@@ -670,5 +670,68 @@ TEST_F(ZenFlowTest, BadConfigurationNamesTheField) {
                absl::StatusCode::kFailedPrecondition, "'w1'");
 }
 
+// The config's one field list (VisitConfigFields) round-trips through text exactly, and a bad
+// name or text is refused naming the field: what the Python binding reflects.
+TEST(ZenFlowConfigFields, RoundTripAndRefusals) {
+  ZenFlowConfig c;
+  c.mode = OffloadMode::kSyncOffload;
+  c.topk_ratio = 0.1 + 1e-16;  // not a short decimal: the text must carry every bit
+  c.update_interval = 3;
+  c.select_interval = 9;
+  c.warmup_steps = 7;
+  c.await_updates = true;
+  c.beta1 = 0.8;
+  c.beta2 = 0.99;
+  c.eps = 3e-9;
+  c.weight_decay = 0.125;
+  c.grad_dtype = DType::kBf16;
+  c.param_dtype = DType::kBf16;
+  c.transfers = Transfers::kDirect;
+  c.stream_gradients = true;
+  const std::map<std::string, std::string> text = ConfigFields(c);
+  EXPECT_EQ(text.size(), 14u);
+  ZenFlowConfig back;
+  for (const auto& [name, value] : text)
+    ASSERT_TRUE(SetConfigField(&back, name, value).ok()) << name << "=" << value;
+  EXPECT_EQ(ConfigFields(back), text);
+  EXPECT_EQ(back.topk_ratio, c.topk_ratio);
+  EXPECT_EQ(back.eps, c.eps);
+  EXPECT_EQ(text.at("mode"), "sync-offload");
+  EXPECT_EQ(text.at("await_updates"), "true");
+  auto refused = [&](const std::string& name, const std::string& value) {
+    absl::Status st = SetConfigField(&back, name, value);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << name << "=" << value;
+    EXPECT_EQ(st.message().rfind(name + ": ", 0), 0u) << st;
+  };
+  refused("topk", "0.1");
+  refused("update_interval", "2.5");
+  refused("topk_ratio", "a lot");
+  refused("await_updates", "maybe");
+  refused("mode", "zero3");
+  refused("grad_dtype", "fp16");
+  refused("transfers", "fast");
+}
+
+// A backend that cannot allocate the engine's buffers: RESOURCE_EXHAUSTED naming the bytes,
+// not INTERNAL (the CPU backend's allocation of 2 x 2 TiB moments fails; sanitizers abort on
+// such a request instead of returning null, so their builds skip it).
+TEST(ZenFlowEngineErrors, OutOfBackendMemoryIsResourceExhaustedNamingTheBytes) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "sanitizer allocators abort on a 2 TiB request";
+#endif
+  const int64_t rows = int64_t{1} << 20, cols = int64_t{1} << 19;  // 2^39 elements
+  float value = 0;
+  std::vector<EngineParam> ps = {{"w", {rows, cols}, &value, nullptr, DType::kFp32}};
+  ZenFlowConfig c;
+  c.mode = OffloadMode::kNoOffload;
+  auto engine = ZenFlowEngine::Create(c, ps, kernels::DefaultCpuKernel(), kernels::CpuOps(),
+                                      nullptr);
+  ASSERT_FALSE(engine.ok());
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kResourceExhausted) << engine.status();
+  const std::string bytes = absl::StrCat(2 * 4 * rows * cols);  // m and v
+  EXPECT_NE(engine.status().message().find(bytes + " bytes (2 buffers)"), std::string::npos)
+      << engine.status();
+}
+
 }  // namespace
 }  // namespace stallfree

@@ -83,6 +83,10 @@ BAD_HYPER = [
     (dict(topk_ratio=0.0), "topk_ratio"),
     (dict(topk_ratio=1.5), "topk_ratio"),
     (dict(update_interval=0), "update_interval"),
+    (dict(update_interval=2.5), "update_interval"),
+    (dict(select_interval=6, update_interval=4), "select_interval"),
+    (dict(warmup_steps=-1), "warmup_steps"),
+    (dict(transfers="fast"), "transfers"),
 ]
 
 
@@ -231,3 +235,25 @@ def test_daemon_gone_names_the_socket_and_how_to_resume():
         assert msg.startswith("stallfreed at %s went away (" % d.socket), msg
         assert err.value.__cause__.code == "UNAVAILABLE"  # decided by the code, not the text
         assert "state_dict()" in msg and "Restart stallfreed" in msg, msg
+
+
+def test_close_raises_when_the_final_flush_fails():
+    """close() with an Update still pending when the daemon went away: the final flush cannot
+    bring the cold columns back, and close() says so (stallfree.Error naming the socket) once
+    the engines and sessions are closed; a second close() has nothing left to do."""
+    import os
+    import signal
+    with stallfree.Daemon(threads=1) as d:
+        model = models.make_model(0)
+        opt = ZenFlowAdamW(model.parameters(), socket=d.socket, mode="zenflow", topk_ratio=0.25,
+                           update_interval=2, warmup_steps=0, await_updates=False, **FP32)
+        for step in (1, 2):  # step 2 is a boundary: its round's Update is pending
+            one_step(model, opt, step)
+        os.kill(d.pid, signal.SIGKILL)
+        with pytest.raises(stallfree.Error) as err:
+            opt.close()
+        assert str(err.value).startswith("stallfreed at %s went away (" % d.socket), err.value
+        assert err.value.__cause__.code == "UNAVAILABLE"
+        opt.close()
+        with pytest.raises(stallfree.Error):
+            one_step(model, opt, 3)
