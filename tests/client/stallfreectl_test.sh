@@ -5,7 +5,7 @@
 set -euo pipefail
 daemon=server/stallfreed
 ctl=client/stallfreectl
-holder=tests/server/session_holder
+holder=testing/session_holder
 dir=$(mktemp -d /tmp/stallfree-ctl-XXXXXX)
 sock="$dir/d.sock"
 cleanup() { kill -9 "${hpid:-}" "${dpid:-}" 2>/dev/null || true; rm -rf "$dir"; }

@@ -335,7 +335,7 @@ TEST(Daemon, KilledClientIsReclaimedWhileOthersGoOn) {
   pid_t child = fork();
   if (child == 0) {
     dup2(out[1], 1);
-    execl("tests/server/session_holder", "session_holder", d.socket().c_str(), "4194304",
+    execl("testing/session_holder", "session_holder", d.socket().c_str(), "4194304",
           static_cast<char*>(nullptr));
     _exit(127);
   }

@@ -26,7 +26,7 @@ import urllib.request
 DAEMON = "server/stallfreed"
 CTL = "client/stallfreectl"
 TRAINER = "trainer/trainer"
-HOLDER = "tests/server/session_holder"
+HOLDER = "testing/session_holder"
 
 
 def fail(msg):
