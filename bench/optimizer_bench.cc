@@ -266,6 +266,324 @@ void Row(const char* what, int64_t n, double bytes_per_elem, double secs, double
   printf("\n");
 }
 
+// Bytes each step must move per element.
+constexpr double kAdamWBytes = 16 + 12;          // p, g, m, v read; p, m, v written (fp32 grad)
+constexpr double kAdamWBf16Bytes = 14 + 14;      // bf16 grad in, bf16 params out
+constexpr double kFusedBytes = 16 + 4 + 12 + 2;  // p, m, v, acc, g read; p, m, v, bf16 written
+constexpr double kSeparateBytes = 12 + 28 + 6;   // accumulate; AdamW from acc; cast
+
+// What every phase shares: the sizes, the kernels, the arrays (and pointers into them), a
+// one-thread arena, and the AdamW config with its step count (one count over all phases).
+struct Bench {
+  Bench(bool q, int64_t elements, int64_t r)
+      : quick(q),
+        n(elements),
+        reps(r),
+        threads(tbb::this_task_arena::max_concurrency()),
+        fast(kernels::DefaultCpuKernel()),
+        scalar(kernels::ReferenceKernel()) {
+    c.lr = 1e-3;
+    c.weight_decay = 0.01;
+  }
+  // Fills the arrays and takes the pointers into them.
+  void Init() {
+    Fill(&a, n);
+    p = a.p.data();
+    m = a.m.data();
+    v = a.v.data();
+    g = a.g.data();
+    acc = a.acc.data();
+    g16 = a.g16.data();
+    out16 = a.out16.data();
+  }
+  // fn, run on the one-thread arena.
+  auto Single(const std::function<void()>& fn) {
+    return [this, fn] { one.execute(fn); };
+  }
+  // One AdamW step of kernel k over the arrays: fp32 gradient, or bf16 gradient and bf16 copy.
+  void RunAdamW(const OptimizerKernel& k, bool bf16) {
+    c.step = step++;
+    if (bf16) {
+      k.AdamW(c, p, m, v, g16, GradType::kBf16, n, out16);
+    } else {
+      k.AdamW(c, p, m, v, g, GradType::kFp32, n, nullptr);
+    }
+  }
+
+  const bool quick;
+  const int64_t n, reps;
+  const int threads;
+  const OptimizerKernel& fast;
+  const OptimizerKernel& scalar;
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  Arrays a;
+  float *p = nullptr, *m = nullptr, *v = nullptr, *g = nullptr, *acc = nullptr;
+  uint16_t *g16 = nullptr, *out16 = nullptr;
+  tbb::task_arena one{1};
+  AdamWConfig c;
+  int64_t step = 1;
+};
+
+using StreamFn = void (*)(float*, const float*, float*, float*, int64_t);
+
+// The body ParallelChunks / ParallelRanges give a range: f on that range of the arrays.
+auto On(const Bench* b, StreamFn f) {
+  return [b, f](int64_t s, int64_t len) { f(b->p + s, b->g + s, b->m + s, b->v + s, len); };
+}
+// f over the arrays in 32K-element chunks, on all threads.
+std::function<void()> Chunked(const Bench* b, StreamFn f) {
+  return [b, f] { ParallelChunks(b->n, On(b, f)); };
+}
+// f over the arrays as one contiguous range a thread.
+std::function<void()> Contiguous(const Bench* b, StreamFn f) {
+  return [b, f] { ParallelRanges(b->n, b->threads, On(b, f)); };
+}
+// body over the arrays in both partitions (32K chunks, one contiguous range a thread).
+Limits BothPartitions(const Bench* b, std::function<void(int64_t, int64_t)> body) {
+  return Limits{[b, body] { ParallelChunks(b->n, body); },
+                [b, body] { ParallelRanges(b->n, b->threads, body); }};
+}
+// The best time of the fastest of the limits, each the best of reps runs.
+double BestOf(int64_t reps, const Limits& ls) {
+  double t = 1e30;
+  for (const auto& l : ls) t = std::min(t, Best(reps, l));
+  return t;
+}
+// Fraction of the limit's bandwidth: (bytes / t_kernel) / (28 bytes / t_limit).
+double Frac(const Paired& r, double bytes) { return r.limit_over_kernel * bytes / kAdamWBytes; }
+
+// A streaming variant of the 4r/3w limit.
+struct Variant {
+  std::string name;
+  std::function<void()> run;
+};
+
+// The streaming limits: the 4r/3w variants on all threads (the fastest is the limit), the
+// fastest one-thread loop, and the STREAM triad.
+struct StreamLimits {
+  std::vector<Variant> variants;
+  std::vector<double> variant_t;
+  size_t fastest = 0;
+  Limits all, one;  // every all-thread variant; every one-thread loop
+  double t_limit = 0, t_limit1 = 1e30, limit_gbs = 0, limit1_gbs = 0, t_triad = 0, triad_gbs = 0;
+};
+
+// The limit is the fastest of a few streaming variants of the same access pattern, each
+// the best of reps runs: 32K-element chunks as the kernels use (plain, unrolled, with
+// non-temporal stores) and one contiguous range per thread. If a kernel still measures
+// above 1 of it, the limit is not one: say so. Refills the arrays the triad overwrote.
+StreamLimits MeasureLimits(Bench* b) {
+  StreamLimits l;
+  l.variants = {{"32K chunks", Chunked(b, &Stream4r3w)},
+                {"one contiguous range a thread", Contiguous(b, &Stream4r3w)}};
+  if (b->avx512) {
+    l.variants.push_back({"32K chunks, unrolled x4", Chunked(b, &Stream4r3wUnrolledAvx512)});
+    l.variants.push_back({"32K chunks, loads then stores", Chunked(b, &Stream4r3wGroupedAvx512)});
+    l.variants.push_back({"32K chunks, non-temporal stores", Chunked(b, &Stream4r3wNtAvx512)});
+    l.variants.push_back({"contiguous, unrolled x4", Contiguous(b, &Stream4r3wUnrolledAvx512)});
+    l.variants.push_back({"contiguous, non-temporal stores", Contiguous(b, &Stream4r3wNtAvx512)});
+  }
+  for (size_t i = 0; i < l.variants.size(); ++i) {
+    l.variant_t.push_back(Best(b->reps, l.variants[i].run));
+    if (l.variant_t[i] < l.variant_t[l.fastest]) l.fastest = i;
+  }
+  for (const Variant& var : l.variants) l.all.push_back(var.run);
+  // One thread: the fastest of the plain, unrolled, loads-then-stores and non-temporal loops.
+  std::vector<StreamFn> one_fns = {&Stream4r3w};
+  if (b->avx512) {
+    one_fns.push_back(&Stream4r3wUnrolledAvx512);
+    one_fns.push_back(&Stream4r3wGroupedAvx512);
+    one_fns.push_back(&Stream4r3wNtAvx512);
+  }
+  for (StreamFn f : one_fns) {
+    std::function<void()> run = b->Single([b, f] { f(b->p, b->g, b->m, b->v, b->n); });
+    l.t_limit1 = std::min(l.t_limit1, Best(b->reps, run));
+    l.one.push_back(run);
+  }
+  l.t_limit = l.variant_t[l.fastest];
+  l.limit_gbs = b->n * kAdamWBytes / l.t_limit / 1e9;
+  l.limit1_gbs = b->n * kAdamWBytes / l.t_limit1 / 1e9;
+  l.t_triad = Best(b->reps, [b] {
+    ParallelChunks(b->n, [b](int64_t s, int64_t len) {
+      Triad(b->a.acc.data() + s, b->p + s, b->g + s, len);
+    });
+  });
+  l.triad_gbs = b->n * 12.0 / l.t_triad / 1e9;
+  Fill(&b->a, b->n);  // the triad overwrote the accumulator
+  return l;
+}
+
+// The kernels, each timed in alternation with a limit (MeasurePaired).
+struct KernelRuns {
+  // Whether the bf16 and fused kernels have limits of their own access patterns.
+  bool own_limits = false;
+  Limits limit_fused;
+  double t_limit_bf16 = 0, t_limit_fused = 0;
+  Paired fp32, fp32_1, bf16, bf16_1, scalar_run, fused, fused_vs_sep, separate;
+  // Against a limit of the kernel's own pattern the bytes are the same: the time ratio.
+  double Own(const Paired& r, double bytes) const {
+    return own_limits ? r.limit_over_kernel : Frac(r, bytes);
+  }
+};
+
+// AdamW (fp32 gradient; bf16 gradient and bf16 copy; the scalar oracle), all threads and one.
+void MeasureAdamW(Bench* b, const StreamLimits& l, KernelRuns* k) {
+  k->fp32 = MeasurePaired(b->reps, l.all, [b] { b->RunAdamW(b->fast, false); });
+  k->fp32_1 = MeasurePaired(b->reps, l.one, b->Single([b] { b->RunAdamW(b->fast, false); }));
+  // The bf16 and fused kernels against limits of their own access patterns (AVX-512 machines;
+  // elsewhere the 4r/3w limit scaled by bytes, as before), each in both partitions, the
+  // faster of them taken in each repetition as for the 4r/3w limit.
+  k->own_limits = b->avx512 && __builtin_cpu_supports("avx512bw");
+  const Limits limit_bf16 =
+      k->own_limits ? BothPartitions(b, [b](int64_t s, int64_t len) {
+        StreamBf16Avx512(b->p + s, b->g16 + s, b->m + s, b->v + s, b->out16 + s, len);
+      })
+                    : l.all;
+  k->limit_fused =
+      k->own_limits ? BothPartitions(b, [b](int64_t s, int64_t len) {
+        StreamFusedAvx512(b->p + s, b->acc + s, b->g + s, b->m + s, b->v + s, b->out16 + s, len);
+      })
+                    : l.all;
+  k->t_limit_bf16 = BestOf(b->reps, limit_bf16);
+  k->t_limit_fused = BestOf(b->reps, k->limit_fused);
+  k->bf16 = MeasurePaired(b->reps, limit_bf16, [b] { b->RunAdamW(b->fast, true); });
+  k->bf16_1 = MeasurePaired(b->reps, l.one, b->Single([b] { b->RunAdamW(b->fast, true); }));
+  k->scalar_run =
+      MeasurePaired(b->quick ? 1 : 2, l.one, [b] { b->RunAdamW(b->scalar, false); });
+}
+
+// The ZenFlow boundary: the round's last push added to the accumulator and AdamW applied in
+// one pass (bf16 copy written), against the same work as separate passes with the same fast
+// kernels: accumulate, AdamW from the accumulator, cast (the accumulator is not cleared in
+// either: the next round's first push overwrites it).
+void MeasureBoundary(Bench* b, const StreamLimits& l, KernelRuns* k) {
+  const int64_t n = b->n;
+  auto fused_fn = [b, n] {
+    b->c.step = b->step++;
+    b->fast.AccumulateAdamW(b->c, b->p, b->m, b->v, b->a.acc.data(), b->g, GradType::kFp32, 1.0f,
+                            n, b->a.out16.data());
+  };
+  auto separate_fn = [b, n] {
+    b->c.step = b->step++;
+    b->fast.Accumulate(b->a.acc.data(), b->g, GradType::kFp32, 1.0f, n, AccumulateMode::kAdd);
+    b->fast.AdamW(b->c, b->p, b->m, b->v, b->a.acc.data(), GradType::kFp32, n, nullptr);
+    b->fast.FloatToBf16(b->p, b->a.out16.data(), n);
+  };
+  k->fused = MeasurePaired(b->reps, k->limit_fused, fused_fn);
+  // Fused against separate in alternation as well (separate plays the "limit" role here).
+  k->fused_vs_sep = MeasurePaired(b->reps, {separate_fn}, fused_fn);
+  k->separate = MeasurePaired(b->reps, l.all, separate_fn);
+}
+
+// The table of the limits and the kernels.
+void PrintTable(const Bench& b, const StreamLimits& l, const KernelRuns& k) {
+  const int64_t n = b.n;
+  printf("\n%-58s %10s  %13s  %10s\n", "", "time", "rate", "bandwidth");
+  if (k.own_limits) {
+    Row("streaming limit of the bf16 AdamW pattern, all threads", n, kAdamWBf16Bytes,
+        k.t_limit_bf16, -1);
+    Row("streaming limit of the fused boundary pattern, all threads", n, kFusedBytes,
+        k.t_limit_fused, -1);
+  }
+  for (size_t i = 0; i < l.variants.size(); ++i)
+    Row(("streaming 4r/3w, " + l.variants[i].name + (i == l.fastest ? " = limit" : "")).c_str(),
+        n, kAdamWBytes, l.variant_t[i], -1);
+  Row("streaming limit, 4 read / 3 write, 1 thread", n, kAdamWBytes, l.t_limit1, -1);
+  printf("%-58s %8.3f s  %24.2f GB/s  (4r/3w limit is %.2fx the triad)\n",
+         "STREAM triad, all threads (for comparison)", l.t_triad, l.triad_gbs,
+         l.limit_gbs / l.triad_gbs);
+  Row("AdamW fp32 grad, all threads", n, kAdamWBytes, k.fp32.best, Frac(k.fp32, kAdamWBytes));
+  Row("AdamW fp32 grad, 1 thread (vs 1-thread limit)", n, kAdamWBytes, k.fp32_1.best,
+      Frac(k.fp32_1, kAdamWBytes));
+  Row("AdamW bf16 grad + bf16 params out, all threads", n, kAdamWBf16Bytes, k.bf16.best,
+      k.Own(k.bf16, kAdamWBf16Bytes));
+  Row("AdamW bf16 grad + bf16 params out, 1 thread", n, kAdamWBf16Bytes, k.bf16_1.best,
+      Frac(k.bf16_1, kAdamWBf16Bytes));
+  Row("AdamW fp32, scalar oracle (1 thread)", n, kAdamWBytes, k.scalar_run.best,
+      Frac(k.scalar_run, kAdamWBytes));
+  Row("boundary: fused accumulate + AdamW + bf16, all threads", n, kFusedBytes, k.fused.best,
+      k.Own(k.fused, kFusedBytes));
+  Row("boundary: separate accumulate, AdamW, cast passes", n, kSeparateBytes, k.separate.best,
+      Frac(k.separate, kSeparateBytes));
+}
+
+// The 4096 x 4096 block's times: AdamW, accumulate, column selection, per-column AdamW.
+struct BlockRuns {
+  double t_w_adamw = 0, t_w_acc = 0, t_w_select = 0, t_w_cols = 0;
+};
+
+// Accumulate and column selection on a 4096 x 4096 gradient, against one AdamW step on it;
+// prints the block's lines.
+BlockRuns MeasureBlock(Bench* b) {
+  const OptimizerKernel& fast = b->fast;
+  float *p = b->p, *m = b->m, *v = b->v, *g = b->g;
+  AdamWConfig& c = b->c;
+  BlockRuns w;
+  const int64_t rows = 4096, cols = 4096, tn = rows * cols;
+  w.t_w_adamw = Best(b->reps * 2, [&] {
+    c.step = b->step++;
+    fast.AdamW(c, p, m, v, g, GradType::kFp32, tn, nullptr);
+  });
+  w.t_w_acc = Best(b->reps * 2, [&] {
+    fast.Accumulate(b->a.acc.data(), g, GradType::kFp32, 1.0f, tn, AccumulateMode::kAdd);
+  });
+  std::vector<float> l2(cols);
+  std::vector<int64_t> idx(cols / 10);
+  w.t_w_select = Best(b->reps * 2, [&] {
+    fast.ColumnScores(g, GradType::kFp32, rows, cols, cols, nullptr, l2.data());
+    fast.TopK(l2.data(), cols, cols / 10, idx.data());
+  });
+  // AdamWColumns on the same block, every column at its own step (ZenFlow's migrated columns),
+  // against the uniform AdamW just measured: the cost of the per-column bias corrections.
+  std::vector<int64_t> col_steps(cols);
+  for (int64_t j = 0; j < cols; ++j) col_steps[j] = 1 + j % 1000;
+  std::vector<float> col_step_size(cols), col_bc2_sqrt(cols);
+  kernels::MakeColumnConstants(c, col_steps.data(), cols, col_step_size.data(),
+                               col_bc2_sqrt.data());
+  w.t_w_cols = Best(b->reps * 2, [&] {
+    fast.AdamWColumns(c, col_step_size.data(), col_bc2_sqrt.data(), p, m, v, g, GradType::kFp32,
+                      rows, cols, nullptr);
+  });
+  printf("\n4096x4096 gradient: AdamW %.2f ms, accumulate %.2f ms (%.3f of AdamW), column "
+         "scores + top-10%% %.2f ms (%.3f of AdamW)\n",
+         w.t_w_adamw * 1e3, w.t_w_acc * 1e3, w.t_w_acc / w.t_w_adamw, w.t_w_select * 1e3,
+         w.t_w_select / w.t_w_adamw);
+  printf("4096x4096 per-column steps: AdamWColumns %.2f ms (%.3f of AdamW)\n", w.t_w_cols * 1e3,
+         w.t_w_cols / w.t_w_adamw);
+  return w;
+}
+
+// The FIGURE lines.
+void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, const BlockRuns& w) {
+  const int64_t n = b.n;
+  printf("\n");
+  printf("FIGURE stream_limit_4r3w %.2f GB/s\n", l.limit_gbs);
+  printf("FIGURE stream_limit_4r3w_1thread %.2f GB/s\n", l.limit1_gbs);
+  printf("FIGURE stream_triad %.2f GB/s\n", l.triad_gbs);
+  printf("FIGURE adamw_fp32_gelem_per_s %.3f Gelem/s\n", n / k.fp32.best / 1e9);
+  printf("FIGURE adamw_fp32_fraction_of_stream_limit %.3f ratio\n", Frac(k.fp32, kAdamWBytes));
+  printf("FIGURE adamw_fp32_1thread_gelem_per_s %.3f Gelem/s\n", n / k.fp32_1.best / 1e9);
+  printf("FIGURE adamw_fp32_1thread_fraction_of_1thread_limit %.3f ratio\n",
+         Frac(k.fp32_1, kAdamWBytes));
+  printf("FIGURE adamw_bf16_gelem_per_s %.3f Gelem/s\n", n / k.bf16.best / 1e9);
+  printf("FIGURE adamw_bf16_fraction_of_stream_limit %.3f ratio\n",
+         k.Own(k.bf16, kAdamWBf16Bytes));
+  printf("FIGURE adamw_vs_scalar %.2f x\n", k.scalar_run.best / k.fp32.best);
+  double worst = 0;
+  for (double f : {Frac(k.fp32, kAdamWBytes), Frac(k.fp32_1, kAdamWBytes),
+                   k.Own(k.bf16, kAdamWBf16Bytes), k.Own(k.fused, kFusedBytes),
+                   Frac(k.separate, kSeparateBytes)})
+    worst = std::max(worst, f);
+  printf("FIGURE max_kernel_fraction_of_stream_limit %.3f ratio (a limit is one if <= 1.02)\n",
+         worst);
+  printf("FIGURE fused_boundary_gelem_per_s %.3f Gelem/s\n", n / k.fused.best / 1e9);
+  printf("FIGURE fused_boundary_vs_separate_passes %.2f x\n", k.fused_vs_sep.limit_over_kernel);
+  printf("FIGURE accumulate_4096x4096_fraction_of_adamw %.3f ratio\n", w.t_w_acc / w.t_w_adamw);
+  printf("FIGURE select_4096x4096_fraction_of_adamw %.3f ratio\n", w.t_w_select / w.t_w_adamw);
+  printf("FIGURE adamw_columns_4096x4096_fraction_of_adamw %.3f ratio\n",
+         w.t_w_cols / w.t_w_adamw);
+}
+
 int Main(int argc, char** argv) {
   bool quick = false;
   int64_t elements = int64_t{256} << 20;
@@ -281,243 +599,19 @@ int Main(int argc, char** argv) {
     elements = int64_t{64} << 20;
     reps = 3;
   }
-  const int64_t n = elements;
-  const int threads = tbb::this_task_arena::max_concurrency();
-  const OptimizerKernel& fast = kernels::DefaultCpuKernel();
-  const OptimizerKernel& scalar = kernels::ReferenceKernel();
+  Bench b(quick, elements, reps);
   printf("optimizer_bench: %lld elements per array (%.0f MiB fp32), %d threads, kernel %s, best "
          "of %lld\n",
-         static_cast<long long>(n), n * 4.0 / (1 << 20), threads, fast.name(),
+         static_cast<long long>(b.n), b.n * 4.0 / (1 << 20), b.threads, b.fast.name(),
          static_cast<long long>(reps));
-
-  Arrays a;
-  Fill(&a, n);
-  float* p = a.p.data();
-  float* m = a.m.data();
-  float* v = a.v.data();
-  float* g = a.g.data();
-  tbb::task_arena one(1);
-  auto single = [&](const std::function<void()>& fn) { return [&one, fn] { one.execute(fn); }; };
-
-  // Bytes each step must move per element.
-  const double kAdamWBytes = 16 + 12;        // p, g, m, v read; p, m, v written (fp32 grad)
-  const double kAdamWBf16Bytes = 14 + 14;    // bf16 grad in, bf16 params out
-  const double kFusedBytes = 16 + 4 + 12 + 2;  // p, m, v, acc, g read; p, m, v, bf16 written
-  const double kSeparateBytes = 12 + 28 + 6;   // accumulate; AdamW from acc; cast
-
-  // The limit is the fastest of a few streaming variants of the same access pattern, each
-  // the best of reps runs: 32K-element chunks as the kernels use (plain, unrolled, with
-  // non-temporal stores) and one contiguous range per thread. If a kernel still measures
-  // above 1 of it, the limit is not one: say so.
-  using StreamFn = void (*)(float*, const float*, float*, float*, int64_t);
-  const bool avx512 = __builtin_cpu_supports("avx512f");
-  struct Variant {
-    std::string name;
-    std::function<void()> run;
-  };
-  auto on = [&](StreamFn f) {
-    return [&, f](int64_t b, int64_t len) { f(p + b, g + b, m + b, v + b, len); };
-  };
-  auto chunked = [&](StreamFn f) { return [&, f] { ParallelChunks(n, on(f)); }; };
-  auto contiguous = [&](StreamFn f) { return [&, f] { ParallelRanges(n, threads, on(f)); }; };
-  std::vector<Variant> variants = {{"32K chunks", chunked(&Stream4r3w)},
-                                   {"one contiguous range a thread", contiguous(&Stream4r3w)}};
-  if (avx512) {
-    variants.push_back({"32K chunks, unrolled x4", chunked(&Stream4r3wUnrolledAvx512)});
-    variants.push_back({"32K chunks, loads then stores", chunked(&Stream4r3wGroupedAvx512)});
-    variants.push_back({"32K chunks, non-temporal stores", chunked(&Stream4r3wNtAvx512)});
-    variants.push_back({"contiguous, unrolled x4", contiguous(&Stream4r3wUnrolledAvx512)});
-    variants.push_back({"contiguous, non-temporal stores", contiguous(&Stream4r3wNtAvx512)});
-  }
-  std::vector<double> variant_t;
-  size_t fastest = 0;
-  for (size_t i = 0; i < variants.size(); ++i) {
-    variant_t.push_back(Best(reps, variants[i].run));
-    if (variant_t[i] < variant_t[fastest]) fastest = i;
-  }
-  Limits limit_all;
-  for (const Variant& var : variants) limit_all.push_back(var.run);
-  // One thread: the fastest of the plain, unrolled, loads-then-stores and non-temporal loops.
-  std::vector<StreamFn> one_fns = {&Stream4r3w};
-  if (avx512) {
-    one_fns.push_back(&Stream4r3wUnrolledAvx512);
-    one_fns.push_back(&Stream4r3wGroupedAvx512);
-    one_fns.push_back(&Stream4r3wNtAvx512);
-  }
-  Limits limit_one;
-  double t_limit1 = 1e30;
-  for (StreamFn f : one_fns) {
-    std::function<void()> run = single([&, f] { f(p, g, m, v, n); });
-    t_limit1 = std::min(t_limit1, Best(reps, run));
-    limit_one.push_back(run);
-  }
-  const double t_limit = variant_t[fastest];
-  const double limit_gbs = n * kAdamWBytes / t_limit / 1e9;
-  const double limit1_gbs = n * kAdamWBytes / t_limit1 / 1e9;
-  const double t_triad = Best(reps, [&] {
-    ParallelChunks(n, [&](int64_t b, int64_t len) { Triad(a.acc.data() + b, p + b, g + b, len); });
-  });
-  const double triad_gbs = n * 12.0 / t_triad / 1e9;
-  Fill(&a, n);  // the triad overwrote the accumulator
-
-  AdamWConfig c;
-  c.lr = 1e-3;
-  c.weight_decay = 0.01;
-  int64_t step = 1;
-  auto adamw = [&](const OptimizerKernel& k, bool bf16) {
-    c.step = step++;
-    if (bf16) {
-      k.AdamW(c, p, m, v, a.g16.data(), GradType::kBf16, n, a.out16.data());
-    } else {
-      k.AdamW(c, p, m, v, g, GradType::kFp32, n, nullptr);
-    }
-  };
-  // Fraction of the limit's bandwidth: (bytes / t_kernel) / (28 bytes / t_limit).
-  auto frac = [&](const Paired& r, double bytes) { return r.limit_over_kernel * bytes / kAdamWBytes; };
-
-  const Paired fp32 = MeasurePaired(reps, limit_all, [&] { adamw(fast, false); });
-  const Paired fp32_1 = MeasurePaired(reps, limit_one, single([&] { adamw(fast, false); }));
-  // The bf16 and fused kernels against limits of their own access patterns (AVX-512 machines;
-  // elsewhere the 4r/3w limit scaled by bytes, as before), each in both partitions, the
-  // faster of them taken in each repetition as for the 4r/3w limit.
-  const bool own_limits = avx512 && __builtin_cpu_supports("avx512bw");
-  // Against a limit of the kernel's own pattern the bytes are the same: the time ratio.
-  auto own = [&](const Paired& r, double bytes) {
-    return own_limits ? r.limit_over_kernel : frac(r, bytes);
-  };
-  uint16_t* g16 = a.g16.data();
-  uint16_t* out16 = a.out16.data();
-  float* acc = a.acc.data();
-  auto both_partitions = [&](std::function<void(int64_t, int64_t)> body) {
-    return Limits{[&, body] { ParallelChunks(n, body); },
-                  [&, body] { ParallelRanges(n, threads, body); }};
-  };
-  const Limits limit_bf16 =
-      own_limits ? both_partitions([&](int64_t b, int64_t len) {
-        StreamBf16Avx512(p + b, g16 + b, m + b, v + b, out16 + b, len);
-      })
-                 : limit_all;
-  const Limits limit_fused =
-      own_limits ? both_partitions([&](int64_t b, int64_t len) {
-        StreamFusedAvx512(p + b, acc + b, g + b, m + b, v + b, out16 + b, len);
-      })
-                 : limit_all;
-  auto best_of = [&](const Limits& ls) {
-    double t = 1e30;
-    for (const auto& l : ls) t = std::min(t, Best(reps, l));
-    return t;
-  };
-  const double t_limit_bf16 = best_of(limit_bf16), t_limit_fused = best_of(limit_fused);
-  const Paired bf16 = MeasurePaired(reps, limit_bf16, [&] { adamw(fast, true); });
-  const Paired bf16_1 = MeasurePaired(reps, limit_one, single([&] { adamw(fast, true); }));
-  const Paired scalar_run = MeasurePaired(quick ? 1 : 2, limit_one, [&] { adamw(scalar, false); });
-
-  // The ZenFlow boundary: the round's last push added to the accumulator and AdamW applied in
-  // one pass (bf16 copy written), against the same work as separate passes with the same fast
-  // kernels: accumulate, AdamW from the accumulator, cast (the accumulator is not cleared in
-  // either: the next round's first push overwrites it).
-  auto fused_fn = [&] {
-    c.step = step++;
-    fast.AccumulateAdamW(c, p, m, v, a.acc.data(), g, GradType::kFp32, 1.0f, n, a.out16.data());
-  };
-  auto separate_fn = [&] {
-    c.step = step++;
-    fast.Accumulate(a.acc.data(), g, GradType::kFp32, 1.0f, n, AccumulateMode::kAdd);
-    fast.AdamW(c, p, m, v, a.acc.data(), GradType::kFp32, n, nullptr);
-    fast.FloatToBf16(p, a.out16.data(), n);
-  };
-  const Paired fused = MeasurePaired(reps, limit_fused, fused_fn);
-  // Fused against separate in alternation as well (separate plays the "limit" role here).
-  const Paired fused_vs_sep = MeasurePaired(reps, {separate_fn}, fused_fn);
-  const Paired separate = MeasurePaired(reps, limit_all, separate_fn);
-
-  printf("\n%-58s %10s  %13s  %10s\n", "", "time", "rate", "bandwidth");
-  if (own_limits) {
-    Row("streaming limit of the bf16 AdamW pattern, all threads", n, kAdamWBf16Bytes,
-        t_limit_bf16, -1);
-    Row("streaming limit of the fused boundary pattern, all threads", n, kFusedBytes,
-        t_limit_fused, -1);
-  }
-  for (size_t i = 0; i < variants.size(); ++i)
-    Row(("streaming 4r/3w, " + variants[i].name + (i == fastest ? " = limit" : "")).c_str(), n,
-        kAdamWBytes, variant_t[i], -1);
-  Row("streaming limit, 4 read / 3 write, 1 thread", n, kAdamWBytes, t_limit1, -1);
-  printf("%-58s %8.3f s  %24.2f GB/s  (4r/3w limit is %.2fx the triad)\n",
-         "STREAM triad, all threads (for comparison)", t_triad, triad_gbs, limit_gbs / triad_gbs);
-  Row("AdamW fp32 grad, all threads", n, kAdamWBytes, fp32.best, frac(fp32, kAdamWBytes));
-  Row("AdamW fp32 grad, 1 thread (vs 1-thread limit)", n, kAdamWBytes, fp32_1.best,
-      frac(fp32_1, kAdamWBytes));
-  Row("AdamW bf16 grad + bf16 params out, all threads", n, kAdamWBf16Bytes, bf16.best,
-      own(bf16, kAdamWBf16Bytes));
-  Row("AdamW bf16 grad + bf16 params out, 1 thread", n, kAdamWBf16Bytes, bf16_1.best,
-      frac(bf16_1, kAdamWBf16Bytes));
-  Row("AdamW fp32, scalar oracle (1 thread)", n, kAdamWBytes, scalar_run.best,
-      frac(scalar_run, kAdamWBytes));
-  Row("boundary: fused accumulate + AdamW + bf16, all threads", n, kFusedBytes, fused.best,
-      own(fused, kFusedBytes));
-  Row("boundary: separate accumulate, AdamW, cast passes", n, kSeparateBytes, separate.best,
-      frac(separate, kSeparateBytes));
-  const double t_fp32 = fp32.best, t_fp32_1 = fp32_1.best, t_bf16 = bf16.best;
-  const double t_scalar = scalar_run.best, t_fused = fused.best;
-  (void)t_fp32_1;
-
-  // Accumulate and column selection on a 4096 x 4096 gradient, against one AdamW step on it.
-  const int64_t rows = 4096, cols = 4096, tn = rows * cols;
-  const double t_w_adamw = Best(reps * 2, [&] {
-    c.step = step++;
-    fast.AdamW(c, p, m, v, g, GradType::kFp32, tn, nullptr);
-  });
-  const double t_w_acc = Best(reps * 2, [&] {
-    fast.Accumulate(a.acc.data(), g, GradType::kFp32, 1.0f, tn, AccumulateMode::kAdd);
-  });
-  std::vector<float> l2(cols);
-  std::vector<int64_t> idx(cols / 10);
-  const double t_w_select = Best(reps * 2, [&] {
-    fast.ColumnScores(g, GradType::kFp32, rows, cols, cols, nullptr, l2.data());
-    fast.TopK(l2.data(), cols, cols / 10, idx.data());
-  });
-  // AdamWColumns on the same block, every column at its own step (ZenFlow's migrated columns),
-  // against the uniform AdamW just measured: the cost of the per-column bias corrections.
-  std::vector<int64_t> col_steps(cols);
-  for (int64_t j = 0; j < cols; ++j) col_steps[j] = 1 + j % 1000;
-  std::vector<float> col_step_size(cols), col_bc2_sqrt(cols);
-  kernels::MakeColumnConstants(c, col_steps.data(), cols, col_step_size.data(),
-                               col_bc2_sqrt.data());
-  const double t_w_cols = Best(reps * 2, [&] {
-    fast.AdamWColumns(c, col_step_size.data(), col_bc2_sqrt.data(), p, m, v, g, GradType::kFp32,
-                      rows, cols, nullptr);
-  });
-  printf("\n4096x4096 gradient: AdamW %.2f ms, accumulate %.2f ms (%.3f of AdamW), column "
-         "scores + top-10%% %.2f ms (%.3f of AdamW)\n",
-         t_w_adamw * 1e3, t_w_acc * 1e3, t_w_acc / t_w_adamw, t_w_select * 1e3,
-         t_w_select / t_w_adamw);
-  printf("4096x4096 per-column steps: AdamWColumns %.2f ms (%.3f of AdamW)\n", t_w_cols * 1e3,
-         t_w_cols / t_w_adamw);
-
-  printf("\n");
-  printf("FIGURE stream_limit_4r3w %.2f GB/s\n", limit_gbs);
-  printf("FIGURE stream_limit_4r3w_1thread %.2f GB/s\n", limit1_gbs);
-  printf("FIGURE stream_triad %.2f GB/s\n", triad_gbs);
-  printf("FIGURE adamw_fp32_gelem_per_s %.3f Gelem/s\n", n / t_fp32 / 1e9);
-  printf("FIGURE adamw_fp32_fraction_of_stream_limit %.3f ratio\n", frac(fp32, kAdamWBytes));
-  printf("FIGURE adamw_fp32_1thread_gelem_per_s %.3f Gelem/s\n", n / fp32_1.best / 1e9);
-  printf("FIGURE adamw_fp32_1thread_fraction_of_1thread_limit %.3f ratio\n",
-         frac(fp32_1, kAdamWBytes));
-  printf("FIGURE adamw_bf16_gelem_per_s %.3f Gelem/s\n", n / t_bf16 / 1e9);
-  printf("FIGURE adamw_bf16_fraction_of_stream_limit %.3f ratio\n", own(bf16, kAdamWBf16Bytes));
-  printf("FIGURE adamw_vs_scalar %.2f x\n", t_scalar / t_fp32);
-  double worst = 0;
-  for (double f : {frac(fp32, kAdamWBytes), frac(fp32_1, kAdamWBytes),
-                   own(bf16, kAdamWBf16Bytes), own(fused, kFusedBytes),
-                   frac(separate, kSeparateBytes)})
-    worst = std::max(worst, f);
-  printf("FIGURE max_kernel_fraction_of_stream_limit %.3f ratio (a limit is one if <= 1.02)\n",
-         worst);
-  printf("FIGURE fused_boundary_gelem_per_s %.3f Gelem/s\n", n / t_fused / 1e9);
-  printf("FIGURE fused_boundary_vs_separate_passes %.2f x\n", fused_vs_sep.limit_over_kernel);
-  printf("FIGURE accumulate_4096x4096_fraction_of_adamw %.3f ratio\n", t_w_acc / t_w_adamw);
-  printf("FIGURE select_4096x4096_fraction_of_adamw %.3f ratio\n", t_w_select / t_w_adamw);
-  printf("FIGURE adamw_columns_4096x4096_fraction_of_adamw %.3f ratio\n", t_w_cols / t_w_adamw);
+  b.Init();
+  const StreamLimits l = MeasureLimits(&b);
+  KernelRuns k;
+  MeasureAdamW(&b, l, &k);
+  MeasureBoundary(&b, l, &k);
+  PrintTable(b, l, k);
+  const BlockRuns w = MeasureBlock(&b);
+  PrintFigures(b, l, k, w);
   return 0;
 }
 

@@ -200,6 +200,67 @@ int Fail(int rank, const std::string& what, const absl::Status& s) {
   return 1;
 }
 
+// A world barrier: for TP x CP, TP then CP (the grid is connected, so every rank has passed
+// the first barrier before any leaves the second).
+absl::Status WorldBarrier(const std::vector<sp::Communicator*>& comms) {
+  for (sp::Communicator* c : comms) {
+    if (absl::Status s = c->Barrier(); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+// One rank's measurements: the forward's cache, the peak of live heap bytes above those live
+// before the step, bytes sent and received per step, and each timed repetition's seconds.
+struct RankMeasure {
+  int64_t cache_bytes = 0, peak_act = 0, sent = 0, received = 0;
+  std::vector<double> times;
+};
+
+// Runs step (one forward + backward: absl::Status(int64_t* cache_bytes)) reps + 1 times, each
+// after a world barrier, the first a warm-up, and measures the others into *m; nonzero (said on
+// stderr) if a barrier or a step failed.
+template <class Step>
+int MeasureRank(int rank, int64_t reps, const std::vector<sp::Communicator*>& comms,
+                const Step& step, RankMeasure* m) {
+  for (int64_t rep = 0; rep <= reps; ++rep) {  // rep 0: warm-up (Gloo pairs, page faults)
+    if (absl::Status s = WorldBarrier(comms); !s.ok()) return Fail(rank, "barrier", s);
+    for (sp::Communicator* c : comms) c->ResetCounters();
+    const int64_t base = g_live.load();
+    g_peak.store(base);
+    const auto t0 = std::chrono::steady_clock::now();
+    if (absl::Status s = step(&m->cache_bytes); !s.ok()) return Fail(rank, "forward/backward", s);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (rep == 0) continue;
+    m->times.push_back(secs);
+    m->peak_act = std::max(m->peak_act, g_peak.load() - base);
+    int64_t s_bytes = 0, r_bytes = 0;
+    for (sp::Communicator* c : comms) {
+      for (const sp::OpCounter& k : c->counters()) {
+        s_bytes += k.bytes_sent;
+        r_bytes += k.bytes_received;
+      }
+    }
+    m->sent = s_bytes;  // the same every repetition
+    m->received = r_bytes;
+  }
+  return 0;
+}
+
+// Writes the rank's line (rank, param bytes, the measurements, the times) to out_dir/rank<r>.txt
+// for the driver; nonzero (said on stderr) if the write failed.
+int WriteRankLine(int rank, const char* out_dir, int64_t param_bytes, const RankMeasure& m) {
+  std::string line = absl::StrCat(rank, " ", param_bytes, " ", m.cache_bytes, " ", m.peak_act,
+                                  " ", m.sent, " ", m.received);
+  for (double t : m.times) absl::StrAppend(&line, " ", t);
+  const std::string path = absl::StrCat(out_dir, "/rank", rank, ".txt");
+  std::ofstream out(path);
+  out << line << "\n";
+  out.close();
+  if (!out) return Fail(rank, "write " + path, absl::InternalError("write failed"));
+  return 0;
+}
+
 int RunWorker(const WorkerFlags& wf) {
   auto options = sp::CommOptions::FromEnvironment();
   if (!options.ok()) return Fail(-1, "environment", options.status());
@@ -226,15 +287,6 @@ int RunWorker(const WorkerFlags& wf) {
     world = *std::move(c);
     comms = {world.get()};
   }
-  // A world barrier: for TP x CP, TP then CP (the grid is connected, so every rank has passed
-  // the first barrier before any leaves the second).
-  auto barrier = [&]() -> absl::Status {
-    for (sp::Communicator* c : comms) {
-      if (absl::Status s = c->Barrier(); !s.ok()) return s;
-    }
-    return absl::OkStatus();
-  };
-
   // Weights (every rank draws the full block and keeps its shard), input and gradient.
   std::vector<float> x_local = Randn(77 + static_cast<uint32_t>(rank), nl * C);
   std::vector<float> dy_local = Randn(99 + static_cast<uint32_t>(rank), nl * C);
@@ -291,39 +343,9 @@ int RunWorker(const WorkerFlags& wf) {
     return s;
   };
 
-  int64_t cache_bytes = 0, peak_act = 0, sent = 0, received = 0;
-  std::vector<double> times;
-  for (int64_t rep = 0; rep <= wf.reps; ++rep) {  // rep 0: warm-up (Gloo pairs, page faults)
-    if (absl::Status s = barrier(); !s.ok()) return Fail(rank, "barrier", s);
-    for (sp::Communicator* c : comms) c->ResetCounters();
-    const int64_t base = g_live.load();
-    g_peak.store(base);
-    const auto t0 = std::chrono::steady_clock::now();
-    if (absl::Status s = step(&cache_bytes); !s.ok()) return Fail(rank, "forward/backward", s);
-    const double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (rep == 0) continue;
-    times.push_back(secs);
-    peak_act = std::max(peak_act, g_peak.load() - base);
-    int64_t s_bytes = 0, r_bytes = 0;
-    for (sp::Communicator* c : comms) {
-      for (const sp::OpCounter& k : c->counters()) {
-        s_bytes += k.bytes_sent;
-        r_bytes += k.bytes_received;
-      }
-    }
-    sent = s_bytes;  // the same every repetition
-    received = r_bytes;
-  }
-  std::string line = absl::StrCat(rank, " ", param_bytes, " ", cache_bytes, " ", peak_act, " ",
-                                  sent, " ", received);
-  for (double t : times) absl::StrAppend(&line, " ", t);
-  const std::string path = absl::StrCat(out_dir, "/rank", rank, ".txt");
-  std::ofstream out(path);
-  out << line << "\n";
-  out.close();
-  if (!out) return Fail(rank, "write " + path, absl::InternalError("write failed"));
-  return 0;
+  RankMeasure measure;
+  if (int rc = MeasureRank(rank, wf.reps, comms, step, &measure); rc != 0) return rc;
+  return WriteRankLine(rank, out_dir, param_bytes, measure);
 }
 
 // ---- Driver. ----
