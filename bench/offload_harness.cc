@@ -84,7 +84,7 @@ absl::StatusOr<ModeEngine> StartModeEngine(Client* client, const std::string& se
                                            const ZenFlowConfig& cfg,
                                            std::vector<EngineParam> params,
                                            const kernels::OptimizerKernel& kernel,
-                                           const kernels::TransformerOps& ops) {
+                                           const kernels::BackendMemory& ops) {
   ModeEngine e;
   if (cfg.mode != OffloadMode::kNoOffload) {
     std::unique_ptr<Session> session;

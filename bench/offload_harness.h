@@ -91,7 +91,7 @@ absl::StatusOr<ModeEngine> StartModeEngine(Client* client, const std::string& se
                                            const ZenFlowConfig& cfg,
                                            std::vector<EngineParam> params,
                                            const kernels::OptimizerKernel& kernel,
-                                           const kernels::TransformerOps& ops);
+                                           const kernels::BackendMemory& ops);
 // Flushes the engine (the pending update lands), then closes it and the session (the daemon
 // frees its region and state). The flush's error, with "flush: " before it.
 absl::Status FlushAndClose(ModeEngine* e);

@@ -313,7 +313,7 @@ struct PState {
 struct ZenFlowEngine::Impl {
   ZenFlowConfig cfg;
   const kernels::OptimizerKernel& k;
-  const kernels::TransformerOps& ops;
+  const kernels::BackendMemory& ops;
   OffloadTarget* target;
   std::vector<PState> params;
   std::map<std::string, size_t> index;
@@ -363,8 +363,8 @@ struct ZenFlowEngine::Impl {
   OpsBuffer hot_consts;
   // The copy thread's backend: ops on a stream of its own where the backend has one (CUDA), so
   // its copies overlap the caller's compute; else ops itself.
-  std::unique_ptr<kernels::TransformerOps> copy_stream;
-  const kernels::TransformerOps& CopyOps() const { return copy_stream ? *copy_stream : ops; }
+  std::unique_ptr<kernels::BackendMemory> copy_stream;
+  const kernels::BackendMemory& CopyOps() const { return copy_stream ? *copy_stream : ops; }
   absl::Status CopySync(const char* what) const {
     std::string err = CopyOps().Synchronize();
     if (!err.empty()) return absl::InternalError(absl::StrCat(what, ": ", err));
@@ -372,7 +372,7 @@ struct ZenFlowEngine::Impl {
   }
 
   Impl(const ZenFlowConfig& c, const kernels::OptimizerKernel& kk,
-       const kernels::TransformerOps& o, OffloadTarget* s)
+       const kernels::BackendMemory& o, OffloadTarget* s)
       : cfg(c), k(kk), ops(o), target(s) {}
 
   // Whether any state lives in the daemon: not in no-offload mode, nor in zenflow when every
@@ -450,7 +450,7 @@ struct ZenFlowEngine::Impl {
   absl::Status ApplyPendingUpdate(StepTimings* tm);
   // The parameters of slot `slot` into ps's values (uploaded: already in ps's cold buffers).
   absl::Status ScatterParams(PState& ps, uint32_t slot, bool uploaded, StepTimings* tm);
-  void UploadParams(const kernels::TransformerOps& on, PState& ps, uint32_t slot);
+  void UploadParams(const kernels::BackendMemory& on, PState& ps, uint32_t slot);
   // One Step, as the algorithm's steps (zenflow.h): plan the step, update the device's share,
   // gather the cold gradients, reselect at a selection boundary, prepare the round's Update at
   // a boundary, post the pushes (and the Update), land the previous round, prefetch the next.
@@ -913,7 +913,7 @@ absl::Status ZenFlowEngine::Impl::TakeEnteringColumns(const kernels::AdamWConfig
   return Sync("taking the entering columns' round step");
 }
 
-void ZenFlowEngine::Impl::UploadParams(const kernels::TransformerOps& on, PState& ps,
+void ZenFlowEngine::Impl::UploadParams(const kernels::BackendMemory& on, PState& ps,
                                        uint32_t slot) {
   const int64_t n = ps.offload_numel();
   // The slot's param_dtype elements as whole floats (FloatsFor).
@@ -1244,7 +1244,7 @@ ZenFlowEngine::~ZenFlowEngine() {
 
 absl::StatusOr<std::unique_ptr<ZenFlowEngine>> ZenFlowEngine::Create(
     const ZenFlowConfig& config, std::vector<EngineParam> params,
-    const kernels::OptimizerKernel& kernel, const kernels::TransformerOps& ops,
+    const kernels::OptimizerKernel& kernel, const kernels::BackendMemory& ops,
     OffloadTarget* target) {
   RETURN_IF_ERROR(config.Validate());
   if (config.mode != OffloadMode::kNoOffload && target == nullptr)

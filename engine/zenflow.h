@@ -60,7 +60,7 @@
 // (1 - topk_ratio) x (grad_dtype + param_dtype bytes) per parameter on the device. Direct: Step's
 // gather kernel writes the cold gradient straight into the pinned gradient slot, and the
 // boundary's scatter kernel reads the parameters straight from the parameter slot, through the
-// backend's view of the session's registered region (TransformerOps::HostView): no transfer
+// backend's view of the session's registered region (BackendMemory::HostView): no transfer
 // buffers, but those two moves run inside Step at the host link's speed. Direct also writes the
 // gradient slot from Step, so Step first waits for the daemon to be done with the slot (its
 // push, or the fused Update that reads it): an Update may take until the second step after its
@@ -108,7 +108,7 @@
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "engine/offload_target.h"
-#include "kernels/ops.h"
+#include "kernels/memory.h"
 #include "kernels/optimizer.h"
 
 namespace stallfree {
@@ -274,11 +274,12 @@ class ZenFlowEngine {
   // offloaded parameters with `target` (engine/offload_target.h; a stallfreed session through
   // client/session_target.h), which must be fresh (no parameters registered yet), or, if it
   // already has a layout, checks that it matches (FailedPrecondition naming the parameter
-  // otherwise). `target` may be null in no-offload mode. `kernel` and `ops` are one backend (e.g. DefaultCpuKernel() and
-  // CpuOps()). InvalidArgument names the field: config fields, params[i].shape, .value, .grad.
+  // otherwise). `target` may be null in no-offload mode. `kernel` and `ops` are one backend
+  // (e.g. DefaultCpuKernel() and CpuMemory(), or the transformer ops, which are a backend's
+  // memory too). InvalidArgument names the field: config fields, params[i].shape, .value, .grad.
   static absl::StatusOr<std::unique_ptr<ZenFlowEngine>> Create(
       const ZenFlowConfig& config, std::vector<EngineParam> params,
-      const kernels::OptimizerKernel& kernel, const kernels::TransformerOps& ops,
+      const kernels::OptimizerKernel& kernel, const kernels::BackendMemory& ops,
       OffloadTarget* target);
   ~ZenFlowEngine();
 

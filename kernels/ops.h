@@ -1,5 +1,6 @@
 // Transformer operations, forward and backward: one device-neutral interface, a CPU backend
-// (OpenBLAS GEMM, oneTBB) and a CUDA backend (cuBLAS, CUDA kernels).
+// (OpenBLAS GEMM, oneTBB) and a CUDA backend (cuBLAS, CUDA kernels). Memory and streams are
+// kernels/memory.h's, which the ZenFlow engine uses without the math (and without BLAS).
 //
 // Conventions
 // - All tensors are row-major. Pointers refer to the backend's memory (host for CpuOps(), device
@@ -16,6 +17,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+
+#include "kernels/memory.h"
 
 namespace stallfree {
 namespace kernels {
@@ -40,11 +43,9 @@ struct AttentionShape {
   float scale = 0;  // scores are scale * q.k; 0 means 1/sqrt(head_dim).
 };
 
-class TransformerOps {
+// The math of a transformer on a backend, over the backend's memory (kernels/memory.h).
+class TransformerOps : public BackendMemory {
  public:
-  virtual ~TransformerOps() = default;
-  virtual const char* name() const = 0;
-
   // C[m,n] = alpha * op(A) op(B) + beta * C. op(A) is [m,k]: A is [m,k] (kNo) or [k,m] (kYes)
   // with row stride lda; op(B) is [k,n]: B is [k,n] or [n,k] with row stride ldb. A linear layer
   // y = x W^T with W[out,in] is Gemm(kNo, kYes, tokens, out, in, 1, x, in, W, in, 0, y, out).
@@ -100,93 +101,6 @@ class TransformerOps {
 
   // out[i] = a[i] + b[i]; out may alias a or b. (The residual add; its backward is the identity.)
   virtual void Add(const float* a, const float* b, int64_t n, float* out) const = 0;
-
-  virtual std::string Synchronize() const { return ""; }
-  // A backend on a stream of its own on the same device, for copies that should overlap this
-  // backend's work (the ZenFlow engine's copy thread); its memory is this backend's. Null when
-  // the backend has no such thing (host backends: nothing to overlap), or on failure (*error
-  // says why): then use this backend.
-  virtual std::unique_ptr<TransformerOps> NewCopyStream(std::string* error) const {
-    (void)error;
-    return nullptr;
-  }
-
-  // Host memory as this backend's kernels address it: a pointer through which they read and
-  // write the host memory at `host`, or null when they cannot (*error says why). Host backends:
-  // `host` itself. CUDA: memory the driver has registered (client/host_register.h) through its
-  // device mapping, so a kernel moves data straight between device and host memory at the host
-  // link's speed (the ZenFlow engine's direct transfers).
-  virtual void* HostView(void* host, std::string* error) const {
-    (void)error;
-    return host;
-  }
-
-  // Memory in the backend's memory space (host for CpuOps(), device for a CUDA backend). The
-  // copies move bits exactly (they may carry int32 data reinterpreted as float). A CUDA backend
-  // enqueues them on its stream like the other ops (AllocFloats / Free are stream ordered) and
-  // records failures for Synchronize(); AllocFloats then returns null.
-
-  // n >= 0 zero-initialised floats; null for n == 0. Release with Free().
-  virtual float* AllocFloats(int64_t n) const = 0;
-  // p from AllocFloats (or null).
-  virtual void Free(void* p) const = 0;
-  // dst[0, n) := src[0, n), both in backend memory, not overlapping.
-  virtual void CopyFloats(float* dst, const float* src, int64_t n) const = 0;
-  // dst[0, n) := value.
-  virtual void Fill(float* dst, int64_t n, float value) const = 0;
-  // From host memory to backend memory, and back. Download's result is in dst_host once
-  // Synchronize() has returned (at once for a host backend).
-  virtual void Upload(float* dst_backend, const float* src_host, int64_t n) const = 0;
-  virtual void Download(float* dst_host, const float* src_backend, int64_t n) const = 0;
-  // Row-major strided copy in backend memory: dst[i * dst_ld + j] := src[i * src_ld + j] for
-  // i < rows, j < cols (element strides, ld >= cols; the two views do not overlap).
-  virtual void Copy2D(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows,
-                      int64_t cols) const = 0;
-};
-
-// A move-only owner of n floats of a backend's memory (zero-initialised), released through the
-// same backend. The backend must outlive the buffer.
-class OpsBuffer {
- public:
-  OpsBuffer() = default;
-  OpsBuffer(const TransformerOps* ops, int64_t n)
-      : ops_(ops), data_(n > 0 ? ops->AllocFloats(n) : nullptr), size_(n > 0 ? n : 0) {}
-  OpsBuffer(const OpsBuffer&) = delete;
-  OpsBuffer& operator=(const OpsBuffer&) = delete;
-  OpsBuffer(OpsBuffer&& o) noexcept : ops_(o.ops_), data_(o.data_), size_(o.size_) {
-    o.ops_ = nullptr;
-    o.data_ = nullptr;
-    o.size_ = 0;
-  }
-  OpsBuffer& operator=(OpsBuffer&& o) noexcept {
-    if (this != &o) {
-      reset();
-      ops_ = o.ops_;
-      data_ = o.data_;
-      size_ = o.size_;
-      o.ops_ = nullptr;
-      o.data_ = nullptr;
-      o.size_ = 0;
-    }
-    return *this;
-  }
-  ~OpsBuffer() { reset(); }
-
-  float* data() const { return data_; }
-  int64_t size() const { return size_; }
-  bool empty() const { return size_ == 0; }
-  const TransformerOps* ops() const { return ops_; }
-  // Releases the memory (size 0).
-  void reset() {
-    if (data_ != nullptr) ops_->Free(data_);
-    data_ = nullptr;
-    size_ = 0;
-  }
-
- private:
-  const TransformerOps* ops_ = nullptr;
-  float* data_ = nullptr;
-  int64_t size_ = 0;
 };
 
 // The CPU backend (process-wide, thread safe).

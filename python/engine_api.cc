@@ -10,7 +10,7 @@
 #include "engine/partition.h"
 #include "engine/repartition.h"
 #include "engine/zenflow.h"
-#include "kernels/ops.h"
+#include "kernels/memory.h"
 #include "kernels/optimizer.h"
 #include "common/corpus.h"
 #ifdef STALLFREE_CUDA
@@ -92,7 +92,7 @@ class EngineImpl : public Engine {
     const ZenFlowConfig cfg = ToConfig(config);
     if (device == "cpu") {
       kernel_ = &kernels::DefaultCpuKernel();
-      ops_ = &kernels::CpuOps();
+      ops_ = &kernels::CpuMemory();
     } else if (device == "cuda") {
 #ifdef STALLFREE_CUDA
       std::string err;
@@ -190,7 +190,7 @@ class EngineImpl : public Engine {
       e.set_score_reduce(nullptr);
       return;
     }
-    const kernels::TransformerOps* ops = ops_;
+    const kernels::BackendMemory* ops = ops_;
     e.set_score_reduce([this, ops, fn](const std::string& name, float* scores,
                                        int64_t cols) -> absl::Status {
       std::vector<float> host(cols);
@@ -239,9 +239,9 @@ class EngineImpl : public Engine {
   std::shared_ptr<Connection> connection_;
   std::unique_ptr<SessionTarget> target_;  // owns the session
   std::unique_ptr<kernels::OptimizerKernel> own_kernel_;
-  std::unique_ptr<kernels::TransformerOps> own_ops_;
+  std::unique_ptr<kernels::BackendMemory> own_ops_;  // CUDA (its ops: cuBLAS comes with them)
   const kernels::OptimizerKernel* kernel_ = nullptr;
-  const kernels::TransformerOps* ops_ = nullptr;
+  const kernels::BackendMemory* ops_ = nullptr;
   std::unique_ptr<ZenFlowEngine> engine_;
   std::string reduce_error_;
 };

@@ -789,7 +789,7 @@ class CudaOps final : public TransformerOps {
     if (owns_stream_) cudaStreamDestroy(stream_);
   }
 
-  std::unique_ptr<TransformerOps> NewCopyStream(std::string* error) const override;
+  std::unique_ptr<BackendMemory> NewCopyStream(std::string* error) const override;
   void* HostView(void* host, std::string* error) const override {
     void* dev = nullptr;
     const cudaError_t e = cudaHostGetDevicePointer(&dev, host, 0);
@@ -1220,7 +1220,7 @@ std::unique_ptr<TransformerOps> NewCudaOps(void* stream, std::string* error) {
   return std::make_unique<CudaOps>(s, handle);
 }
 
-std::unique_ptr<TransformerOps> CudaOps::NewCopyStream(std::string* error) const {
+std::unique_ptr<BackendMemory> CudaOps::NewCopyStream(std::string* error) const {
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   cudaStream_t s = nullptr;
@@ -1235,7 +1235,7 @@ std::unique_ptr<TransformerOps> CudaOps::NewCopyStream(std::string* error) const
     return nullptr;
   }
   static_cast<CudaOps*>(ops.get())->owns_stream_ = true;
-  return ops;
+  return std::unique_ptr<BackendMemory>(ops.release());
 }
 
 }  // namespace cuda

@@ -26,7 +26,6 @@ RUNTIME_PACKAGES = (
     "libprotobuf32",
     "libabsl20220623",
     "libtbb12",
-    "libopenblas0-pthread",
     "libcivetweb1",
     "libsystemd0",
 )
@@ -40,10 +39,6 @@ PACKAGE_OF = {
     "libaddress_sorting.so.29": "libgrpc29",
     "libprotobuf.so.32": "libprotobuf32",
     "libtbb.so.12": "libtbb12",
-    # libopenblas0-openmp and libopenblas0-serial provide it too (update-alternatives).
-    "libopenblas.so.0": "libopenblas0-pthread",
-    "libgfortran.so.5": "libgfortran5",
-    "libquadmath.so.0": "libquadmath0",
     "libcivetweb.so.1": "libcivetweb1",
     "libsystemd.so.0": "libsystemd0",
     "libcap.so.2": "libcap2",
