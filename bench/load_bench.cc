@@ -301,15 +301,15 @@ int Run(int argc, char** argv) {
   Flags f;
   if (int code = ParseFlags(argc, argv, &f); code >= 0) return code;
   testing::SetBinary("trainer/trainer", f.trainer_bin);
-  testing::SetBinary("tests/server/session_holder", f.holder_bin);
+  testing::SetBinary("testing/session_holder", f.holder_bin);
   const std::string trainer = testing::FindBinary("trainer/trainer");
-  const std::string holder = testing::FindBinary("tests/server/session_holder");
+  const std::string holder = testing::FindBinary("testing/session_holder");
   if (trainer.empty() || holder.empty()) {
     fprintf(stderr, "load_bench: %s\n",
             trainer.empty()
                 ? testing::MissingBinaryMessage("trainer/trainer", "//trainer", "--trainer").c_str()
-                : testing::MissingBinaryMessage("tests/server/session_holder",
-                                                "//tests/server:session_holder",
+                : testing::MissingBinaryMessage("testing/session_holder",
+                                                "//testing:session_holder",
                                                 "--session_holder")
                       .c_str());
     return 1;

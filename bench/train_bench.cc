@@ -12,6 +12,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -91,8 +92,9 @@ double MaxOwnJump(const std::string& zenflow_csv, const std::string& nooffload_c
   return worst;
 }
 
-int Run(int argc, char** argv) {
-  using namespace stallfree;
+using Summary = std::map<std::string, double>;  // a run's summary.json
+
+struct Options {
   bool quick = false;
   int64_t steps = 0, nproc = 2, layers = 4, d_model = 128, heads = 4, d_ff = 384, seq_len = 64,
           batch = 8;
@@ -100,88 +102,136 @@ int Run(int argc, char** argv) {
   std::string zenflow_args, jumps;
   int64_t pretrain_steps = 0, finetune_steps = 0;
   double finetune_lr = 3e-4;
+  std::string stallfreed, trainer_bin;
+};
+
+// The flags into *o, the quick/full defaults applied; -1 to go on, else the exit code.
+int ParseOptions(int argc, char** argv, Options* o) {
+  using stallfree::FlagSet;
   FlagSet flags("train_bench",
                 "trains one model in zenflow, sync-offload and no-offload modes (same data, "
                 "seed and schedule) and prints the comparison.");
-  flags.AddBool("quick", &quick, "fewer steps (about 3 minutes on 2 cores)");
-  flags.AddInt("steps", &steps, "steps per mode from scratch (0: 200 quick, 500 otherwise)");
-  flags.AddInt("nproc", &nproc, "TSP ranks per run");
-  flags.AddInt("layers", &layers, "model blocks");
-  flags.AddInt("d_model", &d_model, "model width");
-  flags.AddInt("heads", &heads, "attention heads");
-  flags.AddInt("d_ff", &d_ff, "MLP width");
-  flags.AddInt("seq_len", &seq_len, "sequence length");
-  flags.AddInt("batch", &batch, "sequences per step");
-  flags.AddString("out_dir", &out_dir, "where the runs' metrics and the plot go");
-  flags.AddString("zenflow_args", &zenflow_args,
+  flags.AddBool("quick", &o->quick, "fewer steps (about 3 minutes on 2 cores)");
+  flags.AddInt("steps", &o->steps, "steps per mode from scratch (0: 200 quick, 500 otherwise)");
+  flags.AddInt("nproc", &o->nproc, "TSP ranks per run");
+  flags.AddInt("layers", &o->layers, "model blocks");
+  flags.AddInt("d_model", &o->d_model, "model width");
+  flags.AddInt("heads", &o->heads, "attention heads");
+  flags.AddInt("d_ff", &o->d_ff, "MLP width");
+  flags.AddInt("seq_len", &o->seq_len, "sequence length");
+  flags.AddInt("batch", &o->batch, "sequences per step");
+  flags.AddString("out_dir", &o->out_dir, "where the runs' metrics and the plot go");
+  flags.AddString("zenflow_args", &o->zenflow_args,
                   "extra trainer flags for the zenflow runs (e.g. \"--engine_warmup 0\"), to "
                   "measure a ZenFlow setting against no-offload in the same run");
-  flags.AddInt("pretrain_steps", &pretrain_steps,
+  flags.AddInt("pretrain_steps", &o->pretrain_steps,
                "fine-tuning comparison: no-offload pre-training steps (0: 60 quick, 200; -1: skip)");
-  flags.AddInt("finetune_steps", &finetune_steps,
+  flags.AddInt("finetune_steps", &o->finetune_steps,
                "fine-tuning comparison: steps per mode from the pre-trained weights (0: 40, 100)");
-  flags.AddDouble("finetune_lr", &finetune_lr, "fine-tuning comparison: peak learning rate");
-  flags.AddString("jumps", &jumps,
+  flags.AddDouble("finetune_lr", &o->finetune_lr, "fine-tuning comparison: peak learning rate");
+  flags.AddString("jumps", &o->jumps,
                   "RUN_DIR[,BASELINE_DIR]: only print the largest gradient-norm jump of a trainer "
                   "run (a step's norm over the median of its previous 10, from metrics.csv), at "
                   "steps where the baseline run's own jump stays below 3x");
-  std::string stallfreed, trainer_bin;
-  flags.AddString("stallfreed", &stallfreed,
+  flags.AddString("stallfreed", &o->stallfreed,
                   "the stallfreed binary (default: found beside this one, or in its runfiles)");
-  flags.AddString("trainer", &trainer_bin,
+  flags.AddString("trainer", &o->trainer_bin,
                   "the trainer binary (default: found beside this one, or in its runfiles)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
-  if (!jumps.empty()) {
-    const size_t comma = jumps.find(',');
-    const std::string run = jumps.substr(0, comma);
-    if (ReadGradNorms(run + "/metrics.csv").size() <= 10) {
-      fprintf(stderr, "train_bench: --jumps: %s/metrics.csv is missing or has <= 10 steps\n",
-              run.c_str());
-      return 1;
-    }
-    int64_t at = 0;
-    double j = 0;
-    if (comma == std::string::npos) {  // every step counts
-      const std::vector<double> all = NormJumps(ReadGradNorms(run + "/metrics.csv"));
-      const auto it = std::max_element(all.begin(), all.end());
-      j = *it;
-      at = (it - all.begin()) + 1;
-    } else {
-      j = MaxOwnJump(run + "/metrics.csv", jumps.substr(comma + 1) + "/metrics.csv", &at);
-    }
-    printf("largest gradient-norm jump of %s: %.1fx at step %ld\n", run.c_str(), j, (long)at);
-    return 0;
-  }
-  if (steps == 0) steps = quick ? 200 : 500;
-  if (pretrain_steps == 0) pretrain_steps = quick ? 60 : 200;
-  if (finetune_steps == 0) finetune_steps = quick ? 40 : 100;
+  if (o->steps == 0) o->steps = o->quick ? 200 : 500;
+  if (o->pretrain_steps == 0) o->pretrain_steps = o->quick ? 60 : 200;
+  if (o->finetune_steps == 0) o->finetune_steps = o->quick ? 40 : 100;
+  return -1;
+}
 
-  testing::SetBinary("trainer/trainer", trainer_bin);
-  const std::string trainer = testing::FindBinary("trainer/trainer");
-  if (trainer.empty()) {
-    fprintf(stderr, "train_bench: %s\n",
-            testing::MissingBinaryMessage("trainer/trainer", "//trainer", "--trainer").c_str());
+// --jumps RUN_DIR[,BASELINE_DIR]: prints the run's largest gradient-norm jump.
+int PrintJumps(const std::string& jumps) {
+  const size_t comma = jumps.find(',');
+  const std::string run = jumps.substr(0, comma);
+  if (ReadGradNorms(run + "/metrics.csv").size() <= 10) {
+    fprintf(stderr, "train_bench: --jumps: %s/metrics.csv is missing or has <= 10 steps\n",
+            run.c_str());
     return 1;
   }
-  testing::SetBinary("server/stallfreed", stallfreed);
-  testing::Daemon daemon({"--threads", "2"}, "warning");
-  if (!daemon.started()) return 1;  // the Daemon said where it looked
-  const std::vector<std::string> modes = {"no-offload", "sync-offload", "zenflow"};
-  std::map<std::string, std::map<std::string, double>> summary;
-  std::vector<std::pair<std::string, std::string>> plots;
-  printf("train_bench: %ld layers, d_model %ld, heads %ld, d_ff %ld, seq %ld, batch %ld, %ld steps, "
-         "D = %ld, the generated corpus; zenflow: ratio 0.1, S = 4, bf16 transfers\n",
-         (long)layers, (long)d_model, (long)heads, (long)d_ff, (long)seq_len, (long)batch,
-         (long)steps, (long)nproc);
+  int64_t at = 0;
+  double j = 0;
+  if (comma == std::string::npos) {  // every step counts
+    const std::vector<double> all = NormJumps(ReadGradNorms(run + "/metrics.csv"));
+    const auto it = std::max_element(all.begin(), all.end());
+    j = *it;
+    at = (it - all.begin()) + 1;
+  } else {
+    j = MaxOwnJump(run + "/metrics.csv", jumps.substr(comma + 1) + "/metrics.csv", &at);
+  }
+  printf("largest gradient-norm jump of %s: %.1fx at step %ld\n", run.c_str(), j, (long)at);
+  return 0;
+}
+
+const std::vector<std::string> kModes = {"no-offload", "sync-offload", "zenflow"};
+
+// The runs' summaries: from scratch, and (pretrain_steps > 0) fine-tuned, fp32 and bf16.
+struct Results {
+  std::map<std::string, Summary> summary, tuned, tuned_bf16;
+  std::vector<std::pair<std::string, std::string>> plots;  // (mode, metrics.csv) from scratch
+};
+
+// The trainer runs against one daemon: every mode from scratch, then the fine-tuning
+// comparison. False if a run failed (reported).
+class Runs {
+ public:
+  Runs(const Options& o, std::string trainer, std::string socket)
+      : o_(o), trainer_(std::move(trainer)), socket_(std::move(socket)) {}
+
+  bool FromScratch(Results* r) {
+    for (const std::string& mode : kModes) {
+      if (!Train(mode, mode, o_.steps,
+                 absl::StrCat("--lr 3e-3", mode == "zenflow" ? " " + o_.zenflow_args : "")))
+        return false;
+      r->summary[mode] = ReadSummary(o_.out_dir + "/" + mode + "/summary.json");
+      r->plots.push_back({mode, o_.out_dir + "/" + mode + "/metrics.csv"});
+    }
+    return true;
+  }
+
+  // Fine-tuning, the published setting: every mode starts from the same no-offload pre-trained
+  // weights (fresh optimizer, another data order) at a lower learning rate.
+  bool FineTuned(Results* r) {
+    if (o_.pretrain_steps <= 0) return true;
+    if (!Train("pretrain", "no-offload", o_.pretrain_steps, "--lr 3e-3")) return false;
+    const std::string init = absl::StrCat(o_.out_dir, "/pretrain/checkpoints/bench-pretrain-step",
+                                          o_.pretrain_steps);
+    for (const std::string& mode : kModes) {
+      const std::string name = "finetune-" + mode;
+      if (!Train(name, mode, o_.finetune_steps,
+                 absl::StrCat("--seed 2 --lr_warmup 0 --lr ", o_.finetune_lr, " --init_from ",
+                              init, mode == "zenflow" ? " " + o_.zenflow_args : "")))
+        return false;
+      r->tuned[mode] = ReadSummary(o_.out_dir + "/" + name + "/summary.json");
+    }
+    // The same fine-tuning with a bf16 model (the fp32 pre-trained weights rounded to bf16), in
+    // zenflow against no-offload.
+    for (const std::string mode : {"no-offload", "zenflow"}) {
+      const std::string name = "finetune-bf16-" + mode;
+      if (!Train(name, mode, o_.finetune_steps,
+                 absl::StrCat("--seed 2 --lr_warmup 0 --lr ", o_.finetune_lr, " --init_from ",
+                              init, " --model_dtype bf16",
+                              mode == "zenflow" ? " " + o_.zenflow_args : "")))
+        return false;
+      r->tuned_bf16[mode] = ReadSummary(o_.out_dir + "/" + name + "/summary.json");
+    }
+    return true;
+  }
+
+ private:
   // One trainer run; false if it failed (reported).
-  auto train = [&](const std::string& name, const std::string& mode, int64_t n,
-                   const std::string& extra) {
-    const std::string dir = absl::StrCat(out_dir, "/", name);
+  bool Train(const std::string& name, const std::string& mode, int64_t n,
+             const std::string& extra) {
+    const std::string dir = absl::StrCat(o_.out_dir, "/", name);
     std::string cmd = absl::StrCat(
-        trainer, " --preset tiny --quiet --mode ", mode, " --layers ", layers,
-        " --d_model ", d_model, " --heads ", heads, " --d_ff ", d_ff, " --seq_len ", seq_len,
-        " --batch ", batch, " --steps ", n, " --nproc ", nproc, " --eval_every ",
-        std::max<int64_t>(n / 4, 1), " --eval_batches 8 --socket ", daemon.socket(),
+        trainer_, " --preset tiny --quiet --mode ", mode, " --layers ", o_.layers,
+        " --d_model ", o_.d_model, " --heads ", o_.heads, " --d_ff ", o_.d_ff, " --seq_len ",
+        o_.seq_len, " --batch ", o_.batch, " --steps ", n, " --nproc ", o_.nproc,
+        " --eval_every ", std::max<int64_t>(n / 4, 1), " --eval_batches 8 --socket ", socket_,
         " --out_dir ", dir, " --run_name bench-", name, " ", extra);
     printf("\n== %s\n", name.c_str());
     std::fflush(stdout);
@@ -190,69 +240,48 @@ int Run(int argc, char** argv) {
       fprintf(stderr, "train_bench: the %s run failed (status %d): %s\n", name.c_str(), status,
               cmd.c_str());
     return status == 0;
-  };
-  for (const std::string& mode : modes) {
-    if (!train(mode, mode, steps,
-               absl::StrCat("--lr 3e-3", mode == "zenflow" ? " " + zenflow_args : "")))
-      return 1;
-    summary[mode] = ReadSummary(out_dir + "/" + mode + "/summary.json");
-    plots.push_back({mode, out_dir + "/" + mode + "/metrics.csv"});
   }
-  // Fine-tuning, the published setting: every mode starts from the same no-offload pre-trained
-  // weights (fresh optimizer, another data order) at a lower learning rate.
-  std::map<std::string, std::map<std::string, double>> tuned, tuned_bf16;
-  if (pretrain_steps > 0) {
-    if (!train("pretrain", "no-offload", pretrain_steps, "--lr 3e-3")) return 1;
-    const std::string init = absl::StrCat(out_dir, "/pretrain/checkpoints/bench-pretrain-step",
-                                          pretrain_steps);
-    for (const std::string& mode : modes) {
-      const std::string name = "finetune-" + mode;
-      if (!train(name, mode, finetune_steps,
-                 absl::StrCat("--seed 2 --lr_warmup 0 --lr ", finetune_lr, " --init_from ", init,
-                              mode == "zenflow" ? " " + zenflow_args : "")))
-        return 1;
-      tuned[mode] = ReadSummary(out_dir + "/" + name + "/summary.json");
-    }
-    // The same fine-tuning with a bf16 model (the fp32 pre-trained weights rounded to bf16), in
-    // zenflow against no-offload.
-    for (const std::string mode : {"no-offload", "zenflow"}) {
-      const std::string name = "finetune-bf16-" + mode;
-      if (!train(name, mode, finetune_steps,
-                 absl::StrCat("--seed 2 --lr_warmup 0 --lr ", finetune_lr, " --init_from ", init,
-                              " --model_dtype bf16", mode == "zenflow" ? " " + zenflow_args : "")))
-        return 1;
-      tuned_bf16[mode] = ReadSummary(out_dir + "/" + name + "/summary.json");
-    }
-  }
-  const std::string png = out_dir + "/train_bench.png";
-  absl::Status plotted = trainer::WritePlot(png, plots, "train_bench: the three modes");
 
+  const Options& o_;
+  const std::string trainer_, socket_;
+};
+
+// The modes' table, the plot and the fine-tuning table.
+void PrintTables(const Options& o, Results& r) {
+  const std::string png = o.out_dir + "/train_bench.png";
+  absl::Status plotted =
+      stallfree::trainer::WritePlot(png, r.plots, "train_bench: the three modes");
   printf("\n%-14s %12s %12s %12s %12s %12s %12s\n", "mode", "train loss", "eval loss",
          "tokens/s", "step (s)", "stall (s)", "stall share");
-  for (const std::string& mode : modes) {
-    auto& s = summary[mode];
+  for (const std::string& mode : kModes) {
+    Summary& s = r.summary[mode];
     printf("%-14s %12.4f %12.4f %12.0f %12.4f %12.4f %12.3f\n", mode.c_str(),
            s["final_train_loss"], s["final_eval_loss"], s["tokens_per_s"], s["step_s"],
            s["stall_s"], s["stall_share"]);
   }
   printf("plot: %s\n", plotted.ok() ? png.c_str() : std::string(plotted.message()).c_str());
-  if (!tuned.empty()) {
-    printf("\nfine-tuning: %ld no-offload steps, then %ld steps per mode at lr %.1e\n",
-           (long)pretrain_steps, (long)finetune_steps, finetune_lr);
-    printf("%-16s %12s %12s\n", "mode", "train loss", "eval loss");
-    for (const std::string& mode : modes)
-      printf("%-16s %12.4f %12.4f\n", mode.c_str(), tuned[mode]["final_train_loss"],
-             tuned[mode]["final_eval_loss"]);
-    for (const std::string mode : {"no-offload", "zenflow"})
-      printf("%-16s %12.4f %12.4f   (bf16 model: %.2f bytes of weights and gradients per "
-             "parameter; the engine's device state %.2f)\n",
-             (mode + " bf16").c_str(), tuned_bf16[mode]["final_train_loss"],
-             tuned_bf16[mode]["final_eval_loss"], tuned_bf16[mode]["model_bytes_per_param"],
-             tuned_bf16[mode]["engine_device_bytes_per_param"]);
-  }
-  auto& z = summary["zenflow"];
-  auto& n = summary["no-offload"];
-  auto& y = summary["sync-offload"];
+  if (r.tuned.empty()) return;
+  printf("\nfine-tuning: %ld no-offload steps, then %ld steps per mode at lr %.1e\n",
+         (long)o.pretrain_steps, (long)o.finetune_steps, o.finetune_lr);
+  printf("%-16s %12s %12s\n", "mode", "train loss", "eval loss");
+  for (const std::string& mode : kModes)
+    printf("%-16s %12.4f %12.4f\n", mode.c_str(), r.tuned[mode]["final_train_loss"],
+           r.tuned[mode]["final_eval_loss"]);
+  for (const std::string mode : {"no-offload", "zenflow"})
+    printf("%-16s %12.4f %12.4f   (bf16 model: %.2f bytes of weights and gradients per "
+           "parameter; the engine's device state %.2f)\n",
+           (mode + " bf16").c_str(), r.tuned_bf16[mode]["final_train_loss"],
+           r.tuned_bf16[mode]["final_eval_loss"], r.tuned_bf16[mode]["model_bytes_per_param"],
+           r.tuned_bf16[mode]["engine_device_bytes_per_param"]);
+}
+
+// The FIGURE lines.
+void PrintFigures(const Options& o, Results& r) {
+  Summary& z = r.summary["zenflow"];
+  Summary& n = r.summary["no-offload"];
+  Summary& y = r.summary["sync-offload"];
+  auto& tuned = r.tuned;
+  auto& tuned_bf16 = r.tuned_bf16;
   printf("\nFIGURE train_zenflow_vs_nooffload_eval_loss_scratch %.4f x (target <= 1.05)\n",
          z["final_eval_loss"] / n["final_eval_loss"]);
   if (!tuned.empty()) {
@@ -270,11 +299,11 @@ int Run(int argc, char** argv) {
            tuned_bf16["zenflow"]["engine_device_bytes_per_param"]);
   }
   int64_t at = 0, at_tuned = 0;
-  double jump = MaxOwnJump(out_dir + "/zenflow/metrics.csv", out_dir + "/no-offload/metrics.csv",
-                           &at);
+  double jump = MaxOwnJump(o.out_dir + "/zenflow/metrics.csv",
+                           o.out_dir + "/no-offload/metrics.csv", &at);
   if (!tuned.empty()) {
-    const double j = MaxOwnJump(out_dir + "/finetune-zenflow/metrics.csv",
-                                out_dir + "/finetune-no-offload/metrics.csv", &at_tuned);
+    const double j = MaxOwnJump(o.out_dir + "/finetune-zenflow/metrics.csv",
+                                o.out_dir + "/finetune-no-offload/metrics.csv", &at_tuned);
     printf("zenflow's largest own gradient-norm jump: %.1fx at step %ld from scratch, %.1fx at "
            "step %ld fine-tuning\n", jump, (long)at, j, (long)at_tuned);
     jump = std::max(jump, j);
@@ -283,11 +312,37 @@ int Run(int argc, char** argv) {
   printf("FIGURE train_zenflow_vs_sync_offload_step_time %.4f x\n", z["step_s"] / y["step_s"]);
   printf("FIGURE train_stall_share_zenflow %.4f\n", z["stall_share"]);
   printf("FIGURE train_stall_share_sync_offload %.4f\n", y["stall_share"]);
-  for (const std::string& mode : modes)
+  for (const std::string& mode : kModes)
     printf("FIGURE train_tokens_per_s_%s %.1f tokens/s\n", mode.c_str(),
-           summary[mode]["tokens_per_s"]);
+           r.summary[mode]["tokens_per_s"]);
   printf("FIGURE train_host_traffic_per_step_zenflow %.3f x bf16 model\n",
          z["host_traffic_per_step_over_bf16_model"]);
+}
+
+int Run(int argc, char** argv) {
+  namespace testing = stallfree::testing;
+  Options o;
+  if (int code = ParseOptions(argc, argv, &o); code >= 0) return code;
+  if (!o.jumps.empty()) return PrintJumps(o.jumps);
+  testing::SetBinary("trainer/trainer", o.trainer_bin);
+  const std::string trainer = testing::FindBinary("trainer/trainer");
+  if (trainer.empty()) {
+    fprintf(stderr, "train_bench: %s\n",
+            testing::MissingBinaryMessage("trainer/trainer", "//trainer", "--trainer").c_str());
+    return 1;
+  }
+  testing::SetBinary("server/stallfreed", o.stallfreed);
+  testing::Daemon daemon({"--threads", "2"}, "warning");
+  if (!daemon.started()) return 1;  // the Daemon said where it looked
+  printf("train_bench: %ld layers, d_model %ld, heads %ld, d_ff %ld, seq %ld, batch %ld, %ld steps, "
+         "D = %ld, the generated corpus; zenflow: ratio 0.1, S = 4, bf16 transfers\n",
+         (long)o.layers, (long)o.d_model, (long)o.heads, (long)o.d_ff, (long)o.seq_len,
+         (long)o.batch, (long)o.steps, (long)o.nproc);
+  Results r;
+  Runs runs(o, trainer, daemon.socket());
+  if (!runs.FromScratch(&r) || !runs.FineTuned(&r)) return 1;
+  PrintTables(o, r);
+  PrintFigures(o, r);
   return 0;
 }
 

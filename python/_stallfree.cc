@@ -44,15 +44,13 @@ stallfree::api::EngineConfig ConfigFrom(const py::dict& d) {
   return c;
 }
 
-}  // namespace
-
 // The bytes at an address of the caller's (a uint8 tensor's data_ptr and numel).
-static std::string BytesAt(uintptr_t at, size_t n) {
+std::string BytesAt(uintptr_t at, size_t n) {
   return n == 0 ? std::string() : std::string(reinterpret_cast<const char*>(at), n);
 }
 
-PYBIND11_MODULE(_stallfree, m) {
-  m.doc() = "stallfree's client library and ZenFlow engine (use the `stallfree` package)";
+// stallfree.Error (with the status code as `code`) and ValueError from the facade's exceptions.
+void BindErrors(py::module_& m) {
   static py::exception<stallfree::api::Error> error(m, "Error", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -66,7 +64,9 @@ PYBIND11_MODULE(_stallfree, m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }
   });
+}
 
+void BindClient(py::module_& m) {
   py::class_<Connection, std::shared_ptr<Connection>>(m, "Client")
       .def(py::init([](const std::string& socket, int timeout_ms) {
              py::gil_scoped_release release;
@@ -75,7 +75,9 @@ PYBIND11_MODULE(_stallfree, m) {
            py::arg("socket"), py::arg("timeout_ms") = 3000)
       .def("health", &Connection::Health, py::call_guard<py::gil_scoped_release>())
       .def("stats", &Connection::Stats, py::call_guard<py::gil_scoped_release>());
+}
 
+void BindEngine(py::module_& m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init([](std::shared_ptr<Connection> client, const std::string& session_name,
                        int rank, const py::dict& config, const py::list& params,
@@ -157,7 +159,11 @@ PYBIND11_MODULE(_stallfree, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &Engine::closed)
       .def_property_readonly("step_count", &Engine::StepCount);
+}
 
+// The engine's rules the Python layer uses: config validation, the corpus, the data-parallel
+// partition and re-partitioning of saved states.
+void BindFunctions(py::module_& m) {
   m.def(
       "validate_config",
       [](const py::dict& config) { return stallfree::api::ValidateConfig(ConfigFrom(config)); },
@@ -200,5 +206,15 @@ PYBIND11_MODULE(_stallfree, m) {
         return py::make_tuple(py::bytearray(out.first), py::bytearray(out.second));
       },
       py::arg("params"), py::arg("old"), py::arg("new_world"), py::arg("new_rank"));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_stallfree, m) {
+  m.doc() = "stallfree's client library and ZenFlow engine (use the `stallfree` package)";
+  BindErrors(m);
+  BindClient(m);
+  BindEngine(m);
+  BindFunctions(m);
   m.attr("cuda_enabled") = stallfree::api::CudaEnabled();
 }
