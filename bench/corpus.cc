@@ -18,19 +18,15 @@ constexpr double kSuccessorProb[4] = {0.55, 0.25, 0.12, 0.08};
 // The uniform noise's share, and the successors' share (1 - kNoise).
 constexpr double kNoise = 0.05, kSignal = 0.95;
 
-// The first names DefaultCorpusText draws from (common/corpus.cc's kNames), and the names that
-// replace them, one for one, in the fine-tuning text: none occurs in the pre-training text.
-const char* const kCorpusNames[] = {
-    "Anna",  "Tom",   "Maria", "Jack",   "Lucy",  "Peter", "Sara",  "David", "Emma", "Oliver",
-    "Grace", "Henry", "Alice", "Samuel", "Clara", "Leo",   "Nora",  "Felix", "Ruth", "Oscar",
-    "Ella",  "Hugo",  "Ivy",   "Martin", "Rosa",  "Simon", "Julia", "Adam",  "Mia",  "Victor"};
+// The names that replace DefaultCorpusText's first names (kCorpusNames), one for one, in the
+// fine-tuning text: none occurs in the pre-training text.
 const char* const kNewNames[] = {
     "Zbigniew", "Oluwaseun", "Xiomara",   "Kwabena",  "Yevgenia", "Thandiwe", "Quirin", "Bjarke",
     "Ngozi",    "Wojciech",  "Aoife",     "Ezequiel", "Siobhan",  "Tadeusz",  "Yuki",   "Dzifa",
     "Gwyneth",  "Zsofia",    "Kazimierz", "Ifeoma",   "Hjalmar",  "Xochitl",  "Uzoma",  "Radek",
     "Jovanka",  "Phuong",    "Eitan",     "Svetlana", "Okwudili", "Ysolde"};
-static_assert(sizeof(kCorpusNames) == sizeof(kNewNames), "one new name per corpus name");
-constexpr size_t kNames = sizeof(kCorpusNames) / sizeof(kCorpusNames[0]);
+constexpr size_t kNames = sizeof(kNewNames) / sizeof(kNewNames[0]);
+static_assert(kNames == kCorpusNameCount, "one new name per corpus name");
 
 bool IsLetter(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 

@@ -7,12 +7,13 @@
 #include "absl/strings/str_cat.h"
 
 namespace stallfree {
-namespace {
 
-const char* const kNames[] = {
+const char* const kCorpusNames[kCorpusNameCount] = {
     "Anna",  "Tom",   "Maria", "Jack",   "Lucy",  "Peter", "Sara",  "David", "Emma", "Oliver",
     "Grace", "Henry", "Alice", "Samuel", "Clara", "Leo",   "Nora",  "Felix", "Ruth", "Oscar",
     "Ella",  "Hugo",  "Ivy",   "Martin", "Rosa",  "Simon", "Julia", "Adam",  "Mia",  "Victor"};
+
+namespace {
 
 // People and animals: the subjects of sentences.
 const char* const kBeings[] = {
@@ -110,7 +111,7 @@ class TextGenerator {
 
   // A paragraph of 3-7 sentences about one named protagonist, one being and two things.
   void Paragraph(std::string* out) {
-    name_ = PickWord(kNames);
+    name_ = PickWord(kCorpusNames);
     being_ = PickWord(kBeings);
     for (const char*& thing : things_) thing = PickWord(kThings);
     int sentences = 3 + static_cast<int>(Pick(5));
@@ -138,13 +139,13 @@ class TextGenerator {
   }
   // A person or animal: a name or a noun phrase.
   std::string Subject() {
-    if (Chance(30)) return Chance(60) ? name_ : PickWord(kNames);
+    if (Chance(30)) return Chance(60) ? name_ : PickWord(kCorpusNames);
     return Phrase(Being());
   }
   // Anything a past-tense verb can act on; never repeats a named subject.
   std::string Object(const std::string& subject) {
     if (Chance(15)) {
-      std::string name = Chance(50) ? name_ : PickWord(kNames);
+      std::string name = Chance(50) ? name_ : PickWord(kCorpusNames);
       if (name != subject) return name;
     }
     return Phrase(Chance(25) ? Being() : Thing());
@@ -189,7 +190,7 @@ class TextGenerator {
         quote[0] = absl::ascii_toupper(quote[0]);
         verb = PickWord(kSaidVerbs);
       }
-      s = absl::StrCat("\"", quote, "\" ", verb, " ", Chance(70) ? name_ : PickWord(kNames), ".");
+      s = absl::StrCat("\"", quote, "\" ", verb, " ", Chance(70) ? name_ : PickWord(kCorpusNames), ".");
       out->append(s);
       return;
     } else {

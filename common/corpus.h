@@ -7,6 +7,7 @@
 // Thread safety: DefaultCorpusText is a pure function.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -20,5 +21,10 @@ namespace stallfree {
 // cut); a shorter text with the same seed is a prefix of a longer one. Deterministic: uses only
 // std::mt19937's raw outputs, so every platform gives the same bytes.
 std::string DefaultCorpusText(int64_t approx_bytes = 1 << 20, uint32_t seed = 1);
+
+// The first names its sentences draw from: what a text that must share no name with it renames
+// (bench/corpus.h, the fine-tuning text).
+inline constexpr size_t kCorpusNameCount = 30;
+extern const char* const kCorpusNames[kCorpusNameCount];
 
 }  // namespace stallfree
