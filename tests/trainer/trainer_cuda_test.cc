@@ -1,6 +1,8 @@
 // The trainer on GPUs end to end (--device cuda), with a real stallfreed. Without a usable CUDA
 // device it prints "SKIP: ..." and exits 0. Otherwise, on D = min(2, GPUs) ranks (GPU LOCAL_RANK
-// each, NCCL between them), the tiny preset in zenflow mode (S = 4, stale cold columns):
+// each, NCCL between them), the tiny preset in zenflow mode (S = 4, stale cold columns; an
+// engine warm-up of 4 steps, so that the rounds start at step 5 and step 15 is inside one, not
+// inside the default warm-up of 20):
 //   - 30 steps on the GPUs: the loss falls (the mean of the last 3 steps below 0.8 x the mean of
 //     the first 3) and rank 0 reports device cuda:0;
 //   - the same run with --device cpu: every step's loss within kCpuTolerance (2e-2) relative of
@@ -91,7 +93,8 @@ int Main() {
     std::string model_dtype;  // of the runs below
     auto train = [&](const std::string& name, const std::string& device, const std::string& extra) {
       std::string cmd = "'" + trainer + "' --preset tiny --steps " + std::to_string(kSteps) +
-                        " --quiet --mode zenflow --eval_every 0 --lr_warmup 5 --nproc " +
+                        " --quiet --mode zenflow --eval_every 0 --lr_warmup 5 --engine_warmup 4"
+                        " --nproc " +
                         std::to_string(D) + " --socket '" + daemon.socket() + "' --out_dir '" +
                         work + "/runs/" + name + "' --run_name " + name + " --device " + device +
                         " --model_dtype " + model_dtype + " " + extra;
