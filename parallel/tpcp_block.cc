@@ -171,10 +171,7 @@ absl::Status TpcpBlock::Forward(const TransformerOps& ops, const TpspShardView& 
   RETURN_IF_ERROR(Check());
   const int t = tp_->size(), c = cp_->size();
   RETURN_IF_ERROR(CheckTpcpSequence(B, T, t, c));
-  if (w.AnyNull()) return absl::InvalidArgumentError("tpcp: null weight pointer");
-  if (x_local == nullptr || y_local == nullptr) {
-    return absl::InvalidArgumentError("tpcp: null x or y");
-  }
+  RETURN_IF_ERROR(CheckForwardPointers("tpcp", w, x_local, y_local));
   TpcpCache scratch;
   TpcpCache& k = cache != nullptr ? *cache : scratch;
   const int64_t C = cfg_.C, Ct = C / t;
@@ -226,11 +223,7 @@ absl::Status TpcpBlock::Backward(const TransformerOps& ops, const TpspShardView&
   RETURN_IF_ERROR(Check());
   const int t = tp_->size(), c = cp_->size();
   RETURN_IF_ERROR(CheckTpcpSequence(k.B, k.T, t, c));
-  if (w.AnyNull()) return absl::InvalidArgumentError("tpcp: null weight pointer");
-  if (grads.AnyNull()) return absl::InvalidArgumentError("tpcp: null gradient pointer");
-  if (dy_local == nullptr || dx_local == nullptr) {
-    return absl::InvalidArgumentError("tpcp: null dy or dx");
-  }
+  RETURN_IF_ERROR(CheckBackwardPointers("tpcp", w, grads, dy_local, dx_local));
   CacheRefs r;
   if (!RefsOf(k, cfg_, t, c, ops, &r)) {
     return absl::InvalidArgumentError(

@@ -203,6 +203,24 @@ absl::Status SizeTpspGrads(const BlockConfig& cfg, int D, BlockGrads* grads) {
   return CheckTpspShard(cfg, *grads, D);
 }
 
+absl::Status CheckForwardPointers(const char* who, const TpspShardView& w, const float* x,
+                                  const float* y) {
+  if (w.AnyNull()) return absl::InvalidArgumentError(absl::StrCat(who, ": null weight pointer"));
+  if (x == nullptr || y == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(who, ": null x or y"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckBackwardPointers(const char* who, const TpspShardView& w,
+                                   const TpspGradsView& grads, const float* dy, const float* dx) {
+  if (w.AnyNull()) return absl::InvalidArgumentError(absl::StrCat(who, ": null weight pointer"));
+  if (grads.AnyNull())
+    return absl::InvalidArgumentError(absl::StrCat(who, ": null gradient pointer"));
+  if (dy == nullptr || dx == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(who, ": null dy or dx"));
+  return absl::OkStatus();
+}
+
 TpspShardView TpspViewOf(const BlockWeights& w) {
   return TpspShardView{w.ln1.data(), w.wq.data(), w.wk.data(), w.wv.data(), w.wo.data(),
                        w.ln2.data(), w.wg.data(), w.wu.data(), w.wd.data()};
@@ -231,10 +249,7 @@ absl::Status TpspBlock::Forward(const TransformerOps& ops, const TpspShardView& 
   RETURN_IF_ERROR(Check());
   const int D = comm_->size();
   RETURN_IF_ERROR(CheckBT(B, T, D));
-  if (w.AnyNull()) return absl::InvalidArgumentError("tpsp: null weight pointer");
-  if (x_local == nullptr || y_local == nullptr) {
-    return absl::InvalidArgumentError("tpsp: null x or y");
-  }
+  RETURN_IF_ERROR(CheckForwardPointers("tpsp", w, x_local, y_local));
   TpspCache scratch;
   TpspCache& c = cache != nullptr ? *cache : scratch;
   const int64_t C = cfg_.C, Cl = C / D, C3 = 3 * Cl;
@@ -281,11 +296,7 @@ absl::Status TpspBlock::Backward(const TransformerOps& ops, const TpspShardView&
   RETURN_IF_ERROR(Check());
   const int D = comm_->size();
   RETURN_IF_ERROR(CheckBT(c.B, c.T, D));
-  if (w.AnyNull()) return absl::InvalidArgumentError("tpsp: null weight pointer");
-  if (grads.AnyNull()) return absl::InvalidArgumentError("tpsp: null gradient pointer");
-  if (dy_local == nullptr || dx_local == nullptr) {
-    return absl::InvalidArgumentError("tpsp: null dy or dx");
-  }
+  RETURN_IF_ERROR(CheckBackwardPointers("tpsp", w, grads, dy_local, dx_local));
   CacheRefs r;
   if (!RefsOf(c, cfg_, D, ops, &r)) {
     return absl::InvalidArgumentError(

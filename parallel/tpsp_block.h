@@ -100,6 +100,13 @@ struct TpspView {
 using TpspShardView = TpspView<const float>;
 using TpspGradsView = TpspView<float>;
 
+// The pointer checks of a block's Forward and Backward (TP+SP and TP x CP alike):
+// InvalidArgument "<who>: null ..." naming what is null.
+absl::Status CheckForwardPointers(const char* who, const TpspShardView& w, const float* x,
+                                  const float* y);
+absl::Status CheckBackwardPointers(const char* who, const TpspShardView& w,
+                                   const TpspGradsView& grads, const float* dy, const float* dx);
+
 // Views of host tensors (for a host backend); the views point into w / *g.
 TpspShardView TpspViewOf(const BlockWeights& w);
 TpspGradsView TpspViewOf(BlockGrads* g);
