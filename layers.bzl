@@ -1,0 +1,14 @@
+"""The layering check's view of a package (tests/layering)."""
+
+def layer_sources():
+    """This package's sources and BUILD file as :layer_sources, for tests/layering."""
+    native.filegroup(
+        name = "layer_sources",
+        srcs = native.glob([
+            "**/*.h",
+            "**/*.cc",
+            "**/*.cu",
+            "**/*.cuh",
+        ]) + ["BUILD"],
+        visibility = ["//tests/layering:__pkg__"],
+    )
