@@ -11,7 +11,7 @@ A benchmark, not a test: it prints what the engine reports, whatever it is, exce
 Models (each in bf16, `model.to(torch.bfloat16)`, and in fp32):
 - linear: three width x width weights (--width 1024: 3.15M parameters), nn.Linear without bias,
   Tanh between them, a mean-squared loss; the model of README's "Device bytes per parameter"
-  and of tests/client/zenflow_bf16_test.
+  and of tests/engine/zenflow_bf16_test.
 - gpt2: a transformers GPT2LMHeadModel built from a config (random initialisation, nothing
   downloaded: vocab 256, --gpt2_layers blocks of width --gpt2_d_model; tied embeddings,
   LayerNorms and biases, which stay wholly on the device), trained on byte tokens of the

@@ -40,6 +40,8 @@ TRANSPORT = re.compile(r'#include\s*[<"](grpc|grpcpp|google/protobuf|stallfree/v
 TRANSPORT_FREE = ("common", "kernels", "engine")
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+# A Python file outside tests/ reaching into tests/ for code (sys.path or an import).
+PY_TESTS = re.compile(r'^.*(sys\.path.*["\']tests\b|^\s*(from|import)\s+tests\b).*$', re.M)
 LABEL = re.compile(r'"//([a-z_]+)(/[^:"]*)?(:[^"]*)?"')
 SOURCE_EXT = (".h", ".cc", ".cu", ".cuh")
 
@@ -73,7 +75,7 @@ def violations(root, checked=None):
             for f in files:
                 full = os.path.join(dirpath, f)
                 rel = os.path.relpath(full, root)
-                if f.endswith(SOURCE_EXT) or f == "BUILD":
+                if f.endswith(SOURCE_EXT + (".py",)) or f == "BUILD":
                     checked[layer] += 1
                 if f.endswith(SOURCE_EXT):
                     text = open(full, encoding="utf-8", errors="replace").read()
@@ -85,6 +87,10 @@ def violations(root, checked=None):
                     if layer in TRANSPORT_FREE and TRANSPORT.search(text):
                         out.append("%s includes %s: %s stays free of gRPC and protobuf" %
                                    (rel, TRANSPORT.search(text).group(0), layer))
+                elif f.endswith(".py"):
+                    text = open(full, encoding="utf-8", errors="replace").read()
+                    for m in PY_TESTS.finditer(text):
+                        out.append("%s reaches into tests/: %s" % (rel, m.group(0).strip()))
                 elif f == "BUILD":
                     text = open(full, encoding="utf-8").read()
                     for m in LABEL.finditer(text):
@@ -108,14 +114,17 @@ def self_check():
             f.write('#include "common/log.h"\n#include "engine/zenflow.h"\n')
         with open(os.path.join(d, "engine", "e.h"), "w") as f:
             f.write('#include "kernels/ops.h"\n#include "stallfree/v1/offload.pb.h"\n')
+        with open(os.path.join(d, "client", "tool.py"), "w") as f:
+            f.write('import sys\nsys.path.insert(0, str(REPO / "tests" / "python"))\n')
         with open(os.path.join(d, "client", "BUILD"), "w") as f:
             f.write('cc_library(name = "c", deps = ["//engine:offload_target", "//engine"])\n')
         got = violations(d)
         want = ["kernels/k.h includes engine/zenflow.h", "engine/e.h includes kernels/ops.h",
-                "engine/e.h includes stallfree/v1/", "client/BUILD names //engine:"]
+                "engine/e.h includes stallfree/v1/", "client/BUILD names //engine:",
+                "client/tool.py reaches into tests/"]
         for w in want:
             assert any(g.startswith(w) for g in got), (w, got)
-        assert len(got) == 5, got  # e.h's proto include is also a transport include
+        assert len(got) == 6, got  # e.h's proto include is also a transport include
 
 
 def main():
