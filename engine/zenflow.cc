@@ -1275,6 +1275,9 @@ absl::StatusOr<std::unique_ptr<ZenFlowEngine>> ZenFlowEngine::Create(
 
 absl::Status ZenFlowEngine::Step(double lr) {
   if (!impl_->failure.ok()) return impl_->failure;
+  // A bad argument, refused before anything changes (the engine stays usable).
+  if (!(lr >= 0.0) || !std::isfinite(lr))
+    return Invalid("lr", absl::StrCat(lr, " is not finite and >= 0"));
   absl::Status st = impl_->DoStep(lr);
   for (PState& ps : impl_->params) ps.staged = false;
   impl_->staging_for = 0;

@@ -285,7 +285,8 @@ class ZenFlowEngine {
 
   // One optimizer step (t = step() + 1) with learning rate lr over the gradients now in the
   // parameters' grad buffers. Errors from the daemon or the backend are returned here (or by a
-  // later Step for asynchronous work) and leave the engine failed.
+  // later Step for asynchronous work) and leave the engine failed; an lr that is negative or not
+  // finite is InvalidArgument and changes nothing.
   absl::Status Step(double lr);
 
   // Points parameter `index` (the order of Create's params) at new buffers from the next Step on:

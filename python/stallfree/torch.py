@@ -1193,8 +1193,10 @@ def _hooks_held(opt, attr):
 
 
 def _check_hyper(lr, betas, eps, weight_decay, where):
-    """torch.optim.AdamW's checks (its messages, prefixed by `where`), and finiteness, which the
-    kernels need (torch accepts eps = inf)."""
+    """torch.optim.AdamW's checks (its messages, prefixed by `where`: drop-in behaviour), then
+    the engine's own checks of what it is configured with (finiteness, which the kernels need
+    and torch does not check: torch accepts eps = inf), and lr's finiteness (lr comes with each
+    step, not with the engine's configuration)."""
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("%sTensor lr must be 1-element" % where)
     if not 0.0 <= lr:
@@ -1212,10 +1214,14 @@ def _check_hyper(lr, betas, eps, weight_decay, where):
     if not 0.0 <= weight_decay:
         raise ValueError("%sInvalid weight_decay value: %s (weight_decay must be >= 0)"
                          % (where, weight_decay))
-    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        if float(value) == float("inf"):
-            raise ValueError("%s%s: inf is not finite: stallfree's AdamW kernels take finite "
-                             "values only" % (where, name))
+    if float(lr) == float("inf"):
+        raise ValueError("%slr: inf is not finite: stallfree's AdamW kernels take finite values "
+                         "only" % where)
+    try:
+        _stallfree.validate_config(dict(beta1=float(betas[0]), beta2=float(betas[1]),
+                                        eps=float(eps), weight_decay=float(weight_decay)))
+    except ValueError as e:
+        raise ValueError("%s%s" % (where, e)) from None
 
 
 def _bytes_tensor(data):
