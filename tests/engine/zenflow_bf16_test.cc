@@ -27,62 +27,17 @@
 #include "common/bf16.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
-#include "testing/daemon_process.h"
+#include "tests/engine/engine_fixture.h"
 
 namespace stallfree {
+namespace engine_test {
 namespace {
 
-using testing::Daemon;
 using kernels::GradType;
 using kernels::ReferenceKernel;
 
-struct Tensor16 {
-  std::string name;
-  std::vector<int64_t> shape;
-  std::vector<uint16_t> value, grad;
-  int64_t numel() const { return static_cast<int64_t>(value.size()); }
-  int64_t cols() const { return shape.back(); }
-  int64_t rows() const { return numel() / cols(); }
-};
-
-// Normal values (seed's stream, tensor after tensor), rounded to bf16; zero gradients.
-void Initialise(std::vector<Tensor16>* ts, int seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal;
-  for (Tensor16& t : *ts) {
-    int64_t n = 1;
-    for (int64_t d : t.shape) n *= d;
-    t.value.resize(n);
-    t.grad.assign(n, 0);
-    for (uint16_t& x : t.value) x = FloatToBf16(normal(rng));
-  }
-}
-
-// Two split weights (one 3-D), a weight too narrow to split (15 elements: odd, so a
-// sync-offload run moves its last element through the engine's tail), a 1-D parameter.
-std::vector<Tensor16> MakeModel(int seed) {
-  std::vector<Tensor16> ts = {{"w1", {8, 24}, {}, {}},
-                              {"w2", {4, 3, 10}, {}, {}},
-                              {"narrow", {5, 3}, {}, {}},
-                              {"bias", {24}, {}, {}}};
-  Initialise(&ts, seed);
-  return ts;
-}
-
-// The bf16 gradients of step t: noise, columns [3t, 3t + 6) mod cols ten times larger (the band
-// moves, so reselections migrate columns).
-void FillGrads(std::vector<Tensor16>* ts, int64_t t, int seed) {
-  std::mt19937 rng(seed * 1000003 + static_cast<int>(t));
-  std::normal_distribution<float> normal;
-  for (Tensor16& x : *ts) {
-    const int64_t cols = x.cols();
-    for (int64_t i = 0; i < x.numel(); ++i) {
-      const int64_t c = i % cols;
-      const bool band = ((c - 3 * t) % cols + cols) % cols < 6;
-      x.grad[i] = FloatToBf16(normal(rng) * (band ? 10.0f : 1.0f));
-    }
-  }
-}
+// The bf16 model (engine_fixture.h): its values rounded to bf16.
+std::vector<Tensor16> MakeModel(int seed) { return SmallModel<uint16_t>(seed); }
 
 std::vector<EngineParam> Params(std::vector<Tensor16>* ts) {
   std::vector<EngineParam> ps;
@@ -91,15 +46,9 @@ std::vector<EngineParam> Params(std::vector<Tensor16>* ts) {
   return ps;
 }
 
-ZenFlowConfig Config(OffloadMode mode, int64_t S, int64_t select, bool await) {
-  ZenFlowConfig c;
-  c.mode = mode;
-  c.topk_ratio = 0.25;
-  c.update_interval = S;
-  c.select_interval = select;
-  c.await_updates = await;
-  c.weight_decay = 0.05;
-  c.warmup_steps = 0;
+// The tests' engine (Config, engine_fixture.h) with bf16 transfers.
+ZenFlowConfig Bf16Config(OffloadMode mode, int64_t S, int64_t select, bool await) {
+  ZenFlowConfig c = Config(mode, S, select, await);
   c.grad_dtype = DType::kBf16;
   c.param_dtype = DType::kBf16;
   return c;
@@ -109,14 +58,6 @@ ZenFlowConfig Config(OffloadMode mode, int64_t S, int64_t select, bool await) {
 std::vector<std::pair<DType, Transfers>> TransferCases() {
   return {{DType::kBf16, Transfers::kDirect}, {DType::kBf16, Transfers::kBuffered},
           {DType::kFp32, Transfers::kDirect}, {DType::kFp32, Transfers::kBuffered}};
-}
-
-double Lr(int64_t t) { return 1e-2 / (1.0 + 0.1 * t); }
-
-std::vector<float> ColumnOf(const std::vector<float>& x, int64_t rows, int64_t cols, int64_t c) {
-  std::vector<float> out(rows);
-  for (int64_t r = 0; r < rows; ++r) out[r] = x[r * cols + c];
-  return out;
 }
 
 std::vector<float> Widen(const std::vector<uint16_t>& x) {
@@ -213,19 +154,21 @@ struct Reference {
   }
 };
 
-class ZenFlowBf16Test : public ::testing::Test {
+// A test's run: `seed`'s model, the reference from the same values, and (ZenFlowBf16Test::Start)
+// an engine of `cfg` over the model with its own session (none in no-offload). The members are
+// destroyed in reverse order: the engine before its session, both before the model they use.
+struct EngineRun {
+  EngineRun(const ZenFlowConfig& c, int s) : cfg(c), seed(s), model(MakeModel(s)), ref(model, c) {}
+  const ZenFlowConfig cfg;
+  const int seed;
+  std::vector<Tensor16> model;
+  Reference ref;
+  std::unique_ptr<SessionTarget> session;
+  std::unique_ptr<ZenFlowEngine> engine;
+};
+
+class ZenFlowBf16Test : public EngineTest {
  protected:
-  void SetUp() override {
-    daemon_ = std::make_unique<Daemon>(std::vector<std::string>{"--threads", "2"}, "info");
-    auto client = Client::Connect(daemon_->socket());
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = std::move(*client);
-  }
-  std::unique_ptr<SessionTarget> NewSession(const std::string& name) {
-    auto s = client_->OpenSession(name, 0);
-    EXPECT_TRUE(s.ok()) << s.status();
-    return s.ok() ? std::make_unique<SessionTarget>(std::move(*s)) : nullptr;
-  }
   absl::StatusOr<std::unique_ptr<ZenFlowEngine>> Make(const ZenFlowConfig& cfg,
                                                       std::vector<Tensor16>* model,
                                                       std::unique_ptr<SessionTarget>* session,
@@ -234,8 +177,13 @@ class ZenFlowBf16Test : public ::testing::Test {
     return ZenFlowEngine::Create(cfg, Params(model), kernels::DefaultCpuKernel(),
                                  kernels::CpuOps(), session->get());
   }
-  std::unique_ptr<Daemon> daemon_;
-  std::unique_ptr<Client> client_;
+  // run->engine (Make, on a session named `name`); its failure is fatal: call it in
+  // ASSERT_NO_FATAL_FAILURE.
+  void Start(EngineRun* run, const std::string& name) {
+    auto engine = Make(run->cfg, &run->model, &run->session, name);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    run->engine = *std::move(engine);
+  }
 };
 
 // Every value equals the reference's (bf16 bits).
@@ -286,27 +234,23 @@ TEST_F(ZenFlowBf16Test, AwaitedS1EqualsReferenceAcrossMigrations) {
     const std::string what =
         absl::StrCat(transfers == DType::kBf16 ? "bf16 " : "fp32 ", TransfersName(how));
     SCOPED_TRACE(what);
-    const int seed = 1;
-    ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 1, 1, true);
+    ZenFlowConfig cfg = Bf16Config(OffloadMode::kZenFlow, 1, 1, true);
     cfg.grad_dtype = transfers;
     cfg.param_dtype = transfers;
     cfg.transfers = how;
-    std::vector<Tensor16> model = MakeModel(seed);
-    Reference ref(model, cfg);
-    std::unique_ptr<SessionTarget> session;
-    auto engine = Make(cfg, &model, &session, "bf16-s1");
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    ZenFlowEngine& e = **engine;
+    EngineRun run(cfg, /*seed=*/1);
+    ASSERT_NO_FATAL_FAILURE(Start(&run, "bf16-s1"));
+    ZenFlowEngine& e = *run.engine;
     EXPECT_EQ(e.transfers(), how);
     EXPECT_TRUE(!e.OnDevice(0) && !e.OnDevice(1) && e.OnDevice(2) && e.OnDevice(3));
     int64_t migrated = 0;
     for (int64_t t = 1; t <= 16; ++t) {
-      FillGrads(&model, t, seed);
+      FillGrads(&run.model, t, run.seed);
       ASSERT_TRUE(e.Step(Lr(t)).ok()) << "step " << t;
-      ref.Step(t, seed);
+      run.ref.Step(t, run.seed);
       migrated += e.last_timings().migrated_columns;
-      ExpectValues(model, ref, absl::StrCat("step ", t));
-      EXPECT_GT(ExpectDeviceColumns(e, model, ref, true, absl::StrCat("step ", t)), 0);
+      ExpectValues(run.model, run.ref, absl::StrCat("step ", t));
+      EXPECT_GT(ExpectDeviceColumns(e, run.model, run.ref, true, absl::StrCat("step ", t)), 0);
     }
     EXPECT_GT(migrated, 0) << "no column migrated: the test proves nothing";
   }
@@ -321,31 +265,28 @@ TEST_F(ZenFlowBf16Test, RoundsOfFourEqualReferenceAwaitedAndAsynchronous) {
                             std::pair{false, Transfers::kDirect},
                             std::pair{false, Transfers::kBuffered}}) {
     SCOPED_TRACE(absl::StrCat(await ? "awaited " : "asynchronous ", TransfersName(how)));
-    const int seed = 6;
-    ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, await);
+    ZenFlowConfig cfg = Bf16Config(OffloadMode::kZenFlow, 4, 4, await);
     cfg.transfers = how;
-    std::vector<Tensor16> model = MakeModel(seed);
-    Reference ref(model, cfg);
-    std::unique_ptr<SessionTarget> session;
-    auto engine = Make(cfg, &model, &session, await ? "bf16-s4-await" : "bf16-s4-async");
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    ZenFlowEngine& e = **engine;
+    EngineRun run(cfg, /*seed=*/6);
+    ASSERT_NO_FATAL_FAILURE(Start(&run, await ? "bf16-s4-await" : "bf16-s4-async"));
+    ZenFlowEngine& e = *run.engine;
     int64_t migrated = 0, lagging = 0;
     for (int64_t t = 1; t <= 24; ++t) {
-      FillGrads(&model, t, seed);
+      FillGrads(&run.model, t, run.seed);
       ASSERT_TRUE(e.Step(Lr(t)).ok()) << "step " << t;
-      ref.Step(t, seed);
+      run.ref.Step(t, run.seed);
       migrated += e.last_timings().migrated_columns;
       const std::string what = absl::StrCat("step ", t);
-      ExpectDeviceColumns(e, model, ref, true, what);
+      ExpectDeviceColumns(e, run.model, run.ref, true, what);
       if (await) {
-        ExpectValues(model, ref, what);
+        ExpectValues(run.model, run.ref, what);
         continue;
       }
-      for (size_t i = 0; i < model.size(); ++i) lagging += model[i].value != ref.ts[i].value;
+      for (size_t i = 0; i < run.model.size(); ++i)
+        lagging += run.model[i].value != run.ref.ts[i].value;
       if (t % 8 == 0) {
         ASSERT_TRUE(e.Flush().ok());
-        ExpectValues(model, ref, what + " (flushed)");
+        ExpectValues(run.model, run.ref, what + " (flushed)");
       }
     }
     EXPECT_GT(migrated, 0);
@@ -365,16 +306,12 @@ TEST_F(ZenFlowBf16Test, RoundsOfFourEqualReferenceAwaitedAndAsynchronous) {
 TEST_F(ZenFlowBf16Test, StreamedGradientsEqualReference) {
   for (Transfers how : {Transfers::kDirect, Transfers::kBuffered}) {
     SCOPED_TRACE(TransfersName(how));
-    const int seed = 6;
-    ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, false);
+    ZenFlowConfig cfg = Bf16Config(OffloadMode::kZenFlow, 4, 4, false);
     cfg.transfers = how;
     cfg.stream_gradients = true;
-    std::vector<Tensor16> model = MakeModel(seed);
-    Reference ref(model, cfg);
-    std::unique_ptr<SessionTarget> session;
-    auto engine = Make(cfg, &model, &session, "bf16-streamed");
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    ZenFlowEngine& e = **engine;
+    EngineRun run(cfg, /*seed=*/6);
+    ASSERT_NO_FATAL_FAILURE(Start(&run, "bf16-streamed"));
+    ZenFlowEngine& e = *run.engine;
     ASSERT_TRUE(e.Splits(0) && e.Splits(1) && !e.Splits(2) && !e.Splits(3));
     // The caller's bytes: every value (351 bf16), the gradients of 'narrow' and 'bias' only
     // (39); a split weight's gradient is transient, the larger one w1's 192 x 2.
@@ -382,32 +319,32 @@ TEST_F(ZenFlowBf16Test, StreamedGradientsEqualReference) {
     EXPECT_GE(e.Footprint().transient_peak, 2 * 192);
     int64_t migrated = 0;
     for (int64_t t = 1; t <= 24; ++t) {
-      FillGrads(&model, t, seed);
+      FillGrads(&run.model, t, run.seed);
       // Step 3 and step 8 (a reselection) are not staged: Step reads the gradients itself.
       for (size_t i : {0, 1}) {
         if (t == 3 || t == 8) break;
-        ASSERT_TRUE(e.StageGradient(i, model[i].grad.data()).ok()) << "step " << t;
-        std::fill(model[i].grad.begin(), model[i].grad.end(), uint16_t{0x7fc1});
-        ASSERT_TRUE(e.SetBuffers(i, model[i].value.data(), nullptr).ok());
+        ASSERT_TRUE(e.StageGradient(i, run.model[i].grad.data()).ok()) << "step " << t;
+        std::fill(run.model[i].grad.begin(), run.model[i].grad.end(), uint16_t{0x7fc1});
+        ASSERT_TRUE(e.SetBuffers(i, run.model[i].value.data(), nullptr).ok());
       }
       if (t == 5) {
-        EXPECT_EQ(e.StageGradient(0, model[0].grad.data()).code(),
+        EXPECT_EQ(e.StageGradient(0, run.model[0].grad.data()).code(),
                   absl::StatusCode::kFailedPrecondition);
         EXPECT_EQ(e.Checkpoint("staged").status().code(), absl::StatusCode::kFailedPrecondition);
       }
       ASSERT_TRUE(e.Step(Lr(t)).ok()) << "step " << t;
       for (size_t i : {0, 1})
-        ASSERT_TRUE(e.SetBuffers(i, model[i].value.data(), model[i].grad.data()).ok());
-      ref.Step(t, seed);
+        ASSERT_TRUE(e.SetBuffers(i, run.model[i].value.data(), run.model[i].grad.data()).ok());
+      run.ref.Step(t, run.seed);
       migrated += e.last_timings().migrated_columns;
-      ExpectDeviceColumns(e, model, ref, true, absl::StrCat("step ", t));
+      ExpectDeviceColumns(e, run.model, run.ref, true, absl::StrCat("step ", t));
       if (t % 8 == 0) {
         ASSERT_TRUE(e.Flush().ok());
-        ExpectValues(model, ref, absl::StrCat("step ", t, " (flushed)"));
+        ExpectValues(run.model, run.ref, absl::StrCat("step ", t, " (flushed)"));
       }
     }
     EXPECT_GT(migrated, 0);
-    const absl::Status not_split = e.StageGradient(2, model[2].grad.data());
+    const absl::Status not_split = e.StageGradient(2, run.model[2].grad.data());
     EXPECT_EQ(not_split.code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_NE(not_split.message().find("narrow"), std::string::npos) << not_split;
   }
@@ -422,22 +359,18 @@ TEST_F(ZenFlowBf16Test, SyncOffloadAndNoOffloadEqualReference) {
           absl::StrCat(OffloadModeName(mode), transfers == DType::kBf16 ? " bf16" : " fp32",
                        " transfers");
       SCOPED_TRACE(what);
-      const int seed = 2;
-      ZenFlowConfig cfg = Config(mode, 4, 0, false);
+      ZenFlowConfig cfg = Bf16Config(mode, 4, 0, false);
       cfg.grad_dtype = transfers;
       cfg.param_dtype = transfers;
-      std::vector<Tensor16> model = MakeModel(seed);
-      Reference ref(model, cfg);
-      std::unique_ptr<SessionTarget> session;
-      auto engine = Make(cfg, &model, &session, "bf16-sync");
-      ASSERT_TRUE(engine.ok()) << engine.status();
+      EngineRun run(cfg, /*seed=*/2);
+      ASSERT_NO_FATAL_FAILURE(Start(&run, "bf16-sync"));
       for (int64_t t = 1; t <= 8; ++t) {
-        FillGrads(&model, t, seed);
-        ASSERT_TRUE((*engine)->Step(Lr(t)).ok()) << "step " << t;
-        ref.Step(t, seed);
-        ExpectValues(model, ref, absl::StrCat("step ", t));
+        FillGrads(&run.model, t, run.seed);
+        ASSERT_TRUE(run.engine->Step(Lr(t)).ok()) << "step " << t;
+        run.ref.Step(t, run.seed);
+        ExpectValues(run.model, run.ref, absl::StrCat("step ", t));
         if (mode == OffloadMode::kNoOffload)
-          ExpectDeviceColumns(**engine, model, ref, true, absl::StrCat("step ", t));
+          ExpectDeviceColumns(*run.engine, run.model, run.ref, true, absl::StrCat("step ", t));
       }
     }
   }
@@ -464,7 +397,7 @@ TEST_F(ZenFlowBf16Test, CheckpointRestoreMidRoundEqualsReference) {
     SCOPED_TRACE(what);
     const int seed = 5;
     const int64_t steps = 17;
-    ZenFlowConfig cfg = Config(cs.mode, 4, 4, cs.await);
+    ZenFlowConfig cfg = Bf16Config(cs.mode, 4, 4, cs.await);
     cfg.transfers = cs.how;
     std::vector<Tensor16> model = MakeModel(seed);
     Reference ref(model, cfg);
@@ -534,7 +467,7 @@ TEST_F(ZenFlowBf16Test, MasterRebuiltFromTheValueEachStepDiffers) {
   for (OffloadMode mode : {OffloadMode::kNoOffload, OffloadMode::kZenFlow}) {
     SCOPED_TRACE(OffloadModeName(mode));
     const int seed = 7;
-    const ZenFlowConfig cfg = Config(mode, 1, 1, true);
+    const ZenFlowConfig cfg = Bf16Config(mode, 1, 1, true);
     std::vector<Tensor16> model = MakeModel(seed);
     const std::vector<Tensor16> initial = model;
     Reference exact(model, cfg), drifting(model, cfg, /*drifting=*/true);
@@ -629,7 +562,7 @@ TEST_F(ZenFlowBf16Test, DeviceBytesOfASmallModelCountedByHand) {
     SCOPED_TRACE(what);
     std::vector<std::vector<float>> store;
     store.reserve(3);
-    ZenFlowConfig cfg = Config(w.mode, 4, 0, false);  // bf16 transfers
+    ZenFlowConfig cfg = Bf16Config(w.mode, 4, 0, false);  // bf16 transfers
     cfg.transfers = w.transfers;
     std::unique_ptr<SessionTarget> session;
     if (w.mode != OffloadMode::kNoOffload) session = NewSession("bytes");
@@ -673,7 +606,7 @@ TEST_F(ZenFlowBf16Test, DeviceBytesPerParameterOfThreeSquareWeights) {
       for (int64_t i = 0; i < weights; ++i)
         ps.push_back({absl::StrCat("w", i), {n, n}, store[i].data(), nullptr,
                       bf16 ? DType::kBf16 : DType::kFp32});
-      ZenFlowConfig cfg = Config(run.mode, 4, 0, false);
+      ZenFlowConfig cfg = Bf16Config(run.mode, 4, 0, false);
       cfg.topk_ratio = 0.1;
       cfg.transfers = run.transfers;
       std::unique_ptr<SessionTarget> session;
@@ -703,4 +636,5 @@ TEST_F(ZenFlowBf16Test, DeviceBytesPerParameterOfThreeSquareWeights) {
 }
 
 }  // namespace
+}  // namespace engine_test
 }  // namespace stallfree

@@ -21,77 +21,20 @@
 #include "common/bf16.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
-#include "testing/daemon_process.h"
+#include "tests/engine/engine_fixture.h"
 
 namespace stallfree {
+namespace engine_test {
 namespace {
 
-using testing::Daemon;
-
-struct Tensor {
-  std::string name;
-  std::vector<int64_t> shape;
-  std::vector<float> value, grad;
-  int64_t cols() const { return shape.back(); }
-  int64_t rows() const { return static_cast<int64_t>(value.size()) / cols(); }
-};
-
-// Standard-normal values (the stream of `seed`, tensor after tensor) and zero gradients.
-void Initialise(std::vector<Tensor>* ts, int seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal;
-  for (Tensor& t : *ts) {
-    int64_t n = 1;
-    for (int64_t d : t.shape) n *= d;
-    t.value.resize(n);
-    t.grad.assign(n, 0.0f);
-    for (float& x : t.value) x = normal(rng);
-  }
-}
-
-// A small model: two split weights (one 3-D), a weight too narrow to split, a 1-D parameter.
-std::vector<Tensor> MakeModel(int seed) {
-  std::vector<Tensor> ts = {{"w1", {8, 24}, {}, {}},
-                            {"w2", {4, 3, 10}, {}, {}},
-                            {"narrow", {5, 3}, {}, {}},
-                            {"bias", {24}, {}, {}}};
-  Initialise(&ts, seed);
-  return ts;
-}
-
-// The gradients of step t: noise, with columns [3t, 3t + 6) mod cols ten times larger.
-void FillGrads(std::vector<Tensor>* ts, int64_t t, int seed) {
-  std::mt19937 rng(seed * 1000003 + static_cast<int>(t));
-  std::normal_distribution<float> normal;
-  for (Tensor& x : *ts) {
-    const int64_t cols = x.cols();
-    for (int64_t i = 0; i < static_cast<int64_t>(x.grad.size()); ++i) {
-      const int64_t c = i % cols;
-      const bool band = ((c - 3 * t) % cols + cols) % cols < 6;
-      x.grad[i] = normal(rng) * (band ? 10.0f : 1.0f);
-    }
-  }
-}
+// The fp32 model (engine_fixture.h).
+std::vector<Tensor> MakeModel(int seed) { return SmallModel<float>(seed); }
 
 std::vector<EngineParam> Params(std::vector<Tensor>* ts) {
   std::vector<EngineParam> ps;
   for (Tensor& t : *ts) ps.push_back({t.name, t.shape, t.value.data(), t.grad.data()});
   return ps;
 }
-
-ZenFlowConfig Config(OffloadMode mode, int64_t S, int64_t select, bool await) {
-  ZenFlowConfig c;
-  c.mode = mode;
-  c.topk_ratio = 0.25;
-  c.update_interval = S;
-  c.select_interval = select;
-  c.await_updates = await;
-  c.weight_decay = 0.05;
-  c.warmup_steps = 0;  // the tests that want the engine warm-up set it
-  return c;
-}
-
-double Lr(int64_t t) { return 1e-2 / (1.0 + 0.1 * t); }
 
 // Dense AdamW on every parameter, the oracle kernel: the quality reference.
 struct Dense {
@@ -113,28 +56,7 @@ struct Dense {
   }
 };
 
-std::vector<float> ColumnOf(const std::vector<float>& x, int64_t rows, int64_t cols, int64_t c) {
-  std::vector<float> out(rows);
-  for (int64_t r = 0; r < rows; ++r) out[r] = x[r * cols + c];
-  return out;
-}
-
-class ZenFlowTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    daemon_ = std::make_unique<Daemon>(std::vector<std::string>{"--threads", "2"}, "info");
-    auto client = Client::Connect(daemon_->socket());
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = std::move(*client);
-  }
-  std::unique_ptr<SessionTarget> NewSession(const std::string& name) {
-    auto s = client_->OpenSession(name, 0);
-    EXPECT_TRUE(s.ok()) << s.status();
-    return s.ok() ? std::make_unique<SessionTarget>(std::move(*s)) : nullptr;
-  }
-  std::unique_ptr<Daemon> daemon_;
-  std::unique_ptr<Client> client_;
-};
+class ZenFlowTest : public EngineTest {};
 
 // zenflow with S = 1 and every update awaited equals dense AdamW bit for bit, while reselection
 // every step migrates columns between the device and the daemon; every hot column's value, m, v
@@ -734,4 +656,5 @@ TEST(ZenFlowEngineErrors, OutOfBackendMemoryIsResourceExhaustedNamingTheBytes) {
 }
 
 }  // namespace
+}  // namespace engine_test
 }  // namespace stallfree

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -37,6 +38,7 @@
 #include "parallel/tsp_block.h"
 #include "tests/parallel/model_buffers.h"
 #include "tests/parallel/worker_check.h"
+#include "tests/parallel/worker_support.h"
 
 namespace sp = stallfree::parallel;
 
@@ -297,21 +299,12 @@ bool RunLayout(sp::Communicator& comm, sp::Layout layout, bool learned_positions
 }  // namespace
 
 int main() {
-  auto options = sp::CommOptions::FromEnvironment();
-  if (!options.ok()) {
-    std::fprintf(stderr, "FAIL: %s\n", options.status().ToString().c_str());
-    return 1;
-  }
-  g_rank = options->rank;
-  auto comm = sp::NewGlooCommunicator(*options);
-  if (!comm.ok()) {
-    std::fprintf(stderr, "FAIL rank %d: %s\n", g_rank, comm.status().ToString().c_str());
-    return 1;
-  }
+  const std::unique_ptr<sp::Communicator> comm = stallfree::testing::JoinGlooGroup();
+  if (comm == nullptr) return 1;
   for (sp::Layout layout : {sp::Layout::kTsp, sp::Layout::kTpsp}) {
     for (bool learned_positions : {false, true}) {
       for (bool tied_head : {false, true}) {
-        if (!RunLayout(**comm, layout, learned_positions, tied_head)) return 1;
+        if (!RunLayout(*comm, layout, learned_positions, tied_head)) return 1;
       }
     }
   }

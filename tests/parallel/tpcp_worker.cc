@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -38,88 +39,26 @@
 #include "parallel/tpcp_block.h"
 #include "parallel/tpsp_block.h"
 #include "tests/parallel/worker_check.h"
+#include "tests/parallel/worker_support.h"
 
 namespace sp = stallfree::parallel;
+namespace st = stallfree::testing;
 
 namespace {
 
-using stallfree::testing::BlockSize;
-using stallfree::testing::Compare;
-using stallfree::testing::g_rank;
-using stallfree::testing::MaxAbs;
-using stallfree::testing::RandomNormal;
-
-// Expected calls / sent / received of one op kind.
-struct Expect {
-  int64_t calls = 0, sent = 0, received = 0;
-};
-using Expects = std::vector<std::pair<sp::OpKind, Expect>>;
-
-// Ring all-reduce of n floats over comm's group (parallel/gloo_communicator.cc's closed form).
-Expect AllReduceExpect(const sp::Communicator& comm, int64_t n) {
-  const int d = comm.size(), r = comm.rank();
-  Expect e;
-  e.calls = 1;
-  if (d > 1) {
-    e.sent = 4 * (2 * n - BlockSize(n, d, r) - BlockSize(n, d, (r + 1) % d));
-    e.received = 4 * (2 * n - BlockSize(n, d, (r - 1 + d) % d) - BlockSize(n, d, r));
-  }
-  return e;
-}
-
-bool CheckCounters(const sp::Communicator& comm, const std::string& what, const Expects& want) {
-  const sp::OpCounters got = comm.counters();
-  for (int k = 0; k < static_cast<int>(sp::OpKind::kNumKinds); ++k) {
-    const sp::OpKind kind = static_cast<sp::OpKind>(k);
-    const sp::OpCounter& c = got[k];
-    Expect e;
-    for (const auto& [wk, we] : want) {
-      if (wk == kind) e = we;
-    }
-    if (c.calls != 0 || e.calls != 0) {
-      std::printf("  %s %-14s calls %lld  bytes sent %lld  received %lld (closed form %lld/%lld)\n",
-                  what.c_str(), sp::OpKindName(kind), static_cast<long long>(c.calls),
-                  static_cast<long long>(c.bytes_sent), static_cast<long long>(c.bytes_received),
-                  static_cast<long long>(e.sent), static_cast<long long>(e.received));
-    }
-    CHECK_OR_FAIL(c.calls == e.calls && c.bytes_sent == e.sent && c.bytes_received == e.received,
-                  what, " ", sp::OpKindName(kind), ": calls/sent/received ", c.calls, "/",
-                  c.bytes_sent, "/", c.bytes_received, ", closed form ", e.calls, "/", e.sent, "/",
-                  e.received);
-  }
-  return true;
-}
+using st::g_rank;  // this rank, as CHECK_OK and CHECK_OR_FAIL print it
 
 bool RunCase(sp::TpcpGroups& g, int64_t B, int64_t T) {
   const int t = g.tp_degree, c = g.cp_degree, i = g.tp_index, j = g.cp_index;
   const stallfree::kernels::TransformerOps& ops = stallfree::kernels::CpuOps();
-  sp::ModelConfig mc;
-  mc.vocab = 1;
-  mc.C = 32;
-  mc.H = 4;
-  mc.FF = 64;
-  mc.layers = 1;
-  const sp::BlockConfig cfg = mc.block();
-  const int64_t C = cfg.C, n = B * T, Tl = T / c / t, nl = B * Tl;
   const std::string at = absl::StrCat("t=", t, " c=", c, " B=", B, " T=", T);
   std::printf("rank %d (tp %d, cp %d): %s\n", g_rank, i, j, at.c_str());
-
-  // The same full weights, x and dy on every rank (fixed seeds; as tpsp_worker).
-  const sp::BlockWeights full = sp::InitModelWeights(mc, 1234, 0.2f, 0.1f).blocks[0];
-  const std::vector<float> x = RandomNormal(n * C, 77 + static_cast<uint32_t>(T), 1.0f);
-  const std::vector<float> dy = RandomNormal(n * C, 99 + static_cast<uint32_t>(T), 1.0f);
-
-  // Reference on the whole batch.
-  std::vector<int32_t> pos(T);
-  for (int64_t s = 0; s < T; ++s) pos[s] = static_cast<int32_t>(s);
-  sp::ReferenceBlock ref(cfg);
-  sp::BlockCache ref_cache;
-  std::vector<float> y_ref(n * C), dx_ref(n * C);
-  sp::BlockGrads g_ref;
-  CHECK_OK(ref.Forward(ops, full, x.data(), pos.data(), B, T, y_ref.data(), &ref_cache),
-           at + " reference forward");
-  CHECK_OK(ref.Backward(ops, full, ref_cache, dy.data(), dx_ref.data(), &g_ref),
-           at + " reference backward");
+  // The same full weights, x and dy on every rank, and the reference on the whole batch (as
+  // tpsp_worker).
+  st::TpBlockCase rc;
+  if (!st::MakeTpBlockCase(B, T, at, &rc)) return false;
+  const sp::BlockConfig& cfg = rc.cfg;
+  const int64_t C = cfg.C, Tl = T / c / t, nl = B * Tl;
 
   // This rank's tokens: the positions TpcpPositions gives, of every row.
   auto my_pos = sp::TpcpPositions(T, t, c, i, j);
@@ -135,10 +74,10 @@ bool RunCase(sp::TpcpGroups& g, int64_t B, int64_t T) {
     }
     return l;
   };
-  const std::vector<float> x_local = local_of(x), dy_local = local_of(dy);
-  const std::vector<float> y_ref_local = local_of(y_ref), dx_ref_local = local_of(dx_ref);
+  const std::vector<float> x_local = local_of(rc.x), dy_local = local_of(rc.dy);
+  const std::vector<float> y_ref_local = local_of(rc.y_ref), dx_ref_local = local_of(rc.dx_ref);
 
-  auto shard = sp::ShardTpspWeights(cfg, full, t, i);
+  auto shard = sp::ShardTpspWeights(cfg, rc.full, t, i);
   CHECK_OK(shard.status(), at + " shard");
   sp::TpcpBlock block(cfg, g.tp.get(), g.cp.get());
   sp::TpcpCache cache;
@@ -156,53 +95,43 @@ bool RunCase(sp::TpcpGroups& g, int64_t B, int64_t T) {
   const int64_t n_w = 2 * C + 4 * C * C / t + 3 * C * cfg.FF / t;
   const int64_t tp_bytes = 2 * 4 * n_tp * (t - 1) / t;  // two calls
   const int64_t kv_bytes = 4 * n_kv * (c - 1);
-  const Expects tp_fwd = {{sp::OpKind::kAllGather, {2, tp_bytes, tp_bytes}},
-                          {sp::OpKind::kReduceScatter, {2, tp_bytes, tp_bytes}}};
-  const Expects cp_fwd = {{sp::OpKind::kAllGather, {1, kv_bytes, kv_bytes}}};
-  if (!CheckCounters(*g.tp, at + " forward tp", tp_fwd)) return false;
-  if (!CheckCounters(*g.cp, at + " forward cp", cp_fwd)) return false;
+  const st::OpExpects cp_fwd = {{sp::OpKind::kAllGather, {1, kv_bytes, kv_bytes}}};
+  if (!st::CheckCounters(*g.tp, at + " forward tp",
+                         st::TpLayerExpects(*g.tp, tp_bytes, false, C))) {
+    return false;
+  }
+  if (!st::CheckCounters(*g.cp, at + " forward cp", cp_fwd)) return false;
   g.tp->ResetCounters();
   g.cp->ResetCounters();
   CHECK_OK(block.Backward(ops, sp::TpspViewOf(*shard), cache, dy_local.data(), dx.data(),
                           sp::TpspViewOf(&g_shard)),
            at + " backward");
-  Expects tp_bwd = tp_fwd;
-  tp_bwd.push_back({sp::OpKind::kAllReduce, AllReduceExpect(*g.tp, 2 * C)});
-  const Expects cp_bwd = {{sp::OpKind::kReduceScatter, {1, kv_bytes, kv_bytes}},
-                          {sp::OpKind::kAllReduce, AllReduceExpect(*g.cp, n_w)}};
-  if (!CheckCounters(*g.tp, at + " backward tp", tp_bwd)) return false;
-  if (!CheckCounters(*g.cp, at + " backward cp", cp_bwd)) return false;
+  const st::OpExpects cp_bwd = {{sp::OpKind::kReduceScatter, {1, kv_bytes, kv_bytes}},
+                                {sp::OpKind::kAllReduce, st::AllReduceExpect(*g.cp, n_w)}};
+  if (!st::CheckCounters(*g.tp, at + " backward tp",
+                         st::TpLayerExpects(*g.tp, tp_bytes, true, C))) {
+    return false;
+  }
+  if (!st::CheckCounters(*g.cp, at + " backward cp", cp_bwd)) return false;
 
-  if (!Compare(at + " y", y.data(), y_ref_local.data(), nl * C, MaxAbs(y_ref))) return false;
-  if (!Compare(at + " dx", dx.data(), dx_ref_local.data(), nl * C, MaxAbs(dx_ref))) return false;
+  if (!st::Compare(at + " y", y.data(), y_ref_local.data(), nl * C, st::MaxAbs(rc.y_ref))) {
+    return false;
+  }
+  if (!st::Compare(at + " dx", dx.data(), dx_ref_local.data(), nl * C, st::MaxAbs(rc.dx_ref))) {
+    return false;
+  }
 
   // The shard's gradients against the reference's gradients sharded the same way.
-  auto ref_shard = sp::ShardTpspWeights(cfg, g_ref, t, i);
-  CHECK_OK(ref_shard.status(), at + " reference gradient shard");
-  const std::vector<const std::vector<float>*> got = std::as_const(g_shard).Tensors();
-  const std::vector<const std::vector<float>*> want = std::as_const(*ref_shard).Tensors();
-  const std::vector<const std::vector<float>*> want_full = std::as_const(g_ref).Tensors();
-  for (size_t f = 0; f < got.size(); ++f) {
-    CHECK_OR_FAIL(got[f]->size() == want[f]->size(), at, " d", sp::BlockTensorNames()[f], " size ",
-                  got[f]->size(), " want ", want[f]->size());
-    if (!Compare(at + " d" + sp::BlockTensorNames()[f], got[f]->data(), want[f]->data(),
-                 static_cast<int64_t>(got[f]->size()), MaxAbs(*want_full[f]))) {
-      return false;
-    }
-  }
-  return stallfree::testing::CheckViewForm<sp::TpcpBlock, sp::TpcpCache>(
+  if (!st::CompareTpShardGrads(at, rc, g_shard, t, i)) return false;
+  return st::CheckViewForm<sp::TpcpBlock, sp::TpcpCache>(
       at, block, ops, *shard, x_local, dy_local, B, T, y, dx, g_shard);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  auto options = sp::CommOptions::FromEnvironment();
-  if (!options.ok()) {
-    std::fprintf(stderr, "FAIL: %s\n", options.status().ToString().c_str());
-    return 1;
-  }
-  g_rank = options->rank;
+  const std::optional<sp::CommOptions> options = st::RankOptions();
+  if (!options) return 1;
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s TP_DEGREE (CP degree = WORLD_SIZE / TP_DEGREE)\n", argv[0]);
     return 2;

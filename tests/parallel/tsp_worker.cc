@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -26,6 +27,7 @@
 #include "parallel/tsp_block.h"
 #include "parallel/zigzag.h"
 #include "tests/parallel/worker_check.h"
+#include "tests/parallel/worker_support.h"
 
 namespace sp = stallfree::parallel;
 
@@ -202,25 +204,16 @@ int RunDeath(sp::Communicator& comm, int die_rank) {
 }  // namespace
 
 int main() {
-  auto options = sp::CommOptions::FromEnvironment();
-  if (!options.ok()) {
-    std::fprintf(stderr, "FAIL: %s\n", options.status().ToString().c_str());
-    return 1;
-  }
-  g_rank = options->rank;
-  auto comm = sp::NewGlooCommunicator(*options);
-  if (!comm.ok()) {
-    std::fprintf(stderr, "FAIL rank %d: %s\n", g_rank, comm.status().ToString().c_str());
-    return 1;
-  }
+  const std::unique_ptr<sp::Communicator> comm = stallfree::testing::JoinGlooGroup();
+  if (comm == nullptr) return 1;
   if (const char* die = std::getenv("STALLFREE_TEST_DIE_RANK"); die != nullptr) {
-    return RunDeath(**comm, std::atoi(die));
+    return RunDeath(*comm, std::atoi(die));
   }
   for (int64_t T : {16, 32}) {
-    if (!RunCase(**comm, T, /*B=*/2)) return 1;
+    if (!RunCase(*comm, T, /*B=*/2)) return 1;
   }
   // One batch row: attention reads the gathered K|V in place (no relayout copy).
-  if (!RunCase(**comm, 16, /*B=*/1)) return 1;
+  if (!RunCase(*comm, 16, /*B=*/1)) return 1;
   std::printf("OK rank %d\n", g_rank);
   std::fflush(stdout);
   return 0;

@@ -8,66 +8,21 @@
 // errors that name the values.
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
-#include "testing/daemon_process.h"
-#include "tests/trainer/trainer_process.h"
+#include "tests/trainer/trainer_runner.h"
 
 namespace stallfree {
 namespace {
 
-using testing::Daemon;
-using TrainerRun = testing::ProcessRun;
-
-TrainerRun Trainer(const std::vector<std::string>& args) {
-  std::string cmd = "trainer/trainer";
-  for (const std::string& a : args) cmd += " '" + a + "'";
-  return testing::RunShell(cmd);
-}
-
-std::vector<std::string> Cat(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-// A number of summary.json ("key": value), NaN if absent.
-double SummaryValue(const std::string& json_path, const std::string& key) {
-  std::ifstream f(json_path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string s = ss.str();
-  const std::string want = "\"" + key + "\": ";
-  const size_t at = s.find(want);
-  if (at == std::string::npos) return std::nan("");
-  return std::strtod(s.c_str() + at + want.size(), nullptr);
-}
-
-// The largest |a - b| / |a| over the steps.
-double MaxRelativeDifference(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
-    worst = std::max(worst, std::fabs(a[i] - b[i]) / std::fabs(a[i]));
-  return worst;
-}
-
-class TrainerBf16Test : public ::testing::Test {
+class TrainerBf16Test : public testing::TrainerFixture {
  protected:
-  void SetUp() override {
-    daemon_ = std::make_unique<Daemon>(std::vector<std::string>{"--threads", "2"}, "warning");
-    out_ = daemon_->dir() + "/runs";
-  }
   // The tiny preset, quiet, on the test's daemon, a bf16 model.
-  std::vector<std::string> Base(const std::string& name, int64_t steps) {
-    return {"--preset",  "tiny", "--steps",   std::to_string(steps), "--quiet",
-            "--socket",  daemon_->socket(), "--out_dir", out_ + "/" + name,
-            "--run_name", name,  "--eval_every", "0", "--lr_warmup", "5",
-            "--model_dtype", "bf16"};
+  std::vector<std::string> Base(const std::string& name, int64_t steps) const {
+    return Cat(TinyRun(name, steps), {"--model_dtype", "bf16"});
   }
   // ZenFlow proper from step 3 on: 2 warm-up steps, then rounds of S = 4 (boundaries at steps 6,
   // 10, 14, 18), reselections at steps 2, 10 and 18, a quarter of the columns hot.
@@ -75,16 +30,6 @@ class TrainerBf16Test : public ::testing::Test {
     return {"--engine_warmup", "2", "--update_interval", "4", "--select_interval", "8",
             "--topk_ratio", "0.25"};
   }
-  std::string Dir(const std::string& name) { return out_ + "/" + name; }
-  std::vector<double> Losses(const std::string& name) {
-    return testing::MetricsLosses(Dir(name) + "/metrics.csv");
-  }
-  double Summary(const std::string& name, const std::string& key) {
-    return SummaryValue(Dir(name) + "/summary.json", key);
-  }
-
-  std::unique_ptr<Daemon> daemon_;
-  std::string out_;
 };
 
 // The checkpoint at step 11 falls inside a round (steps 11-14), one step after a reselection
@@ -124,15 +69,11 @@ TEST_F(TrainerBf16Test, ResumeEqualsUninterruptedRunInZenFlowAndSyncOffload) {
       EXPECT_GT(Summary(full, "migrated_columns"), 0);
       EXPECT_EQ(Summary(part, "reselections"), 1);
       // And stale where the test resumes: the same run with every Update awaited agrees through
-      // the warm-up and differs at every step after the resume (the pending Update is real).
-      TrainerRun awaited =
-          Trainer(Cat(Base("zenflow-awaited", steps), Cat(flags, {"--await_updates"})));
-      ASSERT_EQ(awaited.code, 0) << awaited.output;
-      const std::vector<double> lc = Losses("zenflow-awaited");
-      ASSERT_EQ(lc.size(), static_cast<size_t>(steps));
-      for (int64_t i = 0; i < 2; ++i) EXPECT_EQ(lc[i], la[i]) << "step " << i + 1 << " (warm-up)";
-      for (int64_t i = 11; i < steps; ++i)
-        EXPECT_NE(lc[i], la[i]) << "step " << i + 1 << " (after the resume)";
+      // the warm-up (2 steps) and differs at every step after the resume (step 11: the pending
+      // Update is real).
+      ASSERT_NO_FATAL_FAILURE(ExpectAwaitedRunDiffersAfterTheResume(
+          "zenflow-awaited", Cat(Base("zenflow-awaited", steps), Cat(flags, {"--await_updates"})),
+          la, 2, 11));
     }
   }
 }

@@ -6,82 +6,28 @@
 // tolerance; what a resume cannot change (the global batch, the TSP size) and a WORLD_SIZE that
 // is not N x D are refused with errors that name the values.
 #include <cmath>
-#include <cstdlib>
+#include <cstdio>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
-#include "testing/daemon_process.h"
-#include "tests/trainer/trainer_process.h"
+#include "tests/trainer/trainer_runner.h"
 
 namespace stallfree {
 namespace {
 
-using testing::Daemon;
-using TrainerRun = testing::ProcessRun;
-
-// Runs trainer/trainer with args (output captured), in the test's runfiles directory, after
-// `env` (e.g. "RANK=0 WORLD_SIZE=3 ").
-TrainerRun Trainer(const std::vector<std::string>& args, const std::string& env = "") {
-  std::string cmd = env + "trainer/trainer";
-  for (const std::string& a : args) cmd += " '" + a + "'";
-  return testing::RunShell(cmd);
-}
-
-std::vector<std::string> Cat(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-// A number of summary.json ("key": value), NaN if absent.
-double SummaryValue(const std::string& json_path, const std::string& key) {
-  std::ifstream f(json_path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string s = ss.str();
-  const std::string want = "\"" + key + "\": ";
-  const size_t at = s.find(want);
-  if (at == std::string::npos) return std::nan("");
-  return std::strtod(s.c_str() + at + want.size(), nullptr);
-}
-
-// The largest |a - b| / |a| over the steps (both must have `steps` rows).
-double MaxRelativeDifference(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
-    worst = std::max(worst, std::fabs(a[i] - b[i]) / std::fabs(a[i]));
-  return worst;
-}
-
-class TrainerDpTest : public ::testing::Test {
+class TrainerDpTest : public testing::TrainerFixture {
  protected:
-  void SetUp() override {
-    daemon_ = std::make_unique<Daemon>(std::vector<std::string>{"--threads", "2"}, "warning");
-    out_ = daemon_->dir() + "/runs";
-  }
   // The tiny preset with ZenFlow proper for most of the run: 4 warm-up steps, then S = 2 (a
   // stale round), reselection every 4 steps (10 of them in 40 steps), a quarter of the columns
   // hot; bf16 transfers (the trainer's default).
-  std::vector<std::string> Base(const std::string& name, int64_t steps) {
-    return {"--preset", "tiny", "--steps", std::to_string(steps), "--quiet",
-            "--socket", daemon_->socket(), "--out_dir", out_ + "/" + name,
-            "--run_name", name, "--eval_every", "0", "--lr_warmup", "5",
-            "--engine_warmup", "4", "--update_interval", "2", "--select_interval", "4",
-            "--topk_ratio", "0.25", "--nproc", "2"};
+  std::vector<std::string> Base(const std::string& name, int64_t steps) const {
+    return Cat(TinyRun(name, steps),
+               {"--engine_warmup", "4", "--update_interval", "2", "--select_interval", "4",
+                "--topk_ratio", "0.25", "--nproc", "2"});
   }
-  std::string Dir(const std::string& name) { return out_ + "/" + name; }
-  std::vector<double> Losses(const std::string& name) {
-    return testing::MetricsLosses(Dir(name) + "/metrics.csv");
-  }
-  double Summary(const std::string& name, const std::string& key) {
-    return SummaryValue(Dir(name) + "/summary.json", key);
-  }
-
-  std::unique_ptr<Daemon> daemon_;
-  std::string out_;
 };
 
 // --dp 2 --nproc 2 --batch 4 (4 ranks) against --dp 1 --nproc 2 --batch 8: the same global batch
@@ -176,15 +122,9 @@ TEST_F(TrainerDpTest, TheDaemonStateIsPartitionedNotReplicated) {
 TEST_F(TrainerDpTest, ResumeWithTheSameDpEqualsTheUninterruptedRun) {
   // Step 9 falls inside a round (S = 2) with an update pending, after a reselection (step 8).
   const std::vector<std::string> dp = {"--batch", "4", "--dp", "2"};
-  TrainerRun full = Trainer(Cat(Base("full", 20), dp));
-  ASSERT_EQ(full.code, 0) << full.output;
-  TrainerRun first = Trainer(Cat(Base("part", 20), Cat(dp, {"--stop_at", "9"})));
-  ASSERT_EQ(first.code, 0) << first.output;
-  TrainerRun resumed = Trainer(Cat(Base("part", 20), Cat(dp, {"--resume", "part-step9"})));
-  ASSERT_EQ(resumed.code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("resumed from checkpoint 'part-step9' at step 9"),
-            std::string::npos)
-      << resumed.output;
+  ResumeRuns runs;
+  ASSERT_NO_FATAL_FAILURE(RunStoppedAndResumed(Cat(Base("full", 20), dp), Cat(Base("part", 20), dp),
+                                               "part", 9, &runs));
   const std::vector<double> a = Losses("full"), b = Losses("part");
   ASSERT_EQ(a.size(), 20u);
   ASSERT_EQ(b.size(), 20u);
@@ -195,14 +135,10 @@ TEST_F(TrainerDpTest, ResumeWithTheSameDpEqualsTheUninterruptedRun) {
     EXPECT_TRUE(f.good()) << "rank " << r;
   }
   // The rounds are stale where the test resumes: the same run with every Update awaited agrees
-  // through the warm-up and differs at every step after the resume (the pending Update is real).
-  TrainerRun awaited = Trainer(Cat(Base("awaited", 20), Cat(dp, {"--await_updates"})));
-  ASSERT_EQ(awaited.code, 0) << awaited.output;
-  const std::vector<double> c = Losses("awaited");
-  ASSERT_EQ(c.size(), 20u);
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(c[i], a[i]) << "step " << i + 1 << " (warm-up)";
-  for (int i = 9; i < 20; ++i) EXPECT_NE(c[i], a[i]) << "step " << i + 1 << " (after the resume)";
-
+  // through the warm-up (4 steps) and differs at every step after the resume (step 9: the
+  // pending Update is real).
+  ASSERT_NO_FATAL_FAILURE(ExpectAwaitedRunDiffersAfterTheResume(
+      "awaited", Cat(Base("awaited", 20), Cat(dp, {"--await_updates"})), a, 4, 9));
 }
 
 // --resume with another --dp (trainer/gpt.cc, ReadResume): the checkpoint of a --dp 2 --batch 4

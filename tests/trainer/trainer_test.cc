@@ -17,48 +17,19 @@
 
 #include <gtest/gtest.h>
 
-#include "testing/daemon_process.h"
 #include "testing/spawn.h"
-#include "tests/trainer/trainer_process.h"
+#include "tests/trainer/trainer_runner.h"
 
 namespace stallfree {
 namespace {
 
-using testing::Daemon;
-
-using TrainerRun = testing::ProcessRun;
-
-// Runs trainer/trainer with args (output captured), in the test's runfiles directory.
-TrainerRun Trainer(const std::vector<std::string>& args) {
-  std::string cmd = "trainer/trainer";
-  for (const std::string& a : args) cmd += " '" + a + "'";
-  return testing::RunShell(cmd);
-}
-
-std::vector<double> Losses(const std::string& csv) { return testing::MetricsLosses(csv); }
-
-class TrainerTest : public ::testing::Test {
+class TrainerTest : public testing::TrainerFixture {
  protected:
-  void SetUp() override {
-    daemon_ = std::make_unique<Daemon>(std::vector<std::string>{"--threads", "2"}, "warning");
-    out_ = daemon_->dir() + "/runs";
-  }
   // Common flags: the tiny preset, quiet, on the test's daemon.
-  std::vector<std::string> Base(const std::string& name, int64_t steps) {
-    return {"--preset",  "tiny", "--steps",   std::to_string(steps), "--quiet",
-            "--socket",  daemon_->socket(), "--out_dir", out_ + "/" + name,
-            "--run_name", name,  "--eval_every", "0", "--lr_warmup", "5"};
+  std::vector<std::string> Base(const std::string& name, int64_t steps) const {
+    return TinyRun(name, steps);
   }
-  std::string Csv(const std::string& name) { return out_ + "/" + name + "/metrics.csv"; }
-
-  std::unique_ptr<Daemon> daemon_;
-  std::string out_;
 };
-
-std::vector<std::string> Cat(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
 
 TEST_F(TrainerTest, LossFallsAndTwoRanksTrainLikeOne) {
   const int64_t steps = 40;
@@ -66,7 +37,7 @@ TEST_F(TrainerTest, LossFallsAndTwoRanksTrainLikeOne) {
   ASSERT_EQ(one.code, 0) << one.output;
   TrainerRun two = Trainer(Cat(Base("d2", steps), {"--nproc", "2"}));
   ASSERT_EQ(two.code, 0) << two.output;
-  std::vector<double> a = Losses(Csv("d1")), b = Losses(Csv("d2"));
+  std::vector<double> a = Losses("d1"), b = Losses("d2");
   ASSERT_EQ(a.size(), static_cast<size_t>(steps));
   ASSERT_EQ(b.size(), static_cast<size_t>(steps));
   double first = (a[0] + a[1] + a[2]) / 3, last = (a[steps - 3] + a[steps - 2] + a[steps - 1]) / 3;
@@ -91,10 +62,10 @@ TEST_F(TrainerTest, ZenFlowWithZeroStalenessTrainsExactlyLikeNoOffload) {
   ASSERT_EQ(zf.code, 0) << zf.output;
   TrainerRun plain = Trainer(Cat(Base("plain", 20), {"--mode", "no-offload"}));
   ASSERT_EQ(plain.code, 0) << plain.output;
-  EXPECT_EQ(Losses(Csv("zf")), Losses(Csv("plain")));
+  EXPECT_EQ(Losses("zf"), Losses("plain"));
   TrainerRun stale = Trainer(Cat(Base("stale", 20), rounds));
   ASSERT_EQ(stale.code, 0) << stale.output;
-  const std::vector<double> a = Losses(Csv("plain")), b = Losses(Csv("stale"));
+  const std::vector<double> a = Losses("plain"), b = Losses("stale");
   ASSERT_EQ(a.size(), 20u);
   ASSERT_EQ(b.size(), 20u);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(b[i], a[i]) << "step " << i + 1 << " (warm-up)";
@@ -105,15 +76,10 @@ TEST_F(TrainerTest, ResumeEqualsUninterruptedRun) {
   // 4 warm-up steps, then S = 4 (boundaries at steps 8, 12, 16, 20): the checkpoint at step 10
   // falls in the middle of a round, with the Update of the round that ended at step 8 pending.
   const std::vector<std::string> rounds = {"--nproc", "2", "--engine_warmup", "4"};
-  TrainerRun full = Trainer(Cat(Base("full", 20), rounds));
-  ASSERT_EQ(full.code, 0) << full.output;
-  TrainerRun first = Trainer(Cat(Base("part", 20), Cat(rounds, {"--stop_at", "10"})));
-  ASSERT_EQ(first.code, 0) << first.output;
-  TrainerRun resumed = Trainer(Cat(Base("part", 20), Cat(rounds, {"--resume", "part-step10"})));
-  ASSERT_EQ(resumed.code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("resumed from checkpoint 'part-step10' at step 10"),
-            std::string::npos)
-      << resumed.output;
+  ResumeRuns runs;
+  ASSERT_NO_FATAL_FAILURE(RunStoppedAndResumed(Cat(Base("full", 20), rounds),
+                                               Cat(Base("part", 20), rounds), "part", 10, &runs));
+  const TrainerRun &first = runs.first, &resumed = runs.resumed;
   // Both summaries say which steps ran, and the resumed one's first loss is step 11's, not nan.
   EXPECT_NE(first.output.find("steps 1-10 of 20 (stopped early: --stop_at)"), std::string::npos)
       << first.output;
@@ -122,20 +88,17 @@ TEST_F(TrainerTest, ResumeEqualsUninterruptedRun) {
   EXPECT_EQ(resumed.output.find("train loss   nan"), std::string::npos) << resumed.output;
   EXPECT_NE(resumed.output.find("(step 11 -> the mean of the last 10 steps)"), std::string::npos)
       << resumed.output;
-  std::vector<double> a = Losses(Csv("full")), b = Losses(Csv("part"));
+  std::vector<double> a = Losses("full"), b = Losses("part");
   // The resumed run appends steps 11..20 to the first run's 1..10.
   ASSERT_EQ(a.size(), 20u);
   ASSERT_EQ(b.size(), 20u);
   for (int i = 0; i < 20; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
   // The rounds are stale where the test resumes: the same run with every Update awaited agrees
-  // through the warm-up and differs at every step after the resume, so a resume that lost or
-  // applied early the pending Update could not have matched the uninterrupted run.
-  TrainerRun awaited = Trainer(Cat(Base("awaited", 20), Cat(rounds, {"--await_updates"})));
-  ASSERT_EQ(awaited.code, 0) << awaited.output;
-  const std::vector<double> c = Losses(Csv("awaited"));
-  ASSERT_EQ(c.size(), 20u);
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(c[i], a[i]) << "step " << i + 1 << " (warm-up)";
-  for (int i = 10; i < 20; ++i) EXPECT_NE(c[i], a[i]) << "step " << i + 1 << " (after the resume)";
+  // through the warm-up (4 steps) and differs at every step after the resume (step 10), so a
+  // resume that lost or applied early the pending Update could not have matched the
+  // uninterrupted run.
+  ASSERT_NO_FATAL_FAILURE(ExpectAwaitedRunDiffersAfterTheResume(
+      "awaited", Cat(Base("awaited", 20), Cat(rounds, {"--await_updates"})), a, 4, 10));
 }
 
 // --keep_checkpoints N: after each checkpoint only the run's newest N stay, the trainer's files
@@ -258,7 +221,7 @@ TEST_F(TrainerTest, ADaemonKilledMidRunIsWaitedForAndTheRunEqualsAnUninterrupted
   EXPECT_NE(log.find("stallfreed is back; continuing from checkpoint 'rec-step"),
             std::string::npos)
       << log;
-  const std::vector<double> a = Losses(Csv("ref")), b = Losses(Csv("rec"));
+  const std::vector<double> a = Losses("ref"), b = Losses("rec");
   ASSERT_EQ(a.size(), 60u);
   ASSERT_EQ(b.size(), 60u) << "metrics.csv must hold each step once";
   for (int i = 0; i < 60; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
@@ -293,7 +256,7 @@ TEST_F(TrainerTest, ASessionClosedUnderARunIsRecoveredLikeALostDaemon) {
   EXPECT_NE(log.find("stallfreed is back; continuing from checkpoint 'closed-step"),
             std::string::npos)
       << log;
-  const std::vector<double> a = Losses(Csv("ref")), b = Losses(Csv("closed"));
+  const std::vector<double> a = Losses("ref"), b = Losses("closed");
   ASSERT_EQ(a.size(), 120u);
   ASSERT_EQ(b.size(), 120u) << "metrics.csv must hold each step once";
   for (int i = 0; i < 120; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
@@ -331,7 +294,7 @@ TEST_F(TrainerTest, InitFromStartsAnyModeFromAnotherRunsWeights) {
             std::string::npos)
       << tuned.output;
   // The same batches from the initial weights and from the pre-trained ones.
-  std::vector<double> fresh = Losses(Csv("pre")), warm = Losses(Csv("tuned"));
+  std::vector<double> fresh = Losses("pre"), warm = Losses("tuned");
   ASSERT_FALSE(warm.empty());
   EXPECT_LT(warm[0], 0.8 * fresh[0]);
   EXPECT_NEAR(warm[0], fresh.back(), 0.15 * fresh.back());
