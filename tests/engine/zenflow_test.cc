@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -637,6 +638,30 @@ TEST(ZenFlowConfigFields, RoundTripAndRefusals) {
 // A backend that cannot allocate the engine's buffers: RESOURCE_EXHAUSTED naming the bytes,
 // not INTERNAL (the CPU backend's allocation of 2 x 2 TiB moments fails; sanitizers abort on
 // such a request instead of returning null, so their builds skip it).
+// A bad lr is refused naming it, before anything changes: the engine is not failed, and the
+// next Step with a good lr takes exactly AdamW's first step (here: w - lr * sign(g) for t = 1,
+// eps 0, no decay).
+TEST(ZenFlowEngineErrors, BadLrIsRefusedAndTheEngineGoesOn) {
+  std::vector<float> w = {1.0f, -2.0f, 3.0f, 0.5f}, g = {0.25f, -1.0f, 2.0f, -0.5f};
+  std::vector<EngineParam> ps = {{"b", {4}, w.data(), g.data(), DType::kFp32}};
+  ZenFlowConfig c;
+  c.mode = OffloadMode::kNoOffload;
+  c.eps = 0;
+  auto engine = ZenFlowEngine::Create(c, ps, kernels::DefaultCpuKernel(), kernels::CpuOps(),
+                                      nullptr);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  for (double lr : {-1e-3, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    absl::Status st = (*engine)->Step(lr);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << lr;
+    EXPECT_EQ(st.message().rfind("lr: ", 0), 0u) << st;
+  }
+  EXPECT_EQ((*engine)->step(), 0);
+  ASSERT_TRUE((*engine)->Step(0.125).ok());
+  EXPECT_EQ((*engine)->step(), 1);
+  const std::vector<float> want = {0.875f, -1.875f, 2.875f, 0.625f};
+  EXPECT_EQ(w, want);
+}
+
 TEST(ZenFlowEngineErrors, OutOfBackendMemoryIsResourceExhaustedNamingTheBytes) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "sanitizer allocators abort on a 2 TiB request";
