@@ -176,7 +176,8 @@ int main(int argc, char** argv) {
   {  // Both gradient slots: small bf16 values (as the bench fills them once).
     uint16_t* g = reinterpret_cast<uint16_t*>((*region)->data());
     const uint64_t n = 2 * rresp.layout().grad_slot_bytes() / 2;
-    for (uint64_t i = 0; i < n; ++i) g[i] = static_cast<uint16_t>(0x3c00 + (i * 2654435761u >> 20) % 256);
+    for (uint64_t i = 0; i < n; ++i)
+      g[i] = static_cast<uint16_t>(0x3c00 + (i * 2654435761u >> 20) % 256);
   }
   int64_t step = 0;
   for (int r = 0; r < rounds; ++r) {

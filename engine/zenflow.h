@@ -98,8 +98,8 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -344,10 +344,10 @@ class ZenFlowEngine {
   absl::StatusOr<ColumnState> Column(const std::string& param, int64_t col) const;
 
   // Checkpoint, between Steps: waits for the copy thread and for a running daemon Update (whose
-  // parameters it does not apply, so the run's trajectory is unchanged), has the daemon write its
-  // state as `tag` (OffloadTarget::Checkpoint), and returns the engine's own state (step counts, hot
-  // sets, device-side masters and moments, the pending round) as bytes for the caller to store
-  // with the model's values. No-offload needs no tag (pass "").
+  // parameters it does not apply, so the run's trajectory is unchanged), has the daemon write
+  // its state as `tag` (OffloadTarget::Checkpoint), and returns the engine's own state (step
+  // counts, hot sets, device-side masters and moments, the pending round) as bytes for the
+  // caller to store with the model's values. No-offload needs no tag (pass "").
   absl::StatusOr<std::string> Checkpoint(const std::string& tag);
   // The inverse, on a fresh engine (same config and parameters, a fresh target, no Step yet)
   // whose value buffers already hold the checkpointed values: restores the daemon from `tag` and
