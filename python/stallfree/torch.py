@@ -1146,7 +1146,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self.daemon.close()
         _live.discard(self)
         if failed is not None:
-            raise self._explain(failed) from failed
+            explained = self._explain(failed)
+            if explained is failed:
+                raise failed
+            raise explained from failed
 
     def __enter__(self):
         return self
