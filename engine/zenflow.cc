@@ -378,6 +378,9 @@ struct ZenFlowEngine::Impl {
   // Whether any state lives in the daemon: not in no-offload mode, nor in zenflow when every
   // parameter stays on the device (1-D ones, weights with fewer than 4 cold columns).
   bool offloading() const { return copier != nullptr; }
+  // Whether the daemon holds state of this engine: what Checkpoint writes there and Restore
+  // reads back.
+  bool daemon_has_state() const { return offloading() && loaded; }
 
   absl::Status Sync(const char* what) {
     RETURN_IF_ERROR(Allocated(what));
@@ -1372,8 +1375,8 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
     RETURN_IF_ERROR(im.copier->WaitAll());
     if (im.pending_version > 0)
       RETURN_IF_ERROR(im.target->WaitUpdate(im.pending_version));
-    if (im.loaded) RETURN_IF_ERROR(im.target->Checkpoint(tag));
   }
+  if (im.daemon_has_state()) RETURN_IF_ERROR(im.target->Checkpoint(tag));
   auto download = [&](const OpsBuffer& b) {
     std::vector<float> host(b.size());
     im.ops.Download(host.data(), b.data(), b.size());
@@ -1444,8 +1447,7 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   im.pending_pslot = 0;
   im.prefetched_version = 0;
   if (im.rounds % 2 == 0) ++im.rounds;
-  if (im.offloading() && im.loaded)
-    RETURN_IF_ERROR(im.target->Restore(tag, im.cfg.param_dtype));
+  if (im.daemon_has_state()) RETURN_IF_ERROR(im.target->Restore(tag, im.cfg.param_dtype));
   return absl::OkStatus();
 }
 
@@ -1464,8 +1466,7 @@ absl::StatusOr<ZenFlowEngine::Snapshot> ZenFlowEngine::CheckpointBytes() {
   const std::string tag = TransientTag();
   Snapshot out;
   ASSIGN_OR_RETURN(out.engine, Checkpoint(tag));
-  // Checkpoint had the target write its state only if it holds some.
-  if (im.offloading() && im.loaded) {
+  if (im.daemon_has_state()) {  // what Checkpoint had the target write
     ASSIGN_OR_RETURN(out.daemon, im.target->ReadCheckpoint(tag, /*delete_after=*/true));
   }
   return out;

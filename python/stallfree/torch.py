@@ -661,7 +661,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _make_engine(self, gi, shards, device, stream):
         group = self.param_groups[gi]
         config = dict(self._config)
-        config.update(zip(("beta1", "beta2", "eps", "weight_decay"), _hyper_of(group)))
+        config.update(zip(_HYPER_FIELDS, _hyper_of(group)))
         specs = shards.specs()
         name = self._session_name if len(self.param_groups) == 1 and gi == 0 else \
             "%s/g%d" % (self._session_name, gi)
@@ -738,12 +738,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 grads.append(g)
             if not stepped and not self._shards[gi].reduce_gradients:
                 continue  # nothing to do, as torch's AdamW (reduced: the other ranks may have)
-            # A scheduler may change any of them between steps.
-            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                         "param_groups[%d]." % gi)
-            work.append((gi, float(group["lr"]), grads, keep, stepped))
+            # A scheduler may change any of them between steps (the engine looks again only at
+            # what changed since it last took them).
+            hyper = _check_hyper(group["lr"], group["betas"], group["eps"],
+                                 group["weight_decay"], "param_groups[%d]." % gi,
+                                 taken=self._hypers[gi])
+            work.append((gi, float(group["lr"]), grads, keep, stepped, hyper))
         timings = []
-        for gi, lr, grads, keep, stepped in work:
+        for gi, lr, grads, keep, stepped, hyper in work:
             engine = self._engines[gi]
             shards = self._shards[gi]
             sent_before = shards.sent
@@ -757,7 +759,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             else:
                 addresses = [0 if g is None else g.data_ptr() + g.element_size() * off
                              for g, off in zip(grads, shards.offsets)]
-            hyper = _hyper_of(self.param_groups[gi])
             if hyper != self._hypers[gi]:
                 engine.set_adamw(*hyper)
                 self._hypers[gi] = hyper
@@ -1195,11 +1196,12 @@ def _hooks_held(opt, attr):
         setattr(opt, attr, hooks)
 
 
-def _check_hyper(lr, betas, eps, weight_decay, where):
+def _check_hyper(lr, betas, eps, weight_decay, where, taken=None):
     """torch.optim.AdamW's checks (its messages, prefixed by `where`: drop-in behaviour), then
     the engine's own checks of what it is configured with (finiteness, which the kernels need
     and torch does not check: torch accepts eps = inf), and lr's finiteness (lr comes with each
-    step, not with the engine's configuration)."""
+    step, not with the engine's configuration). Returns (beta1, beta2, eps, weight_decay) as the
+    engine takes them; the engine does not look again at `taken`, what it already took."""
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("%sTensor lr must be 1-element" % where)
     if not 0.0 <= lr:
@@ -1220,11 +1222,13 @@ def _check_hyper(lr, betas, eps, weight_decay, where):
     if float(lr) == float("inf"):
         raise ValueError("%slr: inf is not finite: stallfree's AdamW kernels take finite values "
                          "only" % where)
-    try:
-        _stallfree.validate_config(dict(beta1=float(betas[0]), beta2=float(betas[1]),
-                                        eps=float(eps), weight_decay=float(weight_decay)))
-    except ValueError as e:
-        raise ValueError("%s%s" % (where, e)) from None
+    hyper = _hyper(betas, eps, weight_decay)
+    if hyper != taken:
+        try:
+            _stallfree.validate_config(dict(zip(_HYPER_FIELDS, hyper)))
+        except ValueError as e:
+            raise ValueError("%s%s" % (where, e)) from None
+    return hyper
 
 
 def _bytes_tensor(data):
@@ -1247,10 +1251,17 @@ def _uint8(t):
     return t.detach().cpu().contiguous()
 
 
+_HYPER_FIELDS = ("beta1", "beta2", "eps", "weight_decay")  # the engine config's names for _hyper
+
+
+def _hyper(betas, eps, weight_decay):
+    """What an engine is configured with besides lr: (beta1, beta2, eps, weight_decay)."""
+    return float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
+
+
 def _hyper_of(group):
-    """What a group's engine is configured with besides lr: (beta1, beta2, eps, weight_decay)."""
-    return (float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
-            float(group["weight_decay"]))
+    """_hyper of a param group."""
+    return _hyper(group["betas"], group["eps"], group["weight_decay"])
 
 
 def _sum_timings(ts):

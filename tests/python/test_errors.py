@@ -257,3 +257,21 @@ def test_close_raises_when_the_final_flush_fails():
         opt.close()
         with pytest.raises(stallfree.Error):
             one_step(model, opt, 3)
+
+
+def test_hyperparameter_changed_between_steps_is_checked_before_any_group_steps(daemon):
+    """A scheduler that sets eps = inf in the second group between steps: the next step raises
+    ValueError naming eps before any group's parameters change (the engine checks what changed,
+    not what it already took)."""
+    model = models.make_model(0)
+    groups = models.param_groups(model)
+    opt = ZenFlowAdamW(groups, socket=daemon.socket, **ZENFLOW_EXACT)
+    one_step(model, opt, 1)
+    opt.param_groups[1]["eps"] = float("inf")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError) as err:
+        one_step(model, opt, 2)
+    assert re.search(r"param_groups\[1\]\.eps\b", str(err.value)), str(err.value)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    opt.close()
