@@ -489,7 +489,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     timeout: seconds any of those collectives may take; past it, or when a peer dies,
     stallfree.Error names the ranks that are gone.
 
-    lr, betas, eps and weight_decay are validated as torch.optim.AdamW validates them (the same
+    lr, betas, eps, weight_decay and amsgrad default to torch.optim.AdamW's defaults (weight_decay
+    1e-2), so a script that drops it in without them trains the same AdamW. lr, betas, eps and
+    weight_decay are validated as torch.optim.AdamW validates them (the same
     ValueError), and must also be finite (the kernels' arithmetic); lr may be a 1-element
     Tensor. amsgrad, maximize, capturable and differentiable are accepted as False only;
     foreach and fused choose torch's implementation and are ignored.
@@ -518,7 +520,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     dicts to resume with another number of ranks).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, mode="zenflow", topk_ratio=0.1,
                  update_interval=4, select_interval=None, warmup_steps=20, await_updates=False,

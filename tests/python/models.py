@@ -132,6 +132,12 @@ def snapshot(model):
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
+def changed(model, before):
+    """The names of the parameters whose values differ from snapshot `before` (compared on the
+    CPU, where snapshots live, whatever device the model is on)."""
+    return [n for n, p in model.named_parameters() if not torch.equal(p.detach().cpu(), before[n])]
+
+
 def train(opt_factory, steps, seed=0, *, model=None, rows=None, total_steps=None, start=1,
           setup=None, before_step=None, after_step=None, close=True):
     """Trains steps start..steps of TinyLM(seed) with opt_factory(param_groups(model)) and a

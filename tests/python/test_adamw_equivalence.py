@@ -130,7 +130,7 @@ def test_tolerance_covers_rounding_noise(reference):
         def nudge(step, model, opt, extra):
             with torch.no_grad():
                 for p in model.parameters():
-                    s = torch.randint(-1, 2, p.shape, generator=g)
+                    s = torch.randint(-1, 2, p.shape, generator=g).to(p.device)
                     up = torch.nextafter(p, torch.full_like(p, float("inf")))
                     down = torch.nextafter(p, torch.full_like(p, float("-inf")))
                     p.copy_(torch.where(s > 0, up, torch.where(s < 0, down, p)))
