@@ -102,6 +102,7 @@ bench: deps
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/torch_bench.py
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/dp_bench.py
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/device_bytes_bench.py
+	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/quality_suite.py
 
 gpu-check: deps
 	BAZEL="$(BAZEL)" ./tests/gpu/gpu_check.sh

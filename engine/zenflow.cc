@@ -224,6 +224,9 @@ absl::Status ZenFlowConfig::Validate() const {
                    absl::StrCat(select_interval, " is not a positive multiple of update_interval ",
                                 update_interval, " (or 0 for 4 x update_interval)"));
   if (warmup_steps < 0) return Invalid("warmup_steps", absl::StrCat(warmup_steps, " is negative"));
+  if (land_lag < 0 || land_lag > update_interval)
+    return Invalid("land_lag", absl::StrCat(land_lag, " is outside [0, update_interval ",
+                                            update_interval, "] (0: update_interval)"));
   if (!(beta1 >= 0.0 && beta1 < 1.0)) return Invalid("beta1", "must be in [0, 1)");
   if (!(beta2 >= 0.0 && beta2 < 1.0)) return Invalid("beta2", "must be in [0, 1)");
   // eps >= 0, as torch.optim.AdamW takes it; finite, for the kernels' arithmetic.
@@ -479,7 +482,7 @@ struct ZenFlowEngine::Impl {
   absl::Status PrepareRound(const StepPlan& plan, RoundUpdate* round, StepTimings* tm);
   void PostPushes(const StepPlan& plan, const std::vector<char>& present,
                   const RoundUpdate& round);
-  void PrefetchForNextBoundary(const StepPlan& plan);
+  void PrefetchForLanding(const StepPlan& plan);
   absl::Status StageGradient(PState& ps, const void* grad);
   // Restore: whether a parsed blob is this engine's (nothing changes), and one parameter's
   // state from it.
@@ -490,6 +493,11 @@ struct ZenFlowEngine::Impl {
   bool Boundary(int64_t t) const {
     return offloading() && (Warm(t) || cfg.mode == OffloadMode::kSyncOffload ||
                             (t - cfg.warmup_steps) % cfg.update_interval == 0);
+  }
+  // Whether step t lands the pending Update: the end of step pending + land_lag (with the
+  // default land_lag, S, that is the next boundary, which lands it before issuing its own).
+  bool LandsPending(int64_t t) const {
+    return pending_version > 0 && t == pending_version + cfg.EffectiveLandLag();
   }
   bool Reselects(int64_t t) const {
     return cfg.mode == OffloadMode::kZenFlow && Boundary(t) &&
@@ -1022,8 +1030,10 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
       pending_version = plan.t;
       pending_pslot = round.pslot;
       if (plan.await) RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
+    } else if (LandsPending(plan.t)) {
+      RETURN_IF_ERROR(ApplyPendingUpdate(&tm));  // land_lag < S: before the next boundary
     }
-    PrefetchForNextBoundary(plan);
+    PrefetchForLanding(plan);
   }
   tm.total = Since(t_start);
   last = tm;
@@ -1220,13 +1230,13 @@ void ZenFlowEngine::Impl::PostPushes(const StepPlan& plan, const std::vector<cha
   });
 }
 
-void ZenFlowEngine::Impl::PrefetchForNextBoundary(const StepPlan& plan) {
-  // Buffered: before the step that lands a pending Update, the copy thread uploads its
-  // parameters while the caller computes that step (zenflow: only split weights go through the
-  // daemon).
-  const int64_t u = plan.t + 1, W = cfg.warmup_steps;
-  if (cfg.mode != OffloadMode::kZenFlow || direct || pending_version == 0 ||
-      prefetched_version != 0 || u <= W || (u - W) % cfg.update_interval != 0)
+void ZenFlowEngine::Impl::PrefetchForLanding(const StepPlan& plan) {
+  // Buffered: before the step that lands a pending Update (LandsPending), the copy thread
+  // uploads its parameters while the caller computes that step (zenflow: only split weights go
+  // through the daemon). With land_lag 1 that is right after the boundary posts the Update: the
+  // task waits for it on the copy thread.
+  if (cfg.mode != OffloadMode::kZenFlow || direct || prefetched_version != 0 ||
+      !LandsPending(plan.t + 1))
     return;
   const int64_t v = pending_version;
   const uint32_t from = pending_pslot;

@@ -70,10 +70,13 @@
 // is gathered in row blocks through one scratch buffer of at most 2^20 elements shared by every
 // weight.
 //
-// Bounded staleness: after Step(t) at the end of round R, the cold columns hold the daemon's
-// parameters after round R-1 (one round, S steps, behind the gradients already pushed); with
-// await_updates (and during warm-up, and in sync-offload) the engine waits for round R's Update
-// instead, so there is no staleness. A column that enters the hot set is current at once.
+// Bounded staleness: round R's Update, issued at its boundary b, lands in the cold columns at
+// the end of step b + L, L = land_lag (1 <= L <= S; the default 0 means L = S, the next
+// boundary), so the forwards of steps b + 1 .. b + L see round R-1's parameters: L steps
+// behind the gradients already pushed. The daemon has L steps of the caller's compute to run
+// the Update before the landing step waits for it. With await_updates (and during warm-up, and
+// in sync-offload) the engine waits for round R's Update at its boundary instead, so there is
+// no staleness. A column that enters the hot set is current at once.
 //
 // Warm-up: the first `warmup_steps` steps run with S = 1 and awaited updates, which is exact
 // AdamW on every column (the daemon's part too), before the rounds begin. Measured, this is what
@@ -149,6 +152,10 @@ struct ZenFlowConfig {
   // no-offload); see "Warm-up" above.
   int64_t warmup_steps = kDefaultWarmupSteps;
   bool await_updates = false;   // wait for each round's Update at its boundary (no staleness)
+  // Steps after its boundary at which a round's Update lands in the cold columns, in
+  // [1, update_interval]; 0 means update_interval (at the next boundary). See "Bounded
+  // staleness" above.
+  int64_t land_lag = 0;
   // AdamW (decoupled weight decay); lr comes with each Step.
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   // What crosses to and from the daemon: pushed gradients and returned parameters.
@@ -167,6 +174,7 @@ struct ZenFlowConfig {
   int64_t EffectiveSelectInterval() const {
     return select_interval == 0 ? 4 * update_interval : select_interval;
   }
+  int64_t EffectiveLandLag() const { return land_lag == 0 ? update_interval : land_lag; }
 };
 
 // ZenFlowConfig's fields, the one list of them: f(name, member) for each, so that the Python
@@ -179,6 +187,7 @@ void VisitConfigFields(Config& c, F&& f) {
   f("select_interval", c.select_interval);
   f("warmup_steps", c.warmup_steps);
   f("await_updates", c.await_updates);
+  f("land_lag", c.land_lag);
   f("beta1", c.beta1);
   f("beta2", c.beta2);
   f("eps", c.eps);

@@ -97,6 +97,9 @@ void AddOptimizerFlags(stallfree::FlagSet* flags, stallfree::trainer::TrainOptio
                 "ZenFlow: first steps with synchronous full updates");
   flags->AddBool("await_updates", &o->engine.await_updates,
                  "ZenFlow: wait for each daemon update (no staleness)");
+  flags->AddInt("land_lag", &o->engine.land_lag,
+                "ZenFlow: steps after its boundary at which a round's update lands, 1..S "
+                "(0: S, the next boundary)");
   flags->AddString("model_dtype", &c->model_dtype,
                    "the model's weight and gradient storage: fp32, or bf16 (2 + 2 "
                    "bytes per parameter; the optimizer keeps fp32 masters, the engine those of the "

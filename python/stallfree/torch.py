@@ -454,7 +454,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     mode: "zenflow" (the top `topk_ratio` input columns of each weight by gradient norm are
     updated on the parameter's device at once; the rest go to stallfreed, which applies their
-    mean gradient every `update_interval` steps, one round stale unless `await_updates`),
+    mean gradient every `update_interval` steps; a round's update reaches the model `land_lag`
+    steps after its last step (1 to update_interval; 0: update_interval, one round stale) unless
+    `await_updates`),
     "sync-offload" (every parameter's optimizer state in the daemon, ZeRO-Offload style) or
     "no-offload" (AdamW in place, no daemon). grad_dtype / param_dtype: what crosses to and
     from the daemon ("bf16" or "fp32"). select_interval: steps between reselections (None:
@@ -524,6 +526,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, mode="zenflow", topk_ratio=0.1,
                  update_interval=4, select_interval=None, warmup_steps=20, await_updates=False,
+                 land_lag=0,
                  grad_dtype="bf16", param_dtype="bf16", transfers="auto",
                  stream_gradients=False, socket=None, session_name=None, process_group=None,
                  reduce_gradients=False, timeout=300.0):
@@ -538,7 +541,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                              % (select_interval,))
         config = dict(mode=mode, topk_ratio=topk_ratio, update_interval=update_interval,
                       select_interval=select_interval or 0, warmup_steps=warmup_steps,
-                      await_updates=await_updates, grad_dtype=grad_dtype,
+                      await_updates=await_updates, land_lag=land_lag, grad_dtype=grad_dtype,
                       param_dtype=param_dtype, transfers=transfers,
                       stream_gradients=stream_gradients)
         # The engine's checks (engine/zenflow.h: one copy of them), a ValueError naming the field.
@@ -1066,8 +1069,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         % (where, meta.get("version"), _STATE_VERSION))
         # transfers and stream_gradients choose how the same numbers move, not the numbers: any
         # may resume any.
-        diff = {k: (meta["config"].get(k), v) for k, v in self._config.items()
-                if k not in ("transfers", "stream_gradients") and meta["config"].get(k) != v}
+        # A key a saved configuration lacks has the value that state was written under.
+        saved = dict(_SAVED_BEFORE, **meta["config"])
+        diff = {k: (saved.get(k), v) for k, v in self._config.items()
+                if k not in ("transfers", "stream_gradients") and saved.get(k) != v}
         if diff:
             raise Error("the state dict was written with another configuration (saved, now): %s"
                         % diff)
@@ -1253,6 +1258,9 @@ def _uint8(t):
     return t.detach().cpu().contiguous()
 
 
+# Configuration fields added since state dicts were first written, with the value those older
+# states ran under (land_lag 0: a round's update landed at the next boundary).
+_SAVED_BEFORE = {"land_lag": 0}
 _HYPER_FIELDS = ("beta1", "beta2", "eps", "weight_decay")  # the engine config's names for _hyper
 
 

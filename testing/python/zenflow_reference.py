@@ -32,6 +32,13 @@ columns (its last dimension; rows = the product of the others):
 - predict_cold (a variant): when a stale update lands (not awaited), the model is given the
   cold columns extrapolated one round ahead, 2 * new - previous (the masters landed before),
   instead of the new masters; close() lands exact masters.
+- land_lag (a variant): with S > 1 and not awaited, round R's update lands in the model land_lag
+  steps after its boundary (1 <= land_lag <= S; None: S, the engine: at the next boundary), so
+  the model's cold columns are at most land_lag steps stale instead of S.
+- cold_steps (a variant): "round" (the engine: a cold column's bias-correction count grows by
+  one per round update) or "micro" (DeepSpeed's ZenFlowCPUAdam: the count is the step number,
+  so it grows by S per round; while beta2^t is far from 0 this enlarges the cold step by about
+  sqrt(S), since v holds t / S updates but is corrected as if it held t).
 - close() lands the pending update (the end of training).
 
 AdamW is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, then the Adam step with
@@ -114,7 +121,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                  topk_ratio=0.1, update_interval=4, select_interval=None, warmup_steps=20,
                  await_updates=False, cold_warmup=0, cold_lr_scale=1.0, predict_cold=False,
                  lr_scale=1.0, cold_scale=1.0, sqrt_rule=False, migrate_v=False,
-                 select_by="grad"):
+                 select_by="grad", land_lag=None, cold_steps="round"):
         # lr_scale, cold_scale: deliberate errors (every lr scaled; the cold accumulation scaled),
         # for showing that a test's tolerance catches a slightly wrong reference.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -133,6 +140,12 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         self.reselections = 0
         self.lr_scale, self.cold_scale = lr_scale, cold_scale
         self.sqrt_rule, self.migrate_v, self.select_by = sqrt_rule, migrate_v, select_by
+        self.land_lag = update_interval if land_lag is None else land_lag
+        if not 1 <= self.land_lag <= update_interval:
+            raise ValueError("land_lag must be in [1, update_interval]")
+        if cold_steps not in ("round", "micro"):
+            raise ValueError("cold_steps: 'round' or 'micro'")
+        self.cold_steps = cold_steps
 
     def _split(self, p):
         st = self.state[p]
@@ -165,6 +178,16 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                     view = p.data.view(-1, sp.cols)
                     view[:, ~sp.hot] = _as(sp.pending[:, ~sp.hot], p)
                     sp.pending = None
+
+    def _land(self, sp, view, cold, p):
+        """The pending update's cold columns into the model (one round ahead with
+        predict_cold: the last update again)."""
+        if self.predict_cold:
+            view[:, cold] = _as((2 * sp.pending - sp.landed)[:, cold], p)
+        else:
+            view[:, cold] = _as(sp.pending[:, cold], p)
+        sp.landed = sp.pending
+        sp.pending = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -243,7 +266,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 # scale 1/S rounded to fp32 once, as the daemon's accumulation takes it
                 sp.acc[:, cold] += g[:, cold] * (torch.tensor(1.0 / S) * self.cold_scale).float()
                 if boundary:
-                    sp.steps[cold] += 1
+                    sp.steps[cold] += S if self.cold_steps == "micro" else 1
                     cb1, cb2, ceps, clr, cwd = b1, b2, eps, cold_lr, wd
                     if self.sqrt_rule and S > 1:  # Adam's SDE scaling rule for a batch S x
                         cb1 = max(0.0, 1 - S * (1 - b1))
@@ -264,13 +287,12 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                     if await_:
                         view[:, cold] = _as(mc, p)
                     else:
-                        if sp.pending is not None:
-                            if self.predict_cold:  # one round ahead: the last update again
-                                view[:, cold] = _as((2 * sp.pending - sp.landed)[:, cold], p)
-                            else:
-                                view[:, cold] = _as(sp.pending[:, cold], p)
-                            sp.landed = sp.pending
+                        if sp.pending is not None:  # land_lag = S: the previous round's, now
+                            self._land(sp, view, cold, p)
                         sp.pending = sp.master.clone()
+                        sp.land_at = t + self.land_lag
+                elif sp.pending is not None and t == getattr(sp, "land_at", None):
+                    self._land(sp, view, cold, p)
                 if reselect:
                     choose()
                     self.reselections += 1

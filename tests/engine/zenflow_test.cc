@@ -574,6 +574,11 @@ TEST_F(ZenFlowTest, BadConfigurationNamesTheField) {
   c = Config(OffloadMode::kZenFlow, 4, 0, false);
   c.warmup_steps = -1;
   expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "warmup_steps");
+  for (int64_t lag : {-1, 5}) {  // outside [0, S = 4]
+    c = Config(OffloadMode::kZenFlow, 4, 0, false);
+    c.land_lag = lag;
+    expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "land_lag");
+  }
   expect_field(create(Config(OffloadMode::kZenFlow, 4, 0, false), nullptr),
                absl::StatusCode::kInvalidArgument, "session");
   EXPECT_EQ(ParseOffloadMode("fast").status().code(), absl::StatusCode::kInvalidArgument);
@@ -603,6 +608,7 @@ TEST(ZenFlowConfigFields, RoundTripAndRefusals) {
   c.select_interval = 9;
   c.warmup_steps = 7;
   c.await_updates = true;
+  c.land_lag = 2;
   c.beta1 = 0.8;
   c.beta2 = 0.99;
   c.eps = 3e-9;
@@ -612,7 +618,7 @@ TEST(ZenFlowConfigFields, RoundTripAndRefusals) {
   c.transfers = Transfers::kDirect;
   c.stream_gradients = true;
   const std::map<std::string, std::string> text = ConfigFields(c);
-  EXPECT_EQ(text.size(), 14u);
+  EXPECT_EQ(text.size(), 15u);
   ZenFlowConfig back;
   for (const auto& [name, value] : text)
     ASSERT_TRUE(SetConfigField(&back, name, value).ok()) << name << "=" << value;
@@ -621,6 +627,7 @@ TEST(ZenFlowConfigFields, RoundTripAndRefusals) {
   EXPECT_EQ(back.eps, c.eps);
   EXPECT_EQ(text.at("mode"), "sync-offload");
   EXPECT_EQ(text.at("await_updates"), "true");
+  EXPECT_EQ(text.at("land_lag"), "2");
   auto refused = [&](const std::string& name, const std::string& value) {
     absl::Status st = SetConfigField(&back, name, value);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << name << "=" << value;

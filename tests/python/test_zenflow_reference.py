@@ -78,6 +78,23 @@ def test_engine_equals_reference(daemon, S, await_updates):
     assert eng.losses[-1] < eng.losses[0] - 0.3  # it trains
 
 
+@pytest.mark.parametrize("land_lag", [1, 2])
+@pytest.mark.parametrize("transfers", ["direct", "buffered"])
+def test_land_lag_equals_reference(daemon, land_lag, transfers):
+    """Rounds of S = 4 whose update lands land_lag steps after its boundary (not at the next
+    boundary), through the pinned slots straight and through device buffers (the prefetch
+    then runs in the step before the landing), bit for bit; and it is not the default's
+    trajectory."""
+    cfg = dict(config(4, False), land_lag=land_lag)
+    eng = models.train(lambda g: ZenFlowAdamW(g, betas=(0.9, 0.999), eps=1e-8, grad_dtype="fp32",
+                                              param_dtype="fp32", transfers=transfers,
+                                              socket=daemon.socket, **cfg), STEPS, seed=SEED)
+    ref = run_reference(4, False, land_lag=land_lag)
+    assert_bit_for_bit(eng, ref, f"S=4 land_lag={land_lag} {transfers}")
+    default = run_reference(4, False)
+    assert max(models.max_abs_diff(eng.params, default.params).values()) > 0
+
+
 def test_the_default_warm_up_into_rounds_equals_the_reference(daemon):
     """The default path: 20 warm-up steps (S = 1, awaited), then asynchronous rounds of 4 with
     a reselection every 8 steps, bit for bit."""
