@@ -49,6 +49,8 @@ void AddEngineFlags(FlagSet* flags, EngineOptions* o) {
   flags->AddInt("seed", &o->seed, "seed of weights, data and modeled gradients");
   flags->AddDouble("ratio", &o->ratio, "zenflow: hot share of each weight's columns");
   flags->AddInt("interval", &o->interval, "zenflow: S, steps per daemon update");
+  flags->AddInt("land_lag", &o->land_lag,
+                "zenflow: steps after its boundary at which a round's update lands (0: S)");
   flags->AddDouble("weight_decay", &o->weight_decay, "AdamW weight decay");
 }
 
@@ -57,6 +59,7 @@ ZenFlowConfig EngineConfig(const EngineOptions& o, OffloadMode mode, int64_t sel
   c.mode = mode;
   c.topk_ratio = o.ratio;
   c.update_interval = o.interval;
+  c.land_lag = o.land_lag;
   c.select_interval = select_interval;
   c.weight_decay = o.weight_decay;
   c.beta1 = 0.9;

@@ -54,6 +54,7 @@ struct EngineOptions {
   int64_t seed = 1;
   double ratio = 0.1;    // zenflow: hot share of each weight's columns
   int64_t interval = 4;  // zenflow: S
+  int64_t land_lag = ZenFlowConfig().land_lag;  // zenflow: the engine's default
   double weight_decay = 0.01;
 };
 void AddEngineFlags(FlagSet* flags, EngineOptions* o);

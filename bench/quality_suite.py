@@ -34,9 +34,16 @@ Optimizers (--optimizers, comma separated; NAME[key=value,...] passes options):
 - ds_zenflow: DeepSpeed's ZenFlow through deepspeed.initialize (ZeRO-2, offload_optimizer cpu,
   zenflow with topk_ratio 0.1, update_interval 4, select_interval 16, select_strategy "step";
   DeepSpeed's CPU accelerator, gloo, one rank), as the issue measured it;
-- ds_offload: DeepSpeed's plain ZeRO-2 + CPU offload (its control: equals AdamW);
+- ds_offload: DeepSpeed's plain ZeRO-2 + CPU offload (its control: equals AdamW); for both,
+  gradient_clipping=X sets DeepSpeed's clipping (default 1.0), other options its zenflow keys;
 - ref: testing/python/zenflow_reference.py's ReferenceZenFlow (the engine's algorithm in plain
   PyTorch; options are its constructor's), for variants the engine does not have.
+
+With ds_zenflow, a probe first: DeepSpeed's ZenFlow takes one step at lr 0 on the pretrained
+Llama, and the suite prints how many tensors that changed and how many became their own
+transpose's bytes (DeepSpeed 0.19.8 on its CPU accelerator: every 2-D weight; so its fine-tunes
+start from a scrambled model, while from scratch a transposed random initialisation is still
+one).
 
 Printed: a line per run (eval loss, its ratio to AdamW's, the worst gradient-norm jump: a step's
 norm over the median of its previous 10), then FIGURE quality_<task>_<optimizer>_vs_adamw_eval_loss
@@ -237,7 +244,7 @@ class DeepSpeedRunner:
 
     _ready = False
 
-    def __init__(self, model, groups, lr, zenflow, bf16):
+    def __init__(self, model, groups, lr, zenflow, bf16, clip=1.0):
         import deepspeed
         if not DeepSpeedRunner._ready:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
@@ -252,7 +259,7 @@ class DeepSpeedRunner:
         cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999],
                                                          "eps": 1e-8}},
-               "zero_optimization": zero, "gradient_clipping": 1.0,
+               "zero_optimization": zero, "gradient_clipping": clip,
                "bf16": {"enabled": bool(bf16)},
                "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
         with contextlib.redirect_stdout(sys.stderr):
@@ -308,10 +315,36 @@ def make_runner(name, opts, model, lr, daemon, bf16):
         import zenflow_reference
         return TorchRunner(zenflow_reference.ReferenceZenFlow(groups, lr=lr, **opts), model)
     if name in ("ds_zenflow", "ds_offload"):
+        clip = opts.pop("gradient_clipping", 1.0)  # DeepSpeed's own key; the rest are zenflow's
         zen = dict(DS_ZENFLOW, **opts) if name == "ds_zenflow" else None
-        return DeepSpeedRunner(model, groups, lr, zen, bf16)
+        return DeepSpeedRunner(model, groups, lr, zen, bf16, clip)
     raise SystemExit(f"--optimizers: unknown optimizer {name!r} (one of "
                      f"{', '.join(OPTIMIZERS + ('ref',))})")
+
+
+def probe_deepspeed_first_step(suite):
+    """DeepSpeed's ZenFlow at lr 0 on the pretrained Llama: which weights its first step changes,
+    and whether each became its own transpose's bytes (w.t().reshape(w.shape)). Plain ZeRO-Offload
+    changes nothing there."""
+    state = suite.pretrained_state("llama", 0)
+    model = make_model("llama", suite.size, 0)
+    model.load_state_dict(state)
+    before = eval_loss(model, suite.lic)
+    runner = DeepSpeedRunner(model, param_groups(model, 0.0), 0.0, dict(DS_ZENFLOW), False, 0.0)
+    runner.step(next(iter(suite.lic.batches(1, 0))), [0.0, 0.0])
+    changed = transposed = 0
+    for n, p in model.named_parameters():
+        w = state[n]
+        if not torch.equal(p.detach(), w):
+            changed += 1
+            transposed += w.dim() == 2 and torch.equal(p.detach(), w.t().reshape(w.shape))
+    after = eval_loss(model, suite.lic)
+    runner.finish()
+    print(f"  DeepSpeed's ZenFlow, one step at lr 0 on the pretrained Llama: {changed} of "
+          f"{len(state)} tensors changed, {transposed} of them into their transpose's bytes; "
+          f"eval on the licences {before:.4f} -> {after:.4f}", flush=True)
+    print(f"FIGURE deepspeed_zenflow_lr0_first_step_changed_tensors {changed} tensors")
+    print(f"FIGURE deepspeed_zenflow_lr0_first_step_transposed_tensors {transposed} tensors")
 
 
 # ---- tasks ----
@@ -425,13 +458,21 @@ def main():
           f"{seeds}; model d {args.d_model} x {args.layers} layers, {args.batch} x {args.seq} "
           f"bytes a step; reference text {len(suite.ref.train) + len(suite.ref.held)} bytes, "
           f"licences {len(suite.lic.train) + len(suite.lic.held)} bytes", flush=True)
-    results = {}
+    results, failed = {}, []
     t0 = time.perf_counter()
     with sf.Daemon() as daemon:
+        if any(parse_spec(x)[0] == "ds_zenflow" for x in specs):
+            probe_deepspeed_first_step(suite)
         for task in tasks:
             for seed in seeds:
                 for spec in specs:
-                    r = suite.run(task, spec, seed, daemon)
+                    try:
+                        r = suite.run(task, spec, seed, daemon)
+                    except Exception as e:  # noqa: BLE001 - report the run, go on with the rest
+                        print(f"  {task:22s} seed {seed} {spec:34s} FAILED: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
+                        failed.append((task, spec))
+                        continue
                     results.setdefault((task, spec), []).append(r)
                     base = results.get((task, "adamw"), [None] * (seed + 1))
                     ratio = r["eval"] / base[-1]["eval"] if base[-1] else float("nan")
@@ -445,7 +486,9 @@ def main():
     for task in tasks:
         base = results.get((task, "adamw"))
         for spec in specs:
-            rs = results[(task, spec)]
+            rs = results.get((task, spec))
+            if not rs or (task, spec) in failed:
+                continue
             fig = f"quality_{task}_{figure_name(spec)}"
             if base and spec != "adamw":
                 ratio = statistics.mean(r["eval"] / b["eval"] for r, b in zip(rs, base))
@@ -459,6 +502,9 @@ def main():
             if base and spec != "adamw":
                 print(f"FIGURE {fig}_step_vs_adamw "
                       f"{statistics.mean(r['step_ms'] / b['step_ms'] for r, b in zip(rs, base)):.3f} x")
+    if failed:
+        print("quality_suite: failed runs: " + ", ".join(f"{t} {s}" for t, s in failed))
+        sys.exit(1)
 
 
 if __name__ == "__main__":

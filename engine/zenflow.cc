@@ -21,6 +21,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "engine/blob.h"
+#include "engine/schedule.h"
 
 namespace stallfree {
 namespace {
@@ -381,6 +382,7 @@ struct ZenFlowEngine::Impl {
   // Whether any state lives in the daemon: not in no-offload mode, nor in zenflow when every
   // parameter stays on the device (1-D ones, weights with fewer than 4 cold columns).
   bool offloading() const { return copier != nullptr; }
+  Schedule sched;  // the step kinds (engine/schedule.h); set with the copy thread in Setup
   // Whether the daemon holds state of this engine: what Checkpoint writes there and Restore
   // reads back.
   bool daemon_has_state() const { return offloading() && loaded; }
@@ -489,20 +491,9 @@ struct ZenFlowEngine::Impl {
   absl::Status CheckBlob(const EngineBlob& blob) const;
   void ApplyBlobParam(PState& ps, const EngineBlobParam& bp, bool selected);
   // The step's kind (see zenflow.h): warm-up, a round boundary, a reselection.
-  bool Warm(int64_t t) const { return t <= cfg.warmup_steps; }
-  bool Boundary(int64_t t) const {
-    return offloading() && (Warm(t) || cfg.mode == OffloadMode::kSyncOffload ||
-                            (t - cfg.warmup_steps) % cfg.update_interval == 0);
-  }
-  // Whether step t lands the pending Update: the end of step pending + land_lag (with the
-  // default land_lag, S, that is the next boundary, which lands it before issuing its own).
+  // Whether step t lands the pending Update (Schedule::Landing of its boundary).
   bool LandsPending(int64_t t) const {
-    return pending_version > 0 && t == pending_version + cfg.EffectiveLandLag();
-  }
-  bool Reselects(int64_t t) const {
-    return cfg.mode == OffloadMode::kZenFlow && Boundary(t) &&
-           t >= std::max<int64_t>(cfg.warmup_steps, 1) &&
-           (t - cfg.warmup_steps) % cfg.EffectiveSelectInterval() == 0;
+    return pending_version > 0 && t == sched.Landing(pending_version);
   }
   // Before step t's cold gradients are written: the send buffers once the previous step's
   // download from them is done; direct, the gradient slot once the daemon is done with it (the
@@ -584,6 +575,7 @@ absl::Status ZenFlowEngine::Impl::Setup() {
     SF_LOG(kWarning, "zenflow: no copy stream (%s); copies share the compute stream", why);
   RETURN_IF_ERROR(SetupTransfers());
   copier = std::make_unique<CopyThread>();
+  sched = Schedule(cfg, /*offloading=*/true);
   return absl::OkStatus();
 }
 
@@ -1044,15 +1036,12 @@ ZenFlowEngine::Impl::StepPlan ZenFlowEngine::Impl::Plan(double lr) {
   StepPlan p;
   p.t = ++step;
   p.lr = lr;
-  const bool warm = Warm(p.t);
-  const bool sync = cfg.mode == OffloadMode::kSyncOffload;
-  const int64_t S = (warm || sync) ? 1 : cfg.update_interval;
-  p.scale = static_cast<float>(1.0 / static_cast<double>(S));
-  p.await = cfg.await_updates || warm || sync;
-  p.boundary = Boundary(p.t);
-  p.reselect = Reselects(p.t);
+  p.scale = static_cast<float>(1.0 / static_cast<double>(sched.Interval(p.t)));
+  p.await = sched.Awaits(p.t);
+  p.boundary = sched.Boundary(p.t);
+  p.reselect = sched.Reselects(p.t);
   p.adam = cfg.AdamW(lr, p.t);
-  p.slot = static_cast<uint32_t>(p.t % 2);
+  p.slot = Schedule::GradSlot(p.t);
   return p;
 }
 
@@ -1323,7 +1312,7 @@ absl::Status ZenFlowEngine::StageGradient(size_t index, const void* grad) {
 }
 
 absl::Status ZenFlowEngine::Impl::WaitToSend(int64_t t, StepTimings* tm) {
-  const uint32_t slot = static_cast<uint32_t>(t % 2);
+  const uint32_t slot = Schedule::GradSlot(t);
   const auto t0 = Clock::now();
   RETURN_IF_ERROR(copier->WaitFor(send_task));
   if (direct) {
@@ -1348,11 +1337,11 @@ absl::Status ZenFlowEngine::Impl::StageGradient(PState& ps, const void* grad) {
   ps.p.grad = grad;
   if (!loaded && ps.hot_idx.empty()) RETURN_IF_ERROR(SelectInitial(ps, &staged_tm));
   const auto t0 = Clock::now();
-  if (Reselects(t))
+  if (sched.Reselects(t))
     k.ColumnScores(grad, ps.gtype(), ps.rows, ps.cols, ps.cols, nullptr, ps.scores.data());
   k.GatherColumns(grad, ps.esize(), ps.rows, ps.cols, AsInts(ps.hot_idx_dev), ps.k,
                   ps.hot_grad.data());
-  const uint32_t slot = static_cast<uint32_t>(t % 2);
+  const uint32_t slot = Schedule::GradSlot(t);
   k.GatherColumnsAs(ps.gtype(), grad, ps.rows, ps.cols, AsInts(ps.cold_idx_dev), ps.ncold,
                     DTypeOf(cfg.grad_dtype), direct ? ps.grad_view[slot] : ps.send.data());
   absl::Status st = Sync("staging a gradient");

@@ -22,11 +22,12 @@
 //   engine's copy thread (PushGradients, scale 1/S: the daemon accumulates the round's mean
 //   gradient) while the caller computes the next step;
 // - every S = update_interval steps (a round boundary) the copy thread starts the daemon's Update
-//   (per-column step counts) with the round's last push folded in. The engine first lands the
-//   previous round's Update: buffered, the copy thread has already uploaded its parameters
-//   during the step before (it waits for that Update first); direct, it waits for that Update
-//   now; and the engine scatters them into the cold columns. Hot columns are never written by
-//   the daemon's output. So each Update's parameters are read before the next Update is issued,
+//   (per-column step counts) with the round's last push folded in. It lands at the end of step
+//   b + land_lag (b its boundary; by default the next boundary, which lands it before issuing
+//   its own): buffered, the copy thread has already uploaded its parameters during the step
+//   before (it waits for that Update first); direct, the engine waits for that Update then;
+//   and the engine scatters them into the cold columns. Hot columns are never written by the
+//   daemon's output. So each Update's parameters are read before the next Update is issued,
 //   and the engine registers one parameter slot, in param_dtype (offload.proto,
 //   RegisterParamsRequest).
 // - reselection, at the end of a boundary step t >= max(W, 1) with (t - W) a multiple of
@@ -56,15 +57,17 @@
 // transfers). Buffered: Step gathers the cold gradient into one device buffer (in grad_dtype)
 // and the copy thread downloads it while the caller computes the next step; the copy thread
 // uploads an Update's parameters into one device buffer (in param_dtype) during the step before
-// the boundary that scatters them. The copies overlap compute; the buffers cost about
+// the one that lands them. The copies overlap compute; the buffers cost about
 // (1 - topk_ratio) x (grad_dtype + param_dtype bytes) per parameter on the device. Direct: Step's
 // gather kernel writes the cold gradient straight into the pinned gradient slot, and the
 // boundary's scatter kernel reads the parameters straight from the parameter slot, through the
 // backend's view of the session's registered region (BackendMemory::HostView): no transfer
 // buffers, but those two moves run inside Step at the host link's speed. Direct also writes the
 // gradient slot from Step, so Step first waits for the daemon to be done with the slot (its
-// push, or the fused Update that reads it): an Update may take until the second step after its
-// boundary before it stalls the caller, against the third when buffered. A whole offloaded
+// push, or the fused Update that reads it): with the default land_lag an Update may take until
+// the second step after its boundary before it stalls the caller, against the third when
+// buffered; with a smaller land_lag L, until the end of step b + L in both (plus the upload,
+// buffered). A whole offloaded
 // parameter (sync-offload) crosses the same way in both: straight from and into its own buffers
 // when the dtypes match, else through a device buffer that converts. The hot columns' gradient
 // is gathered in row blocks through one scratch buffer of at most 2^20 elements shared by every

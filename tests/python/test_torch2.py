@@ -284,6 +284,16 @@ def test_hyperparameters_accepted_and_refused_as_torch_adamw(kwargs, daemon):
         assert str(torch_error).split(":")[0] in str(ours), (str(torch_error), str(ours))
 
 
+def three_steps(make):
+    """TinyLM(0)'s parameters after three plain steps of make(its parameters)."""
+    model = models.make_model(0)
+    opt = make(model.parameters())
+    models.plain_steps(model, opt, 3)
+    if hasattr(opt, "close"):
+        opt.close()
+    return models.snapshot(model)
+
+
 def test_defaults_are_torch_adamws(daemon):
     """A drop-in keeps torch.optim.AdamW's defaults: every argument the two signatures share has
     the same default (weight_decay was 0.0 here against torch's 1e-2, found on the first GPU run
@@ -297,17 +307,9 @@ def test_defaults_are_torch_adamws(daemon):
         assert ours[name].default == theirs[name].default, (name, ours[name].default,
                                                             theirs[name].default)
 
-    def run(make):
-        model = models.make_model(0)
-        opt = make(model.parameters())
-        models.plain_steps(model, opt, 3)
-        if hasattr(opt, "close"):
-            opt.close()
-        return models.snapshot(model)
-
-    ref = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
-    got = run(lambda ps: ZenFlowAdamW(ps, lr=1e-2, socket=daemon.socket, mode="sync-offload",
-                                      **FP32))
+    ref = three_steps(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
+    got = three_steps(lambda ps: ZenFlowAdamW(ps, lr=1e-2, socket=daemon.socket,
+                                              mode="sync-offload", **FP32))
     worst = max((got[n] - ref[n]).abs().max().item() for n in ref)
     assert worst <= models.PARAM_ATOL, worst
 
@@ -317,18 +319,11 @@ def test_defaults_are_torch_adamws(daemon):
 def test_accepted_edge_values_compute_what_torch_computes(edge, daemon):
     """The edge values torch.optim.AdamW accepts give its result (eps = 0: a parameter with a
     zero moment becomes 0/0 = NaN in both; compared with NaN equal to NaN)."""
-    def run(make):
-        model = models.make_model(0)
-        opt = make(model.parameters())
-        models.plain_steps(model, opt, 3)
-        if hasattr(opt, "close"):
-            opt.close()
-        return models.snapshot(model)
-
     kw = dict(dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1), **edge)
-    ref = run(lambda ps: torch.optim.AdamW(ps, foreach=False, **kw))
+    ref = three_steps(lambda ps: torch.optim.AdamW(ps, foreach=False, **kw))
     for mode in ("no-offload", "sync-offload"):
-        got = run(lambda ps: ZenFlowAdamW(ps, socket=daemon.socket, mode=mode, **FP32, **kw))
+        got = three_steps(lambda ps: ZenFlowAdamW(ps, socket=daemon.socket, mode=mode, **FP32,
+                                                  **kw))
         for name in ref:
             torch.testing.assert_close(got[name], ref[name], rtol=0, atol=models.PARAM_ATOL,
                                        equal_nan=True, msg=lambda m: f"{mode} {name}: {m}")
