@@ -3,7 +3,8 @@ Updates (update_interval=4, no await): saved after step 6 (mid-round: round 1's 
 started at the step-4 boundary and its parameters are not applied until step 8; round 2 has
 pushed 2 of its 4 gradients), loaded in a fresh process (over another daemon), continued to step
 14 (through a reselection at step 9 and the boundaries at 8 and 12): the losses and the final
-parameters must equal the uninterrupted run's bit for bit.
+parameters must equal the uninterrupted run's bit for bit. Also with land_lag 3 (round 1's
+Update lands at step 7, after the save).
 """
 import json
 
@@ -24,6 +25,9 @@ ZENFLOW = dict(mode="zenflow", update_interval=4, select_interval=8, topk_ratio=
 CONFIGS = {
     "fp32": dict(ZENFLOW, grad_dtype="fp32", param_dtype="fp32"),
     "bf16": dict(ZENFLOW),  # the default transfers (grad_dtype, param_dtype "bf16")
+    # Round 1's Update (boundary 4) lands at the end of step 7, so the step-6 state still holds
+    # it pending: the resumed engine must land it at step 7, not at the boundary at 8.
+    "land_lag": dict(ZENFLOW, land_lag=3),
 }
 
 
