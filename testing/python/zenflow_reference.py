@@ -39,6 +39,9 @@ columns (its last dimension; rows = the product of the others):
   one per round update) or "micro" (DeepSpeed's ZenFlowCPUAdam: the count is the step number,
   so it grows by S per round; while beta2^t is far from 0 this enlarges the cold step by about
   sqrt(S), since v holds t / S updates but is corrected as if it held t).
+- delay_comp (a variant): lambda of a delay compensation in the manner of DC-ASGD on the cold
+  gradient, g + lambda g^2 (master - shown value) / sqrt(v), while the model shows stale cold
+  values (0: off, the engine).
 - close() lands the pending update (the end of training).
 
 AdamW is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, then the Adam step with
@@ -121,7 +124,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                  topk_ratio=0.1, update_interval=4, select_interval=None, warmup_steps=20,
                  await_updates=False, cold_warmup=0, cold_lr_scale=1.0, predict_cold=False,
                  lr_scale=1.0, cold_scale=1.0, sqrt_rule=False, migrate_v=False,
-                 select_by="grad", land_lag=None, cold_steps="round"):
+                 select_by="grad", land_lag=None, cold_steps="round", delay_comp=0.0):
         # lr_scale, cold_scale: deliberate errors (every lr scaled; the cold accumulation scaled),
         # for showing that a test's tolerance catches a slightly wrong reference.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -146,6 +149,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         if cold_steps not in ("round", "micro"):
             raise ValueError("cold_steps: 'round' or 'micro'")
         self.cold_steps = cold_steps
+        self.delay_comp = delay_comp
 
     def _split(self, p):
         st = self.state[p]
@@ -264,7 +268,15 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 view[:, hot] = _as(mh, p)
                 # Cold columns: the round's mean gradient, applied at the boundary.
                 # scale 1/S rounded to fp32 once, as the daemon's accumulation takes it
-                sp.acc[:, cold] += g[:, cold] * (torch.tensor(1.0 / S) * self.cold_scale).float()
+                gc = g[:, cold]
+                if self.delay_comp and not await_:
+                    # DC-ASGD's correction, with Adam's v as its curvature scale: the gradient
+                    # taken at the stale values the model shows, moved to the masters the
+                    # daemon holds, g + lambda g^2 (master - shown) / sqrt(v).
+                    shown = view[:, cold].float()
+                    gc = gc + self.delay_comp * gc * gc * (sp.master[:, cold] - shown) / (
+                        sp.v[:, cold].sqrt() + eps)
+                sp.acc[:, cold] += gc * (torch.tensor(1.0 / S) * self.cold_scale).float()
                 if boundary:
                     sp.steps[cold] += S if self.cold_steps == "micro" else 1
                     cb1, cb2, ceps, clr, cwd = b1, b2, eps, cold_lr, wd
