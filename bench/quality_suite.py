@@ -30,7 +30,9 @@ Optimizers (--optimizers, comma separated; NAME[key=value,...] passes options):
 - adamw: torch.optim.AdamW (foreach=False);
 - zenflow: stallfree.torch.ZenFlowAdamW(groups, lr=...) with nothing else set (the defaults);
 - sync_offload: ZenFlowAdamW(mode="sync-offload") (equals AdamW: the control);
-- zenflow_s4: the defaults with the round forced to S = 4 (a node whose CPU is slow);
+- zenflow_s4: the defaults with the round forced to S = 4 (a node whose CPU is slow); while the
+  defaults are that round (update_interval 4, land_lag 0), it reports the defaults' own run
+  instead of training the same model again;
 - ds_zenflow: DeepSpeed's ZenFlow through deepspeed.initialize (ZeRO-2, offload_optimizer cpu,
   zenflow with topk_ratio 0.1, update_interval 4, select_interval 16, select_strategy "step";
   DeepSpeed's CPU accelerator, gloo, one rank), as the issue measured it;
@@ -47,8 +49,8 @@ one).
 
 Printed: a line per run (eval loss, its ratio to AdamW's, the worst gradient-norm jump: a step's
 norm over the median of its previous 10), then FIGURE quality_<task>_<optimizer>_vs_adamw_eval_loss
-for every run, and for ZenFlowAdamW runs FIGURE quality_<task>_<optimizer>_step_ms (the
-optimizer's step, median), _step_vs_adamw (the whole step's median against AdamW's) and
+for every run, and for ZenFlowAdamW runs FIGURE quality_<task>_<optimizer>_optimizer_step_ms
+(the optimizer's step, median), _step_vs_adamw (the whole step's median against AdamW's) and
 _daemon_cpu_s_per_step (the private stallfreed's user + system CPU seconds over the run, per
 step). --quick: one seed, fewer pretraining steps (8 min 45 s here with the default
 optimizers); the default: seeds 0-2, the figures their mean.
@@ -56,10 +58,10 @@ optimizers); the default: seeds 0-2, the figures their mean.
 
 import argparse
 import contextlib
+import inspect
 import math
 import os
 import re
-import socket as pysocket
 import statistics
 import sys
 import time
@@ -74,7 +76,15 @@ import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "testing" / "python"))
+sys.path.insert(0, str(REPO / "examples"))
 sys.dont_write_bytecode = True
+# What the project has already: the DeepSpeed harness of torch_bench part 3, the gradient-norm
+# jumps of zenflow_variants, Hugging Face's parameter groups as examples/hf_finetune.py builds
+# them, and the example's import of stallfree.
+from deepspeed_compare import free_port, import_deepspeed  # noqa: E402
+from hf_finetune import param_groups, unnamed  # noqa: E402
+from torch_gpt import import_stallfree  # noqa: E402
+from zenflow_variants import jumps  # noqa: E402
 
 LICENCES = Path("/usr/share/common-licenses")
 TASKS = ("llama_finetune", "llama_finetune_const", "gpt2_finetune", "llama_scratch",
@@ -82,16 +92,6 @@ TASKS = ("llama_finetune", "llama_finetune_const", "gpt2_finetune", "llama_scrat
 OPTIMIZERS = ("adamw", "sync_offload", "zenflow", "zenflow_s4", "ds_zenflow", "ds_offload")
 DS_ZENFLOW = {"topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step",
               "select_interval": 16, "full_warm_up_rounds": 0, "pt_reserved_cores_perc": 0.0}
-
-
-def import_stallfree():
-    try:
-        import stallfree  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(REPO / "bazel-bin" / "python"))
-    import stallfree
-    import stallfree.torch  # noqa: F401
-    return stallfree
 
 
 # ---- text ----
@@ -147,14 +147,6 @@ def make_model(kind, size, seed):
         max_position_embeddings=seq, tie_word_embeddings=False))
 
 
-def param_groups(model, weight_decay):
-    from transformers import Trainer
-    decay = set(Trainer.get_decay_parameter_names(None, model))
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
-            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-
-
 def schedule(kind, steps, warmup, floor=0.1):
     if kind == "const":
         return lambda t: 1.0
@@ -174,16 +166,6 @@ def eval_loss(model, text):
     losses = [float(model(input_ids=b, labels=b).loss) for b in text.eval]
     model.train(was)
     return sum(losses) / len(losses)
-
-
-def worst_jump(norms):
-    """The largest ratio of a step's gradient norm to the median of its previous 10."""
-    worst = 0.0
-    for i in range(10, len(norms)):
-        med = statistics.median(norms[i - 10:i])
-        if med > 0 and math.isfinite(norms[i]):
-            worst = max(worst, norms[i] / med)
-    return worst
 
 
 # ---- optimizers ----
@@ -245,7 +227,7 @@ class DeepSpeedRunner:
     _ready = False
 
     def __init__(self, model, groups, lr, zenflow, bf16, clip=1.0):
-        import deepspeed
+        deepspeed, _ = import_deepspeed()
         if not DeepSpeedRunner._ready:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                               LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
@@ -263,9 +245,8 @@ class DeepSpeedRunner:
                "bf16": {"enabled": bool(bf16)},
                "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
         with contextlib.redirect_stdout(sys.stderr):
-            self.engine, self.opt, _, _ = deepspeed.initialize(model=model,
-                                                               model_parameters=groups,
-                                                               config=cfg)
+            self.engine, self.opt, _, _ = deepspeed.initialize(
+                model=model, model_parameters=unnamed(groups), config=cfg)
         self.model = model
         self.daemon = None
 
@@ -282,13 +263,7 @@ class DeepSpeedRunner:
         return float(loss), float(norm) if norm is not None else float("nan"), opt_s
 
     def finish(self):
-        self.engine.destroy() if hasattr(self.engine, "destroy") else None
-
-
-def free_port():
-    with pysocket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        self.engine.destroy()
 
 
 def daemon_cpu_s(daemon):
@@ -414,10 +389,10 @@ class Suite:
         runner.finish()
         cpu = daemon_cpu_s(runner.daemon) - cpu0
         ev = eval_loss(runner.model, t["text"]) if math.isfinite(losses[-1]) else float("nan")
-        return dict(eval=ev, jump=worst_jump(norms), opt_ms=1e3 * statistics.median(opt_s[5:]),
+        return dict(eval=ev, jump=max(jumps(norms)), opt_ms=1e3 * statistics.median(opt_s[5:]),
                     step_ms=1e3 * statistics.median(step_s[5:]),
                     daemon_cpu=cpu / len(step_s) if runner.daemon else None,
-                    seconds=time.perf_counter() - start, last_loss=losses[-1])
+                    seconds=time.perf_counter() - start)
 
 
 def figure_name(spec):
@@ -458,7 +433,9 @@ def main():
           f"{seeds}; model d {args.d_model} x {args.layers} layers, {args.batch} x {args.seq} "
           f"bytes a step; reference text {len(suite.ref.train) + len(suite.ref.held)} bytes, "
           f"licences {len(suite.lic.train) + len(suite.lic.held)} bytes", flush=True)
+    # results[(task, spec)][seed]; each figure pairs a run with AdamW's of the same seed.
     results, failed = {}, []
+    same_as_defaults = defaults_round_is_s4()
     t0 = time.perf_counter()
     with sf.Daemon() as daemon:
         if any(parse_spec(x)[0] == "ds_zenflow" for x in specs):
@@ -466,46 +443,59 @@ def main():
         for task in tasks:
             for seed in seeds:
                 for spec in specs:
-                    try:
-                        r = suite.run(task, spec, seed, daemon)
+                    reused = spec == "zenflow_s4" and same_as_defaults and \
+                        seed in results.get((task, "zenflow"), {})
+                    try:  # zenflow_s4 is the defaults' run while their round is S = 4
+                        r = results[(task, "zenflow")][seed] if reused else \
+                            suite.run(task, spec, seed, daemon)
                     except Exception as e:  # noqa: BLE001 - report the run, go on with the rest
                         print(f"  {task:22s} seed {seed} {spec:34s} FAILED: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
                         failed.append((task, spec))
                         continue
-                    results.setdefault((task, spec), []).append(r)
-                    base = results.get((task, "adamw"), [None] * (seed + 1))
-                    ratio = r["eval"] / base[-1]["eval"] if base[-1] else float("nan")
+                    results.setdefault((task, spec), {})[seed] = r
+                    base = results.get((task, "adamw"), {}).get(seed)
+                    ratio = r["eval"] / base["eval"] if base else float("nan")
                     cpu = f", daemon {r['daemon_cpu'] * 1e3:.1f} ms CPU a step" \
                         if r["daemon_cpu"] is not None else ""
+                    took = "the defaults' run" if reused else "%.0f s" % r["seconds"]
                     print(f"  {task:22s} seed {seed} {spec:34s} eval {r['eval']:.4f}  "
                           f"x{ratio:.4f} AdamW  worst jump {r['jump']:5.1f}x  step "
                           f"{r['step_ms']:6.1f} ms (optimizer {r['opt_ms']:5.1f}){cpu}  "
-                          f"[{r['seconds']:.0f} s]", flush=True)
+                          f"[{took}]", flush=True)
     print(f"quality_suite: {time.perf_counter() - t0:.0f} s")
     for task in tasks:
-        base = results.get((task, "adamw"))
+        base = results.get((task, "adamw"), {})
         for spec in specs:
-            rs = results.get((task, spec))
-            if not rs or (task, spec) in failed:
+            runs = results.get((task, spec), {})
+            if not runs or (task, spec) in failed:
                 continue
+            rs = list(runs.values())
+            pairs = [(r, base[seed]) for seed, r in runs.items() if seed in base]
             fig = f"quality_{task}_{figure_name(spec)}"
-            if base and spec != "adamw":
-                ratio = statistics.mean(r["eval"] / b["eval"] for r, b in zip(rs, base))
+            if pairs and spec != "adamw":
+                ratio = statistics.mean(r["eval"] / b["eval"] for r, b in pairs)
                 print(f"FIGURE {fig}_vs_adamw_eval_loss {ratio:.4f} x")
             print(f"FIGURE {fig}_eval_loss {statistics.mean(r['eval'] for r in rs):.4f} nats")
             print(f"FIGURE {fig}_worst_grad_norm_jump {max(r['jump'] for r in rs):.2f} x")
             if rs[0]["daemon_cpu"] is not None:
-                print(f"FIGURE {fig}_step_ms {statistics.mean(r['opt_ms'] for r in rs):.2f} ms")
+                print(f"FIGURE {fig}_optimizer_step_ms "
+                      f"{statistics.mean(r['opt_ms'] for r in rs):.2f} ms")
                 print(f"FIGURE {fig}_daemon_cpu_s_per_step "
                       f"{statistics.mean(r['daemon_cpu'] for r in rs):.5f} s")
-            if base and spec != "adamw":
+            if pairs and spec != "adamw":
                 print(f"FIGURE {fig}_step_vs_adamw "
-                      f"{statistics.mean(r['step_ms'] / b['step_ms'] for r, b in zip(rs, base)):.3f} x")
+                      f"{statistics.mean(r['step_ms'] / b['step_ms'] for r, b in pairs):.3f} x")
     if failed:
         print("quality_suite: failed runs: " + ", ".join(f"{t} {s}" for t, s in failed))
         sys.exit(1)
 
+
+def defaults_round_is_s4():
+    """Whether ZenFlowAdamW's default round is S = 4, so that zenflow_s4 is the defaults' run."""
+    from stallfree.torch import ZenFlowAdamW
+    sig = inspect.signature(ZenFlowAdamW.__init__).parameters
+    return sig["update_interval"].default == 4 and sig["land_lag"].default == 0
 
 if __name__ == "__main__":
     main()

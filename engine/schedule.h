@@ -14,7 +14,6 @@ namespace stallfree {
 
 class Schedule {
  public:
-  Schedule() = default;
   // `offloading`: the engine has a daemon to talk to (zenflow or sync-offload with something
   // offloaded); without one no step is a boundary.
   Schedule(const ZenFlowConfig& c, bool offloading)
@@ -23,7 +22,7 @@ class Schedule {
         S_(c.update_interval),
         W_(c.warmup_steps),
         select_(c.EffectiveSelectInterval()),
-        lag_(c.EffectiveLandLag()),
+        lag_(c.land_lag == 0 ? c.update_interval : c.land_lag),
         await_(c.await_updates) {}
 
   // Steps 1..W: S = 1 and awaited (exact AdamW on every column).
@@ -55,10 +54,10 @@ class Schedule {
   static uint32_t GradSlot(int64_t t) { return static_cast<uint32_t>(t % 2); }
 
  private:
-  OffloadMode mode_ = OffloadMode::kNoOffload;
-  bool offloading_ = false;
-  int64_t S_ = 1, W_ = 0, select_ = 4, lag_ = 1;
-  bool await_ = false;
+  OffloadMode mode_;
+  bool offloading_;
+  int64_t S_, W_, select_, lag_;
+  bool await_;
 };
 
 }  // namespace stallfree

@@ -377,12 +377,13 @@ struct ZenFlowEngine::Impl {
 
   Impl(const ZenFlowConfig& c, const kernels::OptimizerKernel& kk,
        const kernels::BackendMemory& o, OffloadTarget* s)
-      : cfg(c), k(kk), ops(o), target(s) {}
+      : cfg(c), k(kk), ops(o), target(s), sched(c, /*offloading=*/false) {}
 
   // Whether any state lives in the daemon: not in no-offload mode, nor in zenflow when every
   // parameter stays on the device (1-D ones, weights with fewer than 4 cold columns).
   bool offloading() const { return copier != nullptr; }
-  Schedule sched;  // the step kinds (engine/schedule.h); set with the copy thread in Setup
+  // The step kinds (engine/schedule.h); offloading from when Setup makes the copy thread.
+  Schedule sched;
   // Whether the daemon holds state of this engine: what Checkpoint writes there and Restore
   // reads back.
   bool daemon_has_state() const { return offloading() && loaded; }

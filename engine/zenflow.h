@@ -177,7 +177,6 @@ struct ZenFlowConfig {
   int64_t EffectiveSelectInterval() const {
     return select_interval == 0 ? 4 * update_interval : select_interval;
   }
-  int64_t EffectiveLandLag() const { return land_lag == 0 ? update_interval : land_lag; }
 };
 
 // ZenFlowConfig's fields, the one list of them: f(name, member) for each, so that the Python
