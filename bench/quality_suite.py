@@ -52,7 +52,7 @@ norm over the median of its previous 10), then FIGURE quality_<task>_<optimizer>
 for every run, and for ZenFlowAdamW runs FIGURE quality_<task>_<optimizer>_optimizer_step_ms
 (the optimizer's step, median), _step_vs_adamw (the whole step's median against AdamW's) and
 _daemon_cpu_s_per_step (the private stallfreed's user + system CPU seconds over the run, per
-step). --quick: one seed, fewer pretraining steps (8 min 45 s here with the default
+step). --quick: one seed, fewer pretraining steps (7 min 21 s here with the default
 optimizers); the default: seeds 0-2, the figures their mean.
 """
 
