@@ -48,7 +48,8 @@ void AddEngineFlags(FlagSet* flags, EngineOptions* o) {
                    "the stallfreed binary (default: found beside this one, or in its runfiles)");
   flags->AddInt("seed", &o->seed, "seed of weights, data and modeled gradients");
   flags->AddDouble("ratio", &o->ratio, "zenflow: hot share of each weight's columns");
-  flags->AddInt("interval", &o->interval, "zenflow: S, steps per daemon update");
+  flags->AddInt("interval", &o->interval,
+                "zenflow: S, steps per daemon update (0: auto, the engine's choice)");
   flags->AddInt("land_lag", &o->land_lag,
                 "zenflow: steps after its boundary at which a round's update lands (0: S)");
   flags->AddDouble("weight_decay", &o->weight_decay, "AdamW weight decay");

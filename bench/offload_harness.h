@@ -53,7 +53,7 @@ struct EngineOptions {
   std::string stallfreed;  // "" : found beside the benchmark or in its runfiles
   int64_t seed = 1;
   double ratio = 0.1;    // zenflow: hot share of each weight's columns
-  int64_t interval = 4;  // zenflow: S
+  int64_t interval = ZenFlowConfig().update_interval;  // zenflow: S (the engine's default; 0: auto)
   int64_t land_lag = ZenFlowConfig().land_lag;  // zenflow: the engine's default
   double weight_decay = 0.01;
 };

@@ -93,6 +93,14 @@ int ParseOptions(int argc, char** argv, Options* o) {
   if (o->big_ff <= 0) o->big_ff = o->quick ? 2048 : 3456;
   if (o->big_vocab <= 0) o->big_vocab = o->quick ? 32000 : 50304;
   const int64_t S = o->engine.interval;
+  if (S == 0) {  // auto: the engine chooses; 12 timed steps are whole rounds of 1 to 4
+    if (o->big_steps <= 0) o->big_steps = 12;
+    if (o->big_select != 0) {
+      fprintf(stderr, "offload_modeled_bench: --big_select: not with --interval 0 (auto)\n");
+      return 2;
+    }
+    return -1;
+  }
   if (o->big_steps <= 0) o->big_steps = o->quick ? 2 * S : 4 * S;
   if (o->big_select <= 0) o->big_select = (o->quick ? 2 : 4) * S;
   if (S < 1 || o->big_steps % S != 0 || o->big_select % S != 0) {
@@ -261,6 +269,7 @@ struct ModeResult {
   int64_t pushes = 0, updates = 0;
   double accumulate_s = 0, update_s = 0;
   double device_virtual_gib = 0;
+  int64_t interval = 0;  // zenflow: the round length at the end (auto: the engine's choice)
 };
 
 // The parameters in the device's memory: virtual for the weights, real for the norms (which get
@@ -380,6 +389,7 @@ ModeResult RunMode(const Options& o, OffloadMode mode, Client* client, pid_t dae
   r.setup = Since(t_setup);
   if (!TimeSteps(client, session != nullptr, dev, compute_s, run->engine.get(), mname, &r))
     return r;
+  r.interval = run->engine->update_interval();
   if (absl::Status st = FlushAndClose(&*run); !st.ok()) {
     fprintf(stderr, "offload_modeled_bench %s: %s\n", mname, st.ToString().c_str());
     return r;
@@ -515,7 +525,7 @@ void PrintTable(const Options& o, const ModeResult (&r)[3], double model_bytes, 
       "daemon's own accumulate and AdamW time per call, from GetStats)\n");
   const ModeResult& zen = r[2];
   if (zen.ok && zen.pushes > 0 && zen.updates > 0) {
-    const double S = static_cast<double>(o.engine.interval);
+    const double S = static_cast<double>(zen.interval);
     const double round_work = S * zen.accumulate_s / zen.pushes + zen.update_s / zen.updates;
     printf(
         "zenflow hides the daemon only if its work per round (S pushes + 1 update = %.0f ms "
@@ -572,6 +582,10 @@ void PrintFigures(const ModeResult (&r)[3], double model_bytes) {
   printf("FIGURE zenflow_stall_per_step_modeled %.1f ms\n", 1e3 * zen.t.stall);
   printf("FIGURE sync_offload_stall_per_step_modeled %.1f ms\n", 1e3 * sync.t.stall);
   printf("FIGURE big_model_params %.4f B parameters\n", model_bytes / 2e9);
+  printf("FIGURE zenflow_round_length %lld steps\n", static_cast<long long>(zen.interval));
+  if (zen.timed > 0)
+    printf("FIGURE zenflow_daemon_busy_s_per_step %.4f s\n",
+           (zen.accumulate_s + zen.update_s) / static_cast<double>(zen.timed));
   if (zen.updates > 0 && zen.update_s > 0) PrintDaemonUpdateFigures(zen);
   if (none.ok)
     PrintTarget("zenflow step <= 1.10x no-offload's (zenflow_vs_nooffload_step_modeled)",
@@ -600,8 +614,12 @@ int Run(int argc, char** argv) {
   // zenflow's first Update runs during its second round, and it is the first to write the
   // daemon's moments (first touches are slow on a lazily backed VM): two rounds untimed, so the
   // timed rounds see steady state.
-  const int64_t S = o.engine.interval;
-  const int64_t zen_warm = 2 * S, zen_timed = o.big_steps;
+  // Auto (--interval 0): rounds of 1 until the engine's first choice at step 4, then two
+  // rounds of the longest length it may choose, untimed.
+  const bool automatic = o.engine.interval == 0;
+  const int64_t S = automatic ? 1 : o.engine.interval;
+  const int64_t zen_warm = automatic ? 4 + 2 * ZenFlowConfig().max_update_interval : 2 * S,
+                zen_timed = o.big_steps;
   const int64_t sync_warm = 1, sync_timed = std::max<int64_t>(2, o.big_steps / 2);
   printf(
       "steps: zenflow %lld untimed (two rounds: selection, initial load, the first "
@@ -610,6 +628,10 @@ int Run(int argc, char** argv) {
       "wd %.2f\n",
       (long long)zen_warm, (long long)zen_timed, (long long)(zen_timed / S),
       (long long)o.big_select, (long long)sync_warm, (long long)sync_timed, o.engine.weight_decay);
+  if (automatic)
+    printf("zenflow update_interval auto: rounds of 1 until the engine's first choice (step 4), "
+           "then what it chooses (FIGURE zenflow_round_length; the rounds and select_interval "
+           "above count rounds of 1)\n");
   fflush(stdout);
   ModeledDeviceSpec spec;
   spec.flops = o.tflops * 1e12;

@@ -364,9 +364,9 @@ void PrintFineTuneTable(const Options& o, const FineTuneResults& r) {
       "(final = mean training loss of the last 10 fine-tuning steps; held-out = the "
       "fine-tuning distribution's; pre-train held-out = the pre-training "
       "distribution's after fine-tuning (forgetting); (pre-trained) = the starting "
-      "point; zenflow S = %lld, ratio %.2f; warm-up N = the engine's first N steps at "
+      "point; zenflow S = %s, ratio %.2f; warm-up N = the engine's first N steps at "
       "S = 1 with awaited updates)\n",
-      (long long)o.engine.interval, o.engine.ratio);
+      o.engine.interval == 0 ? "auto" : absl::StrCat(o.engine.interval).c_str(), o.engine.ratio);
   auto rows = ModeRows(r.ft);
   if (o.finetune_zen_warmup > 0)
     rows.push_back({absl::StrCat("zen wu", o.finetune_zen_warmup), &r.warm});

@@ -30,9 +30,9 @@ Optimizers (--optimizers, comma separated; NAME[key=value,...] passes options):
 - adamw: torch.optim.AdamW (foreach=False);
 - zenflow: stallfree.torch.ZenFlowAdamW(groups, lr=...) with nothing else set (the defaults);
 - sync_offload: ZenFlowAdamW(mode="sync-offload") (equals AdamW: the control);
-- zenflow_s4: the defaults with the round forced to S = 4 (a node whose CPU is slow); while the
-  defaults are that round (update_interval 4, land_lag 0), it reports the defaults' own run
-  instead of training the same model again;
+- zenflow_s4: the defaults with the round forced to S = 4 (a node whose CPU is slow; the
+  defaults' round is "auto", the node's own); were the defaults that round (update_interval 4,
+  land_lag 0), it would report the defaults' own run instead of training the same model again;
 - ds_zenflow: DeepSpeed's ZenFlow through deepspeed.initialize (ZeRO-2, offload_optimizer cpu,
   zenflow with topk_ratio 0.1, update_interval 4, select_interval 16, select_strategy "step";
   DeepSpeed's CPU accelerator, gloo, one rank), as the issue measured it;
@@ -48,7 +48,8 @@ start from a scrambled model, while from scratch a transposed random initialisat
 one).
 
 Printed: a line per run (eval loss, its ratio to AdamW's, the worst gradient-norm jump: a step's
-norm over the median of its previous 10), then FIGURE quality_<task>_<optimizer>_vs_adamw_eval_loss
+norm over the median of its previous 10; for ZenFlowAdamW the round lengths it ran, "S xN" in
+order, the warm-up's rounds of 1 first), then FIGURE quality_<task>_<optimizer>_vs_adamw_eval_loss
 for every run, and for ZenFlowAdamW runs FIGURE quality_<task>_<optimizer>_optimizer_step_ms
 (the optimizer's step, median), _step_vs_adamw (the whole step's median against AdamW's) and
 _daemon_cpu_s_per_step (the private stallfreed's user + system CPU seconds over the run, per
@@ -215,6 +216,11 @@ class TorchRunner:
         self.opt.zero_grad(set_to_none=True)
         return float(loss), norm, opt_s
 
+    def interval(self):
+        """The round length the last step ran (ZenFlowAdamW's; None for the others)."""
+        timings = getattr(self.opt, "last_timings", None)
+        return timings.get("interval") if isinstance(timings, dict) else None
+
     def finish(self):
         for name in ("flush", "close"):
             if hasattr(self.opt, name):
@@ -374,7 +380,7 @@ class Suite:
             model = model.to(torch.bfloat16)
         runner = make_runner(name, opts, model, t["lr"], daemon, t["bf16"])
         sched = schedule(t["sched"], t["steps"], t["warmup"])
-        losses, norms, opt_s, step_s = [], [], [], []
+        losses, norms, opt_s, step_s, rounds = [], [], [], [], []
         cpu0 = daemon_cpu_s(runner.daemon)
         start = time.perf_counter()
         for i, b in enumerate(t["text"].batches(t["steps"], seed), 1):
@@ -384,6 +390,8 @@ class Suite:
             losses.append(loss)
             norms.append(norm)
             opt_s.append(o)
+            if getattr(runner, "interval", None) is not None:
+                rounds.append(runner.interval())
             if not math.isfinite(loss):
                 break
         runner.finish()
@@ -392,7 +400,21 @@ class Suite:
         return dict(eval=ev, jump=max(jumps(norms)), opt_ms=1e3 * statistics.median(opt_s[5:]),
                     step_ms=1e3 * statistics.median(step_s[5:]),
                     daemon_cpu=cpu / len(step_s) if runner.daemon else None,
-                    seconds=time.perf_counter() - start)
+                    rounds=round_lengths(rounds), seconds=time.perf_counter() - start)
+
+
+def round_lengths(per_step):
+    """ZenFlowAdamW's round lengths as "S x steps, ..." in the order they ran (the warm-up's
+    rounds of 1 included), or None."""
+    if not per_step or per_step[0] is None:
+        return None
+    runs = []
+    for s in per_step:
+        if runs and runs[-1][0] == s:
+            runs[-1][1] += 1
+        else:
+            runs.append([s, 1])
+    return ", ".join(f"{s} x{n}" for s, n in runs)
 
 
 def figure_name(spec):
@@ -459,10 +481,11 @@ def main():
                     cpu = f", daemon {r['daemon_cpu'] * 1e3:.1f} ms CPU a step" \
                         if r["daemon_cpu"] is not None else ""
                     took = "the defaults' run" if reused else "%.0f s" % r["seconds"]
+                    rounds = f"  rounds {r['rounds']}" if r.get("rounds") else ""
                     print(f"  {task:22s} seed {seed} {spec:34s} eval {r['eval']:.4f}  "
                           f"x{ratio:.4f} AdamW  worst jump {r['jump']:5.1f}x  step "
                           f"{r['step_ms']:6.1f} ms (optimizer {r['opt_ms']:5.1f}){cpu}  "
-                          f"[{took}]", flush=True)
+                          f"[{took}]{rounds}", flush=True)
     print(f"quality_suite: {time.perf_counter() - t0:.0f} s")
     for task in tasks:
         base = results.get((task, "adamw"), {})

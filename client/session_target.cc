@@ -45,7 +45,17 @@ absl::Status SessionTarget::UpdateWithPush(int64_t step, const AdamW& hyper,
 }
 
 absl::Status SessionTarget::WaitUpdate(int64_t min_version) {
-  return s_->WaitUpdate(min_version).status();
+  {
+    // A version a WaitUpdate has already seen is ready (versions only grow until a Restore,
+    // which forgets them): no round trip to the daemon.
+    absl::MutexLock lock(&mu_);
+    if (seen_.version >= min_version && min_version > 0) return absl::OkStatus();
+  }
+  absl::StatusOr<v1::WaitUpdateResponse> got = s_->WaitUpdate(min_version);
+  if (!got.ok()) return got.status();
+  absl::MutexLock lock(&mu_);
+  if (got->version() > seen_.version) seen_ = {got->version(), got->update_seconds()};
+  return absl::OkStatus();
 }
 
 absl::StatusOr<OffloadTarget::HandOver> SessionTarget::HandOverColumns(
@@ -65,6 +75,10 @@ absl::Status SessionTarget::Checkpoint(const std::string& tag) {
 }
 
 absl::Status SessionTarget::Restore(const std::string& tag, DType out) {
+  {
+    absl::MutexLock lock(&mu_);
+    seen_ = UpdateSeen();
+  }
   return s_->Restore(tag, ToProto(out)).status();
 }
 

@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "common/dtype.h"
 #include "engine/offload_target.h"
@@ -46,6 +48,10 @@ class SessionTarget : public OffloadTarget {
                               uint32_t grad_slot, float push_scale,
                               const std::vector<std::string>& skip_params) override;
   absl::Status WaitUpdate(int64_t min_version) override;
+  UpdateSeen LastUpdate() const override {
+    absl::MutexLock lock(&mu_);
+    return seen_;
+  }
   absl::StatusOr<HandOver> HandOverColumns(const std::vector<ColumnMove>& moves) override;
   absl::Status Checkpoint(const std::string& tag) override;
   absl::Status Restore(const std::string& tag, DType out) override;
@@ -63,6 +69,8 @@ class SessionTarget : public OffloadTarget {
  private:
   std::unique_ptr<Session> owned_;
   Session* s_;
+  mutable absl::Mutex mu_;  // WaitUpdate runs on the engine's thread and its copy thread
+  UpdateSeen seen_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace stallfree

@@ -14,9 +14,9 @@ absl::StatusOr<EngineBlob> ParseEngineBlob(const std::string& bytes) {
   BlobReader r(bytes);
   EngineBlob s;
   int64_t n = 0;
-  if (!r.I64(&s.magic) || (s.magic != kEngineBlobMagicV3 && s.magic != kEngineBlobMagic))
+  if (!r.I64(&s.magic) || (!BlobHasDTypes(s.magic) && s.magic != kEngineBlobMagic))
     return corrupt("not a ZenFlow engine checkpoint (bad magic)");
-  const bool v3 = s.magic == kEngineBlobMagicV3;
+  const bool v3 = BlobHasDTypes(s.magic);
   if (!r.I64(&s.mode) || !r.I64(&s.step) || !r.I64(&s.rounds) || !r.I64(&s.pending_version) ||
       !r.I64(&s.loaded) || !r.I64(&n) || n < 0)
     return corrupt("truncated");
@@ -43,6 +43,12 @@ absl::StatusOr<EngineBlob> ParseEngineBlob(const std::string& bytes) {
     }
     s.params.push_back(std::move(p));
   }
+  if (s.magic == kEngineBlobMagicV4 &&
+      (!r.I64(&s.round_base) || !r.I64(&s.round_interval) || !r.I64(&s.round_floor)))
+    return corrupt("truncated");
+  if (s.magic == kEngineBlobMagicV4 &&
+      (s.round_base < 0 || s.round_interval < 1 || s.round_floor < 1))
+    return corrupt("the automatic round's state");
   if (!r.done()) return corrupt("trailing bytes");
   return s;
 }

@@ -80,6 +80,13 @@ class OffloadTarget {
                                       const std::vector<std::string>& skip_params) = 0;
   // Waits until the parameters of version `min_version` (or newer) are in their slot.
   virtual absl::Status WaitUpdate(int64_t min_version) = 0;
+  // The newest Update a WaitUpdate has returned: its version and the seconds the daemon's
+  // AdamW took on it ({0, 0} before any, or where the target does not know). Any thread.
+  struct UpdateSeen {
+    int64_t version = 0;
+    double seconds = 0;
+  };
+  virtual UpdateSeen LastUpdate() const { return {}; }
 
   // Hands columns over in the middle of a round (offload.proto, MigrateColumnsRequest.handover):
   // each move's incoming [rows, n] values, m and v are in Staging(), each move's four blocks

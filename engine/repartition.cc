@@ -212,19 +212,22 @@ absl::Status Repartitioner::Load(const std::vector<const PartitionedState*>& old
         s.pending_version != first.pending_version || s.loaded != first.loaded)
       return Disagree(absl::StrCat("the step (rank ", j, ": ", s.step, ", rank ",
                                    eng_.begin()->first, ": ", first.step, ")"));
-    if ((s.magic == kEngineBlobMagicV3) != (first.magic == kEngineBlobMagicV3))
-      return Disagree("the engine state's version");
+    if (s.magic != first.magic) return Disagree("the engine state's version");
+    if (s.round_base != first.round_base || s.round_interval != first.round_interval ||
+        s.round_floor != first.round_floor)
+      return Disagree("the automatic round's length");
   }
   if (!dmn_.empty() && dmn_.size() != eng_.size()) return Disagree("whether the daemon holds state");
   return absl::OkStatus();
 }
 
 absl::StatusOr<PartitionedState> Repartitioner::Cut(const std::string& tmp_dir) {
-  // V3 (dtypes, bf16 masters) where the ranks wrote it, else V2 (engine/blob.h).
+  // The version the ranks wrote (engine/blob.h): V2, V3 (dtypes, bf16 masters) or V4 (and the
+  // automatic round's state, the same on every rank).
   const EngineState& first = eng_.begin()->second;
-  const bool v3 = first.magic == kEngineBlobMagicV3;
+  const bool v3 = BlobHasDTypes(first.magic);
   BlobWriter w;
-  w.I64(v3 ? kEngineBlobMagicV3 : kEngineBlobMagic);
+  w.I64(first.magic);
   w.I64(first.mode);
   w.I64(first.step);
   w.I64(first.rounds);
@@ -241,6 +244,11 @@ absl::StatusOr<PartitionedState> Repartitioner::Cut(const std::string& tmp_dir) 
     RETURN_IF_ERROR(CutEngineParam(i, v3, &w));
     if (first.params[i].kind == kBlobDevice || dmn_.empty()) continue;
     RETURN_IF_ERROR(CutDaemonParam(i, daemon_index++, &out_d));
+  }
+  if (first.magic == kEngineBlobMagicV4) {
+    w.I64(first.round_base);
+    w.I64(first.round_interval);
+    w.I64(first.round_floor);
   }
   PartitionedState out;
   out.engine = std::move(w.out);

@@ -218,16 +218,26 @@ kernels::AdamWConfig ZenFlowConfig::AdamW(double lr, int64_t t) const {
 absl::Status ZenFlowConfig::Validate() const {
   if (!(topk_ratio > 0.0 && topk_ratio <= 1.0))
     return Invalid("topk_ratio", absl::StrCat(topk_ratio, " is outside (0, 1]"));
-  if (update_interval < 1)
-    return Invalid("update_interval", absl::StrCat(update_interval, " is not >= 1"));
-  if (select_interval < 0 || select_interval % update_interval != 0)
+  if (update_interval < 0)
+    return Invalid("update_interval", absl::StrCat(update_interval, " is not >= 1 (or 0: auto)"));
+  if (max_update_interval < 1)
+    return Invalid("max_update_interval", absl::StrCat(max_update_interval, " is not >= 1"));
+  // The longest round this config may run: S, or the automatic round's bound.
+  const int64_t longest = update_interval == 0 ? max_update_interval : update_interval;
+  if (update_interval == 0 && select_interval != 0)
+    return Invalid("select_interval",
+                   absl::StrCat(select_interval, ": with update_interval auto (0) the rounds "
+                                "change length, and reselection is every 4 of them: leave it 0"));
+  if (select_interval < 0 || (update_interval > 0 && select_interval % update_interval != 0))
     return Invalid("select_interval",
                    absl::StrCat(select_interval, " is not a positive multiple of update_interval ",
                                 update_interval, " (or 0 for 4 x update_interval)"));
   if (warmup_steps < 0) return Invalid("warmup_steps", absl::StrCat(warmup_steps, " is negative"));
-  if (land_lag < 0 || land_lag > update_interval)
-    return Invalid("land_lag", absl::StrCat(land_lag, " is outside [0, update_interval ",
-                                            update_interval, "] (0: update_interval)"));
+  if (land_lag < 0 || land_lag > longest)
+    return Invalid("land_lag", absl::StrCat(land_lag, " is outside [0, ",
+                                            update_interval == 0 ? "max_update_interval "
+                                                                 : "update_interval ",
+                                            longest, "] (0: the round's length)"));
   if (!(beta1 >= 0.0 && beta1 < 1.0)) return Invalid("beta1", "must be in [0, 1)");
   if (!(beta2 >= 0.0 && beta2 < 1.0)) return Invalid("beta2", "must be in [0, 1)");
   // eps >= 0, as torch.optim.AdamW takes it; finite, for the kernels' arithmetic.
@@ -357,6 +367,20 @@ struct ZenFlowEngine::Impl {
   int64_t prefetch_task = 0;
   int64_t prefetched_version = 0;
   int64_t rounds = 0;
+  // The automatic round (schedule.h): the figures since its last choice (the caller's compute
+  // of each step: the time from one Step's start to the next's, less the first one's stall;
+  // the stall of each step not awaited; the daemon's seconds per Update seen), and the floor
+  // its stalls set.
+  struct Pace {
+    std::vector<double> compute;
+    double stall = 0, update = 0;
+    int64_t stalled_steps = 0, updates = 0;
+  } pace;
+  Clock::time_point prev_start{};
+  double prev_stall = 0;
+  bool have_prev = false;
+  int64_t seen_update = 0;  // the newest Update version counted in pace
+  int64_t interval_floor = 1;
   // The largest sum of transient buffers one call has held (DeviceFootprint::transient_peak).
   int64_t transient_peak = 0;
   void NoteTransient(int64_t bytes) { transient_peak = std::max(transient_peak, bytes); }
@@ -478,6 +502,10 @@ struct ZenFlowEngine::Impl {
     std::vector<std::string> skip;
   };
   StepPlan Plan(double lr);
+  // The automatic round: each step's figures into pace, and at the end of a Decides step the
+  // length of the rounds that follow, from them (summed over the replicas through `reduce`).
+  absl::Status ChooseInterval(const StepPlan& plan);
+  void MeasurePace(const StepPlan& plan, Clock::time_point start, const StepTimings& tm);
   absl::Status UpdateDeviceShare(const StepPlan& plan, StepTimings* tm);
   void UpdateHotColumns(PState& ps, const kernels::AdamWConfig& adam);
   absl::Status GatherColdGradients(const StepPlan& plan, std::vector<char>* present,
@@ -987,6 +1015,7 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
   const StepPlan plan = Plan(lr);
   tm.step = plan.t;
   tm.boundary = plan.boundary;
+  tm.interval = sched.Interval(plan.t);
   if (staging_for == plan.t) {  // what staging this step's gradients took (StageGradient)
     tm.copies += staged_tm.copies;
     tm.optimizer += staged_tm.optimizer;
@@ -1026,10 +1055,75 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
     } else if (LandsPending(plan.t)) {
       RETURN_IF_ERROR(ApplyPendingUpdate(&tm));  // land_lag < S: before the next boundary
     }
-    PrefetchForLanding(plan);
+    if (sched.adaptive()) {
+      MeasurePace(plan, t_start, tm);
+      if (sched.Decides(plan.t)) RETURN_IF_ERROR(ChooseInterval(plan));
+    }
+    PrefetchForLanding(plan);  // after a new length: it decides when the pending Update lands
   }
   tm.total = Since(t_start);
   last = tm;
+  return absl::OkStatus();
+}
+
+void ZenFlowEngine::Impl::MeasurePace(const StepPlan& plan, Clock::time_point start,
+                                      const StepTimings& tm) {
+  // The caller's compute between the previous Step's start and this one's, less what that
+  // Step stalled: what an Update can run behind (on a device, the queued kernels the engine's
+  // Sync waits for count as compute too). Pauses between steps (an evaluation, a checkpoint)
+  // come out of the median.
+  if (have_prev)
+    pace.compute.push_back(
+        std::chrono::duration<double>(start - prev_start).count() - prev_stall);
+  have_prev = true;
+  prev_start = start;
+  prev_stall = tm.stall;
+  if (!plan.await) {
+    pace.stall += tm.stall;
+    ++pace.stalled_steps;
+  }
+  const OffloadTarget::UpdateSeen u = target->LastUpdate();
+  if (u.version > seen_update) {
+    seen_update = u.version;
+    pace.update += u.seconds;
+    ++pace.updates;
+  }
+}
+
+absl::Status ZenFlowEngine::Impl::ChooseInterval(const StepPlan& plan) {
+  std::vector<double>& c = pace.compute;
+  double compute = 0;
+  if (!c.empty()) {
+    std::nth_element(c.begin(), c.begin() + c.size() / 2, c.end());
+    compute = c[c.size() / 2];
+  }
+  // {replicas, compute, stall a step, replicas with an Update seen, their seconds an Update}
+  std::vector<float> fig = {
+      1.0f, static_cast<float>(compute),
+      static_cast<float>(pace.stalled_steps > 0 ? pace.stall / pace.stalled_steps : 0.0),
+      pace.updates > 0 ? 1.0f : 0.0f,
+      static_cast<float>(pace.updates > 0 ? pace.update / pace.updates : 0.0)};
+  if (reduce) {
+    OpsBuffer buf = Alloc(static_cast<int64_t>(fig.size()));
+    RETURN_IF_ERROR(Allocated("the automatic round's figures"));
+    ops.Upload(buf.data(), fig.data(), static_cast<int64_t>(fig.size()));
+    RETURN_IF_ERROR(Sync("uploading the automatic round's figures"));
+    RETURN_IF_ERROR(reduce("", buf.data(), static_cast<int64_t>(fig.size())));
+    ops.Download(fig.data(), buf.data(), static_cast<int64_t>(fig.size()));
+    RETURN_IF_ERROR(Sync("downloading the automatic round's figures"));
+  }
+  const double n = std::max(1.0f, fig[0]);
+  const double update = fig[3] > 0 ? fig[4] / fig[3] : 0.0;
+  const int64_t before = sched.interval();
+  const int64_t S = Schedule::ChooseInterval(update, fig[1] / n, fig[2] / n, before,
+                                             cfg.max_update_interval, &interval_floor);
+  if (S != before)
+    SF_LOG(kInfo, "zenflow: update_interval auto: %d -> %d after step %d (the daemon's Update "
+           "%.3g ms, the caller's compute %.3g ms a step, stall %.3g ms a step)",
+           static_cast<int>(before), static_cast<int>(S), static_cast<int>(plan.t),
+           update * 1e3, fig[1] / n * 1e3, fig[2] / n * 1e3);
+  sched.Resize(plan.t, S);
+  pace = Pace();
   return absl::OkStatus();
 }
 
@@ -1382,11 +1476,12 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
     im.ops.Download(host.data(), b.data(), b.size());
     return host;
   };
-  // V2 unless a parameter is bf16 (engine/blob.h).
-  const bool v3 = std::any_of(im.params.begin(), im.params.end(),
-                              [](const PState& ps) { return ps.bf16; });
+  // V2 unless a parameter is bf16, V4 with an automatic round (engine/blob.h).
+  const bool v4 = im.sched.adaptive();
+  const bool v3 = v4 || std::any_of(im.params.begin(), im.params.end(),
+                                    [](const PState& ps) { return ps.bf16; });
   BlobWriter w;
-  w.I64(v3 ? kEngineBlobMagicV3 : kEngineBlobMagic);
+  w.I64(v4 ? kEngineBlobMagicV4 : v3 ? kEngineBlobMagicV3 : kEngineBlobMagic);
   w.I64(static_cast<int64_t>(im.cfg.mode));
   w.I64(im.step);
   w.I64(im.rounds);
@@ -1416,6 +1511,11 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
       w.Floats(download(ps.hot_v));
     }
   }
+  if (v4) {
+    w.I64(im.sched.base());
+    w.I64(im.sched.interval());
+    w.I64(im.interval_floor);
+  }
   RETURN_IF_ERROR(im.Sync("downloading the engine's state"));
   return w.out;
 }
@@ -1441,6 +1541,10 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   im.rounds = blob.rounds;
   im.pending_version = blob.pending_version;
   im.loaded = blob.loaded != 0;
+  if (blob.magic == kEngineBlobMagicV4) {
+    im.sched.Resize(blob.round_base, blob.round_interval);
+    im.interval_floor = blob.round_floor;
+  }
   // The daemon's Restore puts the checkpointed parameters in parameter slot 0: the pending
   // round reads them there, and the next Update writes the other slot if there are two (with
   // one, DoStep lands the pending round before the next Update is issued).
@@ -1499,6 +1603,19 @@ absl::Status ZenFlowEngine::Impl::CheckBlob(const EngineBlob& blob) const {
   if (blob.params.size() != params.size())
     return absl::InvalidArgumentError(absl::StrCat("state: ", blob.params.size(),
                                                    " parameters, the engine has ", params.size()));
+  // An automatic round's state (V4) only into an engine with one, and back: their rounds
+  // would otherwise disagree about where the pending Update lands.
+  if ((blob.magic == kEngineBlobMagicV4) != sched.adaptive())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "state: written with update_interval ",
+        blob.magic == kEngineBlobMagicV4 ? "auto" : "fixed", ", this engine runs ",
+        sched.adaptive() ? "auto" : absl::StrCat(cfg.update_interval),
+        ": restore it with the update_interval it was written with"));
+  if (blob.magic == kEngineBlobMagicV4 &&
+      blob.round_interval > cfg.max_update_interval)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "state: an automatic round of ", blob.round_interval,
+        " steps, longer than this engine's max_update_interval ", cfg.max_update_interval));
   for (size_t i = 0; i < params.size(); ++i) {
     const PState& ps = params[i];
     const EngineBlobParam& bp = blob.params[i];
@@ -1585,6 +1702,7 @@ bool ZenFlowEngine::Splits(size_t index) const {
 
 int64_t ZenFlowEngine::step() const { return impl_->step; }
 const StepTimings& ZenFlowEngine::last_timings() const { return impl_->last; }
+int64_t ZenFlowEngine::update_interval() const { return impl_->sched.interval(); }
 
 DeviceFootprint ZenFlowEngine::Footprint() const {
   DeviceFootprint f;

@@ -103,6 +103,7 @@
 // the copied buffer). The target, kernels and ops must outlive the engine.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -149,7 +150,10 @@ inline constexpr int64_t kDefaultWarmupSteps = 20;
 struct ZenFlowConfig {
   OffloadMode mode = OffloadMode::kZenFlow;
   double topk_ratio = 0.1;     // hot share of each weight's columns, in (0, 1]
-  int64_t update_interval = 4;  // S >= 1: steps per daemon Update
+  // S >= 1: steps per daemon Update; 0: automatic, the shortest round whose Update the
+  // caller's compute hides, chosen as the run goes, at most max_update_interval (schedule.h).
+  int64_t update_interval = 0;
+  int64_t max_update_interval = 4;
   int64_t select_interval = 0;  // steps between reselections, a multiple of S; 0 means 4 S
   // >= 0: first steps with S = 1 and awaited updates (every column steps every step, as in
   // no-offload); see "Warm-up" above.
@@ -175,7 +179,7 @@ struct ZenFlowConfig {
   // The AdamW kernels' configuration of a step with learning rate lr and step count t.
   kernels::AdamWConfig AdamW(double lr, int64_t t) const;
   int64_t EffectiveSelectInterval() const {
-    return select_interval == 0 ? 4 * update_interval : select_interval;
+    return select_interval == 0 ? 4 * std::max<int64_t>(update_interval, 1) : select_interval;
   }
 };
 
@@ -186,6 +190,7 @@ void VisitConfigFields(Config& c, F&& f) {
   f("mode", c.mode);
   f("topk_ratio", c.topk_ratio);
   f("update_interval", c.update_interval);
+  f("max_update_interval", c.max_update_interval);
   f("select_interval", c.select_interval);
   f("warmup_steps", c.warmup_steps);
   f("await_updates", c.await_updates);
@@ -252,6 +257,7 @@ struct StepTimings {
   bool boundary = false;
   bool reselected = false;
   int64_t migrated_columns = 0;
+  int64_t interval = 0;  // the length of the round this step belongs to (1 in the warm-up)
 };
 // StepTimings' fields, the one list of them (as VisitConfigFields).
 template <typename Timings, typename F>
@@ -266,6 +272,7 @@ void VisitTimingFields(Timings& t, F&& f) {
   f("bytes_to_device", t.bytes_to_device);
   f("boundary", t.boundary);
   f("reselected", t.reselected);
+  f("interval", t.interval);
   f("migrated_columns", t.migrated_columns);
 }
 
@@ -340,6 +347,9 @@ class ZenFlowEngine {
 
   int64_t step() const;
   const StepTimings& last_timings() const;
+  // The length of the rounds after the warm-up: update_interval, or with auto the length
+  // chosen last (1 before the first choice).
+  int64_t update_interval() const;
   // What the engine holds in the backend's memory now (see DeviceFootprint), and its total
   // (DeviceFootprint::engine(): without the caller's parameters and gradients).
   DeviceFootprint Footprint() const;
@@ -380,7 +390,10 @@ class ZenFlowEngine {
   absl::Status RestoreBytes(const std::string& engine, const std::string& daemon);
 
   // Called on every weight's per-column scores (backend memory, cols floats) before top-k:
-  // data-parallel replicas all-reduce them here so that they agree on the selection.
+  // data-parallel replicas all-reduce (sum) them here so that they agree on the selection.
+  // With update_interval auto it is also called, with param "", on the figures an automatic
+  // round's length is chosen from (engine/schedule.h; 5 floats), summed the same way, so that
+  // every replica chooses the same length.
   using ScoreReduce = std::function<absl::Status(const std::string& param, float* scores,
                                                  int64_t cols)>;
   void set_score_reduce(ScoreReduce fn);

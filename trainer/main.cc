@@ -90,9 +90,12 @@ void AddOptimizerFlags(stallfree::FlagSet* flags, stallfree::trainer::TrainOptio
   flags->AddDouble("topk_ratio", &o->engine.topk_ratio,
                    "ZenFlow: hot share of each weight's columns");
   flags->AddInt("update_interval", &o->engine.update_interval,
-                "ZenFlow: steps per daemon update (S)");
+                "ZenFlow: steps per daemon update (S); 0: auto, the shortest round whose update "
+                "the step's compute hides, chosen as the run goes");
+  flags->AddInt("max_update_interval", &o->engine.max_update_interval,
+                "ZenFlow: the longest round update_interval 0 (auto) may choose");
   flags->AddInt("select_interval", &o->engine.select_interval,
-                "ZenFlow: steps between reselections, a multiple of S (0: 4 S)");
+                "ZenFlow: steps between reselections, a multiple of S (0: 4 S; 0 with auto)");
   flags->AddInt("engine_warmup", &o->engine.warmup_steps,
                 "ZenFlow: first steps with synchronous full updates");
   flags->AddBool("await_updates", &o->engine.await_updates,

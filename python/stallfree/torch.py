@@ -72,20 +72,21 @@ def _all_reduce_scores(shards, name, view):
     """The data-parallel ranks of a partitioned group sum each weight's column scores before
     top-k (each rank's scores are its row block's; their sum is the whole weight's), so that all
     of them select the same hot columns (the ScoreReduce hook of the engine). A replicated
-    weight's scores are the same on every rank already."""
+    weight's scores are the same on every rank already. The hook also sums, under the name "",
+    the figures an automatic round's length is chosen from, so every rank chooses the same."""
     if name in shards.replicated:
         return
     group = shards.group
     scores = torch.frombuffer(view, dtype=torch.float32)
+    what = ("the column scores of '%s'" % name if name else
+            "the automatic round's figures (update_interval auto)")
     if torch.distributed.get_backend(group) == "nccl":
         dev = shards.members[0][1].device  # the group's device
         on_dev = scores.to(dev)
-        shards.collective("the column scores of '%s'" % name,
-                          torch.distributed.all_reduce, on_dev)
+        shards.collective(what, torch.distributed.all_reduce, on_dev)
         scores.copy_(on_dev.cpu())
     else:
-        shards.collective("the column scores of '%s'" % name, torch.distributed.all_reduce,
-                          scores)
+        shards.collective(what, torch.distributed.all_reduce, scores)
 
 
 def _data_parallel_group(process_group):
@@ -454,14 +455,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     mode: "zenflow" (the top `topk_ratio` input columns of each weight by gradient norm are
     updated on the parameter's device at once; the rest go to stallfreed, which applies their
-    mean gradient every `update_interval` steps; a round's update reaches the model `land_lag`
-    steps after its last step (1 to update_interval; 0: update_interval, one round stale) unless
-    `await_updates`),
+    mean gradient every `update_interval` steps (a round); a round's update reaches the model
+    `land_lag` steps after its last step (1 to the round's length; 0: the round's length, one
+    round stale) unless `await_updates`),
     "sync-offload" (every parameter's optimizer state in the daemon, ZeRO-Offload style) or
-    "no-offload" (AdamW in place, no daemon). grad_dtype / param_dtype: what crosses to and
-    from the daemon ("bf16" or "fp32"). select_interval: steps between reselections (None:
-    4 * update_interval). warmup_steps: first steps with update_interval 1 and awaited updates
-    (exact AdamW while the moments are young; 20 by measurement, README "Known behaviour").
+    "no-offload" (AdamW in place, no daemon). update_interval: "auto" (or 0; the default) for
+    the shortest round whose daemon update the step's compute hides: at the warm-up's end and
+    at every reselection after it, the engine sets the round's length from the daemon's
+    measured time per update U and the caller's compute per step C, ceil(U / 0.8 C), one step
+    longer than before where the caller stalled more than 5% of C (and never shorter again), at
+    most `max_update_interval` (engine/schedule.h); last_timings["interval"] is the length in
+    use. Automatic lengths depend on timing: a run is reproducible bit for bit only from a
+    state dict (which holds the length), not from scratch; an int fixes the length. Under
+    data parallelism the ranks sum their figures, so they choose the same length.
+    grad_dtype / param_dtype: what crosses to and from the daemon ("bf16" or "fp32").
+    select_interval: steps between reselections (None: 4 rounds; None with "auto").
+    warmup_steps: first steps with rounds of 1 and awaited updates (exact AdamW while the
+    moments are young; README "Known behaviour").
     transfers: how the cold columns cross between the parameters' device and the daemon's
     pinned memory: "direct" (the gather and scatter kernels read and write the daemon's memory
     themselves: no transfer buffers on the device, but those moves run inside step() at the
@@ -525,8 +535,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, mode="zenflow", topk_ratio=0.1,
-                 update_interval=4, select_interval=None, warmup_steps=20, await_updates=False,
-                 land_lag=0,
+                 update_interval="auto", max_update_interval=4, select_interval=None,
+                 warmup_steps=20, await_updates=False, land_lag=0,
                  grad_dtype="bf16", param_dtype="bf16", transfers="auto",
                  stream_gradients=False, socket=None, session_name=None, process_group=None,
                  reduce_gradients=False, timeout=300.0):
@@ -539,7 +549,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if select_interval is not None and not select_interval:
             raise ValueError("select_interval: %r is not >= 1 (None: 4 update intervals)"
                              % (select_interval,))
+        if isinstance(update_interval, str):
+            if update_interval != "auto":
+                raise ValueError("update_interval: %r is not \"auto\" or an int >= 1"
+                                 % (update_interval,))
+            update_interval = 0  # the engine's auto
         config = dict(mode=mode, topk_ratio=topk_ratio, update_interval=update_interval,
+                      max_update_interval=max_update_interval,
                       select_interval=select_interval or 0, warmup_steps=warmup_steps,
                       await_updates=await_updates, land_lag=land_lag, grad_dtype=grad_dtype,
                       param_dtype=param_dtype, transfers=transfers,
@@ -805,7 +821,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """The last step's split (seconds: optimizer, copies, stall, total) and traffic (bytes
         to host / to device; collective_bytes: what this rank sent in the data-parallel
         collectives of the partition, by the ring algorithms' volume), summed over the param
-        groups' engines."""
+        groups' engines; interval: the length of the round the step belonged to (1 in the
+        warm-up; the longest of the groups')."""
         return dict(self._last_timings)
 
     @property
@@ -1259,8 +1276,9 @@ def _uint8(t):
 
 
 # Configuration fields added since state dicts were first written, with the value those older
-# states ran under (land_lag 0: a round's update landed at the next boundary).
-_SAVED_BEFORE = {"land_lag": 0}
+# states ran under (land_lag 0: a round's update landed at the next boundary; the bound of an
+# automatic round, which they did not have, its default).
+_SAVED_BEFORE = {"land_lag": 0, "max_update_interval": 4}
 _HYPER_FIELDS = ("beta1", "beta2", "eps", "weight_decay")  # the engine config's names for _hyper
 
 
@@ -1281,6 +1299,7 @@ def _sum_timings(ts):
         out[key] = sum(t[key] for t in ts)
     for key in ("boundary", "reselected"):
         out[key] = any(t[key] for t in ts)
+    out["interval"] = max(t["interval"] for t in ts)
     return out
 
 

@@ -42,6 +42,12 @@ columns (its last dimension; rows = the product of the others):
 - delay_comp (a variant): lambda of a delay compensation in the manner of DC-ASGD on the cold
   gradient, g + lambda g^2 (master - shown value) / sqrt(v), while the model shows stale cold
   values (0: off, the engine).
+- update_interval "auto" (the engine's default; 0 likewise): rounds of 1 until the engine
+  chooses a length, at the end of a reselection step from the warm-up's last one on; the
+  choice comes from timing, so the reference takes the lengths the engine chose: `resize`,
+  per param group {step b: S}, the rounds after step b are S long, counted from b (the
+  reselection period is 4 S from b, and the update issued at b lands after the new S, or
+  min(land_lag, S), steps). With a fixed update_interval a resize works the same way.
 - close() lands the pending update (the end of training).
 
 AdamW is torch.optim.AdamW's (decoupled weight decay p *= 1 - lr*wd, then the Adam step with
@@ -124,14 +130,22 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                  topk_ratio=0.1, update_interval=4, select_interval=None, warmup_steps=20,
                  await_updates=False, cold_warmup=0, cold_lr_scale=1.0, predict_cold=False,
                  lr_scale=1.0, cold_scale=1.0, sqrt_rule=False, migrate_v=False,
-                 select_by="grad", land_lag=None, cold_steps="round", delay_comp=0.0):
+                 select_by="grad", land_lag=None, cold_steps="round", delay_comp=0.0,
+                 resize=None):
         # lr_scale, cold_scale: deliberate errors (every lr scaled; the cold accumulation scaled),
         # for showing that a test's tolerance catches a slightly wrong reference.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.ratio = topk_ratio
-        self.S = update_interval
-        self.select_interval = select_interval or 4 * update_interval
+        if update_interval in ("auto", 0):
+            update_interval = 1  # until a resize
+            if select_interval:
+                raise ValueError("select_interval: 4 rounds with update_interval auto")
+        # Per group: the round length now, and the step it counts from.
+        self.Sg = [update_interval] * len(self.param_groups)
+        self.base = [warmup_steps] * len(self.param_groups)
+        self.resize = resize or {}
+        self.select_fixed = select_interval
         self.W = warmup_steps
         self.await_updates = await_updates
         self.t = [0] * len(self.param_groups)
@@ -143,8 +157,9 @@ class ReferenceZenFlow(torch.optim.Optimizer):
         self.reselections = 0
         self.lr_scale, self.cold_scale = lr_scale, cold_scale
         self.sqrt_rule, self.migrate_v, self.select_by = sqrt_rule, migrate_v, select_by
-        self.land_lag = update_interval if land_lag is None else land_lag
-        if not 1 <= self.land_lag <= update_interval:
+        self.land_lag = land_lag or None  # None: the round's length
+        if land_lag and not 1 <= land_lag <= max(update_interval, max(
+                [S for r in self.resize.values() for S in r.values()], default=1)):
             raise ValueError("land_lag must be in [1, update_interval]")
         if cold_steps not in ("round", "micro"):
             raise ValueError("cold_steps: 'round' or 'micro'")
@@ -203,11 +218,19 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             self.t[gi] += 1
             t = self.t[gi]
             warm = t <= self.W
-            S = 1 if warm else self.S
+            S_now, base = self.Sg[gi], self.base[gi]
+            S = 1 if warm else S_now
             await_ = self.await_updates or warm
-            boundary = warm or (t - self.W) % self.S == 0
+            boundary = warm or (t - base) % S_now == 0
             select = t == 1
-            reselect = t >= max(self.W, 1) and (t - self.W) % self.select_interval == 0
+            period = self.select_fixed or 4 * S_now
+            reselect = t >= max(self.W, 1) and boundary and (t - base) % period == 0
+            # A new length chosen at the end of this step: the rounds after it, and where this
+            # step's update lands.
+            S_next = self.resize.get(gi, {}).get(t, S_now)
+            if t in self.resize.get(gi, {}):
+                self.Sg[gi], self.base[gi] = S_next, t
+            lag = S_next if self.land_lag is None else min(self.land_lag, S_next)
             lr, (b1, b2), eps, wd = (group["lr"] * self.lr_scale, group["betas"], group["eps"],
                                      group["weight_decay"])
             cold_lr = lr * (self.cold_lr_scale if S > 1 else 1.0)
@@ -302,7 +325,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                         if sp.pending is not None:  # land_lag = S: the previous round's, now
                             self._land(sp, view, cold, p)
                         sp.pending = sp.master.clone()
-                        sp.land_at = t + self.land_lag
+                        sp.land_at = t + lag
                 elif sp.pending is not None and t == getattr(sp, "land_at", None):
                     self._land(sp, view, cold, p)
                 if reselect:

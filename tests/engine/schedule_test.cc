@@ -88,5 +88,67 @@ TEST(Schedule, GradientSlotsAlternate) {
   EXPECT_EQ(Schedule::GradSlot(7), 1u);
 }
 
+TEST(Schedule, AutomaticRoundsStartAtOneAndChangeOnlyWhereTheyAreResized) {
+  ZenFlowConfig c = Zen(0, 2);  // update_interval auto, W = 2
+  Schedule s(c, true);
+  EXPECT_TRUE(s.adaptive());
+  EXPECT_EQ(s.interval(), 1);
+  // Before any choice: rounds of 1, stale by one step; reselection every 4 rounds from W.
+  EXPECT_EQ(StepsWhere(6, [&](int64_t t) { return s.Boundary(t); }), (V{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(StepsWhere(10, [&](int64_t t) { return s.Decides(t); }), (V{2, 6, 10}));
+  EXPECT_EQ(s.Landing(3), 4);
+  // Chosen at the end of step 6: rounds of 3 from step 7 (boundaries 9, 12, ...), landing
+  // at the next boundary, reselection (and the next choice) 4 rounds later.
+  s.Resize(6, 3);
+  EXPECT_EQ(s.Landing(6), 9);  // the Update issued at 6 lands with the new length
+  EXPECT_EQ(s.Interval(7), 3);
+  EXPECT_EQ(StepsWhere(30, [&](int64_t t) { return t > 6 && s.Boundary(t); }),
+            (V{9, 12, 15, 18, 21, 24, 27, 30}));
+  EXPECT_EQ(StepsWhere(30, [&](int64_t t) { return t > 6 && s.Decides(t); }), (V{18, 30}));
+  EXPECT_EQ(s.base(), 6);
+  // Back to 2 at 18: boundaries 20, 22, ...
+  s.Resize(18, 2);
+  EXPECT_EQ(StepsWhere(26, [&](int64_t t) { return t > 18 && s.Boundary(t); }),
+            (V{20, 22, 24, 26}));
+  // A fixed update_interval never decides.
+  const Schedule fixed(Zen(4, 2), true);
+  EXPECT_EQ(StepsWhere(40, [&](int64_t t) { return fixed.Decides(t); }), V{});
+}
+
+TEST(Schedule, AutomaticLandLagIsAtMostTheRound) {
+  Schedule s(Zen(0, 0, 0, 2), true);  // land_lag 2
+  EXPECT_EQ(s.Landing(3), 4);         // rounds of 1: at most 1 step
+  s.Resize(4, 4);
+  EXPECT_EQ(s.Landing(8), 10);
+}
+
+TEST(Schedule, ChooseIntervalHidesTheUpdateBehindTheRoundsCompute) {
+  int64_t floor = 1;
+  // U = 10 ms, C = 20 ms: one step hides it (10 <= 0.8 x 20).
+  EXPECT_EQ(Schedule::ChooseInterval(0.010, 0.020, 0, 1, 4, &floor), 1);
+  // U = 20 ms, C = 20 ms: 20 > 16, two steps (32 ms) do.
+  EXPECT_EQ(Schedule::ChooseInterval(0.020, 0.020, 0, 1, 4, &floor), 2);
+  // U = 50 ms: ceil(50 / 16) = 4; U = 500 ms: clamped to the bound.
+  EXPECT_EQ(Schedule::ChooseInterval(0.050, 0.020, 0, 1, 4, &floor), 4);
+  EXPECT_EQ(Schedule::ChooseInterval(0.500, 0.020, 0, 1, 4, &floor), 4);
+  EXPECT_EQ(Schedule::ChooseInterval(0.500, 0.020, 0, 1, 8, &floor), 8);
+  EXPECT_EQ(floor, 1);
+  // No figures: the length stays.
+  EXPECT_EQ(Schedule::ChooseInterval(0, 0.020, 0, 3, 4, &floor), 3);
+  EXPECT_EQ(Schedule::ChooseInterval(0.010, 0, 0, 2, 4, &floor), 2);
+  // A stall above 5% of the compute raises the floor past the current length, for good:
+  // 2 ms of 20 stalled at S = 1 gives 2, and a later window that would choose 1 keeps 2.
+  EXPECT_EQ(Schedule::ChooseInterval(0.010, 0.020, 0.002, 1, 4, &floor), 2);
+  EXPECT_EQ(floor, 2);
+  EXPECT_EQ(Schedule::ChooseInterval(0.010, 0.020, 0, 2, 4, &floor), 2);
+  // 0.9 ms of 20 (4.5%) is no stall.
+  int64_t f2 = 1;
+  EXPECT_EQ(Schedule::ChooseInterval(0.010, 0.020, 0.0009, 1, 4, &f2), 1);
+  // The floor never passes the bound.
+  int64_t f3 = 4;
+  EXPECT_EQ(Schedule::ChooseInterval(0.010, 0.020, 0.010, 4, 4, &f3), 4);
+  EXPECT_EQ(f3, 4);
+}
+
 }  // namespace
 }  // namespace stallfree

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/session_target.h"
 #include "engine/zenflow.h"
@@ -284,6 +285,90 @@ TEST_F(ZenFlowTest, RoundsWithReselectionEqualThePerColumnAlgorithm) {
   }
   EXPECT_GT(migrated, 0);
  }
+}
+
+// A session whose daemon reports every Update as taking `seconds` (the figure the automatic
+// round reads; everything else is the real daemon's).
+class ReportedPace : public SessionTarget {
+ public:
+  ReportedPace(std::unique_ptr<SessionTarget> real, double seconds)
+      : SessionTarget(real->session()), real_(std::move(real)), seconds_(seconds) {}
+  UpdateSeen LastUpdate() const override {
+    UpdateSeen u = SessionTarget::LastUpdate();
+    if (u.version > 0) u.seconds = seconds_;
+    return u;
+  }
+
+ private:
+  std::unique_ptr<SessionTarget> real_;  // owns the session
+  double seconds_;
+};
+
+// update_interval auto (W = 2, so it chooses at steps 2, 18, ...): a daemon whose Update takes
+// 200 ms against a caller that computes nothing gets the longest round (4, the bound; 3 with
+// max_update_interval 3), and then runs exactly the fixed S = 4 schedule, bit for bit; one
+// whose Update takes 1 us against a caller computing 40 ms a step keeps rounds of 1, exactly
+// the fixed S = 1 run. The state of an automatic round restores into an automatic engine only.
+TEST_F(ZenFlowTest, AutomaticRoundFollowsTheDaemonsPaceAndRestores) {
+  const int seed = 6;
+  struct Case {
+    double update_s, sleep_ms;
+    int64_t max, want;
+  };
+  for (const Case& k : {Case{0.2, 0, 4, 4}, Case{0.2, 0, 3, 3}, Case{1e-6, 40, 4, 1}}) {
+    SCOPED_TRACE(absl::StrCat("update ", k.update_s, " s, max ", k.max));
+    ZenFlowConfig autoc = Config(OffloadMode::kZenFlow, 0, 0, false);
+    autoc.warmup_steps = 2;
+    autoc.max_update_interval = k.max;
+    ZenFlowConfig fixed = autoc;
+    fixed.update_interval = k.want;
+    std::vector<Tensor> a = MakeModel(seed), b = a;
+    ReportedPace sa(NewSession("auto"), k.update_s);
+    std::unique_ptr<SessionTarget> sb = NewSession("fixed");
+    auto ea = ZenFlowEngine::Create(autoc, Params(&a), kernels::DefaultCpuKernel(),
+                                    kernels::CpuOps(), &sa);
+    auto eb = ZenFlowEngine::Create(fixed, Params(&b), kernels::DefaultCpuKernel(),
+                                    kernels::CpuOps(), sb.get());
+    ASSERT_TRUE(ea.ok()) << ea.status();
+    ASSERT_TRUE(eb.ok()) << eb.status();
+    EXPECT_EQ((*ea)->update_interval(), 1);
+    ZenFlowEngine::Snapshot mid;
+    for (int64_t t = 1; t <= 24; ++t) {
+      FillGrads(&a, t, seed);
+      FillGrads(&b, t, seed);
+      if (k.sleep_ms > 0) absl::SleepFor(absl::Milliseconds(k.sleep_ms));
+      ASSERT_TRUE((*ea)->Step(Lr(t)).ok()) << "step " << t;
+      ASSERT_TRUE((*eb)->Step(Lr(t)).ok()) << "step " << t;
+      EXPECT_EQ((*ea)->last_timings().interval, t <= 2 ? 1 : k.want) << "step " << t;
+      EXPECT_EQ((*ea)->last_timings().boundary, (*eb)->last_timings().boundary) << "step " << t;
+      for (size_t i = 0; i < a.size(); ++i)
+        ASSERT_EQ(0, memcmp(a[i].value.data(), b[i].value.data(), a[i].value.size() * 4))
+            << a[i].name << " step " << t;
+      if (t == 13) {  // mid-round for S = 4 (rounds end at 14, 18, ...)
+        auto snap = (*ea)->CheckpointBytes();
+        ASSERT_TRUE(snap.ok()) << snap.status();
+        mid = *snap;
+      }
+    }
+    EXPECT_EQ((*ea)->update_interval(), k.want);
+    // The mid-run state: an automatic engine takes it with its round length; a fixed one
+    // refuses it naming update_interval.
+    std::vector<Tensor> c = MakeModel(seed);
+    ReportedPace sc(NewSession("auto-restored"), k.update_s);
+    auto ec = ZenFlowEngine::Create(autoc, Params(&c), kernels::DefaultCpuKernel(),
+                                    kernels::CpuOps(), &sc);
+    ASSERT_TRUE(ec.ok()) << ec.status();
+    ASSERT_TRUE((*ec)->RestoreBytes(mid.engine, mid.daemon).ok());
+    EXPECT_EQ((*ec)->update_interval(), k.want);
+    std::vector<Tensor> d = MakeModel(seed);
+    std::unique_ptr<SessionTarget> sd = NewSession("fixed-restored");
+    auto ed = ZenFlowEngine::Create(fixed, Params(&d), kernels::DefaultCpuKernel(),
+                                    kernels::CpuOps(), sd.get());
+    ASSERT_TRUE(ed.ok()) << ed.status();
+    absl::Status refused = (*ed)->RestoreBytes(mid.engine, mid.daemon);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+    EXPECT_NE(refused.message().find("update_interval auto"), std::string::npos) << refused;
+  }
 }
 
 // sync-offload and no-offload equal dense AdamW bit for bit (S = 1 by definition).
@@ -569,8 +654,18 @@ TEST_F(ZenFlowTest, BadConfigurationNamesTheField) {
   expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "topk_ratio");
   c = Config(OffloadMode::kZenFlow, 4, 6, false);
   expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "select_interval");
-  c = Config(OffloadMode::kZenFlow, 0, 0, false);
+  c = Config(OffloadMode::kZenFlow, -1, 0, false);
   expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "update_interval");
+  // update_interval 0 (auto): a bound >= 1, land_lag within it, reselection left to it.
+  c = Config(OffloadMode::kZenFlow, 0, 0, false);
+  c.max_update_interval = 0;
+  expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument,
+               "max_update_interval");
+  c = Config(OffloadMode::kZenFlow, 0, 8, false);
+  expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "select_interval");
+  c = Config(OffloadMode::kZenFlow, 0, 0, false);
+  c.land_lag = 5;  // max_update_interval 4
+  expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "land_lag");
   c = Config(OffloadMode::kZenFlow, 4, 0, false);
   c.warmup_steps = -1;
   expect_field(create(c, session.get()), absl::StatusCode::kInvalidArgument, "warmup_steps");
@@ -605,6 +700,7 @@ TEST(ZenFlowConfigFields, RoundTripAndRefusals) {
   c.mode = OffloadMode::kSyncOffload;
   c.topk_ratio = 0.1 + 1e-16;  // not a short decimal: the text must carry every bit
   c.update_interval = 3;
+  c.max_update_interval = 6;
   c.select_interval = 9;
   c.warmup_steps = 7;
   c.await_updates = true;
@@ -618,7 +714,7 @@ TEST(ZenFlowConfigFields, RoundTripAndRefusals) {
   c.transfers = Transfers::kDirect;
   c.stream_gradients = true;
   const std::map<std::string, std::string> text = ConfigFields(c);
-  EXPECT_EQ(text.size(), 15u);
+  EXPECT_EQ(text.size(), 16u);
   ZenFlowConfig back;
   for (const auto& [name, value] : text)
     ASSERT_TRUE(SetConfigField(&back, name, value).ok()) << name << "=" << value;
@@ -628,6 +724,7 @@ TEST(ZenFlowConfigFields, RoundTripAndRefusals) {
   EXPECT_EQ(text.at("mode"), "sync-offload");
   EXPECT_EQ(text.at("await_updates"), "true");
   EXPECT_EQ(text.at("land_lag"), "2");
+  EXPECT_EQ(text.at("max_update_interval"), "6");
   auto refused = [&](const std::string& name, const std::string& value) {
     absl::Status st = SetConfigField(&back, name, value);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << name << "=" << value;

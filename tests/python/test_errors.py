@@ -81,7 +81,10 @@ BAD_HYPER = [
     (dict(param_dtype="fp64"), "param_dtype"),
     (dict(topk_ratio=0.0), "topk_ratio"),
     (dict(topk_ratio=1.5), "topk_ratio"),
-    (dict(update_interval=0), "update_interval"),
+    (dict(update_interval=-1), "update_interval"),
+    (dict(update_interval="fast"), "update_interval"),
+    (dict(select_interval=8), "select_interval"),  # with update_interval "auto"
+    (dict(max_update_interval=0), "max_update_interval"),
     (dict(update_interval=2.5), "update_interval"),
     (dict(select_interval=6, update_interval=4), "select_interval"),
     (dict(warmup_steps=-1), "warmup_steps"),

@@ -6,8 +6,10 @@ The runs (hf_models.train, as in test_hf_trainer.py): the tiny Llama and the tin
 its dropout 0.1: the Trainer saves and restores the RNG states, so the masks continue too),
 STEPS = 40 steps over 2.5 epochs of the shuffled data set, a checkpoint every SAVE_AT = 30 steps
 (checkpoint-30, mid-epoch: the resumed Trainer skips the epoch's first 14 batches).
-ZenFlowAdamW with its defaults (mode zenflow, bf16 transfers, topk_ratio 0.1, update_interval 4,
-select_interval 16, warmup_steps 20: steps 1-20 are awaited single-step rounds, then rounds of
+ZenFlowAdamW with its defaults but a fixed round (the automatic round's lengths come from
+timing, so two runs need not choose the same; resuming it is test_zenflow_reference.py's) and
+warm-up (mode zenflow, bf16 transfers, topk_ratio 0.1, update_interval 4, select_interval 16,
+warmup_steps 20: steps 1-20 are awaited single-step rounds, then rounds of
 4 steps end at 24, 28, 32, 36, 40, with reselections at 20 and 36) and in sync-offload (bf16
 transfers, the default). Step 30 is mid-round: round 29-32 has pushed 2 of its 4 gradients and
 the Update the step-28 boundary started is still outstanding (applied at step 32); the
@@ -27,8 +29,8 @@ from conftest import run_python
 STEPS = 40
 SAVE_AT = 30
 CASES = {
-    ("llama", "zenflow"): {},  # the defaults
-    ("gpt2", "zenflow"): {},
+    ("llama", "zenflow"): dict(update_interval=4, warmup_steps=20),
+    ("gpt2", "zenflow"): dict(update_interval=4, warmup_steps=20),
     ("llama", "sync-offload"): dict(mode="sync-offload"),
     ("gpt2", "sync-offload"): dict(mode="sync-offload"),
 }

@@ -6,9 +6,12 @@ test_hf_trainer.py for STEPS = 30 with per_device_train_batch_size 4 (global bat
 accelerate-sharded shuffle of the same seed: step k of the DDP run sees the 8 samples that
 step k of a one-process run with batch 8 sees), four times: torch.optim.AdamW; ZenFlowAdamW
 zenflow S=1 (fp32 transfers, awaited, warmup_steps 0: reselections every 4 steps); zenflow with
-the default schedule but fp32 transfers (warm-up 20, then rounds of 4 ending at 24 and 28, the
-Update of each applied one round late, a reselection at 20); and the defaults (the same with
-bf16 transfers). The test compares them with the same runs in one process over the whole batch.
+a fixed schedule and fp32 transfers (warm-up 20, then rounds of 4 ending at 24 and 28, the
+Update of each applied one round late, a reselection at 20); the defaults with that schedule
+(the same with bf16 transfers). The test compares them with the same runs in one process over
+the whole batch. And the defaults themselves (update_interval "auto", whose lengths come from
+timing, so a one-process run need not choose the same): the two ranks sum the figures they
+choose from, so they end bit-identical.
 
 Tolerances.
 - The ranks end with bit-identical parameters and losses, and the same hot columns: DDP hands
@@ -38,12 +41,15 @@ from hf_models import EXACT_MODES, LOSS_RTOL, PARAM_ATOL
 
 STEPS = 30
 WORLD = 2
+FIXED = dict(update_interval=4, warmup_steps=20)  # the rounds the comparisons expect
 RUNS = {
     "adamw": ["adamw", None],
     "zenflow-S1": ["zenflow", EXACT_MODES["zenflow-S1"]],
-    "zenflow-S4-fp32": ["zenflow", hf_models.FP32],
-    "zenflow-defaults": ["zenflow", {}],
+    "zenflow-S4-fp32": ["zenflow", dict(hf_models.FP32, **FIXED)],
+    "zenflow-defaults": ["zenflow", FIXED],
+    "zenflow-auto": ["zenflow", {}],  # the defaults: ranks compared with each other only
 }
+ONE_PROCESS = [name for name in RUNS if name != "zenflow-auto"]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +67,8 @@ def ddp(daemon, tmp_path_factory):
 def single(daemon, tmp_path_factory):
     """The same runs in this process, one rank with the whole batch."""
     results = {}
-    for name, (optimizer, config) in RUNS.items():
+    for name in ONE_PROCESS:
+        optimizer, config = RUNS[name]
         if config is not None:
             config = dict(config, socket=daemon.socket)
         results[name] = hf_models.train("llama", optimizer, config, max_steps=STEPS,
@@ -83,6 +90,11 @@ def test_ranks_end_identical(name, ddp):
             assert [t["step"] for t in r["timings"]] == list(range(1, STEPS + 1))
             assert all(t["bytes_to_host"] > 0 for t in r["timings"])
         assert ranks[0]["hot"] and ranks[0]["hot"] == ranks[1]["hot"]
+        # The same round lengths (with "auto": chosen from the figures both ranks summed).
+        lengths = [[t["interval"] for t in r["timings"]] for r in ranks]
+        assert lengths[0] == lengths[1]
+        if name == "zenflow-auto":
+            print(f"zenflow-auto: round lengths {sorted(set(lengths[0]))} on both ranks")
 
 
 @pytest.mark.parametrize("name", ["adamw", "zenflow-S1", "zenflow-S4-fp32"])

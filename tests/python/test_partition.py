@@ -273,8 +273,10 @@ def test_resume_without_the_optimizer_state_misses(saved_by_4, daemon, tmp_path)
             opt.close()
 
 
-# The defaults (bf16 transfers, S = 4 after the 20-step warm-up, reselection every 16 steps) over
-# 32 steps, partitioned over 2 and 4 ranks, against one process on the whole batch. The device
+# The defaults with a fixed round and warm-up (bf16 transfers, S = 4 after the 20-step warm-up,
+# reselection every 16 steps: an automatic round's lengths come from timing, so a one-process
+# run need not choose those of the ranks, which choose together) over 32 steps, partitioned
+# over 2 and 4 ranks, against one process on the whole batch. The device
 # copy of an offloaded column is its fp32 master rounded to bf16, so a perturbation at the level
 # of fp32 rounding flips some bf16 roundings (one bf16 ulp, 2^-8 relative), which changes the
 # next forward pass and compounds. Calibrated in one process: an lr off by 1e-6 relative (8
@@ -284,6 +286,7 @@ def test_resume_without_the_optimizer_state_misses(saved_by_4, daemon, tmp_path)
 # Measured: 7.5e-6 (2 ranks), 2.6e-7 (4 ranks); an lr 1% off moves the losses by 8.4e-3, 280x.
 DEFAULTS_STEPS = 32
 DEFAULTS_LOSS_RTOL = 3e-5
+FIXED_ROUND = dict(update_interval=4, warmup_steps=20)
 
 
 def test_zenflow_defaults_equal_one_process(daemon, tmp_path):
@@ -296,7 +299,7 @@ def test_zenflow_defaults_equal_one_process(daemon, tmp_path):
     def single(lr_scale):
         return models.train(
             lambda g: ZenFlowAdamW([dict(x, lr=x["lr"] * lr_scale) for x in g],
-                                   socket=daemon.socket),
+                                   socket=daemon.socket, **FIXED_ROUND),
             DEFAULTS_STEPS, seed=SEED, after_step=record_hot)
 
     def loss_diff(losses, ref):
@@ -308,7 +311,8 @@ def test_zenflow_defaults_equal_one_process(daemon, tmp_path):
     off = loss_diff(single(1.01).losses, ref)
     assert off > 10 * DEFAULTS_LOSS_RTOL, off
     for world in (2, 4):
-        ranks = train_ranks(world, tmp_path / f"L{world}", [daemon.socket], {"defaults": {}},
+        ranks = train_ranks(world, tmp_path / f"L{world}", [daemon.socket],
+                            {"defaults": FIXED_ROUND},
                             steps=DEFAULTS_STEPS)["defaults"]
         assert_ranks_agree(ranks)
         losses = [sum(r["losses"][s] for r in ranks) / world for s in range(DEFAULTS_STEPS)]

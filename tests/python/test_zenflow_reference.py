@@ -11,6 +11,8 @@ losses and the parameters must be equal, not close. A reference that is wrong by
 amount (its lr off by 1e-6 relative, a few fp32 ulps), or wrong in the algorithm (no staleness,
 cold gradients summed instead of averaged), differs (test_a_slightly_wrong_reference_differs).
 """
+import copy
+
 import pytest
 import torch
 
@@ -160,3 +162,77 @@ def test_reference_bf16_model_shows_the_rounding_of_its_fp32_masters():
           f"{drift_gap:.2e}")
     assert exact.losses[-1] < exact.losses[0] - 0.3  # it trains
     assert drift_gap > 1e-3
+
+
+def _resizes(intervals, W):
+    """The reference's `resize` from the engine's per-step round lengths (one list per param
+    group, step 1 first): where the length after step t differs from step t's."""
+    return {gi: {t: seq[t] for t in range(W, len(seq)) if seq[t] != seq[t - 1]}
+            for gi, seq in enumerate(intervals)}
+
+
+def test_automatic_round_equals_reference_through_a_state_dict(daemon):
+    """update_interval "auto" (the default): whatever round lengths the engines choose from the
+    daemon's pace and the caller's (they come from timing), the reference replaying those
+    choices equals the run bit for bit; and so does a run resumed from a state_dict taken after
+    step 11 (not a round boundary for any length above 1) into a new optimizer, whose length
+    comes back from the state dict."""
+    W, save_at = 4, 11
+    cfg = dict(topk_ratio=0.25, warmup_steps=W, grad_dtype="fp32", param_dtype="fp32")
+
+    def make(g):
+        return ZenFlowAdamW(g, betas=(0.9, 0.999), eps=1e-8, socket=daemon.socket, **cfg)
+
+    def recorder(log, saved=None):
+        def after_step(step, model, opt, extra):
+            log.append([e.last_timings()["interval"] for e in opt._engines])
+            if saved is not None and step == save_at:
+                saved.update(model={k: v.clone() for k, v in model.state_dict().items()},
+                             opt=copy.deepcopy(opt.state_dict()),
+                             sched=extra["sched"].state_dict())
+        return after_step
+
+    first, saved = [], {}
+    eng = models.train(make, STEPS, seed=SEED, after_step=recorder(first, saved))
+    model = models.make_model(SEED)
+    model.load_state_dict(saved["model"])
+
+    def setup(model, opt, sched):
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+
+    second = []
+    resumed = models.train(make, STEPS, seed=SEED, model=model, start=save_at + 1, setup=setup,
+                           after_step=recorder(second))
+    for what, run, log in (("uninterrupted", eng, first),
+                           ("resumed", None, first[:save_at] + second)):
+        intervals = [list(col) for col in zip(*log)]
+        print(f"{what}: round lengths per group {[sorted(set(s)) for s in intervals]}")
+        assert all(s[:W] == [1] * W for s in intervals), intervals
+        ref = models.train(lambda g: ReferenceZenFlow(
+            g, betas=(0.9, 0.999), eps=1e-8, topk_ratio=0.25, warmup_steps=W,
+            update_interval="auto", resize=_resizes(intervals, W)), STEPS, seed=SEED)
+        if run is None:  # the resumed run's steps after the save
+            assert resumed.losses == ref.losses[save_at:], what
+            for name, p in ref.params.items():
+                assert torch.equal(resumed.params[name], p), (what, name)
+        else:
+            assert_bit_for_bit(run, ref, f"update_interval auto, {what}")
+    # The state dict held the round's length: the resumed run's first step runs it.
+    assert second[0] == first[save_at], (first, second)
+
+
+def test_reference_resize_is_not_the_fixed_round():
+    """The reference's resize changes the trajectory (so replaying the engine's choices is not
+    vacuous): rounds of 1 resized to 2 after step 4 differ from rounds of 1 throughout, and
+    resized to 4 equal the fixed S = 4 run with the warm-up ending at step 4."""
+    def ref(**kw):
+        return models.train(lambda g: ReferenceZenFlow(g, topk_ratio=0.25, warmup_steps=4, **kw),
+                            24, seed=SEED)
+    ones = ref(update_interval="auto")
+    twos = ref(update_interval="auto", resize={0: {4: 2}, 1: {4: 2}})
+    fours = ref(update_interval="auto", resize={0: {4: 4}, 1: {4: 4}})
+    fixed = ref(update_interval=4)
+    assert max(models.max_abs_diff(ones.params, twos.params).values()) > 0
+    assert fours.losses == fixed.losses
+    assert all(torch.equal(fours.params[n], p) for n, p in fixed.params.items())

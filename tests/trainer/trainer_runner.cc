@@ -49,7 +49,10 @@ void TrainerFixture::SetUp() {
 std::vector<std::string> TrainerFixture::TinyRun(const std::string& name, int64_t steps) const {
   return {"--preset",  "tiny", "--steps",   std::to_string(steps), "--quiet",
           "--socket",  daemon_->socket(), "--out_dir", Dir(name),
-          "--run_name", name,  "--eval_every", "0", "--lr_warmup", "5"};
+          "--run_name", name,  "--eval_every", "0", "--lr_warmup", "5",
+          // A fixed round: an automatic one's lengths come from timing, and these runs are
+          // compared with each other step for step.
+          "--update_interval", "4"};
 }
 
 std::vector<double> TrainerFixture::Losses(const std::string& name) const {

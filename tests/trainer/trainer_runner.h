@@ -39,7 +39,7 @@ class TrainerFixture : public ::testing::Test {
 
   // The flags every run of these tests starts with: the tiny preset, `steps` steps, quiet, on
   // the test's daemon, writing to Dir(name) as run `name`, no evaluation during the run, a
-  // 5-step learning-rate warm-up.
+  // 5-step learning-rate warm-up, rounds of 4 (a fixed update_interval: runs are compared).
   std::vector<std::string> TinyRun(const std::string& name, int64_t steps) const;
 
   std::string Dir(const std::string& name) const { return out_ + "/" + name; }
