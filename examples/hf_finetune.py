@@ -93,8 +93,11 @@ def build_parser():
                    help="ZenFlowAdamW's mode")
     p.add_argument("--topk_ratio", type=float, default=0.1,
                    help="ZenFlowAdamW: share of hot columns")
-    p.add_argument("--update_interval", type=int, default=4,
-                   help="ZenFlowAdamW: steps per round of the daemon's updates")
+    p.add_argument("--update_interval", type=lambda x: x if x == "auto" else int(x),
+                   default="auto", help="ZenFlowAdamW: steps per round of the daemon's updates "
+                   "(auto: the shortest the node hides, ZenFlowAdamW's default)")
+    p.add_argument("--warmup_steps", type=int, default=None,
+                   help="ZenFlowAdamW: first steps of exact AdamW (default: ZenFlowAdamW's)")
     p.add_argument("--await_updates", action="store_true",
                    help="ZenFlowAdamW: wait for each round's daemon update (no staleness)")
     p.add_argument("--socket", default=None, help="stallfreed's socket; None: "
@@ -321,6 +324,9 @@ def main(argv=None):
     zen_kw = dict(mode=args.mode, topk_ratio=args.topk_ratio,
                   update_interval=args.update_interval, await_updates=args.await_updates,
                   socket=args.socket)
+    if args.warmup_steps is not None:
+        zen_kw["warmup_steps"] = args.warmup_steps
+    zen_round = None
     for name in ("ZenFlowAdamW", "AdamW"):
         model = AutoModelForCausalLM.from_pretrained(pretrained)
         groups = param_groups(model, args.weight_decay)
@@ -337,6 +343,8 @@ def main(argv=None):
                           args.finetune_steps, args.finetune_lr, optimizers=(opt, sched))
         finally:
             if hasattr(opt, "close"):
+                if name == "ZenFlowAdamW":
+                    zen_round = opt.last_timings.get("interval")
                 opt.close()
         runs[("finetune", name)] = rows
 
@@ -358,7 +366,8 @@ def main(argv=None):
     write_csv(csv_path, runs)
     why = plot(png_path, runs, f"{args.model} ({n_params:,} parameters): fine-tuning with "
                f"ZenFlowAdamW ({args.mode}) vs torch.optim.AdamW",
-               warmup_end=(inspect.signature(ZenFlowAdamW).parameters["warmup_steps"].default
+               warmup_end=(zen_kw.get("warmup_steps", inspect.signature(ZenFlowAdamW)
+                                      .parameters["warmup_steps"].default)
                            if args.mode == "zenflow" else None))
     last_eval = last_step_with(ref, "eval_loss")
     ze, re_ = zen[last_eval]["eval_loss"], ref[last_eval]["eval_loss"]
@@ -369,6 +378,9 @@ def main(argv=None):
           f"{mean_tail(zen, 'train_loss'):.4f}, AdamW {mean_tail(ref, 'train_loss'):.4f}")
     print(f"fine-tuning, eval loss at step {last_eval}: ZenFlowAdamW {ze:.4f}, AdamW {re_:.4f} "
           f"({100 * (ze - re_) / re_:+.2f}%)")
+    if args.mode == "zenflow" and zen_round:
+        print(f"ZenFlowAdamW's rounds at the end: {zen_round} step(s) (update_interval "
+              f"{args.update_interval})")
     print(f"wrote {csv_path}" + (f" and {png_path}" if not why else f" ({why})"))
     print(f"total {time.monotonic() - t0:.1f} s")
 

@@ -536,7 +536,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, mode="zenflow", topk_ratio=0.1,
                  update_interval="auto", max_update_interval=4, select_interval=None,
-                 warmup_steps=20, await_updates=False, land_lag=0,
+                 warmup_steps=100, await_updates=False, land_lag=0,
                  grad_dtype="bf16", param_dtype="bf16", transfers="auto",
                  stream_gradients=False, socket=None, session_name=None, process_group=None,
                  reduce_gradients=False, timeout=300.0):

@@ -117,6 +117,23 @@ inline std::vector<float> ColumnOf(const std::vector<float>& x, int64_t rows, in
   return out;
 }
 
+// A session whose daemon reports every Update as taking `seconds` (the figure the automatic
+// round reads, engine/schedule.h; everything else is the real daemon's), so that the length it
+// chooses does not depend on this machine's timing.
+class ReportedPace : public SessionTarget {
+ public:
+  ReportedPace(std::unique_ptr<Session> session, double seconds)
+      : SessionTarget(std::move(session)), seconds_(seconds) {}
+  UpdateSeen LastUpdate() const override {
+    UpdateSeen u = SessionTarget::LastUpdate();
+    if (u.version > 0) u.seconds = seconds_;
+    return u;
+  }
+
+ private:
+  double seconds_;
+};
+
 // A stallfreed (2 threads) for each test, a client of it, and sessions on it.
 class EngineTest : public ::testing::Test {
  protected:
@@ -131,6 +148,11 @@ class EngineTest : public ::testing::Test {
     auto s = client_->OpenSession(name, 0);
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? std::make_unique<SessionTarget>(std::move(*s)) : nullptr;
+  }
+  std::unique_ptr<SessionTarget> NewPacedSession(const std::string& name, double update_s) {
+    auto s = client_->OpenSession(name, 0);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? std::make_unique<ReportedPace>(std::move(*s), update_s) : nullptr;
   }
   std::unique_ptr<testing::Daemon> daemon_;
   std::unique_ptr<Client> client_;

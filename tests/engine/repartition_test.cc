@@ -22,6 +22,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "tests/engine/engine_fixture.h"
 #include "client/client.h"
 #include "client/session_target.h"
 #include "engine/partition.h"
@@ -128,7 +129,10 @@ void FillGrads(std::vector<std::vector<float>>* grads, const std::vector<Tensor>
   }
 }
 
-ZenFlowConfig Config(OffloadMode mode) {
+// `automatic`: zenflow's round is update_interval auto, at most 2 steps, over sessions whose
+// daemon reports a slow Update (engine_test::ReportedPace): rounds of 1 until the choice at
+// step 4, then of 2 (boundaries 6, 8, 10), on every rank and every restored engine alike.
+ZenFlowConfig Config(OffloadMode mode, bool automatic = false) {
   ZenFlowConfig c;
   c.mode = mode;
   c.topk_ratio = 0.25;
@@ -137,6 +141,11 @@ ZenFlowConfig Config(OffloadMode mode) {
   c.warmup_steps = 0;
   c.weight_decay = 0.05;
   c.grad_dtype = DType::kBf16;
+  if (automatic) {
+    c.update_interval = 0;
+    c.select_interval = 0;
+    c.max_update_interval = 2;
+  }
   return c;
 }
 
@@ -162,7 +171,8 @@ class RepartitionTest : public ::testing::Test {
 
   // A rank over `values` (the whole model, copied), as the trainer builds it (DpPartition::View).
   std::unique_ptr<Rank> MakeRank(const std::vector<Tensor>& values, int world, int rank,
-                                 OffloadMode mode = OffloadMode::kZenFlow) {
+                                 OffloadMode mode = OffloadMode::kZenFlow,
+                                 bool automatic = false) {
     auto r = std::make_unique<Rank>();
     r->model = values;
     std::vector<EngineParam> params;
@@ -180,8 +190,12 @@ class RepartitionTest : public ::testing::Test {
         absl::StrCat("repartition-", OffloadModeName(mode), "-", world, "-", rank), rank);
     EXPECT_TRUE(session.ok()) << session.status();
     if (!session.ok()) return nullptr;
-    r->session = std::make_unique<SessionTarget>(std::move(*session));
-    auto engine = ZenFlowEngine::Create(Config(mode), params, kernels::DefaultCpuKernel(),
+    if (automatic)
+      r->session = std::make_unique<engine_test::ReportedPace>(std::move(*session), 0.2);
+    else
+      r->session = std::make_unique<SessionTarget>(std::move(*session));
+    auto engine = ZenFlowEngine::Create(Config(mode, automatic), params,
+                                        kernels::DefaultCpuKernel(),
                                         kernels::CpuOps(), r->session.get());
     EXPECT_TRUE(engine.ok()) << engine.status();
     if (!engine.ok()) return nullptr;
@@ -246,7 +260,7 @@ class RepartitionTest : public ::testing::Test {
   }
 
   std::string TmpDir() const { return daemon_->dir(); }
-  void ContinueWithOtherWorlds(OffloadMode mode);
+  void ContinueWithOtherWorlds(OffloadMode mode, bool automatic = false);
 
   std::unique_ptr<Daemon> daemon_;
   std::unique_ptr<Client> client_;
@@ -264,15 +278,26 @@ TEST_F(RepartitionTest, FourRanksSavedMidRoundContinueWithTwoOneAndFourExactly) 
   }
 }
 
-void RepartitionTest::ContinueWithOtherWorlds(OffloadMode mode) {
+// The automatic round's state (a V4 blob) is cut like the rest and carried to every new rank:
+// saved at step 5, mid-round of 2, the continuations land and bound the rounds where the
+// uninterrupted run does.
+TEST_F(RepartitionTest, AnAutomaticRoundSavedMidRoundContinuesExactly) {
+  ContinueWithOtherWorlds(OffloadMode::kZenFlow, /*automatic=*/true);
+}
+
+void RepartitionTest::ContinueWithOtherWorlds(OffloadMode mode, bool automatic) {
   constexpr int kOld = 4;
   constexpr int64_t kSaved = 5, kSteps = 10;  // step 5: inside a round (S = 2), Update pending
   std::vector<std::unique_ptr<Rank>> old;
   for (int r = 0; r < kOld; ++r) {
-    old.push_back(MakeRank(model_, kOld, r, mode));
+    old.push_back(MakeRank(model_, kOld, r, mode, automatic));
     ASSERT_NE(old.back(), nullptr);
   }
   for (int64_t t = 1; t <= kSaved; ++t) Step(&old, t);
+  if (automatic) {
+    ASSERT_EQ(old[0]->engine->update_interval(), 2);
+    ASSERT_FALSE(old[0]->engine->last_timings().boundary);  // step 5: mid-round
+  }
   const std::vector<PartitionedState> saved = Save(old, absl::StrCat("four-", OffloadModeName(mode)));
   const std::vector<Tensor> values = Gather(old);
   std::vector<std::vector<Tensor>> straight;  // the uninterrupted run, steps kSaved+1..kSteps
@@ -287,7 +312,7 @@ void RepartitionTest::ContinueWithOtherWorlds(OffloadMode mode) {
     SCOPED_TRACE(absl::StrCat("4 -> ", world, " ranks"));
     std::vector<std::unique_ptr<Rank>> ranks;
     for (int s = 0; s < world; ++s) {
-      ranks.push_back(MakeRank(values, world, s, mode));
+      ranks.push_back(MakeRank(values, world, s, mode, automatic));
       ASSERT_NE(ranks.back(), nullptr);
       // Only the sources are given: a rank never needs the others' states.
       std::vector<const PartitionedState*> given(kOld, nullptr);
@@ -302,6 +327,9 @@ void RepartitionTest::ContinueWithOtherWorlds(OffloadMode mode) {
       absl::Status st = ranks[s]->engine->Restore(tag, mine->engine);
       ASSERT_TRUE(st.ok()) << st;
       EXPECT_EQ(ranks[s]->engine->step(), kSaved);
+      if (automatic) {
+        EXPECT_EQ(ranks[s]->engine->update_interval(), 2);
+      }
     }
     for (int64_t t = kSaved + 1; t <= kSteps; ++t) {
       Step(&ranks, t);

@@ -287,23 +287,6 @@ TEST_F(ZenFlowTest, RoundsWithReselectionEqualThePerColumnAlgorithm) {
  }
 }
 
-// A session whose daemon reports every Update as taking `seconds` (the figure the automatic
-// round reads; everything else is the real daemon's).
-class ReportedPace : public SessionTarget {
- public:
-  ReportedPace(std::unique_ptr<SessionTarget> real, double seconds)
-      : SessionTarget(real->session()), real_(std::move(real)), seconds_(seconds) {}
-  UpdateSeen LastUpdate() const override {
-    UpdateSeen u = SessionTarget::LastUpdate();
-    if (u.version > 0) u.seconds = seconds_;
-    return u;
-  }
-
- private:
-  std::unique_ptr<SessionTarget> real_;  // owns the session
-  double seconds_;
-};
-
 // update_interval auto (W = 2, so it chooses at steps 2, 18, ...): a daemon whose Update takes
 // 200 ms against a caller that computes nothing gets the longest round (4, the bound; 3 with
 // max_update_interval 3), and then runs exactly the fixed S = 4 schedule, bit for bit; one
@@ -323,10 +306,10 @@ TEST_F(ZenFlowTest, AutomaticRoundFollowsTheDaemonsPaceAndRestores) {
     ZenFlowConfig fixed = autoc;
     fixed.update_interval = k.want;
     std::vector<Tensor> a = MakeModel(seed), b = a;
-    ReportedPace sa(NewSession("auto"), k.update_s);
+    std::unique_ptr<SessionTarget> sa = NewPacedSession("auto", k.update_s);
     std::unique_ptr<SessionTarget> sb = NewSession("fixed");
     auto ea = ZenFlowEngine::Create(autoc, Params(&a), kernels::DefaultCpuKernel(),
-                                    kernels::CpuOps(), &sa);
+                                    kernels::CpuOps(), sa.get());
     auto eb = ZenFlowEngine::Create(fixed, Params(&b), kernels::DefaultCpuKernel(),
                                     kernels::CpuOps(), sb.get());
     ASSERT_TRUE(ea.ok()) << ea.status();
@@ -354,9 +337,9 @@ TEST_F(ZenFlowTest, AutomaticRoundFollowsTheDaemonsPaceAndRestores) {
     // The mid-run state: an automatic engine takes it with its round length; a fixed one
     // refuses it naming update_interval.
     std::vector<Tensor> c = MakeModel(seed);
-    ReportedPace sc(NewSession("auto-restored"), k.update_s);
+    std::unique_ptr<SessionTarget> sc = NewPacedSession("auto-restored", k.update_s);
     auto ec = ZenFlowEngine::Create(autoc, Params(&c), kernels::DefaultCpuKernel(),
-                                    kernels::CpuOps(), &sc);
+                                    kernels::CpuOps(), sc.get());
     ASSERT_TRUE(ec.ok()) << ec.status();
     ASSERT_TRUE((*ec)->RestoreBytes(mid.engine, mid.daemon).ok());
     EXPECT_EQ((*ec)->update_interval(), k.want);

@@ -97,14 +97,15 @@ def test_land_lag_equals_reference(daemon, land_lag, transfers):
     assert max(models.max_abs_diff(eng.params, default.params).values()) > 0
 
 
-def test_the_default_warm_up_into_rounds_equals_the_reference(daemon):
-    """The default path: 20 warm-up steps (S = 1, awaited), then asynchronous rounds of 4 with
+def test_the_warm_up_into_rounds_equals_the_reference(daemon):
+    """The warm-up path: 20 warm-up steps (S = 1, awaited), then asynchronous rounds of 4 with
     a reselection every 8 steps, bit for bit."""
-    cfg = dict(topk_ratio=0.25, update_interval=4, select_interval=8, await_updates=False)
+    cfg = dict(topk_ratio=0.25, update_interval=4, select_interval=8, await_updates=False,
+               warmup_steps=20)
     eng = models.train(lambda g: ZenFlowAdamW(g, betas=(0.9, 0.999), eps=1e-8, **models.FP32,
                                               socket=daemon.socket, **cfg), STEPS, seed=SEED)
-    ref = models.train(lambda g: ReferenceZenFlow(g, betas=(0.9, 0.999), eps=1e-8,
-                                                  warmup_steps=20, **cfg), STEPS, seed=SEED)
+    ref = models.train(lambda g: ReferenceZenFlow(g, betas=(0.9, 0.999), eps=1e-8, **cfg),
+                       STEPS, seed=SEED)
     assert_bit_for_bit(eng, ref, "warm-up 20, then S=4 asynchronous")
 
 
