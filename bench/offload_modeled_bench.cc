@@ -614,11 +614,12 @@ int Run(int argc, char** argv) {
   // zenflow's first Update runs during its second round, and it is the first to write the
   // daemon's moments (first touches are slow on a lazily backed VM): two rounds untimed, so the
   // timed rounds see steady state.
-  // Auto (--interval 0): rounds of 1 until the engine's first choice at step 4, then two
-  // rounds of the longest length it may choose, untimed.
+  // Auto (--interval 0): rounds of 1 until the engine's first choice at step 4, then its
+  // second choice (4 rounds later: at step 4 + 4 S <= 4 + 4 max) untimed, so that the timed
+  // steps run the length it settles on.
   const bool automatic = o.engine.interval == 0;
   const int64_t S = automatic ? 1 : o.engine.interval;
-  const int64_t zen_warm = automatic ? 4 + 2 * ZenFlowConfig().max_update_interval : 2 * S,
+  const int64_t zen_warm = automatic ? 4 + 4 * ZenFlowConfig().max_update_interval : 2 * S,
                 zen_timed = o.big_steps;
   const int64_t sync_warm = 1, sync_timed = std::max<int64_t>(2, o.big_steps / 2);
   printf(
@@ -630,8 +631,8 @@ int Run(int argc, char** argv) {
       (long long)o.big_select, (long long)sync_warm, (long long)sync_timed, o.engine.weight_decay);
   if (automatic)
     printf("zenflow update_interval auto: rounds of 1 until the engine's first choice (step 4), "
-           "then what it chooses (FIGURE zenflow_round_length; the rounds and select_interval "
-           "above count rounds of 1)\n");
+           "then what it chooses, again 4 rounds later (FIGURE zenflow_round_length; the "
+           "rounds and select_interval above count rounds of 1)\n");
   fflush(stdout);
   ModeledDeviceSpec spec;
   spec.flops = o.tflops * 1e12;

@@ -116,6 +116,37 @@ def test_version_1_state_dict_still_loads(daemon):
     assert_same_run(run, ref, "version 1", start=SAVE_AT)
 
 
+def test_state_dict_from_before_the_automatic_round(daemon):
+    """A state dict written before the automatic round (its configuration has no
+    max_update_interval; the round was then fixed) continues exactly in an optimizer built with
+    its round; the new defaults (update_interval "auto", warmup_steps 100) refuse it, naming
+    both options with the saved and the current value."""
+    old = dict(ZENFLOW, warmup_steps=20)  # update_interval 4: the defaults before
+    ref = models.train(factory(daemon, **old), STEPS, seed=7)
+    saved = {}
+    models.train(factory(daemon, **old), STEPS, seed=7, after_step=save_at(SAVE_AT, saved))
+    sd = torch.load(io.BytesIO(saved["opt_bytes"]), weights_only=True)
+    for group in sd["param_groups"]:
+        entry = sd["state"][group["params"][0]]
+        meta = json.loads(bytes(entry["zenflow_meta"].tolist()).decode())
+        del meta["config"]["max_update_interval"]
+        entry["zenflow_meta"] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
+    run = models.train(factory(daemon, **old), STEPS, seed=7, start=SAVE_AT + 1,
+                       setup=resume_from(saved, lambda m, o: o.load_state_dict(sd)))
+    assert_same_run(run, ref, "written before max_update_interval", start=SAVE_AT)
+    defaults = {k: v for k, v in old.items()
+                if k not in ("update_interval", "warmup_steps", "select_interval")}
+    model = models.make_model(7)
+    opt = ZenFlowAdamW(models.param_groups(model), socket=daemon.socket, **defaults)
+    try:
+        with pytest.raises(stallfree.Error) as err:
+            opt.load_state_dict(sd)
+        assert "'update_interval': (4, 0)" in str(err.value), str(err.value)
+        assert "'warmup_steps': (20, 100)" in str(err.value), str(err.value)
+    finally:
+        opt.close()
+
+
 def test_distributed_checkpoint_round_trip_neither_steps_nor_drops_the_daemon(daemon):
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
