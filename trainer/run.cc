@@ -187,14 +187,33 @@ absl::Status TrainRun::StartEngine() {
   }
   ASSIGN_OR_RETURN(engine_, ZenFlowEngine::Create(o.engine, eparams_, dev_->kernel(), dev_->ops(),
                                                   target_.get()));
-  if (N_ > 1) {
-    // A partitioned weight's block scores sum to the whole weight's: every replica selects the
-    // same hot columns. Replicated ones have the same (averaged) gradient on every replica.
-    parallel::Communicator* dp_dev = dp_dev_;
-    engine_->set_score_reduce([dp_dev, replicated_params](const std::string& name, float* scores,
-                                                          int64_t cols) -> absl::Status {
-      if (replicated_params.count(name) > 0) return absl::OkStatus();
-      return dp_dev->AllReduce(scores, cols);
+  if (N_ > 1 || D_ > 1) {
+    // With --dp N > 1 a partitioned weight's block scores sum to the whole weight's: every
+    // replica selects the same hot columns. Replicated ones have the same (averaged) gradient on
+    // every replica. The automatic round's figures (param "": engine/schedule.h) are summed over
+    // the whole world, so that every rank chooses the same length: the TSP ranks each update
+    // their copy of the replicated weights (the embedding), which must stay equal.
+    parallel::Communicator* dp_dev = N_ > 1 ? dp_dev_ : nullptr;
+    const kernels::BackendMemory* ops = &dev_->ops();
+    const World world = world_;
+    engine_->set_score_reduce([dp_dev, ops, world, replicated_params](
+                                  const std::string& name, float* v, int64_t n) -> absl::Status {
+      if (name.empty()) {
+        std::vector<float> host(n);
+        ops->Download(host.data(), v, n);
+        std::string err = ops->Synchronize();
+        if (!err.empty()) return absl::InternalError("the automatic round's figures: " + err);
+        for (float& x : host) {
+          ASSIGN_OR_RETURN(double sum, world.Sum(x));
+          x = static_cast<float>(sum);
+        }
+        ops->Upload(v, host.data(), n);
+        err = ops->Synchronize();
+        if (!err.empty()) return absl::InternalError("the automatic round's figures: " + err);
+        return absl::OkStatus();
+      }
+      if (dp_dev == nullptr || replicated_params.count(name) > 0) return absl::OkStatus();
+      return dp_dev->AllReduce(v, n);
     });
   }
   RETURN_IF_ERROR(dp_->Init());

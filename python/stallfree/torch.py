@@ -467,7 +467,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     most `max_update_interval` (engine/schedule.h); last_timings["interval"] is the length in
     use. Automatic lengths depend on timing: a run is reproducible bit for bit only from a
     state dict (which holds the length), not from scratch; an int fixes the length. Under
-    data parallelism the ranks sum their figures, so they choose the same length.
+    data parallelism the ranks of process_group sum their figures, so they choose the same
+    length; ranks outside it choose on their own, so where ranks of another group (tensor
+    parallelism) keep copies of one weight with optimizers of their own, fix update_interval.
     grad_dtype / param_dtype: what crosses to and from the daemon ("bf16" or "fp32").
     select_interval: steps between reselections (None: 4 rounds; None with "auto").
     warmup_steps: first steps with rounds of 1 and awaited updates (exact AdamW while the

@@ -17,7 +17,9 @@
 
 #include <gtest/gtest.h>
 
+#include "engine/blob.h"
 #include "testing/spawn.h"
+#include "trainer/checkpoint.h"
 #include "tests/trainer/trainer_runner.h"
 
 namespace stallfree {
@@ -99,6 +101,31 @@ TEST_F(TrainerTest, ResumeEqualsUninterruptedRun) {
   // uninterrupted run.
   ASSERT_NO_FATAL_FAILURE(ExpectAwaitedRunDiffersAfterTheResume(
       "awaited", Cat(Base("awaited", 20), Cat(rounds, {"--await_updates"})), a, 4, 10));
+}
+
+// With the automatic round (update_interval 0) the TSP ranks choose the same lengths, from
+// figures summed over the world: each updates its own copy of the replicated embedding, so a
+// rank that chose on its own figures (a slower answer from the daemon, a busier core) would
+// let its copy drift. After 40 steps both copies are bit-identical and both checkpoints hold
+// the same round.
+TEST_F(TrainerTest, AutomaticRoundIsTheSameOnEveryRank) {
+  TrainerRun run = Trainer(Cat(Base("auto", 40), {"--nproc", "2", "--update_interval", "0",
+                                                  "--engine_warmup", "2",
+                                                  "--checkpoint_every", "40"}));
+  ASSERT_EQ(run.code, 0) << run.output;
+  absl::StatusOr<trainer::RankState> st[2];
+  absl::StatusOr<EngineBlob> blob[2];
+  for (int r = 0; r < 2; ++r) {
+    st[r] = trainer::DecodeState(trainer::RankFile(Dir("auto"), "auto-step40", r));
+    ASSERT_TRUE(st[r].ok()) << st[r].status();
+    blob[r] = ParseEngineBlob(st[r]->engine);
+    ASSERT_TRUE(blob[r].ok()) << blob[r].status();
+    EXPECT_EQ(blob[r]->magic, kEngineBlobMagicV4);
+  }
+  EXPECT_EQ(st[0]->tensors[0], st[1]->tensors[0]);  // the embedding, replicated
+  EXPECT_EQ(blob[0]->round_interval, blob[1]->round_interval);
+  EXPECT_EQ(blob[0]->round_base, blob[1]->round_base);
+  EXPECT_GE(blob[0]->round_base, 2);  // a choice was made (at the warm-up's end or later)
 }
 
 // --keep_checkpoints N: after each checkpoint only the run's newest N stay, the trainer's files
