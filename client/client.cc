@@ -365,8 +365,10 @@ absl::Status Session::Update(int64_t step, const v1::AdamWHyper& hyper, uint32_t
 absl::Status Session::UpdateWithPush(int64_t step, const v1::AdamWHyper& hyper,
                                      uint32_t param_slot, v1::DType out_dtype, uint32_t grad_slot,
                                      float push_scale,
-                                     const std::vector<std::string>& skip_params) {
+                                     const std::vector<std::string>& skip_params,
+                                     bool predict) {
   v1::UpdateRequest req;
+  req.set_predict(predict);
   for (const std::string& name : skip_params) req.add_skip_params(name);
   req.set_step(step);
   *req.mutable_hyper() = hyper;

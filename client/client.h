@@ -159,10 +159,12 @@ class Session {
   // as part of this Update (as Push(step, grad_slot, push_scale) and then Update would, bit for
   // bit, in one pass on the daemon). Do not write grad_slot until the Update is done
   // (WaitUpdate(step)): the daemon reads it while the Update runs. See UpdateRequest.fuse_push.
-  // skip_params: parameters this Update leaves unchanged (UpdateRequest.skip_params).
+  // skip_params: parameters this Update leaves unchanged (UpdateRequest.skip_params);
+  // predict: the parameters go out predicted one Update ahead (UpdateRequest.predict).
   absl::Status UpdateWithPush(int64_t step, const v1::AdamWHyper& hyper, uint32_t param_slot,
                               v1::DType out_dtype, uint32_t grad_slot, float push_scale = 1.0f,
-                              const std::vector<std::string>& skip_params = {});
+                              const std::vector<std::string>& skip_params = {},
+                              bool predict = false);
   // The general form: an explicit request (its session is set here).
   absl::Status Update(v1::UpdateRequest request);
   // Hands over columns of one or more parameters in the middle of a round, in one call

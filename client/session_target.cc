@@ -41,7 +41,7 @@ absl::Status SessionTarget::UpdateWithPush(int64_t step, const AdamW& hyper,
   h.set_eps(hyper.eps);
   h.set_weight_decay(hyper.weight_decay);
   return s_->UpdateWithPush(step, h, param_slot, ToProto(out), grad_slot, push_scale,
-                            skip_params);
+                            skip_params, hyper.predict);
 }
 
 absl::Status SessionTarget::WaitUpdate(int64_t min_version) {

@@ -38,13 +38,15 @@ absl::StatusOr<EngineBlob> ParseEngineBlob(const std::string& bytes) {
       if (!r.AnyInts(&p.hot_idx) || !r.AnyInts(&p.cold_idx) || !r.AnyInts(&p.hot_steps) ||
           !r.AnyFloats(&p.hot_master) || !r.AnyFloats(&p.hot_m) || !r.AnyFloats(&p.hot_v))
         return corrupt("truncated");
+      if (s.magic == kEngineBlobMagicV4 && !r.AnyFloats(&p.pending_shown))
+        return corrupt("truncated");
     } else if (p.kind != kBlobDevice && p.kind != kBlobOffloaded) {
       return corrupt(absl::StrCat("parameter kind ", p.kind));
     }
     s.params.push_back(std::move(p));
   }
-  if (s.magic == kEngineBlobMagicV4 &&
-      (!r.I64(&s.round_base) || !r.I64(&s.round_interval) || !r.I64(&s.round_floor)))
+  if (s.magic == kEngineBlobMagicV4 && (!r.I64(&s.round_adaptive) || !r.I64(&s.round_base) ||
+                                        !r.I64(&s.round_interval) || !r.I64(&s.round_floor)))
     return corrupt("truncated");
   if (s.magic == kEngineBlobMagicV4 &&
       (s.round_base < 0 || s.round_interval < 1 || s.round_floor < 1))

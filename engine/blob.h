@@ -19,10 +19,13 @@ namespace stallfree {
 // parameter whose master exists, else none). An engine writes the oldest version that holds its
 // state: V2 when every parameter is fp32 (byte for byte what it wrote before bf16 parameters
 // existed, so older readers and engine/repartition.cc keep reading it), V3 when one is bf16.
-// V4 is V3 and, after the parameters, the automatic round's state (schedule.h): the step its
-// current length counts from, that length, and the least length its stalls have set; an
-// engine with update_interval auto writes V4, and only V4. The engine reads all three (a V1
-// blob, of a development version without round_grads, is refused).
+// V4 is V3 with, after each split parameter's hot arrays, the pending round's cold columns as
+// the model will be shown them ([rows, ncold] floats: the daemon's predicted output, which its
+// own checkpoint cannot rebuild; empty when no predicted round is pending), and after the
+// parameters the round's state (schedule.h): whether it is automatic, the step its current
+// length counts from, that length, and the least length its stalls have set. An engine with
+// update_interval auto or predict_cold writes V4. The engine reads all three (a V1 blob, of a
+// development version without round_grads, is refused).
 constexpr int64_t kEngineBlobMagic = 0x325446574e455a53;    // "SZENWFT2": + round_grads
 constexpr int64_t kEngineBlobMagicV3 = 0x335446574e455a53;  // "SZENWFT3": + dtype, bf16 masters
 constexpr int64_t kEngineBlobMagicV4 = 0x345446574e455a53;  // "SZENWFT4": + the automatic round
@@ -114,12 +117,13 @@ struct EngineBlobParam {
   std::vector<float> m, v;                            // kBlobDevice: [rows, cols]
   std::vector<int64_t> hot_idx, cold_idx, hot_steps;  // kBlobSplit (empty before the first step)
   std::vector<float> hot_master, hot_m, hot_v;        // kBlobSplit: [rows, k] (likewise)
+  std::vector<float> pending_shown;  // kBlobSplit (V4): [rows, ncold], or none
 };
 struct EngineBlob {
   int64_t magic = 0, mode = 0, step = 0, rounds = 0, pending_version = 0, loaded = 0;
   std::vector<EngineBlobParam> params;
-  // V4: the automatic round (Schedule::base(), interval(), and the floor of its choices).
-  int64_t round_base = 0, round_interval = 0, round_floor = 0;
+  // V4: the round (Schedule::adaptive(), base(), interval(), and the floor of its choices).
+  int64_t round_adaptive = 0, round_base = 0, round_interval = 0, round_floor = 0;
 };
 // DataLoss naming what is wrong when `bytes` is not a whole V2 / V3 / V4 engine blob; whether it
 // fits an engine (its mode, parameters and shapes) is the caller's to check.

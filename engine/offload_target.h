@@ -70,6 +70,9 @@ class OffloadTarget {
   // AdamW's hyper-parameters of one Update (decoupled weight decay).
   struct AdamW {
     double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+    // The parameters go out predicted one Update ahead, 2 p_new - p_old (offload.proto,
+    // UpdateRequest.predict); the state is AdamW's as always.
+    bool predict = false;
   };
   // Starts the Update of version `step` with per-column step counts, the gradients of
   // `grad_slot` pushed (times push_scale) as part of it, and returns once accepted. Its

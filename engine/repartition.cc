@@ -213,8 +213,8 @@ absl::Status Repartitioner::Load(const std::vector<const PartitionedState*>& old
       return Disagree(absl::StrCat("the step (rank ", j, ": ", s.step, ", rank ",
                                    eng_.begin()->first, ": ", first.step, ")"));
     if (s.magic != first.magic) return Disagree("the engine state's version");
-    if (s.round_base != first.round_base || s.round_interval != first.round_interval ||
-        s.round_floor != first.round_floor)
+    if (s.round_adaptive != first.round_adaptive || s.round_base != first.round_base ||
+        s.round_interval != first.round_interval || s.round_floor != first.round_floor)
       return Disagree("the automatic round's length");
   }
   if (!dmn_.empty() && dmn_.size() != eng_.size()) return Disagree("whether the daemon holds state");
@@ -246,6 +246,7 @@ absl::StatusOr<PartitionedState> Repartitioner::Cut(const std::string& tmp_dir) 
     RETURN_IF_ERROR(CutDaemonParam(i, daemon_index++, &out_d));
   }
   if (first.magic == kEngineBlobMagicV4) {
+    w.I64(first.round_adaptive);
     w.I64(first.round_base);
     w.I64(first.round_interval);
     w.I64(first.round_floor);
@@ -267,7 +268,8 @@ absl::Status Repartitioner::CutEngineParam(size_t i, bool v3, BlobWriter* w) {
     const EngineParam& p = s.params[i];
     if (p.kind != p0.kind || p.k != p0.k || p.dstep != p0.dstep || p.dtype != p0.dtype ||
         p.master.empty() != p0.master.empty() || p.round_grads != p0.round_grads ||
-        p.hot_idx != p0.hot_idx || p.cold_idx != p0.cold_idx || p.hot_steps != p0.hot_steps)
+        p.hot_idx != p0.hot_idx || p.cold_idx != p0.cold_idx || p.hot_steps != p0.hot_steps ||
+        p.pending_shown.empty() != p0.pending_shown.empty())
       return Disagree(absl::StrCat("parameter '", params_[i].name, "' (its split, hot columns or "
                                    "step counts)"));
   }
@@ -301,6 +303,10 @@ absl::Status Repartitioner::CutEngineParam(size_t i, bool v3, BlobWriter* w) {
     w->Ints(p0.hot_steps);
     for (auto field : {&EngineParam::hot_master, &EngineParam::hot_m, &EngineParam::hot_v})
       RETURN_IF_ERROR(take(field, p0.k));
+    if (eng_.begin()->second.magic == kEngineBlobMagicV4) {
+      if (p0.pending_shown.empty()) w->Floats({});
+      else RETURN_IF_ERROR(take(&EngineParam::pending_shown, rc.cols - p0.k));
+    }
   }
   return absl::OkStatus();
 }

@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/bf16.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "engine/blob.h"
@@ -354,6 +355,7 @@ struct ZenFlowEngine::Impl {
   // daemon reads the slot until that Update is done.
   int64_t slot_update[2] = {0, 0};
   int64_t pending_version = 0;    // Update issued, parameters not yet scattered
+  bool pending_predicted = false;  // its parameters are predicted (predict_cold: zenflow.h)
   // The parameter slot that Update writes. Read from it, not from the slot WaitUpdate names:
   // WaitUpdate answers with the newest version, which may already be the next round's.
   uint32_t pending_pslot = 0;
@@ -518,6 +520,11 @@ struct ZenFlowEngine::Impl {
   // Restore: whether a parsed blob is this engine's (nothing changes), and one parameter's
   // state from it.
   absl::Status CheckBlob(const EngineBlob& blob) const;
+  // A split weight's cold columns in the pending Update's parameter slot, as floats, when that
+  // Update is predicted (empty otherwise): what its landing will show. And such values back
+  // into parameter slot 0 (after a Restore).
+  std::vector<float> PendingShown(const PState& ps) const;
+  void ShowPending(const PState& ps, const std::vector<float>& shown);
   void ApplyBlobParam(PState& ps, const EngineBlobParam& bp, bool selected);
   // The step's kind (see zenflow.h): warm-up, a round boundary, a reselection.
   // Whether step t lands the pending Update (Schedule::Landing of its boundary).
@@ -1051,6 +1058,7 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
       pending_task = slot_task[plan.slot];
       pending_version = plan.t;
       pending_pslot = round.pslot;
+      pending_predicted = round.hyper.predict;
       if (plan.await) RETURN_IF_ERROR(ApplyPendingUpdate(&tm));
     } else if (LandsPending(plan.t)) {
       RETURN_IF_ERROR(ApplyPendingUpdate(&tm));  // land_lag < S: before the next boundary
@@ -1248,6 +1256,7 @@ absl::Status ZenFlowEngine::Impl::PrepareRound(const StepPlan& plan, RoundUpdate
     ps.round_grads = 0;
   }
   round->hyper = {plan.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay};
+  round->hyper.predict = cfg.predict_cold && !plan.await;  // an awaited update lands exact
   const uint32_t pslot = static_cast<uint32_t>(rounds++ % param_slots);
   round->pslot = pslot;
   // The Update posted next writes parameter slot pslot as soon as the copy thread issues it. A
@@ -1476,8 +1485,10 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
     im.ops.Download(host.data(), b.data(), b.size());
     return host;
   };
-  // V2 unless a parameter is bf16, V4 with an automatic round (engine/blob.h).
-  const bool v4 = im.sched.adaptive();
+  // V2 unless a parameter is bf16, V4 with an automatic round or predicted rounds (engine/
+  // blob.h).
+  const bool v4 = im.sched.adaptive() ||
+                  (im.cfg.mode == OffloadMode::kZenFlow && im.cfg.predict_cold);
   const bool v3 = v4 || std::any_of(im.params.begin(), im.params.end(),
                                     [](const PState& ps) { return ps.bf16; });
   BlobWriter w;
@@ -1509,9 +1520,11 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
       w.Floats(download(ps.hot_master));
       w.Floats(download(ps.hot_m));
       w.Floats(download(ps.hot_v));
+      if (v4) w.Floats(im.PendingShown(ps));
     }
   }
   if (v4) {
+    w.I64(im.sched.adaptive() ? 1 : 0);
     w.I64(im.sched.base());
     w.I64(im.sched.interval());
     w.I64(im.interval_floor);
@@ -1541,7 +1554,7 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   im.rounds = blob.rounds;
   im.pending_version = blob.pending_version;
   im.loaded = blob.loaded != 0;
-  if (blob.magic == kEngineBlobMagicV4) {
+  if (blob.magic == kEngineBlobMagicV4 && blob.round_adaptive != 0) {
     im.sched.Resize(blob.round_base, blob.round_interval);
     im.interval_floor = blob.round_floor;
   }
@@ -1552,6 +1565,14 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   im.prefetched_version = 0;
   if (im.rounds % 2 == 0) ++im.rounds;
   if (im.daemon_has_state()) RETURN_IF_ERROR(im.target->Restore(tag, im.cfg.param_dtype));
+  // A predicted round pending: the daemon's Restore wrote its masters to slot 0; the landing
+  // shows the prediction the blob kept.
+  im.pending_predicted = false;
+  for (size_t i = 0; i < im.params.size(); ++i)
+    if (!blob.params[i].pending_shown.empty()) {
+      im.ShowPending(im.params[i], blob.params[i].pending_shown);
+      im.pending_predicted = true;
+    }
   return absl::OkStatus();
 }
 
@@ -1603,12 +1624,13 @@ absl::Status ZenFlowEngine::Impl::CheckBlob(const EngineBlob& blob) const {
   if (blob.params.size() != params.size())
     return absl::InvalidArgumentError(absl::StrCat("state: ", blob.params.size(),
                                                    " parameters, the engine has ", params.size()));
-  // An automatic round's state (V4) only into an engine with one, and back: their rounds
-  // would otherwise disagree about where the pending Update lands.
-  if ((blob.magic == kEngineBlobMagicV4) != sched.adaptive())
+  // An automatic round's state only into an engine with one, and back: their rounds would
+  // otherwise disagree about where the pending Update lands.
+  if ((blob.magic == kEngineBlobMagicV4 && blob.round_adaptive != 0) != sched.adaptive())
     return absl::InvalidArgumentError(absl::StrCat(
         "state: written with update_interval ",
-        blob.magic == kEngineBlobMagicV4 ? "auto" : "fixed", ", this engine runs ",
+        blob.magic == kEngineBlobMagicV4 && blob.round_adaptive != 0 ? "auto" : "fixed",
+        ", this engine runs ",
         sched.adaptive() ? "auto" : absl::StrCat(cfg.update_interval),
         ": restore it with the update_interval it was written with"));
   if (blob.magic == kEngineBlobMagicV4 &&
@@ -1638,6 +1660,10 @@ absl::Status ZenFlowEngine::Impl::CheckBlob(const EngineBlob& blob) const {
     if (bp.hot_idx.size() != k || bp.cold_idx.size() != ncold || bp.hot_steps.size() != k ||
         bp.hot_master.size() != hot || bp.hot_m.size() != hot || bp.hot_v.size() != hot)
       return bad(absl::StrCat("the hot columns of '", ps.p.name, "' are mis-sized"));
+    if (!bp.pending_shown.empty() &&
+        (blob.pending_version == 0 || blob.loaded == 0 ||
+         bp.pending_shown.size() != static_cast<size_t>(ps.rows * ps.ncold)))
+      return bad(absl::StrCat("the pending prediction of '", ps.p.name, "' is mis-sized"));
     std::vector<int> seen(ps.cols, 0);
     for (const std::vector<int64_t>* set : {&bp.hot_idx, &bp.cold_idx})
       for (int64_t col : *set) {
@@ -1646,6 +1672,32 @@ absl::Status ZenFlowEngine::Impl::CheckBlob(const EngineBlob& blob) const {
       }
   }
   return absl::OkStatus();
+}
+
+std::vector<float> ZenFlowEngine::Impl::PendingShown(const PState& ps) const {
+  std::vector<float> out;
+  if (pending_version == 0 || !pending_predicted || ps.kind != PState::kSplit) return out;
+  const int64_t n = ps.rows * ps.ncold;
+  const void* slot = target->ParamSlot(pending_pslot, ps.p.name, cfg.param_dtype);
+  out.resize(n);
+  if (cfg.param_dtype == DType::kBf16) {
+    const uint16_t* b = static_cast<const uint16_t*>(slot);
+    for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(b[i]);
+  } else {
+    memcpy(out.data(), slot, n * sizeof(float));
+  }
+  return out;
+}
+
+void ZenFlowEngine::Impl::ShowPending(const PState& ps, const std::vector<float>& shown) {
+  void* slot = const_cast<void*>(target->ParamSlot(0, ps.p.name, cfg.param_dtype));
+  const int64_t n = static_cast<int64_t>(shown.size());
+  if (cfg.param_dtype == DType::kBf16) {
+    uint16_t* b = static_cast<uint16_t*>(slot);
+    for (int64_t i = 0; i < n; ++i) b[i] = FloatToBf16(shown[i]);  // exact: widened bf16
+  } else {
+    memcpy(slot, shown.data(), n * sizeof(float));
+  }
 }
 
 void ZenFlowEngine::Impl::ApplyBlobParam(PState& ps, const EngineBlobParam& bp, bool selected) {

@@ -42,11 +42,17 @@ struct AdamWConfig {
   double weight_decay = 0.0;
   int64_t step = 1;        // t, >= 1.
   float grad_scale = 1.0f;  // multiplies the gradient (e.g. 1/accumulation count, unscaling).
+  // The bf16 output (`out` of the kernels that take one) is the value predicted one step ahead,
+  // round(2 p_new - p_old) (2 p_new exact, the difference rounded once in fp32), instead of
+  // round(p_new); p itself is AdamW's as always. The daemon's ZenFlow update with predict_cold
+  // (engine/zenflow.h). The CPU kernels only (the daemon's).
+  bool predict_out = false;
 };
 
 // The fp32 constants of one AdamW step, derived once per call from an AdamWConfig in double.
 struct AdamWConstants {
   float b1, omb1, b2, omb2, eps, decay, step_size, bc2_sqrt, grad_scale;
+  bool predict_out = false;
 };
 AdamWConstants MakeAdamWConstants(const AdamWConfig& config);
 

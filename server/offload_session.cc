@@ -405,6 +405,14 @@ void OffloadSession::Update(const UpdatePlan& plan) {
       PrepareAccumulator(plan.fuse_push ? AccumulatorUse::kFusedUpdate : AccumulatorUse::kUpdate);
   const int64_t total = static_cast<int64_t>(layout_->total_elems);
   uint64_t fused_bytes = 0;
+  // predict (column steps only): the bf16 slot gets the kernels' predicted output; the fp32 one
+  // holds each value before the Update, then 2 p_new - p_old (the kernels' arithmetic).
+  const bool predict32 = cfg.predict_out && !bf16;
+  if (predict32) {
+    ParallelChunks(total, [&](int64_t b, int64_t e) {
+      memcpy(out32 + b, master_ + b, (e - b) * sizeof(float));
+    });
+  }
   if (!plan.column_steps) {
     ParallelChunks(total, [&](int64_t b, int64_t e) {
       const int64_t n = e - b;
@@ -443,11 +451,19 @@ void OffloadSession::Update(const UpdatePlan& plan) {
     }
     // Columns handed over in this round arrived from the device with the round's step taken
     // there: their state replaces what the pass computed for them.
-    LandHandovers(bf16 ? out16 : nullptr, nullptr);  // the fp32 copy below includes them
-    if (!bf16) {
+    if (predict32) {
+      // The prediction first, then the arrived columns as they are (their change is zero).
       ParallelChunks(total, [&](int64_t b, int64_t e) {
-        memcpy(out32 + b, master_ + b, (e - b) * sizeof(float));
+        for (int64_t i = b; i < e; ++i) out32[i] = (master_[i] + master_[i]) - out32[i];
       });
+      LandHandovers(nullptr, out32);
+    } else {
+      LandHandovers(bf16 ? out16 : nullptr, nullptr);  // the fp32 copy below includes them
+      if (!bf16) {
+        ParallelChunks(total, [&](int64_t b, int64_t e) {
+          memcpy(out32 + b, master_ + b, (e - b) * sizeof(float));
+        });
+      }
     }
   }
   const double secs = Seconds(Clock::now() - t0);

@@ -289,6 +289,8 @@ absl::StatusOr<UpdatePlan> PlanUpdate(const v1::UpdateRequest& req, const Sessio
         absl::StrCat("fused_grad_slot: ", req.fused_grad_slot(), " is not 0 or 1"));
   if (req.skip_params_size() > 0 && !req.column_steps())
     return absl::InvalidArgumentError("skip_params: only with column_steps");
+  if (req.predict() && !req.column_steps())
+    return absl::InvalidArgumentError("predict: only with column_steps");
   UpdatePlan plan;
   plan.skip.assign(layout.params.size(), 0);
   for (const std::string& name : req.skip_params()) {
@@ -305,6 +307,7 @@ absl::StatusOr<UpdatePlan> PlanUpdate(const v1::UpdateRequest& req, const Sessio
   plan.config.eps = h.eps();
   plan.config.weight_decay = h.weight_decay();
   plan.config.step = req.step();
+  plan.config.predict_out = req.predict();
   plan.param_slot = req.param_slot();
   plan.out = *out;
   plan.column_steps = req.column_steps();

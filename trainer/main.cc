@@ -100,6 +100,8 @@ void AddOptimizerFlags(stallfree::FlagSet* flags, stallfree::trainer::TrainOptio
                 "ZenFlow: first steps with synchronous full updates");
   flags->AddBool("await_updates", &o->engine.await_updates,
                  "ZenFlow: wait for each daemon update (no staleness)");
+  flags->AddBool("predict_cold", &o->engine.predict_cold,
+                 "ZenFlow: land each round's update predicted one round ahead (2 p_R - p_R-1)");
   flags->AddInt("land_lag", &o->engine.land_lag,
                 "ZenFlow: steps after its boundary at which a round's update lands, 1..S "
                 "(0: S, the next boundary)");

@@ -155,7 +155,8 @@ template <class V, class Steps>
 inline void AdamWVec(const AdamWConstants& c, const Steps& steps, typename V::F g, float* pp,
                      float* pm, float* pv, uint16_t* pout) {
   using F = typename V::F;
-  F p = V::Mul(V::Load(pp), V::Set1(c.decay));
+  const F old = V::Load(pp);
+  F p = V::Mul(old, V::Set1(c.decay));
   const F m = V::Add(V::Mul(V::Set1(c.b1), V::Load(pm)), V::Mul(V::Set1(c.omb1), g));
   const F v = V::Add(V::Mul(V::Set1(c.b2), V::Load(pv)), V::Mul(V::Mul(V::Set1(c.omb2), g), g));
   const F denom = V::Add(V::Div(V::Sqrt(v), steps.Bc2Sqrt()), V::Set1(c.eps));
@@ -163,7 +164,7 @@ inline void AdamWVec(const AdamWConstants& c, const Steps& steps, typename V::F 
   V::Store(pm, m);
   V::Store(pv, v);
   V::Store(pp, p);
-  if (pout != nullptr) V::StoreBf16(pout, p);
+  if (pout != nullptr) V::StoreBf16(pout, c.predict_out ? V::Sub(V::Add(p, p), old) : p);
 }
 
 template <class V>

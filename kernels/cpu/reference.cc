@@ -25,6 +25,7 @@ AdamWConstants MakeAdamWConstants(const AdamWConfig& c) {
   k.step_size = static_cast<float>(c.lr / bc1);
   k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   k.grad_scale = c.grad_scale;
+  k.predict_out = c.predict_out;
   return k;
 }
 
@@ -96,7 +97,8 @@ inline float LoadGrad(const void* grad, GradType type, int64_t i) {
 // One element of AdamW; g already scaled.
 inline void AdamWElement(const AdamWConstants& k, float g, float* param, float* m, float* v,
                          uint16_t* out) {
-  float p = *param * k.decay;
+  const float old = *param;
+  float p = old * k.decay;
   const float mi = k.b1 * *m + k.omb1 * g;
   const float vi = k.b2 * *v + k.omb2 * g * g;
   const float denom = std::sqrt(vi) / k.bc2_sqrt + k.eps;
@@ -104,7 +106,7 @@ inline void AdamWElement(const AdamWConstants& k, float g, float* param, float* 
   *m = mi;
   *v = vi;
   *param = p;
-  if (out != nullptr) *out = stallfree::FloatToBf16(p);
+  if (out != nullptr) *out = stallfree::FloatToBf16(k.predict_out ? (p + p) - old : p);
 }
 
 class ScalarKernel final : public OptimizerKernel {

@@ -457,7 +457,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     updated on the parameter's device at once; the rest go to stallfreed, which applies their
     mean gradient every `update_interval` steps (a round); a round's update reaches the model
     `land_lag` steps after its last step (1 to the round's length; 0: the round's length, one
-    round stale) unless `await_updates`),
+    round stale) unless `await_updates`; with `predict_cold` (default) it lands predicted one
+    round ahead, 2 p_R - p_(R-1), so the model's cold columns are where they will be when the
+    forward that sees them runs: the optimizer's state is AdamW's either way, and the model
+    shows that prediction for its cold columns, after close() too),
     "sync-offload" (every parameter's optimizer state in the daemon, ZeRO-Offload style) or
     "no-offload" (AdamW in place, no daemon). update_interval: "auto" (or 0; the default) for
     the shortest round whose daemon update the step's compute hides: at the warm-up's end and
@@ -538,7 +541,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, mode="zenflow", topk_ratio=0.1,
                  update_interval="auto", max_update_interval=4, select_interval=None,
-                 warmup_steps=100, await_updates=False, land_lag=0,
+                 warmup_steps=100, await_updates=False, land_lag=0, predict_cold=True,
                  grad_dtype="bf16", param_dtype="bf16", transfers="auto",
                  stream_gradients=False, socket=None, session_name=None, process_group=None,
                  reduce_gradients=False, timeout=300.0):
@@ -559,7 +562,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         config = dict(mode=mode, topk_ratio=topk_ratio, update_interval=update_interval,
                       max_update_interval=max_update_interval,
                       select_interval=select_interval or 0, warmup_steps=warmup_steps,
-                      await_updates=await_updates, land_lag=land_lag, grad_dtype=grad_dtype,
+                      await_updates=await_updates, land_lag=land_lag,
+                      predict_cold=predict_cold, grad_dtype=grad_dtype,
                       param_dtype=param_dtype, transfers=transfers,
                       stream_gradients=stream_gradients)
         # The engine's checks (engine/zenflow.h: one copy of them), a ValueError naming the field.
@@ -1279,8 +1283,8 @@ def _uint8(t):
 
 # Configuration fields added since state dicts were first written, with the value those older
 # states ran under (land_lag 0: a round's update landed at the next boundary; the bound of an
-# automatic round, which they did not have, its default).
-_SAVED_BEFORE = {"land_lag": 0, "max_update_interval": 4}
+# automatic round, which they did not have, its default; rounds landed as computed).
+_SAVED_BEFORE = {"land_lag": 0, "max_update_interval": 4, "predict_cold": False}
 _HYPER_FIELDS = ("beta1", "beta2", "eps", "weight_decay")  # the engine config's names for _hyper
 
 

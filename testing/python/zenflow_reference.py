@@ -29,9 +29,11 @@ columns (its last dimension; rows = the product of the others):
   engine), or with "auto" at min(lr, the lr of step r).
 - cold_lr_scale (a variant, measured by bench/zenflow_variants.py): with S > 1 the cold update
   runs at lr * cold_lr_scale.
-- predict_cold (a variant): when a stale update lands (not awaited), the model is given the
-  cold columns extrapolated one round ahead, 2 * new - previous (the masters landed before),
-  instead of the new masters; close() lands exact masters.
+- predict_cold (the engine's predict_cold, its default; here off unless asked): when a stale
+  update lands (not awaited), the model is given the cold columns extrapolated one round ahead,
+  2 * new - previous (the masters before that update: those landed before, or given exactly by
+  an awaited update or while the column was hot), instead of the new masters; close() lands
+  the prediction too.
 - land_lag (a variant): with S > 1 and not awaited, round R's update lands in the model land_lag
   steps after its boundary (1 <= land_lag <= S; None: S, the engine: at the next boundary), so
   the model's cold columns are at most land_lag steps stale instead of S.
@@ -188,15 +190,14 @@ class ReferenceZenFlow(torch.optim.Optimizer):
 
     @torch.no_grad()
     def close(self):
-        """The end of training: the model takes the newest update's cold values (gradients of an
-        unfinished round stay unapplied), as ZenFlowAdamW.close() does."""
+        """The end of training: the model takes the newest update's cold values (predicted, with
+        predict_cold; gradients of an unfinished round stay unapplied), as ZenFlowAdamW.close()
+        does."""
         for group in self.param_groups:
             for p in group["params"]:
                 sp = self.state[p].get("split") if p in self.state else None
                 if sp is not None and sp.pending is not None:
-                    view = p.data.view(-1, sp.cols)
-                    view[:, ~sp.hot] = _as(sp.pending[:, ~sp.hot], p)
-                    sp.pending = None
+                    self._land(sp, p.data.view(-1, sp.cols), ~sp.hot, p)
 
     def _land(self, sp, view, cold, p):
         """The pending update's cold columns into the model (one round ahead with
@@ -205,7 +206,9 @@ class ReferenceZenFlow(torch.optim.Optimizer):
             view[:, cold] = _as((2 * sp.pending - sp.landed)[:, cold], p)
         else:
             view[:, cold] = _as(sp.pending[:, cold], p)
-        sp.landed = sp.pending
+        # The base of the next prediction: these masters where they landed (the hot columns'
+        # are their current ones: a column handed over goes out as it is, its change zero).
+        sp.landed[:, cold] = sp.pending[:, cold]
         sp.pending = None
 
     @torch.no_grad()
@@ -289,6 +292,8 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                 _adamw_(mh, g[:, hot], mm, mv, sp.steps[hot], lr, b1, b2, eps, wd, bc)
                 sp.master[:, hot], sp.m[:, hot], sp.v[:, hot] = mh, mm, mv
                 view[:, hot] = _as(mh, p)
+                if self.predict_cold:  # shown exactly: a column that turns cold predicts from it
+                    sp.landed[:, hot] = mh
                 # Cold columns: the round's mean gradient, applied at the boundary.
                 # scale 1/S rounded to fp32 once, as the daemon's accumulation takes it
                 gc = g[:, cold]
@@ -321,6 +326,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                     sp.acc.zero_()
                     if await_:
                         view[:, cold] = _as(mc, p)
+                        sp.landed = sp.master.clone()  # given exactly: the next prediction's base
                     else:
                         if sp.pending is not None:  # land_lag = S: the previous round's, now
                             self._land(sp, view, cold, p)

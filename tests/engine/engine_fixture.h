@@ -93,7 +93,8 @@ void FillGrads(std::vector<ModelTensor<T>>* ts, int64_t t, int seed) {
 }
 
 // The tests' engine: top-k 0.25, S = `S`, a reselection every `select` steps, updates awaited
-// or not, weight decay 0.05, no engine warm-up, fp32 transfers (ZenFlowConfig's defaults).
+// or not, weight decay 0.05, no engine warm-up, fp32 transfers (ZenFlowConfig's defaults),
+// rounds landed as computed (predict_cold off).
 inline ZenFlowConfig Config(OffloadMode mode, int64_t S, int64_t select, bool await) {
   ZenFlowConfig c;
   c.mode = mode;
@@ -103,6 +104,9 @@ inline ZenFlowConfig Config(OffloadMode mode, int64_t S, int64_t select, bool aw
   c.await_updates = await;
   c.weight_decay = 0.05;
   c.warmup_steps = 0;  // the tests that want the engine warm-up set it
+  // Rounds land as the daemon computed them (the tests state the staleness by the masters);
+  // the prediction is tests/python/test_zenflow_reference.py's and the tests that set it.
+  c.predict_cold = false;
   return c;
 }
 

@@ -697,7 +697,7 @@ TEST(ZenFlowConfigFields, RoundTripAndRefusals) {
   c.transfers = Transfers::kDirect;
   c.stream_gradients = true;
   const std::map<std::string, std::string> text = ConfigFields(c);
-  EXPECT_EQ(text.size(), 16u);
+  EXPECT_EQ(text.size(), 17u);
   ZenFlowConfig back;
   for (const auto& [name, value] : text)
     ASSERT_TRUE(SetConfigField(&back, name, value).ok()) << name << "=" << value;

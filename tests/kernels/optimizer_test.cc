@@ -389,6 +389,62 @@ TEST(OptimizerCpu, AccumulateAdamWColumnsBitExactForEveryBackendAndShape) {
   }
 }
 
+// predict_out: the bf16 output is round((p_new + p_new) - p_old), written out here from the
+// parameters before and after, while p, m and v are exactly those of the same call without it;
+// every fast backend equals the oracle, through AdamW and the fused column kernel (the daemon's
+// two update paths), over sizes that cross the vector widths and the chunks.
+TEST(OptimizerCpu, PredictedOutputIsTwiceTheNewMinusTheOld) {
+  AdamWConfig c;
+  c.lr = 1e-2;
+  c.weight_decay = 0.1;
+  c.step = 3;
+  for (const OptimizerKernel* k : FastKernels()) {
+    for (int64_t n : {int64_t{1}, int64_t{17}, int64_t{32768 + 13}}) {
+      const int64_t rows = 1, cols = n;
+      const std::vector<float> p0 = Random(n, 1), m0 = Random(n, 2, 0.1f), g = Random(n, 3);
+      std::vector<float> v0 = Random(n, 4, 0.1f), acc = Random(n, 5);
+      for (float& x : v0) x = x * x;
+      std::vector<float> ss(cols), bc(cols);
+      std::vector<int64_t> steps(cols, 3);
+      MakeColumnConstants(c, steps.data(), cols, ss.data(), bc.data());
+      for (int fused = 0; fused < 2; ++fused) {
+        const std::string what = std::string(k->name()) + (fused ? " fused" : " AdamW") +
+                                 " n=" + std::to_string(n);
+        auto run = [&](const OptimizerKernel& kern, bool predict, std::vector<float>* p,
+                       std::vector<float>* m, std::vector<float>* v, std::vector<uint16_t>* out) {
+          *p = p0;
+          *m = m0;
+          *v = v0;
+          out->assign(n, 0);
+          AdamWConfig cc = c;
+          cc.predict_out = predict;
+          if (fused)
+            kern.AccumulateAdamWColumns(cc, ss.data(), bc.data(), p->data(), m->data(),
+                                        v->data(), acc.data(), g.data(), GradType::kFp32, 0.5f,
+                                        rows, cols, out->data());
+          else
+            kern.AdamW(cc, p->data(), m->data(), v->data(), g.data(), GradType::kFp32, n,
+                       out->data());
+        };
+        std::vector<float> p, m, v, rp, rm, rv, pp, pm, pv;
+        std::vector<uint16_t> out, rout, pout;
+        run(*k, true, &p, &m, &v, &out);
+        run(ReferenceKernel(), true, &rp, &rm, &rv, &rout);
+        run(*k, false, &pp, &pm, &pv, &pout);
+        std::vector<uint16_t> want(n);
+        for (int64_t i = 0; i < n; ++i) want[i] = FloatToBf16((rp[i] + rp[i]) - p0[i]);
+        ExpectBitsEqual(want, rout, what + " oracle");
+        ExpectBitsEqual(rout, out, what);
+        ExpectBitsEqual(rp, p, what + " p");
+        ExpectBitsEqual(pp, p, what + " p without predict_out");
+        ExpectBitsEqual(pm, m, what + " m without predict_out");
+        ExpectBitsEqual(pv, v, what + " v without predict_out");
+        EXPECT_NE(out, pout) << what;  // the prediction is not the value
+      }
+    }
+  }
+}
+
 // A kernel that forwards everything to the oracle except AccumulateAdamWColumns, so that the
 // OptimizerKernel default (Accumulate into a scratch copy + AdamWColumns) runs.
 class DefaultFusedKernel final : public OptimizerKernel {

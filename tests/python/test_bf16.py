@@ -100,11 +100,11 @@ EXACT_CASES = {
         "zenflow", dict(models.FP32, topk_ratio=0.25, update_interval=1, select_interval=2,
                         await_updates=True, warmup_steps=0), None),
     "zenflow S=4 asynchronous bf16 transfers": (
-        "zenflow", dict(topk_ratio=0.25, update_interval=4, select_interval=8, warmup_steps=2),
-        None),
+        "zenflow", dict(topk_ratio=0.25, update_interval=4, select_interval=8, warmup_steps=2,
+                        predict_cold=True), None),
     "zenflow S=4 asynchronous, gradients streamed": (
         "zenflow", dict(topk_ratio=0.25, update_interval=4, select_interval=8, warmup_steps=2,
-                        stream_gradients=True), None),
+                        stream_gradients=True, predict_cold=True), None),
     "sync-offload": ("sync-offload", dict(warmup_steps=0), "dense"),
     "no-offload": ("no-offload", dict(warmup_steps=0), "dense"),
 }

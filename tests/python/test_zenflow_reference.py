@@ -24,17 +24,18 @@ STEPS = 48
 SEED = 11
 
 
-def config(S, await_updates):
-    # No engine warm-up, so the rounds begin at once.
+def config(S, await_updates, predict_cold=True):
+    # No engine warm-up, so the rounds begin at once; rounds land predicted (the engine's
+    # default) unless asked.
     return dict(topk_ratio=0.25, update_interval=S, select_interval=2 * S,
-                await_updates=await_updates, warmup_steps=0)
+                await_updates=await_updates, warmup_steps=0, predict_cold=predict_cold)
 
 
-def run_engine(daemon, S, await_updates, record_hot=None):
+def run_engine(daemon, S, await_updates, record_hot=None, predict_cold=True):
     return models.train(
         lambda g: ZenFlowAdamW(g, betas=(0.9, 0.999), eps=1e-8, grad_dtype="fp32",
                                param_dtype="fp32", socket=daemon.socket,
-                               **config(S, await_updates)),
+                               **config(S, await_updates, predict_cold)),
         STEPS, seed=SEED, after_step=record_hot)
 
 
@@ -77,6 +78,17 @@ def test_engine_equals_reference(daemon, S, await_updates):
     assert eng_hot == ref_hot
     assert any(ref_hot[i] != ref_hot[i - 1] for i in range(1, STEPS))
     assert_bit_for_bit(eng, ref, f"S={S} awaited={await_updates}")
+
+
+@pytest.mark.parametrize("S", [1, 4])
+def test_rounds_landed_as_computed_equal_the_reference(daemon, S):
+    """predict_cold=False: each round lands as the daemon computed it, bit for bit; and that
+    is not the default's trajectory (the prediction is on)."""
+    eng = run_engine(daemon, S, False, predict_cold=False)
+    ref = run_reference(S, False, predict_cold=False)
+    assert_bit_for_bit(eng, ref, f"S={S} without the prediction")
+    default = run_reference(S, False)
+    assert max(models.max_abs_diff(eng.params, default.params).values()) > 0
     assert eng.losses[-1] < eng.losses[0] - 0.3  # it trains
 
 
@@ -101,7 +113,7 @@ def test_the_warm_up_into_rounds_equals_the_reference(daemon):
     """The warm-up path: 20 warm-up steps (S = 1, awaited), then asynchronous rounds of 4 with
     a reselection every 8 steps, bit for bit."""
     cfg = dict(topk_ratio=0.25, update_interval=4, select_interval=8, await_updates=False,
-               warmup_steps=20)
+               warmup_steps=20, predict_cold=True)
     eng = models.train(lambda g: ZenFlowAdamW(g, betas=(0.9, 0.999), eps=1e-8, **models.FP32,
                                               socket=daemon.socket, **cfg), STEPS, seed=SEED)
     ref = models.train(lambda g: ReferenceZenFlow(g, betas=(0.9, 0.999), eps=1e-8, **cfg),
@@ -118,6 +130,7 @@ def test_a_slightly_wrong_reference_differs(daemon):
         "lr 1% off": run_reference(4, False, lr_scale=1.01),
         "no staleness": run_reference(4, True),
         "summed, not averaged": run_reference(4, False, cold_scale=4.0),
+        "landed as computed": run_reference(4, False, predict_cold=False),
     }
     for what, ref in wrong.items():
         loss = max(models.rel_diff(a, b) for a, b in zip(eng.losses, ref.losses))
@@ -211,7 +224,7 @@ def test_automatic_round_equals_reference_through_a_state_dict(daemon):
         print(f"{what}: round lengths per group {[sorted(set(s)) for s in intervals]}")
         assert all(s[:W] == [1] * W for s in intervals), intervals
         ref = models.train(lambda g: ReferenceZenFlow(
-            g, betas=(0.9, 0.999), eps=1e-8, topk_ratio=0.25, warmup_steps=W,
+            g, betas=(0.9, 0.999), eps=1e-8, topk_ratio=0.25, warmup_steps=W, predict_cold=True,
             update_interval="auto", resize=_resizes(intervals, W)), STEPS, seed=SEED)
         if run is None:  # the resumed run's steps after the save
             assert resumed.losses == ref.losses[save_at:], what

@@ -323,5 +323,74 @@ TEST_F(AccumulatorTest, SkippedParametersAreLeftUnchanged) {
   EXPECT_EQ(skip->Update(req).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// UpdateRequest.predict: the parameter slot gets (p_new + p_new) - p_old, p_old each value
+// before the Update, in fp32 and (rounded) in bf16, while the state is the plain session's (its
+// next Update without predict gives the plain session's values); a skipped parameter goes out
+// as it is; without column_steps it is refused.
+TEST_F(AccumulatorTest, PredictedParametersAreOneUpdateAhead) {
+  const std::vector<ParamSpec> specs = {{"w", {4, 8}, v1::DTYPE_FP32},
+                                        {"e", {3, 8}, v1::DTYPE_FP32}};
+  std::vector<float> p0w(kN), p0e(24);
+  for (int64_t i = 0; i < kN; ++i) p0w[i] = 0.1f * i - 1.0f;
+  for (int64_t i = 0; i < 24; ++i) p0e[i] = 0.05f * i - 2.0f;
+  auto open = [&](const char* name) {
+    auto s = client_->OpenSession(name, 0);
+    EXPECT_TRUE(s.ok());
+    EXPECT_TRUE((*s)->RegisterParams(specs).ok());
+    memcpy((*s)->StagingFp32("w"), p0w.data(), kN * 4);
+    memcpy((*s)->StagingFp32("e"), p0e.data(), 24 * 4);
+    EXPECT_TRUE((*s)->LoadParams().ok());
+    return std::move(*s);
+  };
+  auto plain = open("plain"), pred = open("pred");
+  auto write = [&](int seed) {
+    std::vector<float> g = Grad(seed);
+    for (Session* s : {plain.get(), pred.get()}) {
+      memcpy(s->GradSlot(0, "w"), g.data(), kN * 4);
+      for (int64_t i = 0; i < 24; ++i) static_cast<float*>(s->GradSlot(0, "e"))[i] = g[i];
+    }
+  };
+  auto update = [&](Session* s, int64_t step, v1::DType out, bool predict,
+                    std::vector<std::string> skipped) {
+    EXPECT_TRUE(
+        s->UpdateWithPush(step, Hyper(), 0, out, 0, 1.0f, skipped, predict).ok());
+    EXPECT_TRUE(s->WaitUpdate(step).ok());
+  };
+  auto fp32 = [](Session* s, const char* name, int64_t n) {
+    return std::vector<float>(s->ParamsFp32(0, name), s->ParamsFp32(0, name) + n);
+  };
+  // Step 1, fp32 out: 2 p1 - p0.
+  write(1);
+  update(plain.get(), 1, v1::DTYPE_FP32, false, {});
+  update(pred.get(), 1, v1::DTYPE_FP32, true, {});
+  const std::vector<float> p1w = fp32(plain.get(), "w", kN), p1e = fp32(plain.get(), "e", 24);
+  const std::vector<float> q1w = fp32(pred.get(), "w", kN);
+  for (int64_t i = 0; i < kN; ++i)
+    ASSERT_EQ(q1w[i], (p1w[i] + p1w[i]) - p0w[i]) << "w[" << i << "] after step 1";
+  EXPECT_NE(q1w, p1w);
+  // Step 2, bf16 out, e skipped: w rounded from 2 p2 - p1; e as it is.
+  write(2);
+  update(plain.get(), 2, v1::DTYPE_FP32, false, {"e"});
+  update(pred.get(), 2, v1::DTYPE_BF16, true, {"e"});
+  const std::vector<float> p2w = fp32(plain.get(), "w", kN);
+  for (int64_t i = 0; i < kN; ++i)
+    ASSERT_EQ(pred->ParamsBf16(0, "w")[i], FloatToBf16((p2w[i] + p2w[i]) - p1w[i]))
+        << "w[" << i << "] after step 2";
+  for (int64_t i = 0; i < 24; ++i)
+    ASSERT_EQ(pred->ParamsBf16(0, "e")[i], FloatToBf16(p1e[i])) << "e[" << i << "]";
+  // Step 3 without predict: the same state, so the plain session's values.
+  write(3);
+  update(plain.get(), 3, v1::DTYPE_FP32, false, {});
+  update(pred.get(), 3, v1::DTYPE_FP32, false, {});
+  EXPECT_EQ(fp32(pred.get(), "w", kN), fp32(plain.get(), "w", kN));
+  EXPECT_EQ(fp32(pred.get(), "e", 24), fp32(plain.get(), "e", 24));
+  // Refused without column_steps.
+  v1::UpdateRequest req;
+  req.set_step(4);
+  *req.mutable_hyper() = Hyper();
+  req.set_predict(true);
+  EXPECT_EQ(pred->Update(req).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace stallfree
