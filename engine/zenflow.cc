@@ -1256,7 +1256,9 @@ absl::Status ZenFlowEngine::Impl::PrepareRound(const StepPlan& plan, RoundUpdate
     ps.round_grads = 0;
   }
   round->hyper = {plan.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay};
-  round->hyper.predict = cfg.predict_cold && !plan.await;  // an awaited update lands exact
+  // Predicted: rounds of one step not awaited (an awaited update lands exact; a longer round's
+  // prediction, a whole round's change ahead, measured worse: zenflow.h).
+  round->hyper.predict = cfg.predict_cold && !plan.await && sched.Interval(plan.t) == 1;
   const uint32_t pslot = static_cast<uint32_t>(rounds++ % param_slots);
   round->pslot = pslot;
   // The Update posted next writes parameter slot pslot as soon as the copy thread issues it. A

@@ -80,11 +80,13 @@
 // the Update before the landing step waits for it. With await_updates (and during warm-up, and
 // in sync-offload) the engine waits for round R's Update at its boundary instead, so there is
 // no staleness. A column that enters the hot set is current at once. With predict_cold (the
-// default) a landing round's cold columns show 2 p_R - p_(R-1), the value they would have one
-// round on if they kept the round's change: measured on real text, it takes most of the
-// staleness's cost away (README, "Quality against AdamW"). The model then shows, for its cold
-// columns, that prediction, not the masters: at close(), too (the last landing), a round's
-// change ahead of the optimizer's state.
+// default) a round of one step lands its cold columns as 2 p_R - p_(R-1), where they would be
+// a step on if they kept the step's change: measured on real text after the warm-up, it takes
+// most of the one-step staleness's cost away (README, "Quality against AdamW"); a longer
+// round's prediction, a whole round's change ahead, measured worse from scratch, so longer
+// rounds land as computed. The model then shows, for its cold columns, that prediction, not
+// the masters: at close(), too (the last landing), a step's change ahead of the optimizer's
+// state.
 //
 // Warm-up: the first `warmup_steps` steps run with S = 1 and awaited updates, which is exact
 // AdamW on every column (the daemon's part too), before the rounds begin. Measured, this is what
@@ -171,11 +173,11 @@ struct ZenFlowConfig {
   // [1, update_interval]; 0 means update_interval (at the next boundary). See "Bounded
   // staleness" above.
   int64_t land_lag = 0;
-  // A round's update lands as the cold columns predicted one round ahead, 2 p_R - p_(R-1) (the
-  // daemon writes them: UpdateRequest.predict), instead of p_R: the forwards that see it are
-  // a round late, and the prediction meets them where the columns will be. The optimizer's
-  // state (the daemon's masters) is AdamW's either way; awaited updates land as they are. See
-  // "Bounded staleness" above.
+  // A round of one step lands its update as the cold columns predicted one step ahead,
+  // 2 p_R - p_(R-1) (the daemon writes them: UpdateRequest.predict), instead of p_R: the forward
+  // that sees it is a step late, and the prediction meets it where the columns will be. The
+  // optimizer's state (the daemon's masters) is AdamW's either way; awaited updates, and
+  // rounds longer than a step, land as computed. See "Bounded staleness" above.
   bool predict_cold = true;
   // AdamW (decoupled weight decay); lr comes with each Step.
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;

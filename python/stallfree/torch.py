@@ -457,10 +457,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     updated on the parameter's device at once; the rest go to stallfreed, which applies their
     mean gradient every `update_interval` steps (a round); a round's update reaches the model
     `land_lag` steps after its last step (1 to the round's length; 0: the round's length, one
-    round stale) unless `await_updates`; with `predict_cold` (default) it lands predicted one
-    round ahead, 2 p_R - p_(R-1), so the model's cold columns are where they will be when the
-    forward that sees them runs: the optimizer's state is AdamW's either way, and the model
-    shows that prediction for its cold columns, after close() too),
+    round stale) unless `await_updates`; with `predict_cold` (default) a round of one step lands
+    predicted one step ahead, 2 p_R - p_(R-1), so the model's cold columns are where they will
+    be when the forward that sees them runs: the optimizer's state is AdamW's either way, and
+    the model shows that prediction for its cold columns, after close() too; longer rounds land
+    as computed),
     "sync-offload" (every parameter's optimizer state in the daemon, ZeRO-Offload style) or
     "no-offload" (AdamW in place, no daemon). update_interval: "auto" (or 0; the default) for
     the shortest round whose daemon update the step's compute hides: at the warm-up's end and

@@ -30,7 +30,8 @@ columns (its last dimension; rows = the product of the others):
 - cold_lr_scale (a variant, measured by bench/zenflow_variants.py): with S > 1 the cold update
   runs at lr * cold_lr_scale.
 - predict_cold (the engine's predict_cold, its default; here off unless asked): when a stale
-  update lands (not awaited), the model is given the cold columns extrapolated one round ahead,
+  update of a round of one step lands (not awaited), the model is given the cold columns
+  extrapolated one step ahead,
   2 * new - previous (the masters before that update: those landed before, or given exactly by
   an awaited update or while the column was hot), instead of the new masters; close() lands
   the prediction too.
@@ -121,6 +122,7 @@ class _Split:
         self.hot = torch.zeros(self.cols, dtype=torch.bool)
         self.acc = torch.zeros_like(self.master)
         self.pending = None  # the masters an update produced that the model does not see yet
+        self.pending_predicted = False  # it lands predicted (predict_cold, rounds of one step)
         self.landed = self.master.clone()  # the masters the model was last given exactly
 
 
@@ -200,9 +202,9 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                     self._land(sp, p.data.view(-1, sp.cols), ~sp.hot, p)
 
     def _land(self, sp, view, cold, p):
-        """The pending update's cold columns into the model (one round ahead with
-        predict_cold: the last update again)."""
-        if self.predict_cold:
+        """The pending update's cold columns into the model (one step ahead when it was
+        predicted: predict_cold with a round of one step)."""
+        if sp.pending_predicted:
             view[:, cold] = _as((2 * sp.pending - sp.landed)[:, cold], p)
         else:
             view[:, cold] = _as(sp.pending[:, cold], p)
@@ -331,6 +333,7 @@ class ReferenceZenFlow(torch.optim.Optimizer):
                         if sp.pending is not None:  # land_lag = S: the previous round's, now
                             self._land(sp, view, cold, p)
                         sp.pending = sp.master.clone()
+                        sp.pending_predicted = self.predict_cold and S == 1
                         sp.land_at = t + lag
                 elif sp.pending is not None and t == getattr(sp, "land_at", None):
                     self._land(sp, view, cold, p)
