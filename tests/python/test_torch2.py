@@ -118,10 +118,11 @@ def test_version_1_state_dict_still_loads(daemon):
 
 def test_state_dict_from_before_the_automatic_round(daemon):
     """A state dict written before the automatic round (its configuration has no
-    max_update_interval; the round was then fixed) continues exactly in an optimizer built with
-    its round; the new defaults (update_interval "auto", warmup_steps 100) refuse it, naming
-    both options with the saved and the current value."""
-    old = dict(ZENFLOW, warmup_steps=20)  # update_interval 4: the defaults before
+    max_update_interval and no predict_cold; the round was then fixed and landed as computed)
+    continues exactly in an optimizer built with its round and predict_cold=False; the new
+    defaults (update_interval "auto", warmup_steps 100, predict_cold) refuse it, naming each
+    option with the saved and the current value."""
+    old = dict(ZENFLOW, warmup_steps=20, predict_cold=False)  # update_interval 4: as before
     ref = models.train(factory(daemon, **old), STEPS, seed=7)
     saved = {}
     models.train(factory(daemon, **old), STEPS, seed=7, after_step=save_at(SAVE_AT, saved))
@@ -130,12 +131,14 @@ def test_state_dict_from_before_the_automatic_round(daemon):
         entry = sd["state"][group["params"][0]]
         meta = json.loads(bytes(entry["zenflow_meta"].tolist()).decode())
         del meta["config"]["max_update_interval"]
+        del meta["config"]["predict_cold"]
         entry["zenflow_meta"] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
     run = models.train(factory(daemon, **old), STEPS, seed=7, start=SAVE_AT + 1,
                        setup=resume_from(saved, lambda m, o: o.load_state_dict(sd)))
     assert_same_run(run, ref, "written before max_update_interval", start=SAVE_AT)
     defaults = {k: v for k, v in old.items()
-                if k not in ("update_interval", "warmup_steps", "select_interval")}
+                if k not in ("update_interval", "warmup_steps", "select_interval",
+                             "predict_cold")}
     model = models.make_model(7)
     opt = ZenFlowAdamW(models.param_groups(model), socket=daemon.socket, **defaults)
     try:
@@ -143,6 +146,7 @@ def test_state_dict_from_before_the_automatic_round(daemon):
             opt.load_state_dict(sd)
         assert "'update_interval': (4, 0)" in str(err.value), str(err.value)
         assert "'warmup_steps': (20, 100)" in str(err.value), str(err.value)
+        assert "'predict_cold': (False, True)" in str(err.value), str(err.value)
     finally:
         opt.close()
 
