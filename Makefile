@@ -86,8 +86,10 @@ test-tsan: deps
 	$(BAZEL) test $(TSAN_FLAGS) $(SANITIZED_TESTS)
 	$(BAZEL) build //...  # bazel-bin back to the plain configuration
 
+# The demo: a GPT in the three modes on the same data, the modeled GPU step times, one plot.
 demo: deps
-	$(BAZEL) build //:stallfreed //:stallfreectl //:trainer
+	$(BAZEL) build //:stallfreed //:stallfreectl //:trainer //trainer:compare_runs \
+	  //bench:offload_modeled_bench
 	./trainer/demo.sh
 
 bench: deps
