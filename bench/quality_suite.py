@@ -31,8 +31,7 @@ Optimizers (--optimizers, comma separated; NAME[key=value,...] passes options):
 - zenflow: stallfree.torch.ZenFlowAdamW(groups, lr=...) with nothing else set (the defaults);
 - sync_offload: ZenFlowAdamW(mode="sync-offload") (equals AdamW: the control);
 - zenflow_s4: the defaults with the round forced to S = 4 (a node whose CPU is slow; the
-  defaults' round is "auto", the node's own); were the defaults that round (update_interval 4,
-  land_lag 0), it would report the defaults' own run instead of training the same model again;
+  defaults' round is "auto", the node's own);
 - ds_zenflow: DeepSpeed's ZenFlow through deepspeed.initialize (ZeRO-2, offload_optimizer cpu,
   zenflow with topk_ratio 0.1, update_interval 4, select_interval 16, select_strategy "step";
   DeepSpeed's CPU accelerator, gloo, one rank), as the issue measured it;
@@ -59,7 +58,6 @@ optimizers); the default: seeds 0-2, the figures their mean.
 
 import argparse
 import contextlib
-import inspect
 import math
 import os
 import re
@@ -457,7 +455,6 @@ def main():
           f"licences {len(suite.lic.train) + len(suite.lic.held)} bytes", flush=True)
     # results[(task, spec)][seed]; each figure pairs a run with AdamW's of the same seed.
     results, failed = {}, []
-    same_as_defaults = defaults_round_is_s4()
     t0 = time.perf_counter()
     with sf.Daemon() as daemon:
         if any(parse_spec(x)[0] == "ds_zenflow" for x in specs):
@@ -465,11 +462,8 @@ def main():
         for task in tasks:
             for seed in seeds:
                 for spec in specs:
-                    reused = spec == "zenflow_s4" and same_as_defaults and \
-                        seed in results.get((task, "zenflow"), {})
-                    try:  # zenflow_s4 is the defaults' run while their round is S = 4
-                        r = results[(task, "zenflow")][seed] if reused else \
-                            suite.run(task, spec, seed, daemon)
+                    try:
+                        r = suite.run(task, spec, seed, daemon)
                     except Exception as e:  # noqa: BLE001 - report the run, go on with the rest
                         print(f"  {task:22s} seed {seed} {spec:34s} FAILED: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
@@ -480,7 +474,7 @@ def main():
                     ratio = r["eval"] / base["eval"] if base else float("nan")
                     cpu = f", daemon {r['daemon_cpu'] * 1e3:.1f} ms CPU a step" \
                         if r["daemon_cpu"] is not None else ""
-                    took = "the defaults' run" if reused else "%.0f s" % r["seconds"]
+                    took = "%.0f s" % r["seconds"]
                     rounds = f"  rounds {r['rounds']}" if r.get("rounds") else ""
                     print(f"  {task:22s} seed {seed} {spec:34s} eval {r['eval']:.4f}  "
                           f"x{ratio:.4f} AdamW  worst jump {r['jump']:5.1f}x  step "
@@ -514,11 +508,6 @@ def main():
         sys.exit(1)
 
 
-def defaults_round_is_s4():
-    """Whether ZenFlowAdamW's default round is S = 4, so that zenflow_s4 is the defaults' run."""
-    from stallfree.torch import ZenFlowAdamW
-    sig = inspect.signature(ZenFlowAdamW.__init__).parameters
-    return sig["update_interval"].default == 4 and sig["land_lag"].default == 0
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,8 @@ class Schedule {
         base_(c.warmup_steps),
         select_(c.select_interval),
         land_lag_(c.land_lag),
-        await_(c.await_updates) {}
+        await_(c.await_updates),
+        predict_(c.predict_cold) {}
 
   // Steps 1..W: S = 1 and awaited (exact AdamW on every column).
   bool Warm(int64_t t) const { return t <= W_; }
@@ -60,6 +61,10 @@ class Schedule {
   // when awaited, else b + land_lag (by default S: the next boundary, which lands it before
   // issuing its own; an automatic round's land_lag is at most its length).
   int64_t Landing(int64_t b) const { return Awaits(b) ? b : b + LandLag(); }
+  // Whether the Update issued at boundary b lands predicted one step ahead (predict_cold): a
+  // round of one step not awaited. An awaited update lands as computed; a longer round's
+  // prediction, a whole round's change ahead, measured worse (zenflow.h).
+  bool Predicts(int64_t b) const { return predict_ && !Awaits(b) && Interval(b) == 1; }
   // The gradient slot step t writes (double buffered).
   static uint32_t GradSlot(int64_t t) { return static_cast<uint32_t>(t % 2); }
 
@@ -103,7 +108,7 @@ class Schedule {
   OffloadMode mode_;
   bool offloading_, auto_;
   int64_t S_, W_, base_, select_, land_lag_;
-  bool await_;
+  bool await_, predict_;
 };
 
 }  // namespace stallfree

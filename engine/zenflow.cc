@@ -1256,9 +1256,7 @@ absl::Status ZenFlowEngine::Impl::PrepareRound(const StepPlan& plan, RoundUpdate
     ps.round_grads = 0;
   }
   round->hyper = {plan.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay};
-  // Predicted: rounds of one step not awaited (an awaited update lands exact; a longer round's
-  // prediction, a whole round's change ahead, measured worse: zenflow.h).
-  round->hyper.predict = cfg.predict_cold && !plan.await && sched.Interval(plan.t) == 1;
+  round->hyper.predict = sched.Predicts(plan.t);
   const uint32_t pslot = static_cast<uint32_t>(rounds++ % param_slots);
   round->pslot = pslot;
   // The Update posted next writes parameter slot pslot as soon as the copy thread issues it. A
@@ -1635,7 +1633,7 @@ absl::Status ZenFlowEngine::Impl::CheckBlob(const EngineBlob& blob) const {
         ", this engine runs ",
         sched.adaptive() ? "auto" : absl::StrCat(cfg.update_interval),
         ": restore it with the update_interval it was written with"));
-  if (blob.magic == kEngineBlobMagicV4 &&
+  if (blob.magic == kEngineBlobMagicV4 && blob.round_adaptive != 0 &&
       blob.round_interval > cfg.max_update_interval)
     return absl::InvalidArgumentError(absl::StrCat(
         "state: an automatic round of ", blob.round_interval,

@@ -55,6 +55,15 @@ double ParseNumber(absl::string_view v) {
 
 }  // namespace
 
+double FinalTrainLoss(const std::vector<double>& losses, int64_t* tail) {
+  const int64_t n = static_cast<int64_t>(losses.size()), t = std::min<int64_t>(10, n);
+  if (tail != nullptr) *tail = t;
+  if (n == 0) return std::nan("");
+  double sum = 0;
+  for (int64_t i = n - t; i < n; ++i) sum += losses[i];
+  return sum / static_cast<double>(t);
+}
+
 absl::StatusOr<RunFigures> ReadRunFigures(const std::string& label, const std::string& csv) {
   std::ifstream f(csv);
   if (!f) return absl::NotFoundError(absl::StrCat("no metrics file ", csv));
@@ -101,10 +110,7 @@ absl::StatusOr<RunFigures> ReadRunFigures(const std::string& label, const std::s
   }
   if (r.steps == 0) return absl::InvalidArgumentError(absl::StrCat(csv, " has no steps"));
   r.first_loss = losses.front();
-  const int64_t tail = std::min<int64_t>(10, r.steps);
-  double sum = 0;
-  for (int64_t i = r.steps - tail; i < r.steps; ++i) sum += losses[i];
-  r.final_loss = sum / static_cast<double>(tail);
+  r.final_loss = FinalTrainLoss(losses);
   double* means[5] = {&r.step_s, &r.compute_s, &r.optimizer_s, &r.copies_s, &r.stall_s};
   for (int k = 0; k < 5; ++k)
     *means[k] = r.steps > 1 ? sum_all[k] / static_cast<double>(r.steps - 1) : sum_first[k];

@@ -38,6 +38,10 @@ struct RunFigures {
 // NotFound for a missing file, InvalidArgument for one without the trainer's columns or rows.
 absl::StatusOr<RunFigures> ReadRunFigures(const std::string& label, const std::string& csv);
 
+// A run's final train loss, the summary's and the comparison's: the mean of the last
+// min(10, n) of its n losses (NaN for none); *tail, if given, gets that count.
+double FinalTrainLoss(const std::vector<double>& losses, int64_t* tail = nullptr);
+
 // A mode's step time on a modeled device (not measured on one): seconds per step, the stall
 // being part of it.
 struct ModeledStep {

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -31,9 +30,7 @@ struct Figures {
 Figures Derive(const RunTotals& t) {
   Figures f;
   f.n = static_cast<int64_t>(t.losses.size());
-  f.tail = std::min<int64_t>(10, f.n);
-  f.final_loss = f.n > 0 ? std::accumulate(t.losses.end() - f.tail, t.losses.end(), 0.0) / f.tail
-                         : std::nan("");
+  f.final_loss = FinalTrainLoss(t.losses, &f.tail);
   f.steps_done = std::max<int64_t>(t.timed, 1);
   f.model_bf16 = 2.0 * static_cast<double>(t.params_total);
   const double elements = static_cast<double>(std::max<int64_t>(t.engine_elements, 1));

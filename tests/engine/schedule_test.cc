@@ -122,6 +122,20 @@ TEST(Schedule, AutomaticLandLagIsAtMostTheRound) {
   EXPECT_EQ(s.Landing(8), 10);
 }
 
+TEST(Schedule, OnlyRoundsOfOneStepNotAwaitedArePredicted) {
+  ZenFlowConfig c = Zen(0, 2);
+  c.predict_cold = true;
+  Schedule s(c, true);
+  EXPECT_EQ(StepsWhere(6, [&](int64_t t) { return s.Predicts(t); }), (V{3, 4, 5, 6}));
+  s.Resize(6, 2);  // rounds of 2 from step 7: not predicted
+  EXPECT_EQ(StepsWhere(10, [&](int64_t t) { return t > 6 && s.Predicts(t); }), V{});
+  c.predict_cold = false;
+  EXPECT_EQ(StepsWhere(6, [&](int64_t t) { return Schedule(c, true).Predicts(t); }), V{});
+  ZenFlowConfig awaited = Zen(1, 0);
+  awaited.await_updates = true;
+  EXPECT_EQ(StepsWhere(4, [&](int64_t t) { return Schedule(awaited, true).Predicts(t); }), V{});
+}
+
 TEST(Schedule, ChooseIntervalHidesTheUpdateBehindTheRoundsCompute) {
   int64_t floor = 1;
   // U = 10 ms, C = 20 ms: one step hides it (10 <= 0.8 x 20).

@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/session_target.h"
+#include "engine/blob.h"
 #include "engine/zenflow.h"
 #include "common/bf16.h"
 #include "kernels/ops.h"
@@ -352,6 +353,37 @@ TEST_F(ZenFlowTest, AutomaticRoundFollowsTheDaemonsPaceAndRestores) {
     EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
     EXPECT_NE(refused.message().find("update_interval auto"), std::string::npos) << refused;
   }
+}
+
+// A fixed round longer than max_update_interval's bound (which only an automatic round
+// obeys), with predict_cold (so a V4 blob, holding the round), restores: the bound is not
+// checked against it.
+TEST_F(ZenFlowTest, AFixedRoundLongerThanTheAutomaticBoundRestores) {
+  const int seed = 7;
+  ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 8, 0, false);
+  cfg.predict_cold = true;
+  std::vector<Tensor> a = MakeModel(seed);
+  std::unique_ptr<SessionTarget> sa = NewSession("fixed8");
+  auto ea = ZenFlowEngine::Create(cfg, Params(&a), kernels::DefaultCpuKernel(),
+                                  kernels::CpuOps(), sa.get());
+  ASSERT_TRUE(ea.ok()) << ea.status();
+  for (int64_t t = 1; t <= 3; ++t) {
+    FillGrads(&a, t, seed);
+    ASSERT_TRUE((*ea)->Step(Lr(t)).ok());
+  }
+  auto snap = (*ea)->CheckpointBytes();
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  int64_t magic = 0;
+  memcpy(&magic, snap->engine.data(), 8);
+  EXPECT_EQ(magic, kEngineBlobMagicV4);
+  std::vector<Tensor> b = MakeModel(seed);
+  std::unique_ptr<SessionTarget> sb = NewSession("fixed8-restored");
+  auto eb = ZenFlowEngine::Create(cfg, Params(&b), kernels::DefaultCpuKernel(),
+                                  kernels::CpuOps(), sb.get());
+  ASSERT_TRUE(eb.ok()) << eb.status();
+  absl::Status st = (*eb)->RestoreBytes(snap->engine, snap->daemon);
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ((*eb)->step(), 3);
 }
 
 // sync-offload and no-offload equal dense AdamW bit for bit (S = 1 by definition).
