@@ -131,6 +131,107 @@ bool SplitsWeight(double topk_ratio, int64_t cols) {
   return cols - HotColumnCount(topk_ratio, cols) >= kMinColdColumns;
 }
 
+bool TransfersAreDirect(Transfers transfers, bool has_copy_stream) {
+  return transfers == Transfers::kDirect || (transfers == Transfers::kAuto && !has_copy_stream);
+}
+
+DeviceFootprint PlannedFootprint(const std::vector<ParamShape>& params, const ZenFlowConfig& cfg,
+                                 bool direct) {
+  // Setup's and SetupTransfers' allocations, in bytes (every buffer is whole floats; an index
+  // array takes two floats an entry).
+  DeviceFootprint f;
+  int64_t scratch = 0;  // the hot gradient's row-block scratch, shared by the split weights
+  int64_t consts = 0;   // the split weights' per-column constants, two floats a hot column
+  bool offloads = false;
+  for (const ParamShape& p : params) {
+    int64_t numel = 1;
+    for (int64_t d : p.shape) numel *= d;
+    const int64_t cols = p.shape.back(), rows = numel / cols;
+    const bool bf16 = p.dtype == DType::kBf16;
+    const int64_t esize = bf16 ? 2 : 4;
+    f.params += 2 * numel * esize;
+    if (cfg.mode == OffloadMode::kSyncOffload) {
+      offloads = true;
+      const bool straight_grad = p.dtype == cfg.grad_dtype;
+      const bool straight_params = p.dtype == cfg.param_dtype;
+      if (!straight_grad) f.transfers += 4 * FloatsFor(numel, cfg.grad_dtype);
+      if (!straight_params) f.transfers += 4 * FloatsFor(numel, cfg.param_dtype);
+      if (bf16 && numel % 2 == 1 && (straight_grad || straight_params)) {
+        f.transfers += 4 * 3;
+        f.selection += 4 * 2;
+      }
+      continue;
+    }
+    const int64_t k = HotColumnCount(cfg.topk_ratio, cols);
+    if (cfg.mode != OffloadMode::kZenFlow || p.shape.size() < 2 ||
+        !SplitsWeight(cfg.topk_ratio, cols)) {
+      f.moments += 4 * 2 * numel;
+      if (bf16) f.masters += 4 * numel;
+      continue;
+    }
+    offloads = true;
+    if (cfg.stream_gradients) f.params -= numel * esize;  // its gradient is transient
+    const int64_t ncold = cols - k;
+    f.masters += 4 * rows * k;
+    f.moments += 4 * 2 * rows * k;
+    f.selection += 4 * (2 * k + 2 * ncold + cols + 2 * k);
+    consts += 2 * k;
+    if (cfg.stream_gradients) {
+      f.transfers += 4 * FloatsFor(rows * k, p.dtype);
+    } else {
+      const int64_t block = std::min(rows, std::max<int64_t>(1, kHotBlock / k));
+      scratch = std::max(scratch, FloatsFor(block * k, p.dtype));
+    }
+    if (!direct)
+      f.transfers += 4 * (FloatsFor(rows * ncold, cfg.grad_dtype) +
+                          FloatsFor(rows * ncold, cfg.param_dtype));
+  }
+  if (offloads) {  // Setup stops before these when nothing is offloaded
+    f.selection += 4 * consts;
+    f.transfers += 4 * scratch;
+  }
+  return f;
+}
+
+absl::StatusOr<double> TopkForBudget(const std::vector<ParamShape>& params,
+                                     const ZenFlowConfig& cfg, bool direct,
+                                     double bytes_per_param) {
+  if (cfg.mode != OffloadMode::kZenFlow)
+    return Invalid("device_budget", absl::StrCat(
+        "sizes the hot share of zenflow mode; mode ", OffloadModeName(cfg.mode),
+        " has none (leave device_budget unset)"));
+  if (!(bytes_per_param > 0) || !std::isfinite(bytes_per_param))
+    return Invalid("device_budget", absl::StrCat(bytes_per_param,
+                                                 " is not a positive number of bytes"));
+  int64_t numel = 0;
+  for (const ParamShape& p : params) {
+    int64_t n = 1;
+    for (int64_t d : p.shape) n *= d;
+    numel += n;
+  }
+  if (numel == 0) return cfg.topk_ratio;
+  const double budget = bytes_per_param * static_cast<double>(numel);
+  ZenFlowConfig c = cfg;
+  for (int i = 1000; i >= 1; --i) {
+    c.topk_ratio = i / 1000.0;
+    if (static_cast<double>(PlannedFootprint(params, c, direct).engine()) <= budget)
+      return c.topk_ratio;
+  }
+  const double least = static_cast<double>(PlannedFootprint(params, c, direct).engine()) /
+                       static_cast<double>(numel);
+  std::string alt;
+  if (!direct)
+    alt = absl::StrFormat(", or transfers direct (no transfer buffers on the device: %.3f)",
+                          static_cast<double>(PlannedFootprint(params, c, true).engine()) /
+                              static_cast<double>(numel));
+  return Invalid("device_budget", absl::StrFormat(
+      "%g bytes a parameter is less than the least this engine takes, %.3f (one hot column a "
+      "weight; the 1-D parameters and small weights stay wholly on the device at 8 or 12 bytes "
+      "an element%s); give at least that%s",
+      bytes_per_param, least, direct ? "" : ", buffered transfers grad + param dtype bytes per "
+      "cold element", alt));
+}
+
 const char* TransfersName(Transfers t) {
   switch (t) {
     case Transfers::kAuto: return "auto";

@@ -259,6 +259,32 @@ struct DeviceFootprint {
   int64_t total() const { return engine() + params; }
 };
 
+// What the engine's sizing rule sees of a parameter: its shape and dtype.
+struct ParamShape {
+  std::vector<int64_t> shape;  // every dimension >= 1
+  DType dtype = DType::kFp32;
+};
+// The DeviceFootprint an engine of `cfg` allocates over `params` (transient_peak and the
+// caller's `params` bytes aside), with direct or buffered transfers (TransfersAreDirect): the
+// sizing of the engine's Setup, written out for planning; an engine's Footprint() equals it
+// (tests/engine:zenflow_test, FootprintIsPlanned).
+DeviceFootprint PlannedFootprint(const std::vector<ParamShape>& params, const ZenFlowConfig& cfg,
+                                 bool direct);
+// Whether an engine of `transfers` moves the cold columns directly: kDirect, or kAuto on a
+// backend without a copy stream (the CPU backend; CUDA has one).
+bool TransfersAreDirect(Transfers transfers, bool has_copy_stream);
+// The hot share a device-memory budget buys (zenflow mode; ZenFlowAdamW's device_budget): the
+// largest topk_ratio, a multiple of 1/1000 in (0, 1], whose PlannedFootprint(params, cfg with it,
+// direct).engine() is at most bytes_per_param x the parameters' elements. The budget counts the
+// engine's own device memory (masters, moments, transfer buffers, selection), not the caller's
+// values and gradients. InvalidArgument naming device_budget when even the smallest share
+// exceeds it (the 1-D parameters and small weights stay wholly on the device, 8 or 12 bytes an
+// element, and buffered transfers take grad + param dtype bytes per cold element), with the
+// least budget and what direct transfers would take; or when the mode is not zenflow.
+absl::StatusOr<double> TopkForBudget(const std::vector<ParamShape>& params,
+                                     const ZenFlowConfig& cfg, bool direct,
+                                     double bytes_per_param);
+
 // Where the time of one Step went (seconds) and what it moved (bytes between the device and the
 // host: gradients and migrated state down, parameters and migrated state up). `compute` is the
 // caller's to fill (forward + backward), for reports.
@@ -391,6 +417,8 @@ class ZenFlowEngine {
   // whose value buffers already hold the checkpointed values: restores the daemon from `tag` and
   // the engine from `state`. The run then continues exactly as the checkpointed one would have.
   // InvalidArgument / DataLoss when `state` does not belong to this engine's configuration.
+  // All or nothing: on any error (a refused blob, a daemon that refuses or fails its Restore)
+  // the engine is as fresh as it was.
   absl::Status Restore(const std::string& tag, const std::string& state);
   // Removes the daemon's checkpoint `tag` (this uid's; NotFound if there is none). OK without
   // a daemon (no-offload, or nothing offloaded).

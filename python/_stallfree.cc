@@ -170,6 +170,23 @@ void BindFunctions(py::module_& m) {
       py::arg("config"),
       "config ({field: value} of the engine's ZenFlowConfig fields) as the engine takes it, or "
       "ValueError naming the field");
+  m.def(
+      "topk_for_budget",
+      [](const py::dict& config, const py::list& params, const std::string& device,
+         double bytes_per_param) {
+        std::vector<stallfree::api::ParamDesc> ps;
+        for (const auto& item : params) {
+          py::tuple t = item.cast<py::tuple>();
+          stallfree::api::ParamDesc d;
+          d.shape = t[0].cast<std::vector<int64_t>>();
+          d.dtype = t[1].cast<std::string>();
+          ps.push_back(std::move(d));
+        }
+        return stallfree::api::TopkForBudget(ConfigFrom(config), ps, device, bytes_per_param);
+      },
+      py::arg("config"), py::arg("params"), py::arg("device"), py::arg("bytes_per_param"),
+      "the topk_ratio a device budget of bytes_per_param buys for params [(shape, dtype)] on "
+      "device ('cpu' or 'cuda'), or ValueError naming device_budget");
   m.def("default_corpus_text",
         [](int64_t approx_bytes, uint32_t seed) {
           return py::bytes(stallfree::api::DefaultCorpusText(approx_bytes, seed));

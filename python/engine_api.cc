@@ -257,6 +257,23 @@ std::map<std::string, Value> ValidateConfig(const EngineConfig& config) {
   return out;
 }
 
+double TopkForBudget(const EngineConfig& config, const std::vector<ParamDesc>& params,
+                     const std::string& device, double bytes_per_param) {
+  const ZenFlowConfig c = ToConfig(config);
+  if (device != "cpu" && device != "cuda")
+    throw InvalidArgument("device: '" + device + "' is not 'cpu' or 'cuda'");
+  std::vector<ParamShape> shapes;
+  for (size_t i = 0; i < params.size(); ++i)
+    shapes.push_back({params[i].shape,
+                      DTypeOf(params[i].dtype, absl::StrCat("params[", i, "].dtype"))});
+  // The CUDA backend has a copy stream, the CPU one none (kernels/ops.h, NewCopyStream).
+  absl::StatusOr<double> ratio = stallfree::TopkForBudget(
+      shapes, c, TransfersAreDirect(c.transfers, /*has_copy_stream=*/device == "cuda"),
+      bytes_per_param);
+  if (!ratio.ok()) throw InvalidArgument(std::string(ratio.status().message()));
+  return *ratio;
+}
+
 std::shared_ptr<Connection> Connection::Open(const std::string& socket, int timeout_ms) {
   return std::make_shared<ConnectionImpl>(Take(Client::Connect(socket, timeout_ms)));
 }

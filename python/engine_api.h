@@ -119,6 +119,13 @@ class Engine {
   virtual bool closed() const = 0;
 };
 
+// The hot share (topk_ratio) a device-memory budget buys (engine/zenflow.h, TopkForBudget):
+// `params` by shape and dtype only (their values are not read), `device` "cpu" (direct
+// transfers under "auto") or "cuda" (buffered under "auto"). InvalidArgument naming
+// device_budget when it is too small or the mode is not zenflow.
+double TopkForBudget(const EngineConfig& config, const std::vector<ParamDesc>& params,
+                     const std::string& device, double bytes_per_param);
+
 // The generated corpus of common/corpus.h (DefaultCorpusText).
 std::string DefaultCorpusText(int64_t approx_bytes, uint32_t seed);
 

@@ -104,6 +104,10 @@ struct TrainOptions {
   double clip = 1.0;          // global gradient-norm clip (0: off)
   uint32_t seed = 1;
   ZenFlowConfig engine;       // mode, ratio, intervals, AdamW betas / eps / weight decay
+  // > 0: the engine's device memory in bytes per parameter of this rank's shard (whole over
+  // the data-parallel replicas); the run's topk_ratio is the largest that fits it
+  // (engine/zenflow.h, TopkForBudget), instead of engine.topk_ratio.
+  double device_budget = 0;
   // The model's own storage of its weights and gradients (--model_dtype): FP32, or BF16 (uint16,
   // round to nearest even; the engine keeps the fp32 masters, engine/zenflow.h "bf16
   // parameters"). Not engine.param_dtype / grad_dtype, which name what crosses to and from the

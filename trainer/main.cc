@@ -89,6 +89,10 @@ void AddOptimizerFlags(stallfree::FlagSet* flags, stallfree::trainer::TrainOptio
   flags->AddString("mode", &c->mode, "optimizer offload: zenflow, sync-offload or no-offload");
   flags->AddDouble("topk_ratio", &o->engine.topk_ratio,
                    "ZenFlow: hot share of each weight's columns");
+  flags->AddDouble("device_budget", &o->device_budget,
+                   "ZenFlow: instead of topk_ratio, the engine's device bytes per parameter "
+                   "(masters, moments, transfer buffers, selection); the largest hot share that "
+                   "fits it (0: off)");
   flags->AddInt("update_interval", &o->engine.update_interval,
                 "ZenFlow: steps per daemon update (S); 0: auto, the shortest round whose update "
                 "the step's compute hides, chosen as the run goes");

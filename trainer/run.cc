@@ -185,8 +185,24 @@ absl::Status TrainRun::StartEngine() {
     eparams_.push_back(dp_->partition().View(tensors_[i], i, replica_, N_));
     if (dp_->partition().parts[i].replicated) replicated_params.insert(tensors_[i].name);
   }
-  ASSIGN_OR_RETURN(engine_, ZenFlowEngine::Create(o.engine, eparams_, dev_->kernel(), dev_->ops(),
-                                                  target_.get()));
+  ZenFlowConfig engine_cfg = o.engine;
+  if (o.device_budget > 0) {
+    // The shard's weights whole (every data-parallel replica sizes the same share; the TSP
+    // ranks' shards have the same shapes), with the copy stream a device backend has.
+    std::vector<ParamShape> shapes;
+    for (const Tensor& t : tensors_) {
+      shapes.push_back({t.shape, bf16_ ? DType::kBf16 : DType::kFp32});
+    }
+    ASSIGN_OR_RETURN(engine_cfg.topk_ratio,
+                     TopkForBudget(shapes, engine_cfg,
+                                   TransfersAreDirect(engine_cfg.transfers, !dev_->host()),
+                                   o.device_budget));
+    if (rank_ == 0)
+      printf("device_budget %g bytes a parameter: topk_ratio %g\n", o.device_budget,
+             engine_cfg.topk_ratio);
+  }
+  ASSIGN_OR_RETURN(engine_, ZenFlowEngine::Create(engine_cfg, eparams_, dev_->kernel(),
+                                                  dev_->ops(), target_.get()));
   if (N_ > 1 || D_ > 1) {
     // With --dp N > 1 a partitioned weight's block scores sum to the whole weight's: every
     // replica selects the same hot columns. Replicated ones have the same (averaged) gradient on

@@ -474,6 +474,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     data parallelism the ranks of process_group sum their figures, so they choose the same
     length; ranks outside it choose on their own, so where ranks of another group (tensor
     parallelism) keep copies of one weight with optimizers of their own, fix update_interval.
+    topk_ratio: the hot share of each weight's columns (None: 0.1, DeepSpeed's ZenFlow's too).
+    device_budget: instead, the engine's device memory in bytes per parameter (its masters,
+    moments, transfer buffers and selection: `device_bytes` less "params"; not the model's own
+    values and gradients): the largest hot share, in steps of 0.001, that fits it over every
+    trainable parameter given here, whole (engine/zenflow.h, TopkForBudget; the same on every
+    data-parallel rank, each of which then holds about 1/L of the rows' share; groups added
+    later with add_param_group come on top). For example, bf16 models on CUDA (buffered
+    transfers of 4 bytes a cold element, 12 a hot one): 4.8 buys about 0.1, 6 about 0.25;
+    direct transfers: 12 a hot element only. Too small a budget raises ValueError naming the
+    least it takes. `topk_ratio` (the property) is the share in use.
     grad_dtype / param_dtype: what crosses to and from the daemon ("bf16" or "fp32").
     select_interval: steps between reselections (None: 4 rounds; None with "auto").
     warmup_steps: first steps with rounds of 1 and awaited updates (exact AdamW while the
@@ -540,7 +550,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, mode="zenflow", topk_ratio=0.1,
+                 differentiable=False, fused=None, mode="zenflow", topk_ratio=None,
+                 device_budget=None,
                  update_interval="auto", max_update_interval=4, select_interval=None,
                  warmup_steps=100, await_updates=False, land_lag=0, predict_cold=True,
                  grad_dtype="bf16", param_dtype="bf16", transfers="auto",
@@ -560,7 +571,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 raise ValueError("update_interval: %r is not \"auto\" or an int >= 1"
                                  % (update_interval,))
             update_interval = 0  # the engine's auto
-        config = dict(mode=mode, topk_ratio=topk_ratio, update_interval=update_interval,
+        if device_budget is not None and topk_ratio is not None:
+            raise ValueError("topk_ratio and device_budget: give one (device_budget sets the "
+                             "hot share that fits it)")
+        config = dict(mode=mode, topk_ratio=0.1 if topk_ratio is None else topk_ratio,
+                      update_interval=update_interval,
                       max_update_interval=max_update_interval,
                       select_interval=select_interval or 0, warmup_steps=warmup_steps,
                       await_updates=await_updates, land_lag=land_lag,
@@ -569,6 +584,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                       stream_gradients=stream_gradients)
         # The engine's checks (engine/zenflow.h: one copy of them), a ValueError naming the field.
         self._config = _stallfree.validate_config(config)
+        params = _name_pairs(params)
+        if device_budget is not None:
+            params = list(params) if not isinstance(params, (torch.Tensor, dict)) else [params]
+            self._config["topk_ratio"] = _topk_for_budget(params, self._config, device_budget)
         self._session_name = session_name or "torch"
         self._group = _data_parallel_group(process_group)
         if not timeout > 0:
@@ -610,7 +629,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self.socket = self.daemon.socket
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         try:
-            super().__init__(_name_pairs(params), defaults)
+            super().__init__(params, defaults)
         except BaseException:
             self._close(gather=False)
             raise
@@ -847,6 +866,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 out[key] = max(out.get(key, 0), value) if key == "transient_peak" else \
                     out.get(key, 0) + value
         return out
+
+    @property
+    def topk_ratio(self):
+        """The hot share of each weight's columns in use (device_budget's choice where given)."""
+        return self._config["topk_ratio"]
 
     @property
     def device_transfers(self):
@@ -1198,6 +1222,28 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def __repr__(self):
         return "ZenFlowAdamW(mode=%s, groups=%d, socket=%s)" % (
             self._config["mode"], len(self.param_groups), self.socket)
+
+
+def _topk_for_budget(params, config, bytes_per_param):
+    """The topk_ratio that device_budget buys (engine/zenflow.h, TopkForBudget) over every
+    trainable fp32 / bf16 tensor of `params` (the constructor's groups together, whole: the
+    same on every data-parallel rank), on the first one's device."""
+    tensors = []
+    for item in params:
+        group = item["params"] if isinstance(item, dict) else [item]
+        if isinstance(group, torch.Tensor):
+            group = [group]
+        for t in group:
+            t = t[1] if isinstance(t, tuple) else t
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.dtype in _DTYPE_NAMES \
+                    and t.numel() > 0:
+                tensors.append(t)
+    if not tensors:
+        raise ValueError("device_budget: no trainable fp32 or bf16 parameter to size it for")
+    device = tensors[0].device.type
+    return _stallfree.topk_for_budget(
+        config, [(list(t.shape), _DTYPE_NAMES[t.dtype]) for t in tensors],
+        device if device in ("cpu", "cuda") else "cpu", float(bytes_per_param))
 
 
 def _name_pairs(params):

@@ -578,7 +578,99 @@ TEST_F(ZenFlowBf16Test, DeviceBytesOfASmallModelCountedByHand) {
     EXPECT_EQ(got.params, w.f.params);
     EXPECT_EQ((*engine)->DeviceBytes(), w.f.engine());
     EXPECT_EQ(got.total(), w.f.engine() + w.f.params);
+    // The planner (device_budget's sizing) counts the same from the shapes alone.
+    std::vector<ParamShape> shapes;
+    for (const EngineParam& p : model_of(w.bf16, &store)) shapes.push_back({p.shape, p.dtype});
+    const DeviceFootprint planned = PlannedFootprint(
+        shapes, cfg, (*engine)->transfers() == Transfers::kDirect);
+    EXPECT_EQ(planned.masters, w.f.masters);
+    EXPECT_EQ(planned.moments, w.f.moments);
+    EXPECT_EQ(planned.transfers, w.f.transfers);
+    EXPECT_EQ(planned.selection, w.f.selection);
+    EXPECT_EQ(planned.params, w.f.params);
   }
+}
+
+// PlannedFootprint equals what engines allocate over shapes the hand count does not reach:
+// several hot shares (from one hot column to none cold), odd sizes in bf16, weights of more
+// than two dimensions, row blocks of the hot gradient's scratch, streamed gradients.
+TEST_F(ZenFlowBf16Test, FootprintIsPlanned) {
+  const std::vector<std::vector<int64_t>> shapes = {
+      {7, 33}, {3, 5, 21}, {1, 9}, {2100, 600}, {11}, {64, 6}, {5, 8}};
+  int checked = 0;
+  for (double topk : {0.001, 0.1, 0.37, 0.8, 1.0}) {
+    for (bool bf16 : {true, false}) {
+      for (Transfers t : {Transfers::kDirect, Transfers::kBuffered}) {
+        for (bool streamed : {false, true}) {
+          SCOPED_TRACE(absl::StrCat("topk ", topk, bf16 ? " bf16 " : " fp32 ",
+                                    TransfersName(t), streamed ? " streamed" : ""));
+          std::vector<std::vector<float>> store;
+          store.reserve(shapes.size());
+          std::vector<EngineParam> ps;
+          std::vector<ParamShape> planned_shapes;
+          for (size_t i = 0; i < shapes.size(); ++i) {
+            int64_t n = 1;
+            for (int64_t d : shapes[i]) n *= d;
+            store.emplace_back(n, 0.0f);
+            const DType dt = bf16 ? DType::kBf16 : DType::kFp32;
+            ps.push_back({absl::StrCat("p", i), shapes[i], store.back().data(), nullptr, dt});
+            planned_shapes.push_back({shapes[i], dt});
+          }
+          ZenFlowConfig cfg = Bf16Config(OffloadMode::kZenFlow, 4, 0, false);
+          cfg.topk_ratio = topk;
+          cfg.transfers = t;
+          cfg.stream_gradients = streamed;
+          std::unique_ptr<SessionTarget> session = NewSession("planned");
+          auto engine = ZenFlowEngine::Create(cfg, ps, kernels::DefaultCpuKernel(),
+                                              kernels::CpuOps(), session.get());
+          ASSERT_TRUE(engine.ok()) << engine.status();
+          const DeviceFootprint got = (*engine)->Footprint();
+          const DeviceFootprint want = PlannedFootprint(planned_shapes, cfg, t == Transfers::kDirect);
+          EXPECT_EQ(got.masters, want.masters);
+          EXPECT_EQ(got.moments, want.moments);
+          EXPECT_EQ(got.transfers, want.transfers);
+          EXPECT_EQ(got.selection, want.selection);
+          EXPECT_EQ(got.params, want.params);
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 40);
+}
+
+// device_budget's rule on the three square weights counted by hand below (bf16, direct): top-k
+// 0.1 (102 hot columns) takes 4010784 bytes, so that budget buys exactly 0.1 (0.101 rounds to
+// 103 hot columns, more); a byte a parameter less buys 0.099 (101 columns: 12 x 1024 bytes a
+// column less, 3 weights); below one hot column a weight it is refused, naming the least; and
+// buffered, it names what direct would take.
+TEST_F(ZenFlowBf16Test, TopkForBudgetBuysTheLargestShareThatFits) {
+  const int64_t n = 1024;
+  std::vector<ParamShape> shapes(3, ParamShape{{n, n}, DType::kBf16});
+  ZenFlowConfig cfg = Bf16Config(OffloadMode::kZenFlow, 4, 0, false);
+  const double numel = 3.0 * n * n;
+  auto exact = TopkForBudget(shapes, cfg, /*direct=*/true, 4010784 / numel);
+  ASSERT_TRUE(exact.ok()) << exact.status();
+  EXPECT_EQ(*exact, 0.1);
+  auto less = TopkForBudget(shapes, cfg, true, (4010784 - 1) / numel);
+  ASSERT_TRUE(less.ok()) << less.status();
+  EXPECT_EQ(*less, 0.099);
+  auto all = TopkForBudget(shapes, cfg, true, 16.0);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(*all, 1.0);  // every weight wholly on the device: 8 bytes of moments + 4 of master
+  auto little = TopkForBudget(shapes, cfg, true, 0.01);
+  ASSERT_FALSE(little.ok());
+  EXPECT_EQ(little.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(little.status().message()).find("device_budget"), std::string::npos)
+      << little.status();
+  EXPECT_NE(std::string(little.status().message()).find("least"), std::string::npos)
+      << little.status();
+  auto buffered = TopkForBudget(shapes, cfg, false, 1.0);  // bf16 out and back: 4 a cold element
+  ASSERT_FALSE(buffered.ok());
+  EXPECT_NE(std::string(buffered.status().message()).find("transfers direct"), std::string::npos)
+      << buffered.status();
+  cfg.mode = OffloadMode::kSyncOffload;
+  EXPECT_FALSE(TopkForBudget(shapes, cfg, true, 4.0).ok());
 }
 
 // The figure users choose by, for three 1024 x 1024 weights (top-k 0.1: 102 hot columns, 922

@@ -194,6 +194,39 @@ def test_device_bytes_per_parameter_of_square_bf16_weights(daemon, transfers, wa
     print("%s: %.3f device bytes per parameter %s" % (transfers, db["total"] / n, db))
 
 
+def test_device_budget_buys_the_hot_share_that_fits(daemon):
+    """device_budget on the three bf16 1024 x 1024 weights above, direct transfers: the engine
+    takes 12 bytes a hot element (master, m, v), 16 k + 12288 a weight of selection and 2048 k
+    of the hot gradient's scratch, 38960 k + 36864 bytes for k hot columns (k = 102: 4010784,
+    the hand count of tests/engine). 2.5 bytes a parameter (7864320) fits k = 200 (200.9), the
+    largest share in steps of 0.001 that rounds to 200 columns is 0.195 (0.196 rounds to 201);
+    the engine's device bytes then stay within the budget. Refused: with topk_ratio too, below
+    the least, in sync-offload."""
+    torch.manual_seed(SEED)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False)
+                                  for _ in range(3)]).to(BF16)
+    n = 3 * 1024 * 1024
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, transfers="direct", warmup_steps=0,
+                       device_budget=2.5, socket=daemon.socket)
+    try:
+        model(torch.randn(4, 1024, dtype=BF16)).float().square().mean().backward()
+        opt.step()
+        assert opt.topk_ratio == 0.195
+        assert [len(opt.hot_columns(p)) for p in model.parameters()] == [200] * 3
+        db = opt.device_bytes
+        assert db["engine"] == 38960 * 200 + 36864 <= 2.5 * n, db
+    finally:
+        opt.close()
+    with pytest.raises(ValueError, match="give one"):
+        ZenFlowAdamW(model.parameters(), topk_ratio=0.2, device_budget=2.5, socket=daemon.socket)
+    with pytest.raises(ValueError, match="device_budget.*least"):
+        ZenFlowAdamW(model.parameters(), device_budget=0.01, transfers="direct",
+                     socket=daemon.socket)
+    with pytest.raises(ValueError, match="device_budget.*sync-offload"):
+        ZenFlowAdamW(model.parameters(), device_budget=4, mode="sync-offload",
+                     socket=daemon.socket)
+
+
 def test_streamed_gradients_leave_during_the_backward(daemon):
     """stream_gradients: after backward() the split weights hold no gradient (the engine has
     it), the 1-D ones keep theirs; the device bytes count the split weights' values only; a

@@ -128,6 +128,37 @@ TEST_F(TrainerTest, AutomaticRoundIsTheSameOnEveryRank) {
   EXPECT_GE(blob[0]->round_base, 2);  // a choice was made (at the warm-up's end or later)
 }
 
+// --device_budget B: the hot share is the largest whose engine state fits B bytes a parameter
+// (engine/zenflow.h, TopkForBudget, tested by hand there): the run says which, and the engine's
+// device bytes per parameter in summary.json stay within B, above what the default share takes
+// on this model (so the budget bought more hot columns); too small a budget ends the run naming
+// device_budget and the least it takes.
+TEST_F(TrainerTest, DeviceBudgetSizesTheHotShare) {
+  auto engine_bytes = [&](const std::string& name) {
+    std::ifstream f(Dir(name) + "/summary.json");
+    std::stringstream text;
+    text << f.rdbuf();
+    const std::string s = text.str(), key = "\"engine_device_bytes_per_param\": ";
+    const size_t at = s.find(key);
+    return at == std::string::npos ? -1.0 : std::stod(s.substr(at + key.size()));
+  };
+  TrainerRun base = Trainer(Base("budget0", 2));
+  ASSERT_EQ(base.code, 0) << base.output;
+  TrainerRun r = Trainer(Cat(Base("budget", 2), {"--device_budget", "6"}));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string said = "device_budget 6 bytes a parameter: topk_ratio ";
+  const size_t at = r.output.find(said);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  EXPECT_GT(std::stod(r.output.substr(at + said.size())), 0.1) << r.output;
+  const double with_budget = engine_bytes("budget"), without = engine_bytes("budget0");
+  EXPECT_LE(with_budget, 6.0);
+  EXPECT_GT(with_budget, without);
+  r = Trainer(Cat(Base("budget1", 2), {"--device_budget", "0.01"}));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("device_budget"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("least"), std::string::npos) << r.output;
+}
+
 // --keep_checkpoints N: after each checkpoint only the run's newest N stay, the trainer's files
 // of every rank and the daemon's state files of the same tags; 0 keeps every one.
 TEST_F(TrainerTest, KeepCheckpointsRemovesOlderTrainerAndDaemonFiles) {
