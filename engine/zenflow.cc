@@ -712,6 +712,14 @@ absl::Status ZenFlowEngine::Impl::Setup() {
     SF_LOG(kWarning, "zenflow: no copy stream (%s); copies share the compute stream", why);
   RETURN_IF_ERROR(SetupTransfers());
   copier = std::make_unique<CopyThread>();
+  // The copy thread's first task: the backend's device current there (a new thread starts on
+  // device 0, not the device of the caller's stream).
+  copier->Post([this]() -> absl::Status {
+    const std::string why = CopyOps().BindDevice();
+    if (why.empty()) return absl::OkStatus();
+    return absl::InternalError(absl::StrCat("the copy thread cannot use the ", ops.name(),
+                                            " backend's device: ", why));
+  });
   sched = Schedule(cfg, /*offloading=*/true);
   return absl::OkStatus();
 }
@@ -1842,7 +1850,13 @@ absl::Status ZenFlowEngine::SetAdamW(double beta1, double beta2, double eps,
   c.eps = eps;
   c.weight_decay = weight_decay;
   RETURN_IF_ERROR(c.Validate());
-  impl_->cfg = c;
+  // These four fields only, not the whole config: copy-thread tasks still in flight from the
+  // previous Step read the config's dtypes (never these four: an Update's hyper-parameters are
+  // captured when it is posted), so assigning the whole struct would race them.
+  impl_->cfg.beta1 = beta1;
+  impl_->cfg.beta2 = beta2;
+  impl_->cfg.eps = eps;
+  impl_->cfg.weight_decay = weight_decay;
   return absl::OkStatus();
 }
 

@@ -27,6 +27,12 @@ class BackendMemory {
     return nullptr;
   }
 
+  // Makes this backend's device current on the calling thread (CUDA: the device of the stream
+  // it was created on; cudaSetDevice), for a thread of the backend's own user that was not
+  // started on it (the ZenFlow engine's copy thread: a new thread starts on device 0). ""
+  // or why it failed. Host backends: nothing to do.
+  virtual std::string BindDevice() const { return ""; }
+
   // Host memory as this backend's kernels address it: a pointer through which they read and
   // write the host memory at `host`, or null when they cannot (*error says why). Host backends:
   // `host` itself. CUDA: memory the driver has registered (client/host_register.h) through its

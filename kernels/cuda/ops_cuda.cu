@@ -783,13 +783,18 @@ __global__ void __launch_bounds__(kAttnThreads) AttentionBackwardQKernel(AttnPar
 
 class CudaOps final : public TransformerOps {
  public:
-  CudaOps(cudaStream_t stream, cublasHandle_t handle) : stream_(stream), handle_(handle) {}
+  CudaOps(cudaStream_t stream, cublasHandle_t handle, int device)
+      : stream_(stream), handle_(handle), device_(device) {}
   ~CudaOps() override {
     cublasDestroy(handle_);
     if (owns_stream_) cudaStreamDestroy(stream_);
   }
 
   std::unique_ptr<BackendMemory> NewCopyStream(std::string* error) const override;
+  std::string BindDevice() const override {
+    const cudaError_t e = cudaSetDevice(device_);
+    return e == cudaSuccess ? "" : CudaErr("cudaSetDevice", e);
+  }
   void* HostView(void* host, std::string* error) const override {
     void* dev = nullptr;
     const cudaError_t e = cudaHostGetDevicePointer(&dev, host, 0);
@@ -1196,6 +1201,7 @@ class CudaOps final : public TransformerOps {
 
   cudaStream_t stream_;
   cublasHandle_t handle_;
+  int device_;  // the stream's device (cudaStreamGetDevice), or the current one for stream 0
   mutable std::mutex mu_;
   mutable std::string first_error_;
 };
@@ -1203,13 +1209,28 @@ class CudaOps final : public TransformerOps {
 }  // namespace
 
 std::unique_ptr<TransformerOps> NewCudaOps(void* stream, std::string* error) {
+  // The backend works on its stream's device whatever device the caller has current: the
+  // cuBLAS handle is created there, and BindDevice makes it current on other threads.
+  // The caller's current device is current again on return.
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  int device = 0, current = 0;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e == cudaSuccess) e = s != nullptr ? cudaStreamGetDevice(s, &device) : cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaSetDevice(device);
+  if (e != cudaSuccess) {
+    *error = CudaErr("finding the stream's device (cudaStreamGetDevice)", e);
+    return nullptr;
+  }
+  struct Restore {
+    int device;
+    ~Restore() { cudaSetDevice(device); }
+  } restore{current};
   cublasHandle_t handle = nullptr;
   cublasStatus_t st = cublasCreate(&handle);
   if (st != CUBLAS_STATUS_SUCCESS) {
     *error = std::string("cublasCreate failed: ") + cublasGetStatusString(st);
     return nullptr;
   }
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
   st = cublasSetStream(handle, s);
   if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH);
   if (st != CUBLAS_STATUS_SUCCESS) {
@@ -1217,14 +1238,17 @@ std::unique_ptr<TransformerOps> NewCudaOps(void* stream, std::string* error) {
     cublasDestroy(handle);
     return nullptr;
   }
-  return std::make_unique<CudaOps>(s, handle);
+  return std::make_unique<CudaOps>(s, handle, device);
 }
 
 std::unique_ptr<BackendMemory> CudaOps::NewCopyStream(std::string* error) const {
-  int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
+  // On this backend's device, whatever the caller has current (current again on return).
+  int current = 0;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e == cudaSuccess) e = cudaSetDevice(device_);
   cudaStream_t s = nullptr;
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (e == cudaSuccess) e = cudaSetDevice(current);
   if (e != cudaSuccess) {
     *error = CudaErr("cudaStreamCreateWithFlags (copy stream)", e);
     return nullptr;

@@ -20,6 +20,7 @@ import json
 import os
 import socket as _socket
 import sys
+import warnings
 import weakref
 
 import torch
@@ -177,6 +178,53 @@ class _Shards:
 
     def describe(self):
         return {"world": self.world, "rank": self.rank}
+
+    def _on_group_device(self, t):
+        """t where the group's collectives take it (NCCL: the members' device; gloo: the CPU)."""
+        if torch.distributed.get_backend(self.group) == "nccl":
+            return t.to(self.members[0][1].device)
+        return t.cpu()
+
+    def present(self, grads):
+        """Per member, how many ranks of the group have a gradient for it this step (one
+        all-reduce of a flag each), so that every rank steps the same members and takes part in
+        the same collectives whatever its own gradients are (an unused branch, an idle expert)."""
+        flags = self._on_group_device(torch.tensor([0.0 if g is None else 1.0 for g in grads]))
+        self.collective("which parameters have gradients", torch.distributed.all_reduce, flags)
+        return [int(c) for c in flags.cpu().tolist()]
+
+    def check_same_values(self, where):
+        """The ranks of the group must hold the same values of every member (data-parallel
+        replicas): a digest of each member's bits (their sum and sum of squares as int64,
+        exact in any order), all-gathered once; Error naming the first member that differs."""
+        digests = []
+        for _, p in self.members:
+            bits = p.detach().reshape(-1).view(torch.int16 if p.element_size() == 2
+                                               else torch.int32)
+            total = torch.zeros(2, dtype=torch.int64, device=p.device)
+            for at in range(0, bits.numel(), 1 << 22):  # bounded transients
+                x = bits[at:at + (1 << 22)].to(torch.int64)
+                total[0] += x.sum()
+                total[1] += (x * x).sum()
+            digests.append(total)
+        mine = self._on_group_device(torch.cat(digests))
+        every = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=mine.device)
+        self.collective("the parameters' digests", torch.distributed.all_gather_into_tensor,
+                        every, mine)
+        every = every.cpu().view(self.world, -1, 2)
+        for i, (name, _) in enumerate(self.members):
+            differ = [torch.distributed.get_global_rank(self.group, r)
+                      for r in range(self.world) if not torch.equal(every[r, i], every[0, i])]
+            if differ:
+                raise Error(
+                    "%s: parameter '%s' holds other values on ranks %s than on rank %d of "
+                    "process_group: ZenFlowAdamW partitions its state over process_group as over "
+                    "data-parallel replicas, whose parameters are equal. Wrap the model in "
+                    "DistributedDataParallel (it broadcasts rank 0's values) or broadcast them "
+                    "before the first step; where the ranks hold different shards or slices "
+                    "(FSDP, tensor or pipeline parallelism) pass process_group= the group of "
+                    "ranks that hold the same values" % (
+                        where, name, differ, torch.distributed.get_global_rank(self.group, 0)))
 
     def collective(self, what, fn, *args):
         """fn(*args, group=, async_op=True), waited for at most `timeout`; a failure (a peer
@@ -424,12 +472,21 @@ def _unsupported_kind(p):
     if isinstance(p, torch.nn.parameter.UninitializedParameter):
         return ("an uninitialized parameter of a lazy module: run one forward pass before "
                 "building the optimizer")
+    if type(p).__name__ == "FlatParameter" or getattr(p, "_fsdp_flattened", False):
+        # FSDP1 (FullyShardedDataParallel) marks its flat parameters, and with
+        # use_orig_params=True the views of them it hands out, with this attribute.
+        return ("a parameter of FSDP1 (FullyShardedDataParallel), whose ranks each hold a "
+                "different shard of a flat buffer: ZenFlowAdamW partitions its own state over "
+                "data-parallel replicas; wrap the model in DistributedDataParallel instead (the "
+                "optimizer state is still split over the ranks), or keep FSDP1 with a "
+                "torch.optim.AdamW")
     if type(p) not in (torch.Tensor, torch.nn.Parameter):
         kind = type(p).__name__
         if kind == "DTensor":
             return ("a DTensor (FSDP2 or tensor parallelism): ZenFlowAdamW updates plain "
-                    "tensors; shard with DistributedDataParallel or FSDP1's flat parameters "
-                    "instead, or keep this parameter in a torch.optim.AdamW")
+                    "tensors; wrap the model in DistributedDataParallel instead (the optimizer "
+                    "state is still split over the ranks), or keep this parameter in a "
+                    "torch.optim.AdamW")
         return ("a %s, a tensor subclass: ZenFlowAdamW updates plain torch.Tensor / "
                 "nn.Parameter storage only" % kind)
     if p.is_sparse or p.layout != torch.strided:
@@ -609,6 +666,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     "the ranks; use stream_gradients=False there")
         self._hooks = []     # stream_gradients: the post-accumulate-grad hooks' handles
         self._staged = []    # per param group: indices whose gradient the engine has for step()
+        self._verified = []  # per param group: the ranks' values were found equal (first step)
+        self._layouts = []   # per param group: each member's (dtype, device, shape) as built
         if self._group is not None and torch.distributed.get_world_size(self._group) > 1:
             _announce()
         self._shards = []    # per param group: its _Shards (the data-parallel partition)
@@ -696,6 +755,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._streams.append(stream)
         self._engines.append(engine)
         self._staged.append(set())
+        self._verified.append(False)
+        self._layouts.append([(p.dtype, p.device, tuple(p.shape)) for _, p in members])
         if self._config["stream_gradients"] and engine is not None:
             for i, (name, p) in enumerate(members):
                 if engine.splits(i):
@@ -712,8 +773,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         specs = shards.specs()
         name = self._session_name if len(self.param_groups) == 1 and gi == 0 else \
             "%s/g%d" % (self._session_name, gi)
-        engine = _stallfree.Engine(self._client, name, _rank(), config, specs, device.type,
-                                   stream.cuda_stream if stream is not None else 0)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            engine = _stallfree.Engine(self._client, name, _rank(), config, specs, device.type,
+                                       stream.cuda_stream if stream is not None else 0)
         if shards.world > 1 and config["mode"] == "zenflow":
             engine.set_score_reduce(functools.partial(_all_reduce_scores, shards))
         return engine
@@ -727,12 +789,39 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if stream is None:
             yield
             return
-        current = torch.cuda.current_stream(stream.device)
-        stream.wait_stream(current)
-        try:
-            yield
-        finally:
-            current.wait_stream(stream)
+        # The engine enqueues on the parameters' device whatever device the caller has current.
+        with torch.cuda.device(stream.device):
+            current = torch.cuda.current_stream(stream.device)
+            stream.wait_stream(current)
+            try:
+                yield
+            finally:
+                current.wait_stream(stream)
+
+    def _moved(self, gi):
+        """Why group gi's parameters are no longer where the engine has them (None if they
+        are): the engine holds their addresses, dtypes and shapes from when it was built, and
+        model.to(), p.data = ... or resize_token_embeddings replace a parameter's storage."""
+        for (name, p), (dtype, device, shape) in zip(self._members[gi], self._layouts[gi]):
+            if p.dtype != dtype or p.device != device or tuple(p.shape) != shape \
+                    or not p.is_contiguous():
+                return ("parameter '%s' is now %s %s on %s%s, but the optimizer was built for "
+                        "%s %s on %s: its engine works on the parameters' memory as they were. "
+                        "Build the optimizer after moving, casting or resizing the model (and "
+                        "load a state_dict() saved before into it)" % (
+                            name, p.dtype, list(p.shape), p.device,
+                            "" if p.is_contiguous() else ", not contiguous", dtype, list(shape),
+                            device))
+        return None
+
+    def _current(self, gi):
+        """Before an engine call that reads or writes the parameters' values: their addresses
+        as they are now (p.data may have been replaced by a tensor of the same layout), or
+        Error where they moved."""
+        why = self._moved(gi)
+        if why:
+            raise Error(why)
+        self._engines[gi].set_values(self._shards[gi].values())
 
     # --- stepping ---------------------------------------------------------------------------
 
@@ -780,11 +869,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         g = g.contiguous()
                         keep.append(g)
                     stepped.append(p)
-                if not p.is_contiguous():
-                    raise Error("parameter '%s' is no longer contiguous" % name)
                 grads.append(g)
-            if not stepped and not self._shards[gi].reduce_gradients:
-                continue  # nothing to do, as torch's AdamW (reduced: the other ranks may have)
+            why = self._moved(gi)
+            if why:
+                raise Error(why)
+            if not stepped and self._shards[gi].world == 1:
+                continue  # nothing to do, as torch's AdamW (partitioned: the other ranks may have)
             # A scheduler may change any of them between steps (the engine looks again only at
             # what changed since it last took them).
             hyper = _check_hyper(group["lr"], group["betas"], group["eps"],
@@ -796,6 +886,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             engine = self._engines[gi]
             shards = self._shards[gi]
             sent_before = shards.sent
+            if shards.world > 1 and not self._verified[gi]:
+                shards.check_same_values("param_groups[%d]" % gi)
+                self._verified[gi] = True
+            if shards.world > 1 and not shards.reduce_gradients:
+                # The gradients are averaged already (DistributedDataParallel), so a rank
+                # normally has the same ones as its peers; where it lacks one they have, its
+                # rows step with a zero gradient rather than leave the ranks in different
+                # collectives.
+                present = shards.present(grads)
+                if not any(present):
+                    continue  # no rank has a gradient in this group: skipped everywhere
+                for i, ((name, p), n) in enumerate(zip(self._members[gi], present)):
+                    if n and grads[i] is None:
+                        _warn_missing(name, n, shards.world)
+                        grads[i] = torch.zeros_like(p)
+                        keep.append(grads[i])
+                stepped = [p for (_, p), n in zip(self._members[gi], present) if n]
             if shards.reduce_gradients:
                 grads, held = shards.reduce(grads)
                 keep.extend(held)
@@ -895,7 +1002,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for gi in range(len(self._engines)):
             if self._engines[gi] is not None:
                 with self._ordered(gi):
-                    self._engine(gi).flush()
+                    self._engine(gi)
+                    self._current(gi)
+                    self._engines[gi].flush()
                 self._shards[gi].gather()
 
     def _engine(self, gi):
@@ -929,6 +1038,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if engine is None:
                 continue
             with self._ordered(gi):
+                self._current(gi)  # fp32 hot columns' masters are the values themselves
                 state, daemon = engine.checkpoint()
             members = self._members[gi]
             meta = {"version": _STATE_VERSION, "config": self._config,
@@ -1007,6 +1117,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             for gi, entry in enumerate(saved):
                 if entry is None:
                     continue
+                why = self._moved(gi)
+                if why:
+                    raise Error(why)
                 members = self._members[gi]
                 engine = self._make_engine(gi, self._shards[gi], members[0][1].device,
                                            self._streams[gi])
@@ -1191,10 +1304,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for hook in getattr(self, "_hooks", []):
             hook.remove()
         failed = None  # the first engine whose final flush failed: raised once all are closed
-        for engine in self._engines:
+        for gi, engine in enumerate(self._engines):
             if engine is not None:
                 try:
-                    engine.close(flush=not flushed)
+                    with self._ordered(gi):
+                        # The final flush writes the cold columns into the parameters: only
+                        # where they still are (else the engine closes without writing).
+                        moved = None if flushed else self._moved(gi)
+                        if not flushed and not moved:
+                            engine.set_values(self._shards[gi].values())
+                        engine.close(flush=not flushed and not moved)
+                        if moved:
+                            raise Error("close(): the cold columns' newest values were not "
+                                        "written back: " + moved)
                 except Exception as e:
                     failed = failed or e
         self._client = None
@@ -1222,6 +1344,20 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def __repr__(self):
         return "ZenFlowAdamW(mode=%s, groups=%d, socket=%s)" % (
             self._config["mode"], len(self.param_groups), self.socket)
+
+
+_warned_missing = set()
+
+
+def _warn_missing(name, present, world):
+    if name not in _warned_missing:
+        _warned_missing.add(name)
+        warnings.warn(
+            "ZenFlowAdamW: parameter '%s' has a gradient on %d of the %d ranks of "
+            "process_group but not on this one: its rows here step with a zero gradient. "
+            "Gradients averaged over the ranks (DistributedDataParallel) are the same on every "
+            "rank; reduce_gradients=True averages them in the optimizer, counting a missing "
+            "one as zero" % (name, present, world), stacklevel=3)
 
 
 def _topk_for_budget(params, config, bytes_per_param):

@@ -9,7 +9,9 @@ model and optimizer; a configuration's "_width": W trains TinyLM(vocab=W, d=W, h
 TinyLM(odd=True), with a 3-D weight, a weight of fewer rows than ranks and a scalar; "_bf16":
 true casts the model to torch.bfloat16;
 "_drop": [parameter, rank, step, "none" | "zero"]: that rank's gradient of that parameter in
-that step is taken away (None) or zeroed before opt.step()). "_save_at": K saves, after
+that step is taken away (None) or zeroed before opt.step(); parameter may be a list of names,
+or "1-D": every 1-D parameter, a whole param group; "_perturb": [parameter, rank]: that rank
+adds 1e-3 to that parameter before the optimizer is built). "_save_at": K saves, after
 step K, every rank's optimizer state_dict() (OUT/<run>-opt-rank<r>.pt) and rank 0 the model's and
 the scheduler's (OUT/<run>-model.pt); "_resume": {"dir", "run", "world", "step"} starts instead
 from such a save of a run with `world` ranks: the model's weights, the optimizer from the list of
@@ -64,11 +66,15 @@ def main():
         odd = config.pop("_odd", False)
         bf16 = config.pop("_bf16", False)
         drop = config.pop("_drop", None)
+        perturb = config.pop("_perturb", None)
         resume = config.pop("_resume", None)
         model = models.make_model(seed, odd=odd, **(dict(vocab=width, d=width, hidden=width)
                                                     if width else {}))
         if bf16:
             model = model.to(torch.bfloat16)
+        if perturb and perturb[1] == rank:
+            with torch.no_grad():
+                dict(model.named_parameters())[perturb[0]].add_(1e-3)
         net = DistributedDataParallel(model) if wrap == "ddp" else model
         two_d = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
         record = {"losses": [], "hot": [], "pushed": [], "agree": []}
@@ -91,8 +97,12 @@ def main():
                 loss = models.loss_fn(net, models.batch(seed, step)[rows])
                 loss.backward()
                 if drop and drop[1] == rank and drop[2] == step:
-                    p = dict(model.named_parameters())[drop[0]]
-                    p.grad = None if drop[3] == "none" else torch.zeros_like(p.grad)
+                    named = dict(model.named_parameters())
+                    names = ([n for n, p in named.items() if p.dim() == 1] if drop[0] == "1-D"
+                             else drop[0] if isinstance(drop[0], list) else [drop[0]])
+                    for n in names:
+                        p = named[n]
+                        p.grad = None if drop[3] == "none" else torch.zeros_like(p.grad)
                 opt.step()
                 sched.step()
                 record["losses"].append(loss.item())

@@ -274,3 +274,86 @@ def test_hyperparameter_changed_between_steps_is_checked_before_any_group_steps(
     assert re.search(r"param_groups\[1\]\.eps\b", str(err.value)), str(err.value)
     assert not models.changed(model, before)
     opt.close()
+
+
+# Rounds of 4, not awaited: after 6 steps round 1's update is pending and the close() flushes it
+# into the cold columns: what goes wrong when the engine writes through stale addresses.
+ZENFLOW_STALE = dict(mode="zenflow", topk_ratio=0.25, update_interval=4, warmup_steps=0, **FP32)
+
+
+def _trained(daemon, steps=6, before_close=None):
+    model = models.make_model(0)
+    opt = make_opt(models.param_groups(model), daemon, **ZENFLOW_STALE)
+    for step in range(1, steps + 1):
+        one_step(model, opt, step)
+    old = [p.data for p in model.parameters()]  # kept alive: stale writes land here
+    if before_close is not None:
+        before_close(model)
+    opt.close()
+    return model, old
+
+
+def test_replaced_storage_gets_the_final_flush(daemon):
+    """p.data replaced by a copy of the same layout between the last step and close() (what
+    model.to() or a checkpoint loader may do): the final flush writes the cold columns into the
+    parameters as they are now, so the model equals the run without the replacement bit for
+    bit, and the old storage is left as it was (before, the engine wrote through the addresses
+    of the last step(): the replaced storage got the update, the model missed it)."""
+    want, _ = _trained(daemon)
+    snapshots = {}
+
+    def replace(model):
+        for name, p in model.named_parameters():
+            snapshots[name] = p.data.clone()
+            p.data = p.data.clone()
+
+    got, old = _trained(daemon, before_close=replace)
+    for (name, p), q in zip(want.named_parameters(), got.parameters()):
+        assert torch.equal(p, q), name
+    for (name, _), o in zip(got.named_parameters(), old):
+        assert torch.equal(o, snapshots[name]), name
+
+
+def test_a_moved_model_is_refused_not_written(daemon):
+    """model.to(torch.bfloat16) after the optimizer was built (the fp32 storage freed): step(),
+    flush() and state_dict() raise stallfree.Error naming the parameter and what to do; close()
+    closes without writing into the old memory and says the newest cold values were not written
+    back."""
+    model = models.make_model(0)
+    opt = make_opt(models.param_groups(model, named=True), daemon, **ZENFLOW_STALE)
+    for step in range(1, 4):
+        one_step(model, opt, step)
+    model.to(torch.bfloat16)
+    for call in (lambda: one_step(model, opt, 4), opt.flush, opt.state_dict):
+        with pytest.raises(stallfree.Error, match=r"parameter 'emb.weight' is now "
+                                                  r"torch.bfloat16 .* built for torch.float32"):
+            call()
+    with pytest.raises(stallfree.Error, match="not written back: parameter 'emb.weight'"):
+        opt.close()
+    with pytest.raises(stallfree.Error, match="closed"):
+        opt.step()
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_parameters_are_refused(daemon, use_orig_params):
+    """FSDP1 (FullyShardedDataParallel) hands out flat parameters, or with use_orig_params views
+    of them, each rank a different shard: ZenFlowAdamW refuses them at construction naming FSDP1
+    and what to use, instead of partitioning over the ranks as over replicas (here one gloo rank
+    on the CPU, which FSDP1 runs as NO_SHARD: the same parameters it shards over more)."""
+    import os
+    import warnings
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from conftest import free_port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # FSDP1's NO_SHARD notice at world size 1
+            model = FSDP(models.make_model(0), use_orig_params=use_orig_params,
+                         device_id=torch.device("cpu"))
+        with pytest.raises(stallfree.Error, match=r"FSDP1 \(FullyShardedDataParallel\).*"
+                                                  r"DistributedDataParallel"):
+            ZenFlowAdamW(model.parameters(), socket=daemon.socket)
+    finally:
+        dist.destroy_process_group()

@@ -164,6 +164,42 @@ def test_a_gradient_missing_on_one_rank_counts_as_zero(daemon, tmp_path):
         assert torch.equal(result["none"][0]["params"][name], p), name
 
 
+@pytest.mark.parametrize("what", ["up.weight", "1-D"])
+def test_a_gradient_missing_on_one_rank_under_ddp_steps_as_zero(daemon, tmp_path, what):
+    """Gradients averaged by DistributedDataParallel, and rank 1 without the gradient of
+    up.weight (an unused branch) or of every 1-D parameter (a whole param group: an idle
+    expert's) in step 3 and a reselection step (4; select_interval 2): every rank still takes
+    part in every collective (no hang, no timeout), rank 1's rows step as with a zero gradient
+    (equal to the run that zeroes it), and the ranks stay identical at every step."""
+    base = dict(EXACT["zenflow-S1"])
+    runs = {}
+    for step in (3, 4):
+        runs["none%d" % step] = dict(base, _drop=[what, 1, step, "none"])
+        runs["zero%d" % step] = dict(base, _drop=[what, 1, step, "zero"])
+    result = train_ranks(2, tmp_path, [daemon.socket], runs, wrap="ddp", steps=6)
+    for ranks in result.values():
+        assert ranks[0] is not None and ranks[1] is not None
+        assert_ranks_agree(ranks)
+    for step in (3, 4):
+        for name, p in result["zero%d" % step][0]["params"].items():
+            assert torch.equal(result["none%d" % step][0]["params"][name], p), (step, name)
+
+
+def test_ranks_whose_values_differ_are_refused(daemon, tmp_path):
+    """Two ranks of one group whose parameters differ (rank 1's norm.weight, the first of
+    param group 1, moved by 1e-3; no DistributedDataParallel to broadcast rank 0's): the first
+    step raises stallfree.Error on
+    every rank naming the parameter and what to do, instead of partitioning over them as over
+    replicas."""
+    runs = {"differ": dict(EXACT["zenflow-S1"], _perturb=["norm.weight", 1])}
+    train_ranks(2, tmp_path, [daemon.socket], runs, wrap="reduce", steps=2,
+                expect=[3, 3])
+    for r in range(2):
+        text = (tmp_path / ("differ-rank%d.error" % r)).read_text()
+        assert "parameter 'param_groups[1][0]' holds other values on ranks [1]" in text, text
+        assert "DistributedDataParallel" in text, text
+
+
 def test_a_rank_that_dies_is_named(daemon, tmp_path):
     """Rank 1 of 3 exits after step 5: ranks 0 and 2 get stallfree.Error naming rank 1 (no
     hang: every collective is bounded), and saying how to go on."""
