@@ -3,6 +3,7 @@
 // engine (engine/zenflow.cc) and re-partitioned by engine/repartition.cc.
 #pragma once
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 #include <cstdint>
@@ -64,46 +65,48 @@ class BlobWriter {
   std::string out;
 };
 
+// Reads a blob, every field by name: DataLoss "engine state: <field>: ..." when the field is
+// truncated, or when an array's count is negative, is not what the caller expects, or needs more
+// bytes than remain. A count is checked against the bytes that remain before anything is
+// allocated for it, so no input makes the reader allocate more than its own size.
 class BlobReader {
  public:
   explicit BlobReader(const std::string& s) : s_(s) {}
-  bool I64(int64_t* x) { return Raw(x, 8); }
-  // An array of exactly `expect` elements (false otherwise, or when truncated).
-  bool Ints(std::vector<int64_t>* v, int64_t expect) {
-    int64_t n;
-    if (!I64(&n) || n != expect) return false;
-    v->resize(n);
-    return Raw(v->data(), n * 8);
+  absl::Status I64(const std::string& field, int64_t* x);
+  // An array of exactly `expect` elements.
+  absl::Status Ints(const std::string& field, std::vector<int64_t>* v, int64_t expect) {
+    return Array(field, v, &expect);
   }
-  bool Floats(std::vector<float>* v, int64_t expect) {
-    int64_t n;
-    if (!I64(&n) || n != expect) return false;
-    v->resize(n);
-    return Raw(v->data(), n * 4);
+  absl::Status Floats(const std::string& field, std::vector<float>* v, int64_t expect) {
+    return Array(field, v, &expect);
   }
   // An array of any length up to what remains.
-  bool AnyInts(std::vector<int64_t>* v) {
-    int64_t n;
-    if (!I64(&n) || n < 0 || static_cast<uint64_t>(n) > (s_.size() - pos_) / 8) return false;
-    v->resize(n);
-    return Raw(v->data(), n * 8);
+  absl::Status AnyInts(const std::string& field, std::vector<int64_t>* v) {
+    return Array(field, v, nullptr);
   }
-  bool AnyFloats(std::vector<float>* v) {
-    int64_t n;
-    if (!I64(&n) || n < 0 || static_cast<uint64_t>(n) > (s_.size() - pos_) / 4) return false;
-    v->resize(n);
-    return Raw(v->data(), n * 4);
+  absl::Status AnyFloats(const std::string& field, std::vector<float>* v) {
+    return Array(field, v, nullptr);
   }
-  bool Raw(void* p, size_t n) {
-    if (n > s_.size() - pos_) return false;
-    if (n == 0) return true;  // p may be an empty vector's null data()
-    memcpy(p, s_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
+  size_t remaining() const { return s_.size() - pos_; }
   bool done() const { return pos_ == s_.size(); }
 
  private:
+  // OK when a count of `n` elements of `elem` bytes (`expect`: the count it must be, if any) is
+  // whole in what remains (computed without overflow).
+  absl::Status CheckCount(const std::string& field, int64_t n, size_t elem,
+                          const int64_t* expect) const;
+  template <typename T>
+  absl::Status Array(const std::string& field, std::vector<T>* v, const int64_t* expect) {
+    int64_t n = 0;
+    absl::Status st = I64(field, &n);
+    if (st.ok()) st = CheckCount(field, n, sizeof(T), expect);
+    if (!st.ok()) return st;
+    v->resize(static_cast<size_t>(n));  // n * sizeof(T) <= remaining(): checked
+    if (n > 0) memcpy(v->data(), s_.data() + pos_, static_cast<size_t>(n) * sizeof(T));
+    pos_ += static_cast<size_t>(n) * sizeof(T);
+    return absl::OkStatus();
+  }
+
   const std::string& s_;
   size_t pos_ = 0;
 };
