@@ -42,23 +42,32 @@ class RowSource {
   RowSource(int64_t rows, int old_world) : rows_(rows), world_(old_world) {}
   // Rows [begin, end) of the result, `width` values each, from per-rank arrays `of(j)` holding
   // rank j's block (or the whole array where the old partition replicated the parameter).
+  // Every source block is checked (its size against its rows) before the result is allocated.
   template <typename Of, typename T = float>
   absl::StatusOr<std::vector<T>> Take(int64_t begin, int64_t end, int64_t width, Of of) const {
-    std::vector<T> out(static_cast<size_t>((end - begin) * width));
-    for (int j = 0; j < world_; ++j) {
-      const RowBlock b = PartitionRows(rows_, world_, j);
-      const int64_t lo = std::max(b.begin, begin), hi = std::min(b.end, end);
-      if (lo >= hi) continue;
-      const std::vector<T>* src = of(j);
-      if (src == nullptr) return absl::InvalidArgumentError(absl::StrCat("rank ", j, "'s state is needed"));
-      if (static_cast<int64_t>(src->size()) != b.rows() * width)
-        return absl::DataLossError(absl::StrCat("rank ", j, "'s block has ", src->size(),
-                                                " values, its rows hold ", b.rows() * width));
-      std::copy(src->begin() + (lo - b.begin) * width, src->begin() + (hi - b.begin) * width,
-                out.begin() + (lo - begin) * width);
-      if (b.replicated) break;  // every rank holds it whole: one is enough
+    if (width < 0 || width > (int64_t{1} << 40))
+      return absl::DataLossError(absl::StrCat("a row width of ", width, " values"));
+    for (int pass = 0; pass < 2; ++pass) {
+      std::vector<T> out;
+      if (pass == 1) out.resize(static_cast<size_t>((end - begin) * width));
+      for (int j = 0; j < world_; ++j) {
+        const RowBlock b = PartitionRows(rows_, world_, j);
+        const int64_t lo = std::max(b.begin, begin), hi = std::min(b.end, end);
+        if (lo >= hi) continue;
+        const std::vector<T>* src = of(j);
+        if (src == nullptr)
+          return absl::InvalidArgumentError(absl::StrCat("rank ", j, "'s state is needed"));
+        if (static_cast<int64_t>(src->size()) != b.rows() * width)
+          return absl::DataLossError(absl::StrCat("rank ", j, "'s block has ", src->size(),
+                                                  " values, its rows hold ", b.rows() * width));
+        if (pass == 1)
+          std::copy(src->begin() + (lo - b.begin) * width, src->begin() + (hi - b.begin) * width,
+                    out.begin() + (lo - begin) * width);
+        if (b.replicated) break;  // every rank holds it whole: one is enough
+      }
+      if (pass == 1) return out;
     }
-    return out;
+    return std::vector<T>();  // not reached
   }
 
  private:
@@ -125,6 +134,14 @@ absl::StatusOr<DaemonState> ParseDaemon(const std::string& bytes, int rank,
                                             header.status().message()));
   DaemonState d;
   d.header = *header;
+  // The arrays the header describes must be in the bytes before they are allocated (the header
+  // reader checked as much; the product is overflow-safe).
+  absl::StatusOr<uint64_t> body = CheckpointBodyBytes(d.header);
+  if (!body.ok() || *body > bytes.size())
+    return absl::DataLossError(absl::StrCat(
+        "rank ", rank, "'s daemon checkpoint: its header describes ",
+        body.ok() ? absl::StrCat(*body, " bytes of arrays") : std::string(body.status().message()),
+        ", the checkpoint has ", bytes.size(), " bytes"));
   std::vector<CheckpointArrays> arrays;
   const int n = d.header.params_size();
   d.master.resize(n);
@@ -132,8 +149,7 @@ absl::StatusOr<DaemonState> ParseDaemon(const std::string& bytes, int rank,
   d.v.resize(n);
   d.acc.resize(n);
   for (int i = 0; i < n; ++i) {
-    int64_t numel = 1;
-    for (int64_t x : d.header.params(i).spec().shape()) numel *= x;
+    const int64_t numel = CheckpointParamNumel(d.header.params(i)).value_or(0);
     for (auto* a : {&d.master, &d.m, &d.v, &d.acc}) (*a)[i].resize(numel);
     arrays.push_back({d.master[i].data(), d.m[i].data(), d.v[i].data(), d.acc[i].data(), numel});
   }
@@ -266,6 +282,13 @@ absl::Status Repartitioner::CutEngineParam(size_t i, bool v3, BlobWriter* w) {
   const EngineParam& p0 = eng_.begin()->second.params[i];
   for (const auto& [j, s] : eng_) {
     const EngineParam& p = s.params[i];
+    // Rank j's parameter is its own block of rows, of at most all the columns hot.
+    const RowBlock ob = PartitionRows(rc.rows, old_world_, j);
+    if (p.numel != ob.rows() * rc.cols || p.k < 0 || p.k > rc.cols)
+      return absl::DataLossError(absl::StrCat(
+          "rank ", j, "'s engine state: parameter '", params_[i].name, "' has numel ", p.numel,
+          " and k ", p.k, ", its block of ", ob.rows(), " rows of ", rc.cols,
+          " columns has numel ", ob.rows() * rc.cols));
     if (p.kind != p0.kind || p.k != p0.k || p.dstep != p0.dstep || p.dtype != p0.dtype ||
         p.master.empty() != p0.master.empty() || p.round_grads != p0.round_grads ||
         p.hot_idx != p0.hot_idx || p.cold_idx != p0.cold_idx || p.hot_steps != p0.hot_steps ||

@@ -65,18 +65,19 @@ absl::Status ReadAt(int fd, void* data, size_t n, uint64_t offset, const std::st
   return absl::OkStatus();
 }
 
+// The bytes of the arrays of a header that CheckpointBodyBytes accepted (WriteCheckpoint's
+// headers are the daemon's own).
 uint64_t BodyBytes(const v1::CheckpointHeader& header) {
-  uint64_t body = 0;
-  for (const auto& p : header.params()) {
-    uint64_t numel = 1;
-    for (int64_t d : p.spec().shape()) numel *= static_cast<uint64_t>(d);
-    body += 4 * numel * sizeof(float);
-  }
-  return body;
+  absl::StatusOr<uint64_t> body = CheckpointBodyBytes(header);
+  return body.ok() ? *body : 0;
 }
 
+// The header of an open checkpoint file. With `sized`, the arrays it describes must be in the
+// file too (so that its shapes may size buffers); without, only the header is judged (the
+// listing: a bad body is found by a full read).
 absl::StatusOr<v1::CheckpointHeader> ReadHeaderFd(int fd, const std::string& path,
-                                                  uint64_t file_bytes, uint64_t* header_end) {
+                                                  uint64_t file_bytes, uint64_t* header_end,
+                                                  bool sized = true) {
   char magic[8];
   uint64_t header_bytes = 0;
   if (file_bytes < 16)
@@ -94,13 +95,17 @@ absl::StatusOr<v1::CheckpointHeader> ReadHeaderFd(int fd, const std::string& pat
   v1::CheckpointHeader header;
   if (!header.ParseFromString(text))
     return absl::DataLossError(absl::StrCat("checkpoint ", path, " has a corrupt header"));
-  for (const auto& p : header.params()) {
-    if (p.spec().shape_size() == 0 || p.spec().shape_size() > 8)
-      return absl::DataLossError(absl::StrCat("checkpoint ", path, " has a corrupt header"));
-    for (int64_t d : p.spec().shape())
-      if (d < 1 || d > (int64_t{1} << 40))
-        return absl::DataLossError(absl::StrCat("checkpoint ", path, " has a corrupt header"));
-  }
+  // Its shapes' products in range; `sized`: the arrays they describe in the file, before
+  // anyone sizes anything by them.
+  absl::StatusOr<uint64_t> body = CheckpointBodyBytes(header);
+  if (!body.ok())
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", path, " has a corrupt header: ", body.status().message()));
+  const uint64_t room = file_bytes - 16 - header_bytes;  // for the arrays and the checksum
+  if (sized && (room < 8 || *body > room - 8))
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint ", path, " is truncated: ", file_bytes, " bytes, its header describes ",
+        *body, " bytes of arrays after its ", 16 + header_bytes, " and an 8-byte checksum"));
   *header_end = 16 + header_bytes;
   return header;
 }
@@ -116,6 +121,16 @@ absl::StatusOr<uint64_t> OpenForRead(const std::string& path, Fd* fd) {
   return static_cast<uint64_t>(st.st_size);
 }
 
+// The header alone of a listed checkpoint (ReadHeaderFd without `sized`).
+absl::StatusOr<v1::CheckpointHeader> ReadListedHeader(const std::string& path,
+                                                      uint64_t* file_bytes) {
+  Fd fd;
+  ASSIGN_OR_RETURN(uint64_t size, OpenForRead(path, &fd));
+  *file_bytes = size;
+  uint64_t header_end = 0;
+  return ReadHeaderFd(fd.fd, path, size, &header_end, /*sized=*/false);
+}
+
 std::string DirOf(const std::string& path) { return path.substr(0, path.rfind('/')); }
 
 // Verifies an open checkpoint file: its header, that its size is what the header describes, and
@@ -129,9 +144,10 @@ absl::StatusOr<v1::CheckpointHeader> VerifyFd(int fd, const std::string& path, u
                                             size < want ? "truncated" : "too long", ": ", size,
                                             " bytes, its header describes ", want));
   Checksum64 sum;
-  std::unique_ptr<char[]> buf(new char[kIoChunk]);
+  const size_t chunk = static_cast<size_t>(std::min<uint64_t>(kIoChunk, size - 8));
+  std::unique_ptr<char[]> buf(new char[std::max<size_t>(chunk, 1)]);
   for (uint64_t off = 0; off < size - 8;) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(kIoChunk, size - 8 - off));
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk, size - 8 - off));
     RETURN_IF_ERROR(ReadAt(fd, buf.get(), n, off, path));
     sum.Update(buf.get(), n);
     off += n;
@@ -152,6 +168,35 @@ std::string HiddenSibling(const std::string& path, const std::string& suffix) {
 }
 
 }  // namespace
+
+absl::StatusOr<int64_t> CheckpointParamNumel(const v1::CheckpointHeader::Param& p) {
+  if (p.spec().shape_size() == 0 || p.spec().shape_size() > 8)
+    return absl::DataLossError(absl::StrCat("parameter '", p.spec().name(), "': ",
+                                            p.spec().shape_size(), " dimensions, not 1 to 8"));
+  int64_t numel = 1;
+  for (int64_t d : p.spec().shape()) {
+    if (d < 1 || d > (int64_t{1} << 40))
+      return absl::DataLossError(absl::StrCat("parameter '", p.spec().name(), "': dimension ", d,
+                                              " is outside [1, 2^40]"));
+    // numel * 16 (its four fp32 arrays) must fit too: numel <= INT64_MAX / 16.
+    if (__builtin_mul_overflow(numel, d, &numel) || numel > INT64_MAX / 16)
+      return absl::DataLossError(absl::StrCat("parameter '", p.spec().name(),
+                                              "': its shape's product overflows"));
+  }
+  return numel;
+}
+
+absl::StatusOr<uint64_t> CheckpointBodyBytes(const v1::CheckpointHeader& header) {
+  uint64_t body = 0;
+  for (const auto& p : header.params()) {
+    ASSIGN_OR_RETURN(int64_t numel, CheckpointParamNumel(p));
+    const uint64_t bytes = static_cast<uint64_t>(numel) * 4 * sizeof(float);  // no overflow
+    if (__builtin_add_overflow(body, bytes, &body))
+      return absl::DataLossError(
+          absl::StrCat("parameter '", p.spec().name(), "': the arrays' bytes overflow"));
+  }
+  return body;
+}
 
 absl::Status ValidateCheckpointTag(const std::string& tag) {
   if (tag.empty() || tag.size() > 128)
@@ -250,7 +295,7 @@ absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointFiles(const std::s
       if (stat(path.c_str(), &st) == 0)
         info.set_mtime_unix(static_cast<double>(st.st_mtim.tv_sec) + st.st_mtim.tv_nsec * 1e-9);
       uint64_t bytes = 0;
-      absl::StatusOr<v1::CheckpointHeader> h = ReadCheckpointHeader(path, &bytes);
+      absl::StatusOr<v1::CheckpointHeader> h = ReadListedHeader(path, &bytes);
       info.set_bytes(bytes);
       if (!dir.owned) {
         info.set_error(absl::StrCat(
@@ -264,11 +309,12 @@ absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointFiles(const std::s
         info.set_rank(h->rank());
         info.set_version(h->version());
         info.set_params(h->params_size());
-        int64_t elems = 0;
+        int64_t elems = 0;  // what the header says (saturating: its body is not read here)
         for (const auto& p : h->params()) {
-          int64_t n = 1;
-          for (int64_t dim : p.spec().shape()) n *= dim;
-          elems += n;
+          if (__builtin_add_overflow(elems, CheckpointParamNumel(p).value_or(0), &elems)) {
+            elems = INT64_MAX;
+            break;
+          }
         }
         info.set_param_elements(elems);
       }

@@ -42,6 +42,13 @@ absl::Status EnsureOwnerDir(const std::string& state_dir, uid_t uid);
 absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointFiles(const std::string& state_dir,
                                                                     uid_t uid, bool all);
 
+// A header parameter's elements (the product of its shape, 1 to 8 dimensions each in
+// [1, 2^40]), and the bytes of the arrays a header describes (4 x numel fp32 per parameter),
+// in overflow-safe arithmetic: DataLoss naming the parameter when a shape is out of range or a
+// product or sum overflows (numel * 16 <= INT64_MAX otherwise).
+absl::StatusOr<int64_t> CheckpointParamNumel(const v1::CheckpointHeader::Param& p);
+absl::StatusOr<uint64_t> CheckpointBodyBytes(const v1::CheckpointHeader& header);
+
 // One parameter's four fp32 state arrays of numel elements.
 struct CheckpointArrays {
   float* master;
@@ -62,8 +69,9 @@ absl::StatusOr<CheckpointWritten> WriteCheckpoint(const std::string& path,
                                                   const v1::CheckpointHeader& header,
                                                   const std::vector<CheckpointArrays>& arrays);
 
-// Reads and verifies the header of path (NotFound, DataLoss for a bad magic / truncation).
-// *file_bytes is the file's size. Does not verify the checksum.
+// Reads and verifies the header of path (NotFound, DataLoss for a bad magic / truncation: a
+// header whose arrays, by CheckpointBodyBytes, are not all in the file is refused, so its
+// shapes may size buffers). *file_bytes is the file's size. Does not verify the checksum.
 absl::StatusOr<v1::CheckpointHeader> ReadCheckpointHeader(const std::string& path,
                                                           uint64_t* file_bytes);
 
