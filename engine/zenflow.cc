@@ -1649,16 +1649,23 @@ absl::Status ZenFlowEngine::DeleteCheckpoint(const std::string& tag) {
 }
 
 absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& state) {
-  // The blob is parsed (engine/blob.h) and checked against this engine whole before anything
-  // changes: a refused blob leaves the engine as fresh as it was.
+  // The blob is parsed (engine/blob.h) and checked against this engine whole, and the daemon
+  // restores its checkpoint, before anything of the engine's changes: a refused blob, or a
+  // daemon that refuses or fails its Restore, leaves the engine as fresh as it was.
   Impl& im = *impl_;
   if (im.step != 0)
     return absl::FailedPreconditionError("Restore: the engine has already run a step");
   ASSIGN_OR_RETURN(EngineBlob blob, ParseEngineBlob(state));
   RETURN_IF_ERROR(im.CheckBlob(blob));
+  // (daemon_has_state() once the blob's `loaded` is the engine's)
+  if (im.offloading() && blob.loaded != 0)
+    RETURN_IF_ERROR(im.target->Restore(tag, im.cfg.param_dtype));
   for (size_t i = 0; i < im.params.size(); ++i)
     im.ApplyBlobParam(im.params[i], blob.params[i], blob.loaded != 0);
-  RETURN_IF_ERROR(im.Sync("restoring the engine's state"));
+  if (absl::Status st = im.Sync("restoring the engine's state"); !st.ok()) {
+    im.failure = st;  // the daemon holds the restored state, the engine part of it: unusable
+    return st;
+  }
   im.step = blob.step;
   im.rounds = blob.rounds;
   im.pending_version = blob.pending_version;
@@ -1673,7 +1680,6 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   im.pending_pslot = 0;
   im.prefetched_version = 0;
   if (im.rounds % 2 == 0) ++im.rounds;
-  if (im.daemon_has_state()) RETURN_IF_ERROR(im.target->Restore(tag, im.cfg.param_dtype));
   // A predicted round pending: the daemon's Restore wrote its masters to slot 0; the landing
   // shows the prediction the blob kept.
   im.pending_predicted = false;
