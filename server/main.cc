@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -58,6 +59,7 @@ struct Flags {
   std::string state_dir = DefaultStateDir();
   int64_t parent_pid = 0;
   std::string metrics_address;
+  double update_wait_s = 60;
 };
 
 // Parses the command line into *f; -1 to go on, else the exit code (help, a bad flag).
@@ -84,6 +86,11 @@ int ParseFlags(int argc, char** argv, Flags* f) {
   flags.AddInt("parent_pid", &f->parent_pid,
                "stop (as on SIGTERM) when this process, the daemon's parent, exits or is killed: "
                "for a private daemon started by a trainer (0: never)");
+  flags.AddDouble("update_wait_s", &f->update_wait_s,
+                  "how long a WaitUpdate waits for its Update when the request names no "
+                  "timeout_ms (older clients; stallfree's own name their rpc_timeout); past it "
+                  "the caller gets DEADLINE_EXCEEDED naming this bound and the session goes on "
+                  "(0.001 to 4294967; reported by GetStats)");
   flags.AddString("metrics_address", &f->metrics_address,
                   "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464; "
                   "port 0: any free one, logged); empty: off. Every uid's session names appear "
@@ -121,10 +128,17 @@ bool Configure(Flags* f, stallfree::DaemonOptions* opts) {
     fprintf(stderr, "stallfreed: --threads and --pinned_mib must be >= 0\n");
     return false;
   }
+  // At least 1 ms, at most what WaitUpdateRequest.timeout_ms can name (about 49 days).
+  if (!(f->update_wait_s >= 0.001 && f->update_wait_s <= 4294967.0)) {
+    fprintf(stderr, "stallfreed: --update_wait_s: %g is not a number of seconds from 0.001 to "
+            "4294967\n", f->update_wait_s);
+    return false;
+  }
   if (f->fd_socket.empty()) f->fd_socket = f->socket + ".fd";
   opts->state_dir = f->state_dir;
   opts->fd_socket_path = f->fd_socket;
   opts->pinned_budget_bytes = static_cast<uint64_t>(f->pinned_mib) << 20;
+  opts->update_wait = std::chrono::milliseconds(std::llround(f->update_wait_s * 1000));
   opts->worker_threads =
       f->threads > 0 ? static_cast<int>(f->threads) : tbb::this_task_arena::max_concurrency();
   return true;
@@ -248,9 +262,9 @@ int Run(int argc, char** argv) {
   if (!server) return 1;
   SF_LOG(kInfo,
          "stallfreed serving on unix:%s (fd socket %s), %d worker threads, budget %d MiB, pin %s, "
-         "optimizer kernel %s",
+         "optimizer kernel %s, update wait %g s",
          f.socket, f.fd_socket, opts.worker_threads, f.pinned_mib, f.pin,
-         kernels::DefaultCpuKernel().name());
+         kernels::DefaultCpuKernel().name(), opts.update_wait.count() / 1000.0);
   MetricsServer metrics(&sessions);
   if (!f.metrics_address.empty()) {
     absl::Status m = metrics.Start(f.metrics_address);

@@ -165,7 +165,7 @@ absl::Status OffloadSession::BeginRestore() {
 }
 
 absl::Status OffloadSession::Wait(int64_t min_version, Clock::time_point deadline,
-                                  const WaitDone& done) {
+                                  std::string bound, const WaitDone& done) {
   WaitResult ready;
   {
     MutexLock lock(&mu_);
@@ -175,7 +175,7 @@ absl::Status OffloadSession::Wait(int64_t min_version, Clock::time_point deadlin
         return absl::FailedPreconditionError(
             absl::StrCat("min_version: ", min_version,
                          " was never requested by an Update (last step ", last_step_, ")"));
-      waiters_.push_back(Waiter{min_version, deadline, done});
+      waiters_.push_back(Waiter{min_version, deadline, std::move(bound), done});
       return absl::OkStatus();
     }
     ready = {version_, ready_slot_, ready_dtype_, last_update_seconds_};  // the newest version
@@ -197,9 +197,12 @@ void OffloadSession::ExpireWaiters(Clock::time_point now) {
       }
     }
   }
+  // The daemon is alive and the Update goes on: the caller may wait again (offload.proto).
   for (Waiter& w : expired)
-    w.done(absl::DeadlineExceededError(absl::StrCat("min_version: version ", w.min_version,
-                                                    " not ready before timeout_ms")));
+    w.done(absl::DeadlineExceededError(absl::StrCat(
+        "min_version: version ", w.min_version, " not ready after ", w.bound,
+        ": its Update is still queued or running; the session is intact, and a WaitUpdate "
+        "again returns it once it is done")));
 }
 
 uint64_t OffloadSession::MarkClosed(const std::string& waiter_message) {

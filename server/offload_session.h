@@ -247,10 +247,12 @@ class OffloadSession {
   absl::Status BeginRestore() ABSL_LOCKS_EXCLUDED(mu_);
   // Calls done at once with the newest version if it is >= min_version, else when an Update
   // makes it ready, at ExpireWaiters after `deadline`, or at MarkClosed. An error (and done is
-  // not called) if no Update up to min_version was requested, or the session closed.
-  absl::Status Wait(int64_t min_version, Clock::time_point deadline, const WaitDone& done)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // Fails the waiters whose deadline is before `now` (DeadlineExceeded).
+  // not called) if no Update up to min_version was requested, or the session closed. `bound`
+  // says how long the wait was and whose bound it is, for the expiry's message.
+  absl::Status Wait(int64_t min_version, Clock::time_point deadline, std::string bound,
+                    const WaitDone& done) ABSL_LOCKS_EXCLUDED(mu_);
+  // Fails the waiters whose deadline is before `now` (DeadlineExceeded, naming the version and
+  // the bound; the Update goes on and a later Wait sees it).
   void ExpireWaiters(Clock::time_point now) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the session for its clients: its waiters fail with Aborted(waiter_message), Wait and
   // Attach refuse from now on. Returns the bytes it reserved (freed by Release). Work already
@@ -363,6 +365,7 @@ class OffloadSession {
   struct Waiter {
     int64_t min_version;
     Clock::time_point deadline;
+    std::string bound;
     WaitDone done;
   };
   std::vector<Waiter> waiters_ ABSL_GUARDED_BY(mu_);

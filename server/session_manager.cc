@@ -509,9 +509,14 @@ void SessionManager::WaitUpdate(const v1::WaitUpdateRequest& req, OffloadSession
   auto found = Lookup(req.session(), "WaitUpdate", false);
   absl::Status st = found.status();
   if (st.ok()) {
-    const uint32_t timeout_ms = req.timeout_ms() == 0 ? 60000 : req.timeout_ms();
-    st = (*found)->Wait(req.min_version(),
-                        Clock::now() + std::chrono::milliseconds(timeout_ms), done);
+    // The request's own wait, else the daemon's (--update_wait_s); the expiry names which.
+    const bool own = req.timeout_ms() > 0;
+    const std::chrono::milliseconds wait =
+        own ? std::chrono::milliseconds(req.timeout_ms()) : options_.update_wait;
+    std::string bound = absl::StrCat(
+        wait.count() / 1000.0, " s",
+        own ? " (the request's timeout_ms)" : " (stallfreed --update_wait_s)");
+    st = (*found)->Wait(req.min_version(), Clock::now() + wait, std::move(bound), done);
   }
   if (!st.ok()) {
     Reject(st);
@@ -642,6 +647,7 @@ v1::Stats SessionManager::GetStats() {
   st.set_mlock_enabled(options_.pin != PinPolicy::kOff);
   st.set_migrated_columns(counters_.migrated_columns.load());
   st.set_fd_socket(options_.fd_socket_path);
+  st.set_update_wait_seconds(options_.update_wait.count() / 1000.0);
   return st;
 }
 

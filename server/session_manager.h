@@ -45,6 +45,10 @@ struct DaemonOptions {
   int worker_threads = 0;
   // Where Checkpoint writes and Restore reads (created if missing); empty: checkpoints are off.
   std::string state_dir;
+  // How long a WaitUpdate waits for its version when the request names no timeout_ms
+  // (stallfreed --update_wait_s); a request's own timeout_ms replaces it. Reported in GetStats
+  // and in the DEADLINE_EXCEEDED that ends such a wait.
+  std::chrono::milliseconds update_wait{60000};
 };
 
 class SessionManager {
@@ -86,7 +90,8 @@ class SessionManager {
   void WriteCheckpoint(const v1::WriteCheckpointRequest& request,
                        v1::WriteCheckpointResponse* response, Done done);
   void DeleteCheckpoint(const v1::DeleteCheckpointRequest& request, Done done);
-  // Calls done once the version is ready, the timeout passes, or the session goes away.
+  // Calls done once the version is ready, the wait passes (the request's timeout_ms, else
+  // options.update_wait: DEADLINE_EXCEEDED, and the session is intact), or the session goes away.
   void WaitUpdate(const v1::WaitUpdateRequest& request, OffloadSession::WaitDone done);
 
   v1::Stats GetStats();

@@ -242,5 +242,78 @@ TEST_F(SessionManagerTest, DrainRefusesNewWork) {
   EXPECT_EQ(manager_->GetStats().sessions(), 1);
 }
 
+// Bounded waits (issue 30): an Update slower than the wait, here held behind a running push
+// while the daemon stays alive. The daemon's wait (options.update_wait, stallfreed
+// --update_wait_s; a request's timeout_ms instead when it names one) ends with DEADLINE_EXCEEDED
+// naming the version, the bound and whose it is, and that is all: the Update goes on, a
+// WaitUpdate again returns it once done, and the session trains on (a retryable condition, not
+// a broken session; before, the daemon waited an implicit 60 s and said only "not ready before
+// timeout_ms").
+TEST_F(SessionManagerTest, AnUpdateSlowerThanTheWaitIsDeadlineExceededAndTheSessionGoesOn) {
+  DaemonOptions options;
+  options.pin = PinPolicy::kOff;
+  options.state_dir = dir_;
+  options.worker_threads = 2;
+  options.update_wait = 50ms;
+  manager_ = std::make_unique<SessionManager>(options, &arena_);
+  EXPECT_EQ(manager_->GetStats().update_wait_seconds(), 0.05);
+  const v1::SessionRef ref = OpenLoaded();
+  ASSERT_NO_FATAL_FAILURE(HoldStrand(ref));
+  v1::UpdateRequest update;
+  *update.mutable_session() = ref;
+  update.set_step(1);
+  update.mutable_hyper()->set_lr(1e-3);
+  update.mutable_hyper()->set_beta1(0.9);
+  update.mutable_hyper()->set_beta2(0.999);
+  update.mutable_hyper()->set_eps(1e-8);
+  ASSERT_TRUE(manager_->Update(update).ok());
+  // Waits for version `v` (timeout_ms 0: the daemon's wait), calling Housekeeping (which
+  // expires waits) as the daemon's housekeeping thread does, until done or 10 s.
+  auto wait = [&](int64_t v, uint32_t timeout_ms) -> absl::StatusOr<WaitResult> {
+    v1::WaitUpdateRequest req;
+    *req.mutable_session() = ref;
+    req.set_min_version(v);
+    req.set_timeout_ms(timeout_ms);
+    auto p = std::make_shared<std::promise<absl::StatusOr<WaitResult>>>();
+    std::future<absl::StatusOr<WaitResult>> f = p->get_future();
+    manager_->WaitUpdate(req, [p](absl::StatusOr<WaitResult> r) { p->set_value(std::move(r)); });
+    for (int i = 0; i < 1000 && f.wait_for(10ms) != std::future_status::ready; ++i)
+      manager_->Housekeeping();
+    if (f.wait_for(0ms) != std::future_status::ready)
+      return absl::InternalError("the wait neither ended nor expired within 10 s");
+    return f.get();
+  };
+  absl::StatusOr<WaitResult> slow = wait(1, 0);
+  EXPECT_EQ(slow.status().code(), Code::kDeadlineExceeded) << slow.status();
+  EXPECT_NE(slow.status().message().find(
+                "version 1 not ready after 0.05 s (stallfreed --update_wait_s): its Update is "
+                "still queued or running; the session is intact"),
+            std::string::npos)
+      << slow.status();
+  slow = wait(1, 30);
+  EXPECT_EQ(slow.status().code(), Code::kDeadlineExceeded) << slow.status();
+  EXPECT_NE(slow.status().message().find("not ready after 0.03 s (the request's timeout_ms)"),
+            std::string::npos)
+      << slow.status();
+  EXPECT_EQ(manager_->GetStats().updates(), 0);  // still held
+
+  Release();
+  absl::StatusOr<WaitResult> done = wait(1, 10000);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->version, 1);
+  EXPECT_TRUE(push_status_.ok()) << push_status_;
+  // The session goes on: the next round's push, Update and wait.
+  v1::PushGradientsRequest push = push_;
+  push.set_step(2);
+  v1::PushGradientsResponse resp;
+  ASSERT_TRUE(Call([&](auto d) { manager_->PushGradients(push, &resp, d); }).ok());
+  update.set_step(2);
+  ASSERT_TRUE(manager_->Update(update).ok());
+  done = wait(2, 10000);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->version, 2);
+  EXPECT_EQ(manager_->GetStats().updates(), 2);
+}
+
 }  // namespace
 }  // namespace stallfree
