@@ -1,15 +1,21 @@
 #include "client/client.h"
 
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/host_register.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -30,12 +36,154 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
-Client::Client(std::string path, std::shared_ptr<grpc::Channel> channel)
-    : socket_path_(std::move(path)), channel_(std::move(channel)),
+namespace {
+
+using SysClock = std::chrono::system_clock;
+
+// The setting's names, for the messages that say how to change it.
+constexpr char kRpcTimeoutSetting[] =
+    "the rpc_timeout setting: $STALLFREE_RPC_TIMEOUT, ZenFlowAdamW(rpc_timeout=...), the "
+    "trainer's and stallfreectl's --rpc_timeout";
+// The most WaitUpdateRequest.timeout_ms can name, in seconds.
+constexpr double kMaxWaitS = 4294967.0;
+// How long the health check after an unanswered call may take.
+constexpr double kHealthProbeS = 1.0;
+
+SysClock::time_point After(double seconds) {
+  return SysClock::now() + std::chrono::duration_cast<SysClock::duration>(
+                               std::chrono::duration<double>(seconds));
+}
+
+// Seconds as a reader wants them: 0.25 s, 2.5 s, 120 s, 1790 s.
+std::string Seconds(double s) {
+  return s >= 10 ? absl::StrFormat("%.0f s", s) : absl::StrFormat("%.2g s", s);
+}
+
+}  // namespace
+
+absl::StatusOr<double> RpcTimeoutSeconds(double rpc_timeout_s) {
+  std::string from = "rpc_timeout";
+  double t = rpc_timeout_s;
+  if (!(t > 0) && rpc_timeout_s != 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rpc_timeout: ", rpc_timeout_s, " is not a positive number of seconds (0: the default)"));
+  if (rpc_timeout_s == 0) {
+    const char* env = getenv("STALLFREE_RPC_TIMEOUT");
+    if (env == nullptr || *env == '\0') return kDefaultRpcTimeoutS;
+    from = "$STALLFREE_RPC_TIMEOUT";
+    if (!absl::SimpleAtod(env, &t) || !(t > 0))
+      return absl::InvalidArgumentError(absl::StrCat(
+          "$STALLFREE_RPC_TIMEOUT: '", env, "' is not a positive number of seconds"));
+  }
+  if (!(t <= kMaxWaitS))
+    return absl::InvalidArgumentError(
+        absl::StrCat(from, ": ", t, " s is more than ", kMaxWaitS, " s (about 49 days)"));
+  return t;
+}
+
+Client::Client(std::string path, std::shared_ptr<grpc::Channel> channel, double rpc_timeout_s)
+    : socket_path_(std::move(path)), rpc_timeout_s_(rpc_timeout_s), channel_(std::move(channel)),
       stub_(v1::Offload::NewStub(channel_)) {}
 
+double Client::BoundFor(uint64_t work_bytes) const {
+  return rpc_timeout_s_ + static_cast<double>(work_bytes) / kSlowestBytesPerSecond;
+}
+
+grpc::Status Client::Invoke(double bound_s, const RpcFn& call, bool* expired) {
+  grpc::ClientContext ctx;
+  const SysClock::time_point deadline = After(bound_s);
+  ctx.set_deadline(deadline);
+  grpc::Status s = call(&ctx);
+  // gRPC's own expiry (at the deadline; a few ms of rounding allowed), or the daemon's
+  // DEADLINE_EXCEEDED (WaitUpdate), which it sends well before.
+  *expired = s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+             SysClock::now() >= deadline - std::chrono::milliseconds(5);
+  return s;
+}
+
+absl::Status Client::Unanswered(const char* rpc, double bound_s, uint64_t work_bytes,
+                                int daemon_pid) {
+  std::string bound = Seconds(bound_s);
+  if (work_bytes > 0 && bound_s - rpc_timeout_s_ >= 0.05)
+    bound += absl::StrFormat(": rpc_timeout %s and %s for its %.1f MiB of work",
+                             Seconds(rpc_timeout_s_), Seconds(bound_s - rpc_timeout_s_),
+                             work_bytes / 1048576.0);
+  const std::string pid = daemon_pid > 0 ? absl::StrCat(" (pid ", daemon_pid, ")") : "";
+  // Whether the daemon answers at all: the health service runs on gRPC's threads, never
+  // behind a session's work.
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(After(std::min(kHealthProbeS, rpc_timeout_s_)));
+  grpc::health::v1::HealthCheckResponse resp;
+  const bool answers =
+      health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok();
+  std::string state;
+  if (answers) {
+    state = absl::StrCat(
+        "it answers a health check, so it runs but did not finish this call in time: the "
+        "session's earlier work (a long Update or checkpoint) ran ahead of it, or the node is "
+        "overloaded; if such work may take this long, raise rpc_timeout");
+  } else {
+    state = absl::StrCat(
+        "it does not answer a health check either: it is stopped (SIGSTOP; kill -CONT",
+        daemon_pid > 0 ? absl::StrCat(" ", daemon_pid) : std::string(" <its pid>"),
+        " resumes it), hung or overloaded (stallfreectl --socket ", socket_path_,
+        " health tells when it answers again)");
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "stallfreed at ", socket_path_, pid, " did not answer ", rpc, " within ", bound, " (",
+      kRpcTimeoutSetting, "); ", state,
+      ". The call's outcome is unknown: the daemon may still carry it out"));
+}
+
+absl::Status Client::Explain(absl::Status st, bool expired, const char* rpc, double bound_s,
+                             uint64_t work_bytes, int daemon_pid) {
+  if (!absl::IsDeadlineExceeded(st)) return st;
+  if (expired) return Unanswered(rpc, bound_s, work_bytes, daemon_pid);
+  return absl::DeadlineExceededError(
+      absl::StrCat("stallfreed at ", socket_path_, ": ", rpc, ": ", st.message()));
+}
+
+absl::Status Client::Call(const char* rpc, const RpcFn& call) {
+  bool expired = false;
+  const grpc::Status s = Invoke(rpc_timeout_s_, call, &expired);
+  return Explain(FromGrpc(s), expired, rpc, rpc_timeout_s_, 0, 0);
+}
+
+absl::Status Client::FdExchange(int conn, const std::string& path, const std::string& request,
+                                std::string* reply, int* fd) {
+  *fd = -1;
+  // Both directions time out after rpc_timeout (a stopped daemon accepts connections through
+  // the kernel's backlog, and then never answers).
+  struct timeval tv;
+  tv.tv_sec = static_cast<time_t>(rpc_timeout_s_);
+  tv.tv_usec = static_cast<suseconds_t>((rpc_timeout_s_ - tv.tv_sec) * 1e6);
+  if (setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) != 0 ||
+      setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0)
+    return ErrnoStatus("setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", path);
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status st = SendWithFd(conn, request, -1);
+  if (st.ok()) st = RecvWithFd(conn, 512, reply, fd);
+  // A timed-out send or receive fails with EAGAIN, which ErrnoStatus makes RESOURCE_EXHAUSTED.
+  if (absl::IsResourceExhausted(st) &&
+      std::chrono::steady_clock::now() - start >=
+          std::chrono::duration<double>(rpc_timeout_s_) - std::chrono::milliseconds(5))
+    return absl::DeadlineExceededError(absl::StrCat(
+        "stallfreed's fd socket ", path, " did not answer within ", Seconds(rpc_timeout_s_),
+        " (", kRpcTimeoutSetting, "): the daemon is stopped (SIGSTOP), hung or overloaded"));
+  RETURN_IF_ERROR(st);
+  // The connection lives on (a session's liveness channel, a caller credential): no timeouts
+  // on it from here.
+  tv = timeval{};
+  if (setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) != 0 ||
+      setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0)
+    return ErrnoStatus("setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", path);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socket_path,
-                                                        int timeout_ms) {
+                                                        int timeout_ms, double rpc_timeout_s) {
+  ASSIGN_OR_RETURN(const double rpc_timeout, RpcTimeoutSeconds(rpc_timeout_s));
   const std::string hint = absl::StrCat("no stallfreed is listening on ", socket_path,
                                         "; start one with: stallfreed --socket ", socket_path);
   struct stat st;
@@ -51,23 +199,30 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socke
                                  std::chrono::milliseconds(timeout_ms))) {
     return absl::UnavailableError(hint);
   }
-  return std::unique_ptr<Client>(new Client(socket_path, std::move(channel)));
+  return std::unique_ptr<Client>(new Client(socket_path, std::move(channel), rpc_timeout));
 }
 
 absl::StatusOr<std::string> Client::Health() {
   auto stub = grpc::health::v1::Health::NewStub(channel_);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  const double bound = std::min(5.0, rpc_timeout_s_);
   grpc::health::v1::HealthCheckRequest req;
   grpc::health::v1::HealthCheckResponse resp;
-  RETURN_IF_ERROR(FromGrpc(stub->Check(&ctx, req, &resp)));
+  bool expired = false;
+  const grpc::Status s = Invoke(
+      bound, [&](grpc::ClientContext* ctx) { return stub->Check(ctx, req, &resp); }, &expired);
+  if (expired)
+    return absl::DeadlineExceededError(absl::StrCat(
+        "stallfreed at ", socket_path_, " did not answer a health check within ", Seconds(bound),
+        ": it is stopped (SIGSTOP), hung or overloaded"));
+  RETURN_IF_ERROR(FromGrpc(s));
   return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
 }
 
 absl::StatusOr<v1::Stats> Client::GetStats() {
-  grpc::ClientContext ctx;
   v1::GetStatsResponse resp;
-  RETURN_IF_ERROR(FromGrpc(stub_->GetStats(&ctx, v1::GetStatsRequest(), &resp)));
+  RETURN_IF_ERROR(Call("GetStats", [&](grpc::ClientContext* ctx) {
+    return stub_->GetStats(ctx, v1::GetStatsRequest(), &resp);
+  }));
   return resp.stats();
 }
 
@@ -82,8 +237,7 @@ absl::StatusOr<v1::CallerRef> Client::Caller() {
   ASSIGN_OR_RETURN(int conn, ConnectUnix(stats.fd_socket()));
   std::string reply;
   int fd = -1;
-  absl::Status st = SendWithFd(conn, "CALLER\n", -1);
-  if (st.ok()) st = RecvWithFd(conn, 512, &reply, &fd);
+  absl::Status st = FdExchange(conn, stats.fd_socket(), "CALLER\n", &reply, &fd);
   if (fd >= 0) close(fd);
   std::istringstream in(reply.rfind("OK ", 0) == 0 ? reply.substr(3) : "");
   uint64_t id = 0;
@@ -106,18 +260,20 @@ absl::StatusOr<v1::CallerRef> Client::Caller() {
 absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions() {
   v1::ListSessionsRequest req;
   ASSIGN_OR_RETURN(*req.mutable_caller(), Caller());
-  grpc::ClientContext ctx;
   v1::ListSessionsResponse resp;
-  RETURN_IF_ERROR(FromGrpc(stub_->ListSessions(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Call("ListSessions", [&](grpc::ClientContext* ctx) {
+    return stub_->ListSessions(ctx, req, &resp);
+  }));
   return std::vector<v1::SessionInfo>(resp.sessions().begin(), resp.sessions().end());
 }
 
 absl::StatusOr<v1::ListCheckpointsResponse> Client::ListCheckpoints() {
   v1::ListCheckpointsRequest req;
   ASSIGN_OR_RETURN(*req.mutable_caller(), Caller());
-  grpc::ClientContext ctx;
   v1::ListCheckpointsResponse resp;
-  RETURN_IF_ERROR(FromGrpc(stub_->ListCheckpoints(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Call("ListCheckpoints", [&](grpc::ClientContext* ctx) {
+    return stub_->ListCheckpoints(ctx, req, &resp);
+  }));
   return resp;
 }
 
@@ -125,18 +281,20 @@ absl::StatusOr<uint64_t> Client::CloseSession(uint64_t session_id) {
   v1::CloseSessionRequest req;
   ASSIGN_OR_RETURN(*req.mutable_caller(), Caller());
   req.mutable_session()->set_session_id(session_id);
-  grpc::ClientContext ctx;
   v1::CloseSessionResponse resp;
-  RETURN_IF_ERROR(FromGrpc(stub_->CloseSession(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Call("CloseSession", [&](grpc::ClientContext* ctx) {
+    return stub_->CloseSession(ctx, req, &resp);
+  }));
   return resp.freed_bytes();
 }
 
 absl::StatusOr<std::string> Client::Metrics() {
   v1::GetMetricsRequest req;
   ASSIGN_OR_RETURN(*req.mutable_caller(), Caller());
-  grpc::ClientContext ctx;
   v1::GetMetricsResponse resp;
-  RETURN_IF_ERROR(FromGrpc(stub_->GetMetrics(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Call("GetMetrics", [&](grpc::ClientContext* ctx) {
+    return stub_->GetMetrics(ctx, req, &resp);
+  }));
   return resp.text();
 }
 
@@ -144,19 +302,21 @@ absl::Status Client::DeleteCheckpoint(const std::string& tag) {
   v1::DeleteCheckpointRequest req;
   ASSIGN_OR_RETURN(*req.mutable_caller(), Caller());
   req.set_tag(tag);
-  grpc::ClientContext ctx;
   v1::DeleteCheckpointResponse resp;
-  return FromGrpc(stub_->DeleteCheckpoint(&ctx, req, &resp));
+  return Call("DeleteCheckpoint", [&](grpc::ClientContext* ctx) {
+    return stub_->DeleteCheckpoint(ctx, req, &resp);
+  });
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& name, int rank) {
-  grpc::ClientContext ctx;
   v1::OpenSessionRequest req;
   req.set_name(name);
   req.set_rank(rank);
   req.set_pid(getpid());
   v1::OpenSessionResponse resp;
-  RETURN_IF_ERROR(FromGrpc(stub_->OpenSession(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Call("OpenSession", [&](grpc::ClientContext* ctx) {
+    return stub_->OpenSession(ctx, req, &resp);
+  }));
   return std::unique_ptr<Session>(new Session(this, resp.session(), resp.fd_socket()));
 }
 
@@ -174,15 +334,36 @@ absl::Status Session::Rpc(const grpc::Status& s) const {
                                              ref_.session_id(), " closed): ", st.ToString()));
 }
 
+int Session::DaemonPid() const {
+  if (conn_ < 0) return 0;
+  absl::StatusOr<struct ucred> peer = PeerCredentials(conn_);
+  return peer.ok() ? static_cast<int>(peer->pid) : 0;
+}
+
+uint64_t Session::StateBytes() const {
+  uint64_t elements = 0;
+  for (const v1::ParamLayout& p : layout_.params()) elements += p.numel();
+  return layout_.region_bytes() + 16 * elements;
+}
+
+absl::Status Session::Call(const char* rpc, uint64_t work_bytes, const Client::RpcFn& call,
+                           double bound_s) {
+  const double bound = bound_s > 0 ? bound_s : client_->BoundFor(work_bytes);
+  bool expired = false;
+  const grpc::Status s = client_->Invoke(bound, call, &expired);
+  return client_->Explain(Rpc(s), expired, rpc, bound, work_bytes, DaemonPid());
+}
+
 absl::Status Session::Close() {
   if (closed_) return absl::OkStatus();
   closed_ = true;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   v1::CloseSessionRequest req;
   *req.mutable_session() = ref_;
   v1::CloseSessionResponse resp;
-  absl::Status st = Rpc(client_->stub()->CloseSession(&ctx, req, &resp));
+  absl::Status st = Call(
+      "CloseSession", 0,
+      [&](grpc::ClientContext* ctx) { return client_->stub()->CloseSession(ctx, req, &resp); },
+      std::min(10.0, client_->rpc_timeout_s()));
   if (host_registered_) HostUnregister(region_->data(), region_->size());
   region_.reset();
   if (conn_ >= 0) close(conn_);
@@ -193,10 +374,10 @@ absl::Status Session::Close() {
 absl::Status Session::Attach() {
   ASSIGN_OR_RETURN(int conn, ConnectUnix(fd_socket_));
   conn_ = conn;
-  RETURN_IF_ERROR(SendWithFd(conn_, absl::StrCat(ref_.session_id(), " ", ref_.token(), "\n"), -1));
   std::string reply;
   int fd = -1;
-  RETURN_IF_ERROR(RecvWithFd(conn_, 512, &reply, &fd));
+  RETURN_IF_ERROR(client_->FdExchange(
+      conn_, fd_socket_, absl::StrCat(ref_.session_id(), " ", ref_.token(), "\n"), &reply, &fd));
   if (reply.rfind("OK ", 0) != 0 || fd < 0) {
     if (fd >= 0) close(fd);
     while (!reply.empty() && reply.back() == '\n') reply.pop_back();
@@ -219,19 +400,28 @@ absl::Status Session::Attach() {
 
 absl::Status Session::RegisterParams(const std::vector<ParamSpec>& params,
                                      v1::DType param_dtype, uint32_t param_slots) {
-  grpc::ClientContext ctx;
   v1::RegisterParamsRequest req;
+  uint64_t elements = 0;
   *req.mutable_session() = ref_;
   req.set_param_dtype(param_dtype);
   req.set_param_slots(param_slots);
   for (const ParamSpec& p : params) {
     v1::ParamSpec* s = req.add_params();
     s->set_name(p.name);
-    for (int64_t d : p.shape) s->add_shape(d);
+    uint64_t numel = 1;
+    for (int64_t d : p.shape) {
+      s->add_shape(d);
+      numel *= d > 0 ? static_cast<uint64_t>(d) : 1;
+    }
+    elements += numel;
     s->set_grad_dtype(p.grad_dtype);
   }
   v1::RegisterParamsResponse resp;
-  RETURN_IF_ERROR(Rpc(client_->stub()->RegisterParams(&ctx, req, &resp)));
+  // The daemon allocates, populates and mlocks at most 48 bytes an element (the region of the
+  // layout of before, 20 fp32 bytes, and 16 of state, rounded up).
+  RETURN_IF_ERROR(Call("RegisterParams", 48 * elements, [&](grpc::ClientContext* ctx) {
+    return client_->stub()->RegisterParams(ctx, req, &resp);
+  }));
   layout_ = resp.layout();
   // A daemon from before param_slots (stallfree 0.1.0) lays out two fp32 parameter slots and
   // names neither.
@@ -293,7 +483,6 @@ const uint16_t* Session::ParamsBf16(uint32_t slot, const std::string& name) cons
 absl::Status Session::LoadParams() { return LoadParams(std::vector<LoadRange>{}); }
 
 absl::Status Session::LoadParams(const std::vector<LoadRange>& ranges) {
-  grpc::ClientContext ctx;
   v1::LoadParamsRequest req;
   *req.mutable_session() = ref_;
   for (const LoadRange& r : ranges) {
@@ -304,7 +493,9 @@ absl::Status Session::LoadParams(const std::vector<LoadRange>& ranges) {
     out->set_staging_offset(r.staging_offset);
   }
   v1::LoadParamsResponse resp;
-  return Rpc(client_->stub()->LoadParams(&ctx, req, &resp));
+  return Call("LoadParams", layout_.staging_bytes(), [&](grpc::ClientContext* ctx) {
+    return client_->stub()->LoadParams(ctx, req, &resp);
+  });
 }
 
 absl::Status Session::LoadValues(
@@ -335,11 +526,15 @@ absl::Status Session::LoadValues(
 }
 
 absl::StatusOr<v1::PushGradientsResponse> Session::Push(const v1::PushGradientsRequest& request) {
-  grpc::ClientContext ctx;
   v1::PushGradientsRequest req = request;
   *req.mutable_session() = ref_;
   v1::PushGradientsResponse resp;
-  RETURN_IF_ERROR(Rpc(client_->stub()->PushGradients(&ctx, req, &resp)));
+  // It reads a gradient slot and reads and writes the fp32 accumulator (at most 3 slots of
+  // bytes), behind the session's earlier work (a running Update, which rpc_timeout bounds).
+  RETURN_IF_ERROR(Call("PushGradients", layout_.grad_slot_bytes() * 3,
+                       [&](grpc::ClientContext* ctx) {
+                         return client_->stub()->PushGradients(ctx, req, &resp);
+                       }));
   return resp;
 }
 
@@ -382,10 +577,12 @@ absl::Status Session::UpdateWithPush(int64_t step, const v1::AdamWHyper& hyper,
 }
 
 absl::Status Session::Update(v1::UpdateRequest req) {
-  grpc::ClientContext ctx;
   *req.mutable_session() = ref_;
   v1::UpdateResponse resp;
-  return Rpc(client_->stub()->Update(&ctx, req, &resp));
+  // Validated and started; the daemon answers at once (WaitUpdate waits for the work).
+  return Call("Update", 0, [&](grpc::ClientContext* ctx) {
+    return client_->stub()->Update(ctx, req, &resp);
+  });
 }
 
 absl::StatusOr<v1::MigrateColumnsResponse> Session::HandOverColumns(
@@ -403,9 +600,10 @@ absl::StatusOr<v1::MigrateColumnsResponse> Session::HandOverColumns(
     for (int64_t c : moves[i].columns) h->add_columns(c);
     for (int64_t t : moves[i].steps) h->add_steps(t);
   }
-  grpc::ClientContext ctx;
   v1::MigrateColumnsResponse resp;
-  RETURN_IF_ERROR(Rpc(client_->stub()->MigrateColumns(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Call("MigrateColumns", layout_.staging_bytes(), [&](grpc::ClientContext* ctx) {
+    return client_->stub()->MigrateColumns(ctx, req, &resp);
+  }));
   if (resp.more_size() != static_cast<int>(moves.size()) - 1)
     return absl::InternalError(absl::StrCat("HandOverColumns: ", resp.more_size() + 1,
                                             " answers for ", moves.size(), " parameters"));
@@ -414,34 +612,47 @@ absl::StatusOr<v1::MigrateColumnsResponse> Session::HandOverColumns(
 
 absl::StatusOr<v1::WaitUpdateResponse> Session::WaitUpdate(int64_t min_version,
                                                            uint32_t timeout_ms) {
-  grpc::ClientContext ctx;
+  const double t = client_->rpc_timeout_s();
+  double bound = t;
+  if (timeout_ms > 0) {
+    bound = timeout_ms / 1000.0 + t;
+  } else {
+    // The daemon's answer ("not ready after ...") comes before the call's own deadline.
+    const double margin = std::min(t / 4, 2.0);
+    timeout_ms = static_cast<uint32_t>(std::max(1.0, std::floor((t - margin) * 1000)));
+  }
   v1::WaitUpdateRequest req;
   *req.mutable_session() = ref_;
   req.set_min_version(min_version);
   req.set_timeout_ms(timeout_ms);
   v1::WaitUpdateResponse resp;
-  RETURN_IF_ERROR(Rpc(client_->stub()->WaitUpdate(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Call(
+      "WaitUpdate", 0,
+      [&](grpc::ClientContext* ctx) { return client_->stub()->WaitUpdate(ctx, req, &resp); },
+      bound));
   return resp;
 }
 
 absl::StatusOr<v1::CheckpointResponse> Session::Checkpoint(const std::string& tag) {
-  grpc::ClientContext ctx;
   v1::CheckpointRequest req;
   *req.mutable_session() = ref_;
   req.set_tag(tag);
   v1::CheckpointResponse resp;
-  RETURN_IF_ERROR(Rpc(client_->stub()->Checkpoint(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Call("Checkpoint", StateBytes(), [&](grpc::ClientContext* ctx) {
+    return client_->stub()->Checkpoint(ctx, req, &resp);
+  }));
   return resp;
 }
 
 absl::StatusOr<v1::RestoreResponse> Session::Restore(const std::string& tag, v1::DType out_dtype) {
-  grpc::ClientContext ctx;
   v1::RestoreRequest req;
   *req.mutable_session() = ref_;
   req.set_tag(tag);
   req.set_out_dtype(out_dtype);
   v1::RestoreResponse resp;
-  RETURN_IF_ERROR(Rpc(client_->stub()->Restore(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Call("Restore", StateBytes(), [&](grpc::ClientContext* ctx) {
+    return client_->stub()->Restore(ctx, req, &resp);
+  }));
   return resp;
 }
 
@@ -451,14 +662,16 @@ absl::StatusOr<std::string> Session::ReadCheckpointBytes(const std::string& tag,
   const uint8_t* staging = region_->data() + layout_.staging_offset();
   std::string out;
   for (uint64_t offset = 0;;) {
-    grpc::ClientContext ctx;
     v1::ReadCheckpointRequest req;
     *req.mutable_session() = ref_;
     req.set_tag(tag);
     req.set_offset(offset);
     req.set_delete_after(delete_after);
     v1::ReadCheckpointResponse resp;
-    RETURN_IF_ERROR(Rpc(client_->stub()->ReadCheckpoint(&ctx, req, &resp)));
+    // A chunk, behind the session's earlier work; the daemon may read the whole file first.
+    RETURN_IF_ERROR(Call("ReadCheckpoint", StateBytes(), [&](grpc::ClientContext* ctx) {
+      return client_->stub()->ReadCheckpoint(ctx, req, &resp);
+    }));
     if (offset == 0) out.reserve(resp.total_bytes());
     out.append(reinterpret_cast<const char*>(staging), resp.length());
     offset += resp.length();
@@ -478,7 +691,6 @@ absl::Status Session::WriteCheckpointBytes(const std::string& tag, const std::st
   do {
     const uint64_t n = std::min<uint64_t>(chunk, bytes.size() - offset);
     memcpy(staging, bytes.data() + offset, n);
-    grpc::ClientContext ctx;
     v1::WriteCheckpointRequest req;
     *req.mutable_session() = ref_;
     req.set_tag(tag);
@@ -486,19 +698,25 @@ absl::Status Session::WriteCheckpointBytes(const std::string& tag, const std::st
     req.set_length(n);
     req.set_total_bytes(bytes.size());
     v1::WriteCheckpointResponse resp;
-    RETURN_IF_ERROR(Rpc(client_->stub()->WriteCheckpoint(&ctx, req, &resp)));
+    // A chunk; the last one has the daemon verify and write the whole upload.
+    RETURN_IF_ERROR(Call("WriteCheckpoint", std::max<uint64_t>(bytes.size(), StateBytes()),
+                         [&](grpc::ClientContext* ctx) {
+                           return client_->stub()->WriteCheckpoint(ctx, req, &resp);
+                         }));
     offset += n;
   } while (offset < bytes.size());
   return absl::OkStatus();
 }
 
 absl::Status Session::DeleteCheckpoint(const std::string& tag) {
-  grpc::ClientContext ctx;
   v1::DeleteCheckpointRequest req;
   *req.mutable_session() = ref_;
   req.set_tag(tag);
   v1::DeleteCheckpointResponse resp;
-  return Rpc(client_->stub()->DeleteCheckpoint(&ctx, req, &resp));
+  // On the session's strand, behind its earlier work.
+  return Call("DeleteCheckpoint", 0, [&](grpc::ClientContext* ctx) {
+    return client_->stub()->DeleteCheckpoint(ctx, req, &resp);
+  });
 }
 
 std::future<absl::StatusOr<v1::WaitUpdateResponse>> Session::WaitUpdateAsync(int64_t min_version) {

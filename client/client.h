@@ -37,8 +37,29 @@
 //                Client::ListSessions whether the session is still listed.
 //   ABORTED      from WaitUpdate / WaitUpdateAsync: the session was closed or reclaimed while the
 //                call waited (ABORTED also refuses an Update while the previous one runs).
+//   DEADLINE_EXCEEDED  a call's bound passed (Deadlines, below). The message names the socket,
+//                the RPC, the bound and the setting that makes it (rpc_timeout), and whether
+//                the daemon still answers a health check (asked for at most 1 s more): if not,
+//                it is stopped (SIGSTOP), hung or overloaded; if so, the call waited behind the
+//                session's earlier work (a long Update) or the node is overloaded. The call's
+//                outcome is then unknown (the daemon may still carry it out when it runs
+//                again), except from WaitUpdate when the daemon itself answered that the
+//                version is not ready yet: that one only waited, the session is intact and
+//                WaitUpdate may be called again.
+//
+// Deadlines: no call waits for the daemon without a bound. rpc_timeout (Connect's
+// rpc_timeout_s, else $STALLFREE_RPC_TIMEOUT in seconds, else kDefaultRpcTimeoutS) bounds every
+// RPC, WaitUpdate's wait for an Update included (so it must exceed the daemon's longest Update);
+// a call whose work in the daemon grows with the session's state (RegisterParams, LoadParams,
+// PushGradients, MigrateColumns and the checkpoint calls) gets one more second per
+// kSlowestBytesPerSecond bytes of that work, so that large checkpoints keep their time. Health
+// and Session::Close take at most 5 s and 10 s. WaitUpdate asks the daemon to wait rpc_timeout
+// less a margin (a quarter of it, at most 2 s), so that a live daemon answers "not ready" before
+// the call's deadline. Connect's handshake is bounded by its timeout_ms; the fd socket's
+// (attaching a session, a caller credential) by rpc_timeout.
 #pragma once
 
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -65,14 +86,28 @@ struct ParamSpec {
 // transport gives (the daemon never answers them), become UNAVAILABLE.
 absl::Status FromGrpc(const grpc::Status& s);
 
+// rpc_timeout's default (Deadlines above): twice the 60 s the daemon used to wait for an Update,
+// so that an Update that passed before passes now, while a daemon that stopped answering is
+// reported within 2 minutes instead of never.
+inline constexpr double kDefaultRpcTimeoutS = 120;
+// The slowest the daemon's work on state bytes (copying, mlocking, a checkpoint written with
+// fsync or read back) is allowed to be, for the bound of such a call: 64 MiB/s.
+inline constexpr double kSlowestBytesPerSecond = 64.0 * 1024 * 1024;
+// rpc_timeout in seconds: rpc_timeout_s when it is > 0, else $STALLFREE_RPC_TIMEOUT when set,
+// else kDefaultRpcTimeoutS. INVALID_ARGUMENT naming the setting for a value that is not a
+// positive number of seconds (at most 4294967, what WaitUpdateRequest.timeout_ms can name).
+absl::StatusOr<double> RpcTimeoutSeconds(double rpc_timeout_s = 0);
+
 class Session;
 
 class Client {
  public:
   // Connects to the daemon's gRPC socket; fails with UNAVAILABLE naming the socket (and how to
-  // start a daemon) if none answers within `timeout_ms`.
+  // start a daemon) if none answers within `timeout_ms`. rpc_timeout_s: the bound of every call
+  // after it (Deadlines above; 0: $STALLFREE_RPC_TIMEOUT, else kDefaultRpcTimeoutS).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& socket_path,
-                                                         int timeout_ms = 3000);
+                                                         int timeout_ms = 3000,
+                                                         double rpc_timeout_s = 0);
 
   absl::StatusOr<std::unique_ptr<Session>> OpenSession(const std::string& name, int rank);
   // grpc.health.v1 status of the daemon: "SERVING" when all is well.
@@ -96,10 +131,35 @@ class Client {
   ~Client();
   v1::Offload::Stub* stub() { return stub_.get(); }
   const std::string& socket_path() const { return socket_path_; }
+  // The bound of every call, in seconds (Deadlines above).
+  double rpc_timeout_s() const { return rpc_timeout_s_; }
 
  private:
-  Client(std::string path, std::shared_ptr<grpc::Channel> channel);
+  friend class Session;
+  using RpcFn = std::function<grpc::Status(grpc::ClientContext*)>;
+  Client(std::string path, std::shared_ptr<grpc::Channel> channel, double rpc_timeout_s);
+  // rpc_timeout plus the seconds `work_bytes` of daemon work may take (kSlowestBytesPerSecond).
+  double BoundFor(uint64_t work_bytes) const;
+  // Runs `call` under a deadline `bound_s` seconds from now; *expired: the deadline passed with
+  // no answer (gRPC's own DEADLINE_EXCEEDED, not the daemon's).
+  grpc::Status Invoke(double bound_s, const RpcFn& call, bool* expired);
+  // The DEADLINE_EXCEEDED of call `rpc` that got no answer within bound_s (for work_bytes of
+  // work), after a health check of at most 1 s that says whether the daemon still answers;
+  // daemon_pid (when known, else <= 0) named in the hint.
+  absl::Status Unanswered(const char* rpc, double bound_s, uint64_t work_bytes, int daemon_pid);
+  // status, converted (FromGrpc), for call `rpc`: an unanswered one as Unanswered, the daemon's
+  // own DEADLINE_EXCEEDED with the socket and the call named.
+  absl::Status Explain(absl::Status status, bool expired, const char* rpc, double bound_s,
+                       uint64_t work_bytes, int daemon_pid);
+  // An RPC of the Client's own: Invoke, FromGrpc, Explain.
+  absl::Status Call(const char* rpc, const RpcFn& call);
+  // One request and answer on a connection to the fd socket `path`, both bounded by rpc_timeout
+  // (DEADLINE_EXCEEDED naming the socket past it).
+  absl::Status FdExchange(int conn, const std::string& path, const std::string& request,
+                          std::string* reply, int* fd);
+
   std::string socket_path_;
+  double rpc_timeout_s_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Offload::Stub> stub_;
   std::mutex caller_mu_;
@@ -176,6 +236,10 @@ class Session {
   // empty.
   using ColumnMove = OffloadTarget::ColumnMove;
   absl::StatusOr<v1::MigrateColumnsResponse> HandOverColumns(const std::vector<ColumnMove>& moves);
+  // Waits until version min_version (or newer) is ready. timeout_ms: how long the daemon waits
+  // (the call's bound is that plus rpc_timeout); 0: rpc_timeout less a margin, the call's bound
+  // rpc_timeout (Deadlines above). The daemon's DEADLINE_EXCEEDED ("not ready after ...") may
+  // be retried: the Update goes on.
   absl::StatusOr<v1::WaitUpdateResponse> WaitUpdate(int64_t min_version, uint32_t timeout_ms = 0);
   std::future<absl::StatusOr<v1::WaitUpdateResponse>> WaitUpdateAsync(int64_t min_version);
   // Writes the session's optimizer state to the daemon's state directory as `tag`, and reads
@@ -202,6 +266,15 @@ class Session {
   // The status of one of this session's RPCs: FromGrpc's, or UNAVAILABLE once the session's
   // connection to the daemon has closed (see the top of this file).
   absl::Status Rpc(const grpc::Status& s) const;
+  // One of this session's RPCs, `rpc`, bounded by rpc_timeout plus work_bytes of daemon work
+  // (bound_s > 0: that bound instead): Invoke, Rpc, Client::Explain.
+  absl::Status Call(const char* rpc, uint64_t work_bytes, const Client::RpcFn& call,
+                    double bound_s = 0);
+  // The daemon's pid, from the session's connection to its fd socket; 0 when not attached.
+  int DaemonPid() const;
+  // The bytes of the session's state in the daemon: its region, and fp32 master, m, v and
+  // accumulator per element (what a checkpoint writes and reads); 0 before RegisterParams.
+  uint64_t StateBytes() const;
 
   Client* client_;
   v1::SessionRef ref_;

@@ -58,6 +58,7 @@ int PrintStats(stallfree::Client* client, const std::string& output) {
   printf("%-22s %s\n", "version", st.version().c_str());
   printf("%-22s %.1f s\n", "uptime", st.uptime_seconds());
   printf("%-22s %d\n", "worker_threads", st.worker_threads());
+  printf("%-22s %g s\n", "update_wait", st.update_wait_seconds());
   printf("%-22s %ld (opened %ld, closed %ld, reclaimed %ld)\n", "sessions", (long)st.sessions(),
          (long)st.sessions_opened(), (long)st.sessions_closed(), (long)st.sessions_reclaimed());
   printf("%-22s %ld (%ld elements, %s fp32)\n", "params", (long)st.params(),
@@ -163,6 +164,7 @@ struct Command {
   std::string output = "table";
   double watch = 0;
   int64_t iterations = 0;
+  double rpc_timeout = 0;         // seconds; 0: the client library's default
   std::vector<std::string> args;  // args[0] is the command
   const std::string& name() const { return args[0]; }
 };
@@ -187,6 +189,9 @@ int ParseCommand(int argc, char** argv, Command* c) {
                   "stats: print again every SECONDS until Ctrl-C (0: once); top: the refresh "
                   "interval (0: 1 s)");
   flags.AddInt("iterations", &c->iterations, "stats --watch, top: stop after N prints (0: never)");
+  flags.AddDouble("rpc_timeout", &c->rpc_timeout,
+                  "seconds each call to the daemon may take before it fails naming the daemon "
+                  "(a stopped or hung one); 0: the client library's default, 120");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   c->args = flags.positional();
   const std::string cmd = c->args.empty() ? "" : c->args[0];
@@ -201,6 +206,10 @@ int ParseCommand(int argc, char** argv, Command* c) {
             "stallfreectl: unknown command '%s' (health, stats, sessions, checkpoints, "
             "delete-checkpoint, close, top, metrics)\n",
             cmd.c_str());
+    return 2;
+  }
+  if (!(c->rpc_timeout >= 0)) {
+    fprintf(stderr, "stallfreectl: --rpc_timeout: %g is not >= 0 seconds\n", c->rpc_timeout);
     return 2;
   }
   if (c->watch < 0 || c->iterations < 0 || (c->watch > 0 && cmd != "stats" && cmd != "top")) {
@@ -313,7 +322,7 @@ int Run(int argc, char** argv) {
   using namespace stallfree;
   Command c;
   if (int code = ParseCommand(argc, argv, &c); code >= 0) return code;
-  auto connected = Client::Connect(c.socket);
+  auto connected = Client::Connect(c.socket, 3000, c.rpc_timeout);
   if (!connected.ok()) {
     fprintf(stderr, "stallfreectl: %s\n", std::string(connected.status().message()).c_str());
     return 1;

@@ -127,6 +127,9 @@ struct TrainOptions {
   // When the daemon goes away: wait this long for it to come back, then continue from the last
   // checkpoint (computing the steps since again); 0: fail at once, naming the --resume command.
   int64_t reconnect_s = 60;
+  // The bound of every call to the daemon in seconds (client/client.h, Deadlines); 0:
+  // $STALLFREE_RPC_TIMEOUT, else 120. A daemon that does not answer within it fails the step.
+  double rpc_timeout_s = 0;
   std::string command_line;      // how this run was started, for the --resume hint
   std::string resume;            // a checkpoint tag written by an earlier run
   // Weights only (fresh optimizer and data order) from another run's checkpoint, given as its

@@ -140,6 +140,10 @@ void AddRunFlags(stallfree::FlagSet* flags, stallfree::trainer::TrainOptions* o,
   flags->AddInt("reconnect_s", &o->reconnect_s,
                 "if stallfreed goes away, wait this long for it (systemd restarts it) and continue "
                 "from the last checkpoint; 0: stop at once and print the --resume command");
+  flags->AddDouble("rpc_timeout", &o->rpc_timeout_s,
+                   "seconds any call to stallfreed may take, a wait for its update included, "
+                   "before the run fails naming the daemon (a stopped or hung one); 0: the client "
+                   "library's default, 120");
   flags->AddInt("keep_checkpoints", &o->keep_checkpoints,
                 "keep the run's newest N checkpoints, trainer files and the daemon's (0: all)");
   flags->AddString("resume", &o->resume,

@@ -172,7 +172,7 @@ absl::Status TrainRun::StartEngine() {
       return absl::InvalidArgumentError(absl::StrCat(
           "socket: mode ", OffloadModeName(o.engine.mode),
           " needs stallfreed; start one (stallfreed --socket PATH) and pass --socket PATH"));
-    ASSIGN_OR_RETURN(client_, Client::Connect(o.socket));
+    ASSIGN_OR_RETURN(client_, Client::Connect(o.socket, 3000, o.rpc_timeout_s));
     // One session per rank, named with the global rank.
     ASSIGN_OR_RETURN(session_,
                      client_->OpenSession(
