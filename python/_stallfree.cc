@@ -68,13 +68,14 @@ void BindErrors(py::module_& m) {
 
 void BindClient(py::module_& m) {
   py::class_<Connection, std::shared_ptr<Connection>>(m, "Client")
-      .def(py::init([](const std::string& socket, int timeout_ms) {
+      .def(py::init([](const std::string& socket, int timeout_ms, double rpc_timeout) {
              py::gil_scoped_release release;
-             return Connection::Open(socket, timeout_ms);
+             return Connection::Open(socket, timeout_ms, rpc_timeout);
            }),
-           py::arg("socket"), py::arg("timeout_ms") = 3000)
+           py::arg("socket"), py::arg("timeout_ms") = 3000, py::arg("rpc_timeout") = 0.0)
       .def("health", &Connection::Health, py::call_guard<py::gil_scoped_release>())
-      .def("stats", &Connection::Stats, py::call_guard<py::gil_scoped_release>());
+      .def("stats", &Connection::Stats, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rpc_timeout", &Connection::RpcTimeout);
 }
 
 void BindEngine(py::module_& m) {

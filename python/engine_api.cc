@@ -51,6 +51,7 @@ class ConnectionImpl : public Connection {
             {"accumulate_seconds", s.accumulate_seconds()},
             {"worker_threads", static_cast<double>(s.worker_threads())}};
   }
+  double RpcTimeout() const override { return client_->rpc_timeout_s(); }
   Client* client() { return client_.get(); }
 
  private:
@@ -274,8 +275,11 @@ double TopkForBudget(const EngineConfig& config, const std::vector<ParamDesc>& p
   return *ratio;
 }
 
-std::shared_ptr<Connection> Connection::Open(const std::string& socket, int timeout_ms) {
-  return std::make_shared<ConnectionImpl>(Take(Client::Connect(socket, timeout_ms)));
+std::shared_ptr<Connection> Connection::Open(const std::string& socket, int timeout_ms,
+                                             double rpc_timeout_s) {
+  absl::StatusOr<double> t = RpcTimeoutSeconds(rpc_timeout_s);
+  if (!t.ok()) throw InvalidArgument(std::string(t.status().message()));
+  return std::make_shared<ConnectionImpl>(Take(Client::Connect(socket, timeout_ms, *t)));
 }
 
 std::unique_ptr<Engine> Engine::Create(std::shared_ptr<Connection> connection,

@@ -43,13 +43,14 @@ _ENGINE_KEY, _DAEMON_KEY, _META_KEY = "zenflow_engine", "zenflow_daemon", "zenfl
 _BLOB_KEYS = (_ENGINE_KEY, _DAEMON_KEY, _META_KEY)
 
 
-def _connect(socket, explicit):
-    """A client for `socket`; when it does not answer and it was not given explicitly, a client
-    for a private daemon (returned too, to be stopped with the optimizer)."""
+def _connect(socket, explicit, rpc_timeout=0.0):
+    """A client for `socket` whose calls are bounded by rpc_timeout seconds (0: the client's
+    default); when it does not answer and it was not given explicitly, a client for a private
+    daemon (returned too, to be stopped with the optimizer)."""
     why = "the socket does not exist"
     if os.path.exists(socket):
         try:
-            return _stallfree.Client(socket, 3000), None
+            return _stallfree.Client(socket, 3000, rpc_timeout), None
         except Error as e:
             why = str(e)
     if explicit:
@@ -60,7 +61,7 @@ def _connect(socket, explicit):
     daemon = Daemon()
     print("stallfree: no stallfreed answers at %s; started a private one (pid %d) on %s; it "
           "stops with this optimizer" % (socket, daemon.pid, daemon.socket), file=sys.stderr)
-    return _stallfree.Client(daemon.socket, 3000), daemon
+    return _stallfree.Client(daemon.socket, 3000, rpc_timeout), daemon
 
 
 def _rank():
@@ -573,6 +574,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     itself (a reduce-scatter: each rank receives the mean of its own rows only).
     timeout: seconds any of those collectives may take; past it, or when a peer dies,
     stallfree.Error names the ranks that are gone.
+    rpc_timeout: seconds any call to the daemon may take, a wait for its Update included (so
+    more than its longest Update); None means $STALLFREE_RPC_TIMEOUT, else 120 (client/client.h,
+    "Deadlines": calls that move the session's state get one more second per 64 MiB). A daemon
+    that does not answer within it (stopped, hung) makes step() raise stallfree.Error with code
+    DEADLINE_EXCEEDED naming the socket, the call and the bound, instead of waiting forever.
 
     lr, betas, eps, weight_decay and amsgrad default to torch.optim.AdamW's defaults (weight_decay
     1e-2), so a script that drops it in without them trains the same AdamW. lr, betas, eps and
@@ -613,7 +619,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  warmup_steps=100, await_updates=False, land_lag=0, predict_cold=True,
                  grad_dtype="bf16", param_dtype="bf16", transfers="auto",
                  stream_gradients=False, socket=None, session_name=None, process_group=None,
-                 reduce_gradients=False, timeout=300.0):
+                 reduce_gradients=False, timeout=300.0, rpc_timeout=None):
         _check_hyper(lr, betas, eps, weight_decay, "")
         for flag, value in (("amsgrad", amsgrad), ("maximize", maximize),
                             ("capturable", capturable), ("differentiable", differentiable)):
@@ -650,6 +656,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not timeout > 0:
             raise ValueError("timeout: %r is not a positive number of seconds" % (timeout,))
         self._timeout = datetime.timedelta(seconds=float(timeout))
+        if rpc_timeout is not None and (isinstance(rpc_timeout, bool) or
+                                        not isinstance(rpc_timeout, (int, float)) or
+                                        not rpc_timeout > 0):
+            raise ValueError("rpc_timeout: %r is not a positive number of seconds (None: "
+                             "$STALLFREE_RPC_TIMEOUT, else 120)" % (rpc_timeout,))
         self._reduce_gradients = bool(reduce_gradients)
         if stream_gradients:
             if mode != "zenflow":
@@ -683,9 +694,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if mode != "no-offload":
             explicit = socket is not None
             self.socket = socket or os.environ.get("STALLFREE_SOCKET") or default_socket()
-            self._client, self.daemon = _connect(self.socket, explicit)
+            self._client, self.daemon = _connect(self.socket, explicit,
+                                                 float(rpc_timeout or 0.0))
             if self.daemon is not None:
                 self.socket = self.daemon.socket
+        # The bound of every call to the daemon, in seconds (None without one).
+        self.rpc_timeout = self._client.rpc_timeout if self._client is not None else None
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         try:
             super().__init__(params, defaults)
@@ -939,6 +953,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """The engine's error, or, when the daemon went away, what was lost and how to go on."""
         # By code (client/client.h: UNAVAILABLE is a daemon that went away, a restarted one that
         # no longer has the session included), not by the message's text.
+        if getattr(e, "code", "") == "DEADLINE_EXCEEDED":
+            # The call that timed out left the step partway (some columns stepped, some pushes
+            # sent): the engine cannot redo it, so this optimizer stops here.
+            err = Error(
+                "%s. This optimizer cannot go on (its step stopped partway). Once stallfreed at "
+                "%s answers again, load the model's and this optimizer's state_dict() saved "
+                "before (opt.load_state_dict() gives it fresh daemon sessions) and go on from "
+                "there; if the daemon was only slow, pass a larger rpc_timeout (now %g s)"
+                % (str(e).rstrip("."), self.socket, self.rpc_timeout or 0))
+            err.code = e.code
+            return err
         if getattr(e, "code", "") != "UNAVAILABLE":
             return e
         msg = str(e)
