@@ -653,6 +653,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._config["topk_ratio"] = _topk_for_budget(params, self._config, device_budget)
         self._session_name = session_name or "torch"
         self._group = _data_parallel_group(process_group)
+        # process_group not given and torch.distributed not (yet) initialized: the partition
+        # is resolved again when the optimizer is first used (_resolve_group).
+        self._group_pending = process_group is None and self._group is None
+        self._version = 0          # bumped by every step() and load_state_dict()
+        self._consolidated = None  # (version, state dict of every rank) on the `to` rank
+        self._trainers = weakref.WeakSet()  # Hugging Face Trainers given the save callback
         if not timeout > 0:
             raise ValueError("timeout: %r is not a positive number of seconds" % (timeout,))
         self._timeout = datetime.timedelta(seconds=float(timeout))
@@ -758,11 +764,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             members.append((name, p))
         stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" \
             else None
-        shards = _Shards(self._group, members, self._reduce_gradients, self._timeout)
-        if shards.world > 1:
-            _check_same_parameters(self._group, members, "param_groups[%d]" % gi)
-            shards.peers = _peers(self._group)  # every rank has announced itself by now
-        engine = self._make_engine(gi, shards, device, stream) if members else None
+        shards, engine = self._partition(gi, members, device, stream)
         self._shards.append(shards)
         self._members.append(members)
         self._hypers.append(_hyper_of(group))
@@ -779,6 +781,58 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for _, p in members:
             self.state[p] = {"step": torch.tensor(0.0)}
         self._mark_blob_entries()
+
+    def _partition(self, gi, members, device, stream):
+        """Group gi's data-parallel partition over self._group and its engine (None without
+        members)."""
+        shards = _Shards(self._group, members, self._reduce_gradients, self._timeout)
+        if shards.world > 1:
+            _check_same_parameters(self._group, members, "param_groups[%d]" % gi)
+            shards.peers = _peers(self._group)  # every rank has announced itself by now
+        engine = self._make_engine(gi, shards, device, stream) if members else None
+        return shards, engine
+
+    def _resolve_group(self):
+        """The partition follows torch.distributed when it was initialized after the optimizer
+        was built (a script that builds it before a Hugging Face TrainingArguments, which
+        initialises torch.distributed under torchrun): at the first use after that (step,
+        state_dict, load_state_dict, flush, consolidate_state_dict) the default group becomes
+        process_group and every group's engine is rebuilt over its share, before anything has
+        been stepped. A collective of the group, as that first use is."""
+        if not self._group_pending:
+            return
+        group = _data_parallel_group(None)
+        if group is None or torch.distributed.get_world_size(group) == 1:
+            return
+        self._group_pending = False
+        if any(e is not None and e.step_count > 0 for e in self._engines):
+            raise Error(
+                "torch.distributed was initialized after this optimizer had stepped alone: its "
+                "state is one process's, not a share of %d ranks'. Build ZenFlowAdamW after "
+                "torch.distributed.init_process_group (or Hugging Face TrainingArguments), or "
+                "pass process_group" % torch.distributed.get_world_size(group))
+        if self._config["stream_gradients"]:
+            raise Error("stream_gradients: not with data parallelism (torch.distributed was "
+                        "initialized after the optimizer was built with it); build the "
+                        "optimizer with stream_gradients=False")
+        self._group = group
+        _announce()
+        for gi, members in enumerate(self._members):
+            old = self._engines[gi]
+            device = members[0][1].device if members else None
+            shards, engine = self._partition(gi, members, device, self._streams[gi])
+            self._shards[gi], self._engines[gi] = shards, engine
+            self._hypers[gi] = _hyper_of(self.param_groups[gi])
+            if old is not None:
+                old.close(flush=False)  # nothing stepped: the parameters hold every value
+
+    @property
+    def partition(self):
+        """{"world": L, "rank": r}: the data-parallel ranks this optimizer's state is split
+        over and this rank's place among them ({"world": 1, "rank": 0} in one process)."""
+        for shards in self._shards:
+            return shards.describe()
+        return {"world": 1, "rank": 0}
 
     def _make_engine(self, gi, shards, device, stream):
         group = self.param_groups[gi]
@@ -864,6 +918,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         refused step changes nothing."""
         if self._closed:
             raise Error("the optimizer is closed")
+        self._resolve_group()
+        self._follow_trainer()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -947,6 +1003,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             timings.append(timing)
         if timings:
             self._last_timings = _sum_timings(timings)
+        self._version += 1
         return loss
 
     def _explain(self, e):
@@ -1024,6 +1081,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def flush(self):
         """Waits for all offload work and brings every cold column to the newest update."""
+        self._resolve_group()
         for gi in range(len(self._engines)):
             if self._engines[gi] is not None:
                 with self._ordered(gi):
@@ -1045,9 +1103,90 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         holds the group's engine state, its daemon session's checkpoint and their description
         (uint8 tensors), so that load_state_dict in another process continues exactly. The
         state-dict post-hooks see all of it. Does not change the run: a daemon update still
-        running is waited for but its result applied at the usual step."""
+        running is waited for but its result applied at the usual step.
+
+        Partitioned over data-parallel ranks, this rank's share; after consolidate_state_dict
+        (and until the next step() or load_state_dict()), on the rank it gathered to, every
+        rank's. Called by accelerate's Accelerator.save_state (which every rank calls), it
+        consolidates on rank 0 itself; under a Hugging Face Trainer the optimizer consolidates
+        before each checkpoint (_follow_trainer), so the checkpoint the main process writes
+        holds every rank's share."""
         if self._closed:
             raise Error("the optimizer is closed")
+        self._resolve_group()
+        cached = self._consolidated
+        if cached is not None and cached[0] == self._version:
+            return cached[1]
+        if self.partition["world"] > 1 and _called_from("accelerate.checkpointing",
+                                                        "save_accelerator_state"):
+            self.consolidate_state_dict(to=0)
+            cached = self._consolidated
+            if cached is not None:
+                return cached[1]
+        return self._share_state_dict()
+
+    def consolidate_state_dict(self, to=0):
+        """Gathers every data-parallel rank's share of the state on rank `to` of process_group
+        (every rank when to is None), as torch's ZeroRedundancyOptimizer does: a collective of
+        the group. Until the next step() or load_state_dict(), state_dict() there returns the
+        whole state (version 3: each group's engine and daemon states of every rank, one after
+        the other), which load_state_dict takes on any number of ranks, each taking its rows.
+        Costs that rank the host memory of every rank's share. In one process: nothing to do."""
+        if self._closed:
+            raise Error("the optimizer is closed")
+        self._resolve_group()
+        self._consolidated = None
+        where = self.partition
+        if where["world"] == 1:
+            return
+        mine = self._share_state_dict()
+        shares = [_group_blobs(mine, gi) for gi in range(len(self.param_groups))]
+        group = self._group
+        if to is None:
+            every = [None] * where["world"]
+            torch.distributed.all_gather_object(every, shares, group=group)
+        else:
+            every = [None] * where["world"] if where["rank"] == to else None
+            torch.distributed.gather_object(
+                shares, every, dst=torch.distributed.get_global_rank(group, to), group=group)
+        if every is None:
+            return
+        whole = dict(mine, state=dict(mine["state"]))
+        for gi in range(len(self.param_groups)):
+            key, meta = shares[gi][0], shares[gi][1]
+            if key is None:
+                continue
+            meta = dict(meta, version=3, partition={"world": where["world"], "rank": 0},
+                        consolidated={"engine": [int(e[gi][2].numel()) for e in every],
+                                      "daemon": [int(e[gi][3].numel()) for e in every]})
+            whole["state"][key] = dict(whole["state"][key], **{
+                _ENGINE_KEY: torch.cat([_uint8(e[gi][2]) for e in every]),
+                _DAEMON_KEY: torch.cat([_uint8(e[gi][3]) for e in every]),
+                _META_KEY: _bytes_tensor(bytearray(json.dumps(meta, sort_keys=True).encode()))})
+        self._consolidated = (self._version, whole)
+
+    def _follow_trainer(self):
+        """Partitioned under a Hugging Face Trainer (found among step()'s callers), a callback
+        on it that consolidates the state on the saving rank before each checkpoint: the
+        Trainer has only its main process call state_dict(), so without it the checkpoint
+        would hold rank 0's share alone. Nothing changes in the user's script."""
+        if self.partition["world"] == 1:
+            return
+        module = sys.modules.get("transformers.trainer")
+        if module is None:
+            return
+        frame = sys._getframe(2)
+        while frame is not None:
+            trainer = frame.f_locals.get("self")
+            if isinstance(trainer, module.Trainer):
+                if trainer not in self._trainers:
+                    trainer.add_callback(_consolidating_callback(self))
+                    self._trainers.add(trainer)
+                return
+            frame = frame.f_back
+
+    def _share_state_dict(self):
+        """This rank's state dict (state_dict() without consolidation)."""
         with _hooks_held(self, "_optimizer_state_dict_pre_hooks") as pre_hooks:
             for hook in pre_hooks.values():
                 hook(self)
@@ -1098,10 +1237,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         each rank's memory to its own share."""
         if self._closed:
             raise Error("the optimizer is closed")
+        self._resolve_group()
         dicts = list(state_dict) if isinstance(state_dict, (list, tuple)) else [state_dict]
         if not dicts:
             raise Error("load_state_dict: an empty list of state dicts")
-        dicts = [d.copy() for d in dicts]
+        dicts = _ranks_of_consolidated([d.copy() for d in dicts])
         with _hooks_held(self, "_optimizer_load_state_dict_pre_hooks") as pre_hooks:
             for hook in pre_hooks.values():
                 for i, d in enumerate(dicts):
@@ -1122,6 +1262,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if new is not old:
                 old.close(flush=False)  # its state is replaced; the model holds the loaded values
         self._engines, self._hypers = engines, hypers
+        self._version += 1
         for shards in self._shards:
             shards.hot_cache = None
         for gi, members in enumerate(self._members):  # a legacy state dict has no entries
@@ -1250,7 +1391,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return None, None
 
     def _check_meta(self, gi, meta, where):
-        if meta.get("version") not in (1, _STATE_VERSION):
+        if meta.get("version") not in (1, _STATE_VERSION):  # 3 is expanded on load
             raise Error("%s: state dict version %r, this stallfree reads 1 and %d"
                         % (where, meta.get("version"), _STATE_VERSION))
         # transfers and stream_gradients choose how the same numbers move, not the numbers: any
@@ -1369,6 +1510,107 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def __repr__(self):
         return "ZenFlowAdamW(mode=%s, groups=%d, socket=%s)" % (
             self._config["mode"], len(self.param_groups), self.socket)
+
+
+def _called_from(module, function):
+    """Whether a caller's frame runs `function` of `module` (a library calling the optimizer
+    from a place where every rank calls it: accelerate's save_state)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _group_blobs(sd, gi):
+    """(state key, meta dict, engine tensor, daemon tensor) of group gi's engine entry in a
+    state dict of this stallfree, or (None,) * 4 for a group without one."""
+    for key in sd["param_groups"][gi]["params"]:
+        entry = sd["state"].get(key, {})
+        if _META_KEY in entry:
+            raw = bytes(_uint8(entry[_META_KEY]).tolist())
+            try:
+                meta = json.loads(raw.decode()) if raw else {}  # {}: a placeholder
+            except ValueError:
+                meta = {}  # not ours to judge here: load_state_dict's checks name it
+            return key, meta, entry[_ENGINE_KEY], entry[_DAEMON_KEY]
+    return None, None, None, None
+
+
+def _ranks_of_consolidated(dicts):
+    """A consolidated state dict (consolidate_state_dict: version 3) as the list of the state
+    dicts of its L ranks, each group's engine and daemon states views into the consolidated
+    ones; anything else as it is."""
+    if len(dicts) != 1 or not isinstance(dicts[0], dict) or \
+            not isinstance(dicts[0].get("param_groups"), list) or \
+            not isinstance(dicts[0].get("state"), dict):
+        return dicts
+    whole = dicts[0]
+    found = [_group_blobs(whole, gi) for gi in range(len(whole["param_groups"]))]
+    metas = [f[1] for f in found if f[1] is not None]
+    if not any("consolidated" in m for m in metas):
+        return dicts
+    try:
+        world = int(next(m for m in metas if "consolidated" in m)["partition"]["world"])
+    except (KeyError, TypeError, ValueError):
+        raise Error("a consolidated state dict without its number of ranks: it is damaged")
+    if not 1 <= world <= 1 << 16:
+        raise Error("a consolidated state dict of %d ranks: it is damaged" % world)
+    ranks = [dict(whole, state=dict(whole["state"])) for _ in range(world)]
+    for key, meta, engine, daemon in found:
+        if key is None:
+            continue
+        sizes = meta.get("consolidated", {})
+        lens_e, lens_d = sizes.get("engine", []), sizes.get("daemon", [])
+        engine, daemon = _uint8(engine), _uint8(daemon)
+        if not isinstance(lens_e, list) or not isinstance(lens_d, list) or \
+                not all(isinstance(x, int) and x >= 0 for x in lens_e + lens_d) or \
+                len(lens_e) != world or len(lens_d) != world or \
+                sum(lens_e) != engine.numel() or sum(lens_d) != daemon.numel():
+            raise Error("a consolidated state dict whose sizes %s do not match its %d and %d "
+                        "bytes of engine and daemon state: it is damaged" % (
+                            sizes, engine.numel(), daemon.numel()))
+        at_e = at_d = 0
+        for j in range(world):
+            own = {k: v for k, v in meta.items() if k != "consolidated"}
+            own.update(version=_STATE_VERSION, partition={"world": world, "rank": j})
+            ranks[j]["state"][key] = dict(whole["state"][key], **{
+                _ENGINE_KEY: engine[at_e:at_e + lens_e[j]],
+                _DAEMON_KEY: daemon[at_d:at_d + lens_d[j]],
+                _META_KEY: _bytes_tensor(bytearray(json.dumps(own, sort_keys=True).encode()))})
+            at_e += lens_e[j]
+            at_d += lens_d[j]
+    return ranks
+
+
+def _consolidating_callback(opt):
+    """The Hugging Face TrainerCallback of _follow_trainer: before a checkpoint (the Trainer's
+    control.should_save after a step or an epoch; with save_strategy "best", after each
+    evaluation, which decides it) the ranks consolidate the optimizer's state on the saving
+    rank (every rank with save_on_each_node)."""
+    from transformers import TrainerCallback
+
+    class ConsolidateBeforeSave(TrainerCallback):
+        def __init__(self):
+            self.opt = weakref.ref(opt)
+
+        def _consolidate(self, args, when):
+            o = self.opt()
+            if o is not None and not o._closed and when:
+                o.consolidate_state_dict(to=None if args.save_on_each_node else 0)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self._consolidate(args, control.should_save)
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            self._consolidate(args, control.should_save)
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self._consolidate(args, str(getattr(args.save_strategy, "value",
+                                                args.save_strategy)) == "best")
+
+    return ConsolidateBeforeSave()
 
 
 _warned_missing = set()

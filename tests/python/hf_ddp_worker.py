@@ -1,6 +1,8 @@
 """One rank of test_hf_torchrun.py, started by `python -m torch.distributed.run
 --nproc_per_node 2 hf_ddp_worker.py SOCKET OUT_DIR STEPS RUNS_JSON`: for each run of RUNS_JSON
-({name: [optimizer, config]}) a Trainer run (hf_models.train) of the tiny Llama with
+({name: [optimizer, config] or [optimizer, config, more hf_models.train arguments]}) a Trainer
+run (with {"accelerate": true, ...} among those arguments, accelerate's own loop instead:
+hf_models.accelerate_train, Accelerator(cpu=True) on the gloo ranks torchrun made) (hf_models.train) of the tiny Llama with
 per_device_train_batch_size BATCH / WORLD and ddp_backend="gloo" (the Trainer wraps the model in
 DistributedDataParallel itself), every ZenFlowAdamW of both ranks on the one stallfreed at
 SOCKET (TrainingArguments, made first, initialise torch.distributed, so each optimizer opens its
@@ -21,13 +23,20 @@ def main():
     steps, runs = int(sys.argv[3]), json.loads(sys.argv[4])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    for name, (optimizer, config) in runs.items():
+    for name, (optimizer, config, *more) in runs.items():
         if config is not None:
             config = dict(config, socket=socket)
+        more = dict(more[0]) if more else {}
+        if more.pop("accelerate", False):  # accelerate's own loop (hf_models.accelerate_train)
+            result = hf_models.accelerate_train("llama", optimizer, config, max_steps=steps,
+                                                **more)
+            result["world"] = world
+            torch.save(result, os.path.join(out_dir, f"{name}-rank{rank}.pt"))
+            continue
         result = hf_models.train("llama", optimizer, config, max_steps=steps,
                                  out_dir=os.path.join(out_dir, name),
                                  per_device_batch=hf_models.BATCH // world, ddp_backend="gloo",
-                                 ddp_find_unused_parameters=False)
+                                 ddp_find_unused_parameters=False, **more)
         assert dist.is_initialized() and dist.get_world_size() == world
         result["world"] = world
         torch.save(result, os.path.join(out_dir, f"{name}-rank{rank}.pt"))

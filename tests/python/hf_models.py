@@ -133,6 +133,7 @@ class Recorder(TrainerCallback):
 
     def __init__(self, nudge_seed=None):
         self.optimizer = None
+        self.partition = None  # ZenFlowAdamW's partition, at the last step
         self.timings = []
         self.gen = None if nudge_seed is None else torch.Generator().manual_seed(nudge_seed)
 
@@ -140,6 +141,7 @@ class Recorder(TrainerCallback):
         self.optimizer = getattr(optimizer, "optimizer", optimizer)
         if hasattr(self.optimizer, "last_timings"):
             self.timings.append(dict(self.optimizer.last_timings))
+            self.partition = getattr(self.optimizer, "partition", None)
         if self.gen is not None:
             with torch.no_grad():
                 for p in model.parameters():
@@ -167,18 +169,27 @@ def history(log_history, key):
 
 def train(kind, optimizer="adamw", config=None, *, max_steps, out_dir, save_steps=None,
           resume_from=None, seed=0, nudge_seed=None, lr=LR, eps=EPS, model_seed=0,
-          dropout=None, per_device_batch=BATCH, cls_and_kwargs=False, **args_kw):
+          dropout=None, per_device_batch=BATCH, cls_and_kwargs=False, optimizer_first=False,
+          **args_kw):
     """One Trainer run; returns {"losses": {step: loss}, "grad_norms": {step: norm}, "params":
     {name: tensor}, "timings": [last_timings per step this process ran], "hot": {name: hot
     columns at the end} (ZenFlowAdamW in zenflow mode), "optimizer": the optimizer's class
     name}. args_kw: more TrainingArguments. cls_and_kwargs: instead of optimizers=(optimizer,
     scheduler), Trainer(optimizer_cls_and_kwargs=(class, kwargs)): the Trainer builds the
-    groups and the scheduler (from the arguments: the same cosine with warm-up)."""
+    groups and the scheduler (from the arguments: the same cosine with warm-up).
+    optimizer_first: model and optimizer before the TrainingArguments (under torchrun, before
+    torch.distributed is initialised); "partition" in the result is the optimizer's."""
     torch.set_num_threads(1)
     # As in a user's script: the arguments first (under torchrun this initialises
-    # torch.distributed, which ZenFlowAdamW sees when it is built), then model and optimizer.
+    # torch.distributed, which ZenFlowAdamW sees when it is built), then model and optimizer;
+    # or, optimizer_first, the other way round.
+    if optimizer_first:
+        assert not cls_and_kwargs
+        model = make_model(kind, model_seed, dropout=dropout)
+        early = OPTIMIZERS[optimizer](param_groups(model), lr=lr, eps=eps, **(config or {}))
     args = training_args(out_dir, max_steps, save_steps, seed, per_device_batch, **args_kw)
-    model = make_model(kind, model_seed, dropout=dropout)
+    if not optimizer_first:
+        model = make_model(kind, model_seed, dropout=dropout)
     recorder = Recorder(nudge_seed)
     if cls_and_kwargs:
         from stallfree.torch import ZenFlowAdamW
@@ -187,7 +198,8 @@ def train(kind, optimizer="adamw", config=None, *, max_steps, out_dir, save_step
         trainer = Trainer(model=model, args=args, train_dataset=ByteDataset(),
                           optimizer_cls_and_kwargs=(ZenFlowAdamW, kwargs), callbacks=[recorder])
     else:
-        opt = OPTIMIZERS[optimizer](param_groups(model), lr=lr, eps=eps, **(config or {}))
+        opt = early if optimizer_first else \
+            OPTIMIZERS[optimizer](param_groups(model), lr=lr, eps=eps, **(config or {}))
         trainer = Trainer(model=model, args=args, train_dataset=ByteDataset(),
                           optimizers=(opt, make_scheduler(opt, max_steps)),
                           callbacks=[recorder])
@@ -205,7 +217,8 @@ def train(kind, optimizer="adamw", config=None, *, max_steps, out_dir, save_step
     logs = trainer.state.log_history
     return {"losses": history(logs, "loss"), "grad_norms": history(logs, "grad_norm"),
             "params": snapshot(model), "timings": recorder.timings, "hot": hot,
-            "optimizer": type(recorder.optimizer).__name__}
+            "optimizer": type(recorder.optimizer).__name__,
+            "partition": recorder.partition}
 
 
 def accelerate_train(kind, optimizer="adamw", config=None, *, max_steps, seed=0, save_at=None,
@@ -267,7 +280,7 @@ def accelerate_train(kind, optimizer="adamw", config=None, *, max_steps, seed=0,
             opt.close()
     return {"losses": losses, "grad_norms": grad_norms,
             "params": snapshot(accelerator.unwrap_model(model)), "timings": timings,
-            "optimizer": type(opt).__name__}
+            "optimizer": type(opt).__name__, "partition": getattr(opt, "partition", None)}
 
 
 # ZenFlowAdamW configurations that must track torch.optim.AdamW within the tolerances below:

@@ -128,3 +128,66 @@ def test_ddp_zenflow_defaults_match_one_process(ddp, single):
     print(f"zenflow defaults: DDP vs one process: losses {loss:.3g}, parameters {param:.3g} "
           f"({worst})")
     assert loss <= LOSS_RTOL, loss
+
+
+def torchrun(daemon, out, runs, steps=STEPS):
+    run_python("torch.distributed.run", "--nproc_per_node", WORLD, "--master_addr", "127.0.0.1",
+               "--master_port", free_port(), os.path.join(HERE, "hf_ddp_worker.py"),
+               daemon.socket, out, steps, json.dumps(runs), module=True, timeout=240)
+    return {name: [torch.load(str(out / f"{name}-rank{r}.pt")) for r in range(WORLD)]
+            for name in runs}
+
+
+def test_a_two_rank_checkpoint_resumes_on_two_ranks_and_on_one(daemon, tmp_path):
+    """The script builds the optimizer before its TrainingArguments (so before torchrun's
+    torch.distributed exists): it still partitions over the two ranks once the Trainer has
+    initialised them. The Trainer saves checkpoint-30 mid-round (round 29-32, fp32 transfers
+    and the fixed schedule of zenflow-S4-fp32) from its main process only; the optimizer
+    consolidated both ranks' shares before, so its optimizer.pt holds both. Resumed from it
+    with two ranks, steps 31-40 and the final parameters equal the uninterrupted run's bit for
+    bit; in one process over the whole batch, within the tolerances of DDP against one process
+    (LOSS_RTOL / PARAM_ATOL, the module docstring). (Before, the optimizer built first did not
+    partition, and a partitioned one's checkpoint held rank 0's share, which rank 1 refused.)"""
+    config = dict(hf_models.FP32, **FIXED)
+    saved = torchrun(daemon, tmp_path, {"saved": ["zenflow", config, dict(
+        save_steps=30, optimizer_first=True)]})["saved"]
+    assert [r["partition"] for r in saved] == [{"world": 2, "rank": 0}, {"world": 2, "rank": 1}]
+    ckpt = str(tmp_path / "saved" / "checkpoint-30")
+    opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True)
+    metas = [json.loads(bytes(e["zenflow_meta"].tolist()).decode())
+             for e in opt["state"].values() if "zenflow_meta" in e]
+    assert metas and all(m["partition"]["world"] == 2 and "consolidated" in m for m in metas)
+    resumed = torchrun(daemon, tmp_path, {"resumed": ["zenflow", config, dict(
+        resume_from=ckpt)]})["resumed"]
+    after = range(31, STEPS + 1)
+    for r in range(WORLD):
+        assert [resumed[r]["losses"][s] for s in after] == [saved[r]["losses"][s] for s in after]
+        for name, p in saved[r]["params"].items():
+            assert torch.equal(resumed[r]["params"][name], p), (r, name)
+    one = hf_models.train("llama", "zenflow", dict(config, socket=daemon.socket),
+                          max_steps=STEPS, out_dir=str(tmp_path / "one"), resume_from=ckpt)
+    for s in after:
+        assert one["losses"][s] == pytest.approx(saved[0]["losses"][s], rel=LOSS_RTOL), s
+    for name, p in saved[0]["params"].items():
+        assert torch.allclose(one["params"][name], p, rtol=0, atol=PARAM_ATOL), name
+
+
+def test_accelerate_save_state_of_two_ranks_resumes_exactly(daemon, tmp_path):
+    """accelerate's loop on two ranks (Accelerator(cpu=True) over gloo; each rank a batch of its
+    own): accelerator.save_state at step 8, mid-round (warm-up 2, rounds of 4 ending at 6, 10),
+    writes the main process's optimizer state_dict(); every rank calls save_state, so the
+    optimizer consolidates both ranks' shares into it. Resumed with accelerator.load_state on
+    two ranks, steps 9-12 and the final parameters equal the uninterrupted run's bit for bit
+    (before, rank 1 refused rank 0's share)."""
+    config = dict(hf_models.FP32, update_interval=4, warmup_steps=2)
+    save = str(tmp_path / "state")
+    saved = torchrun(daemon, tmp_path, {"saved": ["zenflow", config, dict(
+        accelerate=True, save_at=8, save_dir=save)]}, steps=12)["saved"]
+    assert [r["partition"] for r in saved] == [{"world": 2, "rank": 0}, {"world": 2, "rank": 1}]
+    resumed = torchrun(daemon, tmp_path, {"resumed": ["zenflow", config, dict(
+        accelerate=True, resume_from=save)]}, steps=12)["resumed"]
+    for r in range(WORLD):
+        assert [resumed[r]["losses"][s] for s in range(9, 13)] == \
+            [saved[r]["losses"][s] for s in range(9, 13)]
+        for name, p in saved[r]["params"].items():
+            assert torch.equal(resumed[r]["params"][name], p), (r, name)
