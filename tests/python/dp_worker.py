@@ -11,7 +11,8 @@ true casts the model to torch.bfloat16;
 "_drop": [parameter, rank, step, "none" | "zero"]: that rank's gradient of that parameter in
 that step is taken away (None) or zeroed before opt.step(); parameter may be a list of names,
 or "1-D": every 1-D parameter, a whole param group; "_perturb": [parameter, rank]: that rank
-adds 1e-3 to that parameter before the optimizer is built). "_save_at": K saves, after
+adds 1e-3 to that parameter before the optimizer is built; "_dcp": true saves and resumes the
+optimizer through stallfree.dcp (OUT/<run>-dcp) instead of torch.save per rank). "_save_at": K saves, after
 step K, every rank's optimizer state_dict() (OUT/<run>-opt-rank<r>.pt) and rank 0 the model's and
 the scheduler's (OUT/<run>-model.pt); "_resume": {"dir", "run", "world", "step"} starts instead
 from such a save of a run with `world` ranks: the model's weights, the optimizer from the list of
@@ -42,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import models
 import stallfree
+import stallfree.dcp
 from stallfree.torch import ZenFlowAdamW
 
 
@@ -67,6 +69,7 @@ def main():
         bf16 = config.pop("_bf16", False)
         drop = config.pop("_drop", None)
         perturb = config.pop("_perturb", None)
+        use_dcp = config.pop("_dcp", False)
         resume = config.pop("_resume", None)
         model = models.make_model(seed, odd=odd, **(dict(vocab=width, d=width, hidden=width)
                                                     if width else {}))
@@ -87,9 +90,12 @@ def main():
                                weights_only=True)
             model.load_state_dict(saved["model"])
             sched.load_state_dict(saved["sched"])
-            opt.load_state_dict([
-                torch.load(os.path.join(resume["dir"], f"{resume['run']}-opt-rank{j}.pt"),
-                           mmap=True, weights_only=True) for j in range(resume["world"])])
+            if use_dcp:
+                stallfree.dcp.load(opt, os.path.join(resume["dir"], f"{resume['run']}-dcp"))
+            else:
+                opt.load_state_dict([
+                    torch.load(os.path.join(resume["dir"], f"{resume['run']}-opt-rank{j}.pt"),
+                               mmap=True, weights_only=True) for j in range(resume["world"])])
             start = resume["step"] + 1
         try:
             for step in range(start, run_steps + 1):
@@ -122,7 +128,11 @@ def main():
                     record["stats"] = stats(sorted(set(sockets)))
                     dist.barrier()
                 if step == save_at:
-                    torch.save(opt.state_dict(), os.path.join(out, f"{name}-opt-rank{rank}.pt"))
+                    if use_dcp:
+                        stallfree.dcp.save(opt, os.path.join(out, f"{name}-dcp"))
+                    else:
+                        torch.save(opt.state_dict(),
+                                   os.path.join(out, f"{name}-opt-rank{rank}.pt"))
                     if rank == 0:
                         torch.save({"model": model.state_dict(), "sched": sched.state_dict()},
                                    os.path.join(out, f"{name}-model.pt"))

@@ -280,6 +280,35 @@ def test_save_with_4_ranks_resume_with_fewer(saved_by_4, daemon, tmp_path, world
                 (name, world, SAVE_AT + 1 + i)
 
 
+def test_dcp_save_with_4_ranks_load_with_2(daemon, tmp_path):
+    """stallfree.dcp: 4 ranks save the zenflow run's optimizer mid-round through
+    torch.distributed.checkpoint, each rank writing its own share (4 sets of keys in the
+    checkpoint's metadata); 2 ranks load it, each reading the shares whose rows overlap its own,
+    and continue within the tolerances of test_save_with_4_ranks_resume_with_fewer (the same
+    uninterrupted run: saving does not change it); 4 ranks continue bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    name = "zenflow"
+    config = dict(RESUMED[name], _dcp=True)
+    out = tmp_path / "save4"
+    uninterrupted = train_ranks(4, out, [daemon.socket], {name: dict(config, _save_at=SAVE_AT)},
+                                wrap="reduce", steps=RESUME_STEPS)[name]
+    md = dcp.FileSystemReader(str(out / (name + "-dcp"))).read_metadata().state_dict_metadata
+    owners = {k.split("/")[2] for k in md if k.startswith("zenflow/g")}
+    assert owners == {"r0of4", "r1of4", "r2of4", "r3of4"}, owners
+    for world in (2, 4):
+        resumed = train_ranks(world, tmp_path / ("load%d" % world), [daemon.socket], {
+            name: dict(config, _resume={"dir": str(out), "run": name, "world": 4,
+                                        "step": SAVE_AT})}, wrap="reduce",
+            steps=RESUME_STEPS)[name]
+        assert_ranks_agree(resumed)
+        diffs = models.max_abs_diff(resumed[0]["params"], uninterrupted[0]["params"])
+        print("dcp: resumed with %d ranks vs uninterrupted with 4: max |dparam| %.3g" % (
+            world, max(diffs.values())))
+        for pname, d in diffs.items():
+            assert d <= (0 if world == 4 else PARAM_ATOL), (world, pname, d)
+        assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
+
+
 def test_resume_without_the_optimizer_state_misses(saved_by_4, daemon, tmp_path):
     """The control of the tolerance: the same resume with the model's weights and a fresh
     optimizer (its moments, masters and pending round lost) ends far outside PARAM_ATOL."""

@@ -1,0 +1,107 @@
+"""torch.distributed.checkpoint (DCP) for ZenFlowAdamW's partitioned state.
+
+DCP writes one copy of a tensor that is not a DTensor, taking it for the same on every rank, so
+`dcp.save({"optim": opt.state_dict()})` of an optimizer partitioned over L ranks keeps rank 0's
+share alone. These write each rank's share under keys of its own, through DCP's storage layer
+(each rank writes its own files), and load them on any number of ranks, each rank reading only
+the shares whose rows overlap its own (engine/repartition.h):
+
+    import stallfree.dcp
+    stallfree.dcp.save(opt, checkpoint_id="ckpt/optim")   # every rank of process_group
+    ...
+    stallfree.dcp.load(opt, checkpoint_id="ckpt/optim")   # every rank, any number of them
+
+The model's weights go through DCP as usual (`dcp.save({"model": model.state_dict()}, ...)`),
+loaded before the optimizer's state. Keys: "zenflow/rest" (param_groups and the step counts,
+torch.save bytes, the same on every rank) and "zenflow/g<group>/r<rank>of<L>/<engine | daemon |
+meta>" (that rank's uint8 states of that group's engine and daemon session).
+"""
+import io
+import re
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from . import _stallfree
+from ._stallfree import Error
+from . import torch as _sf
+
+_KEY = re.compile(r"^zenflow/g(\d+)/r(\d+)of(\d+)/(engine|daemon|meta)$")
+
+
+def save(optimizer, checkpoint_id=None, *, storage_writer=None):
+    """Writes every rank's share of `optimizer`'s state (a ZenFlowAdamW) with dcp.save: a
+    collective of its process_group (every rank calls it)."""
+    sd = optimizer._share_state_dict()
+    where = optimizer.partition
+    rank, world = where["rank"], where["world"]
+    flat, keys = {}, {}
+    for gi in range(len(sd["param_groups"])):
+        key, _, engine, daemon = _sf._group_blobs(sd, gi)
+        if key is None:
+            continue
+        keys[gi] = key
+        entry = sd["state"][key]
+        base = "zenflow/g%d/r%dof%d/" % (gi, rank, world)
+        flat[base + "engine"] = _sf._uint8(engine)
+        flat[base + "daemon"] = _sf._uint8(daemon)
+        flat[base + "meta"] = _sf._uint8(entry[_sf._META_KEY])
+    state = {k: {n: v for n, v in e.items() if n not in _sf._BLOB_KEYS}
+             for k, e in sd["state"].items()}
+    buf = io.BytesIO()
+    torch.save({"param_groups": sd["param_groups"], "state": state, "keys": keys}, buf)
+    flat["zenflow/rest"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    dcp.save(flat, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
+             process_group=optimizer._group if world > 1 else None)
+
+
+def load(optimizer, checkpoint_id=None, *, storage_reader=None):
+    """Loads what save() wrote, by any number of ranks (every rank of `optimizer`'s
+    process_group calls it), into `optimizer` (its load_state_dict, all or nothing)."""
+    reader = storage_reader or dcp.FileSystemReader(checkpoint_id)
+    md = reader.read_metadata().state_dict_metadata
+    if "zenflow/rest" not in md:
+        raise Error("%s: no ZenFlowAdamW state written by stallfree.dcp.save" % (
+            checkpoint_id or "the checkpoint"))
+    found = {}
+    for name in md:
+        m = _KEY.match(name)
+        if m:
+            gi, j, world = int(m.group(1)), int(m.group(2)), int(m.group(3))
+            found.setdefault(gi, {"world": world, "ranks": set()})["ranks"].add(j)
+    where = optimizer.partition
+    template = {"zenflow/rest": torch.empty(md["zenflow/rest"].size, dtype=torch.uint8)}
+    for gi, f in found.items():
+        world = f["world"]
+        if f["ranks"] != set(range(world)):
+            raise Error("%s: param group %d's state is there for ranks %s of %d: the "
+                        "checkpoint is incomplete" % (checkpoint_id, gi, sorted(f["ranks"]), world))
+        members = optimizer._members[gi] if gi < len(optimizer._members) else []
+        shapes = [(n, list(p.shape)) for n, p in members]
+        sources = set(range(world)) if len(shapes) == 0 else set(
+            _stallfree.repartition_sources(shapes, world, where["world"], where["rank"]))
+        for j in range(world):
+            base = "zenflow/g%d/r%dof%d/" % (gi, j, world)
+            wanted = ("engine", "daemon", "meta") if j in sources else ("meta",)
+            for part in wanted:
+                template[base + part] = torch.empty(md[base + part].size, dtype=torch.uint8)
+    dcp.load(template, checkpoint_id=checkpoint_id,
+             storage_reader=storage_reader or dcp.FileSystemReader(checkpoint_id),
+             process_group=optimizer._group if where["world"] > 1 else None)
+    rest = torch.load(io.BytesIO(template["zenflow/rest"].numpy().tobytes()), weights_only=True)
+    worlds = {f["world"] for f in found.values()}
+    if len(worlds) > 1:
+        raise Error("%s: param groups saved by different numbers of ranks %s" % (
+            checkpoint_id, sorted(worlds)))
+    world = worlds.pop() if worlds else 1
+    empty = torch.empty(0, dtype=torch.uint8)
+    dicts = []
+    for j in range(world):
+        state = {k: dict(v) for k, v in rest["state"].items()}
+        for gi, key in rest["keys"].items():
+            base = "zenflow/g%d/r%dof%d/" % (gi, j, world)
+            state[key].update({_sf._ENGINE_KEY: template.get(base + "engine", empty),
+                               _sf._DAEMON_KEY: template.get(base + "daemon", empty),
+                               _sf._META_KEY: template[base + "meta"]})
+        dicts.append({"param_groups": rest["param_groups"], "state": state})
+    optimizer.load_state_dict(dicts)
