@@ -591,10 +591,15 @@ struct ZenFlowEngine::Impl {
   // gather the cold gradients, reselect at a selection boundary, prepare the round's Update at
   // a boundary, post the pushes (and the Update), land the previous round, prefetch the next.
   absl::Status DoStep(double lr);
+  // Step's split_grad_scale, for the Step in progress.
+  float split_grad_scale = 1.0f;
   struct StepPlan {
     int64_t t = 0;
     double lr = 0;
-    float scale = 1;  // 1/S: the daemon accumulates the round's mean gradient
+    // 1/S: the daemon accumulates the round's mean gradient (times split_scale: every pushed
+    // gradient, and an entering column's step gradient, is a split weight's).
+    float scale = 1;
+    float split_scale = 1;  // Step's split_grad_scale
     bool await = false, boundary = false, reselect = false;
     uint32_t slot = 0;  // this step's gradient slot
     kernels::AdamWConfig adam;
@@ -1248,7 +1253,9 @@ ZenFlowEngine::Impl::StepPlan ZenFlowEngine::Impl::Plan(double lr) {
   StepPlan p;
   p.t = ++step;
   p.lr = lr;
+  p.split_scale = split_grad_scale;
   p.scale = static_cast<float>(1.0 / static_cast<double>(sched.Interval(p.t)));
+  if (p.split_scale != 1.0f) p.scale *= p.split_scale;
   p.await = sched.Awaits(p.t);
   p.boundary = sched.Boundary(p.t);
   p.reselect = sched.Reselects(p.t);
@@ -1290,7 +1297,9 @@ absl::Status ZenFlowEngine::Impl::UpdateDeviceShare(const StepPlan& plan, StepTi
         k.AdamW(a, ps.value32(), ps.m.data(), ps.v.data(), ps.p.grad, GradType::kFp32, ps.numel,
                 nullptr);
     } else if (ps.kind == PState::kSplit) {
-      UpdateHotColumns(ps, adam);
+      kernels::AdamWConfig a = adam;
+      a.grad_scale = plan.split_scale;
+      UpdateHotColumns(ps, a);
     }
   }
   RETURN_IF_ERROR(Sync("the device-side optimizer"));
@@ -1488,12 +1497,19 @@ absl::StatusOr<std::unique_ptr<ZenFlowEngine>> ZenFlowEngine::Create(
   return std::unique_ptr<ZenFlowEngine>(new ZenFlowEngine(std::move(impl)));
 }
 
-absl::Status ZenFlowEngine::Step(double lr) {
+absl::Status ZenFlowEngine::Step(double lr, float split_grad_scale) {
   if (!impl_->failure.ok()) return impl_->failure;
   // A bad argument, refused before anything changes (the engine stays usable).
   if (!(lr >= 0.0) || !std::isfinite(lr))
     return Invalid("lr", absl::StrCat(lr, " is not finite and >= 0"));
+  if (!(split_grad_scale > 0.0f) || !std::isfinite(split_grad_scale))
+    return Invalid("split_grad_scale", absl::StrCat(split_grad_scale, " is not finite and > 0"));
+  if (split_grad_scale != 1.0f && impl_->cfg.mode != OffloadMode::kZenFlow)
+    return Invalid("split_grad_scale", absl::StrCat("mode ", OffloadModeName(impl_->cfg.mode),
+                                                    " splits no weight"));
+  impl_->split_grad_scale = split_grad_scale;
   absl::Status st = impl_->DoStep(lr);
+  impl_->split_grad_scale = 1.0f;
   for (PState& ps : impl_->params) ps.staged = false;
   impl_->staging_for = 0;
   impl_->staged_tm = StepTimings();

@@ -348,7 +348,11 @@ class ZenFlowEngine {
   // parameters' grad buffers. Errors from the daemon or the backend are returned here (or by a
   // later Step for asynchronous work) and leave the engine failed; an lr that is negative or not
   // finite is InvalidArgument and changes nothing.
-  absl::Status Step(double lr);
+  // split_grad_scale multiplies the gradients of the split weights in this Step (hot and cold
+  // columns alike; the others' are taken as they are): how a caller clips gradients it staged
+  // with StageGradient, whose only copy is the engine's (the caller scales the others in
+  // place). Finite and > 0; 1 by default.
+  absl::Status Step(double lr, float split_grad_scale = 1.0f);
 
   // Points parameter `index` (the order of Create's params) at new buffers from the next Step on:
   // frameworks that reallocate gradients (PyTorch's zero_grad(set_to_none=True)) call this

@@ -102,7 +102,7 @@ void BindEngine(py::module_& m) {
            py::arg("client"), py::arg("session_name"), py::arg("rank"), py::arg("config"),
            py::arg("params"), py::arg("device") = "cpu", py::arg("stream") = 0)
       .def("step", &Engine::Step, py::arg("lr"), py::arg("values"), py::arg("grads"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("split_grad_scale") = 1.0f, py::call_guard<py::gil_scoped_release>())
       .def("flush", &Engine::Flush, py::call_guard<py::gil_scoped_release>())
       .def("set_adamw", &Engine::SetAdamW)
       .def("set_values", &Engine::SetValues)

@@ -136,15 +136,15 @@ class EngineImpl : public Engine {
     }
   }
 
-  void Step(double lr, const std::vector<uintptr_t>& values,
-            const std::vector<uintptr_t>& grads) override {
+  void Step(double lr, const std::vector<uintptr_t>& values, const std::vector<uintptr_t>& grads,
+            float split_grad_scale) override {
     ZenFlowEngine& e = Live();
     if (values.size() != grads.size()) throw InvalidArgument("values and grads differ in length");
     for (size_t i = 0; i < values.size(); ++i)
       Check(e.SetBuffers(i, reinterpret_cast<void*>(values[i]),
                          reinterpret_cast<const void*>(grads[i])));
     reduce_error_.clear();
-    absl::Status st = e.Step(lr);
+    absl::Status st = e.Step(lr, split_grad_scale);
     if (!reduce_error_.empty()) throw Error("the score reduction failed: " + reduce_error_);
     Check(st);
   }

@@ -90,9 +90,9 @@ class Engine {
   virtual ~Engine() = default;
 
   // Binds each parameter's value and gradient (0: no gradient this step; skipped as
-  // torch.optim.AdamW skips it) and runs ZenFlowEngine::Step(lr).
+  // torch.optim.AdamW skips it) and runs ZenFlowEngine::Step(lr, split_grad_scale).
   virtual void Step(double lr, const std::vector<uintptr_t>& values,
-                    const std::vector<uintptr_t>& grads) = 0;
+                    const std::vector<uintptr_t>& grads, float split_grad_scale) = 0;
   virtual void Flush() = 0;
   virtual void SetAdamW(double beta1, double beta2, double eps, double weight_decay) = 0;
   virtual void SetValues(const std::vector<uintptr_t>& values) = 0;

@@ -556,8 +556,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     the engine as the backward produces it (a post-accumulate-grad hook) and is freed there, so
     the model's whole gradient is never resident on the device. It needs one backward per
     step() (no gradient accumulation: a second backward raises) and nothing that reads those
-    weights' .grad between backward() and step() (torch.nn.utils.clip_grad_norm_ would not see
-    them; Hugging Face Trainer clips by default: max_grad_norm=0 turns that off).
+    weights' .grad between backward() and step(): torch.nn.utils.clip_grad_norm_ would not see
+    them, so clip with opt.clip_grad_norm_(max_norm), which takes their norms as they leave and
+    scales them in the engine (a Hugging Face Trainer's clipping calls it by itself).
 
     socket: the daemon's socket; None means $STALLFREE_SOCKET, else the node's default socket,
     and if no daemon answers there a private one is started (and stopped with the optimizer).
@@ -682,6 +683,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     "leave before DistributedDataParallel (or reduce_gradients) averages it over "
                     "the ranks; use stream_gradients=False there")
         self._hooks = []     # stream_gradients: the post-accumulate-grad hooks' handles
+        self._staged_norms = []  # the streamed gradients' [2-norm, max] this step (clipping)
+        self._split_grad_scale = 1.0  # clip_grad_norm_'s factor on them, for the next step
+        self._clipping_trainers = weakref.WeakSet()
         self._staged = []    # per param group: indices whose gradient the engine has for step()
         self._verified = []  # per param group: the ranks' values were found equal (first step)
         self._layouts = []   # per param group: each member's (dtype, device, shape) as built
@@ -903,13 +907,82 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return
         _check_grad(name, p, g)
         g = g.contiguous()
+        if not self._staged_norms:
+            self._follow_trainer_clipping()  # the step's first streamed gradient
+        # Its norms, for clip_grad_norm_ (the gradient leaves now): 2-norm and max.
+        norms = torch.stack([torch.linalg.vector_norm(g, 2.0),
+                             torch.linalg.vector_norm(g, float("inf"))])
         try:
             with self._ordered(gi):
                 self._engine(gi).stage_gradient(i, g.data_ptr())
         except Error as e:
             raise self._explain(e) from e
+        self._staged_norms.append(norms)
         self._staged[gi].add(i)
         p.grad = None
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's parameters, the gradients that
+        stream_gradients handed to the engine during the backward included (torch's function
+        does not see them: their .grad is None by then). Returns the total norm (a tensor); the
+        gradients in .grad are scaled in place as torch scales them, the streamed ones by the
+        engine at the next step(). norm_type 2 or inf with streamed gradients (their norms are
+        taken as they leave); any of torch's otherwise. Under a Hugging Face Trainer with
+        stream_gradients this is what the Trainer's clipping calls (_follow_trainer_clipping)."""
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        grads = [p.grad for members in self._members for _, p in members if p.grad is not None]
+        if not self._staged_norms:
+            return torch.nn.utils.clip_grad_norm_(
+                [p for members in self._members for _, p in members], max_norm, norm_type,
+                error_if_nonfinite=error_if_nonfinite)
+        if norm_type not in (2.0, float("inf")):
+            raise Error("clip_grad_norm_: norm_type %r with streamed gradients; their norms are "
+                        "taken as they leave during the backward, as 2-norms and max-norms "
+                        "only" % norm_type)
+        col = 0 if norm_type == 2.0 else 1
+        device = self._staged_norms[0].device
+        norms = [n[col] for n in self._staged_norms] + \
+            [torch.linalg.vector_norm(g, norm_type).to(device) for g in grads]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError("The total norm of order %s for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped. To disable this error and "
+                               "scale the gradients by the non-finite norm anyway, set "
+                               "`error_if_nonfinite=False`" % norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, [coef.to(g.device) for g in grads])
+        self._split_grad_scale *= float(coef)
+        return total
+
+    def _follow_trainer_clipping(self):
+        """stream_gradients under a Hugging Face Trainer (found among the backward's callers):
+        the Trainer clips with accelerate's clip_grad_norm_, which cannot see the streamed
+        gradients, so its clipping calls clip_grad_norm_ above instead (the Trainer's
+        _clip_grad_norm, transformers >= 4.x; where that hook is missing, step() refuses
+        max_grad_norm > 0 naming it)."""
+        module = sys.modules.get("transformers.trainer")
+        if module is None:
+            return
+        frame = sys._getframe(2)
+        while frame is not None:
+            trainer = frame.f_locals.get("self")
+            if isinstance(trainer, module.Trainer):
+                if trainer in self._clipping_trainers:
+                    return
+                if not hasattr(trainer, "_clip_grad_norm"):
+                    raise Error(
+                        "stream_gradients under this Hugging Face Trainer (transformers %s): it "
+                        "clips gradients where the streamed ones are not; set "
+                        "TrainingArguments(max_grad_norm=0) or stream_gradients=False" %
+                        getattr(sys.modules.get("transformers"), "__version__", "?"))
+                opt = weakref.ref(self)
+                trainer._clip_grad_norm = lambda model: opt().clip_grad_norm_(
+                    trainer.args.max_grad_norm)
+                self._clipping_trainers.add(trainer)
+                return
+            frame = frame.f_back
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -988,7 +1061,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._hypers[gi] = hyper
             try:
                 with self._ordered(gi):
-                    engine.step(lr, shards.values(), addresses)
+                    engine.step(lr, shards.values(), addresses, self._split_grad_scale)
             except Error as e:
                 raise self._explain(e) from e
             timing = engine.last_timings()
@@ -1001,6 +1074,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             torch._foreach_add_([self.state[p]["step"] for p in stepped], 1)
             self._staged[gi].clear()
             timings.append(timing)
+        self._staged_norms = []
+        self._split_grad_scale = 1.0
         if timings:
             self._last_timings = _sum_timings(timings)
         self._version += 1

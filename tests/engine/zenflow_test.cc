@@ -560,6 +560,60 @@ TEST_F(ZenFlowTest, ColdColumnsLagByOneRound) {
   }
 }
 
+// Step's split_grad_scale c (how the front-end clips gradients it streamed) equals handing the
+// split weights' gradients over multiplied by c in fp32 and the others as they are, bit for bit
+// (S = 1: the daemon's accumulation scale 1/S times c is c itself, so the cold columns' sum
+// rounds as c g does), through reselections that migrate columns (their step gradient scaled
+// too), in both transfer modes, for every parameter after 9 steps; a scale that also reached
+// the 1-D and narrow parameters, or missed the cold columns, would differ. Bad scales are
+// refused, and in sync-offload (no split weight) any scale but 1.
+TEST_F(ZenFlowTest, SplitGradScaleScalesTheSplitWeightsGradients) {
+  const int seed = 5;
+  const int64_t steps = 9;
+  const float c = 0.3f;
+  for (Transfers how : {Transfers::kDirect, Transfers::kBuffered}) {
+    SCOPED_TRACE(TransfersName(how));
+    auto run = [&](bool by_engine) {
+      std::vector<Tensor> model = MakeModel(seed);
+      auto session = NewSession(by_engine ? "scaled-engine" : "scaled-grads");
+      ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 1, 2, false);
+      cfg.transfers = how;
+      auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
+                                          kernels::CpuOps(), session.get());
+      EXPECT_TRUE(engine.ok()) << engine.status();
+      for (int64_t t = 1; t <= steps; ++t) {
+        FillGrads(&model, t, seed);
+        if (!by_engine)
+          for (size_t i = 0; i < model.size(); ++i)
+            if ((*engine)->Splits(i))
+              for (float& g : model[i].grad) g *= c;
+        EXPECT_TRUE((*engine)->Step(Lr(t), by_engine ? c : 1.0f).ok());
+      }
+      EXPECT_TRUE((*engine)->Flush().ok());
+      return model;
+    };
+    const std::vector<Tensor> a = run(true), b = run(false);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].value, b[i].value) << a[i].name;
+  }
+  std::vector<Tensor> model = MakeModel(seed);
+  auto session = NewSession("bad-scale");
+  auto engine = ZenFlowEngine::Create(Config(OffloadMode::kZenFlow, 1, 2, false), Params(&model),
+                                      kernels::DefaultCpuKernel(), kernels::CpuOps(),
+                                      session.get());
+  ASSERT_TRUE(engine.ok());
+  FillGrads(&model, 1, seed);
+  for (float bad : {0.0f, -1.0f, std::numeric_limits<float>::infinity()})
+    EXPECT_EQ((*engine)->Step(Lr(1), bad).code(), absl::StatusCode::kInvalidArgument) << bad;
+  EXPECT_TRUE((*engine)->Step(Lr(1), 0.5f).ok());  // still usable
+  std::vector<Tensor> dense = MakeModel(seed);
+  auto sync_session = NewSession("sync-scale");
+  auto sync = ZenFlowEngine::Create(Config(OffloadMode::kSyncOffload, 1, 2, false),
+                                    Params(&dense), kernels::DefaultCpuKernel(),
+                                    kernels::CpuOps(), sync_session.get());
+  ASSERT_TRUE(sync.ok());
+  EXPECT_EQ((*sync)->Step(Lr(1), 0.5f).code(), absl::StatusCode::kInvalidArgument);
+}
+
 // Stopping after step k (engine Checkpoint + daemon checkpoint), then restoring into a fresh
 // session and engine gives the same parameters at every later step as the uninterrupted run, in
 // every mode, with an Update still pending at the checkpoint (S = 2, k odd and even) and

@@ -170,3 +170,22 @@ def test_optimizer_cls_and_kwargs(daemon, runs, tmp_path):
     assert run["losses"] == explicit["losses"]
     for name, p in explicit["params"].items():
         assert torch.equal(run["params"][name], p), name
+
+
+def test_stream_gradients_are_clipped_by_the_trainer(daemon, runs, tmp_path):
+    """stream_gradients under the Trainer, which clips (max_grad_norm 1.0, its default): its
+    clipping reaches the streamed gradients through ZenFlowAdamW.clip_grad_norm_ (the optimizer
+    hooks the Trainer's clipping at the first backward), so the run tracks the same optimizer
+    without streaming within the tolerances of test_tracks_torch_adamw (the total norm's
+    summation order differs), logging the same gradient norms; before, the streamed weights
+    were left unclipped and the logged norm left them out."""
+    kind, mode = "llama", "zenflow-S1"
+    run = hf_models.train(kind, "zenflow", dict(MODES[mode], socket=daemon.socket,
+                                                stream_gradients=True),
+                          max_steps=STEPS, out_dir=str(tmp_path))
+    ref = runs.get(kind, mode)
+    assert max(ref["grad_norms"].values()) > hf_models.MAX_GRAD_NORM  # clipping happened
+    for step, norm in ref["grad_norms"].items():
+        assert run["grad_norms"][step] == pytest.approx(norm, rel=1e-5), step
+    loss, param = report("stream_gradients under the Trainer", run, ref)
+    assert loss <= hf_models.LOSS_RTOL and param <= hf_models.PARAM_ATOL
