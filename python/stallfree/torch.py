@@ -686,6 +686,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._staged_norms = []  # the streamed gradients' [2-norm, max] this step (clipping)
         self._split_grad_scale = 1.0  # clip_grad_norm_'s factor on them, for the next step
         self._clipping_trainers = weakref.WeakSet()
+        if stream_gradients:
+            self._step_supports_amp_scaling = True  # so a GradScaler meets step()'s refusal
         self._staged = []    # per param group: indices whose gradient the engine has for step()
         self._verified = []  # per param group: the ranks' values were found equal (first step)
         self._layouts = []   # per param group: each member's (dtype, device, shape) as built
@@ -985,12 +987,20 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             frame = frame.f_back
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         """One AdamW step with each group's current lr (and betas, eps, weight_decay). Every
         group's gradients and hyper-parameters are checked before any engine steps, so a
         refused step changes nothing."""
         if self._closed:
             raise Error("the optimizer is closed")
+        if grad_scaler is not None or getattr(self, "grad_scale", None) is not None:
+            # torch's GradScaler hands itself over (or, in the way it announces, its grad_scale
+            # and found_inf as attributes) only to optimizers that say they unscale
+            # (_step_supports_amp_scaling: set with stream_gradients, whose gradients it could
+            # not reach): refused, before anything changes.
+            raise Error("stream_gradients with a GradScaler: the streamed gradients left during "
+                        "the backward, so the scaler can neither unscale them nor check them for "
+                        "inf; train in bf16 (no scaler needed) or with stream_gradients=False")
         self._resolve_group()
         self._follow_trainer()
         loss = None

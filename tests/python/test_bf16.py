@@ -299,3 +299,25 @@ def test_clip_grad_norm_includes_streamed_gradients(daemon):
     print("clip with streamed gradients: %.3g (torch's clip on them: %.3g)" % (worst, missed))
     assert worst <= models.PARAM_ATOL
     assert missed > 100 * models.PARAM_ATOL
+
+
+def test_a_grad_scaler_is_refused_with_streamed_gradients(daemon):
+    """torch's GradScaler cannot unscale (or check for inf) gradients that left during the
+    backward: with stream_gradients its step() is refused naming both, before anything changes
+    (the optimizer's step count stays 0); without streaming it works as with any optimizer."""
+    for stream in (True, False):
+        model = models.make_model(SEED)
+        opt = ZenFlowAdamW(models.param_groups(model), socket=daemon.socket,
+                           stream_gradients=stream, warmup_steps=0, **models.FP32)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        try:
+            scaler.scale(models.loss_fn(model, models.batch(SEED, 1))).backward()
+            if stream:
+                with pytest.raises(stallfree.Error, match="stream_gradients with a GradScaler"):
+                    scaler.step(opt)
+                assert all(float(st["step"]) == 0 for st in opt.state.values())
+            else:
+                scaler.step(opt)
+                assert all(float(st["step"]) == 1 for st in opt.state.values())
+        finally:
+            opt.close()
