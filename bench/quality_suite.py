@@ -395,7 +395,9 @@ class Suite:
         runner.finish()
         cpu = daemon_cpu_s(runner.daemon) - cpu0
         ev = eval_loss(runner.model, t["text"]) if math.isfinite(losses[-1]) else float("nan")
-        return dict(eval=ev, jump=max(jumps(norms)), opt_ms=1e3 * statistics.median(opt_s[5:]),
+        js = jumps(norms)
+        return dict(eval=ev, jump=max(js), jump_step=1 + js.index(max(js)),
+                    opt_ms=1e3 * statistics.median(opt_s[5:]),
                     step_ms=1e3 * statistics.median(step_s[5:]),
                     daemon_cpu=cpu / len(step_s) if runner.daemon else None,
                     rounds=round_lengths(rounds), seconds=time.perf_counter() - start)
@@ -477,7 +479,8 @@ def main():
                     took = "%.0f s" % r["seconds"]
                     rounds = f"  rounds {r['rounds']}" if r.get("rounds") else ""
                     print(f"  {task:22s} seed {seed} {spec:34s} eval {r['eval']:.4f}  "
-                          f"x{ratio:.4f} AdamW  worst jump {r['jump']:5.1f}x  step "
+                          f"x{ratio:.4f} AdamW  worst jump {r['jump']:5.2f}x at step "
+                          f"{r['jump_step']:3d}  step "
                           f"{r['step_ms']:6.1f} ms (optimizer {r['opt_ms']:5.1f}){cpu}  "
                           f"[{took}]{rounds}", flush=True)
     print(f"quality_suite: {time.perf_counter() - t0:.0f} s")

@@ -961,30 +961,20 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _follow_trainer_clipping(self):
         """stream_gradients under a Hugging Face Trainer (found among the backward's callers):
         the Trainer clips with accelerate's clip_grad_norm_, which cannot see the streamed
-        gradients, so its clipping calls clip_grad_norm_ above instead (the Trainer's
-        _clip_grad_norm, transformers >= 4.x; where that hook is missing, step() refuses
-        max_grad_norm > 0 naming it)."""
-        module = sys.modules.get("transformers.trainer")
-        if module is None:
+        gradients, so its clipping (the Trainer's private _clip_grad_norm, transformers 4.x and
+        5.x) calls clip_grad_norm_ above instead; a Trainer without that method is refused here,
+        at the first backward, naming max_grad_norm."""
+        trainer = _calling_trainer()
+        if trainer is None or trainer in self._clipping_trainers:
             return
-        frame = sys._getframe(2)
-        while frame is not None:
-            trainer = frame.f_locals.get("self")
-            if isinstance(trainer, module.Trainer):
-                if trainer in self._clipping_trainers:
-                    return
-                if not hasattr(trainer, "_clip_grad_norm"):
-                    raise Error(
-                        "stream_gradients under this Hugging Face Trainer (transformers %s): it "
+        if not hasattr(trainer, "_clip_grad_norm"):
+            raise Error("stream_gradients under this Hugging Face Trainer (transformers %s): it "
                         "clips gradients where the streamed ones are not; set "
                         "TrainingArguments(max_grad_norm=0) or stream_gradients=False" %
                         getattr(sys.modules.get("transformers"), "__version__", "?"))
-                opt = weakref.ref(self)
-                trainer._clip_grad_norm = lambda model: opt().clip_grad_norm_(
-                    trainer.args.max_grad_norm)
-                self._clipping_trainers.add(trainer)
-                return
-            frame = frame.f_back
+        opt = weakref.ref(self)
+        trainer._clip_grad_norm = lambda model: opt().clip_grad_norm_(trainer.args.max_grad_norm)
+        self._clipping_trainers.add(trainer)
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
@@ -1257,18 +1247,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         would hold rank 0's share alone. Nothing changes in the user's script."""
         if self.partition["world"] == 1:
             return
-        module = sys.modules.get("transformers.trainer")
-        if module is None:
-            return
-        frame = sys._getframe(2)
-        while frame is not None:
-            trainer = frame.f_locals.get("self")
-            if isinstance(trainer, module.Trainer):
-                if trainer not in self._trainers:
-                    trainer.add_callback(_consolidating_callback(self))
-                    self._trainers.add(trainer)
-                return
-            frame = frame.f_back
+        trainer = _calling_trainer()
+        if trainer is not None and trainer not in self._trainers:
+            trainer.add_callback(_consolidating_callback(self))
+            self._trainers.add(trainer)
 
     def _share_state_dict(self):
         """This rank's state dict (state_dict() without consolidation)."""
@@ -1606,6 +1588,20 @@ def _called_from(module, function):
             return True
         frame = frame.f_back
     return False
+
+
+def _calling_trainer():
+    """The Hugging Face Trainer among the callers (its methods run the training loop that
+    calls step() and backward()), or None."""
+    module = sys.modules.get("transformers.trainer")
+    if module is None:
+        return None
+    frame = sys._getframe(2)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), module.Trainer):
+            return frame.f_locals["self"]
+        frame = frame.f_back
+    return None
 
 
 def _group_blobs(sd, gi):
