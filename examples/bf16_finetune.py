@@ -89,11 +89,12 @@ def build_parser():
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     p.add_argument("--topk_ratio", type=float, default=0.1,
                    help="zenflow: share of each weight's input columns updated on the device")
-    p.add_argument("--update_interval", type=int, default=4,
-                   help="zenflow: steps per round of the daemon's updates")
+    p.add_argument("--update_interval", type=int, default=None,
+                   help="zenflow: steps per round of the daemon's updates (default: "
+                        "ZenFlowAdamW's, automatic)")
     p.add_argument("--warmup_steps", type=int, default=None,
                    help="zenflow: the engine's exact-AdamW warm-up steps (default: "
-                        "ZenFlowAdamW's, 20)")
+                        "ZenFlowAdamW's, 100)")
     p.add_argument("--await_updates", action="store_true",
                    help="zenflow: wait for each round's daemon update (no staleness)")
     p.add_argument("--transfers", choices=("auto", "direct", "buffered"), default=None,
@@ -101,7 +102,7 @@ def build_parser():
                         "ZenFlowAdamW's default, auto: direct on the CPU, buffered on CUDA)")
     p.add_argument("--stream_gradients", action="store_true",
                    help="zenflow: each weight's gradient goes to the engine during the backward "
-                        "and is freed (needs --clip 0: nothing may read those gradients)")
+                        "and is freed (clipped through ZenFlowAdamW.clip_grad_norm_)")
     p.add_argument("--grad_dtype", choices=("bf16", "fp32"), default="bf16",
                    help="the gradients' dtype on their way to the daemon")
     p.add_argument("--param_dtype", choices=("bf16", "fp32"), default="bf16",
@@ -171,7 +172,9 @@ def train_loop(args, label, model, opt, batches, steps, quiet=False):
         opt.zero_grad(set_to_none=False)
         loss = loss_of(model, x, y)
         loss.backward()
-        if args.clip > 0:
+        if args.clip > 0 and hasattr(opt, "clip_grad_norm_"):
+            opt.clip_grad_norm_(args.clip)  # ZenFlowAdamW's: streamed gradients included
+        elif args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         losses.append(loss.item())
@@ -231,9 +234,10 @@ def finetune(args, state, mode, socket=None, label=None, quiet=False):
     model = model.to(DTYPES[args.dtype])
     batches = tg.Batches(shifted_text(), args.seq_len, args.batch, args.seed + 1,
                          args.eval_batches)
-    kw = dict(mode=mode, topk_ratio=args.topk_ratio, update_interval=args.update_interval,
-              await_updates=args.await_updates, grad_dtype=args.grad_dtype,
+    kw = dict(mode=mode, topk_ratio=args.topk_ratio, await_updates=args.await_updates, grad_dtype=args.grad_dtype,
               param_dtype=args.param_dtype, socket=socket if socket is not None else args.socket)
+    if args.update_interval is not None:
+        kw["update_interval"] = args.update_interval
     if args.warmup_steps is not None:
         kw["warmup_steps"] = args.warmup_steps
     if args.transfers is not None:
@@ -276,9 +280,6 @@ def main(argv=None):
                  "eval_batches", "log_every"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1")
-    if args.stream_gradients and args.clip > 0:
-        raise SystemExit("--stream_gradients needs --clip 0: clipping reads the gradients that "
-                         "streaming hands to the engine during the backward")
     tg.import_stallfree()
     torch.set_num_threads(args.threads)
     t0 = time.monotonic()
