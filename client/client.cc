@@ -719,6 +719,66 @@ absl::Status Session::DeleteCheckpoint(const std::string& tag) {
   });
 }
 
+absl::StatusOr<std::string> Session::ExportState(int64_t* version) {
+  if (!region_) return absl::FailedPreconditionError("ExportState before RegisterParams");
+  const uint8_t* staging = region_->data() + layout_.staging_offset();
+  std::string out;
+  for (uint64_t offset = 0;;) {
+    v1::ExportStateRequest req;
+    *req.mutable_session() = ref_;
+    req.set_offset(offset);
+    v1::ExportStateResponse resp;
+    // The first chunk waits behind the session's earlier work (an Update); each copies at most
+    // the staging area.
+    RETURN_IF_ERROR(Call("ExportState", offset == 0 ? StateBytes() : layout_.staging_bytes(),
+                         [&](grpc::ClientContext* ctx) {
+                           return client_->stub()->ExportState(ctx, req, &resp);
+                         }));
+    if (offset == 0) out.reserve(resp.total_bytes());
+    if (resp.length() > layout_.staging_bytes() || resp.total_bytes() < offset + resp.length())
+      return absl::InternalError(absl::StrCat(
+          "ExportState: a chunk of ", resp.length(), " bytes at ", offset, " of ",
+          resp.total_bytes(), " does not fit the staging area of ", layout_.staging_bytes()));
+    out.append(reinterpret_cast<const char*>(staging), resp.length());
+    offset += resp.length();
+    if (version != nullptr) *version = resp.version();
+    if (offset >= resp.total_bytes()) break;
+    if (resp.length() == 0) return absl::InternalError("ExportState made no progress");
+  }
+  return out;
+}
+
+absl::StatusOr<v1::ImportStateResponse> Session::ImportState(const void* bytes, uint64_t size,
+                                                             v1::DType out_dtype) {
+  if (!region_) return absl::FailedPreconditionError("ImportState before RegisterParams");
+  uint8_t* staging = region_->data() + layout_.staging_offset();
+  const uint64_t chunk = layout_.staging_bytes();
+  if (chunk == 0) return absl::FailedPreconditionError("the session has no staging area");
+  const char* src = static_cast<const char*>(bytes);
+  v1::ImportStateResponse resp;
+  uint64_t offset = 0;
+  do {
+    const uint64_t n = std::min<uint64_t>(chunk, size - offset);
+    memcpy(staging, src + offset, n);
+    v1::ImportStateRequest req;
+    *req.mutable_session() = ref_;
+    req.set_offset(offset);
+    req.set_length(n);
+    req.set_total_bytes(size);
+    req.set_out_dtype(out_dtype);
+    // A chunk; the last one also verifies the checksum and writes the parameter slot.
+    RETURN_IF_ERROR(Call("ImportState", offset + n == size ? StateBytes() : chunk,
+                         [&](grpc::ClientContext* ctx) {
+                           return client_->stub()->ImportState(ctx, req, &resp);
+                         }));
+    offset += n;
+  } while (offset < size);
+  if (!resp.complete())
+    return absl::InternalError(absl::StrCat("ImportState: all ", size,
+                                            " bytes sent, but the daemon did not complete it"));
+  return resp;
+}
+
 std::future<absl::StatusOr<v1::WaitUpdateResponse>> Session::WaitUpdateAsync(int64_t min_version) {
   return std::async(std::launch::async, [this, min_version] { return WaitUpdate(min_version); });
 }

@@ -255,6 +255,16 @@ class Session {
   absl::StatusOr<std::string> ReadCheckpointBytes(const std::string& tag, bool delete_after);
   absl::Status WriteCheckpointBytes(const std::string& tag, const std::string& bytes);
   absl::Status DeleteCheckpoint(const std::string& tag);
+  // The session's optimizer state as the bytes of a checkpoint of it, and their restoration
+  // into this (registered) session as Restore would (the parameter slots then hold the restored
+  // values in out_dtype), moved through the staging area in chunks straight out of and into the
+  // daemon's pinned state, with no file (offload.proto: ExportState, ImportState): no state
+  // directory is needed and nothing is left behind. Each chunk is one call, bounded by
+  // rpc_timeout plus the staging area's work. Neither may run while the staging area is in use
+  // (LoadParams, HandOverColumns); *version: the version the state holds.
+  absl::StatusOr<std::string> ExportState(int64_t* version = nullptr);
+  absl::StatusOr<v1::ImportStateResponse> ImportState(const void* bytes, uint64_t size,
+                                                      v1::DType out_dtype = v1::DTYPE_FP32);
   absl::Status Close();
 
   const v1::SessionRef& ref() const { return ref_; }

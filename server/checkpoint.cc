@@ -167,6 +167,67 @@ std::string HiddenSibling(const std::string& path, const std::string& suffix) {
   return absl::StrCat(DirOf(path), "/.", path.substr(path.rfind('/') + 1), suffix);
 }
 
+// The header length in the first 16 bytes of a checkpoint of `total` bytes (total >= 24),
+// after its magic; the header must leave room for the 8-byte checksum.
+absl::StatusOr<uint64_t> HeaderLength(const char* first16, uint64_t total,
+                                      const std::string& what) {
+  if (memcmp(first16, kMagic, 8) != 0)
+    return absl::DataLossError(absl::StrCat(what, " is not a stallfree checkpoint (bad magic)"));
+  uint64_t header_bytes = 0;
+  memcpy(&header_bytes, first16 + 8, 8);
+  if (header_bytes > total - 24)
+    return absl::DataLossError(absl::StrCat(what, " is truncated: its header needs ",
+                                            header_bytes, " bytes, it has ", total));
+  return header_bytes;
+}
+
+// The header in `text`, of a checkpoint of `total` bytes, whose size must be the one the
+// header describes (16 + header + arrays + 8).
+absl::StatusOr<v1::CheckpointHeader> HeaderOfText(const char* text, uint64_t header_bytes,
+                                                  uint64_t total, const std::string& what) {
+  v1::CheckpointHeader header;
+  if (header_bytes > static_cast<uint64_t>(INT32_MAX) ||
+      !header.ParseFromArray(text, static_cast<int>(header_bytes)))
+    return absl::DataLossError(absl::StrCat(what, " has a corrupt header"));
+  absl::StatusOr<uint64_t> body = CheckpointBodyBytes(header);
+  if (!body.ok())
+    return absl::DataLossError(
+        absl::StrCat(what, " has a corrupt header: ", body.status().message()));
+  uint64_t want = 24 + header_bytes;  // no overflow: header_bytes <= total - 24
+  const bool over = __builtin_add_overflow(want, *body, &want);
+  if (over || total != want)
+    return absl::DataLossError(absl::StrCat(
+        what, " is ", over || total < want ? "truncated" : "too long", ": ", total,
+        " bytes, its header describes ", over ? "more than 2^64" : absl::StrCat(want)));
+  return header;
+}
+
+// A transient checkpoint of clients before ExportState: bytes-<pid>-<n>-<hex>.sfckpt.
+bool TransientName(const std::string& name) {
+  const std::string ext = kExt;
+  if (name.rfind("bytes-", 0) != 0 || name.size() <= 6 + ext.size() ||
+      name.compare(name.size() - ext.size(), ext.size(), ext) != 0)
+    return false;
+  const std::string mid = name.substr(6, name.size() - 6 - ext.size());  // <pid>-<n>-<hex>
+  const size_t a = mid.find('-'), b = a == std::string::npos ? a : mid.find('-', a + 1);
+  if (b == std::string::npos || mid.find('-', b + 1) != std::string::npos) return false;
+  const std::string pid = mid.substr(0, a), n = mid.substr(a + 1, b - a - 1),
+                    hex = mid.substr(b + 1);
+  return !pid.empty() && !n.empty() && !hex.empty() &&
+         pid.find_first_not_of("0123456789") == std::string::npos &&
+         n.find_first_not_of("0123456789") == std::string::npos &&
+         hex.find_first_not_of("0123456789abcdef") == std::string::npos;
+}
+
+// What an interrupted write leaves: an upload's or an atomic write's hidden file.
+bool HiddenLeftover(const std::string& name) {
+  if (name.size() < 2 || name[0] != '.' || name == "..") return false;
+  const std::string upload = ".upload";
+  const bool is_upload = name.size() > upload.size() &&
+                         name.compare(name.size() - upload.size(), upload.size(), upload) == 0;
+  return is_upload || name.find(absl::StrCat(kExt, ".tmp.")) != std::string::npos;
+}
+
 }  // namespace
 
 absl::StatusOr<int64_t> CheckpointParamNumel(const v1::CheckpointHeader::Param& p) {
@@ -438,6 +499,193 @@ absl::Status DeleteCheckpointFile(const std::string& path) {
     return ErrnoStatus("unlink", path);
   }
   return FsyncDirectory(DirOf(path));
+}
+
+}  // namespace stallfree
+
+namespace stallfree {
+
+absl::StatusOr<std::vector<std::string>> SweepStateDir(const std::string& state_dir) {
+  std::vector<std::string> dirs = {state_dir};
+  DIR* top = opendir(state_dir.c_str());
+  if (top == nullptr) {
+    const bool missing = errno == ENOENT;
+    const absl::Status st = ErrnoStatus("opendir", state_dir);
+    return missing ? StateDirMissing(state_dir, st) : st;
+  }
+  while (struct dirent* e = readdir(top)) {
+    const std::string name = e->d_name;
+    if (!name.empty() && name.size() <= 10 &&
+        name.find_first_not_of("0123456789") == std::string::npos)
+      dirs.push_back(absl::StrCat(state_dir, "/", name));
+  }
+  closedir(top);
+  std::vector<std::string> removed;
+  for (const std::string& dir : dirs) {
+    DIR* d = opendir(dir.c_str());
+    if (d == nullptr) {
+      SF_LOG(kWarning, "sweeping %s: opendir: %s (errno %d)", dir, strerror(errno), errno);
+      continue;
+    }
+    std::vector<std::string> names;
+    while (struct dirent* e = readdir(d)) {
+      const std::string name = e->d_name;
+      if (HiddenLeftover(name) || TransientName(name)) names.push_back(name);
+    }
+    closedir(d);
+    bool any = false;
+    for (const std::string& name : names) {
+      const std::string path = absl::StrCat(dir, "/", name);
+      struct stat st;
+      if (lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+      if (unlink(path.c_str()) != 0) {
+        SF_LOG(kWarning, "sweeping %s: unlink %s: %s (errno %d)", dir, path, strerror(errno),
+               errno);
+        continue;
+      }
+      removed.push_back(path);
+      any = true;
+    }
+    if (any) {
+      absl::Status synced = FsyncDirectory(dir);
+      if (!synced.ok()) SF_LOG(kWarning, "sweeping %s: %s", dir, synced.ToString());
+    }
+  }
+  return removed;
+}
+
+absl::StatusOr<v1::CheckpointHeader> VerifyCheckpointBytes(
+    const void* data, uint64_t size, const std::string& what,
+    const std::function<absl::Status(const v1::CheckpointHeader&)>& judge) {
+  const char* p = static_cast<const char*>(data);
+  if (size < 24)
+    return absl::DataLossError(
+        absl::StrCat(what, " is truncated: ", size, " bytes, not even a header"));
+  ASSIGN_OR_RETURN(uint64_t header_bytes, HeaderLength(p, size, what));
+  ASSIGN_OR_RETURN(v1::CheckpointHeader header, HeaderOfText(p + 16, header_bytes, size, what));
+  if (judge) RETURN_IF_ERROR(judge(header));
+  Checksum64 sum;
+  sum.Update(p, size - 8);
+  uint64_t stored = 0;
+  memcpy(&stored, p + size - 8, 8);
+  if (stored != sum.Digest())
+    return absl::DataLossError(absl::StrFormat("%s is corrupt: checksum %016x, it says %016x",
+                                               what, sum.Digest(), stored));
+  return header;
+}
+
+CheckpointExport::CheckpointExport(const v1::CheckpointHeader& header,
+                                   std::vector<CheckpointArrays> arrays) {
+  std::string text;
+  header.SerializeToString(&text);
+  const uint64_t header_bytes = text.size();
+  prefix_.assign(kMagic, 8);
+  prefix_.append(reinterpret_cast<const char*>(&header_bytes), 8);
+  prefix_.append(text);
+  pieces_.push_back({prefix_.data(), prefix_.size()});
+  total_ = prefix_.size() + 8;
+  for (const CheckpointArrays& a : arrays)
+    for (const float* x : {a.master, a.m, a.v, a.acc}) {
+      pieces_.push_back({reinterpret_cast<const char*>(x), a.numel * sizeof(float)});
+      total_ += a.numel * sizeof(float);
+    }
+  pieces_.push_back({reinterpret_cast<const char*>(&digest_), 8});
+}
+
+uint64_t CheckpointExport::Next(void* dst, uint64_t capacity) {
+  char* out = static_cast<char*>(dst);
+  uint64_t n = 0;
+  while (n < capacity && piece_ < pieces_.size()) {
+    const Piece& p = pieces_[piece_];
+    const bool trailer = piece_ + 1 == pieces_.size();
+    if (trailer && in_piece_ == 0) digest_ = sum_.Digest();  // everything before it is out
+    const uint64_t k = std::min(capacity - n, p.bytes - in_piece_);
+    memcpy(out + n, p.data + in_piece_, k);
+    if (!trailer) sum_.Update(p.data + in_piece_, k);
+    n += k;
+    in_piece_ += k;
+    if (in_piece_ == p.bytes) {
+      ++piece_;
+      in_piece_ = 0;
+    }
+  }
+  done_ += n;
+  return n;
+}
+
+CheckpointImport::CheckpointImport(uint64_t total, std::string what)
+    : total_(total), what_(std::move(what)) {}
+
+absl::Status CheckpointImport::TakePrefix(const Accept& accept) {
+  if (prefix_.size() == 16) {
+    ASSIGN_OR_RETURN(header_bytes_, HeaderLength(prefix_.data(), total_, what_));
+    if (header_bytes_ > 0) return absl::OkStatus();  // the header's bytes come next
+  }
+  if (prefix_.size() < 16 + header_bytes_) return absl::OkStatus();
+  ASSIGN_OR_RETURN(header_, HeaderOfText(prefix_.data() + 16, header_bytes_, total_, what_));
+  ASSIGN_OR_RETURN(std::vector<CheckpointArrays> arrays, accept(header_));
+  if (arrays.size() != static_cast<size_t>(header_.params_size()))
+    return absl::InternalError(absl::StrCat(what_, ": ", arrays.size(), " arrays for ",
+                                            header_.params_size(), " parameters"));
+  for (int i = 0; i < header_.params_size(); ++i) {
+    const CheckpointArrays& a = arrays[i];
+    if (a.numel != CheckpointParamNumel(header_.params(i)).value_or(-1))
+      return absl::InternalError(absl::StrCat(what_, ": parameter ", i, "'s arrays are not its size"));
+    for (float* x : {a.master, a.m, a.v, a.acc})
+      pieces_.emplace_back(reinterpret_cast<char*>(x), a.numel * sizeof(float));
+  }
+  have_header_ = true;
+  std::string().swap(prefix_);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> CheckpointImport::Take(const void* src, uint64_t n, const Accept& accept) {
+  const char* in = static_cast<const char*>(src);
+  if (total_ < 24)
+    return absl::DataLossError(
+        absl::StrCat(what_, " is truncated: ", total_, " bytes, not even a header"));
+  if (n > total_ - done_)
+    return absl::InvalidArgumentError(absl::StrCat("length: ", n, " bytes at ", done_,
+                                                   " pass the state's ", total_));
+  while (n > 0) {
+    uint64_t k = 0;
+    if (!have_header_) {
+      // The prefix, kept whole: the first 16 bytes, then the header they announce (never
+      // more than has arrived).
+      const uint64_t want = prefix_.size() < 16 ? 16 : 16 + header_bytes_;
+      k = std::min(n, want - prefix_.size());
+      prefix_.append(in, k);
+      sum_.Update(in, k);
+      done_ += k;
+      if (prefix_.size() == want) RETURN_IF_ERROR(TakePrefix(accept));
+    } else if (piece_ < pieces_.size()) {
+      auto& [data, bytes] = pieces_[piece_];
+      k = std::min(n, bytes - in_piece_);
+      memcpy(data + in_piece_, in, k);
+      writing_ = true;
+      sum_.Update(in, k);
+      done_ += k;
+      in_piece_ += k;
+      if (in_piece_ == bytes) {
+        ++piece_;
+        in_piece_ = 0;
+      }
+    } else {
+      k = std::min<uint64_t>(n, 8 - trailer_n_);
+      memcpy(trailer_ + trailer_n_, in, k);
+      trailer_n_ += k;
+      done_ += k;
+    }
+    in += k;
+    n -= k;
+  }
+  if (done_ < total_) return false;
+  uint64_t stored = 0;
+  memcpy(&stored, trailer_, 8);
+  if (stored != sum_.Digest())
+    return absl::DataLossError(absl::StrFormat("%s is corrupt: checksum %016x, it says %016x",
+                                               what_, sum_.Digest(), stored));
+  return true;
 }
 
 }  // namespace stallfree

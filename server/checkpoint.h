@@ -15,7 +15,9 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -97,5 +99,92 @@ absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offs
 
 // Removes the checkpoint (NotFound if missing) and fsyncs the directory.
 absl::Status DeleteCheckpointFile(const std::string& path);
+
+// Removes what an interrupted write leaves in the state directory (the daemon calls it at
+// start, when no session exists): the hidden files of uploads (.<tag>.sfckpt.upload) and of
+// atomic writes (.<tag>.sfckpt.tmp.<pid>.<n>) in every uid's directory, and the transient
+// checkpoints (bytes-<pid>-<n>-<hex>.sfckpt) that clients before ExportState had the daemon
+// write for a state_dict() and remove after reading them (a client killed in between left
+// them). Returns the paths it removed; a file it cannot remove is logged with its errno and left.
+// FailedPrecondition when state_dir is missing.
+absl::StatusOr<std::vector<std::string>> SweepStateDir(const std::string& state_dir);
+
+// A checkpoint's bytes in memory (a whole file, as ReadCheckpointBytes or ExportState gave
+// them), verified as ReadCheckpointArrays verifies a file: magic, header, the size it
+// describes and the checksum. Its header, or DataLoss naming `what` and the fault. `judge`, if
+// given, sees the header before the checksum is computed (the order of an ImportState, which
+// judges the header as soon as it has arrived), and its error is returned as it is.
+absl::StatusOr<v1::CheckpointHeader> VerifyCheckpointBytes(
+    const void* data, uint64_t size, const std::string& what,
+    const std::function<absl::Status(const v1::CheckpointHeader&)>& judge = nullptr);
+
+// A checkpoint's bytes made from live arrays, chunk after chunk in order, with no file
+// (ExportState): the bytes WriteCheckpoint would write for header and arrays. The arrays must
+// not change while an export runs (the caller ends it when they do). Not copyable.
+class CheckpointExport {
+ public:
+  CheckpointExport(const v1::CheckpointHeader& header, std::vector<CheckpointArrays> arrays);
+  CheckpointExport(const CheckpointExport&) = delete;
+  CheckpointExport& operator=(const CheckpointExport&) = delete;
+  uint64_t total() const { return total_; }
+  uint64_t done() const { return done_; }  // bytes handed out so far
+  // Copies the next min(capacity, total() - done()) bytes to dst; returns how many.
+  uint64_t Next(void* dst, uint64_t capacity);
+
+ private:
+  struct Piece {
+    const char* data;
+    uint64_t bytes;
+  };
+  std::string prefix_;  // magic, header length, header
+  uint64_t digest_ = 0;  // the trailer: set once every byte before it has been handed out
+  std::vector<Piece> pieces_;  // prefix_, each array, digest_
+  size_t piece_ = 0;
+  uint64_t in_piece_ = 0;
+  Checksum64 sum_;
+  uint64_t total_ = 0, done_ = 0;
+};
+
+// The inverse (ImportState): a checkpoint's bytes taken chunk after chunk in order, straight
+// into live arrays. The prefix (magic, header length, header) is kept until it is whole and
+// judged before any array changes; the checksum is compared once the last byte arrived. `what`
+// names the bytes in errors. Not copyable.
+class CheckpointImport {
+ public:
+  CheckpointImport(uint64_t total, std::string what);
+  CheckpointImport(const CheckpointImport&) = delete;
+  CheckpointImport& operator=(const CheckpointImport&) = delete;
+  // Given the header (checked: magic, its shapes, total() equal to the size it describes),
+  // the arrays the body goes into (arrays[i] of header.params(i), numel as the header says), or
+  // an error that ends the import with nothing changed.
+  using Accept =
+      std::function<absl::StatusOr<std::vector<CheckpointArrays>>(const v1::CheckpointHeader&)>;
+  // Takes the next n bytes (n <= total() - done()). True once every byte arrived and the
+  // checksum matched; DataLoss for a bad prefix (before any array changed: see writing()) or a
+  // checksum that does not match (after); accept's error as it is.
+  absl::StatusOr<bool> Take(const void* src, uint64_t n, const Accept& accept);
+  uint64_t total() const { return total_; }
+  uint64_t done() const { return done_; }
+  // Whether bytes went into the arrays: a failure from here on leaves them changed.
+  bool writing() const { return writing_; }
+  const v1::CheckpointHeader& header() const { return header_; }
+
+ private:
+  absl::Status TakePrefix(const Accept& accept);
+  const uint64_t total_;
+  const std::string what_;
+  uint64_t done_ = 0;
+  std::string prefix_;
+  uint64_t header_bytes_ = 0;
+  bool have_header_ = false;
+  v1::CheckpointHeader header_;
+  std::vector<std::pair<char*, uint64_t>> pieces_;  // each array, in the file's order
+  size_t piece_ = 0;
+  uint64_t in_piece_ = 0;
+  unsigned char trailer_[8] = {};
+  uint64_t trailer_n_ = 0;
+  Checksum64 sum_;
+  bool writing_ = false;
+};
 
 }  // namespace stallfree

@@ -22,6 +22,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "kernels/optimizer.h"
+#include "server/checkpoint.h"
 #include "server/fd_server.h"
 #include "server/metrics.h"
 #include "server/offload_service.h"
@@ -156,6 +157,16 @@ bool MakeDirectories(const Flags& f) {
     if (!made.ok()) {
       SF_LOG(kError, "--state_dir %s: %s", f.state_dir, made.ToString());
       return false;
+    }
+    // No session exists yet: whatever an interrupted upload or write left is garbage.
+    absl::StatusOr<std::vector<std::string>> swept = stallfree::SweepStateDir(f.state_dir);
+    if (!swept.ok()) {
+      SF_LOG(kWarning, "--state_dir %s: sweeping leftovers: %s", f.state_dir,
+             swept.status().ToString());
+    } else {
+      for (const std::string& path : *swept)
+        SF_LOG(kInfo, "removed %s, left by an interrupted checkpoint write or state transfer",
+               path);
     }
   }
   return true;

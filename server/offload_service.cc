@@ -153,6 +153,22 @@ grpc::ServerUnaryReactor* OffloadService::DeleteCheckpoint(grpc::CallbackServerC
   return r;
 }
 
+grpc::ServerUnaryReactor* OffloadService::ExportState(grpc::CallbackServerContext* ctx,
+                                                      const v1::ExportStateRequest* req,
+                                                      v1::ExportStateResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->ExportState(*req, resp, Finisher(r, "ExportState"));
+  return r;
+}
+
+grpc::ServerUnaryReactor* OffloadService::ImportState(grpc::CallbackServerContext* ctx,
+                                                      const v1::ImportStateRequest* req,
+                                                      v1::ImportStateResponse* resp) {
+  auto* r = ctx->DefaultReactor();
+  sessions_->ImportState(*req, resp, Finisher(r, "ImportState"));
+  return r;
+}
+
 grpc::ServerUnaryReactor* OffloadService::GetStats(grpc::CallbackServerContext* ctx,
                                                    const v1::GetStatsRequest*,
                                                    v1::GetStatsResponse* resp) {

@@ -60,6 +60,12 @@ class OffloadService final : public v1::Offload::CallbackService {
   grpc::ServerUnaryReactor* DeleteCheckpoint(grpc::CallbackServerContext* ctx,
                                              const v1::DeleteCheckpointRequest* req,
                                              v1::DeleteCheckpointResponse* resp) override;
+  grpc::ServerUnaryReactor* ExportState(grpc::CallbackServerContext* ctx,
+                                        const v1::ExportStateRequest* req,
+                                        v1::ExportStateResponse* resp) override;
+  grpc::ServerUnaryReactor* ImportState(grpc::CallbackServerContext* ctx,
+                                        const v1::ImportStateRequest* req,
+                                        v1::ImportStateResponse* resp) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
                                      const v1::GetStatsRequest* req,
                                      v1::GetStatsResponse* resp) override;

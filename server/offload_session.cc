@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
 #include "common/log.h"
+#include "common/status.h"
 
 namespace stallfree {
 namespace {
@@ -46,19 +47,22 @@ v1::ParamSpec SpecOf(const ParamLayout& p) {
 
 // A layout's parameters against a checkpoint header's: FailedPrecondition naming the first
 // difference.
+// `what` names the checkpoint after its field ("tag: checkpoint 'x'").
 absl::Status MatchHeader(const SessionLayout& layout, const v1::CheckpointHeader& header,
-                         const std::string& tag) {
+                         const std::string& what) {
   const std::vector<ParamLayout>& params = layout.params;
+  const size_t colon = what.find(": ");
+  const std::string field = what.substr(0, colon), name = what.substr(colon + 2);
   if (header.params_size() != static_cast<int>(params.size()))
     return absl::FailedPreconditionError(absl::StrCat(
-        "tag: checkpoint '", tag, "' has ", header.params_size(),
-        " parameters, the session registered ", params.size()));
+        what, " has ", header.params_size(), " parameters, the session registered ",
+        params.size()));
   for (size_t i = 0; i < params.size(); ++i) {
     const v1::CheckpointHeader::Param& hp = header.params(static_cast<int>(i));
     if (hp.spec().SerializeAsString() != SpecOf(params[i]).SerializeAsString() ||
         hp.col_steps_size() != params[i].cols)
       return absl::FailedPreconditionError(absl::StrCat(
-          "tag: parameter ", i, " of checkpoint '", tag, "' is '", hp.spec().name(),
+          field, ": parameter ", i, " of ", name, " is '", hp.spec().name(),
           "' with another name, shape or dtype than the session's '", params[i].name, "'"));
   }
   return absl::OkStatus();
@@ -139,6 +143,9 @@ absl::Status OffloadSession::CheckLoadable() const {
   if (updated_once_ || update_running_)
     return absl::FailedPreconditionError(
         "LoadParams after the first Update would discard optimizer state");
+  if (importing_)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "LoadParams while an ImportState of session ", id_, " is in progress"));
   return absl::OkStatus();
 }
 
@@ -150,6 +157,13 @@ absl::Status OffloadSession::BeginUpdate(int64_t step) {
   if (step <= last_step_)
     return absl::FailedPreconditionError(absl::StrCat(
         "step: ", step, " is not after the last update's step ", last_step_));
+  if (importing_)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step: an ImportState of session ", id_, " is in progress; finish it first"));
+  if (state_lost_)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step: an ImportState of session ", id_, " failed half way and left its state "
+        "incomplete; import a whole state (or Restore a checkpoint) before the next Update"));
   update_running_ = true;
   last_step_ = step;
   return absl::OkStatus();
@@ -359,6 +373,8 @@ absl::Status OffloadSession::Allocate(SessionLayout layout) {
 }
 
 void OffloadSession::LoadParams(const std::vector<LoadJob>& jobs) {
+  ++epoch_;
+  has_state_ = true;
   for (const LoadJob& job : jobs) {
     const ParamLayout& p = layout_->params[job.param];
     const uint64_t e = p.elem_offset + job.first;
@@ -374,6 +390,7 @@ void OffloadSession::LoadParams(const std::vector<LoadJob>& jobs) {
 }
 
 int64_t OffloadSession::Accumulate(const PushPlan& plan) {
+  ++epoch_;
   const auto t0 = Clock::now();
   const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
   const bool overwrite =
@@ -397,6 +414,8 @@ int64_t OffloadSession::Accumulate(const PushPlan& plan) {
 }
 
 void OffloadSession::Update(const UpdatePlan& plan) {
+  ++epoch_;
+  has_state_ = true;
   const auto t0 = Clock::now();
   const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
   const kernels::AdamWConfig& cfg = plan.config;
@@ -527,6 +546,7 @@ void ForEachSpan(const std::vector<RowSpan>& spans, Fn fn) {
 }  // namespace
 
 std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePlan>& plans) {
+  ++epoch_;
   const auto t0 = Clock::now();
   // The incoming state waits in handed_over_ until the round's Update has run (which then writes
   // it in place of whatever that Update computed for these columns); the outgoing state, with
@@ -631,28 +651,37 @@ void OffloadSession::LandHandovers(uint16_t* out16, float* out32) {
   handed_over_.clear();
 }
 
-absl::StatusOr<CheckpointWritten> OffloadSession::Snapshot(const std::string& path, uid_t owner,
-                                                           int64_t* version) {
+absl::StatusOr<v1::CheckpointHeader> OffloadSession::SnapshotHeader(std::optional<uid_t> owner) {
   for (const HandedOver& h : handed_over_)
     if (!h.columns.empty())
       return absl::FailedPreconditionError(absl::StrCat(
           "session ", id_, " handed columns over in the middle of a round; checkpoint after the "
           "round's Update"));
-  PrepareAccumulator(AccumulatorUse::kSnapshot);
   v1::CheckpointHeader header;
   header.set_session_name(name_);
   header.set_rank(rank_);
-  header.set_owner_uid(owner);
+  if (owner) header.set_owner_uid(*owner);
   {
     MutexLock lock(&mu_);
+    if (state_lost_)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session ", id_, ": an ImportState failed half way and left its state incomplete; "
+          "there is nothing whole to checkpoint until an import or a Restore succeeds"));
     header.set_last_step(last_step_);
     header.set_version(version_);
   }
+  PrepareAccumulator(AccumulatorUse::kSnapshot);
   for (size_t i = 0; i < layout_->params.size(); ++i) {
     v1::CheckpointHeader::Param* hp = header.add_params();
     *hp->mutable_spec() = SpecOf(layout_->params[i]);
     for (int64_t t : col_steps_[i]) hp->add_col_steps(t);
   }
+  return header;
+}
+
+absl::StatusOr<CheckpointWritten> OffloadSession::Snapshot(const std::string& path, uid_t owner,
+                                                           int64_t* version) {
+  ASSIGN_OR_RETURN(v1::CheckpointHeader header, SnapshotHeader(owner));
   const auto t0 = Clock::now();
   absl::StatusOr<CheckpointWritten> out = WriteCheckpoint(path, header, StateArrays());
   if (!out.ok()) return out.status();
@@ -674,39 +703,165 @@ absl::StatusOr<v1::CheckpointHeader> OffloadSession::Restore(const std::string& 
   if (st.ok() && header->has_owner_uid() && header->owner_uid() != owner)
     st = absl::PermissionDeniedError(
         absl::StrCat("tag: checkpoint '", tag, "' belongs to uid ", header->owner_uid()));
-  if (st.ok()) st = MatchHeader(*layout_, *header, tag);
+  if (st.ok()) st = MatchHeader(*layout_, *header, absl::StrCat("tag: checkpoint '", tag, "'"));
   if (st.ok()) st = ReadCheckpointArrays(path, *header, StateArrays());
-  if (st.ok()) {
-    PrepareAccumulator(AccumulatorUse::kRestored);
-    uint8_t* dst = ParamSlot(0);
-    for (size_t i = 0; i < layout_->params.size(); ++i) {
-      const ParamLayout& p = layout_->params[i];
-      const auto& steps = header->params(static_cast<int>(i)).col_steps();
-      col_steps_[i].assign(steps.begin(), steps.end());
-      const float* src = master_ + p.elem_offset;
-      if (out == v1::DTYPE_BF16)
-        kernels::DefaultCpuKernel().FloatToBf16(
-            src, reinterpret_cast<uint16_t*>(dst) + p.elem_offset, p.numel);
-      else
-        memcpy(reinterpret_cast<float*>(dst) + p.elem_offset, src, p.numel * sizeof(float));
+  if (st.ok()) Restored(*header, out);
+  {
+    MutexLock lock(&mu_);
+    update_running_ = false;
+  }
+  if (!st.ok()) return st;
+  SF_LOG(kInfo, "session %d: restored %s (version %d)", id_, path, header->version());
+  return header;
+}
+
+void OffloadSession::Restored(const v1::CheckpointHeader& header, v1::DType out) {
+  ++epoch_;
+  has_state_ = true;
+  PrepareAccumulator(AccumulatorUse::kRestored);
+  uint8_t* dst = ParamSlot(0);
+  for (size_t i = 0; i < layout_->params.size(); ++i) {
+    const ParamLayout& p = layout_->params[i];
+    const auto& steps = header.params(static_cast<int>(i)).col_steps();
+    col_steps_[i].assign(steps.begin(), steps.end());
+    const float* src = master_ + p.elem_offset;
+    if (out == v1::DTYPE_BF16)
+      kernels::DefaultCpuKernel().FloatToBf16(
+          src, reinterpret_cast<uint16_t*>(dst) + p.elem_offset, p.numel);
+    else
+      memcpy(reinterpret_cast<float*>(dst) + p.elem_offset, src, p.numel * sizeof(float));
+  }
+  handed_over_.clear();
+  MutexLock lock(&mu_);
+  last_step_ = header.last_step();
+  version_ = header.version();
+  updated_once_ = true;
+  ready_slot_ = 0;
+  ready_dtype_ = out;
+  pushes_since_update_ = 0;
+  state_lost_ = false;
+}
+
+absl::StatusOr<uint64_t> OffloadSession::ExportChunk(uint64_t offset, std::optional<uid_t> owner,
+                                                     uint64_t* total, int64_t* version) {
+  if (offset == 0) {
+    export_.reset();
+    ASSIGN_OR_RETURN(v1::CheckpointHeader header, SnapshotHeader(owner));
+    export_ = std::make_unique<CheckpointExport>(header, StateArrays());
+    export_epoch_ = epoch_;
+    export_version_ = header.version();
+    export_start_ = Clock::now();
+  } else if (export_ == nullptr || offset != export_->done()) {
+    const std::string was = export_ == nullptr
+                                ? std::string("no export is in progress")
+                                : absl::StrCat("the export is at ", export_->done());
+    export_.reset();
+    return absl::FailedPreconditionError(
+        absl::StrCat("offset: ", offset, ", but ", was, "; start again at offset 0"));
+  } else if (epoch_ != export_epoch_) {
+    export_.reset();
+    return absl::AbortedError(absl::StrCat(
+        "offset: ", offset, ": session ", id_, "'s state changed since the export began (a "
+        "push, Update, handover, load or restore); start again at offset 0"));
+  }
+  const uint64_t n = export_->Next(Staging(), layout_->region.staging_bytes());
+  *total = export_->total();
+  *version = export_version_;
+  if (export_->done() == export_->total()) {
+    const double took = Seconds(Clock::now() - export_start_);
+    env_.counters->checkpoint_seconds.Observe(took);
+    env_.counters->checkpoint_bytes.Observe(static_cast<double>(*total));
+    SF_LOG(kInfo, "session %d: exported its state (version %d), %d bytes in %.3f s", id_,
+           export_version_, *total, took);
+    export_.reset();
+  }
+  return n;
+}
+
+absl::Status OffloadSession::AbandonImport(absl::Status why) {
+  const bool wrote = import_ != nullptr && import_->writing();
+  import_.reset();
+  bool lost = false;
+  if (wrote) {
+    ++epoch_;
+    if (!has_state_) {
+      // Nothing was there before: back to the zeros of a fresh registration.
+      ParallelChunks(static_cast<int64_t>(layout_->total_elems), [&](int64_t b, int64_t e) {
+        for (float* a : {master_, m_, v_, acc_}) memset(a + b, 0, (e - b) * sizeof(float));
+      });
+      for (std::vector<int64_t>& steps : col_steps_) std::fill(steps.begin(), steps.end(), 0);
+      acc_stale_ = false;
+    } else {
+      lost = true;
     }
   }
   {
     MutexLock lock(&mu_);
-    update_running_ = false;
-    if (st.ok()) {
-      last_step_ = header->last_step();
-      version_ = header->version();
-      updated_once_ = true;
-      ready_slot_ = 0;
-      ready_dtype_ = out;
-      pushes_since_update_ = 0;
-    }
+    importing_ = false;
+    if (lost) state_lost_ = true;
   }
-  if (!st.ok()) return st;
-  handed_over_.clear();
-  SF_LOG(kInfo, "session %d: restored %s (version %d)", id_, path, header->version());
-  return header;
+  SF_LOG(kWarning, "session %d: import abandoned (%s)%s", id_, why.ToString(),
+         lost ? "; its state is incomplete until an import or a Restore succeeds"
+              : wrote ? "; its state is zero again, as registered" : "");
+  return why;
+}
+
+absl::StatusOr<OffloadSession::Imported> OffloadSession::ImportChunk(uint64_t offset,
+                                                                     uint64_t length,
+                                                                     uint64_t total,
+                                                                     v1::DType out) {
+  if (offset == 0) {
+    if (import_ != nullptr) AbandonImport(absl::CancelledError("a new import began")).IgnoreError();
+    {
+      MutexLock lock(&mu_);
+      if (update_running_)
+        return absl::AbortedError(absl::StrCat("the update of step ", last_step_,
+                                               " is still running for session ", id_));
+      importing_ = true;
+    }
+    import_ = std::make_unique<CheckpointImport>(
+        total, absl::StrCat("the state imported into session ", id_));
+    import_epoch_ = epoch_;
+    import_start_ = Clock::now();
+  } else if (import_ == nullptr || offset != import_->done() || total != import_->total()) {
+    const std::string was =
+        import_ == nullptr
+            ? std::string("no import is in progress")
+            : absl::StrCat("the import is at ", import_->done(), " of ", import_->total());
+    return AbandonImport(absl::FailedPreconditionError(
+        absl::StrCat("offset: ", offset, " of ", total, ", but ", was,
+                     "; start again at offset 0")));
+  } else if (epoch_ != import_epoch_) {
+    return AbandonImport(absl::AbortedError(absl::StrCat(
+        "offset: ", offset, ": session ", id_, "'s state changed since the import began (a "
+        "push, Update, handover, load or restore)")));
+  }
+  absl::StatusOr<bool> complete = import_->Take(
+      Staging(), length,
+      [this](const v1::CheckpointHeader& header)
+          -> absl::StatusOr<std::vector<CheckpointArrays>> {
+        RETURN_IF_ERROR(MatchHeader(*layout_, header, "state: the imported state"));
+        return StateArrays();
+      });
+  if (!complete.ok()) return AbandonImport(complete.status());
+  Imported got;
+  if (!*complete) return got;
+  const v1::CheckpointHeader header = import_->header();
+  const double took = Seconds(Clock::now() - import_start_);
+  import_.reset();
+  Restored(header, out);
+  {
+    MutexLock lock(&mu_);
+    importing_ = false;
+  }
+  env_.counters->checkpoint_seconds.Observe(took);
+  env_.counters->checkpoint_bytes.Observe(static_cast<double>(total));
+  SF_LOG(kInfo, "session %d: imported a state (version %d), %d bytes in %.3f s", id_,
+         header.version(), total, took);
+  got.complete = true;
+  got.version = header.version();
+  got.last_step = header.last_step();
+  return got;
 }
 
 absl::StatusOr<uint64_t> OffloadSession::ReadBytes(const std::string& path, uint64_t offset,

@@ -302,6 +302,24 @@ class OffloadSession {
   absl::StatusOr<v1::CheckpointHeader> Restore(const std::string& path, uid_t owner,
                                                const std::string& tag, v1::DType out,
                                                uint64_t* file_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // On the strand. ExportState: bytes [offset, offset + n) of the state as a checkpoint of it
+  // (owned by `owner`, where known) into the staging area, n = min(staging bytes, *total - offset); returns
+  // n. Offset 0 starts an export (*version: the version it holds); a later chunk must follow
+  // the previous one (FailedPrecondition) with the state unchanged since (Aborted).
+  absl::StatusOr<uint64_t> ExportChunk(uint64_t offset, std::optional<uid_t> owner,
+                                       uint64_t* total,
+                                       int64_t* version) ABSL_LOCKS_EXCLUDED(mu_);
+  // On the strand. ImportState: `length` bytes from the staging area are bytes [offset, offset +
+  // length) of a state of `total` bytes (CheckChunk checked them), straight into the state
+  // (offload.proto, ImportStateRequest: the order, the header judged before anything changes,
+  // the checksum at the end, what a failure half way leaves). Once complete, the parameters go
+  // to parameter slot 0 as `out` and the session's version is the state's.
+  struct Imported {
+    bool complete = false;
+    int64_t version = 0, last_step = 0;
+  };
+  absl::StatusOr<Imported> ImportChunk(uint64_t offset, uint64_t length, uint64_t total,
+                                       v1::DType out) ABSL_LOCKS_EXCLUDED(mu_);
   // On the strand. Copies file bytes from `offset` into the staging area (as many as fit);
   // returns how many. *total: the file's size.
   absl::StatusOr<uint64_t> ReadBytes(const std::string& path, uint64_t offset, uint64_t* total);
@@ -328,6 +346,19 @@ class OffloadSession {
   // strand.
   bool PrepareAccumulator(AccumulatorUse use);
 
+  // The header of a checkpoint of the state as it is now (the accumulator's logical value,
+  // PrepareAccumulator(kSnapshot) first): FailedPrecondition between a handover and the next
+  // Update, or after an import failed half way. On the strand.
+  absl::StatusOr<v1::CheckpointHeader> SnapshotHeader(std::optional<uid_t> owner) ABSL_LOCKS_EXCLUDED(mu_);
+  // After a Restore or an import has read a checkpoint of `header` into the state: its step
+  // counts, the parameters to slot 0 as `out`, the version; the session has state. On the
+  // strand.
+  void Restored(const v1::CheckpointHeader& header, v1::DType out) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the import in progress after `why`: what it wrote is undone on a session that held no
+  // state yet (zeros, as registered), else the state is lost until an import or a Restore
+  // succeeds. Returns why. On the strand.
+  absl::Status AbandonImport(absl::Status why) ABSL_LOCKS_EXCLUDED(mu_);
+
   uint8_t* GradSlot(uint32_t slot) const;
   uint8_t* ParamSlot(uint32_t slot) const;
   float* Staging() const;
@@ -353,6 +384,10 @@ class OffloadSession {
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   std::string closed_message_ ABSL_GUARDED_BY(mu_);
   bool update_running_ ABSL_GUARDED_BY(mu_) = false;  // an Update or a Restore
+  bool importing_ ABSL_GUARDED_BY(mu_) = false;       // an ImportState is in progress
+  // An import failed half way through a session that held state: refuse what would read it
+  // (Update, Checkpoint, ExportState) until an import or a Restore succeeds.
+  bool state_lost_ ABSL_GUARDED_BY(mu_) = false;
   bool updated_once_ ABSL_GUARDED_BY(mu_) = false;
   int64_t last_step_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t version_ ABSL_GUARDED_BY(mu_) = 0;
@@ -387,6 +422,19 @@ class OffloadSession {
   // Work state: touched only by the work methods, on the strand.
   std::vector<std::vector<int64_t>> col_steps_;  // per parameter, per column: AdamW steps taken
   bool acc_stale_ = false;                        // see PrepareAccumulator
+  // Bumped by every work method that changes the state, so that an export or an import spread
+  // over several requests notices a change between its chunks.
+  uint64_t epoch_ = 0;
+  // The state holds something (LoadParams, an Update, a Restore or an import happened): a
+  // failed import cannot simply zero it.
+  bool has_state_ = false;
+  std::unique_ptr<CheckpointExport> export_;  // the ExportState in progress
+  uint64_t export_epoch_ = 0;
+  int64_t export_version_ = 0;
+  Clock::time_point export_start_;
+  std::unique_ptr<CheckpointImport> import_;  // the ImportState in progress
+  uint64_t import_epoch_ = 0;
+  Clock::time_point import_start_;
   // Per parameter: the columns handed over since the last Update (Migrate with handover), their
   // incoming step counts and state (per call, [3][rows][n]: master, m, v), which that Update
   // writes after its pass (LandHandovers).

@@ -399,15 +399,29 @@ absl::StatusOr<std::vector<MigratePlan>> PlanMigrate(const v1::MigrateColumnsReq
   return plans;
 }
 
-absl::Status CheckChunk(const v1::WriteCheckpointRequest& req, const SessionLayout& layout) {
+namespace {
+absl::Status CheckChunk(uint64_t offset, uint64_t length, uint64_t total_bytes,
+                        const SessionLayout& layout) {
   const uint64_t staging_bytes = layout.region.staging_bytes();
-  if (req.length() > staging_bytes)
+  if (length > staging_bytes)
     return absl::InvalidArgumentError(absl::StrCat(
-        "length: ", req.length(), " bytes, the staging area holds ", staging_bytes));
-  if (req.offset() > req.total_bytes() || req.length() > req.total_bytes() - req.offset())
-    return absl::InvalidArgumentError(absl::StrCat("offset + length: ", req.offset(), " + ",
-                                                   req.length(), " exceeds total_bytes ",
-                                                   req.total_bytes()));
+        "length: ", length, " bytes, the staging area holds ", staging_bytes));
+  if (offset > total_bytes || length > total_bytes - offset)
+    return absl::InvalidArgumentError(absl::StrCat("offset + length: ", offset, " + ", length,
+                                                   " exceeds total_bytes ", total_bytes));
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status CheckChunk(const v1::WriteCheckpointRequest& req, const SessionLayout& layout) {
+  return CheckChunk(req.offset(), req.length(), req.total_bytes(), layout);
+}
+
+absl::Status CheckChunk(const v1::ImportStateRequest& req, const SessionLayout& layout) {
+  RETURN_IF_ERROR(CheckChunk(req.offset(), req.length(), req.total_bytes(), layout));
+  if (req.length() == 0 && req.offset() < req.total_bytes())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "length: 0 at offset ", req.offset(), " of ", req.total_bytes(), ": no progress"));
   return absl::OkStatus();
 }
 

@@ -49,5 +49,7 @@ absl::StatusOr<std::vector<MigratePlan>> PlanMigrate(const v1::MigrateColumnsReq
 
 // A WriteCheckpoint chunk: it fits the staging area and the file's total_bytes.
 absl::Status CheckChunk(const v1::WriteCheckpointRequest& request, const SessionLayout& layout);
+// An ImportState chunk: the same, and it moves at least one byte until the state is whole.
+absl::Status CheckChunk(const v1::ImportStateRequest& request, const SessionLayout& layout);
 
 }  // namespace stallfree

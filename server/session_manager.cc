@@ -487,6 +487,46 @@ void SessionManager::DeleteCheckpoint(const v1::DeleteCheckpointRequest& req, Do
   if (!st.ok()) Fail(st, done);
 }
 
+void SessionManager::ExportState(const v1::ExportStateRequest& req,
+                                 v1::ExportStateResponse* resp, Done done) {
+  auto found = Lookup(req.session(), "ExportState", true);
+  if (!found.ok()) return Fail(found.status(), done);
+  std::shared_ptr<OffloadSession> s = *std::move(found);
+  PostOrFail(*s, [this, s, offset = req.offset(), resp, done] {
+    uint64_t total = 0;
+    int64_t version = 0;
+    absl::StatusOr<uint64_t> n = s->ExportChunk(offset, s->uid(), &total, &version);
+    if (!n.ok()) return Fail(n.status(), done);
+    resp->set_total_bytes(total);
+    resp->set_length(*n);
+    resp->set_version(version);
+    done(absl::OkStatus());
+  }, done);
+}
+
+void SessionManager::ImportState(const v1::ImportStateRequest& req,
+                                 v1::ImportStateResponse* resp, Done done) {
+  if (req.out_dtype() != v1::DTYPE_UNSPECIFIED && req.out_dtype() != v1::DTYPE_FP32 &&
+      req.out_dtype() != v1::DTYPE_BF16)
+    return Fail(absl::InvalidArgumentError("out_dtype: must be FP32 or BF16"), done);
+  auto found = Lookup(req.session(), "ImportState", true);
+  if (!found.ok()) return Fail(found.status(), done);
+  std::shared_ptr<OffloadSession> s = *std::move(found);
+  absl::Status st = CheckChunk(req, *s->layout());
+  if (!st.ok()) return Fail(st, done);
+  absl::StatusOr<v1::DType> dtype = OutputDType(req.out_dtype(), *s->layout(), "out_dtype");
+  if (!dtype.ok()) return Fail(dtype.status(), done);
+  PostOrFail(*s, [this, s, offset = req.offset(), length = req.length(),
+                  total = req.total_bytes(), out = *dtype, resp, done] {
+    absl::StatusOr<OffloadSession::Imported> got = s->ImportChunk(offset, length, total, out);
+    if (!got.ok()) return Fail(got.status(), done);
+    resp->set_complete(got->complete);
+    resp->set_version(got->version);
+    resp->set_last_step(got->last_step);
+    done(absl::OkStatus());
+  }, done);
+}
+
 void SessionManager::ListCheckpoints(const v1::ListCheckpointsRequest& req,
                                      v1::ListCheckpointsResponse* resp, Done done) {
   absl::StatusOr<uid_t> uid = Identify(req.caller(), req.session(), "ListCheckpoints");

@@ -90,6 +90,12 @@ class SessionManager {
   void WriteCheckpoint(const v1::WriteCheckpointRequest& request,
                        v1::WriteCheckpointResponse* response, Done done);
   void DeleteCheckpoint(const v1::DeleteCheckpointRequest& request, Done done);
+  // The session's state through its staging area with no file (offload.proto, ExportState /
+  // ImportState): on the strand, with or without a state directory.
+  void ExportState(const v1::ExportStateRequest& request, v1::ExportStateResponse* response,
+                   Done done);
+  void ImportState(const v1::ImportStateRequest& request, v1::ImportStateResponse* response,
+                   Done done);
   // Calls done once the version is ready, the wait passes (the request's timeout_ms, else
   // options.update_wait: DEADLINE_EXCEEDED, and the session is intact), or the session goes away.
   void WaitUpdate(const v1::WaitUpdateRequest& request, OffloadSession::WaitDone done);

@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "client/client.h"
+#include "server/checkpoint.h"
 #include "testing/daemon_process.h"
 #include "testing/hyper.h"
 
@@ -459,6 +460,207 @@ TEST_F(CheckpointTest, AMissingStateDirectoryIsAFailedPreconditionNotALostDaemon
   auto health = (*client)->Health();
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, "SERVING");
+}
+
+// A session of 2560 elements (a 12 KiB staging area, a ~41 KB state: several chunks), with
+// deterministic initial values loaded unless `load` is false (registered only).
+std::unique_ptr<Session> OpenBig(Client* client, const std::string& name, bool load = true) {
+  auto s = client->OpenSession(name, 0);
+  EXPECT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE((*s)->RegisterParams({{"w", {64, 40}, v1::DTYPE_FP32}}).ok());
+  if (load) {
+    float* w = (*s)->StagingFp32("w");
+    for (int i = 0; i < 2560; ++i) w[i] = 0.001f * i - 1.0f;
+    EXPECT_TRUE((*s)->LoadParams().ok());
+  }
+  return std::move(*s);
+}
+
+// Step t of OpenBig's session: a deterministic gradient, the Update; the new w.
+std::vector<float> TrainBig(Session* s, int64_t t) {
+  std::mt19937 rng(static_cast<unsigned>(t));
+  std::normal_distribution<float> normal;
+  float* g = static_cast<float*>(s->GradSlot(0, "w"));
+  for (int i = 0; i < 2560; ++i) g[i] = normal(rng);
+  EXPECT_TRUE(s->Push(t, 0).ok());
+  EXPECT_TRUE(s->Update(t, Hyper(), 1, v1::DTYPE_FP32, /*column_steps=*/true).ok());
+  auto ready = s->WaitUpdate(t);
+  EXPECT_TRUE(ready.ok()) << ready.status();
+  if (!ready.ok()) return {};
+  const float* w = s->ParamsFp32(ready->param_slot(), "w");
+  return std::vector<float>(w, w + 2560);
+}
+
+// ExportState / ImportState (issue 30, item 4): the state moves through the staging area
+// straight out of and into the session's pinned memory, on a daemon with no state directory at
+// all; an imported session continues bit for bit; a state that is cut, of other parameters or
+// out of order is refused before anything changes; a corrupt one (its checksum) leaves a
+// session that held nothing as registered and one that held state refusing to go on until a
+// whole import; a change between an export's chunks aborts it.
+TEST_F(CheckpointTest, StateMovesThroughTheStagingAreaWithNoFile) {
+  Daemon d({"--threads", "2", "--state_dir", ""}, "info");
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok());
+  auto a = OpenBig(client->get(), "a");
+  for (int64_t t = 1; t <= 2; ++t) TrainBig(a.get(), t);
+  EXPECT_EQ(a->Checkpoint("x").status().code(), Code::kFailedPrecondition);  // no directory
+  int64_t version = 0;
+  auto bytes = a->ExportState(&version);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_EQ(version, 2);
+  ASSERT_GT(bytes->size(), 3 * a->layout().staging_bytes());
+  auto header = VerifyCheckpointBytes(bytes->data(), bytes->size(), "the export");
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_EQ(header->version(), 2);
+  EXPECT_EQ(header->owner_uid(), getuid());
+  ASSERT_EQ(header->params_size(), 1);
+  EXPECT_EQ(header->params(0).spec().name(), "w");
+  std::vector<std::vector<float>> expected;
+  for (int64_t t = 3; t <= 4; ++t) expected.push_back(TrainBig(a.get(), t));
+
+  // Into a session that has trained on its own: it continues as a did.
+  auto b = OpenBig(client->get(), "b");
+  TrainBig(b.get(), 1);
+  auto imported = b->ImportState(bytes->data(), bytes->size(), v1::DTYPE_FP32);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_TRUE(imported->complete());
+  EXPECT_EQ(imported->version(), 2);
+  EXPECT_EQ(imported->last_step(), 2);
+  auto ready = b->WaitUpdate(2);
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  EXPECT_EQ(ready->param_slot(), 0u);
+  // Exported again before it steps: the same bytes (but the session's name in the header).
+  auto again = b->ExportState();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->size(), bytes->size() + 0);  // "a" and "b": names of one byte
+
+  // Refused before anything changes: cut short, nothing, other parameters, chunks out of
+  // order, a chunk beyond the staging area.
+  std::string cut = bytes->substr(0, bytes->size() - 8);
+  auto r = b->ImportState(cut.data(), cut.size());
+  EXPECT_EQ(r.status().code(), Code::kDataLoss) << r.status();
+  EXPECT_NE(r.status().message().find("truncated"), std::string::npos) << r.status();
+  EXPECT_EQ(b->ImportState(nullptr, 0).status().code(), Code::kDataLoss);
+  auto other = client->get()->OpenSession("other", 0);
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE((*other)->RegisterParams({{"w", {40, 64}, v1::DTYPE_FP32}}).ok());
+  r = (*other)->ImportState(bytes->data(), bytes->size());
+  EXPECT_EQ(r.status().code(), Code::kFailedPrecondition) << r.status();
+  {
+    v1::ImportStateRequest req;
+    *req.mutable_session() = b->ref();
+    req.set_offset(4096);
+    req.set_length(16);
+    req.set_total_bytes(bytes->size());
+    v1::ImportStateResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_EQ((*client)->stub()->ImportState(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+    req.set_offset(0);
+    req.set_length(b->layout().staging_bytes() + 1);
+    grpc::ClientContext ctx2;
+    EXPECT_EQ((*client)->stub()->ImportState(&ctx2, req, &resp).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  for (int64_t t = 3; t <= 4; ++t)
+    EXPECT_EQ(TrainBig(b.get(), t), expected[t - 3]) << "step " << t << " after the refusals";
+
+  // A corrupt state into a session that held nothing (registered, not loaded): DATA_LOSS at
+  // the last chunk, and the session is as registered: its export equals an untouched one's.
+  std::string flipped = *bytes;
+  flipped[flipped.size() / 2] ^= 0x04;
+  auto fresh = OpenBig(client->get(), "fresh", /*load=*/false);
+  auto untouched = OpenBig(client->get(), "fresh", /*load=*/false);
+  r = fresh->ImportState(flipped.data(), flipped.size());
+  EXPECT_EQ(r.status().code(), Code::kDataLoss) << r.status();
+  auto fresh_state = fresh->ExportState();
+  auto untouched_state = untouched->ExportState();
+  ASSERT_TRUE(fresh_state.ok() && untouched_state.ok());
+  EXPECT_TRUE(*fresh_state == *untouched_state) << "a refused import left its bytes";
+  EXPECT_TRUE(fresh->ImportState(bytes->data(), bytes->size()).ok());
+  for (int64_t t = 3; t <= 4; ++t) EXPECT_EQ(TrainBig(fresh.get(), t), expected[t - 3]);
+
+  // The same into a session that held state: its state is incomplete, so Update and an export
+  // are refused until a whole import mends it.
+  auto c = OpenBig(client->get(), "c");
+  TrainBig(c.get(), 1);
+  r = c->ImportState(flipped.data(), flipped.size());
+  EXPECT_EQ(r.status().code(), Code::kDataLoss) << r.status();
+  EXPECT_EQ(c->Update(5, Hyper(), 0, v1::DTYPE_FP32, true).code(), Code::kFailedPrecondition);
+  EXPECT_EQ(c->ExportState().status().code(), Code::kFailedPrecondition);
+  ASSERT_TRUE(c->ImportState(bytes->data(), bytes->size()).ok());
+  for (int64_t t = 3; t <= 4; ++t) EXPECT_EQ(TrainBig(c.get(), t), expected[t - 3]);
+
+  // An export whose session changes between two chunks (a push) is aborted; one that skips
+  // ahead is refused.
+  v1::ExportStateRequest req;
+  *req.mutable_session() = c->ref();
+  v1::ExportStateResponse resp;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE((*client)->stub()->ExportState(&ctx, req, &resp).ok());
+  }
+  ASSERT_LT(resp.length(), resp.total_bytes());
+  ASSERT_TRUE(c->Push(5, 0).ok());
+  req.set_offset(resp.length());
+  {
+    grpc::ClientContext ctx;
+    EXPECT_EQ((*client)->stub()->ExportState(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::ABORTED);
+  }
+  {
+    grpc::ClientContext ctx;
+    EXPECT_EQ((*client)->stub()->ExportState(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  EXPECT_TRUE(c->ExportState().ok());
+}
+
+// With a state directory the export is byte for byte the checkpoint file Checkpoint writes,
+// and moving a state out and in writes nothing there.
+TEST_F(CheckpointTest, ExportedStateIsTheCheckpointFileAndNothingIsWritten) {
+  const std::string dir = tmp_ + "/ckpt";
+  Daemon d({"--threads", "2", "--state_dir", dir}, "info");
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok());
+  auto a = OpenBig(client->get(), "a");
+  for (int64_t t = 1; t <= 2; ++t) TrainBig(a.get(), t);
+  auto saved = a->Checkpoint("orig");
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  const std::string on_disk = FileBytes(saved->path());
+  ASSERT_TRUE(a->DeleteCheckpoint("orig").ok());
+  auto bytes = a->ExportState();
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_TRUE(*bytes == on_disk);
+  auto b = OpenBig(client->get(), "b");
+  ASSERT_TRUE(b->ImportState(bytes->data(), bytes->size()).ok());
+  EXPECT_EQ(TrainBig(b.get(), 3), TrainBig(a.get(), 3));
+  EXPECT_EQ(system(("test $(ls -A " + OwnDir(dir) + " | wc -l) -eq 0").c_str()), 0);
+}
+
+// What interrupted writes leave (an upload's or an atomic write's hidden file, the transient
+// checkpoints of clients before ExportState) is removed when the daemon starts; checkpoints and
+// other files stay.
+TEST_F(CheckpointTest, LeftoversOfInterruptedWritesAreSweptAtStart) {
+  const std::string dir = tmp_ + "/ckpt";
+  const std::string own = OwnDir(dir);
+  ASSERT_EQ(system(("mkdir -p " + own + " " + dir + "/12345").c_str()), 0);
+  const std::vector<std::string> leftovers = {
+      own + "/.run.sfckpt.upload", own + "/.run.sfckpt.tmp.4242.0",
+      own + "/bytes-4242-0-9f3a2b1c.sfckpt", dir + "/12345/.x.dp2.r1.sfckpt.upload",
+      dir + "/bytes-7-1-ab.sfckpt"};
+  const std::vector<std::string> kept = {own + "/run.sfckpt", own + "/bytes-mine.sfckpt",
+                                         own + "/bytes-1-2-xyz.sfckpt", own + "/.keep",
+                                         dir + "/12345/other.sfckpt"};
+  for (const std::string& path : leftovers) std::ofstream(path) << "x";
+  for (const std::string& path : kept) std::ofstream(path) << "x";
+  Daemon d({"--threads", "1", "--state_dir", dir}, "info");
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok());
+  struct stat st;
+  for (const std::string& path : leftovers) EXPECT_NE(stat(path.c_str(), &st), 0) << path;
+  for (const std::string& path : kept) EXPECT_EQ(stat(path.c_str(), &st), 0) << path;
+  EXPECT_NE(d.Log().find("removed " + own + "/.run.sfckpt.upload"), std::string::npos);
 }
 
 }  // namespace

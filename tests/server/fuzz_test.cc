@@ -46,7 +46,7 @@ class Fuzzer {
 
   // One random request; returns its code.
   StatusCode Next(std::string* method) {
-    switch (Pick(17)) {
+    switch (Pick(19)) {
       case 0: *method = "OpenSession"; return Call(&v1::Offload::Stub::OpenSession, OpenReq());
       case 1: *method = "CloseSession"; {
         v1::CloseSessionRequest r;
@@ -186,6 +186,22 @@ class Fuzzer {
         if (Pick(2)) *r.mutable_caller() = Caller();
         return Call(&v1::Offload::Stub::ListSessions, r);
       }
+      case 17: *method = "ExportState"; {
+        v1::ExportStateRequest r;
+        *r.mutable_session() = Ref(true);
+        r.set_offset(Pick(2) ? 0 : U64());
+        return Call(&v1::Offload::Stub::ExportState, r);
+      }
+      case 18: *method = "ImportState"; {
+        // Whatever the staging area holds (often an export's first chunk) as a state's bytes.
+        v1::ImportStateRequest r;
+        *r.mutable_session() = Ref(true);
+        r.set_offset(Pick(2) ? 0 : U64());
+        r.set_length(U64());
+        r.set_total_bytes(U64());
+        r.set_out_dtype(static_cast<v1::DType>(Pick(5)));
+        return Call(&v1::Offload::Stub::ImportState, r);
+      }
       default: *method = "garbage"; return Garbage(method);
     }
   }
@@ -297,8 +313,8 @@ class Fuzzer {
   StatusCode Garbage(std::string* method) {
     static const char* kMethods[] = {"OpenSession", "RegisterParams", "PushGradients", "Update",
                                      "MigrateColumns", "Checkpoint", "WriteCheckpoint",
-                                     "ListSessions", "NoSuchMethod"};
-    *method = std::string("garbage:") + kMethods[Pick(9)];
+                                     "ImportState", "ListSessions", "NoSuchMethod"};
+    *method = std::string("garbage:") + kMethods[Pick(10)];
     grpc::GenericStub stub(channel());
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
