@@ -1,5 +1,6 @@
 #include "client/session_target.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace stallfree {
@@ -40,8 +41,13 @@ absl::Status SessionTarget::UpdateWithPush(int64_t step, const AdamW& hyper,
   h.set_beta2(hyper.beta2);
   h.set_eps(hyper.eps);
   h.set_weight_decay(hyper.weight_decay);
-  return s_->UpdateWithPush(step, h, param_slot, ToProto(out), grad_slot, push_scale,
-                            skip_params, hyper.predict);
+  absl::Status st = s_->UpdateWithPush(step, h, param_slot, ToProto(out), grad_slot, push_scale,
+                                       skip_params, hyper.predict);
+  if (st.ok()) {
+    absl::MutexLock lock(&mu_);
+    started_ = std::max(started_, step);
+  }
+  return st;
 }
 
 absl::Status SessionTarget::WaitUpdate(int64_t min_version) {
@@ -78,8 +84,18 @@ absl::Status SessionTarget::Restore(const std::string& tag, DType out) {
   {
     absl::MutexLock lock(&mu_);
     seen_ = UpdateSeen();
+    started_ = 0;
   }
   return s_->Restore(tag, ToProto(out)).status();
+}
+
+absl::Status SessionTarget::ImportState(const std::string& bytes, DType out) {
+  {
+    absl::MutexLock lock(&mu_);
+    seen_ = UpdateSeen();
+    started_ = 0;
+  }
+  return s_->ImportState(bytes.data(), bytes.size(), ToProto(out)).status();
 }
 
 }  // namespace stallfree

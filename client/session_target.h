@@ -65,12 +65,21 @@ class SessionTarget : public OffloadTarget {
   absl::Status WriteCheckpoint(const std::string& tag, const std::string& bytes) override {
     return s_->WriteCheckpointBytes(tag, bytes);
   }
+  absl::StatusOr<std::string> ExportState() override { return s_->ExportState(); }
+  absl::Status ImportState(const std::string& bytes, DType out) override;
+  // The newest Update this target started (UpdateWithPush) that a WaitUpdate has not returned
+  // yet; 0 when none runs as far as the target knows (and after a Restore or an import).
+  int64_t UnseenUpdate() const {
+    absl::MutexLock lock(&mu_);
+    return started_ > seen_.version ? started_ : 0;
+  }
 
  private:
   std::unique_ptr<Session> owned_;
   Session* s_;
   mutable absl::Mutex mu_;  // WaitUpdate runs on the engine's thread and its copy thread
   UpdateSeen seen_ ABSL_GUARDED_BY(mu_);
+  int64_t started_ ABSL_GUARDED_BY(mu_) = 0;  // the newest Update's version UpdateWithPush began
 };
 
 }  // namespace stallfree

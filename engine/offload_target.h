@@ -116,6 +116,13 @@ class OffloadTarget {
   virtual absl::StatusOr<std::string> ReadCheckpoint(const std::string& tag,
                                                      bool delete_after) = 0;
   virtual absl::Status WriteCheckpoint(const std::string& tag, const std::string& bytes) = 0;
+  // The target's state as the bytes a checkpoint of it would hold, and their restoration into
+  // this (registered) target as Restore would (the parameter slots then hold the restored
+  // values in `out`), with no checkpoint file anywhere (offload.proto: ExportState,
+  // ImportState). An import that fails once it began to change the state leaves a target that
+  // held no state yet as fresh as it was (see ImportStateRequest).
+  virtual absl::StatusOr<std::string> ExportState() = 0;
+  virtual absl::Status ImportState(const std::string& bytes, DType out) = 0;
 };
 
 }  // namespace stallfree

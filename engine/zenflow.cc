@@ -18,11 +18,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/bf16.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "engine/blob.h"
 #include "engine/schedule.h"
+#include "server/checkpoint.h"
 
 namespace stallfree {
 namespace {
@@ -1593,6 +1595,11 @@ absl::Status ZenFlowEngine::Flush() {
 }
 
 absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
+  return CheckpointTo(tag, nullptr);
+}
+
+absl::StatusOr<std::string> ZenFlowEngine::CheckpointTo(const std::string& tag,
+                                                        std::string* daemon) {
   Impl& im = *impl_;
   if (!im.failure.ok()) return im.failure;
   if (im.staging_for != 0)
@@ -1604,7 +1611,12 @@ absl::StatusOr<std::string> ZenFlowEngine::Checkpoint(const std::string& tag) {
     if (im.pending_version > 0)
       RETURN_IF_ERROR(im.target->WaitUpdate(im.pending_version));
   }
-  if (im.daemon_has_state()) RETURN_IF_ERROR(im.target->Checkpoint(tag));
+  // The daemon's part: its checkpoint `tag`, or (daemon) its bytes, with no file.
+  if (im.daemon_has_state() && daemon != nullptr) {
+    ASSIGN_OR_RETURN(*daemon, im.target->ExportState());
+  } else if (im.daemon_has_state()) {
+    RETURN_IF_ERROR(im.target->Checkpoint(tag));
+  }
   auto download = [&](const OpsBuffer& b) {
     std::vector<float> host(b.size());
     im.ops.Download(host.data(), b.data(), b.size());
@@ -1665,6 +1677,11 @@ absl::Status ZenFlowEngine::DeleteCheckpoint(const std::string& tag) {
 }
 
 absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& state) {
+  return RestoreFrom(tag, state, nullptr);
+}
+
+absl::Status ZenFlowEngine::RestoreFrom(const std::string& tag, const std::string& state,
+                                        const std::string* daemon) {
   // The blob is parsed (engine/blob.h) and checked against this engine whole, and the daemon
   // restores its checkpoint, before anything of the engine's changes: a refused blob, or a
   // daemon that refuses or fails its Restore, leaves the engine as fresh as it was.
@@ -1674,8 +1691,13 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   ASSIGN_OR_RETURN(EngineBlob blob, ParseEngineBlob(state));
   RETURN_IF_ERROR(im.CheckBlob(blob));
   // (daemon_has_state() once the blob's `loaded` is the engine's)
+  if (im.offloading() && blob.loaded != 0 && daemon != nullptr && daemon->empty())
+    return absl::InvalidArgumentError(
+        "state: the engine's state says the daemon holds its offloaded part, but no daemon "
+        "state came with it");
   if (im.offloading() && blob.loaded != 0)
-    RETURN_IF_ERROR(im.target->Restore(tag, im.cfg.param_dtype));
+    RETURN_IF_ERROR(daemon != nullptr ? im.target->ImportState(*daemon, im.cfg.param_dtype)
+                                      : im.target->Restore(tag, im.cfg.param_dtype));
   for (size_t i = 0; i < im.params.size(); ++i)
     im.ApplyBlobParam(im.params[i], blob.params[i], blob.loaded != 0);
   if (absl::Status st = im.Sync("restoring the engine's state"); !st.ok()) {
@@ -1707,40 +1729,66 @@ absl::Status ZenFlowEngine::Restore(const std::string& tag, const std::string& s
   return absl::OkStatus();
 }
 
-namespace {
-// A checkpoint tag no other engine on the node uses: the process, a per-process counter and a
-// random word (containers sharing one daemon may reuse pids).
-std::string TransientTag() {
-  static std::atomic<int64_t> counter{0};
-  static const uint64_t word = std::random_device{}() * 0x100000001ull ^ std::random_device{}();
-  return absl::StrCat("bytes-", getpid(), "-", counter.fetch_add(1), "-", absl::Hex(word));
-}
-}  // namespace
-
 absl::StatusOr<ZenFlowEngine::Snapshot> ZenFlowEngine::CheckpointBytes() {
-  Impl& im = *impl_;
-  const std::string tag = TransientTag();
   Snapshot out;
-  ASSIGN_OR_RETURN(out.engine, Checkpoint(tag));
-  if (im.daemon_has_state()) {  // what Checkpoint had the target write
-    ASSIGN_OR_RETURN(out.daemon, im.target->ReadCheckpoint(tag, /*delete_after=*/true));
-  }
+  ASSIGN_OR_RETURN(out.engine, CheckpointTo("", &out.daemon));
   return out;
 }
 
+namespace {
+absl::Status NothingOffloaded() {
+  return absl::InvalidArgumentError(
+      "the state holds a daemon checkpoint but this engine offloads nothing (mode "
+      "no-offload, or no weight splits)");
+}
+}  // namespace
+
 absl::Status ZenFlowEngine::RestoreBytes(const std::string& engine, const std::string& daemon) {
-  Impl& im = *impl_;
-  if (daemon.empty()) return Restore(TransientTag(), engine);
-  if (!im.offloading())
+  if (!daemon.empty() && !impl_->offloading()) return NothingOffloaded();
+  return RestoreFrom("", engine, &daemon);
+}
+
+absl::Status ZenFlowEngine::CheckState(const std::string& engine,
+                                       const std::string& daemon) const {
+  const Impl& im = *impl_;
+  ASSIGN_OR_RETURN(EngineBlob blob, ParseEngineBlob(engine));
+  RETURN_IF_ERROR(im.CheckBlob(blob));
+  if (!daemon.empty() && !im.offloading()) return NothingOffloaded();
+  if (!im.offloading() || blob.loaded == 0) return absl::OkStatus();
+  if (daemon.empty())
     return absl::InvalidArgumentError(
-        "the state holds a daemon checkpoint but this engine offloads nothing (mode "
-        "no-offload, or no weight splits)");
-  const std::string tag = TransientTag();
-  RETURN_IF_ERROR(im.target->WriteCheckpoint(tag, daemon));
-  absl::Status st = Restore(tag, engine);
-  absl::Status del = im.target->DeleteCheckpoint(tag);
-  if (st.ok() && !del.ok() && del.code() != absl::StatusCode::kNotFound) st = del;
-  return st;
+        "state: the engine's state says the daemon holds its offloaded part, but no daemon "
+        "state came with it");
+  // Its parameters must be the ones this engine registers (Setup), as the daemon requires them
+  // (the same spec, byte for byte, and a step count per column), judged before the checksum as
+  // the daemon's import judges them.
+  auto judge = [&im](const v1::CheckpointHeader& header) -> absl::Status {
+    int i = 0;
+    for (const PState& ps : im.params) {
+      if (ps.kind == PState::kDevice) continue;
+      const std::vector<int64_t> shape =
+          ps.kind == PState::kSplit ? std::vector<int64_t>{ps.rows, ps.ncold} : ps.p.shape;
+      v1::ParamSpec spec;
+      spec.set_name(ps.p.name);
+      for (int64_t d : shape) spec.add_shape(d);
+      spec.set_grad_dtype(im.cfg.grad_dtype == DType::kBf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32);
+      if (i >= header.params_size() ||
+          header.params(i).spec().SerializeAsString() != spec.SerializeAsString() ||
+          header.params(i).col_steps_size() != shape.back())
+        return absl::FailedPreconditionError(absl::StrCat(
+            "state: the daemon's state does not hold '", ps.p.name, "' as this engine offloads "
+            "it (", absl::StrJoin(shape, "x"), ", ", DTypeName(im.cfg.grad_dtype),
+            " gradients) at position ", i, ": a state of other parameters or another split"));
+      ++i;
+    }
+    if (i != header.params_size())
+      return absl::FailedPreconditionError(absl::StrCat(
+          "state: the daemon's state has ", header.params_size(), " parameters, this engine "
+          "offloads ", i));
+    return absl::OkStatus();
+  };
+  return VerifyCheckpointBytes(daemon.data(), daemon.size(), "the daemon's state", judge)
+      .status();
 }
 
 absl::Status ZenFlowEngine::Impl::CheckBlob(const EngineBlob& blob) const {

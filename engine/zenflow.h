@@ -429,14 +429,24 @@ class ZenFlowEngine {
   absl::Status DeleteCheckpoint(const std::string& tag);
   // Checkpoint and Restore through bytes alone, for callers that keep the whole state
   // themselves (the PyTorch optimizer's state dict): the engine's state and the daemon's
-  // checkpoint bytes (empty when the daemon holds nothing), moved through a checkpoint of the
-  // target's that exists only during the call. RestoreBytes: InvalidArgument for daemon bytes
-  // on an engine that offloads nothing.
+  // checkpoint bytes (empty when the daemon holds nothing), which move straight out of and into
+  // the daemon's pinned state through the session's staging area (OffloadTarget::ExportState,
+  // ImportState): no file is written anywhere, so none is left behind by a failure or a killed
+  // process, and the daemon needs no state directory. RestoreBytes: InvalidArgument for daemon
+  // bytes on an engine that offloads nothing, and for none where the engine's state says the
+  // daemon holds a part; all or nothing as Restore (the fresh target's state is zero again
+  // after an import the daemon refused half way).
   struct Snapshot {
     std::string engine, daemon;
   };
   absl::StatusOr<Snapshot> CheckpointBytes();
   absl::Status RestoreBytes(const std::string& engine, const std::string& daemon);
+  // Whether RestoreBytes(engine, daemon) on a fresh engine of this one's configuration and
+  // parameters could restore them, judged without any target: the engine blob as Restore judges
+  // it, and the daemon bytes whole (magic, header, size, checksum: DataLoss) holding the
+  // parameters this engine offloads, as it offloads them (FailedPrecondition otherwise). What
+  // it accepts, only a failing daemon can refuse. Any engine, stepped or not; changes nothing.
+  absl::Status CheckState(const std::string& engine, const std::string& daemon) const;
 
   // Called on every weight's per-column scores (backend memory, cols floats) before top-k:
   // data-parallel replicas all-reduce (sum) them here so that they agree on the selection.
@@ -450,6 +460,11 @@ class ZenFlowEngine {
  private:
   struct Impl;
   explicit ZenFlowEngine(std::unique_ptr<Impl> impl);
+  // Checkpoint, with the daemon's part as bytes in *daemon (ExportState) when daemon is not
+  // null; Restore, from bytes (ImportState) when daemon is not null.
+  absl::StatusOr<std::string> CheckpointTo(const std::string& tag, std::string* daemon);
+  absl::Status RestoreFrom(const std::string& tag, const std::string& state,
+                           const std::string* daemon);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -27,9 +27,8 @@
 // D, nor the global batch N x batch): the model tensors are whole in every rank's file, and rank
 // (replica s, TSP index p) of the new run reads the files and daemon checkpoints of only the old
 // replicas at index p whose row blocks overlap its own (engine/repartition.h, SourceRanks), cuts
-// its engine and daemon state from them by whole rows (Repartition), uploads the daemon part
-// (Session::WriteCheckpointBytes, as <tag>.dp<N>.r<rank>, removed after the Restore) and
-// restores its fresh engine from it: the run continues as the uninterrupted one would, up to the
+// its engine and daemon state from them by whole rows (Repartition) and restores its fresh
+// engine from them (RestoreBytes: the daemon part goes straight into the session, no file): the run continues as the uninterrupted one would, up to the
 // summation order of the gradient average and the column scores (tests/trainer/
 // trainer_dp_test.cc).
 //

@@ -166,11 +166,8 @@ absl::StatusOr<ResumeState> ResumeOtherDp(const TrainOptions& o, const std::vect
   out.st = std::move(head);
   out.st.shape = key;
   out.st.engine = std::move(mine->engine);
-  out.daemon_tag = absl::StrCat(tag, ".dp", N, ".r", rank);
-  if (!mine->daemon.empty()) {
-    RETURN_IF_ERROR(session->WriteCheckpointBytes(out.daemon_tag, mine->daemon));
-    out.uploaded = true;
-  }
+  out.repartitioned = true;
+  out.daemon = std::move(mine->daemon);
   return out;
 }
 

@@ -283,11 +283,10 @@ absl::Status TrainRun::Resume() {
   widened_ = !bf16_;
   RETURN_IF_ERROR(Widen());
   st.tensors.clear();
-  absl::Status restored = engine_->Restore(rs.daemon_tag, st.engine);
-  if (rs.uploaded) {  // the re-partitioned daemon state was only for this Restore
-    absl::Status del = session_->DeleteCheckpoint(rs.daemon_tag);
-    if (restored.ok() && !del.ok() && !absl::IsNotFound(del)) restored = del;
-  }
+  // Re-partitioned, the daemon's part moves straight into the session (no file).
+  absl::Status restored = rs.repartitioned ? engine_->RestoreBytes(st.engine, rs.daemon)
+                                           : engine_->Restore(rs.daemon_tag, st.engine);
+  rs.daemon.clear();
   if (!restored.ok() && !rs.missing.empty())
     restored = WithContext(restored, absl::StrCat("the daemon holds no checkpoint ",
                                                   rs.missing.front(), " of the writing run"));

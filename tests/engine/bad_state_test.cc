@@ -668,11 +668,17 @@ TEST_F(BadStateTest, CorruptStatesGiveClearErrors) {
       if (i % 3 == 0) bad.engine = mu.Mutate(s.snap.engine, (i / 3) % Mutator::kKinds, &what);
       else bad.daemon = MutateCheckpoint(s.snap.daemon, &mu, &what);
       absl::Status st;
+      // CheckState (what the PyTorch optimizer asks before it frees anything) judges the state
+      // as RestoreBytes does: the same code, without a daemon.
+      const absl::Status checked = r->engine->CheckState(bad.engine, bad.daemon);
       if (!RunCase(absl::StrCat("RestoreBytes #", i, " (", i % 3 == 0 ? "engine " : "daemon ",
                                 what, ")"),
                    bad.engine.size() + bad.daemon.size(), &tally,
                    [&] { return st = r->engine->RestoreBytes(bad.engine, bad.daemon); }))
         return;
+      ASSERT_EQ(checked.code(), st.code()) << "RestoreBytes #" << i << " (" << what
+                                           << "): CheckState said " << checked
+                                           << ", RestoreBytes " << st;
       ASSERT_TRUE(st.ok() || r->engine->step() == 0) << "RestoreBytes #" << i << " (" << what
                                                      << "): " << st << " left the engine at step "
                                                      << r->engine->step();

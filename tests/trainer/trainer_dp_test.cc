@@ -227,8 +227,8 @@ TEST_F(TrainerDpTest, ResumeWithAnotherDpContinuesTheRun) {
              mode.c_str(), r.dp.c_str(), MaxRelativeDifference(a, b), tolerance);
     }
   }
-  // The re-partitioned daemon states were only for the Restores (part-step9.dp<N>.r<rank>, each
-  // removed after its Restore): the daemon's state directory holds none.
+  // The re-partitioned daemon states went straight into the sessions (RestoreBytes: no
+  // part-step9.dp<N>.r<rank> file at any time): the daemon's state directory holds none.
   const TrainerRun listing = testing::RunShell("ls -R " + daemon_->dir() + "/state");
   EXPECT_NE(listing.output.find("part-step9.r3.sfckpt"), std::string::npos) << listing.output;
   EXPECT_EQ(listing.output.find(".dp"), std::string::npos) << listing.output;
