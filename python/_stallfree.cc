@@ -135,6 +135,15 @@ void BindEngine(py::module_& m) {
              e.Restore(BytesAt(state, state_size), BytesAt(daemon, daemon_size));
            },
            py::arg("state"), py::arg("state_size"), py::arg("daemon"), py::arg("daemon_size"))
+      // What restore() of the same bytes would refuse on a fresh engine like this one (the
+      // engine state, and the daemon state whole: its checksum and parameters); changes nothing.
+      .def("check_state",
+           [](Engine& e, uintptr_t state, size_t state_size, uintptr_t daemon,
+              size_t daemon_size) {
+             py::gil_scoped_release release;
+             e.CheckState(BytesAt(state, state_size), BytesAt(daemon, daemon_size));
+           },
+           py::arg("state"), py::arg("state_size"), py::arg("daemon"), py::arg("daemon_size"))
       // fn(name, memoryview of cols float32) reduces the scores in place; it runs with the GIL.
       .def("set_score_reduce",
            [](Engine& e, py::object fn) {

@@ -220,13 +220,23 @@ class EngineImpl : public Engine {
     Check(Live().RestoreBytes(state, daemon));
   }
 
+  void CheckState(const std::string& state, const std::string& daemon) override {
+    Check(Live().CheckState(state, daemon));
+  }
+
   void Close(bool flush) override {
     if (!engine_) return;
     // Closed whatever the flush gave; then a failed flush is raised (the values may lack the
     // newest cold columns, which the caller must know).
     const absl::Status flushed = flush ? engine_->Flush() : absl::OkStatus();
     engine_.reset();
-    if (target_) target_->session()->Close().IgnoreError();
+    if (target_) {
+      // Unflushed, an Update may still run in the daemon, which frees the session's memory
+      // only after it: wait for it (within rpc_timeout; a daemon that fails it frees anyway).
+      if (const int64_t running = flush ? 0 : target_->UnseenUpdate(); running > 0)
+        target_->WaitUpdate(running).IgnoreError();
+      target_->session()->Close().IgnoreError();
+    }
     target_.reset();
     Check(flushed);
   }

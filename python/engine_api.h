@@ -116,11 +116,16 @@ class Engine {
   virtual std::pair<std::string, std::string> Checkpoint() = 0;
   // The inverse, on a fresh engine (no Step yet) whose values hold the checkpointed values.
   virtual void Restore(const std::string& state, const std::string& daemon) = 0;
+  // Throws the Error Restore(state, daemon) would throw on a fresh engine of this one's
+  // configuration, as far as the state can tell (ZenFlowEngine::CheckState); changes nothing.
+  virtual void CheckState(const std::string& state, const std::string& daemon) = 0;
   // Waits for offload work and, with `flush`, writes the newest cold columns into the values
   // (ZenFlowEngine::Flush); then closes the session. Without `flush` the values are left as they
   // are (an engine being replaced by a restored one must not write its state over a model just
-  // loaded). Any later call throws Error. A failed flush throws its Error once the engine and
-  // the session are closed.
+  // loaded), and an Update the daemon still runs for the session is waited for (within
+  // rpc_timeout), so that the daemon has freed the session's memory when Close returns: a
+  // replacing engine's session can take it. Any later call throws Error. A failed flush throws
+  // its Error once the engine and the session are closed.
   virtual void Close(bool flush = true) = 0;
   virtual bool closed() const = 0;
 };

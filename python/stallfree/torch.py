@@ -1291,10 +1291,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Loads a state_dict() of a ZenFlowAdamW over the same parameters (shapes, groups, names
         and configuration); load the model's weights first. The optimizer then continues exactly
-        as the one that saved it. All or nothing: the state dict is checked, and every group's
-        engine restored into a fresh engine, before the optimizer changes; on any failure it is
-        left as it was (its engines, groups and state) and the model's values are not written.
-        The load pre-hooks see the state dict as given, the post-hooks the optimizer restored.
+        as the one that saved it. All or nothing as far as the state dict goes: it is checked
+        whole (configuration, shapes, names, the engine states, the daemon states and their
+        checksums) before the optimizer changes, and a bad one leaves it as it was (its engines,
+        groups and state; the model's values are not written). Then each group's engine and
+        daemon session are closed before the new one is made and restored, so that the daemon
+        never pins two copies of the state; should the daemon fail after that (gone, or its
+        pinned budget taken meanwhile), the previous state is gone: the optimizer closes and the
+        Error says so. The load pre-hooks see the state dict as given, the post-hooks the
+        optimizer restored.
 
         Partitioned over data-parallel ranks, each rank loads the state dict its own rank saved.
         With another number of ranks than the run that saved it, pass the list of the state
@@ -1320,14 +1325,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             with _hooks_held(self, "_optimizer_load_state_dict_post_hooks") as post_hooks:
                 try:
                     super().load_state_dict(rest)
-                except BaseException:
-                    for old, new in zip(self._engines, engines):
-                        if new is not old and new is not None:
-                            new.close(flush=False)
-                    raise
-        for old, new in zip(self._engines, engines):
-            if new is not old:
-                old.close(flush=False)  # its state is replaced; the model holds the loaded values
+                except BaseException as e:
+                    if all(new is old for old, new in zip(self._engines, engines)):
+                        raise
+                    raise self._abandon(engines, "torch's part of the state dict: %s" % (e,),
+                                        e) from e
         self._engines, self._hypers = engines, hypers
         self._version += 1
         for shards in self._shards:
@@ -1342,32 +1344,58 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _restored_engines(self, saved):
         """Per group: a new engine restored from saved[gi], or the group's own engine where
-        saved[gi] is None, and the AdamW constants each was made with. On failure every engine
-        made here is closed (without writing the values) and the optimizer's own are untouched."""
+        saved[gi] is None, and the AdamW constants each was made with.
+
+        Everything the state can be wrong about (the engine state, the daemon's whole: its
+        checksum and parameters) is checked against the groups' engines first, so a bad state
+        dict changes nothing. Then each group's engine is closed before its new one is made:
+        the daemon frees the old session's pinned memory before it takes the new one's, so a
+        load never pins two copies of the state. A failure after that (a daemon that went away,
+        a pinned budget taken meanwhile) cannot give the freed state back: the optimizer closes
+        (_abandon) and the Error says so."""
+        todo = [(gi, entry) for gi, entry in enumerate(saved) if entry is not None]
+        for gi, (state, daemon) in todo:
+            why = self._moved(gi)
+            if why:
+                raise Error(why)
+            self._engines[gi].check_state(state.data_ptr(), state.numel(), daemon.data_ptr(),
+                                          daemon.numel())
         engines, hypers = list(self._engines), list(self._hypers)
-        made = []
-        try:
-            for gi, entry in enumerate(saved):
-                if entry is None:
-                    continue
-                why = self._moved(gi)
-                if why:
-                    raise Error(why)
+        for gi, (state, daemon) in todo:
+            try:
+                engines[gi] = None
+                self._engines[gi].close(flush=False)  # the model holds the values to load
                 members = self._members[gi]
-                engine = self._make_engine(gi, self._shards[gi], members[0][1].device,
-                                           self._streams[gi])
-                made.append(engine)
+                engines[gi] = self._make_engine(gi, self._shards[gi], members[0][1].device,
+                                                self._streams[gi])
                 with self._ordered(gi):
-                    engine.set_values(self._shards[gi].values())
-                    state, daemon = entry
-                    engine.restore(state.data_ptr(), state.numel(), daemon.data_ptr(),
-                                   daemon.numel())
-                engines[gi], hypers[gi] = engine, _hyper_of(self.param_groups[gi])
-        except BaseException:
-            for engine in made:
-                engine.close(flush=False)
-            raise
+                    engines[gi].set_values(self._shards[gi].values())
+                    engines[gi].restore(state.data_ptr(), state.numel(), daemon.data_ptr(),
+                                        daemon.numel())
+                hypers[gi] = _hyper_of(self.param_groups[gi])
+            except BaseException as e:
+                raise self._abandon(engines, "param_groups[%d]: %s" % (gi, e), e) from e
         return engines, hypers
+
+    def _abandon(self, engines, what, cause):
+        """After a load failed once it had closed an engine: closes every engine (without
+        writing the values: the model holds what was being loaded) and the optimizer; the Error
+        to raise, saying what happened and what to do."""
+        for engine in list(engines) + list(self._engines):
+            if engine is not None:
+                try:
+                    engine.close(flush=False)
+                except Exception:
+                    pass
+        self._engines = [None] * len(self._engines)
+        self._close(gather=False)
+        err = Error(
+            "load_state_dict: %s. The optimizer's previous state was freed before (a load closes "
+            "a group's engine and daemon session before it makes the new one, so that the daemon "
+            "never pins two copies), so this optimizer is closed now. Build a new ZenFlowAdamW "
+            "and load the state dict into it" % (what.rstrip("."),))
+        err.code = getattr(cause, "code", "UNKNOWN")
+        return err
 
     def _mark_blob_entries(self):
         """Empty placeholders of the engine entries in the live state of each group's first
