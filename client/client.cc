@@ -759,7 +759,7 @@ absl::StatusOr<v1::ImportStateResponse> Session::ImportState(const void* bytes, 
   uint64_t offset = 0;
   do {
     const uint64_t n = std::min<uint64_t>(chunk, size - offset);
-    memcpy(staging, src + offset, n);
+    if (n > 0) memcpy(staging, src + offset, n);  // an empty state: bytes may be null
     v1::ImportStateRequest req;
     *req.mutable_session() = ref_;
     req.set_offset(offset);
