@@ -22,9 +22,9 @@ import re
 import torch
 import torch.distributed.checkpoint as dcp
 
+from . import _state
 from . import _stallfree
 from ._stallfree import Error
-from . import torch as _sf
 
 _KEY = re.compile(r"^zenflow/g(\d+)/r(\d+)of(\d+)/(engine|daemon|meta)$")
 
@@ -37,16 +37,16 @@ def save(optimizer, checkpoint_id=None, *, storage_writer=None):
     rank, world = where["rank"], where["world"]
     flat, keys = {}, {}
     for gi in range(len(sd["param_groups"])):
-        key, _, engine, daemon = _sf._group_blobs(sd, gi)
+        key, _, engine, daemon = _state._group_blobs(sd, gi)
         if key is None:
             continue
         keys[gi] = key
         entry = sd["state"][key]
         base = "zenflow/g%d/r%dof%d/" % (gi, rank, world)
-        flat[base + "engine"] = _sf._uint8(engine)
-        flat[base + "daemon"] = _sf._uint8(daemon)
-        flat[base + "meta"] = _sf._uint8(entry[_sf._META_KEY])
-    state = {k: {n: v for n, v in e.items() if n not in _sf._BLOB_KEYS}
+        flat[base + "engine"] = _state._uint8(engine)
+        flat[base + "daemon"] = _state._uint8(daemon)
+        flat[base + "meta"] = _state._uint8(entry[_state._META_KEY])
+    state = {k: {n: v for n, v in e.items() if n not in _state._BLOB_KEYS}
              for k, e in sd["state"].items()}
     buf = io.BytesIO()
     torch.save({"param_groups": sd["param_groups"], "state": state, "keys": keys}, buf)
@@ -100,8 +100,8 @@ def load(optimizer, checkpoint_id=None, *, storage_reader=None):
         state = {k: dict(v) for k, v in rest["state"].items()}
         for gi, key in rest["keys"].items():
             base = "zenflow/g%d/r%dof%d/" % (gi, j, world)
-            state[key].update({_sf._ENGINE_KEY: template.get(base + "engine", empty),
-                               _sf._DAEMON_KEY: template.get(base + "daemon", empty),
-                               _sf._META_KEY: template[base + "meta"]})
+            state[key].update({_state._ENGINE_KEY: template.get(base + "engine", empty),
+                               _state._DAEMON_KEY: template.get(base + "daemon", empty),
+                               _state._META_KEY: template[base + "meta"]})
         dicts.append({"param_groups": rest["param_groups"], "state": state})
     optimizer.load_state_dict(dicts)

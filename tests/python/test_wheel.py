@@ -177,8 +177,9 @@ def test_wheel_file():
     with zipfile.ZipFile(WHEEL) as z:
         names = z.namelist()
         expected = {"stallfree/" + n for n in ("__init__.py", "_daemon.py", "daemon.py",
-                                                "_syslibs.py", "torch.py", "_stallfree.so",
-                                                "stallfreed", "stallfreectl")}
+                                                "_syslibs.py", "torch.py", "_partition.py",
+                                                "_state.py", "_integrations.py", "dcp.py",
+                                                "_stallfree.so", "stallfreed", "stallfreectl")}
         assert expected <= set(names), sorted(expected - set(names))
         assert names[-1] == info + "/RECORD"
         # RECORD: every other file once, with its sha256 and size.
