@@ -3,6 +3,7 @@ engine/partition.h): which group, each rank's rows, the collectives over them (t
 sum, the gradients' average, the updated rows' all-gather, which parameters have gradients, the
 replicas' equality), every one bounded, and the peers' host and pid in torch.distributed's store
 so that a failed collective names the ranks that are gone."""
+import contextlib
 import hashlib
 import json
 import os
@@ -409,7 +410,11 @@ def _check_same_parameters(group, members, where):
     digest = hashlib.sha1(json.dumps([(n, list(p.shape)) for n, p in members]).encode())
     mine = digest.hexdigest()
     theirs = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(theirs, mine, group=group)
+    device = members[0][1].device if members else None
+    # NCCL moves the pickled objects through the current CUDA device: the parameters'.
+    with torch.cuda.device(device) if device is not None and device.type == "cuda" \
+            else contextlib.nullcontext():
+        torch.distributed.all_gather_object(theirs, mine, group=group)
     differ = [torch.distributed.get_global_rank(group, r) for r, d in enumerate(theirs)
               if d != mine]
     if differ:

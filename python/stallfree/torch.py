@@ -811,13 +811,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         mine = self._share_state_dict()
         shares = [_group_blobs(mine, gi) for gi in range(len(self.param_groups))]
         group = self._group
-        if to is None:
-            every = [None] * where["world"]
-            torch.distributed.all_gather_object(every, shares, group=group)
-        else:
-            every = [None] * where["world"] if where["rank"] == to else None
-            torch.distributed.gather_object(
-                shares, every, dst=torch.distributed.get_global_rank(group, to), group=group)
+        # NCCL moves the pickled objects through the current CUDA device: the parameters'.
+        device = next((p.device for members in self._members for _, p in members), None)
+        with torch.cuda.device(device) if device is not None and device.type == "cuda" \
+                else contextlib.nullcontext():
+            if to is None:
+                every = [None] * where["world"]
+                torch.distributed.all_gather_object(every, shares, group=group)
+            else:
+                every = [None] * where["world"] if where["rank"] == to else None
+                torch.distributed.gather_object(
+                    shares, every, dst=torch.distributed.get_global_rank(group, to),
+                    group=group)
         if every is None:
             return
         whole = dict(mine, state=dict(mine["state"]))
