@@ -180,6 +180,8 @@ void BindFunctions(py::module_& m) {
       py::arg("config"),
       "config ({field: value} of the engine's ZenFlowConfig fields) as the engine takes it, or "
       "ValueError naming the field");
+  m.def("default_config", &stallfree::api::DefaultConfig,
+        "{field: value} of a default ZenFlowConfig (engine/zenflow.h): the engine's defaults");
   m.def(
       "topk_for_budget",
       [](const py::dict& config, const py::list& params, const std::string& device,

@@ -268,6 +268,13 @@ std::map<std::string, Value> ValidateConfig(const EngineConfig& config) {
   return out;
 }
 
+std::map<std::string, Value> DefaultConfig() {
+  const ZenFlowConfig c;
+  std::map<std::string, Value> out;
+  VisitConfigFields(c, [&](const char* name, const auto& v) { out[name] = ValueOf(v); });
+  return out;
+}
+
 double TopkForBudget(const EngineConfig& config, const std::vector<ParamDesc>& params,
                      const std::string& device, double bytes_per_param) {
   const ZenFlowConfig c = ToConfig(config);

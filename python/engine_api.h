@@ -60,6 +60,9 @@ using EngineConfig = std::map<std::string, std::string>;
 // InvalidArgument naming the field unless the engine accepts `config` (what Engine::Create
 // checks first).
 std::map<std::string, Value> ValidateConfig(const EngineConfig& config);
+// Every field of a default ZenFlowConfig (engine/zenflow.h), typed: the one statement of the
+// engine's defaults, which the Python optimizer's signature takes its own from.
+std::map<std::string, Value> DefaultConfig();
 
 struct ParamDesc {
   std::string name;

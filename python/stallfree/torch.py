@@ -102,6 +102,12 @@ def _check_grad(name, p, g):
                     "(%s), shape and device" % (name, g.dtype, list(g.shape), g.device, p.dtype))
 
 
+# The engine's defaults (engine/zenflow.h, ZenFlowConfig: their one statement), which the
+# signature below takes its own from; the transfer dtypes are this front-end's choice (bf16,
+# half the host link's traffic), not the engine's.
+_ENGINE = _stallfree.default_config()
+
+
 class ZenFlowAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with ZenFlow offloading.
 
@@ -210,8 +216,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, mode="zenflow", topk_ratio=None,
                  device_budget=None,
-                 update_interval="auto", max_update_interval=4, select_interval=None,
-                 warmup_steps=100, await_updates=False, land_lag=0, predict_cold=True,
+                 update_interval="auto", max_update_interval=_ENGINE["max_update_interval"],
+                 select_interval=None, warmup_steps=_ENGINE["warmup_steps"],
+                 await_updates=_ENGINE["await_updates"], land_lag=_ENGINE["land_lag"],
+                 predict_cold=_ENGINE["predict_cold"],
                  grad_dtype="bf16", param_dtype="bf16", transfers="auto",
                  stream_gradients=False, socket=None, session_name=None, process_group=None,
                  reduce_gradients=False, timeout=300.0, rpc_timeout=None):
@@ -232,7 +240,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if device_budget is not None and topk_ratio is not None:
             raise ValueError("topk_ratio and device_budget: give one (device_budget sets the "
                              "hot share that fits it)")
-        config = dict(mode=mode, topk_ratio=0.1 if topk_ratio is None else topk_ratio,
+        config = dict(mode=mode,
+                      topk_ratio=_ENGINE["topk_ratio"] if topk_ratio is None else topk_ratio,
                       update_interval=update_interval,
                       max_update_interval=max_update_interval,
                       select_interval=select_interval or 0, warmup_steps=warmup_steps,

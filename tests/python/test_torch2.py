@@ -349,6 +349,23 @@ def test_defaults_are_torch_adamws(daemon):
     assert worst <= models.PARAM_ATOL, worst
 
 
+def test_engine_defaults_come_from_the_engine():
+    """The engine options' defaults are stated once, in C++ (ZenFlowConfig), and exported
+    (default_config): the signature shows the engine's values, which are the README's (a top-k
+    of 0.1, rounds of at most 4, a 100-step warm-up, landing at the round's length, predicted
+    cold columns, automatic transfers); the transfer dtypes are the front-end's own, bf16."""
+    engine = stallfree._stallfree.default_config()
+    ours = inspect.signature(ZenFlowAdamW.__init__).parameters
+    for name in ("max_update_interval", "warmup_steps", "await_updates", "land_lag",
+                 "predict_cold"):
+        assert ours[name].default == engine[name], (name, ours[name].default, engine[name])
+    assert (engine["topk_ratio"], engine["max_update_interval"], engine["warmup_steps"],
+            engine["land_lag"], engine["predict_cold"], engine["update_interval"],
+            engine["transfers"]) == (0.1, 4, 100, 0, True, 0, "auto")
+    assert ours["update_interval"].default == "auto" and ours["topk_ratio"].default is None
+    assert (ours["grad_dtype"].default, ours["param_dtype"].default) == ("bf16", "bf16")
+
+
 @pytest.mark.parametrize("edge", [dict(eps=0.0), dict(lr=0.0), dict(betas=(0.0, 0.0))],
                          ids=["eps=0", "lr=0", "betas=0"])
 def test_accepted_edge_values_compute_what_torch_computes(edge, daemon):
