@@ -18,7 +18,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "common/bf16.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -399,6 +398,11 @@ struct PState {
   int64_t round_grads = 0;
 
   int64_t offload_numel() const { return kind == kSplit ? rows * ncold : numel; }
+  // The shape the daemon's session registers for it (not kDevice): a split weight's cold
+  // columns [rows, ncold], an offloaded parameter whole.
+  std::vector<int64_t> offload_shape() const {
+    return kind == kSplit ? std::vector<int64_t>{rows, ncold} : p.shape;
+  }
   // A split weight of a stream_gradients engine (its hot_grad is allocated at Setup).
   bool streamed() const { return kind == kSplit && !hot_grad.empty(); }
   // Whether the parameter has a gradient in the coming Step.
@@ -592,9 +596,7 @@ struct ZenFlowEngine::Impl {
   // One Step, as the algorithm's steps (zenflow.h): plan the step, update the device's share,
   // gather the cold gradients, reselect at a selection boundary, prepare the round's Update at
   // a boundary, post the pushes (and the Update), land the previous round, prefetch the next.
-  absl::Status DoStep(double lr);
-  // Step's split_grad_scale, for the Step in progress.
-  float split_grad_scale = 1.0f;
+  absl::Status DoStep(double lr, float split_grad_scale);
   struct StepPlan {
     int64_t t = 0;
     double lr = 0;
@@ -611,7 +613,7 @@ struct ZenFlowEngine::Impl {
     uint32_t pslot = 0;
     std::vector<std::string> skip;
   };
-  StepPlan Plan(double lr);
+  StepPlan Plan(double lr, float split_grad_scale);
   // The automatic round: each step's figures into pace, and at the end of a Decides step the
   // length of the rounds that follow, from them (summed over the replicas through `reduce`).
   absl::Status ChooseInterval(const StepPlan& plan);
@@ -685,7 +687,7 @@ absl::Status ZenFlowEngine::Impl::Setup() {
     if (ps.kind != PState::kDevice) {
       OffloadTarget::Param spec;
       spec.name = ps.p.name;
-      spec.shape = ps.kind == PState::kSplit ? std::vector<int64_t>{ps.rows, ps.ncold} : ps.p.shape;
+      spec.shape = ps.offload_shape();
       spec.grad_dtype = cfg.grad_dtype;
       specs.push_back(std::move(spec));
     }
@@ -1132,10 +1134,10 @@ absl::Status ZenFlowEngine::Impl::ApplyPendingUpdate(StepTimings* tm) {
   return absl::OkStatus();
 }
 
-absl::Status ZenFlowEngine::Impl::DoStep(double lr) {
+absl::Status ZenFlowEngine::Impl::DoStep(double lr, float split_grad_scale) {
   const auto t_start = Clock::now();
   StepTimings tm;
-  const StepPlan plan = Plan(lr);
+  const StepPlan plan = Plan(lr, split_grad_scale);
   tm.step = plan.t;
   tm.boundary = plan.boundary;
   tm.interval = sched.Interval(plan.t);
@@ -1251,7 +1253,7 @@ absl::Status ZenFlowEngine::Impl::ChooseInterval(const StepPlan& plan) {
   return absl::OkStatus();
 }
 
-ZenFlowEngine::Impl::StepPlan ZenFlowEngine::Impl::Plan(double lr) {
+ZenFlowEngine::Impl::StepPlan ZenFlowEngine::Impl::Plan(double lr, float split_grad_scale) {
   StepPlan p;
   p.t = ++step;
   p.lr = lr;
@@ -1509,9 +1511,7 @@ absl::Status ZenFlowEngine::Step(double lr, float split_grad_scale) {
   if (split_grad_scale != 1.0f && impl_->cfg.mode != OffloadMode::kZenFlow)
     return Invalid("split_grad_scale", absl::StrCat("mode ", OffloadModeName(impl_->cfg.mode),
                                                     " splits no weight"));
-  impl_->split_grad_scale = split_grad_scale;
-  absl::Status st = impl_->DoStep(lr);
-  impl_->split_grad_scale = 1.0f;
+  absl::Status st = impl_->DoStep(lr, split_grad_scale);
   for (PState& ps : impl_->params) ps.staged = false;
   impl_->staging_for = 0;
   impl_->staged_tm = StepTimings();
@@ -1759,33 +1759,18 @@ absl::Status ZenFlowEngine::CheckState(const std::string& engine,
     return absl::InvalidArgumentError(
         "state: the engine's state says the daemon holds its offloaded part, but no daemon "
         "state came with it");
-  // Its parameters must be the ones this engine registers (Setup), as the daemon requires them
-  // (the same spec, byte for byte, and a step count per column), judged before the checksum as
-  // the daemon's import judges them.
-  auto judge = [&im](const v1::CheckpointHeader& header) -> absl::Status {
-    int i = 0;
-    for (const PState& ps : im.params) {
-      if (ps.kind == PState::kDevice) continue;
-      const std::vector<int64_t> shape =
-          ps.kind == PState::kSplit ? std::vector<int64_t>{ps.rows, ps.ncold} : ps.p.shape;
-      v1::ParamSpec spec;
-      spec.set_name(ps.p.name);
-      for (int64_t d : shape) spec.add_shape(d);
-      spec.set_grad_dtype(im.cfg.grad_dtype == DType::kBf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32);
-      if (i >= header.params_size() ||
-          header.params(i).spec().SerializeAsString() != spec.SerializeAsString() ||
-          header.params(i).col_steps_size() != shape.back())
-        return absl::FailedPreconditionError(absl::StrCat(
-            "state: the daemon's state does not hold '", ps.p.name, "' as this engine offloads "
-            "it (", absl::StrJoin(shape, "x"), ", ", DTypeName(im.cfg.grad_dtype),
-            " gradients) at position ", i, ": a state of other parameters or another split"));
-      ++i;
-    }
-    if (i != header.params_size())
-      return absl::FailedPreconditionError(absl::StrCat(
-          "state: the daemon's state has ", header.params_size(), " parameters, this engine "
-          "offloads ", i));
-    return absl::OkStatus();
+  // Its parameters must be the ones this engine registers (Setup), judged by the daemon's own
+  // rule before the checksum, as the daemon's import judges them.
+  std::vector<v1::ParamSpec> specs;
+  for (const PState& ps : im.params) {
+    if (ps.kind == PState::kDevice) continue;
+    v1::ParamSpec& spec = specs.emplace_back();
+    spec.set_name(ps.p.name);
+    for (int64_t d : ps.offload_shape()) spec.add_shape(d);
+    spec.set_grad_dtype(im.cfg.grad_dtype == DType::kBf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32);
+  }
+  auto judge = [&specs](const v1::CheckpointHeader& header) {
+    return MatchCheckpointParams(header, specs, "state: the daemon's state");
   };
   return VerifyCheckpointBytes(daemon.data(), daemon.size(), "the daemon's state", judge)
       .status();

@@ -389,27 +389,18 @@ absl::StatusOr<CheckpointWritten> WriteCheckpoint(const std::string& path,
                                                   const v1::CheckpointHeader& header,
                                                   const std::vector<CheckpointArrays>& arrays) {
   ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> file, AtomicFileWriter::Open(path, 0600));
-  Checksum64 sum;
-  auto append = [&](const void* data, size_t n) {
-    sum.Update(data, n);
-    return file->Append(data, n);
-  };
-  std::string text;
-  header.SerializeToString(&text);
-  const uint64_t header_bytes = text.size();
-  RETURN_IF_ERROR(append(kMagic, 8));
-  RETURN_IF_ERROR(append(&header_bytes, 8));
-  RETURN_IF_ERROR(append(text.data(), text.size()));
-  for (const CheckpointArrays& a : arrays)
-    for (const float* x : {a.master, a.m, a.v, a.acc})
-      RETURN_IF_ERROR(append(x, a.numel * sizeof(float)));
-  const uint64_t digest = sum.Digest();
-  RETURN_IF_ERROR(file->Append(&digest, 8));
+  // The format's one statement is CheckpointExport's: its runs go to the file as they lie.
+  CheckpointExport bytes(header, arrays);
+  for (;;) {
+    const auto [at, n] = bytes.NextRun(UINT64_MAX);
+    if (n == 0) break;
+    RETURN_IF_ERROR(file->Append(at, n));
+  }
   RETURN_IF_ERROR(file->Commit());
   CheckpointWritten out;
   out.path = path;
-  out.bytes = 16 + header_bytes + BodyBytes(header) + 8;
-  out.checksum = digest;
+  out.bytes = bytes.total();
+  out.checksum = bytes.digest();
   return out;
 }
 
@@ -554,6 +545,27 @@ absl::StatusOr<std::vector<std::string>> SweepStateDir(const std::string& state_
   return removed;
 }
 
+absl::Status MatchCheckpointParams(const v1::CheckpointHeader& header,
+                                   const std::vector<v1::ParamSpec>& specs,
+                                   const std::string& what) {
+  const size_t colon = what.find(": ");
+  const std::string field = what.substr(0, colon), name = what.substr(colon + 2);
+  if (header.params_size() != static_cast<int>(specs.size()))
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, " has ", header.params_size(), " parameters, the session registered ",
+        specs.size()));
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const v1::CheckpointHeader::Param& hp = header.params(static_cast<int>(i));
+    const int64_t cols = specs[i].shape_size() > 0 ? specs[i].shape(specs[i].shape_size() - 1) : 1;
+    if (hp.spec().SerializeAsString() != specs[i].SerializeAsString() ||
+        hp.col_steps_size() != cols)
+      return absl::FailedPreconditionError(absl::StrCat(
+          field, ": parameter ", i, " of ", name, " is '", hp.spec().name(),
+          "' with another name, shape or dtype than the session's '", specs[i].name(), "'"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::CheckpointHeader> VerifyCheckpointBytes(
     const void* data, uint64_t size, const std::string& what,
     const std::function<absl::Status(const v1::CheckpointHeader&)>& judge) {
@@ -592,25 +604,32 @@ CheckpointExport::CheckpointExport(const v1::CheckpointHeader& header,
   pieces_.push_back({reinterpret_cast<const char*>(&digest_), 8});
 }
 
+std::pair<const char*, uint64_t> CheckpointExport::NextRun(uint64_t max) {
+  while (piece_ < pieces_.size() && in_piece_ == pieces_[piece_].bytes) {  // empty arrays
+    ++piece_;
+    in_piece_ = 0;
+  }
+  if (piece_ == pieces_.size() || max == 0) return {nullptr, 0};
+  const Piece& p = pieces_[piece_];
+  const bool trailer = piece_ + 1 == pieces_.size();
+  if (trailer && in_piece_ == 0) digest_ = sum_.Digest();  // everything before it is out
+  const uint64_t k = std::min(max, p.bytes - in_piece_);
+  const char* at = p.data + in_piece_;
+  if (!trailer) sum_.Update(at, k);
+  in_piece_ += k;
+  done_ += k;
+  return {at, k};
+}
+
 uint64_t CheckpointExport::Next(void* dst, uint64_t capacity) {
   char* out = static_cast<char*>(dst);
   uint64_t n = 0;
-  while (n < capacity && piece_ < pieces_.size()) {
-    const Piece& p = pieces_[piece_];
-    const bool trailer = piece_ + 1 == pieces_.size();
-    if (trailer && in_piece_ == 0) digest_ = sum_.Digest();  // everything before it is out
-    const uint64_t k = std::min(capacity - n, p.bytes - in_piece_);
-    memcpy(out + n, p.data + in_piece_, k);
-    if (!trailer) sum_.Update(p.data + in_piece_, k);
+  for (;;) {
+    const auto [at, k] = NextRun(capacity - n);
+    if (k == 0) return n;
+    memcpy(out + n, at, k);
     n += k;
-    in_piece_ += k;
-    if (in_piece_ == p.bytes) {
-      ++piece_;
-      in_piece_ = 0;
-    }
   }
-  done_ += n;
-  return n;
 }
 
 CheckpointImport::CheckpointImport(uint64_t total, std::string what)

@@ -109,6 +109,16 @@ absl::Status DeleteCheckpointFile(const std::string& path);
 // FailedPrecondition when state_dir is missing.
 absl::StatusOr<std::vector<std::string>> SweepStateDir(const std::string& state_dir);
 
+// Whether a checkpoint's header holds the parameters `specs` (a session's, in registration
+// order): each the same ParamSpec, byte for byte, with one step count per column (its shape's
+// last dimension). The daemon's rule for a Restore or an ImportState into a session, and the
+// engine's check of a state before it frees anything (ZenFlowEngine::CheckState).
+// FailedPrecondition naming the first difference; `what` names the checkpoint after its field
+// ("tag: checkpoint 'x'").
+absl::Status MatchCheckpointParams(const v1::CheckpointHeader& header,
+                                   const std::vector<v1::ParamSpec>& specs,
+                                   const std::string& what);
+
 // A checkpoint's bytes in memory (a whole file, as ReadCheckpointBytes or ExportState gave
 // them), verified as ReadCheckpointArrays verifies a file: magic, header, the size it
 // describes and the checksum. Its header, or DataLoss naming `what` and the fault. `judge`, if
@@ -128,8 +138,14 @@ class CheckpointExport {
   CheckpointExport& operator=(const CheckpointExport&) = delete;
   uint64_t total() const { return total_; }
   uint64_t done() const { return done_; }  // bytes handed out so far
+  // The next contiguous run of at most max bytes, where it lies (an array's memory, the
+  // prefix, the trailer), and its length; {nullptr, 0} at the end. WriteCheckpoint writes the
+  // runs to its file as they are.
+  std::pair<const char*, uint64_t> NextRun(uint64_t max);
   // Copies the next min(capacity, total() - done()) bytes to dst; returns how many.
   uint64_t Next(void* dst, uint64_t capacity);
+  // The trailer's checksum, once done() == total().
+  uint64_t digest() const { return digest_; }
 
  private:
   struct Piece {

@@ -45,27 +45,12 @@ v1::ParamSpec SpecOf(const ParamLayout& p) {
   return spec;
 }
 
-// A layout's parameters against a checkpoint header's: FailedPrecondition naming the first
-// difference.
-// `what` names the checkpoint after its field ("tag: checkpoint 'x'").
+// A layout's parameters against a checkpoint header's (MatchCheckpointParams).
 absl::Status MatchHeader(const SessionLayout& layout, const v1::CheckpointHeader& header,
                          const std::string& what) {
-  const std::vector<ParamLayout>& params = layout.params;
-  const size_t colon = what.find(": ");
-  const std::string field = what.substr(0, colon), name = what.substr(colon + 2);
-  if (header.params_size() != static_cast<int>(params.size()))
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, " has ", header.params_size(), " parameters, the session registered ",
-        params.size()));
-  for (size_t i = 0; i < params.size(); ++i) {
-    const v1::CheckpointHeader::Param& hp = header.params(static_cast<int>(i));
-    if (hp.spec().SerializeAsString() != SpecOf(params[i]).SerializeAsString() ||
-        hp.col_steps_size() != params[i].cols)
-      return absl::FailedPreconditionError(absl::StrCat(
-          field, ": parameter ", i, " of ", name, " is '", hp.spec().name(),
-          "' with another name, shape or dtype than the session's '", params[i].name, "'"));
-  }
-  return absl::OkStatus();
+  std::vector<v1::ParamSpec> specs;
+  for (const ParamLayout& p : layout.params) specs.push_back(SpecOf(p));
+  return MatchCheckpointParams(header, specs, what);
 }
 
 }  // namespace
