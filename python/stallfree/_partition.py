@@ -34,17 +34,22 @@ def _all_reduce_scores(shards, name, view):
     the figures an automatic round's length is chosen from, so every rank chooses the same."""
     if name in shards.replicated:
         return
-    group = shards.group
     scores = torch.frombuffer(view, dtype=torch.float32)
     what = ("the column scores of '%s'" % name if name else
             "the automatic round's figures (update_interval auto)")
-    if torch.distributed.get_backend(group) == "nccl":
-        dev = shards.members[0][1].device  # the group's device
-        on_dev = scores.to(dev)
-        shards.collective(what, torch.distributed.all_reduce, on_dev)
+    on_dev = shards._on_group_device(scores)  # the scores themselves on gloo
+    shards.collective(what, torch.distributed.all_reduce, on_dev)
+    if on_dev is not scores:
         scores.copy_(on_dev.cpu())
-    else:
-        shards.collective(what, torch.distributed.all_reduce, scores)
+
+
+def _on_device(device):
+    """A context with `device` current where it is a CUDA device (nothing otherwise): engine
+    calls, engine creation and NCCL's object collectives run on the parameters' device,
+    whatever device the caller has current."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _data_parallel_group(process_group):
@@ -410,10 +415,8 @@ def _check_same_parameters(group, members, where):
     digest = hashlib.sha1(json.dumps([(n, list(p.shape)) for n, p in members]).encode())
     mine = digest.hexdigest()
     theirs = [None] * torch.distributed.get_world_size(group)
-    device = members[0][1].device if members else None
     # NCCL moves the pickled objects through the current CUDA device: the parameters'.
-    with torch.cuda.device(device) if device is not None and device.type == "cuda" \
-            else contextlib.nullcontext():
+    with _on_device(members[0][1].device if members else None):
         torch.distributed.all_gather_object(theirs, mine, group=group)
     differ = [torch.distributed.get_global_rank(group, r) for r, d in enumerate(theirs)
               if d != mine]

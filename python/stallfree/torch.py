@@ -30,7 +30,7 @@ from ._daemon import Daemon, default_socket
 from ._integrations import (_called_from, _calling_trainer, _consolidating_callback,
                             _hooks_held)
 from ._partition import (_DTYPE_NAMES, _Shards, _all_reduce_scores, _announce,
-                         _check_same_parameters, _data_parallel_group, _peers, _rank,
+                         _check_same_parameters, _data_parallel_group, _on_device, _peers, _rank,
                          _warn_missing)
 from ._stallfree import Error
 from ._state import (_BLOB_KEYS, _DAEMON_KEY, _ENGINE_KEY, _META_KEY, _SAVED_BEFORE,
@@ -262,7 +262,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._group_pending = process_group is None and self._group is None
         self._version = 0          # bumped by every step() and load_state_dict()
         self._consolidated = None  # (version, state dict of every rank) on the `to` rank
-        self._trainers = weakref.WeakSet()  # Hugging Face Trainers given the save callback
+        self._trainer_checked = False  # the callers looked at for a Trainer (_follow_trainer)
         if not timeout > 0:
             raise ValueError("timeout: %r is not a positive number of seconds" % (timeout,))
         self._timeout = datetime.timedelta(seconds=float(timeout))
@@ -286,9 +286,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     "leave before DistributedDataParallel (or reduce_gradients) averages it over "
                     "the ranks; use stream_gradients=False there")
         self._hooks = []     # stream_gradients: the post-accumulate-grad hooks' handles
-        self._staged_norms = []  # the streamed gradients' [2-norm, max] this step (clipping)
+        self._staged_norms = []  # the streamed gradients' 2-norms this step (clipping)
+        self._clipping_checked = False  # a Trainer's clipping looked for (first backward)
         self._split_grad_scale = 1.0  # clip_grad_norm_'s factor on them, for the next step
-        self._clipping_trainers = weakref.WeakSet()
         if stream_gradients:
             self._step_supports_amp_scaling = True  # so a GradScaler meets step()'s refusal
         self._staged = []    # per param group: indices whose gradient the engine has for step()
@@ -450,7 +450,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         specs = shards.specs()
         name = self._session_name if len(self.param_groups) == 1 and gi == 0 else \
             "%s/g%d" % (self._session_name, gi)
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with _on_device(device):
             engine = _stallfree.Engine(self._client, name, _rank(), config, specs, device.type,
                                        stream.cuda_stream if stream is not None else 0)
         if shards.world > 1 and config["mode"] == "zenflow":
@@ -512,17 +512,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return
         _check_grad(name, p, g)
         g = g.contiguous()
-        if not self._staged_norms:
-            self._follow_trainer_clipping()  # the step's first streamed gradient
-        # Its norms, for clip_grad_norm_ (the gradient leaves now): 2-norm and max.
-        norms = torch.stack([torch.linalg.vector_norm(g, 2.0),
-                             torch.linalg.vector_norm(g, float("inf"))])
+        if not self._clipping_checked:
+            self._follow_trainer_clipping()  # the optimizer's first streamed gradient
+            self._clipping_checked = True
+        # Its 2-norm, for clip_grad_norm_ (the gradient leaves now): one read of it.
+        norm = torch.linalg.vector_norm(g)
         try:
             with self._ordered(gi):
                 self._engine(gi).stage_gradient(i, g.data_ptr())
         except Error as e:
             raise self._explain(e) from e
-        self._staged_norms.append(norms)
+        self._staged_norms.append(norm)
         self._staged[gi].add(i)
         p.grad = None
 
@@ -532,22 +532,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         stream_gradients handed to the engine during the backward included (torch's function
         does not see them: their .grad is None by then). Returns the total norm (a tensor); the
         gradients in .grad are scaled in place as torch scales them, the streamed ones by the
-        engine at the next step(). norm_type 2 or inf with streamed gradients (their norms are
-        taken as they leave); any of torch's otherwise. Under a Hugging Face Trainer with
-        stream_gradients this is what the Trainer's clipping calls (_follow_trainer_clipping)."""
+        engine at the next step(). norm_type 2 with streamed gradients (their 2-norms are taken
+        as they leave, one read each); any of torch's otherwise. Under a Hugging Face Trainer
+        with stream_gradients this is what the Trainer's clipping calls
+        (_follow_trainer_clipping)."""
         max_norm, norm_type = float(max_norm), float(norm_type)
         grads = [p.grad for members in self._members for _, p in members if p.grad is not None]
         if not self._staged_norms:
             return torch.nn.utils.clip_grad_norm_(
                 [p for members in self._members for _, p in members], max_norm, norm_type,
                 error_if_nonfinite=error_if_nonfinite)
-        if norm_type not in (2.0, float("inf")):
+        if norm_type != 2.0:
             raise Error("clip_grad_norm_: norm_type %r with streamed gradients; their norms are "
-                        "taken as they leave during the backward, as 2-norms and max-norms "
-                        "only" % norm_type)
-        col = 0 if norm_type == 2.0 else 1
+                        "taken as they leave during the backward, as 2-norms only" % norm_type)
         device = self._staged_norms[0].device
-        norms = [n[col] for n in self._staged_norms] + \
+        norms = self._staged_norms + \
             [torch.linalg.vector_norm(g, norm_type).to(device) for g in grads]
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
@@ -562,13 +561,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return total
 
     def _follow_trainer_clipping(self):
-        """stream_gradients under a Hugging Face Trainer (found among the backward's callers):
+        """stream_gradients under a Hugging Face Trainer (found among the callers of the
+        optimizer's first streamed gradient's hook, once):
         the Trainer clips with accelerate's clip_grad_norm_, which cannot see the streamed
         gradients, so its clipping (the Trainer's private _clip_grad_norm, transformers 4.x and
         5.x) calls clip_grad_norm_ above instead; a Trainer without that method is refused here,
         at the first backward, naming max_grad_norm."""
         trainer = _calling_trainer()
-        if trainer is None or trainer in self._clipping_trainers:
+        if trainer is None:
             return
         if not hasattr(trainer, "_clip_grad_norm"):
             raise Error("stream_gradients under this Hugging Face Trainer (transformers %s): it "
@@ -577,7 +577,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         getattr(sys.modules.get("transformers"), "__version__", "?"))
         opt = weakref.ref(self)
         trainer._clip_grad_norm = lambda model: opt().clip_grad_norm_(trainer.args.max_grad_norm)
-        self._clipping_trainers.add(trainer)
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
@@ -821,9 +820,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         shares = [_group_blobs(mine, gi) for gi in range(len(self.param_groups))]
         group = self._group
         # NCCL moves the pickled objects through the current CUDA device: the parameters'.
-        device = next((p.device for members in self._members for _, p in members), None)
-        with torch.cuda.device(device) if device is not None and device.type == "cuda" \
-                else contextlib.nullcontext():
+        with _on_device(next((p.device for members in self._members for _, p in members),
+                             None)):
             if to is None:
                 every = [None] * where["world"]
                 torch.distributed.all_gather_object(every, shares, group=group)
@@ -849,16 +847,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._consolidated = (self._version, whole)
 
     def _follow_trainer(self):
-        """Partitioned under a Hugging Face Trainer (found among step()'s callers), a callback
+        """Partitioned under a Hugging Face Trainer (found among the callers of the first
+        partitioned step(), once), a callback
         on it that consolidates the state on the saving rank before each checkpoint: the
         Trainer has only its main process call state_dict(), so without it the checkpoint
         would hold rank 0's share alone. Nothing changes in the user's script."""
-        if self.partition["world"] == 1:
+        if self.partition["world"] == 1 or self._trainer_checked:
             return
+        self._trainer_checked = True  # once: the Trainer that calls the first partitioned step
         trainer = _calling_trainer()
-        if trainer is not None and trainer not in self._trainers:
+        if trainer is not None:
             trainer.add_callback(_consolidating_callback(self))
-            self._trainers.add(trainer)
 
     def _share_state_dict(self):
         """This rank's state dict (state_dict() without consolidation)."""

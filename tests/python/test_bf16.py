@@ -299,6 +299,17 @@ def test_clip_grad_norm_includes_streamed_gradients(daemon):
     print("clip with streamed gradients: %.3g (torch's clip on them: %.3g)" % (worst, missed))
     assert worst <= models.PARAM_ATOL
     assert missed > 100 * models.PARAM_ATOL
+    # The streamed gradients' norms are taken as 2-norms when they leave: another norm_type is
+    # refused, naming it, rather than computed from the wrong norms.
+    model = models.make_model(SEED)
+    opt = ZenFlowAdamW(models.param_groups(model), socket=daemon.socket, stream_gradients=True,
+                       **config)
+    try:
+        models.loss_fn(model, models.batch(SEED, 1)).backward()
+        with pytest.raises(stallfree.Error, match="as 2-norms only"):
+            opt.clip_grad_norm_(0.1, norm_type=float("inf"))
+    finally:
+        opt.close()
 
 
 def test_a_grad_scaler_is_refused_with_streamed_gradients(daemon):
