@@ -1124,6 +1124,7 @@ absl::Status ZenFlowEngine::Impl::ApplyPendingUpdate(StepTimings* tm) {
   }
   prefetched_version = 0;
   tm->stall += Since(t0);
+  tm->cold_changed = true;
   t0 = Clock::now();
   for (PState& ps : params)
     if (ps.kind != PState::kDevice)
@@ -1187,6 +1188,7 @@ absl::Status ZenFlowEngine::Impl::DoStep(double lr, float split_grad_scale) {
     }
     PrefetchForLanding(plan);  // after a new length: it decides when the pending Update lands
   }
+  if (plan.boundary || cfg.mode != OffloadMode::kZenFlow) tm.cold_changed = true;
   tm.total = Since(t_start);
   last = tm;
   return absl::OkStatus();

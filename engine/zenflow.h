@@ -298,6 +298,11 @@ struct StepTimings {
   uint64_t bytes_to_host = 0;
   uint64_t bytes_to_device = 0;
   bool boundary = false;
+  // The step changed the split weights' cold columns as well as their hot ones: a round
+  // boundary, an Update landing (land_lag < update_interval lands between boundaries), every
+  // step outside zenflow. Otherwise only the hot columns (and the weights wholly on the
+  // device) changed: what data-parallel ranks need to share after the step.
+  bool cold_changed = false;
   bool reselected = false;
   int64_t migrated_columns = 0;
   int64_t interval = 0;  // the length of the round this step belongs to (1 in the warm-up)
@@ -314,6 +319,7 @@ void VisitTimingFields(Timings& t, F&& f) {
   f("bytes_to_host", t.bytes_to_host);
   f("bytes_to_device", t.bytes_to_device);
   f("boundary", t.boundary);
+  f("cold_changed", t.cold_changed);
   f("reselected", t.reselected);
   f("interval", t.interval);
   f("migrated_columns", t.migrated_columns);

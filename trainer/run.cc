@@ -459,8 +459,7 @@ absl::Status TrainRun::Step(int64_t step) {
   const double lr = LearningRate(o_, step);
   RETURN_IF_ERROR(AgreeOnDaemon(world_, Link(), progress_, engine_->Step(lr)));
   widened_ = !bf16_;  // the step wrote new stored values
-  RETURN_IF_ERROR(
-      Gather(o_.engine.mode == OffloadMode::kZenFlow && !engine_->last_timings().boundary));
+  RETURN_IF_ERROR(Gather(/*hot_only=*/!engine_->last_timings().cold_changed));
   const StepTimings& tm = engine_->last_timings();
   const double step_s = SecondsSince(t0);
   if (step == start_ + 1) totals_.first_loss = loss;  // this process's first step (a resume's too)

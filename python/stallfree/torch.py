@@ -667,7 +667,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             except Error as e:
                 raise self._explain(e) from e
             timing = engine.last_timings()
-            if timing["boundary"] or self._config["mode"] != "zenflow":
+            if timing["cold_changed"]:  # else only the hot columns changed (the engine's rule)
                 shards.hot_cache = None
                 shards.gather()
             else:
@@ -1302,7 +1302,7 @@ def _sum_timings(ts):
     for key in ("optimizer", "copies", "stall", "total", "bytes_to_host", "bytes_to_device",
                 "migrated_columns", "collective_bytes"):
         out[key] = sum(t[key] for t in ts)
-    for key in ("boundary", "reselected"):
+    for key in ("boundary", "cold_changed", "reselected"):
         out[key] = any(t[key] for t in ts)
     out["interval"] = max(t["interval"] for t in ts)
     return out

@@ -386,6 +386,54 @@ TEST_F(ZenFlowTest, AFixedRoundLongerThanTheAutomaticBoundRestores) {
   EXPECT_EQ((*eb)->step(), 3);
 }
 
+// cold_changed (StepTimings) is the rule data-parallel replicas share their steps by: a step
+// that does not report it changed no cold column of a split weight (only hot columns, which
+// the replicas then exchange alone). Rounds of 4 with the Update landing 1, 2 or 4 (the next
+// boundary) steps after its boundary, and predicted cold columns: the reported steps are
+// exactly the boundaries and the landings, and every other step leaves every cold column's
+// bytes as they were. (Not reporting the landings fails both checks: 104 cold columns change
+// unreported, at steps 5, 6, 9, 10, 13 and 14; measured.)
+TEST_F(ZenFlowTest, ColdChangedReportsEveryStepThatChangesAColdColumn) {
+  const int seed = 6;
+  for (int64_t lag : {1, 2, 0}) {
+    SCOPED_TRACE(absl::StrCat("land_lag ", lag));
+    ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, false);
+    cfg.land_lag = lag;
+    cfg.predict_cold = true;
+    std::vector<Tensor> model = MakeModel(seed);
+    std::unique_ptr<SessionTarget> session = NewSession(absl::StrCat("cold-changed-", lag));
+    auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
+                                        kernels::CpuOps(), session.get());
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    ZenFlowEngine& e = **engine;
+    int landed_between = 0;
+    for (int64_t t = 1; t <= 16; ++t) {
+      FillGrads(&model, t, seed);
+      const std::vector<Tensor> before = model;
+      ASSERT_TRUE(e.Step(Lr(t)).ok()) << "step " << t;
+      const int64_t since = t % 4;  // steps since the last boundary
+      const bool boundary = t % 4 == 0;
+      const bool lands = t > 4 && lag > 0 && since == lag;
+      EXPECT_EQ(e.last_timings().cold_changed, boundary || lands) << "step " << t;
+      landed_between += lands && !boundary;
+      if (e.last_timings().cold_changed) continue;
+      for (size_t i = 0; i < model.size(); ++i) {
+        if (!e.Splits(i)) continue;
+        auto hot = e.HotColumns(model[i].name);
+        ASSERT_TRUE(hot.ok());
+        const Tensor& x = model[i];
+        for (int64_t c = 0; c < x.cols(); ++c) {
+          if (std::binary_search(hot->begin(), hot->end(), c)) continue;
+          EXPECT_EQ(ColumnOf(x.value, x.rows(), x.cols(), c),
+                    ColumnOf(before[i].value, x.rows(), x.cols(), c))
+              << x.name << " cold column " << c << " changed at step " << t;
+        }
+      }
+    }
+    EXPECT_EQ(landed_between, lag == 0 ? 0 : 3);
+  }
+}
+
 // sync-offload and no-offload equal dense AdamW bit for bit (S = 1 by definition).
 TEST_F(ZenFlowTest, SyncOffloadAndNoOffloadEqualDenseAdamW) {
   for (OffloadMode mode : {OffloadMode::kSyncOffload, OffloadMode::kNoOffload}) {

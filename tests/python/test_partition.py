@@ -386,3 +386,22 @@ def test_zenflow_defaults_equal_one_process(daemon, tmp_path):
               % (world, diff, off))
         assert diff <= DEFAULTS_LOSS_RTOL, (world, diff)
         assert ranks[0]["hot"] == ref.extra["hot"], world
+
+
+def test_an_update_landing_between_boundaries_reaches_every_rank(daemon, tmp_path):
+    """land_lag 1 (rounds of 4): each round's Update lands in the cold columns one step after
+    its boundary, a step at which the hot columns alone would otherwise be all-gathered. The
+    engine says whether its step changed the cold columns (timings cold_changed): the ranks must
+    then hold the same parameters after every step, and equal the one process within the
+    defaults' tolerance. (Gathering by `boundary`, as before, fails the first.)"""
+    from stallfree.torch import ZenFlowAdamW
+
+    run = dict(FIXED_ROUND, land_lag=1)
+    ref = models.train(lambda g: ZenFlowAdamW(g, socket=daemon.socket, **run),
+                       DEFAULTS_STEPS, seed=SEED)
+    ranks = train_ranks(2, tmp_path / "L2", [daemon.socket], {"lag": run},
+                        steps=DEFAULTS_STEPS)["lag"]
+    assert_ranks_agree(ranks)
+    losses = [sum(r["losses"][s] for r in ranks) / 2 for s in range(DEFAULTS_STEPS)]
+    diff = max(models.rel_diff(a, b) for a, b in zip(losses, ref.losses))
+    assert diff <= DEFAULTS_LOSS_RTOL, diff
