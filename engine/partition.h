@@ -27,10 +27,10 @@ struct RowShape {
   int64_t rows = 1, cols = 1;
 };
 inline RowShape RowsOf(const std::vector<int64_t>& shape) {
-  int64_t numel = 1;
-  for (int64_t d : shape) numel *= d;
-  if (shape.size() <= 1) return {numel, 1};
-  return {numel / shape.back(), shape.back()};
+  if (shape.size() <= 1) return {shape.empty() ? 1 : shape[0], 1};
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+  return {rows, shape.back()};
 }
 
 inline RowBlock PartitionRows(int64_t rows, int world, int rank) {
@@ -43,6 +43,29 @@ inline RowBlock PartitionRows(int64_t rows, int world, int rank) {
   b.begin = rows * rank / world;
   b.end = rows * (rank + 1) / world;
   return b;
+}
+
+// Rank `rank`'s share of a parameter of `shape` over `world` ranks: its rows, and the shape its
+// engine sees, [rows of the block, cols] ([rows of the block] for a 1-D parameter), or the whole
+// shape ([1] for a scalar) where the rank holds the parameter whole (world 1, replicated).
+struct ShareOf {
+  RowShape whole;
+  RowBlock block;
+  std::vector<int64_t> shape;
+  int64_t first() const { return block.begin * whole.cols; }  // its first element
+  int64_t end() const { return block.end * whole.cols; }
+};
+inline ShareOf ShareOfParam(const std::vector<int64_t>& shape, int world, int rank) {
+  ShareOf s;
+  s.whole = RowsOf(shape);
+  s.block = PartitionRows(s.whole.rows, world, rank);
+  if (world <= 1 || s.block.replicated) {
+    s.shape = shape.empty() ? std::vector<int64_t>{1} : shape;
+  } else {
+    s.shape = {s.block.rows()};
+    if (shape.size() >= 2) s.shape.push_back(s.whole.cols);
+  }
+  return s;
 }
 
 }  // namespace stallfree

@@ -367,12 +367,9 @@ absl::Status Repartitioner::CutDaemonParam(size_t i, int h, DaemonState* out) {
   if (p0.kind == kBlobSplit) {
     hp->mutable_spec()->add_shape(nb.rows());
     hp->mutable_spec()->add_shape(width);
-  } else if (nb.replicated || new_world_ == 1) {
-    for (int64_t x : params_[i].shape) hp->mutable_spec()->add_shape(x);
-    if (params_[i].shape.empty()) hp->mutable_spec()->add_shape(1);
   } else {
-    hp->mutable_spec()->add_shape(nb.rows());
-    if (params_[i].shape.size() >= 2) hp->mutable_spec()->add_shape(rc.cols);
+    for (int64_t x : ShareOfParam(params_[i].shape, new_world_, new_rank_).shape)
+      hp->mutable_spec()->add_shape(x);
   }
   if (steps_by_row) {
     std::map<int, std::vector<int64_t>> steps;

@@ -307,6 +307,26 @@ absl::Status SetConfigField(ZenFlowConfig* c, const std::string& name, const std
   return st;
 }
 
+absl::StatusOr<ConfigConflicts> ResumeConflicts(const std::map<std::string, std::string>& saved,
+                                                const std::map<std::string, std::string>& now) {
+  ZenFlowConfig was, is;
+  // The values of the fields added since states were first saved, as those states ran.
+  was.land_lag = 0;
+  was.max_update_interval = 4;
+  was.predict_cold = false;
+  for (const auto& [name, text] : saved) RETURN_IF_ERROR(SetConfigField(&was, name, text));
+  for (const auto& [name, text] : now) RETURN_IF_ERROR(SetConfigField(&is, name, text));
+  const std::map<std::string, std::string> a = ConfigFields(was), b = ConfigFields(is);
+  ConfigConflicts out;
+  for (const auto& [name, text] : now) {
+    if (name == "transfers" || name == "stream_gradients") continue;
+    if (a.at(name) == b.at(name)) continue;  // compared as values, reported as given
+    const auto given = saved.find(name);
+    out[name] = {given != saved.end() ? given->second : a.at(name), text};
+  }
+  return out;
+}
+
 kernels::AdamWConfig ZenFlowConfig::AdamW(double lr, int64_t t) const {
   kernels::AdamWConfig a;
   a.lr = lr;

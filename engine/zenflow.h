@@ -226,6 +226,18 @@ void VisitConfigFields(Config& c, F&& f) {
 // not a field or text that is not of its type (ranges are Validate's).
 std::map<std::string, std::string> ConfigFields(const ZenFlowConfig& c);
 absl::Status SetConfigField(ZenFlowConfig* c, const std::string& name, const std::string& text);
+// Resuming a state saved under configuration `saved` (field -> text, as ConfigFields writes it)
+// in a run configured `now` (the same, of the fields the run sets): the fields of `now` whose
+// saved value differs, {field: {saved text, now text}}; empty when the state may resume.
+// transfers and stream_gradients choose how the same numbers move, not the numbers: any value of
+// theirs resumes any. A field `saved` lacks was not yet a field when the state was written and
+// has the value that state ran under: land_lag 0 (a round landed at the next boundary),
+// max_update_interval 4 (the bound of an automatic round, which it did not have), predict_cold
+// false (rounds landed as computed). InvalidArgument naming the field for a saved field that is
+// not one, or text not of its type.
+using ConfigConflicts = std::map<std::string, std::pair<std::string, std::string>>;
+absl::StatusOr<ConfigConflicts> ResumeConflicts(const std::map<std::string, std::string>& saved,
+                                                const std::map<std::string, std::string>& now);
 
 struct EngineParam {
   std::string name;

@@ -183,6 +183,15 @@ void BindFunctions(py::module_& m) {
   m.def("default_config", &stallfree::api::DefaultConfig,
         "{field: value} of a default ZenFlowConfig (engine/zenflow.h): the engine's defaults");
   m.def(
+      "resume_conflicts",
+      [](const py::dict& saved, const py::dict& now) {
+        return stallfree::api::ResumeConflicts(ConfigFrom(saved), ConfigFrom(now));
+      },
+      py::arg("saved"), py::arg("now"),
+      "{field: (saved, now)} (text) of the fields of config `now` whose value differs from the "
+      "one a state saved under config `saved` ran with: empty when it may resume (transfers and "
+      "stream_gradients may differ; a field saved configs lack has the value they ran with)");
+  m.def(
       "topk_for_budget",
       [](const py::dict& config, const py::list& params, const std::string& device,
          double bytes_per_param) {
@@ -204,13 +213,22 @@ void BindFunctions(py::module_& m) {
           return py::bytes(stallfree::api::DefaultCorpusText(approx_bytes, seed));
         },
         py::arg("approx_bytes") = int64_t{1} << 20, py::arg("seed") = 1);
-  m.def("partition_rows",
-        [](int64_t rows, int world, int rank) {
-          const stallfree::api::RowRange r = stallfree::api::PartitionRows(rows, world, rank);
-          return py::make_tuple(r.begin, r.end, r.replicated);
+  m.def("partition_share",
+        [](const std::vector<int64_t>& shape, int world, int rank) {
+          const stallfree::api::Share s = stallfree::api::ShareOf(shape, world, rank);
+          py::dict d;
+          d["rows"] = s.rows;
+          d["cols"] = s.cols;
+          d["begin"] = s.begin;
+          d["end"] = s.end;
+          d["replicated"] = s.replicated;
+          d["shape"] = s.shape;
+          return d;
         },
-        py::arg("rows"), py::arg("world"), py::arg("rank"),
-        "(begin, end, replicated): rank's rows of a parameter over world data-parallel ranks");
+        py::arg("shape"), py::arg("world"), py::arg("rank"),
+        "{rows, cols, begin, end, replicated, shape}: a parameter of `shape` as rows x cols and "
+        "rank's share of it over world data-parallel ranks (rows [begin, end); the shape the "
+        "rank's engine sees)");
   m.def("repartition_sources", &stallfree::api::RepartitionSources, py::arg("params"),
         py::arg("old_world"), py::arg("new_world"), py::arg("new_rank"),
         "the old ranks whose states rank new_rank of new_world needs (engine/repartition.h)");

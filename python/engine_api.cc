@@ -275,6 +275,14 @@ std::map<std::string, Value> DefaultConfig() {
   return out;
 }
 
+std::map<std::string, std::pair<std::string, std::string>> ResumeConflicts(
+    const EngineConfig& saved, const EngineConfig& now) {
+  absl::StatusOr<ConfigConflicts> out = stallfree::ResumeConflicts(saved, now);
+  if (!out.ok())
+    throw InvalidArgument("the saved configuration: " + std::string(out.status().message()));
+  return *std::move(out);
+}
+
 double TopkForBudget(const EngineConfig& config, const std::vector<ParamDesc>& params,
                      const std::string& device, double bytes_per_param) {
   const ZenFlowConfig c = ToConfig(config);
@@ -312,11 +320,14 @@ std::string DefaultCorpusText(int64_t approx_bytes, uint32_t seed) {
   return stallfree::DefaultCorpusText(approx_bytes, seed);
 }
 
-RowRange PartitionRows(int64_t rows, int world, int rank) {
-  if (rows < 1 || world < 1 || rank < 0 || rank >= world)
-    throw InvalidArgument("partition_rows: needs rows >= 1 and 0 <= rank < world");
-  const RowBlock b = stallfree::PartitionRows(rows, world, rank);
-  return RowRange{b.begin, b.end, b.replicated};
+Share ShareOf(const std::vector<int64_t>& shape, int world, int rank) {
+  if (world < 1 || rank < 0 || rank >= world)
+    throw InvalidArgument("partition_share: needs 0 <= rank < world");
+  for (int64_t d : shape)
+    if (d < 0) throw InvalidArgument("partition_share: a negative dimension");
+  const stallfree::ShareOf s = stallfree::ShareOfParam(shape, world, rank);
+  return Share{s.whole.rows, s.whole.cols, s.block.begin, s.block.end, s.block.replicated,
+               s.shape};
 }
 
 namespace {

@@ -63,6 +63,12 @@ std::map<std::string, Value> ValidateConfig(const EngineConfig& config);
 // Every field of a default ZenFlowConfig (engine/zenflow.h), typed: the one statement of the
 // engine's defaults, which the Python optimizer's signature takes its own from.
 std::map<std::string, Value> DefaultConfig();
+// The fields of `now` whose value differs from the one `saved` (a state's configuration) ran
+// with, {field: (saved, now)} as text: the engine's rule of which configurations may resume a
+// saved state (engine/zenflow.h, ResumeConflicts). InvalidArgument for a saved field that is
+// not one or not of its type.
+std::map<std::string, std::pair<std::string, std::string>> ResumeConflicts(
+    const EngineConfig& saved, const EngineConfig& now);
 
 struct ParamDesc {
   std::string name;
@@ -146,13 +152,15 @@ std::string DefaultCorpusText(int64_t approx_bytes, uint32_t seed);
 // Whether this build has the CUDA backend.
 bool CudaEnabled();
 
-// Rank `rank`'s rows [begin, end) of a parameter of `rows` rows over `world` data-parallel ranks,
-// and whether every rank holds it whole (engine/partition.h, the rule the trainer uses too).
-struct RowRange {
-  int64_t begin = 0, end = 0;
+// Rank `rank`'s share of a parameter of `shape` over `world` data-parallel ranks
+// (engine/partition.h, the rule the trainer uses too): the parameter as rows x cols, the share's
+// rows [begin, end), whether every rank holds it whole, and the shape the rank's engine sees.
+struct Share {
+  int64_t rows = 1, cols = 1, begin = 0, end = 0;
   bool replicated = false;
+  std::vector<int64_t> shape;
 };
-RowRange PartitionRows(int64_t rows, int world, int rank);
+Share ShareOf(const std::vector<int64_t>& shape, int world, int rank);
 
 // A group's parameters, whole (name, shape), in the engine's order.
 using WholeShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;

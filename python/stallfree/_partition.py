@@ -67,14 +67,6 @@ def _data_parallel_group(process_group):
     return process_group
 
 
-def _rows_cols(p):
-    """A parameter as rows of columns (engine/partition.h): the last dimension is the columns,
-    the leading ones the rows; a 1-D parameter is numel rows of one column."""
-    if p.dim() <= 1:
-        return p.numel(), 1
-    return p.numel() // p.shape[-1], p.shape[-1]
-
-
 class _Shards:
     """One parameter group's data-parallel partition of the offloaded state (engine/partition.h,
     ARCHITECTURE.md "Scale-out"): over the L ranks of the group, this rank's engine works on
@@ -99,28 +91,27 @@ class _Shards:
         self.members = members
         self.offsets = []        # per member: this rank's first element
         self.shapes = []         # per member: the shape the engine sees
+        self.rows_cols = []      # per member: (rows, cols), the parameter as rows of columns
         self.replicated = set()  # names of the members every rank holds whole
         self.parts = []          # indices of the partitioned members
         self.ranges = [[] for _ in range(self.world)]  # per rank: (first, end) element per part
         for i, (name, p) in enumerate(members):
-            rows, cols = _rows_cols(p)
-            whole = list(p.shape) or [1]
+            # The rule is the engine's (engine/partition.h), the trainer's as well.
+            shares = [_stallfree.partition_share(list(p.shape), self.world, s)
+                      for s in range(self.world)]
+            mine = shares[self.rank]
+            cols = mine["cols"]
+            self.rows_cols.append((mine["rows"], cols))
+            self.shapes.append(mine["shape"])
+            self.offsets.append(mine["begin"] * cols)
             if self.world == 1:
-                self.offsets.append(0)
-                self.shapes.append(whole)
                 continue
-            blocks = [_stallfree.partition_rows(rows, self.world, s) for s in range(self.world)]
-            begin, end, replicated = blocks[self.rank]
-            if replicated:
+            if mine["replicated"]:
                 self.replicated.add(name)
-                self.offsets.append(0)
-                self.shapes.append(whole)
                 continue
             self.parts.append(i)
-            for s, (b, e, _) in enumerate(blocks):
-                self.ranges[s].append((b * cols, e * cols))
-            self.offsets.append(begin * cols)
-            self.shapes.append([end - begin, cols] if p.dim() >= 2 else [end - begin])
+            for s, share in enumerate(shares):
+                self.ranges[s].append((share["begin"] * cols, share["end"] * cols))
         self.sizes = [[e - b for b, e in r] for r in self.ranges]
         self.section = max((sum(z) for z in self.sizes), default=0)
 
@@ -272,9 +263,8 @@ class _Shards:
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         views, widths = [], []
         for i in self.parts:
-            p = self.members[i][1].detach()
-            rows, cols = _rows_cols(p)
-            views.append(p.view(rows, cols))
+            rows, cols = self.rows_cols[i]
+            views.append(self.members[i][1].detach().view(rows, cols))
             widths.append(hot[i].numel() if i in hot else cols)
         sizes = [[(e - b) // v.shape[1] * w for v, w, (b, e) in zip(views, widths, r)]
                  for r in self.ranges]

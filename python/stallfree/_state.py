@@ -102,8 +102,3 @@ def _uint8(t):
                     "ZenFlowAdamW.state_dict()" % (type(t).__name__,))
     return t.detach().cpu().contiguous()
 
-
-# Configuration fields added since state dicts were first written, with the value those older
-# states ran under (land_lag 0: a round's update landed at the next boundary; the bound of an
-# automatic round, which they did not have, its default; rounds landed as computed).
-_SAVED_BEFORE = {"land_lag": 0, "max_update_interval": 4, "predict_cold": False}

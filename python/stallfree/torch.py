@@ -33,7 +33,7 @@ from ._partition import (_DTYPE_NAMES, _Shards, _all_reduce_scores, _announce,
                          _check_same_parameters, _data_parallel_group, _on_device, _peers, _rank,
                          _warn_missing)
 from ._stallfree import Error
-from ._state import (_BLOB_KEYS, _DAEMON_KEY, _ENGINE_KEY, _META_KEY, _SAVED_BEFORE,
+from ._state import (_BLOB_KEYS, _DAEMON_KEY, _ENGINE_KEY, _META_KEY,
                      _STATE_VERSION, _bytes_tensor, _group_blobs, _ranks_of_consolidated,
                      _uint8)
 
@@ -1095,15 +1095,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if meta.get("version") not in (1, _STATE_VERSION):  # 3 is expanded on load
             raise Error("%s: state dict version %r, this stallfree reads 1 and %d"
                         % (where, meta.get("version"), _STATE_VERSION))
-        # transfers and stream_gradients choose how the same numbers move, not the numbers: any
-        # may resume any.
-        # A key a saved configuration lacks has the value that state was written under.
-        saved = dict(_SAVED_BEFORE, **meta["config"])
-        diff = {k: (saved.get(k), v) for k, v in self._config.items()
-                if k not in ("transfers", "stream_gradients") and saved.get(k) != v}
+        # Which saved configurations may resume is the engine's rule (engine/zenflow.h).
+        try:
+            diff = _stallfree.resume_conflicts(meta["config"], self._config)
+        except (ValueError, TypeError) as e:
+            raise Error("%s: the state dict's configuration is not one this stallfree reads: %s"
+                        % (where, e)) from e
         if diff:
-            raise Error("the state dict was written with another configuration (saved, now): %s"
-                        % diff)
+            raise Error("%s: the state dict was written with another configuration: %s; build "
+                        "the optimizer with the saved values to resume it" % (where, ", ".join(
+                            "%s %s (now %s)" % (k, saved, now)
+                            for k, (saved, now) in sorted(diff.items()))))
         shapes = [list(p.shape) for _, p in self._members[gi]]
         if meta["shapes"] != shapes:
             raise Error("%s: the state dict's parameters %s differ from this optimizer's %s"

@@ -62,6 +62,38 @@ TEST(SourceRanksTest, OverlappingRowBlocks) {
   EXPECT_EQ(SourceRanks(two, 2, 3, 1), (std::vector<int>{0, 1}));
 }
 
+// A rank's share (engine/partition.h), the rule the Python front-end takes through the binding
+// (partition_share): values worked out by hand.
+TEST(ShareOfParamTest, RowsColumnsBlocksAndTheEnginesShape) {
+  using Shape = std::vector<int64_t>;
+  ShareOf s = ShareOfParam({5, 3}, 2, 1);  // 5 rows of 3: rank 1 has rows [2, 5)
+  EXPECT_EQ(s.whole.rows, 5);
+  EXPECT_EQ(s.whole.cols, 3);
+  EXPECT_EQ(s.block.begin, 2);
+  EXPECT_EQ(s.block.end, 5);
+  EXPECT_EQ(s.shape, (Shape{3, 3}));
+  EXPECT_EQ(s.first(), 6);
+  EXPECT_EQ(s.end(), 15);
+  s = ShareOfParam({2, 4, 6}, 4, 1);  // a 3-D weight: 8 rows of 6, rank 1 rows [2, 4)
+  EXPECT_EQ(s.whole.rows, 8);
+  EXPECT_EQ(s.shape, (Shape{2, 6}));
+  EXPECT_EQ(s.first(), 12);
+  s = ShareOfParam({7}, 4, 3);  // 1-D: 7 rows of one column, rank 3 rows [5, 7)
+  EXPECT_EQ(s.whole.cols, 1);
+  EXPECT_EQ(s.block.begin, 5);
+  EXPECT_EQ(s.shape, (Shape{2}));
+  s = ShareOfParam({2, 3}, 4, 3);  // fewer rows than ranks: whole
+  EXPECT_TRUE(s.block.replicated);
+  EXPECT_EQ(s.shape, (Shape{2, 3}));
+  EXPECT_EQ(s.first(), 0);
+  EXPECT_EQ(ShareOfParam({}, 2, 1).shape, (Shape{1}));  // a scalar
+  EXPECT_TRUE(ShareOfParam({}, 2, 1).block.replicated);
+  EXPECT_EQ(ShareOfParam({2, 4, 6}, 1, 0).shape, (Shape{2, 4, 6}));  // one rank: whole
+  s = ShareOfParam({4, 0}, 2, 0);  // no columns: rows still split, no division by zero
+  EXPECT_EQ(s.whole.rows, 4);
+  EXPECT_EQ(s.shape, (Shape{2, 0}));
+}
+
 TEST(SourceRanksTest, FewerRowsThanRanksIsReplicated) {
   // 2 rows over 4 old ranks: every old rank holds it whole, so one (the first) is enough.
   const std::vector<WholeParam> small = {{"small", {2, 16}}};

@@ -856,6 +856,54 @@ TEST(ZenFlowConfigFields, RoundTripAndRefusals) {
   refused("transfers", "fast");
 }
 
+// Which saved configurations may resume (the front-end's load_state_dict asks this): the same
+// numbers, however they move; a field the saved configuration lacks has the value such states
+// ran with, not today's default.
+TEST(ZenFlowConfigFields, ResumeConflicts) {
+  using Fields = std::map<std::string, std::string>;
+  ZenFlowConfig c;
+  c.predict_cold = false;
+  c.land_lag = 0;
+  c.max_update_interval = 4;
+  Fields now = ConfigFields(c);
+  Fields saved = now;
+  auto conflicts = [&](const Fields& s, const Fields& n) {
+    absl::StatusOr<ConfigConflicts> out = ResumeConflicts(s, n);
+    EXPECT_TRUE(out.ok()) << out.status();
+    return out.ok() ? *out : ConfigConflicts{};
+  };
+  EXPECT_TRUE(conflicts(saved, now).empty());
+  saved["transfers"] = "direct";  // how the numbers move: any resumes any
+  saved["stream_gradients"] = "true";
+  now["transfers"] = "buffered";
+  EXPECT_TRUE(conflicts(saved, now).empty());
+  saved["topk_ratio"] = "0.2";
+  saved["weight_decay"] = "0.5";
+  EXPECT_EQ(conflicts(saved, now),
+            (ConfigConflicts{{"topk_ratio", {"0.2", now.at("topk_ratio")}},
+                             {"weight_decay", {"0.5", now.at("weight_decay")}}}));
+  saved = now;
+  // Written before these fields: they ran as land_lag 0, a bound of 4 and no prediction.
+  saved.erase("land_lag");
+  saved.erase("max_update_interval");
+  saved.erase("predict_cold");
+  EXPECT_TRUE(conflicts(saved, now).empty());
+  now["predict_cold"] = "true";  // today's default: not what the saved state ran
+  now["max_update_interval"] = "8";
+  EXPECT_EQ(conflicts(saved, now),
+            (ConfigConflicts{{"max_update_interval", {"4", "8"}},
+                             {"predict_cold", {"false", "true"}}}));
+  // Only the fields the run sets are compared.
+  EXPECT_TRUE(conflicts(saved, Fields{{"mode", "zenflow"}}).empty());
+  EXPECT_EQ(conflicts(saved, Fields{{"mode", "sync-offload"}}).size(), 1u);
+  // A saved field that is not one, or not of its type.
+  saved["topk"] = "0.1";
+  EXPECT_EQ(ResumeConflicts(saved, now).status().code(), absl::StatusCode::kInvalidArgument);
+  saved.erase("topk");
+  saved["land_lag"] = "soon";
+  EXPECT_EQ(ResumeConflicts(saved, now).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // A backend that cannot allocate the engine's buffers: RESOURCE_EXHAUSTED naming the bytes,
 // not INTERNAL (the CPU backend's allocation of 2 x 2 TiB moments fails; sanitizers abort on
 // such a request instead of returning null, so their builds skip it).

@@ -144,9 +144,9 @@ def test_state_dict_from_before_the_automatic_round(daemon):
     try:
         with pytest.raises(stallfree.Error) as err:
             opt.load_state_dict(sd)
-        assert "'update_interval': (4, 0)" in str(err.value), str(err.value)
-        assert "'warmup_steps': (20, 100)" in str(err.value), str(err.value)
-        assert "'predict_cold': (False, True)" in str(err.value), str(err.value)
+        assert "update_interval 4 (now 0)" in str(err.value), str(err.value)
+        assert "warmup_steps 20 (now 100)" in str(err.value), str(err.value)
+        assert "predict_cold false (now true)" in str(err.value), str(err.value)
     finally:
         opt.close()
 
