@@ -1,10 +1,6 @@
-"""Where ZenFlowAdamW reaches into torch's and other libraries' internals, in one place: which
-library is calling (a Hugging Face Trainer among the callers, accelerate's save_state), the
-Trainer callback that consolidates the state before its checkpoints, and taking torch's
-optimizer hooks off for the duration of a call (the optimizer's private hook dictionaries,
-torch >= 2.0)."""
-import collections
-import contextlib
+"""ZenFlowAdamW's integration with the libraries that drive it: which library is calling (a
+Hugging Face Trainer among the callers, accelerate's save_state) and the Trainer callback that
+consolidates the state before its checkpoints. torch's private APIs are _torch_private.py's."""
 import sys
 import weakref
 
@@ -61,15 +57,3 @@ def _consolidating_callback(opt):
 
     return ConsolidateBeforeSave()
 
-
-@contextlib.contextmanager
-def _hooks_held(opt, attr):
-    """Takes torch's hooks of `attr` off `opt` for the duration (yielding them), so that
-    ZenFlowAdamW runs them itself at the point where the state they see is whole."""
-    hooks = getattr(opt, attr)
-    setattr(opt, attr, collections.OrderedDict())
-    try:
-        yield hooks
-    finally:
-        hooks.update(getattr(opt, attr))  # registered meanwhile (by a hook): kept, and run
-        setattr(opt, attr, hooks)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed
 
 from . import _stallfree
+from . import _torch_private
 from ._stallfree import Error
 
 # The parameter dtypes the engine takes (EngineParam's), by the name the binding knows them by.
@@ -226,7 +227,7 @@ class _Shards:
                         src.append(grads[i].reshape(-1)[b:e])
                     at += e - b
         if dst:
-            torch._foreach_copy_(dst, src)  # widening bf16 on the way
+            _torch_private.foreach_copy_(dst, src)  # widening bf16 on the way
         self.collective("the replicated parameters' gradients", torch.distributed.all_reduce,
                         small)
         small.div_(self.world)
@@ -282,7 +283,7 @@ class _Shards:
                 src.append((block.index_select(1, hot[i]) if i in hot else block).reshape(-1))
             at += n
         if dst:
-            torch._foreach_copy_(dst, src)
+            _torch_private.foreach_copy_(dst, src)
         recv = torch.empty(self.world * section, dtype=dtype, device=dev)
         self.collective("the updated parameters (all-gather)",
                         torch.distributed.all_gather_into_tensor, recv, send)
@@ -301,7 +302,7 @@ class _Shards:
                     src.append(recv[at:at + n])
                 at += n
         if dst:
-            torch._foreach_copy_(dst, src)
+            _torch_private.foreach_copy_(dst, src)
 
     def hot_index(self, engine):
         """{member index: hot columns} of the partitioned weights the engine splits, kept
@@ -335,18 +336,11 @@ class _PeerFailure(Error):
                "; this optimizer's last state_dict() was taken after step %d" % shards.saved_step))
 
 
-def _store():
-    try:
-        return torch.distributed.distributed_c10d._get_default_store()
-    except Exception:  # a private API of torch; without it ranks are not named
-        return None
-
-
 def _announce(failed=False):
     """Leaves this rank's host and pid in torch.distributed's store, so that a peer whose
     collective fails can tell which ranks are gone; `failed`: this rank saw a peer fail (and
     may exit: it is not the cause)."""
-    store = _store()
+    store = _torch_private.default_store()
     if store is None:
         return
     try:
@@ -360,7 +354,7 @@ def _announce(failed=False):
 def _peers(group):
     """{global rank: (host, pid)} of the ranks of `group`, as they left them in the store (read
     once every rank has announced itself, so that a failure later does not need the store)."""
-    store = _store()
+    store = _torch_private.default_store()
     peers = {}
     if store is None:
         return peers
@@ -378,7 +372,7 @@ def _gone_ranks(peers):
     agent serves it)."""
     host = _socket.gethostname()
     gone = [r for r, (h, pid) in sorted(peers.items()) if h == host and not _running(pid)]
-    store = _store()
+    store = _torch_private.default_store()
     if not gone or store is None:
         return gone
     try:

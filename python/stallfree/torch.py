@@ -9,8 +9,9 @@ of it is re-implemented here. See the README, "Using stallfree from PyTorch". Ne
 or newer (torch 2.6's param_names and weights_only loading included).
 
 This module is the optimizer's API and its engines' lifetime; the data-parallel partition and
-its collectives are _partition.py, the state-dict format _state.py, what reaches into torch's
-and other libraries' internals _integrations.py, DCP checkpoints dcp.py.
+its collectives are _partition.py, the state-dict format _state.py, the Hugging Face
+integration _integrations.py, every use of a private torch API (gated by the tested torch
+versions) _torch_private.py, DCP checkpoints dcp.py.
 """
 
 import atexit
@@ -26,9 +27,9 @@ import torch
 import torch.distributed
 
 from . import _stallfree
+from . import _torch_private
 from ._daemon import Daemon, default_socket
-from ._integrations import (_called_from, _calling_trainer, _consolidating_callback,
-                            _hooks_held)
+from ._integrations import _called_from, _calling_trainer, _consolidating_callback
 from ._partition import (_DTYPE_NAMES, _Shards, _all_reduce_scores, _announce,
                          _check_same_parameters, _data_parallel_group, _on_device, _peers, _rank,
                          _warn_missing)
@@ -67,9 +68,7 @@ def _unsupported_kind(p):
     if isinstance(p, torch.nn.parameter.UninitializedParameter):
         return ("an uninitialized parameter of a lazy module: run one forward pass before "
                 "building the optimizer")
-    if type(p).__name__ == "FlatParameter" or getattr(p, "_fsdp_flattened", False):
-        # FSDP1 (FullyShardedDataParallel) marks its flat parameters, and with
-        # use_orig_params=True the views of them it hands out, with this attribute.
+    if _torch_private.is_fsdp1_parameter(p):
         return ("a parameter of FSDP1 (FullyShardedDataParallel), whose ranks each hold a "
                 "different shard of a flat buffer: ZenFlowAdamW partitions its own state over "
                 "data-parallel replicas; wrap the model in DistributedDataParallel instead (the "
@@ -290,7 +289,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._clipping_checked = False  # a Trainer's clipping looked for (first backward)
         self._split_grad_scale = 1.0  # clip_grad_norm_'s factor on them, for the next step
         if stream_gradients:
-            self._step_supports_amp_scaling = True  # so a GradScaler meets step()'s refusal
+            _torch_private.announce_unscaling(self)  # so a GradScaler meets step()'s refusal
         self._staged = []    # per param group: indices whose gradient the engine has for step()
         self._verified = []  # per param group: the ranks' values were found equal (first step)
         self._layouts = []   # per param group: each member's (dtype, device, shape) as built
@@ -556,7 +555,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                "`error_if_nonfinite=False`" % norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
-            torch._foreach_mul_(grads, [coef.to(g.device) for g in grads])
+            _torch_private.foreach_mul_(grads, [coef.to(g.device) for g in grads])
         self._split_grad_scale *= float(coef)
         return total
 
@@ -588,7 +587,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if grad_scaler is not None or getattr(self, "grad_scale", None) is not None:
             # torch's GradScaler hands itself over (or, in the way it announces, its grad_scale
             # and found_inf as attributes) only to optimizers that say they unscale
-            # (_step_supports_amp_scaling: set with stream_gradients, whose gradients it could
+            # (_torch_private.announce_unscaling: with stream_gradients, whose gradients it could
             # not reach): refused, before anything changes.
             raise Error("stream_gradients with a GradScaler: the streamed gradients left during "
                         "the backward, so the scaler can neither unscale them nor check them for "
@@ -673,7 +672,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             else:
                 shards.gather(shards.hot_index(engine))
             timing = dict(timing, collective_bytes=shards.sent - sent_before)
-            torch._foreach_add_([self.state[p]["step"] for p in stepped], 1)
+            _torch_private.foreach_add_([self.state[p]["step"] for p in stepped], 1)
             self._staged[gi].clear()
             timings.append(timing)
         self._staged_norms = []
@@ -861,10 +860,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _share_state_dict(self):
         """This rank's state dict (state_dict() without consolidation)."""
-        with _hooks_held(self, "_optimizer_state_dict_pre_hooks") as pre_hooks:
+        with _torch_private.hooks_held(self, "state_dict_pre") as pre_hooks:
             for hook in pre_hooks.values():
                 hook(self)
-            with _hooks_held(self, "_optimizer_state_dict_post_hooks") as post_hooks:
+            with _torch_private.hooks_held(self, "state_dict_post") as post_hooks:
                 sd = super().state_dict()  # torch's packing, no hook runs in there
         index = {}
         start = 0
@@ -921,7 +920,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not dicts:
             raise Error("load_state_dict: an empty list of state dicts")
         dicts = _ranks_of_consolidated([d.copy() for d in dicts])
-        with _hooks_held(self, "_optimizer_load_state_dict_pre_hooks") as pre_hooks:
+        with _torch_private.hooks_held(self, "load_state_dict_pre") as pre_hooks:
             for hook in pre_hooks.values():
                 for i, d in enumerate(dicts):
                     result = hook(self, d)
@@ -929,7 +928,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         dicts[i] = result
             saved, rest = self._saved_engines(dicts)
             engines, hypers = self._restored_engines(saved)
-            with _hooks_held(self, "_optimizer_load_state_dict_post_hooks") as post_hooks:
+            with _torch_private.hooks_held(self, "load_state_dict_post") as post_hooks:
                 try:
                     super().load_state_dict(rest)
                 except BaseException as e:

@@ -458,6 +458,67 @@ def test_hook_registered_by_a_hook_runs_as_in_torch(daemon):
             opt.close()
 
 
+def test_private_torch_apis_are_used_in_one_module():
+    """Every private torch API the package uses is in stallfree/_torch_private.py, gated by the
+    tested versions: no other module names one (torch._x, torch.a._b, or the private attributes
+    it reads or sets on torch's objects)."""
+    import pathlib
+    import re
+    private = re.compile(r"torch\.(?:[A-Za-z]\w*\.)*_[A-Za-z]\w*|\b_fsdp_flattened\b|"
+                         r"\b_step_supports_amp_scaling\b|\b_optimizer_\w+_hooks\b|"
+                         r"\b_get_default_store\b|\b_foreach_\w+")
+    package = pathlib.Path(stallfree.__file__).parent
+    found = {path.name: private.findall(path.read_text())
+             for path in package.glob("*.py") if path.name != "_torch_private.py"}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert private.findall((package / "_torch_private.py").read_text())  # the pattern matches
+
+
+def test_outside_the_tested_torch_versions_the_fallbacks_serve(daemon, monkeypatch):
+    """A torch newer than the tested range: every private use takes its public fallback and
+    says so once (a RuntimeWarning naming the version); training is bit for bit the run on the
+    private paths, and state_dict() still runs the hooks (torch runs them itself, on the state
+    before the engines' entries are added)."""
+    from stallfree import _torch_private as tp
+    ref = models.train(factory(daemon, **EXACT), 6, seed=3)
+    a = [torch.arange(4.0), torch.ones(3, dtype=torch.bfloat16)]
+    b = [torch.full((4,), 2.0), torch.full((3,), 0.5)]
+    on_private = [t.clone() for t in a]
+    tp.foreach_copy_(on_private, b)
+    tp.foreach_mul_(on_private, [torch.tensor(3.0), torch.tensor(0.25)])
+    tp.foreach_add_(on_private, 1.5)
+    monkeypatch.setattr(tp, "TORCH", (tp.TESTED[1][0], tp.TESTED[1][1] + 1))
+    monkeypatch.setattr(tp, "_warned", set())
+    assert not tp.checked()
+    fallback = [t.clone() for t in a]
+    tp.foreach_copy_(fallback, b)
+    tp.foreach_mul_(fallback, [torch.tensor(3.0), torch.tensor(0.25)])
+    tp.foreach_add_(fallback, 1.5)
+    for x, y in zip(fallback, on_private):
+        assert torch.equal(x, y) and x.dtype == y.dtype
+    with pytest.warns(RuntimeWarning, match="outside the versions it was tested with"):
+        assert tp.default_store() is None
+    run = models.train(factory(daemon, **EXACT), 6, seed=3)
+    assert_same_run(run, ref, "outside the tested torch versions")
+    model = models.make_model(0)
+    opt = ZenFlowAdamW(models.param_groups(model), socket=daemon.socket, **EXACT)
+    try:
+        models.plain_steps(model, opt, 2)
+        calls = []
+        opt.register_state_dict_post_hook(
+            lambda o, sd: calls.append(sd["state"][0]["zenflow_engine"].numel()))
+        with pytest.warns(RuntimeWarning, match="state-dict hooks"):
+            sd = opt.state_dict()
+        # torch ran it once, before the engines' entries replaced their empty placeholders
+        assert calls == [0]
+        assert sd["state"][0]["zenflow_engine"].numel() > 0
+        monkeypatch.setattr(tp, "TORCH", tp.TESTED[1])
+        opt.state_dict()
+        assert calls[1] == sd["state"][0]["zenflow_engine"].numel()  # in range: the whole
+    finally:
+        opt.close()
+
+
 def test_load_into_a_stepped_optimizer_keeps_the_loaded_model(daemon):
     """Loading into an optimizer that has already stepped (accelerate's wrap, a user who
     reloads) replaces its engines without writing their cold columns over the model just

@@ -179,6 +179,7 @@ def test_wheel_file():
         expected = {"stallfree/" + n for n in ("__init__.py", "_daemon.py", "daemon.py",
                                                 "_syslibs.py", "torch.py", "_partition.py",
                                                 "_state.py", "_integrations.py", "dcp.py",
+                                                "_torch_private.py",
                                                 "_stallfree.so", "stallfreed", "stallfreectl")}
         assert expected <= set(names), sorted(expected - set(names))
         assert names[-1] == info + "/RECORD"
