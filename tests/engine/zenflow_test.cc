@@ -547,6 +547,52 @@ TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
   }
 }
 
+// SetAdamW between Steps while the previous Step's copy-thread tasks (bf16 gradient pushes, a
+// round's Update) may still run: the new betas, eps and weight decay apply from the next Step
+// on, whatever is in flight. Engine A changes them right after each Step, engine B the same
+// values just before the next Step, after its copies have had time to finish; both must end bit
+// for bit alike (an in-flight task reading the changed fields, or an Update taking them when it
+// runs instead of when it is posted, would differ: measured, an Update that reads beta1 and the
+// weight decay when it runs fails it), and under TSan (make test-tsan) the assignment meets no
+// task reading it.
+TEST_F(ZenFlowTest, SetAdamWWhileCopiesAreInFlight) {
+  const int seed = 8;
+  ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, false);
+  cfg.grad_dtype = DType::kBf16;
+  auto hyper = [](int64_t t) {  // the AdamW settings from step t + 1 on
+    return std::vector<double>{0.9 - 0.01 * (t % 3), 0.999 - 0.001 * (t % 2),
+                               1e-8 * (1 + t % 4), 0.01 * (t % 5)};
+  };
+  std::vector<std::vector<Tensor>> models;
+  for (const bool right_after : {true, false}) {
+    SCOPED_TRACE(right_after ? "right after each Step" : "before the next Step");
+    std::vector<Tensor> model = MakeModel(seed);
+    std::unique_ptr<SessionTarget> session =
+        NewSession(right_after ? "adamw-in-flight" : "adamw-settled");
+    auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
+                                        kernels::CpuOps(), session.get());
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    for (int64_t t = 1; t <= 12; ++t) {
+      FillGrads(&model, t, seed);
+      if (!right_after && t > 1) {
+        absl::SleepFor(absl::Milliseconds(20));
+        const std::vector<double> h = hyper(t - 1);
+        ASSERT_TRUE((*engine)->SetAdamW(h[0], h[1], h[2], h[3]).ok());
+      }
+      ASSERT_TRUE((*engine)->Step(Lr(t)).ok()) << "step " << t;
+      if (right_after) {
+        const std::vector<double> h = hyper(t);
+        ASSERT_TRUE((*engine)->SetAdamW(h[0], h[1], h[2], h[3]).ok());
+      }
+    }
+    ASSERT_TRUE((*engine)->Flush().ok());
+    models.push_back(model);
+  }
+  for (size_t i = 0; i < models[0].size(); ++i)
+    EXPECT_EQ(0, memcmp(models[0][i].value.data(), models[1][i].value.data(),
+                        models[0][i].value.size() * 4)) << models[0][i].name;
+}
+
 // With S = 4 and asynchronous updates the cold columns lag the awaited run by exactly one round:
 // after step t they hold what the awaited run held after step B(t) - S, B(t) = the last round
 // boundary <= t (the initial values while B(t) - S <= 0). Hot columns do not lag.
