@@ -9,8 +9,11 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <random>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -22,6 +25,7 @@
 #include "engine/blob.h"
 #include "engine/zenflow.h"
 #include "common/bf16.h"
+#include "kernels/memory.h"
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
 #include "tests/engine/engine_fixture.h"
@@ -545,6 +549,92 @@ TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
     EXPECT_EQ((*engine)->SetBuffers(9, model[0].value.data(), nullptr).code(),
               absl::StatusCode::kInvalidArgument);
   }
+}
+
+// A backend that checks the device binding: every call it gets from a thread other than the one
+// that made it (the caller's, which the front-end binds: torch.cuda.device around each engine
+// call) must come after BindDevice on that thread, as CUDA needs (a new thread starts on device
+// 0; cudaSetDevice is per thread). It offers a copy stream, so the engine runs its buffered
+// transfers on the copy thread through it.
+class BindingCheckedMemory : public kernels::BackendMemory {
+ public:
+  struct Record {
+    std::mutex mu;
+    std::thread::id owner = std::this_thread::get_id();
+    std::set<std::thread::id> bound;
+    int64_t off_owner = 0, unbound = 0;
+  };
+  explicit BindingCheckedMemory(std::shared_ptr<Record> r = std::make_shared<Record>())
+      : r_(std::move(r)) {}
+  const Record& record() const { return *r_; }
+
+  const char* name() const override { return "binding-checked"; }
+  std::string Synchronize() const override { return Check(), base().Synchronize(); }
+  std::unique_ptr<BackendMemory> NewCopyStream(std::string*) const override {
+    return std::make_unique<BindingCheckedMemory>(r_);
+  }
+  std::string BindDevice() const override {
+    std::lock_guard<std::mutex> lock(r_->mu);
+    r_->bound.insert(std::this_thread::get_id());
+    return "";
+  }
+  void* HostView(void* host, std::string* error) const override {
+    return Check(), base().HostView(host, error);
+  }
+  float* AllocFloats(int64_t n) const override { return Check(), base().AllocFloats(n); }
+  void Free(void* p) const override { Check(), base().Free(p); }
+  void CopyFloats(float* dst, const float* src, int64_t n) const override {
+    Check(), base().CopyFloats(dst, src, n);
+  }
+  void Fill(float* dst, int64_t n, float value) const override {
+    Check(), base().Fill(dst, n, value);
+  }
+  void Upload(float* dst, const float* src, int64_t n) const override {
+    Check(), base().Upload(dst, src, n);
+  }
+  void Download(float* dst, const float* src, int64_t n) const override {
+    Check(), base().Download(dst, src, n);
+  }
+  void Copy2D(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows,
+              int64_t cols) const override {
+    Check(), base().Copy2D(dst, dst_ld, src, src_ld, rows, cols);
+  }
+
+ private:
+  static const kernels::BackendMemory& base() { return kernels::CpuMemory(); }
+  void Check() const {
+    std::lock_guard<std::mutex> lock(r_->mu);
+    const std::thread::id me = std::this_thread::get_id();
+    if (me == r_->owner) return;
+    ++r_->off_owner;
+    if (r_->bound.count(me) == 0) ++r_->unbound;
+  }
+  std::shared_ptr<Record> r_;
+};
+
+// The engine's copy thread binds the backend's device before its first use of the backend
+// (BackendMemory::BindDevice), on every path: buffered transfers (pushes, prefetches, the
+// Update's parameters) over rounds of 4 with reselections, then a Checkpoint and a Flush. Not
+// binding (the engine before BindDevice) fails it: the copy thread's calls come unbound.
+TEST_F(ZenFlowTest, TheCopyThreadBindsTheBackendsDevice) {
+  const int seed = 9;
+  ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, false);
+  cfg.transfers = Transfers::kBuffered;
+  BindingCheckedMemory ops;
+  std::vector<Tensor> model = MakeModel(seed);
+  std::unique_ptr<SessionTarget> session = NewSession("binding");
+  auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(), ops,
+                                      session.get());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  for (int64_t t = 1; t <= 10; ++t) {
+    FillGrads(&model, t, seed);
+    ASSERT_TRUE((*engine)->Step(Lr(t)).ok()) << "step " << t;
+  }
+  ASSERT_TRUE((*engine)->Checkpoint("binding-ckpt").ok());
+  ASSERT_TRUE((*engine)->Flush().ok());
+  EXPECT_EQ((*engine)->transfers(), Transfers::kBuffered);
+  EXPECT_GT(ops.record().off_owner, 0) << "the copy thread never used the backend";
+  EXPECT_EQ(ops.record().unbound, 0) << "of " << ops.record().off_owner;
 }
 
 // SetAdamW between Steps while the previous Step's copy-thread tasks (bf16 gradient pushes, a
