@@ -1,11 +1,5 @@
 #include "engine/repartition.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <map>
 #include <memory>
@@ -75,87 +69,37 @@ class RowSource {
   int world_;
 };
 
-// A temporary file holding `bytes` (removed with the object).
-class TempFile {
- public:
-  static absl::StatusOr<std::unique_ptr<TempFile>> Make(const std::string& dir) {
-    std::string path = dir + "/stallfree-repartition-XXXXXX";
-    std::vector<char> buf(path.begin(), path.end());
-    buf.push_back('\0');
-    const int fd = mkstemp(buf.data());
-    if (fd < 0)
-      return absl::InternalError(absl::StrCat("mkstemp(", path, "): ", strerror(errno)));
-    close(fd);
-    return std::unique_ptr<TempFile>(new TempFile(buf.data()));
-  }
-  ~TempFile() { unlink(path_.c_str()); }
-  const std::string& path() const { return path_; }
-  absl::Status Write(const std::string& bytes) {
-    FILE* f = fopen(path_.c_str(), "wb");
-    if (f == nullptr) return absl::InternalError(absl::StrCat("fopen(", path_, "): ", strerror(errno)));
-    const bool ok = fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-    const int err = errno;
-    if (fclose(f) != 0 || !ok)
-      return absl::InternalError(absl::StrCat("writing ", path_, ": ", strerror(ok ? errno : err)));
-    return absl::OkStatus();
-  }
-  absl::StatusOr<std::string> Read() const {
-    FILE* f = fopen(path_.c_str(), "rb");
-    if (f == nullptr) return absl::InternalError(absl::StrCat("fopen(", path_, "): ", strerror(errno)));
-    std::string out;
-    char chunk[1 << 16];
-    size_t n;
-    while ((n = fread(chunk, 1, sizeof(chunk), f)) > 0) out.append(chunk, n);
-    const bool bad = ferror(f);
-    fclose(f);
-    if (bad) return absl::InternalError(absl::StrCat("reading ", path_));
-    return out;
-  }
-
- private:
-  explicit TempFile(std::string path) : path_(std::move(path)) {}
-  std::string path_;
-};
-
 // A daemon checkpoint's header and its four arrays per parameter.
 struct DaemonState {
   v1::CheckpointHeader header;
   std::vector<std::vector<float>> master, m, v, acc;
 };
 
-absl::StatusOr<DaemonState> ParseDaemon(const std::string& bytes, int rank,
-                                        const std::string& tmp_dir) {
-  ASSIGN_OR_RETURN(std::unique_ptr<TempFile> file, TempFile::Make(tmp_dir));
-  RETURN_IF_ERROR(file->Write(bytes));
-  uint64_t size = 0;
-  absl::StatusOr<v1::CheckpointHeader> header = ReadCheckpointHeader(file->path(), &size);
-  if (!header.ok())
-    return absl::DataLossError(absl::StrCat("rank ", rank, "'s daemon checkpoint: ",
-                                            header.status().message()));
+absl::StatusOr<DaemonState> ParseDaemon(const std::string& bytes, int rank) {
+  // The checkpoint format's in-memory reader: the header is checked, and the size it describes
+  // must be the size of the bytes, before any array is allocated (so a corrupt header cannot
+  // make it allocate more than the input justifies); the checksum at the end.
   DaemonState d;
-  d.header = *header;
-  // The arrays the header describes must be in the bytes before they are allocated (the header
-  // reader checked as much; the product is overflow-safe).
-  absl::StatusOr<uint64_t> body = CheckpointBodyBytes(d.header);
-  if (!body.ok() || *body > bytes.size())
-    return absl::DataLossError(absl::StrCat(
-        "rank ", rank, "'s daemon checkpoint: its header describes ",
-        body.ok() ? absl::StrCat(*body, " bytes of arrays") : std::string(body.status().message()),
-        ", the checkpoint has ", bytes.size(), " bytes"));
-  std::vector<CheckpointArrays> arrays;
-  const int n = d.header.params_size();
-  d.master.resize(n);
-  d.m.resize(n);
-  d.v.resize(n);
-  d.acc.resize(n);
-  for (int i = 0; i < n; ++i) {
-    const int64_t numel = CheckpointParamNumel(d.header.params(i)).value_or(0);
-    for (auto* a : {&d.master, &d.m, &d.v, &d.acc}) (*a)[i].resize(numel);
-    arrays.push_back({d.master[i].data(), d.m[i].data(), d.v[i].data(), d.acc[i].data(), numel});
-  }
-  absl::Status st = ReadCheckpointArrays(file->path(), d.header, arrays);
-  if (!st.ok())
-    return absl::DataLossError(absl::StrCat("rank ", rank, "'s daemon checkpoint: ", st.message()));
+  CheckpointImport import(bytes.size(), absl::StrCat("rank ", rank, "'s daemon checkpoint"));
+  absl::StatusOr<bool> done = import.Take(
+      bytes.data(), bytes.size(),
+      [&d](const v1::CheckpointHeader& header)
+          -> absl::StatusOr<std::vector<CheckpointArrays>> {
+        d.header = header;
+        const int n = header.params_size();
+        for (auto* a : {&d.master, &d.m, &d.v, &d.acc}) a->resize(n);
+        std::vector<CheckpointArrays> arrays;
+        for (int i = 0; i < n; ++i) {
+          const int64_t numel = CheckpointParamNumel(header.params(i)).value_or(0);
+          for (auto* a : {&d.master, &d.m, &d.v, &d.acc}) (*a)[i].resize(numel);
+          arrays.push_back(
+              {d.master[i].data(), d.m[i].data(), d.v[i].data(), d.acc[i].data(), numel});
+        }
+        return arrays;
+      });
+  if (!done.ok()) return absl::DataLossError(done.status().message());
+  if (!*done)
+    return absl::DataLossError(absl::StrCat("rank ", rank, "'s daemon checkpoint: truncated"));
   return d;
 }
 
@@ -196,13 +140,13 @@ class Repartitioner {
       : params_(params), old_world_(old_world), new_world_(new_world), new_rank_(new_rank) {}
 
   // Parses the ranks SourceRanks names and checks that they were saved together.
-  absl::Status Load(const std::vector<const PartitionedState*>& old, const std::string& tmp_dir);
-  absl::StatusOr<PartitionedState> Cut(const std::string& tmp_dir);
+  absl::Status Load(const std::vector<const PartitionedState*>& old);
+  absl::StatusOr<PartitionedState> Cut();
 
  private:
   absl::Status CutEngineParam(size_t i, bool v3, BlobWriter* w);
   absl::Status CutDaemonParam(size_t i, int h, DaemonState* out);
-  absl::StatusOr<std::string> WriteDaemon(DaemonState& d, const std::string& tmp_dir);
+  static std::string WriteDaemon(const DaemonState& d);
 
   const std::vector<WholeParam>& params_;
   const int old_world_, new_world_, new_rank_;
@@ -210,15 +154,14 @@ class Repartitioner {
   std::map<int, DaemonState> dmn_;
 };
 
-absl::Status Repartitioner::Load(const std::vector<const PartitionedState*>& old,
-                                 const std::string& tmp_dir) {
+absl::Status Repartitioner::Load(const std::vector<const PartitionedState*>& old) {
   for (int j : SourceRanks(params_, old_world_, new_world_, new_rank_)) {
     if (old[j] == nullptr)
       return absl::InvalidArgumentError(absl::StrCat("rank ", j, " of ", old_world_,
                                                      "'s state is needed and was not given"));
     ASSIGN_OR_RETURN(eng_[j], ParseEngine(old[j]->engine, j, params_.size()));
     if (!old[j]->daemon.empty()) {
-      ASSIGN_OR_RETURN(dmn_[j], ParseDaemon(old[j]->daemon, j, tmp_dir));
+      ASSIGN_OR_RETURN(dmn_[j], ParseDaemon(old[j]->daemon, j));
     }
   }
   const EngineState& first = eng_.begin()->second;
@@ -237,7 +180,7 @@ absl::Status Repartitioner::Load(const std::vector<const PartitionedState*>& old
   return absl::OkStatus();
 }
 
-absl::StatusOr<PartitionedState> Repartitioner::Cut(const std::string& tmp_dir) {
+absl::StatusOr<PartitionedState> Repartitioner::Cut() {
   // The version the ranks wrote (engine/blob.h): V2, V3 (dtypes, bf16 masters) or V4 (and the
   // automatic round's state, the same on every rank).
   const EngineState& first = eng_.begin()->second;
@@ -270,7 +213,7 @@ absl::StatusOr<PartitionedState> Repartitioner::Cut(const std::string& tmp_dir) 
   PartitionedState out;
   out.engine = std::move(w.out);
   if (!dmn_.empty()) {
-    ASSIGN_OR_RETURN(out.daemon, WriteDaemon(out_d, tmp_dir));
+    out.daemon = WriteDaemon(out_d);
   }
   return out;
 }
@@ -397,29 +340,29 @@ absl::Status Repartitioner::CutDaemonParam(size_t i, int h, DaemonState* out) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> Repartitioner::WriteDaemon(DaemonState& d,
-                                                       const std::string& tmp_dir) {
-  ASSIGN_OR_RETURN(std::unique_ptr<TempFile> file, TempFile::Make(tmp_dir));
+std::string Repartitioner::WriteDaemon(const DaemonState& d) {
   std::vector<CheckpointArrays> arrays;
-  for (size_t h = 0; h < d.master.size(); ++h)
-    arrays.push_back({d.master[h].data(), d.m[h].data(), d.v[h].data(), d.acc[h].data(),
+  for (size_t h = 0; h < d.master.size(); ++h)  // read only: the export does not write them
+    arrays.push_back({const_cast<float*>(d.master[h].data()), const_cast<float*>(d.m[h].data()),
+                      const_cast<float*>(d.v[h].data()), const_cast<float*>(d.acc[h].data()),
                       static_cast<int64_t>(d.master[h].size())});
-  RETURN_IF_ERROR(WriteCheckpoint(file->path(), d.header, arrays).status());
-  return file->Read();
+  CheckpointExport out(d.header, std::move(arrays));
+  std::string bytes(out.total(), '\0');
+  out.Next(bytes.data(), bytes.size());
+  return bytes;
 }
 
 }  // namespace
 
 absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& params,
                                              const std::vector<const PartitionedState*>& old,
-                                             int new_world, int new_rank,
-                                             const std::string& tmp_dir) {
+                                             int new_world, int new_rank) {
   const int old_world = static_cast<int>(old.size());
   if (old_world < 1 || new_world < 1 || new_rank < 0 || new_rank >= new_world)
     return absl::InvalidArgumentError("Repartition: needs old ranks, and 0 <= new_rank < new_world");
   Repartitioner r(params, old_world, new_world, new_rank);
-  RETURN_IF_ERROR(r.Load(old, tmp_dir));
-  return r.Cut(tmp_dir);
+  RETURN_IF_ERROR(r.Load(old));
+  return r.Cut();
 }
 
 }  // namespace stallfree

@@ -37,11 +37,9 @@ std::vector<int> SourceRanks(const std::vector<WholeParam>& params, int old_worl
 // Rank new_rank of new_world's state from the old ranks' (old.size() = the old world size;
 // old[j] may be null unless j is in SourceRanks). InvalidArgument / DataLoss when a state is
 // not an engine's or a daemon's checkpoint of these parameters, or the ranks' states disagree
-// (saved at different steps, or by another run). tmp_dir holds the daemon files while they are
-// read and written (the checkpoint format's own reader and writer work on files).
+// (saved at different steps, or by another run). In memory: no file is written.
 absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& params,
                                              const std::vector<const PartitionedState*>& old,
-                                             int new_world, int new_rank,
-                                             const std::string& tmp_dir);
+                                             int new_world, int new_rank);
 
 }  // namespace stallfree

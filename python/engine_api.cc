@@ -356,9 +356,7 @@ std::pair<std::string, std::string> Repartition(
     states[j] = {std::move(old[j]->first), std::move(old[j]->second)};
     ptrs[j] = &states[j];
   }
-  const char* tmp = getenv("TMPDIR");
-  PartitionedState out = Take(stallfree::Repartition(Whole(params), ptrs, new_world, new_rank,
-                                                     tmp != nullptr && *tmp ? tmp : "/tmp"));
+  PartitionedState out = Take(stallfree::Repartition(Whole(params), ptrs, new_world, new_rank));
   return {std::move(out.engine), std::move(out.daemon)};
 }
 

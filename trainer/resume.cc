@@ -155,8 +155,7 @@ absl::StatusOr<ResumeState> ResumeOtherDp(const TrainOptions& o, const std::vect
         ReadSource(o, head, j, static_cast<int>(j * D + p), session, &states[j], &out.missing));
     old[j] = &states[j];
   }
-  absl::StatusOr<PartitionedState> mine =
-      Repartition(whole, old, N, replica, o.out_dir + "/checkpoints");
+  absl::StatusOr<PartitionedState> mine = Repartition(whole, old, N, replica);
   if (!mine.ok())
     return WithContext(mine.status(),
                        absl::StrCat("resume: re-partitioning checkpoint '", tag, "' (--dp ", old_n,

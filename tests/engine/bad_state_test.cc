@@ -567,7 +567,7 @@ TEST_F(BadStateTest, CorruptStatesGiveClearErrors) {
       const PartitionedState state{bad, s.snap.daemon};
       if (!RunCase(absl::StrCat("Repartition ", s.name, " (engine ", what, ")"),
                    bad.size() + s.snap.daemon.size(), &tally, [&] {
-                     return Repartition(whole, {&state}, 1, 0, daemon_->dir()).status();
+                     return Repartition(whole, {&state}, 1, 0).status();
                    }))
         return;
     }
@@ -665,7 +665,7 @@ TEST_F(BadStateTest, CorruptStatesGiveClearErrors) {
       if (!RunCase(absl::StrCat("Repartition ", s.name, " -> ", world, " #", i, " (",
                                 i % 2 == 0 ? "engine " : "daemon ", what, ")"),
                    bad.engine.size() + bad.daemon.size(), &tally, [&] {
-                     return Repartition(whole, {&bad}, world, rank, daemon_->dir()).status();
+                     return Repartition(whole, {&bad}, world, rank).status();
                    }))
         return;
     }

@@ -291,7 +291,6 @@ class RepartitionTest : public ::testing::Test {
     return out;
   }
 
-  std::string TmpDir() const { return daemon_->dir(); }
   void ContinueWithOtherWorlds(OffloadMode mode, bool automatic = false);
 
   std::unique_ptr<Daemon> daemon_;
@@ -349,7 +348,7 @@ void RepartitionTest::ContinueWithOtherWorlds(OffloadMode mode, bool automatic) 
       // Only the sources are given: a rank never needs the others' states.
       std::vector<const PartitionedState*> given(kOld, nullptr);
       for (int j : SourceRanks(whole, kOld, world, s)) given[j] = &saved[j];
-      absl::StatusOr<PartitionedState> mine = Repartition(whole, given, world, s, TmpDir());
+      absl::StatusOr<PartitionedState> mine = Repartition(whole, given, world, s);
       ASSERT_TRUE(mine.ok()) << mine.status();
       if (world == kOld) {
         EXPECT_EQ(mine->engine, saved[s].engine);  // the identity
@@ -390,24 +389,24 @@ TEST_F(RepartitionTest, MissingRanksDisagreeingStepsAndGarbageAreRefused) {
     for (const PartitionedState& x : s) p.push_back(&x);
     return p;
   };
-  ASSERT_TRUE(Repartition(whole, all(at3), 2, 1, TmpDir()).ok());
+  ASSERT_TRUE(Repartition(whole, all(at3), 2, 1).ok());
 
   // Rank 1 of 2 needs old ranks 0 (`small` is replicated over 4), 2 and 3: without rank 2, an
   // InvalidArgument naming it.
   std::vector<const PartitionedState*> missing = all(at3);
   missing[2] = nullptr;
-  absl::StatusOr<PartitionedState> r = Repartition(whole, missing, 2, 1, TmpDir());
+  absl::StatusOr<PartitionedState> r = Repartition(whole, missing, 2, 1);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   EXPECT_NE(r.status().message().find("rank 2 of 4"), std::string::npos) << r.status();
   // Rank 1 (not a source of rank 1 of 2) may be missing.
   missing = all(at3);
   missing[1] = nullptr;
-  EXPECT_TRUE(Repartition(whole, missing, 2, 1, TmpDir()).ok());
+  EXPECT_TRUE(Repartition(whole, missing, 2, 1).ok());
 
   // Old rank 3 saved at step 4, the others at step 3.
   std::vector<const PartitionedState*> mixed = all(at3);
   mixed[3] = &at4[3];
-  r = Repartition(whole, mixed, 2, 1, TmpDir());
+  r = Repartition(whole, mixed, 2, 1);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   EXPECT_NE(r.status().message().find("disagree"), std::string::npos) << r.status();
 
@@ -419,14 +418,14 @@ TEST_F(RepartitionTest, MissingRanksDisagreeingStepsAndGarbageAreRefused) {
     if (which == 2) bad.daemon.resize(bad.daemon.size() / 2);
     std::vector<const PartitionedState*> p = all(at3);
     p[2] = &bad;
-    r = Repartition(whole, p, 2, 1, TmpDir());
+    r = Repartition(whole, p, 2, 1);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << which << ": " << r.status();
     EXPECT_NE(r.status().message().find("rank 2"), std::string::npos) << r.status();
   }
   // Another model's states: the parameter count differs.
   std::vector<WholeParam> fewer = whole;
   fewer.pop_back();
-  r = Repartition(fewer, all(at3), 2, 1, TmpDir());
+  r = Repartition(fewer, all(at3), 2, 1);
   EXPECT_FALSE(r.ok());
 }
 
