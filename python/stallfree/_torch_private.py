@@ -43,36 +43,30 @@ def _without(what, lost):
                          TESTED[1][1], what, lost), RuntimeWarning, stacklevel=3)
 
 
-def _foreach(name):
-    """torch._foreach_<name> when checked (one kernel launch for a list), else None."""
-    return getattr(torch, "_foreach_" + name, None) if checked() else None
+def _foreach(name, tensors, other, one):
+    """torch._foreach_<name>(tensors, other) when checked (one kernel launch for the list), else
+    one(tensors[i], other[i]) for each i (other: a list, or one value for all)."""
+    fn = getattr(torch, "_foreach_" + name, None) if checked() else None
+    if fn is not None:
+        return fn(tensors, other)
+    others = other if isinstance(other, (list, tuple)) else [other] * len(tensors)
+    for t, o in zip(tensors, others):
+        one(t, o)
 
 
 def foreach_copy_(dst, src):
     """dst[i].copy_(src[i]) for every i (a dtype widened or narrowed on the way)."""
-    fn = _foreach("copy_")
-    if fn is not None:
-        return fn(dst, src)
-    for d, s in zip(dst, src):
-        d.copy_(s)
+    _foreach("copy_", dst, src, torch.Tensor.copy_)
 
 
 def foreach_mul_(tensors, factors):
     """tensors[i].mul_(factors[i]) for every i (factors: 0-D tensors)."""
-    fn = _foreach("mul_")
-    if fn is not None:
-        return fn(tensors, factors)
-    for t, f in zip(tensors, factors):
-        t.mul_(f)
+    _foreach("mul_", tensors, factors, torch.Tensor.mul_)
 
 
 def foreach_add_(tensors, value):
     """tensors[i].add_(value) for every i."""
-    fn = _foreach("add_")
-    if fn is not None:
-        return fn(tensors, value)
-    for t in tensors:
-        t.add_(value)
+    _foreach("add_", tensors, value, torch.Tensor.add_)
 
 
 def default_store():
