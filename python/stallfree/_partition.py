@@ -27,19 +27,83 @@ def _rank():
     return 0
 
 
+def _dtensor_types():
+    """(DTensor, Shard, Replicate) of torch.distributed.tensor, or None without it."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:
+        return None
+    return DTensor, Shard, Replicate
+
+
+def _is_dtensor(t):
+    types = _dtensor_types()
+    return types is not None and isinstance(t, types[0])
+
+
+def _local(t):
+    """The tensor whose memory the engine works on: a DTensor's local shard (FSDP2's
+    fully_shard: this rank's rows of the parameter), else t itself."""
+    if not _is_dtensor(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()
+
+
+# FSDP2's layouts ZenFlowAdamW takes, and what it says of the others.
+_FSDP2_LAYOUTS = ("FSDP2's fully_shard layouts: Shard(0) on a 1-D mesh, or (Replicate(), "
+                  "Shard(0)) on a 2-D (HSDP) mesh")
+
+
+def _dtensor_refusal(p):
+    """Why ZenFlowAdamW cannot take DTensor p (None where it is FSDP2's layout)."""
+    _, Shard, Replicate = _dtensor_types()
+    placements = tuple(p.placements)
+    if placements == (Shard(0),) or placements == (Replicate(), Shard(0)):
+        return None
+    return ("a DTensor with placements %s on a %d-D mesh: ZenFlowAdamW takes %s; tensor "
+            "parallelism (Shard(1), Replicate(), FSDP + TP meshes) is not supported: keep such "
+            "parameters in a torch.optim.AdamW, or shard them with fully_shard alone"
+            % (placements, p.device_mesh.ndim, _FSDP2_LAYOUTS))
+
+
+def _fsdp2_groups(members, where):
+    """For a parameter group of FSDP2 DTensors: (the shard group, whose ranks hold different
+    rows of every parameter; the replicate group of an HSDP mesh, whose ranks hold the same
+    rows, or None). None for a group of plain tensors; Error for a group that mixes the two, or
+    whose DTensors do not share one mesh and layout."""
+    kinds = {_is_dtensor(p) for _, p in members}
+    if kinds != {True}:
+        if True in kinds:
+            raise Error("%s mixes FSDP2 DTensors and plain tensors: put them in param groups of "
+                        "their own" % where)
+        return None
+    name0, p0 = members[0]
+    for name, p in members:
+        if p.device_mesh != p0.device_mesh or tuple(p.placements) != tuple(p0.placements):
+            raise Error("%s: parameter '%s' is sharded on another mesh or layout (%s) than '%s' "
+                        "(%s): put each mesh's parameters in param groups of their own"
+                        % (where, name, tuple(p.placements), name0, tuple(p0.placements)))
+    mesh = p0.device_mesh
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    return mesh.get_group(1), mesh.get_group(0)
+
+
 def _all_reduce_scores(shards, name, view):
     """The data-parallel ranks of a partitioned group sum each weight's column scores before
     top-k (each rank's scores are its row block's; their sum is the whole weight's), so that all
     of them select the same hot columns (the ScoreReduce hook of the engine). A replicated
     weight's scores are the same on every rank already. The hook also sums, under the name "",
     the figures an automatic round's length is chosen from, so every rank chooses the same."""
-    if name in shards.replicated:
-        return
     scores = torch.frombuffer(view, dtype=torch.float32)
     what = ("the column scores of '%s'" % name if name else
             "the automatic round's figures (update_interval auto)")
     on_dev = shards._on_group_device(scores)  # the scores themselves on gloo
-    shards.collective(what, torch.distributed.all_reduce, on_dev)
+    if shards.shard_group is not None:  # FSDP2: each rank of it holds other rows
+        shards.collective(what, torch.distributed.all_reduce, on_dev, group=shards.shard_group)
+    if shards.world > 1 and name not in shards.replicated:
+        shards.collective(what, torch.distributed.all_reduce, on_dev)
     if on_dev is not scores:
         scores.copy_(on_dev.cpu())
 
@@ -79,8 +143,12 @@ class _Shards:
     each rank the mean of its own rows only (ZeRO-2); replicated parameters' gradients are
     all-reduced. Every collective is bounded by `timeout`; a peer that is gone is named."""
 
-    def __init__(self, group, members, reduce_gradients, timeout):
+    def __init__(self, group, members, reduce_gradients, timeout, shard_group=None):
         self.group = group
+        # FSDP2: the ranks holding the other rows of every parameter (fully_shard's shard
+        # group; None otherwise). The engine works on this rank's local rows; `group` is then
+        # an HSDP mesh's replicate group, over which those rows are partitioned as above.
+        self.shard_group = shard_group
         self.world = 1 if group is None else torch.distributed.get_world_size(group)
         self.rank = 0 if group is None else torch.distributed.get_rank(group)
         self.reduce_gradients = reduce_gradients and self.world > 1
@@ -89,14 +157,14 @@ class _Shards:
         self.hot_cache = None   # hot_index()'s, until the next round boundary
         self.sent = 0           # bytes this rank sent in the collectives (ring volume)
         self.peers = {}         # {global rank: (host, pid)} of the group, for _PeerFailure
-        self.members = members
+        self.params = members    # (name, parameter): plain tensors or FSDP2 DTensors
         self.offsets = []        # per member: this rank's first element
         self.shapes = []         # per member: the shape the engine sees
         self.rows_cols = []      # per member: (rows, cols), the parameter as rows of columns
         self.replicated = set()  # names of the members every rank holds whole
         self.parts = []          # indices of the partitioned members
         self.ranges = [[] for _ in range(self.world)]  # per rank: (first, end) element per part
-        for i, (name, p) in enumerate(members):
+        for i, (name, p) in enumerate(self.members):
             # The rule is the engine's (engine/partition.h), the trainer's as well.
             shares = [_stallfree.partition_share(list(p.shape), self.world, s)
                       for s in range(self.world)]
@@ -120,6 +188,12 @@ class _Shards:
     def partitioned(self):
         return bool(self.parts)
 
+    @property
+    def members(self):
+        """(name, the tensor the engine works on) of each member: a DTensor's local rows, else
+        the parameter itself, as they are now (p.data may have been replaced)."""
+        return [(name, _local(p)) for name, p in self.params]
+
     def specs(self):
         """The engine's parameters: (name, shape, address) of this rank's block of each."""
         return [(name, shape, p.data_ptr() + p.element_size() * off, _DTYPE_NAMES[p.dtype])
@@ -131,11 +205,16 @@ class _Shards:
                 for (_, p), off in zip(self.members, self.offsets)]
 
     def describe(self):
-        return {"world": self.world, "rank": self.rank}
+        out = {"world": self.world, "rank": self.rank}
+        if self.shard_group is not None:  # FSDP2: which rows of the parameters are this rank's
+            out["fsdp2"] = {"world": torch.distributed.get_world_size(self.shard_group),
+                            "rank": torch.distributed.get_rank(self.shard_group)}
+        return out
 
     def _on_group_device(self, t):
         """t where the group's collectives take it (NCCL: the members' device; gloo: the CPU)."""
-        if torch.distributed.get_backend(self.group) == "nccl":
+        group = self.group if self.group is not None else self.shard_group
+        if torch.distributed.get_backend(group) == "nccl":
             return t.to(self.members[0][1].device)
         return t.cpu()
 
@@ -180,18 +259,21 @@ class _Shards:
                     "ranks that hold the same values" % (
                         where, name, differ, torch.distributed.get_global_rank(self.group, 0)))
 
-    def collective(self, what, fn, *args):
-        """fn(*args, group=, async_op=True), waited for at most `timeout`; a failure (a peer
-        gone, the wait timed out) becomes stallfree.Error naming the ranks that are gone."""
+    def collective(self, what, fn, *args, group=None):
+        """fn(*args, group=, async_op=True) over the partition's group (or `group`), waited for
+        at most `timeout`; a failure (a peer gone, the wait timed out) becomes stallfree.Error
+        naming the ranks that are gone."""
+        group = self.group if group is None else group
         try:
-            work = fn(*args, group=self.group, async_op=True)
+            work = fn(*args, group=group, async_op=True)
             work.wait(timeout=self.timeout)
         except RuntimeError as e:
             raise _PeerFailure(self, what, e) from e
         # The bytes this rank sends by the ring algorithms (gloo's and NCCL's): all-gather and
         # reduce-scatter (L-1)/L of the whole buffer, all-reduce twice that.
         whole = max(a.numel() * a.element_size() for a in args)
-        share = whole * (self.world - 1) // self.world
+        world = torch.distributed.get_world_size(group)
+        share = whole * (world - 1) // world
         self.sent += 2 * share if fn is torch.distributed.all_reduce else share
 
     def reduce(self, grads):

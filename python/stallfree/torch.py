@@ -31,6 +31,7 @@ from . import _torch_private
 from ._daemon import Daemon, default_socket
 from ._integrations import _called_from, _calling_trainer, _consolidating_callback
 from ._partition import (_DTYPE_NAMES, _Shards, _all_reduce_scores, _announce,
+                         _dtensor_refusal, _fsdp2_groups, _is_dtensor, _local,
                          _check_same_parameters, _data_parallel_group, _on_device, _peers, _rank,
                          _warn_missing)
 from ._stallfree import Error
@@ -74,18 +75,26 @@ def _unsupported_kind(p):
                 "data-parallel replicas; wrap the model in DistributedDataParallel instead (the "
                 "optimizer state is still split over the ranks), or keep FSDP1 with a "
                 "torch.optim.AdamW")
+    if _is_dtensor(p):
+        return _dtensor_refusal(p)
     if type(p) not in (torch.Tensor, torch.nn.Parameter):
-        kind = type(p).__name__
-        if kind == "DTensor":
-            return ("a DTensor (FSDP2 or tensor parallelism): ZenFlowAdamW updates plain "
-                    "tensors; wrap the model in DistributedDataParallel instead (the optimizer "
-                    "state is still split over the ranks), or keep this parameter in a "
-                    "torch.optim.AdamW")
         return ("a %s, a tensor subclass: ZenFlowAdamW updates plain torch.Tensor / "
-                "nn.Parameter storage only" % kind)
+                "nn.Parameter storage and FSDP2's DTensors only" % type(p).__name__)
     if p.is_sparse or p.layout != torch.strided:
         return "not a dense tensor (layout %s)" % p.layout
     return None
+
+
+def _local_grad(name, p, g):
+    """FSDP2 parameter p's gradient as the engine reads it: this rank's rows, which FSDP2's
+    reduce-scatter left in g with p's own layout."""
+    if not _is_dtensor(g) or tuple(g.placements) != tuple(p.placements) or \
+            g.device_mesh != p.device_mesh:
+        raise Error("parameter '%s': its gradient is %s, not a DTensor of the parameter's "
+                    "layout %s (FSDP2 reduce-scatters gradients into it)" % (
+                        name, tuple(g.placements) if _is_dtensor(g) else type(g).__name__,
+                        tuple(p.placements)))
+    return g.to_local()
 
 
 def _check_grad(name, p, g):
@@ -360,8 +369,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             "parameter's fp32 master is the optimizer's)" % (desc, p.dtype))
             if not p.requires_grad:
                 continue
-            if not p.is_contiguous():
+            if not _local(p).is_contiguous():
                 raise Error("%s is not contiguous" % desc)
+            if _is_dtensor(p) and self._config["stream_gradients"]:
+                raise Error("%s is an FSDP2 DTensor: stream_gradients is not with FSDP2 (its "
+                            "gradients are reduce-scattered after the backward); build the "
+                            "optimizer with stream_gradients=False" % desc)
             if p.device.type not in ("cpu", "cuda"):
                 raise Error("%s is on %s: only cpu and cuda tensors" % (desc, p.device))
             if device is None:
@@ -393,10 +406,22 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _partition(self, gi, members, device, stream):
         """Group gi's data-parallel partition over self._group and its engine (None without
         members)."""
-        shards = _Shards(self._group, members, self._reduce_gradients, self._timeout)
+        where = "param_groups[%d]" % gi
+        fsdp2 = _fsdp2_groups(members, where) if members else None
+        if fsdp2 is None:
+            shards = _Shards(self._group, members, self._reduce_gradients, self._timeout)
+        else:
+            # FSDP2 reduce-scattered the gradients already; under HSDP the ranks of the
+            # replicate group hold the same rows, which are partitioned over it as over DDP's
+            # replicas (one copy per node).
+            if self._reduce_gradients:
+                raise Error("%s: reduce_gradients with FSDP2 parameters: FSDP2 averages the "
+                            "gradients itself; build the optimizer with reduce_gradients=False"
+                            % where)
+            shards = _Shards(fsdp2[1], members, False, self._timeout, shard_group=fsdp2[0])
         if shards.world > 1:
-            _check_same_parameters(self._group, members, "param_groups[%d]" % gi)
-            shards.peers = _peers(self._group)  # every rank has announced itself by now
+            _check_same_parameters(shards.group, members, where)
+            shards.peers = _peers(shards.group)  # every rank has announced itself by now
         engine = self._make_engine(gi, shards, device, stream) if members else None
         return shards, engine
 
@@ -452,7 +477,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         with _on_device(device):
             engine = _stallfree.Engine(self._client, name, _rank(), config, specs, device.type,
                                        stream.cuda_stream if stream is not None else 0)
-        if shards.world > 1 and config["mode"] == "zenflow":
+        if (shards.world > 1 or shards.shard_group is not None) and config["mode"] == "zenflow":
             engine.set_score_reduce(functools.partial(_all_reduce_scores, shards))
         return engine
 
@@ -480,7 +505,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         model.to(), p.data = ... or resize_token_embeddings replace a parameter's storage."""
         for (name, p), (dtype, device, shape) in zip(self._members[gi], self._layouts[gi]):
             if p.dtype != dtype or p.device != device or tuple(p.shape) != shape \
-                    or not p.is_contiguous():
+                    or not _local(p).is_contiguous():
                 return ("parameter '%s' is now %s %s on %s%s, but the optimizer was built for "
                         "%s %s on %s: its engine works on the parameters' memory as they were. "
                         "Build the optimizer after moving, casting or resizing the model (and "
@@ -608,7 +633,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     stepped.append(p)  # its gradient is in the engine already (_stage)
                 g = p.grad
                 if g is not None:
-                    _check_grad(name, p, g)
+                    if _is_dtensor(p):
+                        g = _local_grad(name, p, g)
+                    _check_grad(name, _local(p), g)
                     if not g.is_contiguous():
                         g = g.contiguous()
                         keep.append(g)
@@ -617,7 +644,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             why = self._moved(gi)
             if why:
                 raise Error(why)
-            if not stepped and self._shards[gi].world == 1:
+            if not stepped and self._shards[gi].world == 1 and \
+                    self._shards[gi].shard_group is None:
                 continue  # nothing to do, as torch's AdamW (partitioned: the other ranks may have)
             # A scheduler may change any of them between steps (the engine looks again only at
             # what changed since it last took them).
@@ -644,7 +672,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 for i, ((name, p), n) in enumerate(zip(self._members[gi], present)):
                     if n and grads[i] is None:
                         _warn_missing(name, n, shards.world)
-                        grads[i] = torch.zeros_like(p)
+                        grads[i] = torch.zeros_like(_local(p))
                         keep.append(grads[i])
                 stepped = [p for (_, p), n in zip(self._members[gi], present) if n]
             if shards.reduce_gradients:
@@ -1116,6 +1144,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         parts = [m.get("partition", {"world": 1, "rank": 0}) for m in metas]
         if len(metas) == 1 and parts[0] == mine:
             return _uint8(blobs[0][0]), _uint8(blobs[0][1])
+        if "fsdp2" in mine or any("fsdp2" in p for p in parts):
+            raise Error("%s: this optimizer's FSDP2 parameters are this rank's rows %s; the state "
+                        "dict%s given hold%s %s. An FSDP2 state loads on the mesh that saved it, "
+                        "each rank its own state dict (re-partitioning FSDP2 states to another "
+                        "mesh is not supported yet)" % (
+                            where, mine, "s" if len(parts) > 1 else "",
+                            "" if len(parts) > 1 else "s", parts))
         world = parts[0]["world"]
         if parts != [{"world": world, "rank": j} for j in range(world)]:
             saved = ", ".join("%d of %d" % (p["rank"], p["world"]) for p in parts)

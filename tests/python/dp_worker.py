@@ -18,7 +18,10 @@ the scheduler's (OUT/<run>-model.pt); "_resume": {"dir", "run", "world", "step"}
 from such a save of a run with `world` ranks: the model's weights, the optimizer from the list of
 all its ranks' state dicts (torch.load with mmap=True, weights_only=True), the scheduler, and
 trains steps step+1..STEPS. WRAP "ddp": the model in DistributedDataParallel (gradients averaged by
-it); "reduce": no DDP, ZenFlowAdamW(reduce_gradients=True) averages them.
+it); "reduce": no DDP, ZenFlowAdamW(reduce_gradients=True) averages them; "fsdp2": FSDP2's
+fully_shard over a 1-D mesh of the L ranks (each holds its rows of every parameter); "hsdp":
+fully_shard over a 2-D mesh, 2 replicas of L/2 shards. Under FSDP2 the records hold the whole
+parameters (full_tensor()).
 
 Records per run: the losses, every 2-D weight's hot columns per step, the final parameters,
 the per-step bytes pushed to the daemon (last_timings' bytes_to_host) and, read once every rank
@@ -45,6 +48,11 @@ import models
 import stallfree
 import stallfree.dcp
 from stallfree.torch import ZenFlowAdamW
+
+
+def whole(p):
+    """The whole parameter (an FSDP2 DTensor gathered: a collective), else p."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def stats(sockets):
@@ -79,6 +87,13 @@ def main():
             with torch.no_grad():
                 dict(model.named_parameters())[perturb[0]].add_(1e-3)
         net = DistributedDataParallel(model) if wrap == "ddp" else model
+        if wrap in ("fsdp2", "hsdp"):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = (init_device_mesh("cpu", (world,)) if wrap == "fsdp2" else
+                    init_device_mesh("cpu", (2, world // 2),
+                                     mesh_dim_names=("replicate", "shard")))
+            fully_shard(model, mesh=mesh)
         two_d = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
         record = {"losses": [], "hot": [], "pushed": [], "agree": []}
         opt = ZenFlowAdamW(models.param_groups(model), socket=socket, session_name=name,
@@ -116,7 +131,7 @@ def main():
                 # Every rank holds the same parameters after every step (the all-gather, the
                 # hot columns' alone between round boundaries), not only after close().
                 digest = hashlib.sha1(b"".join(
-                    p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                    whole(p).detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
                     for p in model.parameters())).hexdigest()
                 digests = [None] * world
                 dist.all_gather_object(digests, digest)
@@ -146,7 +161,8 @@ def main():
             time.sleep(3)
             os._exit(3)
         opt.close()
-        record["params"] = models.snapshot(model)
+        record["params"] = {n: whole(p).detach().cpu().clone()
+                            for n, p in model.named_parameters()}
         torch.save(record, os.path.join(out, f"{name}-rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

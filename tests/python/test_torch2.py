@@ -11,7 +11,7 @@
 - hyper-parameters are accepted and refused as torch.optim.AdamW does (inf aside), and the
   accepted edge values (eps = 0, lr = 0, betas 0) compute what torch computes;
 - the state-dict hooks see the whole state; a Tensor lr works;
-- DTensor and other tensor subclasses are refused naming the parameter;
+- tensor-parallel DTensors and other tensor subclasses are refused naming the parameter;
 - on CUDA, a step runs in the order of the stream current at that step.
 """
 import inspect
@@ -598,7 +598,7 @@ import os, sys, tempfile
 import torch, torch.distributed as dist
 import stallfree
 from stallfree.torch import ZenFlowAdamW
-from torch.distributed.tensor import DeviceMesh, distribute_tensor, Shard
+from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
 
 class Traced(torch.Tensor):
     pass
@@ -606,8 +606,11 @@ class Traced(torch.Tensor):
 init = "file://" + os.path.join(tempfile.mkdtemp(), "pg")
 dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
 mesh = DeviceMesh("cpu", [0])
+def dt(placement):
+    return torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [placement]))
 for name, p in [
-        ("sharded.weight", torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))),
+        ("colwise.weight", dt(Shard(1))), ("replicated.weight", dt(Replicate())),
+        ("sharded.weight", dt(Shard(0))),
         ("traced.weight", torch.Tensor._make_subclass(Traced, torch.randn(8, 4), True))]:
     plain = torch.nn.Parameter(torch.randn(4))
     try:
@@ -615,18 +618,28 @@ for name, p in [
         print("ACCEPTED", name)
     except stallfree.Error as e:
         print("ERROR", type(p).__name__, str(e))
+ZenFlowAdamW([("sharded.weight", dt(Shard(0)))], mode="no-offload").close()
+print("ACCEPTED alone")
 dist.destroy_process_group()
 """
 
 
-def test_dtensor_and_subclasses_are_refused_naming_the_parameter():
+def test_tensor_parallel_dtensors_and_subclasses_are_refused_naming_the_parameter():
+    """Tensor-parallel DTensors (Shard(1), Replicate()) are refused naming the layout and what
+    works; FSDP2's Shard(0) is taken, but not in one param group with plain tensors; another
+    tensor subclass is refused naming it."""
     out = [line for line in run_python(SUBCLASS_CHILD).stdout.splitlines()
            if line.startswith(("ERROR", "ACCEPTED"))]
-    assert len(out) == 2, out
-    assert out[0].startswith("ERROR DTensor parameter 'sharded.weight'"), out[0]
-    assert "DTensor (FSDP2 or tensor parallelism)" in out[0], out[0]
-    assert out[1].startswith("ERROR Traced parameter 'traced.weight'"), out[1]
-    assert "tensor subclass" in out[1], out[1]
+    assert len(out) == 5, out
+    for line, placement in zip(out[:2], ("Shard(dim=1)", "Replicate()")):
+        assert line.startswith("ERROR DTensor parameter '"), line
+        assert "placements (%s,) on a 1-D mesh" % placement in line, line
+        assert "tensor parallelism" in line and "Shard(0) on a 1-D mesh" in line, line
+    assert out[2].startswith("ERROR DTensor param_groups[0] mixes FSDP2 DTensors and plain "
+                             "tensors"), out[2]
+    assert out[3].startswith("ERROR Traced parameter 'traced.weight'"), out[3]
+    assert "tensor subclass" in out[3], out[3]
+    assert out[4] == "ACCEPTED alone", out[4]
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and stallfree.cuda_enabled),
