@@ -87,7 +87,10 @@ def main():
             with torch.no_grad():
                 dict(model.named_parameters())[perturb[0]].add_(1e-3)
         net = DistributedDataParallel(model) if wrap == "ddp" else model
+        shapes = {n: p.shape for n, p in model.named_parameters()}
         if wrap in ("fsdp2", "hsdp"):
+            if odd:  # fully_shard takes no 0-D parameter: the scalar as one element, same sums
+                model.scale = torch.nn.Parameter(model.scale.detach().reshape(1))
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
             mesh = (init_device_mesh("cpu", (world,)) if wrap == "fsdp2" else
@@ -161,7 +164,7 @@ def main():
             time.sleep(3)
             os._exit(3)
         opt.close()
-        record["params"] = {n: whole(p).detach().cpu().clone()
+        record["params"] = {n: whole(p).detach().cpu().clone().reshape(shapes[n])
                             for n, p in model.named_parameters()}
         torch.save(record, os.path.join(out, f"{name}-rank{rank}.pt"))
     dist.barrier()

@@ -10,10 +10,12 @@ models.PARAM_ATOL / LOSS_RTOL (FSDP2 adds only the rounding of averaging L parti
 gradients, as DDP does), and the zenflow defaults equal the one process within
 test_partition.DEFAULTS_LOSS_RTOL.
 """
+import json
+
 import pytest
-import torch
 
 import models
+from conftest import run_ranks
 from test_partition import (DEFAULTS_LOSS_RTOL, DEFAULTS_STEPS, EXACT, FIXED_ROUND, SEED, STEPS,
                             assert_equals_adamw, assert_ranks_agree, train_ranks)
 
@@ -58,12 +60,28 @@ def test_zenflow_defaults_equal_one_process(daemon, tmp_path):
         assert ranks[0]["hot"] == ref.extra["hot"], (wrap, world)
 
 
-@pytest.mark.parametrize("wrap,world", [("fsdp2", 4), ("hsdp", 4)])
-def test_fewer_rows_than_ranks(daemon, adamw, tmp_path, wrap, world):
-    """TinyLM(odd=True): a weight of 2 rows, which FSDP2 leaves empty on ranks 2 and 3 (and a
-    3-D weight and a scalar): the exact configurations still equal AdamW on the whole batch."""
-    runs = {k: v for k, v in EXACT.items() if v.get("_odd")}
-    result = train_ranks(world, tmp_path, [daemon.socket], runs, wrap=wrap)
+def test_uneven_shards(daemon, tmp_path):
+    """TinyLM of width 66 on 4 FSDP2 ranks: FSDP2 cuts each 66-row weight into 17, 17, 17 and 15
+    rows (the last rank's block short): the exact configurations equal AdamW on the whole batch."""
+    width = dict(vocab=66, d=66, hidden=66)
+    ref = models.train(models.adamw_factory(), STEPS, seed=SEED,
+                       model=models.make_model(SEED, **width))
+    runs = {k: dict(v, _width=66) for k, v in EXACT.items() if not v.get("_odd")}
+    result = train_ranks(4, tmp_path, [daemon.socket], runs, wrap="fsdp2")
     for run, ranks in result.items():
         assert_ranks_agree(ranks)
-        assert_equals_adamw(ranks, adamw[True])
+        assert_equals_adamw(ranks, ref)
+
+
+def test_a_parameter_some_ranks_hold_none_of_is_refused_on_every_rank(daemon, tmp_path):
+    """TinyLM(odd=True) on 4 FSDP2 ranks: its [2, 3, d] weight has 2 rows in dimension 0, so
+    ranks 2 and 3 hold none of it (the model's cube, the first parameter of its first group).
+    Every rank refuses it at construction, naming it (none waits
+    in a collective for the others)."""
+    runs = {"odd": dict(EXACT["zenflow-S1"], _odd=True)}
+    codes, outputs = run_ranks("dp_worker.py", 4, [STEPS, SEED, tmp_path, daemon.socket,
+                                                   json.dumps(runs), "fsdp2"],
+                               tmp_path, expect=[1, 1, 1, 1])
+    for out in outputs:
+        assert "parameter 'param_groups[0][0]' (shape [2, 3, 32]) has 2 rows in dimension 0, " \
+               "too few for FSDP2's 4 shards: ranks 2..3" in out, out[-2000:]
