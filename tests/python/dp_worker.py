@@ -21,7 +21,9 @@ trains steps step+1..STEPS. WRAP "ddp": the model in DistributedDataParallel (gr
 it); "reduce": no DDP, ZenFlowAdamW(reduce_gradients=True) averages them; "fsdp2": FSDP2's
 fully_shard over a 1-D mesh of the L ranks (each holds its rows of every parameter); "hsdp":
 fully_shard over a 2-D mesh, 2 replicas of L/2 shards. Under FSDP2 the records hold the whole
-parameters (full_tensor()).
+parameters (full_tensor()); "_mp": true shards with MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32). "_adamw": true trains with torch.optim.AdamW (models.adamw_factory; its lr
+scaled by "_lr_scale") instead of ZenFlowAdamW, the reference on the same wrapped model.
 
 Records per run: the losses, every 2-D weight's hot columns per step, the final parameters,
 the per-step bytes pushed to the daemon (last_timings' bytes_to_host) and, read once every rank
@@ -78,6 +80,9 @@ def main():
         drop = config.pop("_drop", None)
         perturb = config.pop("_perturb", None)
         use_dcp = config.pop("_dcp", False)
+        mixed = config.pop("_mp", False)
+        reference = config.pop("_adamw", False)
+        lr_scale = config.pop("_lr_scale", 1.0)
         resume = config.pop("_resume", None)
         model = models.make_model(seed, odd=odd, **(dict(vocab=width, d=width, hidden=width)
                                                     if width else {}))
@@ -96,11 +101,19 @@ def main():
             mesh = (init_device_mesh("cpu", (world,)) if wrap == "fsdp2" else
                     init_device_mesh("cpu", (2, world // 2),
                                      mesh_dim_names=("replicate", "shard")))
-            fully_shard(model, mesh=mesh)
+            if mixed:
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+                fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+            else:
+                fully_shard(model, mesh=mesh)
         two_d = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
         record = {"losses": [], "hot": [], "pushed": [], "agree": []}
-        opt = ZenFlowAdamW(models.param_groups(model), socket=socket, session_name=name,
-                           reduce_gradients=(wrap == "reduce"), timeout=30, **config)
+        if reference:
+            opt = models.adamw_factory(lr_scale)(models.param_groups(model))
+        else:
+            opt = ZenFlowAdamW(models.param_groups(model), socket=socket, session_name=name,
+                               reduce_gradients=(wrap == "reduce"), timeout=30, **config)
         sched = models.make_scheduler(opt, steps)
         start = 1
         if resume:
@@ -130,7 +143,8 @@ def main():
                 opt.step()
                 sched.step()
                 record["losses"].append(loss.item())
-                record["pushed"].append(opt.last_timings.get("bytes_to_host", 0))
+                record["pushed"].append(0 if reference else
+                                        opt.last_timings.get("bytes_to_host", 0))
                 # Every rank holds the same parameters after every step (the all-gather, the
                 # hot columns' alone between round boundaries), not only after close().
                 digest = hashlib.sha1(b"".join(
@@ -139,7 +153,7 @@ def main():
                 digests = [None] * world
                 dist.all_gather_object(digests, digest)
                 record["agree"].append(len(set(digests)) == 1)
-                if config.get("mode") != "no-offload":
+                if config.get("mode") != "no-offload" and not reference:
                     record["hot"].append({n: opt.hot_columns(p) for n, p in two_d})
                 if step == 1:
                     dist.barrier()
@@ -163,7 +177,8 @@ def main():
             # other ranks still read in it that this rank saw the failure and is not its cause.
             time.sleep(3)
             os._exit(3)
-        opt.close()
+        if not reference:
+            opt.close()
         record["params"] = {n: whole(p).detach().cpu().clone().reshape(shapes[n])
                             for n, p in model.named_parameters()}
         torch.save(record, os.path.join(out, f"{name}-rank{rank}.pt"))

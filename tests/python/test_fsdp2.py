@@ -13,6 +13,7 @@ test_partition.DEFAULTS_LOSS_RTOL.
 import json
 
 import pytest
+import torch
 
 import models
 from conftest import run_ranks
@@ -85,3 +86,50 @@ def test_a_parameter_some_ranks_hold_none_of_is_refused_on_every_rank(daemon, tm
     for out in outputs:
         assert "parameter 'param_groups[0][0]' (shape [2, 3, 32]) has 2 rows in dimension 0, " \
                "too few for FSDP2's 4 shards: ranks 2..3" in out, out[-2000:]
+
+
+def test_mixed_precision_policy_equals_adamw_on_the_same_model(daemon, tmp_path):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded parameters on
+    2 ranks: sync-offload and exact zenflow (fp32 transfers) equal torch.optim.AdamW on the same
+    FSDP2 model. The forward runs in bf16, so a parameter whose fp32 value lands on the other
+    side of a bf16 rounding changes the next forward; the tolerance is calibrated in the run:
+    AdamW against itself with its lr 1e-6 relative higher (a systematic perturbation of the size
+    of the kernels' roundings) moves the losses by `calib`, the bound is 5 x calib, and AdamW with
+    its lr 1% off must miss it. (Measured: both equal AdamW exactly, the bf16 forward absorbing
+    the fp32 kernels' differences; calib 1.1e-4, the lr 1% off 3.4e-3.)"""
+    mp = dict(_mp=True)
+    runs = {"adamw": dict(_adamw=True, **mp), "calib": dict(_adamw=True, _lr_scale=1 + 1e-6, **mp),
+            "lr-off": dict(_adamw=True, _lr_scale=1.01, **mp),
+            "sync-offload": dict(EXACT["sync-offload"], **mp),
+            "zenflow-S1": dict(EXACT["zenflow-S1"], **mp)}
+    result = train_ranks(2, tmp_path, [daemon.socket], runs, wrap="fsdp2")
+
+    def loss_diff(run):
+        return max(models.rel_diff(a, b) for a, b in zip(result[run][0]["losses"],
+                                                          result["adamw"][0]["losses"]))
+    calib, off = loss_diff("calib"), loss_diff("lr-off")
+    bound = 5 * max(calib, 1e-7)
+    print("mixed precision: calib %.3g, bound %.3g, lr 1%% off %.3g, sync-offload %.3g, "
+          "zenflow-S1 %.3g" % (calib, bound, off, loss_diff("sync-offload"),
+                               loss_diff("zenflow-S1")))
+    assert off > bound, (off, bound)  # measured: 3.4e-3 against a bound of 5.6e-4
+    for run in ("sync-offload", "zenflow-S1"):
+        assert_ranks_agree(result[run])
+        assert loss_diff(run) <= bound, (run, loss_diff(run), bound)
+
+
+def test_bf16_sharded_parameters_keep_fp32_masters(daemon, tmp_path):
+    """A bf16 model sharded by fully_shard (bf16 DTensors, bf16 gradients) on 2 ranks: the
+    engine's fp32 masters make sync-offload and exact zenflow equal no-offload bit for bit (the
+    same AdamW on the same masters, wherever the state lives), and the loss falls."""
+    runs = {mode: dict(EXACT[mode] if mode != "no-offload" else dict(mode="no-offload"),
+                       _bf16=True) for mode in ("no-offload", "sync-offload", "zenflow-S1")}
+    result = train_ranks(2, tmp_path, [daemon.socket], runs, wrap="fsdp2")
+    base = result["no-offload"][0]
+    assert base["losses"][-1] < 0.9 * base["losses"][0], base["losses"]
+    for run in ("sync-offload", "zenflow-S1"):
+        assert_ranks_agree(result[run])
+        assert result[run][0]["losses"] == base["losses"], run
+        for name, p in base["params"].items():
+            assert p.dtype == torch.bfloat16, name
+            assert torch.equal(result[run][0]["params"][name], p), (run, name)
