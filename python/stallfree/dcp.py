@@ -14,7 +14,9 @@ the shares whose rows overlap its own (engine/repartition.h):
 The model's weights go through DCP as usual (`dcp.save({"model": model.state_dict()}, ...)`),
 loaded before the optimizer's state. Keys: "zenflow/rest" (param_groups and the step counts,
 torch.save bytes, the same on every rank) and "zenflow/g<group>/r<rank>of<L>/<engine | daemon |
-meta>" (that rank's uint8 states of that group's engine and daemon session).
+meta>" (that rank's uint8 states of that group's engine and daemon session). Over FSDP2
+parameters the owner is "r<rank>of<L>s<shard rank>of<S>" (its place in the replicate group, L = 1
+without HSDP, and in the shard group), and the state loads on the same mesh: each rank its own.
 """
 import io
 import re
@@ -26,7 +28,23 @@ from . import _state
 from . import _stallfree
 from ._stallfree import Error
 
-_KEY = re.compile(r"^zenflow/g(\d+)/r(\d+)of(\d+)/(engine|daemon|meta)$")
+_KEY = re.compile(r"^zenflow/g(\d+)/(r(\d+)of(\d+)(?:s\d+of\d+)?)/(engine|daemon|meta)$")
+
+
+def _owner(where):
+    """The key part of a rank's share: its place in the partition (optimizer.partition)."""
+    out = "r%dof%d" % (where["rank"], where["world"])
+    if "fsdp2" in where:
+        out += "s%dof%d" % (where["fsdp2"]["rank"], where["fsdp2"]["world"])
+    return out
+
+
+def _writers(optimizer, where):
+    """The process group every writing rank belongs to: FSDP2's mesh is the default group's
+    (each of its ranks holds other rows); else the partition's."""
+    if "fsdp2" in where or where["world"] == 1:
+        return None
+    return optimizer._group
 
 
 def save(optimizer, checkpoint_id=None, *, storage_writer=None):
@@ -34,7 +52,6 @@ def save(optimizer, checkpoint_id=None, *, storage_writer=None):
     collective of its process_group (every rank calls it)."""
     sd = optimizer._share_state_dict()
     where = optimizer.partition
-    rank, world = where["rank"], where["world"]
     flat, keys = {}, {}
     for gi in range(len(sd["param_groups"])):
         key, _, engine, daemon = _state._group_blobs(sd, gi)
@@ -42,7 +59,7 @@ def save(optimizer, checkpoint_id=None, *, storage_writer=None):
             continue
         keys[gi] = key
         entry = sd["state"][key]
-        base = "zenflow/g%d/r%dof%d/" % (gi, rank, world)
+        base = "zenflow/g%d/%s/" % (gi, _owner(where))
         flat[base + "engine"] = _state._uint8(engine)
         flat[base + "daemon"] = _state._uint8(daemon)
         flat[base + "meta"] = _state._uint8(entry[_state._META_KEY])
@@ -52,7 +69,7 @@ def save(optimizer, checkpoint_id=None, *, storage_writer=None):
     torch.save({"param_groups": sd["param_groups"], "state": state, "keys": keys}, buf)
     flat["zenflow/rest"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
     dcp.save(flat, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
-             process_group=optimizer._group if world > 1 else None)
+             process_group=_writers(optimizer, where))
 
 
 def load(optimizer, checkpoint_id=None, *, storage_reader=None):
@@ -63,14 +80,18 @@ def load(optimizer, checkpoint_id=None, *, storage_reader=None):
     if "zenflow/rest" not in md:
         raise Error("%s: no ZenFlowAdamW state written by stallfree.dcp.save" % (
             checkpoint_id or "the checkpoint"))
-    found = {}
+    found, owners = {}, set()
     for name in md:
         m = _KEY.match(name)
         if m:
-            gi, j, world = int(m.group(1)), int(m.group(2)), int(m.group(3))
+            gi, j, world = int(m.group(1)), int(m.group(3)), int(m.group(4))
             found.setdefault(gi, {"world": world, "ranks": set()})["ranks"].add(j)
+            owners.add(m.group(2))
     where = optimizer.partition
     template = {"zenflow/rest": torch.empty(md["zenflow/rest"].size, dtype=torch.uint8)}
+    if "fsdp2" in where or any("s" in o for o in owners):
+        return _load_own(optimizer, checkpoint_id, storage_reader, md, found, owners, where,
+                         template)
     for gi, f in found.items():
         world = f["world"]
         if f["ranks"] != set(range(world)):
@@ -87,7 +108,7 @@ def load(optimizer, checkpoint_id=None, *, storage_reader=None):
                 template[base + part] = torch.empty(md[base + part].size, dtype=torch.uint8)
     dcp.load(template, checkpoint_id=checkpoint_id,
              storage_reader=storage_reader or dcp.FileSystemReader(checkpoint_id),
-             process_group=optimizer._group if where["world"] > 1 else None)
+             process_group=_writers(optimizer, where))
     rest = torch.load(io.BytesIO(template["zenflow/rest"].numpy().tobytes()), weights_only=True)
     worlds = {f["world"] for f in found.values()}
     if len(worlds) > 1:
@@ -105,3 +126,28 @@ def load(optimizer, checkpoint_id=None, *, storage_reader=None):
                                _state._META_KEY: template[base + "meta"]})
         dicts.append({"param_groups": rest["param_groups"], "state": state})
     optimizer.load_state_dict(dicts)
+
+
+def _load_own(optimizer, checkpoint_id, storage_reader, md, found, owners, where, template):
+    """FSDP2: this rank loads the share saved by the rank of its own place in the same mesh."""
+    mine = _owner(where)
+    if mine not in owners:
+        raise Error("%s: saved by the ranks %s; this rank is %s (rank r of L in the replicate "
+                    "group, s of S in FSDP2's shard group). An FSDP2 state loads on the mesh "
+                    "that saved it (re-partitioning it to another mesh is not supported yet)"
+                    % (checkpoint_id or "the checkpoint", sorted(owners), mine))
+    for gi in found:
+        for part in ("engine", "daemon", "meta"):
+            key = "zenflow/g%d/%s/%s" % (gi, mine, part)
+            template[key] = torch.empty(md[key].size, dtype=torch.uint8)
+    dcp.load(template, checkpoint_id=checkpoint_id,
+             storage_reader=storage_reader or dcp.FileSystemReader(checkpoint_id),
+             process_group=_writers(optimizer, where))
+    rest = torch.load(io.BytesIO(template["zenflow/rest"].numpy().tobytes()), weights_only=True)
+    state = {k: dict(v) for k, v in rest["state"].items()}
+    for gi, key in rest["keys"].items():
+        base = "zenflow/g%d/%s/" % (gi, mine)
+        state[key].update({_state._ENGINE_KEY: template[base + "engine"],
+                           _state._DAEMON_KEY: template[base + "daemon"],
+                           _state._META_KEY: template[base + "meta"]})
+    optimizer.load_state_dict({"param_groups": rest["param_groups"], "state": state})

@@ -908,7 +908,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             members = self._members[gi]
             meta = {"version": _STATE_VERSION, "config": self._config,
                     "names": [n for n, _ in members], "shapes": [list(p.shape) for _, p in members]}
-            if self._shards[gi].world > 1:
+            if self._shards[gi].world > 1 or self._shards[gi].shard_group is not None:
                 meta["partition"] = self._shards[gi].describe()
             self._shards[gi].saved_step = engine.step_count
             key = index[id(members[0][1])]

@@ -119,7 +119,13 @@ def main():
         if resume:
             saved = torch.load(os.path.join(resume["dir"], f"{resume['run']}-model.pt"),
                                weights_only=True)
-            model.load_state_dict(saved["model"])
+            if wrap in ("fsdp2", "hsdp"):  # the whole weights, into this rank's shards
+                from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                     set_model_state_dict)
+                set_model_state_dict(model, saved["model"],
+                                     options=StateDictOptions(full_state_dict=True))
+            else:
+                model.load_state_dict(saved["model"])
             sched.load_state_dict(saved["sched"])
             if use_dcp:
                 stallfree.dcp.load(opt, os.path.join(resume["dir"], f"{resume['run']}-dcp"))
@@ -165,8 +171,14 @@ def main():
                     else:
                         torch.save(opt.state_dict(),
                                    os.path.join(out, f"{name}-opt-rank{rank}.pt"))
+                    weights = model.state_dict()
+                    if wrap in ("fsdp2", "hsdp"):  # gathered whole (a collective)
+                        from torch.distributed.checkpoint.state_dict import (
+                            StateDictOptions, get_model_state_dict)
+                        weights = get_model_state_dict(model, options=StateDictOptions(
+                            full_state_dict=True, cpu_offload=True))
                     if rank == 0:
-                        torch.save({"model": model.state_dict(), "sched": sched.state_dict()},
+                        torch.save({"model": weights, "sched": sched.state_dict()},
                                    os.path.join(out, f"{name}-model.pt"))
                 if die and die[0] == name and int(die[1]) == step and int(die[2]) == rank:
                     os._exit(9)

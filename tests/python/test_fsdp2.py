@@ -133,3 +133,39 @@ def test_bf16_sharded_parameters_keep_fp32_masters(daemon, tmp_path):
         for name, p in base["params"].items():
             assert p.dtype == torch.bfloat16, name
             assert torch.equal(result[run][0]["params"][name], p), (run, name)
+
+
+RESUME_STEPS = 12
+SAVE_AT = 6  # mid-round: rounds of 4 from step 1, round 2 has pushed 2 of 4 gradients
+ROUNDS = dict(mode="zenflow", topk_ratio=0.25, update_interval=4, select_interval=4,
+              warmup_steps=0)
+
+
+@pytest.fixture(scope="module")
+def saved_by_4(daemon, tmp_path_factory):
+    """The zenflow run (rounds of 4, bf16 transfers) on 4 FSDP2 ranks, its optimizer saved
+    mid-round with stallfree.dcp (each rank its share) and the whole model by rank 0."""
+    out = tmp_path_factory.mktemp("fsdp2-save4")
+    runs = {"zenflow": dict(ROUNDS, _dcp=True, _save_at=SAVE_AT)}
+    return out, train_ranks(4, out, [daemon.socket], runs, wrap="fsdp2",
+                            steps=RESUME_STEPS)["zenflow"]
+
+
+def test_dcp_save_with_4_ranks_resumes_on_4_bit_for_bit(saved_by_4, daemon, tmp_path):
+    """stallfree.dcp.save on 4 FSDP2 ranks mid-round writes each rank's share under keys of its
+    own; 4 ranks that load it (each its own rows) continue bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    out, uninterrupted = saved_by_4
+    md = dcp.FileSystemReader(str(out / "zenflow-dcp")).read_metadata().state_dict_metadata
+    owners = {k.split("/")[2] for k in md if k.startswith("zenflow/g")}
+    assert owners == {"r0of1s0of4", "r0of1s1of4", "r0of1s2of4", "r0of1s3of4"}, owners
+    resumed = train_ranks(4, tmp_path, [daemon.socket], {"zenflow": dict(
+        ROUNDS, _dcp=True, _resume={"dir": str(out), "run": "zenflow", "world": 4,
+                                    "step": SAVE_AT})}, wrap="fsdp2",
+        steps=RESUME_STEPS)["zenflow"]
+    assert_ranks_agree(resumed)
+    for r, u in zip(resumed, uninterrupted):
+        assert r["losses"] == u["losses"][SAVE_AT:]
+    for name, p in uninterrupted[0]["params"].items():
+        assert torch.equal(resumed[0]["params"][name], p), name
+    assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
