@@ -11,6 +11,7 @@
 // splitting: every rank holds it whole (replicated) and steps it identically.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -45,9 +46,17 @@ inline RowBlock PartitionRows(int64_t rows, int world, int rank) {
   return b;
 }
 
+// Who cut a run's parameters into the ranks' rows. kEven: this partition (PartitionRows above).
+// kFsdp2: FSDP2's fully_shard, whose ranks each hold a chunk of dimension 0, ceil(d0 / world)
+// of its indices (as torch.chunk cuts it: the last ranks' chunks short, or empty), each index
+// being rows/d0 of the rows; never replicated.
+enum class RowLayout { kEven, kFsdp2 };
+
 // Rank `rank`'s share of a parameter of `shape` over `world` ranks: its rows, and the shape its
-// engine sees, [rows of the block, cols] ([rows of the block] for a 1-D parameter), or the whole
-// shape ([1] for a scalar) where the rank holds the parameter whole (world 1, replicated).
+// engine sees. kEven: [rows of the block, cols] ([rows of the block] for a 1-D parameter), or the
+// whole shape ([1] for a scalar) where the rank holds the parameter whole (world 1,
+// replicated). kFsdp2: the shape with dimension 0 cut to the rank's chunk (FSDP2's local
+// tensor's).
 struct ShareOf {
   RowShape whole;
   RowBlock block;
@@ -55,9 +64,21 @@ struct ShareOf {
   int64_t first() const { return block.begin * whole.cols; }  // its first element
   int64_t end() const { return block.end * whole.cols; }
 };
-inline ShareOf ShareOfParam(const std::vector<int64_t>& shape, int world, int rank) {
+inline ShareOf ShareOfParam(const std::vector<int64_t>& shape, int world, int rank,
+                            RowLayout layout = RowLayout::kEven) {
   ShareOf s;
   s.whole = RowsOf(shape);
+  if (layout == RowLayout::kFsdp2 && !shape.empty()) {
+    const int64_t d0 = shape[0];
+    const int64_t per = d0 == 0 ? 0 : s.whole.rows / d0;  // rows an index of dimension 0 holds
+    const int64_t chunk = world <= 1 ? d0 : (d0 + world - 1) / world;
+    const int64_t b = std::min(d0, chunk * rank), e = std::min(d0, chunk * (rank + 1));
+    s.block.begin = b * per;
+    s.block.end = e * per;
+    s.shape = shape;
+    s.shape[0] = e - b;
+    return s;
+  }
   s.block = PartitionRows(s.whole.rows, world, rank);
   if (world <= 1 || s.block.replicated) {
     s.shape = shape.empty() ? std::vector<int64_t>{1} : shape;

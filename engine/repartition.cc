@@ -33,7 +33,8 @@ absl::StatusOr<EngineState> ParseEngine(const std::string& blob, int rank, size_
 // Rows [begin, end) of a whole [rows, width] array, from the old ranks' blocks of it.
 class RowSource {
  public:
-  RowSource(int64_t rows, int old_world) : rows_(rows), world_(old_world) {}
+  RowSource(const std::vector<int64_t>& shape, RowLayout layout, int old_world)
+      : shape_(shape), layout_(layout), world_(old_world) {}
   // Rows [begin, end) of the result, `width` values each, from per-rank arrays `of(j)` holding
   // rank j's block (or the whole array where the old partition replicated the parameter).
   // Every source block is checked (its size against its rows) before the result is allocated.
@@ -45,7 +46,7 @@ class RowSource {
       std::vector<T> out;
       if (pass == 1) out.resize(static_cast<size_t>((end - begin) * width));
       for (int j = 0; j < world_; ++j) {
-        const RowBlock b = PartitionRows(rows_, world_, j);
+        const RowBlock b = ShareOfParam(shape_, world_, j, layout_).block;
         const int64_t lo = std::max(b.begin, begin), hi = std::min(b.end, end);
         if (lo >= hi) continue;
         const std::vector<T>* src = of(j);
@@ -65,7 +66,8 @@ class RowSource {
   }
 
  private:
-  int64_t rows_;
+  const std::vector<int64_t>& shape_;
+  RowLayout layout_;
   int world_;
 };
 
@@ -111,13 +113,12 @@ absl::Status Disagree(const std::string& what) {
 }  // namespace
 
 std::vector<int> SourceRanks(const std::vector<WholeParam>& params, int old_world, int new_world,
-                             int new_rank) {
+                             int new_rank, RowLayout layout) {
   std::vector<char> need(old_world, 0);
   for (const WholeParam& p : params) {
-    const RowShape rc = RowsOf(p.shape);
-    const RowBlock nb = PartitionRows(rc.rows, new_world, new_rank);
+    const RowBlock nb = ShareOfParam(p.shape, new_world, new_rank, layout).block;
     for (int j = 0; j < old_world; ++j) {
-      const RowBlock ob = PartitionRows(rc.rows, old_world, j);
+      const RowBlock ob = ShareOfParam(p.shape, old_world, j, layout).block;
       if (std::max(ob.begin, nb.begin) < std::min(ob.end, nb.end)) {
         need[j] = 1;
         if (ob.replicated) break;
@@ -136,8 +137,9 @@ namespace {
 class Repartitioner {
  public:
   Repartitioner(const std::vector<WholeParam>& params, int old_world, int new_world,
-                int new_rank)
-      : params_(params), old_world_(old_world), new_world_(new_world), new_rank_(new_rank) {}
+                int new_rank, RowLayout layout)
+      : params_(params), old_world_(old_world), new_world_(new_world), new_rank_(new_rank),
+        layout_(layout) {}
 
   // Parses the ranks SourceRanks names and checks that they were saved together.
   absl::Status Load(const std::vector<const PartitionedState*>& old);
@@ -148,14 +150,20 @@ class Repartitioner {
   absl::Status CutDaemonParam(size_t i, int h, DaemonState* out);
   static std::string WriteDaemon(const DaemonState& d);
 
+  // Rank `rank` of `world`'s share of parameter i.
+  ShareOf Share(size_t i, int world, int rank) const {
+    return ShareOfParam(params_[i].shape, world, rank, layout_);
+  }
+
   const std::vector<WholeParam>& params_;
   const int old_world_, new_world_, new_rank_;
+  const RowLayout layout_;
   std::map<int, EngineState> eng_;
   std::map<int, DaemonState> dmn_;
 };
 
 absl::Status Repartitioner::Load(const std::vector<const PartitionedState*>& old) {
-  for (int j : SourceRanks(params_, old_world_, new_world_, new_rank_)) {
+  for (int j : SourceRanks(params_, old_world_, new_world_, new_rank_, layout_)) {
     if (old[j] == nullptr)
       return absl::InvalidArgumentError(absl::StrCat("rank ", j, " of ", old_world_,
                                                      "'s state is needed and was not given"));
@@ -220,13 +228,13 @@ absl::StatusOr<PartitionedState> Repartitioner::Cut() {
 
 absl::Status Repartitioner::CutEngineParam(size_t i, bool v3, BlobWriter* w) {
   const RowShape rc = RowsOf(params_[i].shape);
-  const RowBlock nb = PartitionRows(rc.rows, new_world_, new_rank_);
-  const RowSource rows(rc.rows, old_world_);
+  const RowBlock nb = Share(i, new_world_, new_rank_).block;
+  const RowSource rows(params_[i].shape, layout_, old_world_);
   const EngineParam& p0 = eng_.begin()->second.params[i];
   for (const auto& [j, s] : eng_) {
     const EngineParam& p = s.params[i];
     // Rank j's parameter is its own block of rows, of at most all the columns hot.
-    const RowBlock ob = PartitionRows(rc.rows, old_world_, j);
+    const RowBlock ob = Share(i, old_world_, j).block;
     if (p.numel != ob.rows() * rc.cols || p.k < 0 || p.k > rc.cols)
       return absl::DataLossError(absl::StrCat(
           "rank ", j, "'s engine state: parameter '", params_[i].name, "' has numel ", p.numel,
@@ -281,8 +289,8 @@ absl::Status Repartitioner::CutDaemonParam(size_t i, int h, DaemonState* out) {
   // The daemon's arrays of parameter i (its h-th offloaded one): [rows, width], width = its
   // offloaded columns.
   const RowShape rc = RowsOf(params_[i].shape);
-  const RowBlock nb = PartitionRows(rc.rows, new_world_, new_rank_);
-  const RowSource rows(rc.rows, old_world_);
+  const RowBlock nb = Share(i, new_world_, new_rank_).block;
+  const RowSource rows(params_[i].shape, layout_, old_world_);
   const EngineParam& p0 = eng_.begin()->second.params[i];
   const DaemonState& d0 = dmn_.begin()->second;
   if (h >= d0.header.params_size())
@@ -311,7 +319,7 @@ absl::Status Repartitioner::CutDaemonParam(size_t i, int h, DaemonState* out) {
     hp->mutable_spec()->add_shape(nb.rows());
     hp->mutable_spec()->add_shape(width);
   } else {
-    for (int64_t x : ShareOfParam(params_[i].shape, new_world_, new_rank_).shape)
+    for (int64_t x : Share(i, new_world_, new_rank_).shape)
       hp->mutable_spec()->add_shape(x);
   }
   if (steps_by_row) {
@@ -356,11 +364,11 @@ std::string Repartitioner::WriteDaemon(const DaemonState& d) {
 
 absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& params,
                                              const std::vector<const PartitionedState*>& old,
-                                             int new_world, int new_rank) {
+                                             int new_world, int new_rank, RowLayout layout) {
   const int old_world = static_cast<int>(old.size());
   if (old_world < 1 || new_world < 1 || new_rank < 0 || new_rank >= new_world)
     return absl::InvalidArgumentError("Repartition: needs old ranks, and 0 <= new_rank < new_world");
-  Repartitioner r(params, old_world, new_world, new_rank);
+  Repartitioner r(params, old_world, new_world, new_rank, layout);
   RETURN_IF_ERROR(r.Load(old));
   return r.Cut();
 }

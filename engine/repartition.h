@@ -8,7 +8,9 @@
 // are the same on every rank of a partitioned run, and every per-element array (fp32 masters,
 // moments, accumulators) is cut and joined by whole rows. So a run saved with L ranks and
 // resumed with M continues as the uninterrupted run with L would, up to the summation order of
-// the column scores and of the data-parallel gradient average.
+// the column scores and of the data-parallel gradient average. `layout` says who cut the rows
+// (engine/partition.h): this partition, or FSDP2's fully_shard (states saved on one FSDP2 mesh
+// resumed on another).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "engine/partition.h"
 
 namespace stallfree {
 
@@ -32,7 +35,7 @@ struct WholeParam {
 
 // The old ranks (of old_world) whose states rank new_rank of new_world needs, increasing.
 std::vector<int> SourceRanks(const std::vector<WholeParam>& params, int old_world, int new_world,
-                             int new_rank);
+                             int new_rank, RowLayout layout = RowLayout::kEven);
 
 // Rank new_rank of new_world's state from the old ranks' (old.size() = the old world size;
 // old[j] may be null unless j is in SourceRanks). InvalidArgument / DataLoss when a state is
@@ -40,6 +43,7 @@ std::vector<int> SourceRanks(const std::vector<WholeParam>& params, int old_worl
 // (saved at different steps, or by another run). In memory: no file is written.
 absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& params,
                                              const std::vector<const PartitionedState*>& old,
-                                             int new_world, int new_rank);
+                                             int new_world, int new_rank,
+                                             RowLayout layout = RowLayout::kEven);
 
 }  // namespace stallfree

@@ -231,13 +231,15 @@ void BindFunctions(py::module_& m) {
         "rank's engine sees)");
   m.def("repartition_sources", &stallfree::api::RepartitionSources, py::arg("params"),
         py::arg("old_world"), py::arg("new_world"), py::arg("new_rank"),
-        "the old ranks whose states rank new_rank of new_world needs (engine/repartition.h)");
+        py::arg("layout") = "even",
+        "the old ranks whose states rank new_rank of new_world needs (engine/repartition.h); "
+        "layout: 'even' (ZenFlowAdamW's own partition) or 'fsdp2' (fully_shard's chunks)");
   // old: per old rank, (state address, size, daemon address, size) of its uint8 tensors, or
   // None where not needed; returns rank new_rank's (state, daemon) as bytearrays.
   m.def(
       "repartition",
       [](const stallfree::api::WholeShapes& params, const py::list& old, int new_world,
-         int new_rank) {
+         int new_rank, const std::string& layout) {
         std::vector<std::optional<std::pair<std::string, std::string>>> held(old.size());
         for (size_t j = 0; j < old.size(); ++j) {
           if (old[j].is_none()) continue;
@@ -248,11 +250,13 @@ void BindFunctions(py::module_& m) {
         std::pair<std::string, std::string> out;
         {
           py::gil_scoped_release release;
-          out = stallfree::api::Repartition(params, std::move(held), new_world, new_rank);
+          out = stallfree::api::Repartition(params, std::move(held), new_world, new_rank,
+                                            layout);
         }
         return py::make_tuple(py::bytearray(out.first), py::bytearray(out.second));
       },
-      py::arg("params"), py::arg("old"), py::arg("new_world"), py::arg("new_rank"));
+      py::arg("params"), py::arg("old"), py::arg("new_world"), py::arg("new_rank"),
+      py::arg("layout") = "even");
 }
 
 }  // namespace

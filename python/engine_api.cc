@@ -336,19 +336,26 @@ std::vector<WholeParam> Whole(const WholeShapes& params) {
   for (const auto& [name, shape] : params) out.push_back({name, shape});
   return out;
 }
+
+RowLayout LayoutOf(const std::string& layout) {
+  if (layout == "even") return RowLayout::kEven;
+  if (layout == "fsdp2") return RowLayout::kFsdp2;
+  throw InvalidArgument("layout: '" + layout + "' is not 'even' or 'fsdp2'");
+}
 }  // namespace
 
 std::vector<int> RepartitionSources(const WholeShapes& params, int old_world, int new_world,
-                                    int new_rank) {
+                                    int new_rank, const std::string& layout) {
   if (old_world < 1 || new_world < 1 || new_rank < 0 || new_rank >= new_world)
     throw InvalidArgument("repartition: needs worlds >= 1 and 0 <= new_rank < new_world");
-  return SourceRanks(Whole(params), old_world, new_world, new_rank);
+  return SourceRanks(Whole(params), old_world, new_world, new_rank, LayoutOf(layout));
 }
 
 std::pair<std::string, std::string> Repartition(
     const WholeShapes& params,
     std::vector<std::optional<std::pair<std::string, std::string>>> old, int new_world,
-    int new_rank) {
+    int new_rank, const std::string& layout) {
+  const RowLayout rows = LayoutOf(layout);
   std::vector<PartitionedState> states(old.size());
   std::vector<const PartitionedState*> ptrs(old.size(), nullptr);
   for (size_t j = 0; j < old.size(); ++j) {
@@ -356,7 +363,8 @@ std::pair<std::string, std::string> Repartition(
     states[j] = {std::move(old[j]->first), std::move(old[j]->second)};
     ptrs[j] = &states[j];
   }
-  PartitionedState out = Take(stallfree::Repartition(Whole(params), ptrs, new_world, new_rank));
+  PartitionedState out =
+      Take(stallfree::Repartition(Whole(params), ptrs, new_world, new_rank, rows));
   return {std::move(out.engine), std::move(out.daemon)};
 }
 

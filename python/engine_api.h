@@ -166,14 +166,16 @@ Share ShareOf(const std::vector<int64_t>& shape, int world, int rank);
 using WholeShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 // The ranks of an old partition over old_world whose states rank new_rank of new_world needs
 // (engine/repartition.h).
+// layout: who cut the rows, "even" (this partition) or "fsdp2" (FSDP2's fully_shard); see
+// engine/partition.h, RowLayout.
 std::vector<int> RepartitionSources(const WholeShapes& params, int old_world, int new_world,
-                                    int new_rank);
+                                    int new_rank, const std::string& layout);
 // Rank new_rank of new_world's (engine state, daemon checkpoint) from the old ranks' (old[j]:
-// rank j's pair, moved in, or empty where not needed); temporary files in $TMPDIR or /tmp.
+// rank j's pair, moved in, or empty where not needed), in memory.
 std::pair<std::string, std::string> Repartition(
     const WholeShapes& params,
     std::vector<std::optional<std::pair<std::string, std::string>>> old, int new_world,
-    int new_rank);
+    int new_rank, const std::string& layout);
 
 }  // namespace api
 }  // namespace stallfree

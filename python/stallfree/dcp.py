@@ -16,7 +16,8 @@ loaded before the optimizer's state. Keys: "zenflow/rest" (param_groups and the 
 torch.save bytes, the same on every rank) and "zenflow/g<group>/r<rank>of<L>/<engine | daemon |
 meta>" (that rank's uint8 states of that group's engine and daemon session). Over FSDP2
 parameters the owner is "r<rank>of<L>s<shard rank>of<S>" (its place in the replicate group, L = 1
-without HSDP, and in the shard group), and the state loads on the same mesh: each rank its own.
+without HSDP, and in the shard group): a 1-D mesh's state loads on any 1-D mesh (each rank
+reading the shares fully_shard's chunks of its rows overlap), an HSDP state on its own mesh.
 """
 import io
 import re
@@ -28,7 +29,7 @@ from . import _state
 from . import _stallfree
 from ._stallfree import Error
 
-_KEY = re.compile(r"^zenflow/g(\d+)/(r(\d+)of(\d+)(?:s\d+of\d+)?)/(engine|daemon|meta)$")
+_KEY = re.compile(r"^zenflow/g(\d+)/(r(\d+)of(\d+)(?:s(\d+)of(\d+))?)/(engine|daemon|meta)$")
 
 
 def _owner(where):
@@ -80,18 +81,27 @@ def load(optimizer, checkpoint_id=None, *, storage_reader=None):
     if "zenflow/rest" not in md:
         raise Error("%s: no ZenFlowAdamW state written by stallfree.dcp.save" % (
             checkpoint_id or "the checkpoint"))
-    found, owners = {}, set()
-    for name in md:
-        m = _KEY.match(name)
-        if m:
-            gi, j, world = int(m.group(1)), int(m.group(3)), int(m.group(4))
-            found.setdefault(gi, {"world": world, "ranks": set()})["ranks"].add(j)
-            owners.add(m.group(2))
     where = optimizer.partition
     template = {"zenflow/rest": torch.empty(md["zenflow/rest"].size, dtype=torch.uint8)}
-    if "fsdp2" in where or any("s" in o for o in owners):
-        return _load_own(optimizer, checkpoint_id, storage_reader, md, found, owners, where,
-                         template)
+    owners = {m.group(2) for m in map(_KEY.match, md) if m}
+    fsdp2 = "fsdp2" in where or any("s" in o for o in owners)
+    if fsdp2 and ("fsdp2" not in where or where["world"] > 1 or
+                  any(not o.startswith("r0of1s") for o in owners)):
+        return _load_own(optimizer, checkpoint_id, storage_reader, md, owners, where, template)
+    # The ranks of the partition: the data-parallel group's, or on a 1-D FSDP2 mesh its shard
+    # group's (cut by fully_shard's chunks).
+    me, layout = (where["fsdp2"], "fsdp2") if fsdp2 else (where, "even")
+
+    def owner(j, world):
+        return ("r0of1s%dof%d" if fsdp2 else "r%dof%d") % (j, world)
+
+    found = {}
+    for m in map(_KEY.match, md):
+        if m:
+            gi = int(m.group(1))
+            j, world = (int(m.group(5)), int(m.group(6))) if fsdp2 else \
+                (int(m.group(3)), int(m.group(4)))
+            found.setdefault(gi, {"world": world, "ranks": set()})["ranks"].add(j)
     for gi, f in found.items():
         world = f["world"]
         if f["ranks"] != set(range(world)):
@@ -100,9 +110,9 @@ def load(optimizer, checkpoint_id=None, *, storage_reader=None):
         members = optimizer._members[gi] if gi < len(optimizer._members) else []
         shapes = [(n, list(p.shape)) for n, p in members]
         sources = set(range(world)) if len(shapes) == 0 else set(
-            _stallfree.repartition_sources(shapes, world, where["world"], where["rank"]))
+            _stallfree.repartition_sources(shapes, world, me["world"], me["rank"], layout))
         for j in range(world):
-            base = "zenflow/g%d/r%dof%d/" % (gi, j, world)
+            base = "zenflow/g%d/%s/" % (gi, owner(j, world))
             wanted = ("engine", "daemon", "meta") if j in sources else ("meta",)
             for part in wanted:
                 template[base + part] = torch.empty(md[base + part].size, dtype=torch.uint8)
@@ -120,7 +130,7 @@ def load(optimizer, checkpoint_id=None, *, storage_reader=None):
     for j in range(world):
         state = {k: dict(v) for k, v in rest["state"].items()}
         for gi, key in rest["keys"].items():
-            base = "zenflow/g%d/r%dof%d/" % (gi, j, world)
+            base = "zenflow/g%d/%s/" % (gi, owner(j, world))
             state[key].update({_state._ENGINE_KEY: template.get(base + "engine", empty),
                                _state._DAEMON_KEY: template.get(base + "daemon", empty),
                                _state._META_KEY: template[base + "meta"]})
@@ -128,15 +138,16 @@ def load(optimizer, checkpoint_id=None, *, storage_reader=None):
     optimizer.load_state_dict(dicts)
 
 
-def _load_own(optimizer, checkpoint_id, storage_reader, md, found, owners, where, template):
-    """FSDP2: this rank loads the share saved by the rank of its own place in the same mesh."""
+def _load_own(optimizer, checkpoint_id, storage_reader, md, owners, where, template):
+    """HSDP: this rank loads the share saved by the rank of its own place in the same mesh."""
     mine = _owner(where)
     if mine not in owners:
         raise Error("%s: saved by the ranks %s; this rank is %s (rank r of L in the replicate "
-                    "group, s of S in FSDP2's shard group). An FSDP2 state loads on the mesh "
-                    "that saved it (re-partitioning it to another mesh is not supported yet)"
-                    % (checkpoint_id or "the checkpoint", sorted(owners), mine))
-    for gi in found:
+                    "group, s of S in FSDP2's shard group). A state saved under HSDP, or loaded "
+                    "under it, loads on the mesh that saved it (a 1-D FSDP2 mesh's loads on "
+                    "another 1-D mesh)" % (checkpoint_id or "the checkpoint", sorted(owners), mine))
+    groups = {int(m.group(1)) for m in map(_KEY.match, md) if m}
+    for gi in groups:
         for part in ("engine", "daemon", "meta"):
             key = "zenflow/g%d/%s/%s" % (gi, mine, part)
             template[key] = torch.empty(md[key].size, dtype=torch.uint8)

@@ -1144,13 +1144,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         parts = [m.get("partition", {"world": 1, "rank": 0}) for m in metas]
         if len(metas) == 1 and parts[0] == mine:
             return _uint8(blobs[0][0]), _uint8(blobs[0][1])
+        layout = "even"
         if "fsdp2" in mine or any("fsdp2" in p for p in parts):
-            raise Error("%s: this optimizer's FSDP2 parameters are this rank's rows %s; the state "
-                        "dict%s given hold%s %s. An FSDP2 state loads on the mesh that saved it, "
-                        "each rank its own state dict (re-partitioning FSDP2 states to another "
-                        "mesh is not supported yet)" % (
-                            where, mine, "s" if len(parts) > 1 else "",
-                            "" if len(parts) > 1 else "s", parts))
+            # FSDP2 on a 1-D mesh: its shard group's ranks are the partition, cut by
+            # fully_shard's chunks; under HSDP the state loads on the mesh that saved it.
+            if mine["world"] > 1 or "fsdp2" not in mine or \
+                    any(p.get("world", 1) > 1 or "fsdp2" not in p for p in parts):
+                raise Error(
+                    "%s: this optimizer's FSDP2 parameters are this rank's rows %s; the state "
+                    "dict%s given hold%s %s. Under HSDP an FSDP2 state loads on the mesh that "
+                    "saved it, each rank its own state dict; on a 1-D mesh, give every rank the "
+                    "list of all the saving ranks' state dicts" % (
+                        where, mine, "s" if len(parts) > 1 else "",
+                        "" if len(parts) > 1 else "s", parts))
+            layout = "fsdp2"
+            mine, parts = mine["fsdp2"], [p["fsdp2"] for p in parts]
         world = parts[0]["world"]
         if parts != [{"world": world, "rank": j} for j in range(world)]:
             saved = ", ".join("%d of %d" % (p["rank"], p["world"]) for p in parts)
@@ -1162,7 +1170,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                            "" if len(parts) > 1 else "s", "s" if len(parts) > 1 else "", saved))
         members = self._members[gi]
         shapes = [(name, list(p.shape)) for name, p in members]
-        sources = set(_stallfree.repartition_sources(shapes, world, mine["world"], mine["rank"]))
+        sources = set(_stallfree.repartition_sources(shapes, world, mine["world"], mine["rank"],
+                                                     layout))
         old, held = [], []  # held: the tensors behind old's addresses, alive until repartition
         for j, blob in enumerate(blobs):
             if j in sources:
@@ -1172,7 +1181,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             else:
                 old.append(None)
         try:
-            state, daemon = _stallfree.repartition(shapes, old, mine["world"], mine["rank"])
+            state, daemon = _stallfree.repartition(shapes, old, mine["world"], mine["rank"],
+                                                   layout)
         except Error as e:
             raise Error("%s: re-partitioning the state of %d ranks for rank %d of %d: %s" % (
                 where, world, mine["rank"], mine["world"], e)) from e

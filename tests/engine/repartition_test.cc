@@ -94,6 +94,29 @@ TEST(ShareOfParamTest, RowsColumnsBlocksAndTheEnginesShape) {
   EXPECT_EQ(s.shape, (Shape{2, 0}));
 }
 
+// FSDP2's layout: dimension 0 in chunks of ceil(d0 / world), the last short or empty; each
+// index of dimension 0 is rows/d0 rows (hand-worked).
+TEST(ShareOfParamTest, Fsdp2Chunks) {
+  using Shape = std::vector<int64_t>;
+  ShareOf s = ShareOfParam({66, 5}, 4, 3, RowLayout::kFsdp2);  // chunks of 17: rank 3 has 15
+  EXPECT_EQ(s.block.begin, 51);
+  EXPECT_EQ(s.block.end, 66);
+  EXPECT_EQ(s.shape, (Shape{15, 5}));
+  EXPECT_FALSE(s.block.replicated);
+  s = ShareOfParam({3, 2, 4}, 2, 1, RowLayout::kFsdp2);  // chunks of 2 (of 2 rows each)
+  EXPECT_EQ(s.block.begin, 4);
+  EXPECT_EQ(s.block.end, 6);
+  EXPECT_EQ(s.shape, (Shape{1, 2, 4}));  // the local tensor's shape, not [rows, cols]
+  s = ShareOfParam({2, 8}, 4, 2, RowLayout::kFsdp2);  // chunks of 1: ranks 2, 3 hold none
+  EXPECT_EQ(s.block.rows(), 0);
+  EXPECT_EQ(s.shape, (Shape{0, 8}));
+  EXPECT_EQ(ShareOfParam({7}, 1, 0, RowLayout::kFsdp2).shape, (Shape{7}));
+  // 4 -> 2 over a 66-row weight: new rank 0 has rows [0, 33), old chunks [0,17) [17,34).
+  const std::vector<WholeParam> w = {{"w", {66, 5}}};
+  EXPECT_EQ(SourceRanks(w, 4, 2, 0, RowLayout::kFsdp2), (std::vector<int>{0, 1}));
+  EXPECT_EQ(SourceRanks(w, 4, 2, 1, RowLayout::kFsdp2), (std::vector<int>{1, 2, 3}));
+}
+
 TEST(SourceRanksTest, FewerRowsThanRanksIsReplicated) {
   // 2 rows over 4 old ranks: every old rank holds it whole, so one (the first) is enough.
   const std::vector<WholeParam> small = {{"small", {2, 16}}};

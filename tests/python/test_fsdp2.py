@@ -17,6 +17,7 @@ import torch
 
 import models
 from conftest import run_ranks
+from models import LOSS_RTOL, PARAM_ATOL
 from test_partition import (DEFAULTS_LOSS_RTOL, DEFAULTS_STEPS, EXACT, FIXED_ROUND, SEED, STEPS,
                             assert_equals_adamw, assert_ranks_agree, train_ranks)
 
@@ -168,4 +169,28 @@ def test_dcp_save_with_4_ranks_resumes_on_4_bit_for_bit(saved_by_4, daemon, tmp_
         assert r["losses"] == u["losses"][SAVE_AT:]
     for name, p in uninterrupted[0]["params"].items():
         assert torch.equal(resumed[0]["params"][name], p), name
+    assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
+
+
+def test_dcp_save_with_4_ranks_resumes_on_2(saved_by_4, daemon, tmp_path):
+    """The 4 FSDP2 ranks' checkpoint loaded by 2 (fully_shard cuts each weight in 2 chunks now;
+    each rank reads the 2 saved shares its chunk covers and joins them, engine/repartition.h with
+    FSDP2's layout): the run continues within test_partition.py's re-partition tolerances
+    (PARAM_ATOL / LOSS_RTOL: the gradient's and the scores' summation order change), with the
+    same hot columns."""
+    out, uninterrupted = saved_by_4
+    resumed = train_ranks(2, tmp_path, [daemon.socket], {"zenflow": dict(
+        ROUNDS, _dcp=True, _resume={"dir": str(out), "run": "zenflow", "world": 4,
+                                    "step": SAVE_AT})}, wrap="fsdp2",
+        steps=RESUME_STEPS)["zenflow"]
+    assert_ranks_agree(resumed)
+    diffs = models.max_abs_diff(resumed[0]["params"], uninterrupted[0]["params"])
+    print("dcp: FSDP2 resumed with 2 ranks vs uninterrupted with 4: max |dparam| %.3g"
+          % max(diffs.values()))
+    for name, d in diffs.items():
+        assert d <= PARAM_ATOL, (name, d)
+    for i in range(RESUME_STEPS - SAVE_AT):
+        loss = sum(r["losses"][i] for r in resumed) / 2
+        ref = sum(r["losses"][SAVE_AT + i] for r in uninterrupted) / 4
+        assert models.rel_diff(loss, ref) <= LOSS_RTOL, SAVE_AT + 1 + i
     assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
