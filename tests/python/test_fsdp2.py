@@ -194,3 +194,22 @@ def test_dcp_save_with_4_ranks_resumes_on_2(saved_by_4, daemon, tmp_path):
         ref = sum(r["losses"][SAVE_AT + i] for r in uninterrupted) / 4
         assert models.rel_diff(loss, ref) <= LOSS_RTOL, SAVE_AT + 1 + i
     assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
+
+
+def test_one_copy_per_node(daemon, tmp_path):
+    """The daemon's pinned bytes with 4 FSDP2 ranks (each its chunk of every weight) are at most
+    1.1x those with 1 (three 256 x 256 weights; the excess is each session's page-aligned
+    slots), and HSDP's 2 replicas of 2 shards hold one copy too."""
+    runs = {"wide": dict(mode="zenflow", _width=256, _steps=1)}
+    pinned = {}
+    for wrap, world in (("fsdp2", 1), ("fsdp2", 4), ("hsdp", 4)):
+        rec = train_ranks(world, tmp_path / f"{wrap}{world}", [daemon.socket], runs,
+                          wrap=wrap)["wide"][0]
+        (stats,) = rec["stats"]
+        assert stats["sessions"] == 2 * world, stats  # two param groups a rank
+        pinned[wrap, world] = stats["pinned_bytes"]
+    print("pinned bytes: %s" % pinned)
+    one = pinned["fsdp2", 1]
+    assert one >= 3 * 256 * 256 * 16 * 0.9  # master, m, v, accumulator of the cold 90%
+    assert pinned["fsdp2", 4] <= 1.1 * one, pinned
+    assert pinned["hsdp", 4] <= 1.1 * one, pinned
