@@ -37,6 +37,20 @@ def _group_blobs(sd, gi):
     return None, None, None, None
 
 
+def _shares(partition):
+    """{"world", "rank"} of the ranks whose shares of the state differ (a partition as
+    _Shards.describe() gives it): the data-parallel group's, or on a 1-D FSDP2 mesh its shard
+    group's."""
+    return partition["fsdp2"] if "fsdp2" in partition else partition
+
+
+def _share_of(partition, j):
+    """The partition of share j of the ranks _shares(partition) counts."""
+    if "fsdp2" in partition:
+        return dict(partition, fsdp2={"world": partition["fsdp2"]["world"], "rank": j})
+    return {"world": partition["world"], "rank": j}
+
+
 def _ranks_of_consolidated(dicts):
     """A consolidated state dict (consolidate_state_dict: version 3) as the list of the state
     dicts of its L ranks, each group's engine and daemon states views into the consolidated
@@ -51,7 +65,8 @@ def _ranks_of_consolidated(dicts):
     if not any("consolidated" in m for m in metas):
         return dicts
     try:
-        world = int(next(m for m in metas if "consolidated" in m)["partition"]["world"])
+        partition = next(m for m in metas if "consolidated" in m)["partition"]
+        world = int(_shares(partition)["world"])
     except (KeyError, TypeError, ValueError):
         raise Error("a consolidated state dict without its number of ranks: it is damaged")
     if not 1 <= world <= 1 << 16:
@@ -73,7 +88,7 @@ def _ranks_of_consolidated(dicts):
         at_e = at_d = 0
         for j in range(world):
             own = {k: v for k, v in meta.items() if k != "consolidated"}
-            own.update(version=_STATE_VERSION, partition={"world": world, "rank": j})
+            own.update(version=_STATE_VERSION, partition=_share_of(partition, j))
             ranks[j]["state"][key] = dict(whole["state"][key], **{
                 _ENGINE_KEY: engine[at_e:at_e + lens_e[j]],
                 _DAEMON_KEY: daemon[at_d:at_d + lens_d[j]],

@@ -37,7 +37,7 @@ from ._partition import (_DTYPE_NAMES, _Shards, _all_reduce_scores, _announce,
 from ._stallfree import Error
 from ._state import (_BLOB_KEYS, _DAEMON_KEY, _ENGINE_KEY, _META_KEY,
                      _STATE_VERSION, _bytes_tensor, _group_blobs, _ranks_of_consolidated,
-                     _uint8)
+                     _share_of, _shares, _uint8)
 
 
 def _connect(socket, explicit, rpc_timeout=0.0):
@@ -821,8 +821,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         cached = self._consolidated
         if cached is not None and cached[0] == self._version:
             return cached[1]
-        if self.partition["world"] > 1 and _called_from("accelerate.checkpointing",
-                                                        "save_accelerator_state"):
+        if _shares(self.partition)["world"] > 1 and (
+                _called_from("accelerate.checkpointing", "save_accelerator_state") or
+                _called_from("accelerate.utils.fsdp_utils", "save_fsdp_optimizer")):
             self.consolidate_state_dict(to=0)
             cached = self._consolidated
             if cached is not None:
@@ -840,12 +841,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise Error("the optimizer is closed")
         self._resolve_group()
         self._consolidated = None
-        where = self.partition
+        partition = self.partition
+        where = _shares(partition)
         if where["world"] == 1:
             return
+        if "fsdp2" in partition and partition["world"] > 1:
+            raise Error("consolidate_state_dict: not over HSDP (each rank's share is a part of "
+                        "its replicate group's and of its shard group's); save with "
+                        "stallfree.dcp.save, each rank its own share")
         mine = self._share_state_dict()
         shares = [_group_blobs(mine, gi) for gi in range(len(self.param_groups))]
-        group = self._group
+        group = self._group if "fsdp2" not in partition else self._shards[0].shard_group
         # NCCL moves the pickled objects through the current CUDA device: the parameters'.
         with _on_device(next((p.device for members in self._members for _, p in members),
                              None)):
@@ -864,7 +870,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             key, meta = shares[gi][0], shares[gi][1]
             if key is None:
                 continue
-            meta = dict(meta, version=3, partition={"world": where["world"], "rank": 0},
+            meta = dict(meta, version=3, partition=_share_of(partition, 0),
                         consolidated={"engine": [int(e[gi][2].numel()) for e in every],
                                       "daemon": [int(e[gi][3].numel()) for e in every]})
             whole["state"][key] = dict(whole["state"][key], **{
@@ -879,7 +885,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         on it that consolidates the state on the saving rank before each checkpoint: the
         Trainer has only its main process call state_dict(), so without it the checkpoint
         would hold rank 0's share alone. Nothing changes in the user's script."""
-        if self.partition["world"] == 1 or self._trainer_checked:
+        if _shares(self.partition)["world"] == 1 or self._trainer_checked:
             return
         self._trainer_checked = True  # once: the Trainer that calls the first partitioned step
         trainer = _calling_trainer()

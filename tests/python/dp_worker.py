@@ -12,7 +12,10 @@ true casts the model to torch.bfloat16;
 that step is taken away (None) or zeroed before opt.step(); parameter may be a list of names,
 or "1-D": every 1-D parameter, a whole param group; "_perturb": [parameter, rank]: that rank
 adds 1e-3 to that parameter before the optimizer is built; "_dcp": true saves and resumes the
-optimizer through stallfree.dcp (OUT/<run>-dcp) instead of torch.save per rank). "_save_at": K saves, after
+optimizer through stallfree.dcp (OUT/<run>-dcp) instead of torch.save per rank; "_dsd": true
+through torch's get_optimizer_state_dict(full_state_dict=True) after consolidate_state_dict(to=0),
+rank 0 writing OUT/<run>-dsd.pt, and set_optimizer_state_dict on every rank, as accelerate's FSDP2
+checkpoints do). "_save_at": K saves, after
 step K, every rank's optimizer state_dict() (OUT/<run>-opt-rank<r>.pt) and rank 0 the model's and
 the scheduler's (OUT/<run>-model.pt); "_resume": {"dir", "run", "world", "step"} starts instead
 from such a save of a run with `world` ranks: the model's weights, the optimizer from the list of
@@ -81,6 +84,7 @@ def main():
         perturb = config.pop("_perturb", None)
         use_dcp = config.pop("_dcp", False)
         mixed = config.pop("_mp", False)
+        use_dsd = config.pop("_dsd", False)
         reference = config.pop("_adamw", False)
         lr_scale = config.pop("_lr_scale", 1.0)
         resume = config.pop("_resume", None)
@@ -127,7 +131,14 @@ def main():
             else:
                 model.load_state_dict(saved["model"])
             sched.load_state_dict(saved["sched"])
-            if use_dcp:
+            if use_dsd:  # torch's full optimizer state dict, every rank the same file
+                from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                     set_optimizer_state_dict)
+                osd = torch.load(os.path.join(resume["dir"], f"{resume['run']}-dsd.pt"),
+                                 weights_only=True)
+                set_optimizer_state_dict(model, opt, osd,
+                                         options=StateDictOptions(full_state_dict=True))
+            elif use_dcp:
                 stallfree.dcp.load(opt, os.path.join(resume["dir"], f"{resume['run']}-dcp"))
             else:
                 opt.load_state_dict([
@@ -166,7 +177,15 @@ def main():
                     record["stats"] = stats(sorted(set(sockets)))
                     dist.barrier()
                 if step == save_at:
-                    if use_dcp:
+                    if use_dsd:  # as accelerate's FSDP2 FULL_STATE_DICT saving does
+                        from torch.distributed.checkpoint.state_dict import (
+                            StateDictOptions, get_optimizer_state_dict)
+                        opt.consolidate_state_dict(to=0)
+                        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(
+                            full_state_dict=True, cpu_offload=True))
+                        if rank == 0:
+                            torch.save(osd, os.path.join(out, f"{name}-dsd.pt"))
+                    elif use_dcp:
                         stallfree.dcp.save(opt, os.path.join(out, f"{name}-dcp"))
                     else:
                         torch.save(opt.state_dict(),
