@@ -24,18 +24,51 @@ from test_partition import (DEFAULTS_LOSS_RTOL, DEFAULTS_STEPS, EXACT, FIXED_ROU
 
 @pytest.fixture(scope="module")
 def adamw():
-    return {odd: models.train(models.adamw_factory(), STEPS, seed=SEED,
-                              model=models.make_model(SEED, odd=odd)) for odd in (False, True)}
+    return models.train(models.adamw_factory(), STEPS, seed=SEED,
+                        model=models.make_model(SEED))
 
 
-@pytest.mark.parametrize("wrap,world", [("fsdp2", 2), ("fsdp2", 4), ("hsdp", 4)])
-def test_exact_configurations_equal_adamw_on_the_whole_batch(daemon, adamw, tmp_path, wrap,
-                                                             world):
-    runs = {k: v for k, v in EXACT.items() if not v.get("_odd")}
-    result = train_ranks(world, tmp_path, [daemon.socket], runs, wrap=wrap)
-    for run, ranks in result.items():
+EXACT_PLAIN = {k: v for k, v in EXACT.items() if not v.get("_odd")}
+MIXED = {"adamw": dict(_adamw=True), "calib": dict(_adamw=True, _lr_scale=1 + 1e-6),
+         "lr-off": dict(_adamw=True, _lr_scale=1.01), "sync-offload": EXACT["sync-offload"],
+         "zenflow-S1": EXACT["zenflow-S1"]}
+BF16_MODES = ("no-offload", "sync-offload", "zenflow-S1")
+# One step of three 256 x 256 weights, for the daemon's pinned bytes (test_one_copy_per_node).
+WIDE = {"wide": dict(mode="zenflow", _width=256, _steps=1)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(daemon, tmp_path_factory):
+    """The 2-rank FSDP2 runs of STEPS steps, in one launch: the exact configurations, under
+    MixedPrecisionPolicy with their AdamW references, and a bf16 model's."""
+    runs = dict(EXACT_PLAIN)
+    runs.update({"mp-" + k: dict(v, _mp=True) for k, v in MIXED.items()})
+    runs.update({"bf16-" + m: dict(EXACT[m] if m in EXACT else dict(mode=m), _bf16=True)
+                 for m in BF16_MODES})
+    return train_ranks(2, tmp_path_factory.mktemp("fsdp2-2"), [daemon.socket], runs,
+                       wrap="fsdp2")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(daemon, tmp_path_factory):
+    """The 4-rank runs of STEPS steps: HSDP (2 x 2) with the exact configurations; FSDP2 with
+    them on TinyLM of width 66 (uneven chunks); each with WIDE."""
+    hsdp = train_ranks(4, tmp_path_factory.mktemp("hsdp-4"), [daemon.socket],
+                       dict(EXACT_PLAIN, **WIDE), wrap="hsdp")
+    uneven = train_ranks(4, tmp_path_factory.mktemp("fsdp2-4"), [daemon.socket],
+                         dict({k: dict(v, _width=66) for k, v in EXACT_PLAIN.items()}, **WIDE),
+                         wrap="fsdp2")
+    return {"hsdp": hsdp, "fsdp2": uneven}
+
+
+@pytest.mark.parametrize("run", list(EXACT_PLAIN))
+def test_exact_configurations_equal_adamw_on_the_whole_batch(two_ranks, four_ranks, adamw, run):
+    """FSDP2 on 2 ranks and HSDP on 4 (2 x 2): sync-offload and exact zenflow equal
+    torch.optim.AdamW in one process on the whole batch, with the same hot columns on every
+    rank (scores not summed over the shard group: they differ)."""
+    for ranks in (two_ranks[run], four_ranks["hsdp"][run]):
         assert_ranks_agree(ranks)
-        assert_equals_adamw(ranks, adamw[False])
+        assert_equals_adamw(ranks, adamw)
 
 
 def test_zenflow_defaults_equal_one_process(daemon, tmp_path):
@@ -62,15 +95,13 @@ def test_zenflow_defaults_equal_one_process(daemon, tmp_path):
         assert ranks[0]["hot"] == ref.extra["hot"], (wrap, world)
 
 
-def test_uneven_shards(daemon, tmp_path):
+def test_uneven_shards(four_ranks):
     """TinyLM of width 66 on 4 FSDP2 ranks: FSDP2 cuts each 66-row weight into 17, 17, 17 and 15
     rows (the last rank's block short): the exact configurations equal AdamW on the whole batch."""
-    width = dict(vocab=66, d=66, hidden=66)
     ref = models.train(models.adamw_factory(), STEPS, seed=SEED,
-                       model=models.make_model(SEED, **width))
-    runs = {k: dict(v, _width=66) for k, v in EXACT.items() if not v.get("_odd")}
-    result = train_ranks(4, tmp_path, [daemon.socket], runs, wrap="fsdp2")
-    for run, ranks in result.items():
+                       model=models.make_model(SEED, vocab=66, d=66, hidden=66))
+    for run in EXACT_PLAIN:
+        ranks = four_ranks["fsdp2"][run]
         assert_ranks_agree(ranks)
         assert_equals_adamw(ranks, ref)
 
@@ -89,7 +120,7 @@ def test_a_parameter_some_ranks_hold_none_of_is_refused_on_every_rank(daemon, tm
                "too few for FSDP2's 4 shards: ranks 2..3" in out, out[-2000:]
 
 
-def test_mixed_precision_policy_equals_adamw_on_the_same_model(daemon, tmp_path):
+def test_mixed_precision_policy_equals_adamw_on_the_same_model(two_ranks):
     """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded parameters on
     2 ranks: sync-offload and exact zenflow (fp32 transfers) equal torch.optim.AdamW on the same
     FSDP2 model. The forward runs in bf16, so a parameter whose fp32 value lands on the other
@@ -98,12 +129,7 @@ def test_mixed_precision_policy_equals_adamw_on_the_same_model(daemon, tmp_path)
     of the kernels' roundings) moves the losses by `calib`, the bound is 5 x calib, and AdamW with
     its lr 1% off must miss it. (Measured: both equal AdamW exactly, the bf16 forward absorbing
     the fp32 kernels' differences; calib 1.1e-4, the lr 1% off 3.4e-3.)"""
-    mp = dict(_mp=True)
-    runs = {"adamw": dict(_adamw=True, **mp), "calib": dict(_adamw=True, _lr_scale=1 + 1e-6, **mp),
-            "lr-off": dict(_adamw=True, _lr_scale=1.01, **mp),
-            "sync-offload": dict(EXACT["sync-offload"], **mp),
-            "zenflow-S1": dict(EXACT["zenflow-S1"], **mp)}
-    result = train_ranks(2, tmp_path, [daemon.socket], runs, wrap="fsdp2")
+    result = {k: two_ranks["mp-" + k] for k in MIXED}
 
     def loss_diff(run):
         return max(models.rel_diff(a, b) for a, b in zip(result[run][0]["losses"],
@@ -119,22 +145,19 @@ def test_mixed_precision_policy_equals_adamw_on_the_same_model(daemon, tmp_path)
         assert loss_diff(run) <= bound, (run, loss_diff(run), bound)
 
 
-def test_bf16_sharded_parameters_keep_fp32_masters(daemon, tmp_path):
+def test_bf16_sharded_parameters_keep_fp32_masters(two_ranks):
     """A bf16 model sharded by fully_shard (bf16 DTensors, bf16 gradients) on 2 ranks: the
     engine's fp32 masters make sync-offload and exact zenflow equal no-offload bit for bit (the
     same AdamW on the same masters, wherever the state lives), and the loss falls."""
-    runs = {mode: dict(EXACT[mode] if mode != "no-offload" else dict(mode="no-offload"),
-                       _bf16=True) for mode in ("no-offload", "sync-offload", "zenflow-S1")}
-    result = train_ranks(2, tmp_path, [daemon.socket], runs, wrap="fsdp2")
-    base = result["no-offload"][0]
+    base = two_ranks["bf16-no-offload"][0]
     assert base["losses"][-1] < 0.9 * base["losses"][0], base["losses"]
-    for run in ("sync-offload", "zenflow-S1"):
-        assert_ranks_agree(result[run])
-        assert result[run][0]["losses"] == base["losses"], run
+    for mode in ("sync-offload", "zenflow-S1"):
+        ranks = two_ranks["bf16-" + mode]
+        assert_ranks_agree(ranks)
+        assert ranks[0]["losses"] == base["losses"], mode
         for name, p in base["params"].items():
             assert p.dtype == torch.bfloat16, name
-            assert torch.equal(result[run][0]["params"][name], p), (run, name)
-
+            assert torch.equal(ranks[0]["params"][name], p), (mode, name)
 
 RESUME_STEPS = 12
 SAVE_AT = 6  # mid-round: rounds of 4 from step 1, round 2 has pushed 2 of 4 gradients
@@ -196,27 +219,24 @@ def test_dcp_save_with_4_ranks_resumes_on_2(saved_by_4, daemon, tmp_path):
     assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
 
 
-def test_one_copy_per_node(daemon, tmp_path):
+def test_one_copy_per_node(daemon, four_ranks, tmp_path):
     """The daemon's pinned bytes with 4 FSDP2 ranks (each its chunk of every weight) are at most
     1.1x those with 1 (three 256 x 256 weights; the excess is each session's page-aligned
     slots), and HSDP's 2 replicas of 2 shards hold one copy too."""
-    runs = {"wide": dict(mode="zenflow", _width=256, _steps=1)}
+    one = train_ranks(1, tmp_path, [daemon.socket], WIDE, wrap="fsdp2")["wide"][0]
     pinned = {}
-    for wrap, world in (("fsdp2", 1), ("fsdp2", 4), ("hsdp", 4)):
-        rec = train_ranks(world, tmp_path / f"{wrap}{world}", [daemon.socket], runs,
-                          wrap=wrap)["wide"][0]
+    for name, rec in (("fsdp2-1", one), ("fsdp2-4", four_ranks["fsdp2"]["wide"][0]),
+                      ("hsdp-4", four_ranks["hsdp"]["wide"][0])):
         (stats,) = rec["stats"]
-        assert stats["sessions"] == 2 * world, stats  # two param groups a rank
-        pinned[wrap, world] = stats["pinned_bytes"]
+        assert stats["sessions"] == 2 * (1 if name == "fsdp2-1" else 4), stats
+        pinned[name] = stats["pinned_bytes"]
     print("pinned bytes: %s" % pinned)
-    one = pinned["fsdp2", 1]
-    assert one >= 3 * 256 * 256 * 16 * 0.9  # master, m, v, accumulator of the cold 90%
-    assert pinned["fsdp2", 4] <= 1.1 * one, pinned
-    assert pinned["hsdp", 4] <= 1.1 * one, pinned
+    assert pinned["fsdp2-1"] >= 3 * 256 * 256 * 16 * 0.9  # master, m, v, accumulator: cold 90%
+    assert pinned["fsdp2-4"] <= 1.1 * pinned["fsdp2-1"], pinned
+    assert pinned["hsdp-4"] <= 1.1 * pinned["fsdp2-1"], pinned
 
 
-@pytest.mark.parametrize("world", [2, 1])
-def test_torch_full_state_dict_of_2_ranks_resumes(daemon, tmp_path, world):
+def test_torch_full_state_dict_of_2_ranks_resumes(daemon, tmp_path):
     """What accelerate's FSDP2 checkpoints do (state_dict_type FULL_STATE_DICT, its default):
     get_optimizer_state_dict(full_state_dict=True) on every rank, rank 0 saving it, and
     set_optimizer_state_dict on every rank at resume. consolidate_state_dict(to=0) first (the
@@ -227,12 +247,15 @@ def test_torch_full_state_dict_of_2_ranks_resumes(daemon, tmp_path, world):
     uninterrupted = train_ranks(2, out, [daemon.socket], {"zenflow": dict(config,
                                                                          _save_at=SAVE_AT)},
                                 wrap="fsdp2", steps=RESUME_STEPS)["zenflow"]
-    resumed = train_ranks(world, tmp_path / "load", [daemon.socket], {"zenflow": dict(
-        config, _resume={"dir": str(out), "run": "zenflow", "world": 2, "step": SAVE_AT})},
-        wrap="fsdp2", steps=RESUME_STEPS)["zenflow"]
-    assert_ranks_agree(resumed)
-    diffs = models.max_abs_diff(resumed[0]["params"], uninterrupted[0]["params"])
-    print("full state dict: resumed with %d ranks: max |dparam| %.3g" % (world, max(diffs.values())))
-    for name, d in diffs.items():
-        assert d <= (0 if world == 2 else PARAM_ATOL), (name, d)
-    assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
+    for world in (2, 1):
+        resumed = train_ranks(world, tmp_path / f"load{world}", [daemon.socket], {
+            "zenflow": dict(config, _resume={"dir": str(out), "run": "zenflow", "world": 2,
+                                             "step": SAVE_AT})},
+            wrap="fsdp2", steps=RESUME_STEPS)["zenflow"]
+        assert_ranks_agree(resumed)
+        diffs = models.max_abs_diff(resumed[0]["params"], uninterrupted[0]["params"])
+        print("full state dict: resumed with %d ranks: max |dparam| %.3g"
+              % (world, max(diffs.values())))
+        for name, d in diffs.items():
+            assert d <= (0 if world == 2 else PARAM_ATOL), (world, name, d)
+        assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
