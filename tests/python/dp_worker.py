@@ -15,7 +15,8 @@ adds 1e-3 to that parameter before the optimizer is built; "_dcp": true saves an
 optimizer through stallfree.dcp (OUT/<run>-dcp) instead of torch.save per rank; "_dsd": true
 through torch's get_optimizer_state_dict(full_state_dict=True) after consolidate_state_dict(to=0),
 rank 0 writing OUT/<run>-dsd.pt, and set_optimizer_state_dict on every rank, as accelerate's FSDP2
-checkpoints do). "_save_at": K saves, after
+checkpoints do); "_dsd": "accelerate": through accelerate's own save_fsdp_optimizer and
+load_fsdp_optimizer with its FSDP2 plugin (OUT/<run>-acc)). "_save_at": K saves, after
 step K, every rank's optimizer state_dict() (OUT/<run>-opt-rank<r>.pt) and rank 0 the model's and
 the scheduler's (OUT/<run>-model.pt); "_resume": {"dir", "run", "world", "step"} starts instead
 from such a save of a run with `world` ranks: the model's weights, the optimizer from the list of
@@ -58,6 +59,20 @@ from stallfree.torch import ZenFlowAdamW
 def whole(p):
     """The whole parameter (an FSDP2 DTensor gathered: a collective), else p."""
     return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def accelerate_fsdp2(rank):
+    """accelerate's FSDP2 plugin with the Hugging Face Trainer's state dict type (FULL_STATE_DICT;
+    the plugin's own default for FSDP2 is SHARDED_STATE_DICT, which ZenFlowAdamW's state does not
+    go through) and what its
+    checkpoint functions use of an Accelerator. (accelerate enables FSDP on GPUs only, so its
+    Accelerator does not run FSDP2 here; its save_fsdp_optimizer and load_fsdp_optimizer do.)"""
+    import types
+    from accelerate import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    PartialState(cpu=True)  # accelerate's logging needs it; it takes the gloo ranks as they are
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="FULL_STATE_DICT")
+    return plugin, types.SimpleNamespace(process_index=rank, wait_for_everyone=dist.barrier)
 
 
 def stats(sockets):
@@ -131,7 +146,12 @@ def main():
             else:
                 model.load_state_dict(saved["model"])
             sched.load_state_dict(saved["sched"])
-            if use_dsd:  # torch's full optimizer state dict, every rank the same file
+            if use_dsd == "accelerate":  # accelerate's own FSDP2 loading
+                from accelerate.utils.fsdp_utils import load_fsdp_optimizer
+                plugin, acc = accelerate_fsdp2(rank)
+                load_fsdp_optimizer(plugin, acc, opt, model,
+                                    os.path.join(resume["dir"], f"{resume['run']}-acc"))
+            elif use_dsd:  # torch's full optimizer state dict, every rank the same file
                 from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                                      set_optimizer_state_dict)
                 osd = torch.load(os.path.join(resume["dir"], f"{resume['run']}-dsd.pt"),
@@ -177,7 +197,12 @@ def main():
                     record["stats"] = stats(sorted(set(sockets)))
                     dist.barrier()
                 if step == save_at:
-                    if use_dsd:  # as accelerate's FSDP2 FULL_STATE_DICT saving does
+                    if use_dsd == "accelerate":  # accelerate's own FSDP2 saving
+                        from accelerate.utils.fsdp_utils import save_fsdp_optimizer
+                        plugin, acc = accelerate_fsdp2(rank)
+                        save_fsdp_optimizer(plugin, acc, opt, model,
+                                            os.path.join(out, f"{name}-acc"))
+                    elif use_dsd:  # as accelerate's FSDP2 FULL_STATE_DICT saving does
                         from torch.distributed.checkpoint.state_dict import (
                             StateDictOptions, get_optimizer_state_dict)
                         opt.consolidate_state_dict(to=0)

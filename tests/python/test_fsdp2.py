@@ -259,3 +259,26 @@ def test_torch_full_state_dict_of_2_ranks_resumes(daemon, tmp_path):
         for name, d in diffs.items():
             assert d <= (0 if world == 2 else PARAM_ATOL), (world, name, d)
         assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
+
+
+def test_accelerate_fsdp2_checkpoint_functions_resume_bit_for_bit(daemon, tmp_path):
+    """accelerate's FSDP2 checkpointing (save_fsdp_optimizer / load_fsdp_optimizer with its
+    FSDP2 plugin, FULL_STATE_DICT as the Trainer sets it: rank 0 writing, rank 0 reading and
+    broadcasting),
+    what a Hugging Face Trainer or accelerate's save_state call under FSDP2, on 2 ranks mid-round:
+    the optimizer consolidates itself when save_fsdp_optimizer asks for its state, so the file
+    holds both ranks' shares, and 2 ranks continue bit for bit. (accelerate enables FSDP on GPUs
+    only: on CPU ranks its Trainer falls back to DDP, so the functions are called directly.)"""
+    out = tmp_path / "save2"
+    config = dict(ROUNDS, _dsd="accelerate")
+    uninterrupted = train_ranks(2, out, [daemon.socket], {"zenflow": dict(config,
+                                                                         _save_at=SAVE_AT)},
+                                wrap="fsdp2", steps=RESUME_STEPS)["zenflow"]
+    resumed = train_ranks(2, tmp_path / "load", [daemon.socket], {"zenflow": dict(
+        config, _resume={"dir": str(out), "run": "zenflow", "world": 2, "step": SAVE_AT})},
+        wrap="fsdp2", steps=RESUME_STEPS)["zenflow"]
+    assert_ranks_agree(resumed)
+    for r, u in zip(resumed, uninterrupted):
+        assert r["losses"] == u["losses"][SAVE_AT:]
+    for name, p in uninterrupted[0]["params"].items():
+        assert torch.equal(resumed[0]["params"][name], p), name
