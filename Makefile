@@ -132,6 +132,7 @@ bench: deps
 	$(BAZEL) build //python:stallfree_package
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/torch_bench.py
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/dp_bench.py
+	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/fsdp2_bench.py
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/device_bytes_bench.py
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/quality_suite.py
 

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""fsdp2_bench: ZenFlowAdamW on FSDP2 (fully_shard) parameters, L = 1, 2, 4 gloo ranks on one
+stallfreed, against FSDP2 with torch.optim.AdamW and FSDP2's own CPUOffloadPolicy.
+
+    PYTHONPATH=bazel-bin/python .venv/bin/python bench/fsdp2_bench.py [--width 1024] [--steps 16]
+
+A benchmark, not a test: it prints what it measured. The model: four width x width Linear
+layers in bf16 (4.2M parameters at 1024), each its own fully_shard unit and the root another,
+on a 1-D mesh of the L ranks, each rank a 16-row batch of its own. ZenFlowAdamW runs its defaults
+(zenflow, topk_ratio 0.1, bf16 transfers) with warmup_steps 0 and rounds of 4, so every step is
+a ZenFlow step. One private stallfreed (1 worker thread) serves every run.
+
+Figures:
+- fsdp2_device_bytes_per_model_param_L<L>: what a rank holds of the model and its optimizer in
+  the memory it trains in, over the model's parameter count: its shard of the parameters and of
+  their gradients (FSDP2's sharded DTensors, bf16) and every allocation the engine accounts for
+  (opt.device_bytes["engine"]: fp32 masters, moments and transfer buffers of its rows' hot
+  columns and of the parameters it keeps whole), after a step. The issue's target: <= 5.3 / L +
+  0.2. On this CPU the engine runs its CPU backend, whose direct transfers need no buffers; with
+  CUDA's default buffered transfers the engine adds the cold columns' bf16 gradient and value
+  buffers (4 bytes an element, measured in bench/device_bytes_bench.py): the line after the
+  figures prints that estimate too.
+- fsdp2_host_bytes_per_model_param_L4: the daemon's pinned bytes (GetStats after step 1, every
+  rank's sessions open) over the model's parameters: the node's copy of the offloaded state.
+- fsdp2_step_ms_<run>_L4 and the ratios fsdp2_zenflow_over_adamw_step_L4 and
+  fsdp2_zenflow_over_cpu_offload_step_L4 (median step, rank 0, in the same run): ZenFlowAdamW
+  against FSDP2 with torch.optim.AdamW on the ranks (all state in the trainer) and against FSDP2's
+  CPUOffloadPolicy (parameters, gradients and AdamW state in host memory, AdamW on the CPU: the
+  peer an FSDP2 user would pick). What the CPU can show: the host side (the daemon's update and the
+  trainer's waits) and the bytes; not the GPU's step time, where CPUOffloadPolicy copies every
+  parameter and gradient over PCIe each step and runs AdamW on the CPU in the step's critical
+  path, and ZenFlowAdamW moves only the cold columns' gradients and overlaps the update.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+try:  # PYTHONPATH's stallfree, else the Bazel-built package of this checkout
+    import stallfree  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(ROOT, "bazel-bin", "python"))
+
+ROWS_PER_RANK = 16
+LAYERS = 4
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    import stallfree
+    from stallfree.torch import ZenFlowAdamW
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % args.port, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    torch.manual_seed(0)
+    w = args.width
+    model = torch.nn.Sequential(*[torch.nn.Linear(w, w, bias=False) for _ in range(LAYERS)])
+    model = model.to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    mesh = init_device_mesh("cpu", (world,))
+    # pin_memory=False: pinning needs a CUDA driver, which this CPU run need not have.
+    extra = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} \
+        if args.run == "cpu_offload" else {}
+    for layer in model:
+        fully_shard(layer, mesh=mesh, **extra)
+    fully_shard(model, mesh=mesh, **extra)
+    gen = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(ROWS_PER_RANK, w, generator=gen).to(torch.bfloat16)
+    target = torch.randn(ROWS_PER_RANK, w, generator=gen).to(torch.bfloat16)
+    client = stallfree._stallfree.Client(args.socket, 3000)
+    if args.run == "zenflow":
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-3, socket=args.socket, warmup_steps=0,
+                           update_interval=4, session_name="fsdp2")
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times, pinned, device = [], None, None
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = (model(x).float() - target.float()).pow(2).mean()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        if step == 1:
+            local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+            grads = sum(p.grad.to_local().numel() * p.grad.element_size()
+                        for p in model.parameters() if p.grad is not None)
+            engine = opt.device_bytes["engine"] if args.run == "zenflow" else 0
+            cold = 0
+            if args.run == "zenflow":  # the cold columns' elements this rank offloads
+                cold = sum(p.to_local().numel() - len(opt.hot_columns(p)) * p.to_local().shape[0]
+                           for p in model.parameters())
+            device = {"params": local, "grads": grads, "engine": engine, "cold": cold}
+            dist.barrier()
+            pinned = client.stats()["pinned_bytes"]
+            dist.barrier()
+    if args.run == "zenflow":
+        opt.close()
+    out = {"rank": rank, "step_s": statistics.median(times[1:]), "pinned": pinned,
+           "device": device, "params": params}
+    every = [None] * world
+    dist.all_gather_object(every, out)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(every, f)
+    dist.destroy_process_group()
+
+
+def launch(run, world, args, socket):
+    import socket as so
+    with so.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tempfile.mktemp(suffix=".json")
+    import stallfree
+    package = os.path.dirname(os.path.dirname(os.path.abspath(stallfree.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]),
+               WORLD_SIZE=str(world))
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
+                               "--run", run, "--port", str(port), "--socket", socket,
+                               "--width", str(args.width), "--steps", str(args.steps),
+                               "--out", out], env=dict(env, RANK=str(r)))
+             for r in range(world)]
+    codes = [p.wait(timeout=900) for p in procs]
+    if codes != [0] * world:
+        sys.exit("fsdp2_bench: run %s L=%d: ranks exited %s" % (run, world, codes))
+    with open(out) as f:
+        ranks = json.load(f)
+    os.unlink(out)
+    r0 = ranks[0]
+    dev = max(sum(r["device"][k] for k in ("params", "grads", "engine")) for r in ranks)
+    cold = max(r["device"]["cold"] for r in ranks)
+    res = {"device_per_param": dev / r0["params"], "cold_per_param": cold / r0["params"],
+           "pinned_per_param": r0["pinned"] / r0["params"], "step_s": r0["step_s"]}
+    print("%-11s L=%d: %.3f device bytes/param on the fullest rank (%s on rank 0), %.2f host "
+          "bytes/param, step %.1f ms" % (run, world, res["device_per_param"], r0["device"],
+                                         res["pinned_per_param"], 1e3 * res["step_s"]),
+          flush=True)
+    return res
+
+
+def figure(name, value, unit):
+    print("FIGURE %s %.4g %s" % (name, value, unit), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--run", "--socket", "--out"):
+        p.add_argument(hidden, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    import stallfree
+    with tempfile.TemporaryDirectory() as state, \
+            stallfree.Daemon(state_dir=state, threads=1) as daemon:
+        runs = {}
+        for run, world in (("zenflow", 1), ("zenflow", 2), ("zenflow", 4), ("adamw", 4),
+                           ("cpu_offload", 4)):
+            runs[run, world] = launch(run, world, args, daemon.socket)
+    for world in (1, 2, 4):
+        r = runs["zenflow", world]
+        figure("fsdp2_device_bytes_per_model_param_L%d" % world, r["device_per_param"], "bytes")
+        print("  target <= %.3f; with CUDA's buffered bf16 transfers about %.3f" % (
+            5.3 / world + 0.2, r["device_per_param"] + 4 * r["cold_per_param"]), flush=True)
+    figure("fsdp2_host_bytes_per_model_param_L4", runs["zenflow", 4]["pinned_per_param"], "bytes")
+    for run in ("zenflow", "adamw", "cpu_offload"):
+        figure("fsdp2_step_ms_%s_L4" % run, 1e3 * runs[run, 4]["step_s"], "ms")
+    figure("fsdp2_zenflow_over_adamw_step_L4",
+           runs["zenflow", 4]["step_s"] / runs["adamw", 4]["step_s"], "ratio")
+    figure("fsdp2_zenflow_over_cpu_offload_step_L4",
+           runs["zenflow", 4]["step_s"] / runs["cpu_offload", 4]["step_s"], "ratio")
+
+
+if __name__ == "__main__":
+    main()
