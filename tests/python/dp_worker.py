@@ -5,7 +5,8 @@ socket: every rank on one daemon, a node; two: ranks 0..L/2-1 on the first, the 
 second, two "nodes"). Rank r trains TinyLM on rows [r B/L, (r+1) B/L) of the B-row global batch,
 once per configuration of RUNS (a JSON {name: ZenFlowAdamW keyword arguments}), each with a fresh
 model and optimizer; a configuration's "_width": W trains TinyLM(vocab=W, d=W, hidden=W) instead
-(three W x W weights; "_steps": N stops that run after N steps; "_odd": true trains
+(three W x W weights; "_llama": true trains models.LlamaLM (a tiny LlamaForCausalLM) instead;
+"_steps": N stops that run after N steps; "_odd": true trains
 TinyLM(odd=True), with a 3-D weight, a weight of fewer rows than ranks and a scalar; "_bf16":
 true casts the model to torch.bfloat16;
 "_drop": [parameter, rank, step, "none" | "zero"]: that rank's gradient of that parameter in
@@ -103,8 +104,12 @@ def main():
         reference = config.pop("_adamw", False)
         lr_scale = config.pop("_lr_scale", 1.0)
         resume = config.pop("_resume", None)
-        model = models.make_model(seed, odd=odd, **(dict(vocab=width, d=width, hidden=width)
-                                                    if width else {}))
+        llama = config.pop("_llama", False)
+        if llama:
+            model = models.LlamaLM(seed)
+        else:
+            model = models.make_model(seed, odd=odd, **(dict(vocab=width, d=width, hidden=width)
+                                                        if width else {}))
         if bf16:
             model = model.to(torch.bfloat16)
         if perturb and perturb[1] == rank:
@@ -120,6 +125,9 @@ def main():
             mesh = (init_device_mesh("cpu", (world,)) if wrap == "fsdp2" else
                     init_device_mesh("cpu", (2, world // 2),
                                      mesh_dim_names=("replicate", "shard")))
+            if llama:  # each decoder layer a unit of its own, as with Hugging Face's wrap
+                for layer in model.layers:
+                    fully_shard(layer, mesh=mesh)
             if mixed:
                 from torch.distributed.fsdp import MixedPrecisionPolicy
                 fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(

@@ -75,6 +75,24 @@ def make_model(seed=0, **kwargs):
     return model.to(DEVICE)
 
 
+class LlamaLM(nn.Module):
+    """A tiny transformers LlamaForCausalLM (hf_models.make_model("llama"): 2 decoder layers,
+    grouped-query attention, RMSNorm, untied embeddings) as loss_fn takes a model: token ids in,
+    logits out. `layers` are its fully_shard units."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        import hf_models
+        self.llama = hf_models.make_model("llama", seed)
+
+    @property
+    def layers(self):
+        return list(self.llama.model.layers)
+
+    def forward(self, tokens):
+        return self.llama(input_ids=tokens).logits
+
+
 def batch(seed, step, rows=BATCH, seq=SEQ, vocab=VOCAB):
     """Token rows [rows, seq + 1] for training step `step` (1-based) of the run `seed`."""
     g = torch.Generator().manual_seed(7919 * seed + 17)
