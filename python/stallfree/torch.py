@@ -269,7 +269,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # is resolved again when the optimizer is first used (_resolve_group).
         self._group_pending = process_group is None and self._group is None
         self._version = 0          # bumped by every step() and load_state_dict()
-        self._consolidated = None  # (version, state dict of every rank) on the `to` rank
+        # (version, state dict of every rank) on the `to` rank of the last consolidation, (version,
+        # None) on the others
+        self._consolidated = None
         self._trainer_checked = False  # the callers looked at for a Trainer (_follow_trainer)
         if not timeout > 0:
             raise ValueError("timeout: %r is not a positive number of seconds" % (timeout,))
@@ -818,16 +820,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._closed:
             raise Error("the optimizer is closed")
         self._resolve_group()
-        cached = self._consolidated
-        if cached is not None and cached[0] == self._version:
-            return cached[1]
-        if _shares(self.partition)["world"] > 1 and (
-                _called_from("accelerate.checkpointing", "save_accelerator_state") or
-                _called_from("accelerate.utils.fsdp_utils", "save_fsdp_optimizer")):
-            self.consolidate_state_dict(to=0)
-            cached = self._consolidated
-            if cached is not None:
-                return cached[1]
+        # Consolidated at this step already (every rank that took part knows): the whole state
+        # where it was gathered, this rank's share elsewhere; never a second collective, which
+        # the ranks would not all enter (a Trainer's callback consolidates before
+        # accelerate's save_fsdp_optimizer asks every rank for its state).
+        if self._consolidated is None or self._consolidated[0] != self._version:
+            if _shares(self.partition)["world"] > 1 and (
+                    _called_from("accelerate.checkpointing", "save_accelerator_state") or
+                    _called_from("accelerate.utils.fsdp_utils", "save_fsdp_optimizer")):
+                self.consolidate_state_dict(to=0)
+        if self._consolidated is not None and self._consolidated[0] == self._version and \
+                self._consolidated[1] is not None:
+            return self._consolidated[1]
         return self._share_state_dict()
 
     def consolidate_state_dict(self, to=0):
@@ -864,6 +868,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     shares, every, dst=torch.distributed.get_global_rank(group, to),
                     group=group)
         if every is None:
+            self._consolidated = (self._version, None)  # taken part: not the gathering rank
             return
         whole = dict(mine, state=dict(mine["state"]))
         for gi in range(len(self.param_groups)):

@@ -17,7 +17,8 @@ optimizer through stallfree.dcp (OUT/<run>-dcp) instead of torch.save per rank; 
 through torch's get_optimizer_state_dict(full_state_dict=True) after consolidate_state_dict(to=0),
 rank 0 writing OUT/<run>-dsd.pt, and set_optimizer_state_dict on every rank, as accelerate's FSDP2
 checkpoints do); "_dsd": "accelerate": through accelerate's own save_fsdp_optimizer and
-load_fsdp_optimizer with its FSDP2 plugin (OUT/<run>-acc)). "_save_at": K saves, after
+load_fsdp_optimizer with its FSDP2 plugin (OUT/<run>-acc); "trainer": the same after
+consolidate_state_dict(to=0), as a Hugging Face Trainer's callback does before it saves). "_save_at": K saves, after
 step K, every rank's optimizer state_dict() (OUT/<run>-opt-rank<r>.pt) and rank 0 the model's and
 the scheduler's (OUT/<run>-model.pt); "_resume": {"dir", "run", "world", "step"} starts instead
 from such a save of a run with `world` ranks: the model's weights, the optimizer from the list of
@@ -154,7 +155,7 @@ def main():
             else:
                 model.load_state_dict(saved["model"])
             sched.load_state_dict(saved["sched"])
-            if use_dsd == "accelerate":  # accelerate's own FSDP2 loading
+            if use_dsd in ("accelerate", "trainer"):  # accelerate's own FSDP2 loading
                 from accelerate.utils.fsdp_utils import load_fsdp_optimizer
                 plugin, acc = accelerate_fsdp2(rank)
                 load_fsdp_optimizer(plugin, acc, opt, model,
@@ -205,8 +206,10 @@ def main():
                     record["stats"] = stats(sorted(set(sockets)))
                     dist.barrier()
                 if step == save_at:
-                    if use_dsd == "accelerate":  # accelerate's own FSDP2 saving
+                    if use_dsd in ("accelerate", "trainer"):  # accelerate's FSDP2 saving
                         from accelerate.utils.fsdp_utils import save_fsdp_optimizer
+                        if use_dsd == "trainer":  # the Trainer's callback consolidates first
+                            opt.consolidate_state_dict(to=0)
                         plugin, acc = accelerate_fsdp2(rank)
                         save_fsdp_optimizer(plugin, acc, opt, model,
                                             os.path.join(out, f"{name}-acc"))

@@ -261,16 +261,19 @@ def test_torch_full_state_dict_of_2_ranks_resumes(daemon, tmp_path):
         assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
 
 
-def test_accelerate_fsdp2_checkpoint_functions_resume_bit_for_bit(daemon, tmp_path):
+@pytest.mark.parametrize("how", ["accelerate", "trainer"])
+def test_accelerate_fsdp2_checkpoint_functions_resume_bit_for_bit(daemon, tmp_path, how):
     """accelerate's FSDP2 checkpointing (save_fsdp_optimizer / load_fsdp_optimizer with its
     FSDP2 plugin, FULL_STATE_DICT as the Trainer sets it: rank 0 writing, rank 0 reading and
     broadcasting),
     what a Hugging Face Trainer or accelerate's save_state call under FSDP2, on 2 ranks mid-round:
     the optimizer consolidates itself when save_fsdp_optimizer asks for its state, so the file
-    holds both ranks' shares, and 2 ranks continue bit for bit. (accelerate enables FSDP on GPUs
+    holds both ranks' shares, and 2 ranks continue bit for bit. "trainer": a Hugging Face
+    Trainer's callback has consolidated before (every rank), and save_fsdp_optimizer must not
+    consolidate again (rank 0 would not take part: a hang). (accelerate enables FSDP on GPUs
     only: on CPU ranks its Trainer falls back to DDP, so the functions are called directly.)"""
     out = tmp_path / "save2"
-    config = dict(ROUNDS, _dsd="accelerate")
+    config = dict(ROUNDS, _dsd=how)
     uninterrupted = train_ranks(2, out, [daemon.socket], {"zenflow": dict(config,
                                                                          _save_at=SAVE_AT)},
                                 wrap="fsdp2", steps=RESUME_STEPS)["zenflow"]
