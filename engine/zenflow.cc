@@ -147,7 +147,7 @@ DeviceFootprint PlannedFootprint(const std::vector<ParamShape>& params, const Ze
   for (const ParamShape& p : params) {
     int64_t numel = 1;
     for (int64_t d : p.shape) numel *= d;
-    const int64_t cols = p.shape.back(), rows = numel / cols;
+    const int64_t cols = p.shape.back(), rows = cols > 0 ? numel / cols : 0;
     const bool bf16 = p.dtype == DType::kBf16;
     const int64_t esize = bf16 ? 2 : 4;
     f.params += 2 * numel * esize;
@@ -425,8 +425,9 @@ struct PState {
   }
   // A split weight of a stream_gradients engine (its hot_grad is allocated at Setup).
   bool streamed() const { return kind == kSplit && !hot_grad.empty(); }
-  // Whether the parameter has a gradient in the coming Step.
-  bool has_grad() const { return staged || p.grad != nullptr; }
+  // Whether the parameter has a gradient in the coming Step (a share of no element always has
+  // its empty one: every rank of a partition then steps and scores alike).
+  bool has_grad() const { return staged || p.grad != nullptr || numel == 0; }
   kernels::GradType gtype() const { return bf16 ? GradType::kBf16 : GradType::kFp32; }
   size_t esize() const { return bf16 ? 2 : 4; }
   float* value32() const { return static_cast<float*>(p.value); }
@@ -674,7 +675,7 @@ absl::Status ZenFlowEngine::Impl::Setup() {
     ps.numel = 1;
     for (int64_t d : ps.p.shape) ps.numel *= d;
     ps.cols = ps.p.shape.back();
-    ps.rows = ps.numel / ps.cols;
+    ps.rows = ps.cols > 0 ? ps.numel / ps.cols : 0;  // a 1-D share of no element: no rows
     if (cfg.mode == OffloadMode::kSyncOffload) {
       ps.kind = PState::kOffloaded;
     } else if (cfg.mode == OffloadMode::kZenFlow && ps.p.shape.size() >= 2) {
@@ -1005,7 +1006,9 @@ absl::Status ZenFlowEngine::Impl::StageHandOver(std::vector<Move>* moves, uint32
   for (Move& mv : *moves) {
     PState& ps = *mv.ps;
     const int64_t left = static_cast<int64_t>(mv.leaving.size() - mv.done);
-    const int64_t fit = static_cast<int64_t>((staging_cap - used) / (4 * ps.rows));
+    // (a share of no rows moves its columns' indices only: no staging to fit)
+    const int64_t fit = ps.rows == 0 ? left
+                                     : static_cast<int64_t>((staging_cap - used) / (4 * ps.rows));
     if (left == 0 || fit == 0) continue;
     Batch b;
     b.mv = &mv;
@@ -1509,11 +1512,14 @@ absl::StatusOr<std::unique_ptr<ZenFlowEngine>> ZenFlowEngine::Create(
     if (p.name.empty() || !names.insert(p.name).second)
       return Invalid(field + ".name", absl::StrCat("'", p.name, "' is empty or a duplicate"));
     if (p.shape.empty()) return Invalid(field + ".shape", "no dimensions");
+    // The leading dimension may be 0: a rank's empty share of a parameter (FSDP2 leaves the
+    // last ranks none of a parameter with fewer rows than ranks). Such a parameter takes part
+    // in everything by its columns (its scores are zeros) and holds no element.
     for (size_t d = 0; d < p.shape.size(); ++d)
-      if (p.shape[d] < 1)
+      if (p.shape[d] < (d == 0 ? 0 : 1))
         return Invalid(absl::StrCat(field, ".shape[", d, "]"),
-                       absl::StrCat(p.shape[d], " is not >= 1"));
-    if (p.value == nullptr) return Invalid(field + ".value", "null");
+                       absl::StrCat(p.shape[d], " is not >= ", d == 0 ? 0 : 1));
+    if (p.value == nullptr && p.shape[0] > 0) return Invalid(field + ".value", "null");
     impl->index[p.name] = i;
     PState ps;
     ps.p = p;
@@ -1913,7 +1919,7 @@ void ZenFlowEngine::Impl::ApplyBlobParam(PState& ps, const EngineBlobParam& bp, 
 absl::Status ZenFlowEngine::SetBuffers(size_t index, void* value, const void* grad) {
   if (index >= impl_->params.size())
     return Invalid("index", absl::StrCat(index, " is not below ", impl_->params.size()));
-  if (value == nullptr) return Invalid("value", "null");
+  if (value == nullptr && impl_->params[index].numel > 0) return Invalid("value", "null");
   impl_->params[index].p.value = value;
   impl_->params[index].p.grad = grad;
   return absl::OkStatus();

@@ -234,11 +234,13 @@ absl::StatusOr<int64_t> CheckpointParamNumel(const v1::CheckpointHeader::Param& 
   if (p.spec().shape_size() == 0 || p.spec().shape_size() > 8)
     return absl::DataLossError(absl::StrCat("parameter '", p.spec().name(), "': ",
                                             p.spec().shape_size(), " dimensions, not 1 to 8"));
+  // The leading dimension may be 0, as a session's (a rank's share of no rows).
   int64_t numel = 1;
-  for (int64_t d : p.spec().shape()) {
-    if (d < 1 || d > (int64_t{1} << 40))
+  for (int i = 0; i < p.spec().shape_size(); ++i) {
+    const int64_t d = p.spec().shape(i), least = i == 0 ? 0 : 1;
+    if (d < least || d > (int64_t{1} << 40))
       return absl::DataLossError(absl::StrCat("parameter '", p.spec().name(), "': dimension ", d,
-                                              " is outside [1, 2^40]"));
+                                              " is outside [", least, ", 2^40]"));
     // numel * 16 (its four fp32 arrays) must fit too: numel <= INT64_MAX / 16.
     if (__builtin_mul_overflow(numel, d, &numel) || numel > INT64_MAX / 16)
       return absl::DataLossError(absl::StrCat("parameter '", p.spec().name(),

@@ -555,6 +555,7 @@ std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePla
     h.columns.insert(h.columns.end(), plan.columns.begin(), plan.columns.end());
     h.steps.insert(h.steps.end(), plan.steps.begin(), plan.steps.end());
     h.blocks.emplace_back(3 * p.rows * n);
+    h.counts.push_back(n);
     blocks[i] = h.blocks.back().data();
     for (int64_t c : plan.columns) results[i].steps.push_back(col_steps_[plan.param][c]);
     results[i].pushes = pushes;
@@ -603,8 +604,9 @@ void OffloadSession::LandHandovers(uint16_t* out16, float* out32) {
     const HandedOver& h = handed_over_[i];
     const ParamLayout& p = layout_->params[i];
     size_t first = 0;  // h.columns[first..] belong to the current block
-    for (const std::vector<float>& block : h.blocks) {
-      const int64_t n = static_cast<int64_t>(block.size()) / (3 * p.rows);
+    for (size_t b = 0; b < h.blocks.size(); ++b) {
+      const std::vector<float>& block = h.blocks[b];
+      const int64_t n = h.counts[b];
       AddRowSpans(items.size(), p.rows, n, &spans);
       items.push_back({i, h.columns.data() + first, n, block.data()});
       first += n;

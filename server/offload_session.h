@@ -440,7 +440,8 @@ class OffloadSession {
   // writes after its pass (LandHandovers).
   struct HandedOver {
     std::vector<int64_t> columns, steps;
-    std::vector<std::vector<float>> blocks;
+    std::vector<std::vector<float>> blocks;  // per call: [3][rows][n] master, m, v
+    std::vector<int64_t> counts;             // per call: its n columns (rows may be 0)
   };
   std::vector<HandedOver> handed_over_;
   // On the strand: writes the handed-over columns' state and step counts, and their values to

@@ -52,12 +52,17 @@ absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req)
           absl::StrCat(field, ".name: duplicate parameter '", p.name(), "'"));
     if (p.shape_size() == 0 || p.shape_size() > 8)
       return absl::InvalidArgumentError(field + ".shape: needs 1 to 8 dimensions");
+    // The leading dimension may be 0: a data-parallel rank's empty share of a parameter
+    // (FSDP2 gives the last ranks none of a parameter with fewer rows than ranks), registered
+    // so that the session's parameters are the same list on every rank; it holds nothing.
     int64_t numel = 1;
     for (int d = 0; d < p.shape_size(); ++d) {
-      if (p.shape(d) < 1 || p.shape(d) > kMaxNumel || numel > kMaxNumel / p.shape(d))
+      const int64_t least = d == 0 ? 0 : 1;
+      if (p.shape(d) < least || p.shape(d) > kMaxNumel ||
+          (p.shape(d) > 0 && numel > kMaxNumel / p.shape(d)))
         return absl::InvalidArgumentError(absl::StrCat(
-            field, ".shape[", d, "]: ", p.shape(d),
-            " is not a dimension >= 1, or the parameter exceeds 2^40 elements"));
+            field, ".shape[", d, "]: ", p.shape(d), " is not a dimension >= ", least,
+            ", or the parameter exceeds 2^40 elements"));
       numel *= p.shape(d);
     }
     if (p.grad_dtype() != v1::DTYPE_FP32 && p.grad_dtype() != v1::DTYPE_BF16)
@@ -70,7 +75,7 @@ absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req)
     info.elem_offset = elems;
     info.grad_offset = grad_bytes;
     info.cols = p.shape(p.shape_size() - 1);
-    info.rows = numel / info.cols;
+    info.rows = info.cols > 0 ? numel / info.cols : 0;
     max_rows = std::max<uint64_t>(max_rows, static_cast<uint64_t>(info.rows));
     uint64_t padded, padded_bytes;
     if (!AlignUp(static_cast<uint64_t>(numel), kElemAlign, &padded) ||

@@ -85,20 +85,10 @@ def _fsdp2_groups(members, where):
                         "(%s): put each mesh's parameters in param groups of their own"
                         % (where, name, tuple(p.placements), name0, tuple(p0.placements)))
     mesh = p0.device_mesh
+    # FSDP2 cuts dimension 0 as torch.chunk does, so a parameter with fewer rows there than its
+    # chunks need leaves the last ranks an empty local shard: their engines hold it with no rows
+    # and take part in its collectives (zero scores) all the same.
     shard = mesh.get_group(mesh.ndim - 1)
-    world = torch.distributed.get_world_size(shard)
-    for name, p in members:
-        # FSDP2 cuts dim 0 as torch.chunk does: ceil(d0 / L) rows a rank, so the last ranks
-        # get none where L - 1 chunks already cover d0 (the same answer on every rank).
-        d0 = p.shape[0]
-        chunk = -(-d0 // world)
-        if (world - 1) * chunk >= d0:
-            raise Error(
-                "%s: parameter '%s' (shape %s) has %d rows in dimension 0, too few for FSDP2's "
-                "%d shards: ranks %d..%d of the shard group hold none of it, which ZenFlowAdamW "
-                "does not take yet. Keep it out of this optimizer (a torch.optim.AdamW over the "
-                "small parameters steps their DTensors), or shard it over fewer ranks"
-                % (where, name, list(p.shape), d0, world, -(-d0 // chunk), world - 1))
     if mesh.ndim == 1:
         return shard, None
     return shard, mesh.get_group(0)

@@ -551,6 +551,62 @@ TEST_F(ZenFlowTest, FrontEndBuffersAbsentGradientsAndDeviceOnlyGroups) {
   }
 }
 
+// A rank's share of no rows (FSDP2 gives the last ranks none of a parameter with fewer rows in
+// dimension 0 than ranks): a split-wide [0, 24] and a [0] parameter among the others, through a
+// real daemon, with rounds, reselections (handovers of no rows), a checkpoint and a restore.
+// They hold nothing and change nothing: every other parameter ends bit for bit as in the engine
+// without them, the empty weight keeps a hot set of its columns (the same size as w1's: its
+// scores are zeros, so any), and the daemon neither refuses nor divides by zero (a handover of
+// no rows divided by its rows; a 1-D share of no elements by its columns).
+TEST_F(ZenFlowTest, SharesOfNoRowsChangeNothing) {
+  const int seed = 10;
+  ZenFlowConfig cfg = Config(OffloadMode::kZenFlow, 4, 4, false);
+  std::vector<std::vector<Tensor>> models;
+  for (const bool with_empty : {false, true}) {
+    SCOPED_TRACE(with_empty ? "with shares of no rows" : "without");
+    std::vector<Tensor> model = MakeModel(seed);
+    if (with_empty) {
+      model.insert(model.begin() + 1, Tensor{"empty2d", {0, 24}, {}, {}});
+      model.push_back(Tensor{"empty1d", {0}, {}, {}});
+    }
+    std::unique_ptr<SessionTarget> session =
+        NewSession(with_empty ? "empty-shares" : "no-empty-shares");
+    auto engine = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
+                                        kernels::CpuOps(), session.get());
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    for (int64_t t = 1; t <= 10; ++t) {
+      FillGrads(&model, t, seed);
+      ASSERT_TRUE((*engine)->Step(Lr(t)).ok()) << "step " << t;
+    }
+    absl::StatusOr<ZenFlowEngine::Snapshot> state = (*engine)->CheckpointBytes();
+    ASSERT_TRUE(state.ok()) << state.status();
+    std::unique_ptr<SessionTarget> again =
+        NewSession(with_empty ? "empty-shares-2" : "no-empty-shares-2");
+    auto restored = ZenFlowEngine::Create(cfg, Params(&model), kernels::DefaultCpuKernel(),
+                                          kernels::CpuOps(), again.get());
+    ASSERT_TRUE(restored.ok()) << restored.status();
+    absl::Status back = (*restored)->RestoreBytes(state->engine, state->daemon);
+    ASSERT_TRUE(back.ok()) << back;
+    for (int64_t t = 11; t <= 14; ++t) {
+      FillGrads(&model, t, seed);
+      ASSERT_TRUE((*restored)->Step(Lr(t)).ok()) << "step " << t;
+    }
+    ASSERT_TRUE((*restored)->Flush().ok());
+    if (with_empty) {
+      EXPECT_TRUE((*restored)->Splits(1));
+      auto hot = (*restored)->HotColumns("empty2d");
+      ASSERT_TRUE(hot.ok());
+      EXPECT_EQ(hot->size(), (*restored)->HotColumns("w1")->size());
+      model.erase(model.begin() + 1);
+      model.pop_back();
+    }
+    models.push_back(model);
+  }
+  for (size_t i = 0; i < models[0].size(); ++i)
+    EXPECT_EQ(0, memcmp(models[0][i].value.data(), models[1][i].value.data(),
+                        models[0][i].value.size() * 4)) << models[0][i].name;
+}
+
 // A backend that checks the device binding: every call it gets from a thread other than the one
 // that made it (the caller's, which the front-end binds: torch.cuda.device around each engine
 // call) must come after BindDevice on that thread, as CUDA needs (a new thread starts on device

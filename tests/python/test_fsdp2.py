@@ -10,13 +10,10 @@ models.PARAM_ATOL / LOSS_RTOL (FSDP2 adds only the rounding of averaging L parti
 gradients, as DDP does), and the zenflow defaults equal the one process within
 test_partition.DEFAULTS_LOSS_RTOL.
 """
-import json
-
 import pytest
 import torch
 
 import models
-from conftest import run_ranks
 from models import LOSS_RTOL, PARAM_ATOL
 from test_partition import (DEFAULTS_LOSS_RTOL, DEFAULTS_STEPS, EXACT, FIXED_ROUND, SEED, STEPS,
                             assert_equals_adamw, assert_ranks_agree, train_ranks)
@@ -35,16 +32,25 @@ MIXED = {"adamw": dict(_adamw=True), "calib": dict(_adamw=True, _lr_scale=1 + 1e
 BF16_MODES = ("no-offload", "sync-offload", "zenflow-S1")
 # One step of three 256 x 256 weights, for the daemon's pinned bytes (test_one_copy_per_node).
 WIDE = {"wide": dict(mode="zenflow", _width=256, _steps=1)}
+LLAMA_ROUNDS = dict(update_interval=4, warmup_steps=4)  # rounds from step 5, bf16 transfers
+# test_llama_under_fully_shard's runs, in the 2- and 4-rank FSDP2 launches.
+LLAMA = {"llama-" + k: dict(v, _llama=True) for k, v in {
+    "adamw": dict(_adamw=True), "lr-off": dict(_adamw=True, _lr_scale=1.01),
+    "sync-offload": EXACT["sync-offload"], "zenflow-S1": EXACT["zenflow-S1"],
+    "rounds": LLAMA_ROUNDS}.items()}
+# test_a_parameter_some_ranks_hold_none_of's runs, in the 4-rank FSDP2 launch.
+ODD = {"odd-" + k: v for k, v in EXACT.items() if v.get("_odd")}
 
 
 @pytest.fixture(scope="module")
 def two_ranks(daemon, tmp_path_factory):
     """The 2-rank FSDP2 runs of STEPS steps, in one launch: the exact configurations, under
-    MixedPrecisionPolicy with their AdamW references, and a bf16 model's."""
+    MixedPrecisionPolicy with their AdamW references, a bf16 model's, and LLAMA."""
     runs = dict(EXACT_PLAIN)
     runs.update({"mp-" + k: dict(v, _mp=True) for k, v in MIXED.items()})
     runs.update({"bf16-" + m: dict(EXACT[m] if m in EXACT else dict(mode=m), _bf16=True)
                  for m in BF16_MODES})
+    runs.update(LLAMA)
     return train_ranks(2, tmp_path_factory.mktemp("fsdp2-2"), [daemon.socket], runs,
                        wrap="fsdp2")
 
@@ -52,12 +58,12 @@ def two_ranks(daemon, tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_ranks(daemon, tmp_path_factory):
     """The 4-rank runs of STEPS steps: HSDP (2 x 2) with the exact configurations; FSDP2 with
-    them on TinyLM of width 66 (uneven chunks); each with WIDE."""
+    them on TinyLM of width 66 (uneven chunks), LLAMA and ODD; each with WIDE."""
     hsdp = train_ranks(4, tmp_path_factory.mktemp("hsdp-4"), [daemon.socket],
                        dict(EXACT_PLAIN, **WIDE), wrap="hsdp")
     uneven = train_ranks(4, tmp_path_factory.mktemp("fsdp2-4"), [daemon.socket],
-                         dict({k: dict(v, _width=66) for k, v in EXACT_PLAIN.items()}, **WIDE),
-                         wrap="fsdp2")
+                         dict({k: dict(v, _width=66) for k, v in EXACT_PLAIN.items()}, **WIDE,
+                              **LLAMA, **ODD), wrap="fsdp2")
     return {"hsdp": hsdp, "fsdp2": uneven}
 
 
@@ -72,8 +78,8 @@ def test_exact_configurations_equal_adamw_on_the_whole_batch(two_ranks, four_ran
 
 
 def test_zenflow_defaults_equal_one_process(daemon, tmp_path):
-    """The zenflow defaults (rounds of 4 after the warm-up, bf16 transfers) on FSDP2 with 2 and 4
-    ranks and on HSDP (2 x 2) equal the one process on the whole batch within the defaults'
+    """The zenflow defaults (rounds of 4 after the warm-up, bf16 transfers) on FSDP2 with 2 ranks
+    and on HSDP (2 x 2) equal the one process on the whole batch within the defaults'
     tolerance (test_partition.py's), with the same hot columns as it at every step."""
     from stallfree.torch import ZenFlowAdamW
 
@@ -83,7 +89,7 @@ def test_zenflow_defaults_equal_one_process(daemon, tmp_path):
 
     ref = models.train(lambda g: ZenFlowAdamW(g, socket=daemon.socket, **FIXED_ROUND),
                        DEFAULTS_STEPS, seed=SEED, after_step=record_hot)
-    for wrap, world in (("fsdp2", 2), ("fsdp2", 4), ("hsdp", 4)):
+    for wrap, world in (("fsdp2", 2), ("hsdp", 4)):  # 4 FSDP2 ranks: test_llama_under_...
         ranks = train_ranks(world, tmp_path / f"{wrap}{world}", [daemon.socket],
                             {"defaults": FIXED_ROUND}, wrap=wrap,
                             steps=DEFAULTS_STEPS)["defaults"]
@@ -106,18 +112,17 @@ def test_uneven_shards(four_ranks):
         assert_equals_adamw(ranks, ref)
 
 
-def test_a_parameter_some_ranks_hold_none_of_is_refused_on_every_rank(daemon, tmp_path):
-    """TinyLM(odd=True) on 4 FSDP2 ranks: its [2, 3, d] weight has 2 rows in dimension 0, so
-    ranks 2 and 3 hold none of it (the model's cube, the first parameter of its first group).
-    Every rank refuses it at construction, naming it (none waits
-    in a collective for the others)."""
-    runs = {"odd": dict(EXACT["zenflow-S1"], _odd=True)}
-    codes, outputs = run_ranks("dp_worker.py", 4, [STEPS, SEED, tmp_path, daemon.socket,
-                                                   json.dumps(runs), "fsdp2"],
-                               tmp_path, expect=[1, 1, 1, 1])
-    for out in outputs:
-        assert "parameter 'param_groups[0][0]' (shape [2, 3, 32]) has 2 rows in dimension 0, " \
-               "too few for FSDP2's 4 shards: ranks 2..3" in out, out[-2000:]
+def test_a_parameter_some_ranks_hold_none_of(four_ranks):
+    """TinyLM(odd=True) on 4 ranks: FSDP2 over 4 gives ranks 2 and 3 none of its [2, 3, d] and
+    [2, d] weights and ranks 1-3 none of its one-element scale. Those ranks' engines (and daemon
+    sessions) hold them with no rows (zero scores in the shard group's sum): the exact
+    configurations equal AdamW on the whole batch, with the same hot columns on every rank."""
+    ref = models.train(models.adamw_factory(), STEPS, seed=SEED,
+                       model=models.make_model(SEED, odd=True))
+    for run in ODD:
+        ranks = four_ranks["fsdp2"][run]
+        assert_ranks_agree(ranks)
+        assert_equals_adamw(ranks, ref)
 
 
 def test_mixed_precision_policy_equals_adamw_on_the_same_model(two_ranks):
@@ -261,33 +266,31 @@ def test_torch_full_state_dict_of_2_ranks_resumes(daemon, tmp_path):
         assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
 
 
-@pytest.mark.parametrize("how", ["accelerate", "trainer"])
-def test_accelerate_fsdp2_checkpoint_functions_resume_bit_for_bit(daemon, tmp_path, how):
+def test_accelerate_fsdp2_checkpoint_functions_resume_bit_for_bit(daemon, tmp_path):
     """accelerate's FSDP2 checkpointing (save_fsdp_optimizer / load_fsdp_optimizer with its
     FSDP2 plugin, FULL_STATE_DICT as the Trainer sets it: rank 0 writing, rank 0 reading and
-    broadcasting),
-    what a Hugging Face Trainer or accelerate's save_state call under FSDP2, on 2 ranks mid-round:
-    the optimizer consolidates itself when save_fsdp_optimizer asks for its state, so the file
-    holds both ranks' shares, and 2 ranks continue bit for bit. "trainer": a Hugging Face
+    broadcasting), what a Hugging Face Trainer or accelerate's save_state call under FSDP2, on 2
+    ranks mid-round: the optimizer consolidates itself when save_fsdp_optimizer asks for its
+    state, so the file holds both ranks' shares, and 2 ranks continue bit for bit. "trainer": a
+    Hugging Face
     Trainer's callback has consolidated before (every rank), and save_fsdp_optimizer must not
     consolidate again (rank 0 would not take part: a hang). (accelerate enables FSDP on GPUs
     only: on CPU ranks its Trainer falls back to DDP, so the functions are called directly.)"""
     out = tmp_path / "save2"
-    config = dict(ROUNDS, _dsd=how)
-    uninterrupted = train_ranks(2, out, [daemon.socket], {"zenflow": dict(config,
-                                                                         _save_at=SAVE_AT)},
-                                wrap="fsdp2", steps=RESUME_STEPS)["zenflow"]
-    resumed = train_ranks(2, tmp_path / "load", [daemon.socket], {"zenflow": dict(
-        config, _resume={"dir": str(out), "run": "zenflow", "world": 2, "step": SAVE_AT})},
-        wrap="fsdp2", steps=RESUME_STEPS)["zenflow"]
-    assert_ranks_agree(resumed)
-    for r, u in zip(resumed, uninterrupted):
-        assert r["losses"] == u["losses"][SAVE_AT:]
-    for name, p in uninterrupted[0]["params"].items():
-        assert torch.equal(resumed[0]["params"][name], p), name
+    runs = {how: dict(ROUNDS, _dsd=how) for how in ("accelerate", "trainer")}
+    uninterrupted = train_ranks(2, out, [daemon.socket],
+                                {k: dict(v, _save_at=SAVE_AT) for k, v in runs.items()},
+                                wrap="fsdp2", steps=RESUME_STEPS)
+    resumed = train_ranks(2, tmp_path / "load", [daemon.socket], {
+        k: dict(v, _resume={"dir": str(out), "run": k, "world": 2, "step": SAVE_AT})
+        for k, v in runs.items()}, wrap="fsdp2", steps=RESUME_STEPS)
+    for how in runs:
+        assert_ranks_agree(resumed[how])
+        for r, u in zip(resumed[how], uninterrupted[how]):
+            assert r["losses"] == u["losses"][SAVE_AT:], how
+        for name, p in uninterrupted[how][0]["params"].items():
+            assert torch.equal(resumed[how][0]["params"][name], p), (how, name)
 
-
-LLAMA_ROUNDS = dict(update_interval=4, warmup_steps=4)  # rounds from step 5, bf16 transfers
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +312,7 @@ def llama_one_process(daemon):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_llama_under_fully_shard(daemon, tmp_path, llama_one_process, world):
+def test_llama_under_fully_shard(two_ranks, four_ranks, llama_one_process, world):
     """A LlamaForCausalLM, each decoder layer and the root a fully_shard unit, on 2 and 4 FSDP2
     ranks. sync-offload and exact zenflow (S = 1 awaited, fp32 transfers) equal
     torch.optim.AdamW on the same FSDP2 model within PARAM_ATOL / LOSS_RTOL (the kernels'
@@ -317,11 +320,8 @@ def test_llama_under_fully_shard(daemon, tmp_path, llama_one_process, world):
     transfers equal the one process on the whole batch within 5x the effect of a 1e-6 lr
     perturbation of that run (calibrated here: the FSDP2 ranks differ only in summation order),
     with the same hot columns on every rank and as the one process."""
-    runs = {"adamw": dict(_adamw=True), "lr-off": dict(_adamw=True, _lr_scale=1.01),
-            "sync-offload": EXACT["sync-offload"], "zenflow-S1": EXACT["zenflow-S1"],
-            "rounds": LLAMA_ROUNDS}
-    result = train_ranks(world, tmp_path, [daemon.socket],
-                         {k: dict(v, _llama=True) for k, v in runs.items()}, wrap="fsdp2")
+    launch = two_ranks if world == 2 else four_ranks["fsdp2"]
+    result = {k[len("llama-"):]: launch[k] for k in LLAMA}
     ref = result["adamw"][0]
 
     def worst(run):
