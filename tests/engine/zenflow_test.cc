@@ -295,7 +295,7 @@ TEST_F(ZenFlowTest, RoundsWithReselectionEqualThePerColumnAlgorithm) {
 // update_interval auto (W = 2, so it chooses at steps 2, 18, ...): a daemon whose Update takes
 // 200 ms against a caller that computes nothing gets the longest round (4, the bound; 3 with
 // max_update_interval 3), and then runs exactly the fixed S = 4 schedule, bit for bit; one
-// whose Update takes 1 us against a caller computing 40 ms a step keeps rounds of 1, exactly
+// whose Update takes 1 us against a caller computing 100 ms a step keeps rounds of 1, exactly
 // the fixed S = 1 run. The state of an automatic round restores into an automatic engine only.
 TEST_F(ZenFlowTest, AutomaticRoundFollowsTheDaemonsPaceAndRestores) {
   const int seed = 6;
@@ -303,7 +303,9 @@ TEST_F(ZenFlowTest, AutomaticRoundFollowsTheDaemonsPaceAndRestores) {
     double update_s, sleep_ms;
     int64_t max, want;
   };
-  for (const Case& k : {Case{0.2, 0, 4, 4}, Case{0.2, 0, 3, 3}, Case{1e-6, 40, 4, 1}}) {
+  // (The third caller computes 100 ms a step: at 40 ms a loaded machine under ASan made the
+  // engine's own waits, 2.7 ms a step, exceed the 5% of compute that lengthens a round.)
+  for (const Case& k : {Case{0.2, 0, 4, 4}, Case{0.2, 0, 3, 3}, Case{1e-6, 100, 4, 1}}) {
     SCOPED_TRACE(absl::StrCat("update ", k.update_s, " s, max ", k.max));
     ZenFlowConfig autoc = Config(OffloadMode::kZenFlow, 0, 0, false);
     autoc.warmup_steps = 2;
