@@ -29,22 +29,15 @@ Figures, each run's own:
   round boundaries, the column scores at selections, and with reduce_gradients the
   reduce-scatter instead of DDP).
 """
-import argparse
-import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-try:  # PYTHONPATH's stallfree, else the Bazel-built package of this checkout
-    import stallfree  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.join(ROOT, "bazel-bin", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _ranks  # noqa: E402  (also makes this checkout's stallfree importable)
+figure = _ranks.figure
 
 ROWS_PER_RANK = 16
 
@@ -57,10 +50,7 @@ def worker(args):
     import stallfree
     from stallfree.torch import ZenFlowAdamW
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % args.port, rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    rank, world = _ranks.init(args.port, 120)
     torch.manual_seed(0)
     w = args.width
     model = torch.nn.Sequential(torch.nn.Linear(w, w, bias=False), torch.nn.Tanh(),
@@ -109,26 +99,9 @@ def worker(args):
 
 
 def launch(run, world, args, socket):
-    import socket as so
-    with so.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tempfile.mktemp(suffix=".json")
-    import stallfree
-    package = os.path.dirname(os.path.dirname(os.path.abspath(stallfree.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]),
-               WORLD_SIZE=str(world))
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
-                               "--run", run, "--port", str(port), "--socket", socket,
-                               "--width", str(args.width), "--steps", str(args.steps),
-                               "--out", out], env=dict(env, RANK=str(r)))
-             for r in range(world)]
-    codes = [p.wait(timeout=900) for p in procs]
-    if codes != [0] * world:
-        sys.exit("dp_bench: run %s L=%d: ranks exited %s" % (run, world, codes))
-    with open(out) as f:
-        ranks = json.load(f)
-    os.unlink(out)
+    ranks = _ranks.launch(__file__, "dp_bench: run %s" % run, world, [
+        "--run", run, "--socket", socket, "--width", str(args.width),
+        "--steps", str(args.steps)])
     r0 = ranks[0]
     res = {"pinned_per_param": r0["pinned"] / r0["params"],
            "pushed_per_rank": statistics.mean(r["pushed"] for r in ranks),
@@ -140,28 +113,13 @@ def launch(run, world, args, socket):
     return res
 
 
-def figure(name, value, unit):
-    print("FIGURE %s %.4g %s" % (name, value, unit), flush=True)
-
-
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--run", "--socket", "--out"):
-        p.add_argument(hidden, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = _ranks.arguments(__doc__, 24)
     if args.worker:
         return worker(args)
-    import stallfree
-    with tempfile.TemporaryDirectory() as state, \
-            stallfree.Daemon(state_dir=state, threads=1) as daemon:
-        runs = {}
-        for run, world in (("partitioned", 1), ("partitioned", 2), ("partitioned", 4),
-                           ("replicated", 4), ("reduce", 4)):
-            runs[run, world] = launch(run, world, args, daemon.socket)
+    runs = _ranks.runs(lambda run, world, socket: launch(run, world, args, socket),
+                       (("partitioned", 1), ("partitioned", 2), ("partitioned", 4),
+                        ("replicated", 4), ("reduce", 4)))
     one = runs["partitioned", 1]
     for world in (1, 2, 4):
         figure("dp_host_bytes_per_param_L%d" % world, runs["partitioned", world][

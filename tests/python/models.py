@@ -197,6 +197,13 @@ def train(opt_factory, steps, seed=0, *, model=None, rows=None, total_steps=None
     return TrainResult(losses, snapshot(model), extra)
 
 
+def record_hot(step, model, opt, extra):
+    """An after_step of train(): every 2-D weight's hot columns after each step, in
+    extra["hot"]."""
+    extra.setdefault("hot", []).append(
+        {n: opt.hot_columns(p) for n, p in model.named_parameters() if p.dim() == 2})
+
+
 def plain_steps(model, opt, steps, seed=0):
     """Steps 1..steps of the run `seed` with an existing optimizer, no scheduler; the losses."""
     losses = []

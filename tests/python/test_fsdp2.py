@@ -83,12 +83,8 @@ def test_zenflow_defaults_equal_one_process(daemon, tmp_path):
     tolerance (test_partition.py's), with the same hot columns as it at every step."""
     from stallfree.torch import ZenFlowAdamW
 
-    def record_hot(step, model, opt, extra):
-        extra.setdefault("hot", []).append(
-            {n: opt.hot_columns(p) for n, p in model.named_parameters() if p.dim() == 2})
-
     ref = models.train(lambda g: ZenFlowAdamW(g, socket=daemon.socket, **FIXED_ROUND),
-                       DEFAULTS_STEPS, seed=SEED, after_step=record_hot)
+                       DEFAULTS_STEPS, seed=SEED, after_step=models.record_hot)
     for wrap, world in (("fsdp2", 2), ("hsdp", 4)):  # 4 FSDP2 ranks: test_llama_under_...
         ranks = train_ranks(world, tmp_path / f"{wrap}{world}", [daemon.socket],
                             {"defaults": FIXED_ROUND}, wrap=wrap,
@@ -299,15 +295,11 @@ def llama_one_process(daemon):
     lr 1e-6 relative higher (the calibration of the bound below), with the hot columns."""
     from stallfree.torch import ZenFlowAdamW
 
-    def record_hot(step, model, opt, extra):
-        extra.setdefault("hot", []).append(
-            {n: opt.hot_columns(p) for n, p in model.named_parameters() if p.dim() == 2})
-
     def run(scale):
         return models.train(
             lambda g: ZenFlowAdamW([dict(x, lr=x["lr"] * scale) for x in g],
                                    socket=daemon.socket, **LLAMA_ROUNDS),
-            STEPS, seed=SEED, model=models.LlamaLM(SEED), after_step=record_hot)
+            STEPS, seed=SEED, model=models.LlamaLM(SEED), after_step=models.record_hot)
     return run(1.0), run(1 + 1e-6)
 
 

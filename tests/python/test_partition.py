@@ -357,15 +357,11 @@ FIXED_ROUND = dict(update_interval=4, warmup_steps=20)
 def test_zenflow_defaults_equal_one_process(daemon, tmp_path):
     from stallfree.torch import ZenFlowAdamW
 
-    def record_hot(step, model, opt, extra):
-        extra.setdefault("hot", []).append(
-            {n: opt.hot_columns(p) for n, p in model.named_parameters() if p.dim() == 2})
-
     def single(lr_scale):
         return models.train(
             lambda g: ZenFlowAdamW([dict(x, lr=x["lr"] * lr_scale) for x in g],
                                    socket=daemon.socket, **FIXED_ROUND),
-            DEFAULTS_STEPS, seed=SEED, after_step=record_hot)
+            DEFAULTS_STEPS, seed=SEED, after_step=models.record_hot)
 
     def loss_diff(losses, ref):
         return max(models.rel_diff(a, b) for a, b in zip(losses, ref.losses))
