@@ -98,8 +98,10 @@ def _all_reduce_scores(shards, name, view):
     """The data-parallel ranks of a partitioned group sum each weight's column scores before
     top-k (each rank's scores are its row block's; their sum is the whole weight's), so that all
     of them select the same hot columns (the ScoreReduce hook of the engine). A replicated
-    weight's scores are the same on every rank already. The hook also sums, under the name "",
-    the figures an automatic round's length is chosen from, so every rank chooses the same."""
+    weight's scores are the same on every rank already. Under FSDP2 the ranks of the shard
+    group hold other rows of every weight (an empty shard's scores are zeros): the scores are
+    summed over it first. The hook also sums, under the name "", the figures an automatic
+    round's length is chosen from, so every rank chooses the same."""
     scores = torch.frombuffer(view, dtype=torch.float32)
     what = ("the column scores of '%s'" % name if name else
             "the automatic round's figures (update_interval auto)")

@@ -63,8 +63,8 @@ def _connect(socket, explicit, rpc_timeout=0.0):
 
 def _unsupported_kind(p):
     """Why ZenFlowAdamW cannot take tensor `p` (None if it can): the engine works on a dense,
-    plain tensor's own memory, so tensor subclasses whose data_ptr is not the whole value
-    (DTensor of FSDP2 and tensor parallelism, lazy modules' uninitialized parameters, ...)
+    plain tensor's own memory (an FSDP2 DTensor's local rows), so tensor subclasses whose
+    data_ptr is not that (tensor-parallel DTensors, lazy modules' uninitialized parameters, ...)
     are named here instead of failing inside data_ptr()."""
     if isinstance(p, torch.nn.parameter.UninitializedParameter):
         return ("an uninitialized parameter of a lazy module: run one forward pass before "
@@ -200,12 +200,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     builds with the CUDA backend), each gradient of its parameter's dtype, all of a group on one
     device. A bf16 parameter's fp32 master is the optimizer's (on the device for its hot columns
     and wholly-on-device parameters, in the daemon for its cold columns; in the state dict), and
-    its bf16 value is always that master rounded to nearest even. Tensor subclasses (DTensor, ...) are
-    refused naming the parameter. requires_grad=False parameters are left out. A parameter
-    whose .grad is None in a step is skipped, as torch.optim.AdamW skips it: no step, no decay
-    (in zenflow its cold columns' round gradient, the sum of the round's gradients over
-    update_interval, gets nothing from that step, and a round without any gradient leaves them
-    unchanged). `params` may also be (name, tensor) pairs (model.named_parameters()): torch
+    its bf16 value is always that master rounded to nearest even. FSDP2's DTensors (fully_shard:
+    Shard(0) on a 1-D mesh, or (Replicate(), Shard(0)) under HSDP) are taken: each rank's engine
+    works on its local rows with the gradient FSDP2 reduce-scattered, the ranks sum their column
+    scores over the shard group, and under HSDP the replicas partition their rows as over
+    process_group below (the mesh, not process_group, decides). Other tensor subclasses
+    (tensor-parallel DTensors, ...) are refused naming the parameter. requires_grad=False
+    parameters are left out. A parameter whose .grad is None in a step is skipped, as
+    torch.optim.AdamW skips it: no step, no decay (in zenflow its cold columns' round gradient,
+    the sum of the round's gradients over update_interval, gets nothing from that step, and a
+    round without any gradient leaves them unchanged). `params` may also be (name, tensor) pairs (model.named_parameters()): torch
     keeps the names as each group's "param_names"; they name parameters in messages and are
     checked by load_state_dict.
 
