@@ -209,9 +209,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     parameters are left out. A parameter whose .grad is None in a step is skipped, as
     torch.optim.AdamW skips it: no step, no decay (in zenflow its cold columns' round gradient,
     the sum of the round's gradients over update_interval, gets nothing from that step, and a
-    round without any gradient leaves them unchanged). `params` may also be (name, tensor) pairs (model.named_parameters()): torch
-    keeps the names as each group's "param_names"; they name parameters in messages and are
-    checked by load_state_dict.
+    round without any gradient leaves them unchanged). `params` may also be (name, tensor)
+    pairs (model.named_parameters()): torch keeps the names as each group's "param_names"; they
+    name parameters in messages and are checked by load_state_dict.
 
     On CUDA each step runs in the order of the stream current at that step (its engine works on
     a stream of its own, which waits for the current stream and is waited for by it).
