@@ -1,8 +1,8 @@
 // A bounded randomized client against a real stallfreed (under --config=asan in `make test`, a
 // daemon built with AddressSanitizer and UBSan): >= 5,000 requests from fixed seeds, each an RPC
 // with hostile field values (offset + length overflow, 2^63, NaN / inf hyper-parameters and
-// scales, path-like and NUL-containing tags and names, wrong tokens and ids, out-of-order calls,
-// raw garbage bodies). Every answer must carry a code that offload.proto documents for requests
+// scales, parameters of no rows, path-like and NUL-containing tags and names, wrong tokens and
+// ids, out-of-order calls, raw garbage bodies). Every answer must carry a code that offload.proto documents for requests
 // (INTERNAL would mean a system call failed), the daemon must still be running, and afterwards a
 // good session must train normally: one AdamW step gives the value computed here by hand.
 #include <signal.h>
@@ -255,8 +255,10 @@ class Fuzzer {
     v1::ParamSpec s;
     s.set_name(Name());
     const int dims = Pick(10);
-    for (int d = 0; d < dims; ++d)
-      s.add_shape(Pick(3) ? static_cast<int64_t>(1 + Pick(64)) : I64());
+    for (int d = 0; d < dims; ++d)  // a leading 0 at times: a rank's share of no rows
+      s.add_shape(d == 0 && Pick(6) == 0 ? 0
+                  : Pick(3)                ? static_cast<int64_t>(1 + Pick(64))
+                                           : I64());
     s.set_grad_dtype(static_cast<v1::DType>(Pick(5)));
     return s;
   }
