@@ -193,6 +193,8 @@ run torch_tests 150 bash -c 'if ! "$0" -c "import torch, sys; sys.exit(not torch
   STALLFREE_TEST_DEVICE=cuda exec "$0" -m pytest -q -p no:cacheprovider \
   tests/python/test_adamw_equivalence.py tests/python/test_errors.py \
   tests/python/test_state_dict.py tests/python/test_torch2.py' "$PY"
+run fsdp2_cuda 120 bash -c 'exec "$0" -m pytest -q -p no:cacheprovider -k cuda \
+  tests/python/test_fsdp2.py' "$PY"
 run hf_causal_lm 90 "$PY" tests/python/hf_causal_lm.py
 run hf_memory 90 "$PY" tests/python/hf_memory.py
 echo "=== summary"

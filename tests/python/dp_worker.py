@@ -87,8 +87,11 @@ def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     die = os.environ.get("DIE_AT", "").split(":") if os.environ.get("DIE_AT") else None
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    cuda = models.DEVICE.type == "cuda"  # STALLFREE_TEST_DEVICE=cuda: NCCL, rank r on cuda:r
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     socket = sockets[rank * len(sockets) // world]
     rows = slice(rank * models.BATCH // world, (rank + 1) * models.BATCH // world)
     for name, config in runs.items():
@@ -123,8 +126,9 @@ def main():
                 model.scale = torch.nn.Parameter(model.scale.detach().reshape(1))
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
-            mesh = (init_device_mesh("cpu", (world,)) if wrap == "fsdp2" else
-                    init_device_mesh("cpu", (2, world // 2),
+            kind = models.DEVICE.type
+            mesh = (init_device_mesh(kind, (world,)) if wrap == "fsdp2" else
+                    init_device_mesh(kind, (2, world // 2),
                                      mesh_dim_names=("replicate", "shard")))
             if llama:  # each decoder layer a unit of its own, as with Hugging Face's wrap
                 for layer in model.layers:

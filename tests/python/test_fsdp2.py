@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import models
+import stallfree
 from models import LOSS_RTOL, PARAM_ATOL
 from test_partition import (DEFAULTS_LOSS_RTOL, DEFAULTS_STEPS, EXACT, FIXED_ROUND, SEED, STEPS,
                             assert_equals_adamw, assert_ranks_agree, train_ranks)
@@ -340,3 +341,24 @@ def test_llama_under_fully_shard(two_ranks, four_ranks, llama_one_process, world
           % (world, diff, calib))
     assert diff <= 5 * calib, (diff, calib)
     assert ranks[0]["hot"] == one.extra["hot"]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and stallfree.cuda_enabled),
+                    reason="needs a CUDA device and the package built with --config=cuda")
+def test_fsdp2_on_cuda_equals_adamw(daemon, tmp_path):
+    """FSDP2 on CUDA (NCCL, one rank per GPU; make gpu-check runs it on one): the engine on the
+    DTensors' local CUDA rows, with its own stream and the NCCL score reduction, equals
+    torch.optim.AdamW on the same FSDP2 model within PARAM_ATOL / LOSS_RTOL in sync-offload and
+    exact zenflow."""
+    world = min(2, torch.cuda.device_count())
+    runs = {"adamw": dict(_adamw=True), "sync-offload": EXACT["sync-offload"],
+            "zenflow-S1": EXACT["zenflow-S1"]}
+    result = train_ranks(world, tmp_path, [daemon.socket], runs, wrap="fsdp2",
+                         env={"STALLFREE_TEST_DEVICE": "cuda"})
+    ref = result["adamw"][0]
+    for run in ("sync-offload", "zenflow-S1"):
+        assert_ranks_agree(result[run])
+        for name, d in models.max_abs_diff(result[run][0]["params"], ref["params"]).items():
+            assert d <= PARAM_ATOL, (run, name, d)
+        for a, b in zip(result[run][0]["losses"], ref["losses"]):
+            assert models.rel_diff(a, b) <= LOSS_RTOL, run
