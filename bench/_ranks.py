@@ -30,9 +30,13 @@ def init(port, timeout_s):
     return rank, world
 
 
-def launch(script, name, world, worker_args):
-    """Runs `world` ranks of `script` --worker with worker_args (a list); exits naming `name`
-    if one fails; returns what rank 0 wrote to --out."""
+def launch(script, name, world, args, run, socket):
+    """Runs `world` ranks of `script` --worker for `run` (args: the command line's --width and
+    --steps; socket: the daemon's); exits naming `name` and the run if one fails; returns every
+    rank's record as rank 0 wrote them to --out (report())."""
+    worker_args = ["--run", run, "--socket", socket, "--width", str(args.width),
+                   "--steps", str(args.steps)]
+    name = "%s: run %s" % (name, run)
     with so.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -52,6 +56,18 @@ def launch(script, name, world, worker_args):
         ranks = json.load(f)
     os.unlink(out)
     return ranks
+
+
+def report(record, out):
+    """In a worker: every rank's record gathered, written by rank 0 to `out` (a collective that
+    ends the worker's process group)."""
+    import torch.distributed as dist
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, record)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(every, f)
+    dist.destroy_process_group()
 
 
 def arguments(doc, steps):

@@ -29,7 +29,6 @@ Figures, each run's own:
   round boundaries, the column scores at selections, and with reduce_gradients the
   reduce-scatter instead of DDP).
 """
-import json
 import os
 import statistics
 import sys
@@ -90,18 +89,11 @@ def worker(args):
            "step_s": statistics.median(times),
            "pinned": pinned, "update_s": after["update_seconds"] - before["update_seconds"],
            "params": params}
-    all_out = [None] * world
-    dist.all_gather_object(all_out, out)
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(all_out, f)
-    dist.destroy_process_group()
+    _ranks.report(out, args.out)
 
 
 def launch(run, world, args, socket):
-    ranks = _ranks.launch(__file__, "dp_bench: run %s" % run, world, [
-        "--run", run, "--socket", socket, "--width", str(args.width),
-        "--steps", str(args.steps)])
+    ranks = _ranks.launch(__file__, "dp_bench", world, args, run, socket)
     r0 = ranks[0]
     res = {"pinned_per_param": r0["pinned"] / r0["params"],
            "pushed_per_rank": statistics.mean(r["pushed"] for r in ranks),

@@ -31,7 +31,6 @@ Figures:
   parameter and gradient over PCIe each step and runs AdamW on the CPU in the step's critical
   path, and ZenFlowAdamW moves only the cold columns' gradients and overlaps the update.
 """
-import json
 import os
 import statistics
 import sys
@@ -101,18 +100,11 @@ def worker(args):
         opt.close()
     out = {"rank": rank, "step_s": statistics.median(times[1:]), "pinned": pinned,
            "device": device, "params": params}
-    every = [None] * world
-    dist.all_gather_object(every, out)
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(every, f)
-    dist.destroy_process_group()
+    _ranks.report(out, args.out)
 
 
 def launch(run, world, args, socket):
-    ranks = _ranks.launch(__file__, "fsdp2_bench: run %s" % run, world, [
-        "--run", run, "--socket", socket, "--width", str(args.width),
-        "--steps", str(args.steps)])
+    ranks = _ranks.launch(__file__, "fsdp2_bench", world, args, run, socket)
     r0 = ranks[0]
     dev = max(sum(r["device"][k] for k in ("params", "grads", "engine")) for r in ranks)
     cold = max(r["device"]["cold"] for r in ranks)

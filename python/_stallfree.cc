@@ -49,6 +49,17 @@ std::string BytesAt(uintptr_t at, size_t n) {
   return n == 0 ? std::string() : std::string(reinterpret_cast<const char*>(at), n);
 }
 
+// An Engine method of (engine state, daemon state) bytes as a binding of their addresses and
+// sizes (uint8 tensors' data_ptr and numel), the GIL released.
+template <typename Method>
+auto OnStateBytes(Method method) {
+  return [method](stallfree::api::Engine& e, uintptr_t state, size_t state_size,
+                  uintptr_t daemon, size_t daemon_size) {
+    py::gil_scoped_release release;
+    (e.*method)(BytesAt(state, state_size), BytesAt(daemon, daemon_size));
+  };
+}
+
 // stallfree.Error (with the status code as `code`) and ValueError from the facade's exceptions.
 void BindErrors(py::module_& m) {
   static py::exception<stallfree::api::Error> error(m, "Error", PyExc_RuntimeError);
@@ -128,22 +139,12 @@ void BindEngine(py::module_& m) {
            })
       // The state and daemon bytes by address and size (a uint8 tensor's data_ptr and numel),
       // so that a checkpoint of the daemon's state is not copied once more on its way in.
-      .def("restore",
-           [](Engine& e, uintptr_t state, size_t state_size, uintptr_t daemon,
-              size_t daemon_size) {
-             py::gil_scoped_release release;
-             e.Restore(BytesAt(state, state_size), BytesAt(daemon, daemon_size));
-           },
-           py::arg("state"), py::arg("state_size"), py::arg("daemon"), py::arg("daemon_size"))
+      .def("restore", OnStateBytes(&Engine::Restore), py::arg("state"), py::arg("state_size"),
+           py::arg("daemon"), py::arg("daemon_size"))
       // What restore() of the same bytes would refuse on a fresh engine like this one (the
       // engine state, and the daemon state whole: its checksum and parameters); changes nothing.
-      .def("check_state",
-           [](Engine& e, uintptr_t state, size_t state_size, uintptr_t daemon,
-              size_t daemon_size) {
-             py::gil_scoped_release release;
-             e.CheckState(BytesAt(state, state_size), BytesAt(daemon, daemon_size));
-           },
-           py::arg("state"), py::arg("state_size"), py::arg("daemon"), py::arg("daemon_size"))
+      .def("check_state", OnStateBytes(&Engine::CheckState), py::arg("state"),
+           py::arg("state_size"), py::arg("daemon"), py::arg("daemon_size"))
       // fn(name, memoryview of cols float32) reduces the scores in place; it runs with the GIL.
       .def("set_score_reduce",
            [](Engine& e, py::object fn) {
@@ -219,16 +220,16 @@ void BindFunctions(py::module_& m) {
           py::dict d;
           d["rows"] = s.rows;
           d["cols"] = s.cols;
-          d["begin"] = s.begin;
+          d["first"] = s.first;
           d["end"] = s.end;
           d["replicated"] = s.replicated;
           d["shape"] = s.shape;
           return d;
         },
         py::arg("shape"), py::arg("world"), py::arg("rank"),
-        "{rows, cols, begin, end, replicated, shape}: a parameter of `shape` as rows x cols and "
-        "rank's share of it over world data-parallel ranks (rows [begin, end); the shape the "
-        "rank's engine sees)");
+        "{rows, cols, first, end, replicated, shape}: a parameter of `shape` as rows x cols and "
+        "rank's share of it over world data-parallel ranks (its elements [first, end); the "
+        "shape the rank's engine sees)");
   m.def("repartition_sources", &stallfree::api::RepartitionSources, py::arg("params"),
         py::arg("old_world"), py::arg("new_world"), py::arg("new_rank"),
         py::arg("layout") = "even",

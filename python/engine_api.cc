@@ -326,8 +326,7 @@ Share ShareOf(const std::vector<int64_t>& shape, int world, int rank) {
   for (int64_t d : shape)
     if (d < 0) throw InvalidArgument("partition_share: a negative dimension");
   const stallfree::ShareOf s = stallfree::ShareOfParam(shape, world, rank);
-  return Share{s.whole.rows, s.whole.cols, s.block.begin, s.block.end, s.block.replicated,
-               s.shape};
+  return Share{s.whole.rows, s.whole.cols, s.first(), s.end(), s.block.replicated, s.shape};
 }
 
 namespace {

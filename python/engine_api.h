@@ -154,9 +154,9 @@ bool CudaEnabled();
 
 // Rank `rank`'s share of a parameter of `shape` over `world` data-parallel ranks
 // (engine/partition.h, the rule the trainer uses too): the parameter as rows x cols, the share's
-// rows [begin, end), whether every rank holds it whole, and the shape the rank's engine sees.
+// elements [first, end), whether every rank holds it whole, and the shape the rank's engine sees.
 struct Share {
-  int64_t rows = 1, cols = 1, begin = 0, end = 0;
+  int64_t rows = 1, cols = 1, first = 0, end = 0;
   bool replicated = false;
   std::vector<int64_t> shape;
 };

@@ -304,6 +304,32 @@ absl::Status EnsureOwnerDir(const std::string& state_dir, uid_t uid) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// The per-uid directories of the state directory (a name of decimal digits, as OwnerDir
+// makes them), with their uid; the state directory's absence as StateDirMissing says.
+absl::StatusOr<std::vector<std::pair<std::string, uid_t>>> UidDirs(
+    const std::string& state_dir) {
+  DIR* d = opendir(state_dir.c_str());
+  if (d == nullptr) {
+    const bool missing = errno == ENOENT;
+    const absl::Status st = ErrnoStatus("opendir", state_dir);
+    return missing ? StateDirMissing(state_dir, st) : st;
+  }
+  std::vector<std::pair<std::string, uid_t>> out;
+  while (struct dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.empty() || name.size() > 10 ||
+        name.find_first_not_of("0123456789") != std::string::npos)
+      continue;
+    out.emplace_back(state_dir + "/" + name, static_cast<uid_t>(std::stoul(name)));
+  }
+  closedir(d);
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointFiles(const std::string& state_dir,
                                                                     uid_t uid, bool all) {
   // (directory, owner, owned): every uid directory for `all`, else the caller's own.
@@ -315,20 +341,8 @@ absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointFiles(const std::s
   std::vector<Dir> dirs;
   if (all) {
     dirs.push_back({state_dir, 0, false});
-    DIR* d = opendir(state_dir.c_str());
-    if (d == nullptr) {
-      const bool missing = errno == ENOENT;
-      const absl::Status st = ErrnoStatus("opendir", state_dir);
-      return missing ? StateDirMissing(state_dir, st) : st;
-    }
-    while (struct dirent* e = readdir(d)) {
-      const std::string name = e->d_name;
-      if (name.empty() || name.size() > 10 ||
-          name.find_first_not_of("0123456789") != std::string::npos)
-        continue;
-      dirs.push_back({state_dir + "/" + name, static_cast<uid_t>(std::stoul(name)), true});
-    }
-    closedir(d);
+    ASSIGN_OR_RETURN(auto owners, UidDirs(state_dir));
+    for (const auto& [path, owner] : owners) dirs.push_back({path, owner, true});
   } else {
     dirs.push_back({OwnerDir(state_dir, uid), uid, true});
   }
@@ -500,19 +514,8 @@ namespace stallfree {
 
 absl::StatusOr<std::vector<std::string>> SweepStateDir(const std::string& state_dir) {
   std::vector<std::string> dirs = {state_dir};
-  DIR* top = opendir(state_dir.c_str());
-  if (top == nullptr) {
-    const bool missing = errno == ENOENT;
-    const absl::Status st = ErrnoStatus("opendir", state_dir);
-    return missing ? StateDirMissing(state_dir, st) : st;
-  }
-  while (struct dirent* e = readdir(top)) {
-    const std::string name = e->d_name;
-    if (!name.empty() && name.size() <= 10 &&
-        name.find_first_not_of("0123456789") == std::string::npos)
-      dirs.push_back(absl::StrCat(state_dir, "/", name));
-  }
-  closedir(top);
+  ASSIGN_OR_RETURN(auto owners, UidDirs(state_dir));
+  for (const auto& owner : owners) dirs.push_back(owner.first);
   std::vector<std::string> removed;
   for (const std::string& dir : dirs) {
     DIR* d = opendir(dir.c_str());

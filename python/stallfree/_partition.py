@@ -27,18 +27,15 @@ def _rank():
     return 0
 
 
-def _dtensor_types():
-    """(DTensor, Shard, Replicate) of torch.distributed.tensor, or None without it."""
-    try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-    except ImportError:
-        return None
-    return DTensor, Shard, Replicate
+try:  # (DTensor, Shard, Replicate) of torch.distributed.tensor, or None without it
+    from torch.distributed.tensor import DTensor as _DTensor, Replicate as _Replicate, \
+        Shard as _Shard
+except ImportError:
+    _DTensor = None
 
 
 def _is_dtensor(t):
-    types = _dtensor_types()
-    return types is not None and isinstance(t, types[0])
+    return _DTensor is not None and isinstance(t, _DTensor)
 
 
 def _local(t):
@@ -57,9 +54,8 @@ _FSDP2_LAYOUTS = ("FSDP2's fully_shard layouts: Shard(0) on a 1-D mesh, or (Repl
 
 def _dtensor_refusal(p):
     """Why ZenFlowAdamW cannot take DTensor p (None where it is FSDP2's layout)."""
-    _, Shard, Replicate = _dtensor_types()
     placements = tuple(p.placements)
-    if placements == (Shard(0),) or placements == (Replicate(), Shard(0)):
+    if placements == (_Shard(0),) or placements == (_Replicate(), _Shard(0)):
         return None
     return ("a DTensor with placements %s on a %d-D mesh: ZenFlowAdamW takes %s; tensor "
             "parallelism (Shard(1), Replicate(), FSDP + TP meshes) is not supported: keep such "
@@ -175,10 +171,9 @@ class _Shards:
             shares = [_stallfree.partition_share(list(p.shape), self.world, s)
                       for s in range(self.world)]
             mine = shares[self.rank]
-            cols = mine["cols"]
-            self.rows_cols.append((mine["rows"], cols))
+            self.rows_cols.append((mine["rows"], mine["cols"]))
             self.shapes.append(mine["shape"])
-            self.offsets.append(mine["begin"] * cols)
+            self.offsets.append(mine["first"])
             if self.world == 1:
                 continue
             if mine["replicated"]:
@@ -186,7 +181,7 @@ class _Shards:
                 continue
             self.parts.append(i)
             for s, share in enumerate(shares):
-                self.ranges[s].append((share["begin"] * cols, share["end"] * cols))
+                self.ranges[s].append((share["first"], share["end"]))
         self.sizes = [[e - b for b, e in r] for r in self.ranges]
         self.section = max((sum(z) for z in self.sizes), default=0)
 
@@ -198,6 +193,8 @@ class _Shards:
     def members(self):
         """(name, the tensor the engine works on) of each member: a DTensor's local rows, else
         the parameter itself, as they are now (p.data may have been replaced)."""
+        if self.shard_group is None:  # plain tensors (a group of DTensors has a shard group)
+            return self.params
         return [(name, _local(p)) for name, p in self.params]
 
     def specs(self):

@@ -116,26 +116,35 @@ def load(optimizer, checkpoint_id=None, *, storage_reader=None):
             wanted = ("engine", "daemon", "meta") if j in sources else ("meta",)
             for part in wanted:
                 template[base + part] = torch.empty(md[base + part].size, dtype=torch.uint8)
-    dcp.load(template, checkpoint_id=checkpoint_id,
-             storage_reader=storage_reader or dcp.FileSystemReader(checkpoint_id),
-             process_group=_writers(optimizer, where))
-    rest = torch.load(io.BytesIO(template["zenflow/rest"].numpy().tobytes()), weights_only=True)
+    rest = _read(optimizer, checkpoint_id, storage_reader, where, template)
     worlds = {f["world"] for f in found.values()}
     if len(worlds) > 1:
         raise Error("%s: param groups saved by different numbers of ranks %s" % (
             checkpoint_id, sorted(worlds)))
     world = worlds.pop() if worlds else 1
+    optimizer.load_state_dict([_share_dict(rest, template, owner(j, world))
+                               for j in range(world)])
+
+
+def _read(optimizer, checkpoint_id, storage_reader, where, template):
+    """dcp.load of `template` (the keys this rank reads, sized); the torch-saved rest."""
+    dcp.load(template, checkpoint_id=checkpoint_id,
+             storage_reader=storage_reader or dcp.FileSystemReader(checkpoint_id),
+             process_group=_writers(optimizer, where))
+    return torch.load(io.BytesIO(template["zenflow/rest"].numpy().tobytes()), weights_only=True)
+
+
+def _share_dict(rest, template, owner):
+    """The state dict of the share saved under `owner` (its engine and daemon states empty where
+    this rank did not read them: it needs only their meta)."""
     empty = torch.empty(0, dtype=torch.uint8)
-    dicts = []
-    for j in range(world):
-        state = {k: dict(v) for k, v in rest["state"].items()}
-        for gi, key in rest["keys"].items():
-            base = "zenflow/g%d/%s/" % (gi, owner(j, world))
-            state[key].update({_state._ENGINE_KEY: template.get(base + "engine", empty),
-                               _state._DAEMON_KEY: template.get(base + "daemon", empty),
-                               _state._META_KEY: template[base + "meta"]})
-        dicts.append({"param_groups": rest["param_groups"], "state": state})
-    optimizer.load_state_dict(dicts)
+    state = {k: dict(v) for k, v in rest["state"].items()}
+    for gi, key in rest["keys"].items():
+        base = "zenflow/g%d/%s/" % (gi, owner)
+        state[key].update({_state._ENGINE_KEY: template.get(base + "engine", empty),
+                           _state._DAEMON_KEY: template.get(base + "daemon", empty),
+                           _state._META_KEY: template[base + "meta"]})
+    return {"param_groups": rest["param_groups"], "state": state}
 
 
 def _load_own(optimizer, checkpoint_id, storage_reader, md, owners, where, template):
@@ -151,14 +160,5 @@ def _load_own(optimizer, checkpoint_id, storage_reader, md, owners, where, templ
         for part in ("engine", "daemon", "meta"):
             key = "zenflow/g%d/%s/%s" % (gi, mine, part)
             template[key] = torch.empty(md[key].size, dtype=torch.uint8)
-    dcp.load(template, checkpoint_id=checkpoint_id,
-             storage_reader=storage_reader or dcp.FileSystemReader(checkpoint_id),
-             process_group=_writers(optimizer, where))
-    rest = torch.load(io.BytesIO(template["zenflow/rest"].numpy().tobytes()), weights_only=True)
-    state = {k: dict(v) for k, v in rest["state"].items()}
-    for gi, key in rest["keys"].items():
-        base = "zenflow/g%d/%s/" % (gi, mine)
-        state[key].update({_state._ENGINE_KEY: template[base + "engine"],
-                           _state._DAEMON_KEY: template[base + "daemon"],
-                           _state._META_KEY: template[base + "meta"]})
-    optimizer.load_state_dict({"param_groups": rest["param_groups"], "state": state})
+    rest = _read(optimizer, checkpoint_id, storage_reader, where, template)
+    optimizer.load_state_dict(_share_dict(rest, template, mine))

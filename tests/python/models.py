@@ -10,6 +10,7 @@ Batches come from a fixed random "grammar" (the next token is perm[token] with p
 (seed, step) only, so a resumed run in another process sees the same data.
 """
 import collections
+import io
 import math
 import os
 
@@ -202,6 +203,29 @@ def record_hot(step, model, opt, extra):
     extra["hot"]."""
     extra.setdefault("hot", []).append(
         {n: opt.hot_columns(p) for n, p in model.named_parameters() if p.dim() == 2})
+
+
+def save_at(step_to_save, into):
+    """An after_step of train() that keeps, after step `step_to_save`, the model's weights, the
+    optimizer's state_dict() as torch.save bytes (into["opt_bytes"]) and the scheduler's."""
+    def after_step(step, model, opt, extra):
+        if step == step_to_save:
+            into["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+            buf = io.BytesIO()
+            torch.save(opt.state_dict(), buf)
+            into["opt_bytes"] = buf.getvalue()
+            into["sched"] = extra["sched"].state_dict()
+    return after_step
+
+
+def resume_from(saved, load):
+    """A setup of train() that loads what save_at kept: the weights, load(model, opt), the
+    scheduler."""
+    def setup(model, opt, sched):
+        model.load_state_dict(saved["model"])
+        load(model, opt)
+        sched.load_state_dict(saved["sched"])
+    return setup
 
 
 def plain_steps(model, opt, steps, seed=0):

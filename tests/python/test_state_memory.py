@@ -15,7 +15,6 @@ import io
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -85,25 +84,12 @@ def test_state_dict_needs_no_state_directory():
 
         ref = models.train(factory, STEPS, seed=5)
         saved = {}
-
-        def save(step, model, opt, extra):
-            if step == SAVE_AT:
-                saved["model"] = {k: v.clone() for k, v in model.state_dict().items()}
-                buf = io.BytesIO()
-                torch.save(opt.state_dict(), buf)
-                saved["opt"] = buf.getvalue()
-                saved["sched"] = extra["sched"].state_dict()
-                assert any(v.get("zenflow_daemon", torch.empty(0)).numel() > 0
-                           for v in opt.state_dict()["state"].values())
-
-        models.train(factory, STEPS, seed=5, after_step=save)
-
-        def load(model, opt, sched):
-            model.load_state_dict(saved["model"])
-            opt.load_state_dict(torch.load(io.BytesIO(saved["opt"]), weights_only=True))
-            sched.load_state_dict(saved["sched"])
-
-        run = models.train(factory, STEPS, seed=5, start=SAVE_AT + 1, setup=load)
+        models.train(factory, STEPS, seed=5, after_step=models.save_at(SAVE_AT, saved))
+        sd = torch.load(io.BytesIO(saved["opt_bytes"]), weights_only=True)
+        assert any(v.get("zenflow_daemon", torch.empty(0)).numel() > 0
+                   for v in sd["state"].values())
+        run = models.train(factory, STEPS, seed=5, start=SAVE_AT + 1, setup=models.resume_from(
+            saved, lambda model, opt: opt.load_state_dict(sd)))
         assert run.losses == ref.losses[SAVE_AT:], (run.losses, ref.losses[SAVE_AT:])
         for name in ref.params:
             assert torch.equal(run.params[name], ref.params[name]), name

@@ -41,30 +41,14 @@ def factory(daemon, **config):
     return lambda groups: ZenFlowAdamW(groups, socket=socket, **config)
 
 
+save_at, resume_from = models.save_at, models.resume_from
+
+
 def assert_same_run(run, ref, what, start=0):
     """`run` (steps start+1 on) equals `ref` from there bit for bit: losses and parameters."""
     assert run.losses == ref.losses[start:], (what, run.losses, ref.losses[start:])
     for name in ref.params:
         assert torch.equal(run.params[name], ref.params[name]), (what, name)
-
-
-def save_at(step_to_save, into):
-    def after_step(step, model, opt, extra):
-        if step == step_to_save:
-            into["model"] = {k: v.clone() for k, v in model.state_dict().items()}
-            buf = io.BytesIO()
-            torch.save(opt.state_dict(), buf)
-            into["opt_bytes"] = buf.getvalue()
-            into["sched"] = extra["sched"].state_dict()
-    return after_step
-
-
-def resume_from(saved, load):
-    def setup(model, opt, sched):
-        model.load_state_dict(saved["model"])
-        load(model, opt)
-        sched.load_state_dict(saved["sched"])
-    return setup
 
 
 @pytest.mark.parametrize("mode", ["no-offload", "sync-offload", "zenflow"])

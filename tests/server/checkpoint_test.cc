@@ -71,20 +71,24 @@ std::unique_ptr<Session> Open(Client* client, const std::string& name) {
   return std::move(*s);
 }
 
-// Pushes step t's deterministic gradient and runs the Update of step t; returns the new w.
-std::vector<float> Train(Session* s, int64_t t) {
+// Pushes step t's deterministic gradient (w's `nw` elements, then, with_b, the bf16 b's 9) and
+// runs the Update of step t; returns the new w.
+std::vector<float> Train(Session* s, int64_t t, int nw = 144, bool with_b = true) {
   std::mt19937 rng(static_cast<unsigned>(t));
   std::normal_distribution<float> normal;
   float* g = static_cast<float*>(s->GradSlot(0, "w"));
-  for (int i = 0; i < 144; ++i) g[i] = normal(rng);
-  uint16_t* gb = static_cast<uint16_t*>(s->GradSlot(0, "b"));
-  for (int i = 0; i < 9; ++i) gb[i] = static_cast<uint16_t>(0x3f80 + (rng() & 0xff));
+  for (int i = 0; i < nw; ++i) g[i] = normal(rng);
+  if (with_b) {
+    uint16_t* gb = static_cast<uint16_t*>(s->GradSlot(0, "b"));
+    for (int i = 0; i < 9; ++i) gb[i] = static_cast<uint16_t>(0x3f80 + (rng() & 0xff));
+  }
   EXPECT_TRUE(s->Push(t, 0).ok());
   EXPECT_TRUE(s->Update(t, Hyper(), 1, v1::DTYPE_FP32, /*column_steps=*/true).ok());
   auto ready = s->WaitUpdate(t);
   EXPECT_TRUE(ready.ok()) << ready.status();
+  if (!ready.ok()) return {};
   const float* w = s->ParamsFp32(ready->param_slot(), "w");
-  return std::vector<float>(w, w + 144);
+  return std::vector<float>(w, w + nw);
 }
 
 TEST_F(CheckpointTest, RestoredSessionContinuesBitForBit) {
@@ -477,19 +481,7 @@ std::unique_ptr<Session> OpenBig(Client* client, const std::string& name, bool l
 }
 
 // Step t of OpenBig's session: a deterministic gradient, the Update; the new w.
-std::vector<float> TrainBig(Session* s, int64_t t) {
-  std::mt19937 rng(static_cast<unsigned>(t));
-  std::normal_distribution<float> normal;
-  float* g = static_cast<float*>(s->GradSlot(0, "w"));
-  for (int i = 0; i < 2560; ++i) g[i] = normal(rng);
-  EXPECT_TRUE(s->Push(t, 0).ok());
-  EXPECT_TRUE(s->Update(t, Hyper(), 1, v1::DTYPE_FP32, /*column_steps=*/true).ok());
-  auto ready = s->WaitUpdate(t);
-  EXPECT_TRUE(ready.ok()) << ready.status();
-  if (!ready.ok()) return {};
-  const float* w = s->ParamsFp32(ready->param_slot(), "w");
-  return std::vector<float>(w, w + 2560);
-}
+std::vector<float> TrainBig(Session* s, int64_t t) { return Train(s, t, 2560, false); }
 
 // ExportState / ImportState (issue 30, item 4): the state moves through the staging area
 // straight out of and into the session's pinned memory, on a daemon with no state directory at
