@@ -133,6 +133,7 @@ bench: deps
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/torch_bench.py
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/dp_bench.py
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/fsdp2_bench.py
+	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/state_dict_bench.py
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/device_bytes_bench.py
 	PYTHONPATH=bazel-bin/python $(VENV_PY) bench/quality_suite.py
 
