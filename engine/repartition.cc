@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -110,6 +111,26 @@ absl::Status Disagree(const std::string& what) {
       "the ranks' states disagree on ", what, ": they were not saved at the same step of one run"));
 }
 
+// A daemon checkpoint's file bytes.
+std::string WriteDaemon(const DaemonState& d) {
+  std::vector<CheckpointArrays> arrays;
+  for (size_t h = 0; h < d.master.size(); ++h)  // read only: the export does not write them
+    arrays.push_back({const_cast<float*>(d.master[h].data()), const_cast<float*>(d.m[h].data()),
+                      const_cast<float*>(d.v[h].data()), const_cast<float*>(d.acc[h].data()),
+                      static_cast<int64_t>(d.master[h].size())});
+  CheckpointExport out(d.header, std::move(arrays));
+  std::string bytes(out.total(), '\0');
+  out.Next(bytes.data(), bytes.size());
+  return bytes;
+}
+
+// The daemon counts steps per column of the parameter's last dimension: the partition's columns
+// for a weight, but each element (each of the partition's rows) of a 1-D one, whose step counts
+// are then cut and joined by rows like its arrays.
+bool StepsByRow(const EngineParam& p, const WholeParam& whole) {
+  return p.kind != kBlobSplit && whole.shape.size() <= 1;
+}
+
 }  // namespace
 
 std::vector<int> SourceRanks(const std::vector<WholeParam>& params, int old_world, int new_world,
@@ -133,7 +154,203 @@ std::vector<int> SourceRanks(const std::vector<WholeParam>& params, int old_worl
 
 namespace {
 
-// One Repartition: the old ranks' states it needs, parsed, and the new rank's, cut from them.
+// Where a written state's per-row arrays come from: the old ranks' blocks (Repartition), or the
+// arrays given (JoinRows), or none (the state of no rows).
+class RowsFrom {
+ public:
+  virtual ~RowsFrom() = default;
+  // Parameter i's engine array `field`, the target's rows of `width` values each.
+  virtual absl::StatusOr<std::vector<float>> Engine(size_t i, RowField::Name field,
+                                                    std::vector<float> EngineParam::*member,
+                                                    int64_t width) = 0;
+  // Parameter i's (the daemon's h-th) daemon array `field`.
+  virtual absl::StatusOr<std::vector<float>> Daemon(
+      size_t i, int h, RowField::Name field, std::vector<std::vector<float>> DaemonState::*member,
+      int64_t width) = 0;
+  // Parameter i's daemon step counts by row (a 1-D parameter's).
+  virtual absl::StatusOr<std::vector<int64_t>> DaemonSteps(size_t i, int h) = 0;
+};
+
+// The state of the target shares: the scalars, the parameters' kinds, column sets and step
+// counts and the daemon's header from `first` / `d0` (a state these agree with), the per-row
+// arrays from `rows`. `master[i]` / `shown[i]`: whether parameter i's bf16 master / pending
+// shown columns exist; `d0` null: no daemon checkpoint (nothing offloaded yet).
+struct StateWriter {
+  const std::vector<WholeParam>& params;
+  const EngineState& first;
+  const DaemonState* d0;
+  const std::vector<ShareOf>& target;
+  const std::vector<char>& master;
+  const std::vector<char>& shown;
+  RowsFrom& rows;
+
+  absl::StatusOr<PartitionedState> Write();
+  absl::Status EngineParamOf(size_t i, bool v3, BlobWriter* w);
+  absl::Status DaemonParamOf(size_t i, int h, DaemonState* out);
+};
+
+absl::StatusOr<PartitionedState> StateWriter::Write() {
+  // The version the ranks wrote (engine/blob.h): V2, V3 (dtypes, bf16 masters) or V4 (and the
+  // automatic round's state, the same on every rank).
+  const bool v3 = BlobHasDTypes(first.magic);
+  BlobWriter w;
+  w.I64(first.magic);
+  w.I64(first.mode);
+  w.I64(first.step);
+  w.I64(first.rounds);
+  w.I64(first.pending_version);
+  w.I64(first.loaded);
+  w.I64(static_cast<int64_t>(params.size()));
+  DaemonState out_d;
+  if (d0 != nullptr) {
+    out_d.header = d0->header;
+    out_d.header.clear_params();
+  }
+  int daemon_index = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    RETURN_IF_ERROR(EngineParamOf(i, v3, &w));
+    if (first.params[i].kind == kBlobDevice || d0 == nullptr) continue;
+    RETURN_IF_ERROR(DaemonParamOf(i, daemon_index++, &out_d));
+  }
+  if (first.magic == kEngineBlobMagicV4) {
+    w.I64(first.round_adaptive);
+    w.I64(first.round_base);
+    w.I64(first.round_interval);
+    w.I64(first.round_floor);
+  }
+  PartitionedState out;
+  out.engine = std::move(w.out);
+  if (d0 != nullptr) out.daemon = WriteDaemon(out_d);
+  return out;
+}
+
+absl::Status StateWriter::EngineParamOf(size_t i, bool v3, BlobWriter* w) {
+  const RowShape rc = RowsOf(params[i].shape);
+  const RowBlock nb = target[i].block;
+  const EngineParam& p0 = first.params[i];
+  auto take = [&](RowField::Name name, std::vector<float> EngineParam::*member,
+                  int64_t width) -> absl::Status {
+    absl::StatusOr<std::vector<float>> a = rows.Engine(i, name, member, width);
+    if (!a.ok()) return a.status();
+    w->Floats(*a);
+    return absl::OkStatus();
+  };
+  w->I64(p0.kind);
+  w->I64(nb.rows() * rc.cols);
+  w->I64(p0.k);
+  if (v3) w->I64(p0.dtype);
+  if (p0.kind == kBlobDevice) {
+    w->I64(p0.dstep);
+    RETURN_IF_ERROR(take(RowField::kM, &EngineParam::m, rc.cols));
+    RETURN_IF_ERROR(take(RowField::kV, &EngineParam::v, rc.cols));
+    if (v3 && !master[i]) w->Floats({});  // no master yet: the first Step widens the value
+    else if (v3) RETURN_IF_ERROR(take(RowField::kMaster, &EngineParam::master, rc.cols));
+  } else {
+    w->I64(p0.round_grads);
+  }
+  if (p0.kind == kBlobSplit) {
+    w->Ints(p0.hot_idx);
+    w->Ints(p0.cold_idx);
+    w->Ints(p0.hot_steps);
+    const int64_t k = p0.hot_idx.empty() ? 0 : p0.k;  // no hot arrays before the first step
+    RETURN_IF_ERROR(take(RowField::kHotMaster, &EngineParam::hot_master, k));
+    RETURN_IF_ERROR(take(RowField::kHotM, &EngineParam::hot_m, k));
+    RETURN_IF_ERROR(take(RowField::kHotV, &EngineParam::hot_v, k));
+    if (first.magic == kEngineBlobMagicV4) {
+      if (!shown[i]) w->Floats({});
+      else RETURN_IF_ERROR(take(RowField::kShown, &EngineParam::pending_shown, rc.cols - p0.k));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StateWriter::DaemonParamOf(size_t i, int h, DaemonState* out) {
+  // The daemon's arrays of parameter i (its h-th offloaded one): [rows, width], width = its
+  // offloaded columns.
+  const RowShape rc = RowsOf(params[i].shape);
+  const RowBlock nb = target[i].block;
+  const EngineParam& p0 = first.params[i];
+  if (h >= d0->header.params_size())
+    return absl::DataLossError("the daemon checkpoint has fewer parameters than the engine offloads");
+  // (a daemon checkpoint exists only once the engine has loaded the daemon, at its first step,
+  // which selects the column sets)
+  const int64_t width = p0.kind == kBlobSplit ? static_cast<int64_t>(p0.cold_idx.size()) : rc.cols;
+  v1::CheckpointHeader::Param* hp = out->header.add_params();
+  *hp = d0->header.params(h);
+  hp->mutable_spec()->clear_shape();
+  if (p0.kind == kBlobSplit) {
+    hp->mutable_spec()->add_shape(nb.rows());
+    hp->mutable_spec()->add_shape(width);
+  } else {
+    for (int64_t x : target[i].shape) hp->mutable_spec()->add_shape(x);
+  }
+  if (StepsByRow(p0, params[i])) {
+    ASSIGN_OR_RETURN(std::vector<int64_t> steps, rows.DaemonSteps(i, h));
+    hp->clear_col_steps();
+    for (int64_t x : steps) hp->add_col_steps(x);
+  }
+  const std::pair<RowField::Name, std::vector<std::vector<float>> DaemonState::*> arrays[] = {
+      {RowField::kDaemonMaster, &DaemonState::master}, {RowField::kDaemonM, &DaemonState::m},
+      {RowField::kDaemonV, &DaemonState::v}, {RowField::kDaemonAcc, &DaemonState::acc}};
+  for (const auto& [name, member] : arrays) {
+    ASSIGN_OR_RETURN(std::vector<float> a, rows.Daemon(i, h, name, member, width));
+    (out->*member).push_back(std::move(a));
+  }
+  return absl::OkStatus();
+}
+
+// Rows from the old ranks' blocks (Repartition).
+class OldRanksRows : public RowsFrom {
+ public:
+  OldRanksRows(const std::vector<WholeParam>& params, const std::vector<ShareOf>& target,
+               const std::map<int, EngineState>& eng, const std::map<int, DaemonState>& dmn,
+               int old_world, RowLayout layout)
+      : params_(params), target_(target), eng_(eng), dmn_(dmn), old_world_(old_world),
+        layout_(layout) {}
+
+  absl::StatusOr<std::vector<float>> Engine(size_t i, RowField::Name,
+                                            std::vector<float> EngineParam::*member,
+                                            int64_t width) override {
+    auto of = [this, i, member](int j) -> const std::vector<float>* {
+      auto it = eng_.find(j);
+      return it == eng_.end() ? nullptr : &(it->second.params[i].*member);
+    };
+    return Source(i).Take(target_[i].block.begin, target_[i].block.end, width, of);
+  }
+  absl::StatusOr<std::vector<float>> Daemon(size_t i, int h, RowField::Name,
+                                            std::vector<std::vector<float>> DaemonState::*member,
+                                            int64_t width) override {
+    auto of = [this, h, member](int j) -> const std::vector<float>* {
+      auto it = dmn_.find(j);
+      return it == dmn_.end() ? nullptr : &(it->second.*member)[h];
+    };
+    return Source(i).Take(target_[i].block.begin, target_[i].block.end, width, of);
+  }
+  absl::StatusOr<std::vector<int64_t>> DaemonSteps(size_t i, int h) override {
+    std::map<int, std::vector<int64_t>> steps;
+    for (const auto& [j, d] : dmn_)
+      steps[j].assign(d.header.params(h).col_steps().begin(), d.header.params(h).col_steps().end());
+    auto of = [&steps](int j) -> const std::vector<int64_t>* {
+      auto it = steps.find(j);
+      return it == steps.end() ? nullptr : &it->second;
+    };
+    return Source(i).Take<decltype(of), int64_t>(target_[i].block.begin, target_[i].block.end, 1,
+                                                 of);
+  }
+
+ private:
+  RowSource Source(size_t i) const { return RowSource(params_[i].shape, layout_, old_world_); }
+
+  const std::vector<WholeParam>& params_;
+  const std::vector<ShareOf>& target_;
+  const std::map<int, EngineState>& eng_;
+  const std::map<int, DaemonState>& dmn_;
+  const int old_world_;
+  const RowLayout layout_;
+};
+
+// One Repartition: the old ranks' states it needs, parsed, checked to agree, and the new rank's
+// written from them.
 class Repartitioner {
  public:
   Repartitioner(const std::vector<WholeParam>& params, int old_world, int new_world,
@@ -146,9 +363,8 @@ class Repartitioner {
   absl::StatusOr<PartitionedState> Cut();
 
  private:
-  absl::Status CutEngineParam(size_t i, bool v3, BlobWriter* w);
-  absl::Status CutDaemonParam(size_t i, int h, DaemonState* out);
-  static std::string WriteDaemon(const DaemonState& d);
+  absl::Status CheckEngineParam(size_t i) const;
+  absl::Status CheckDaemonParam(size_t i, int h) const;
 
   // Rank `rank` of `world`'s share of parameter i.
   ShareOf Share(size_t i, int world, int rank) const {
@@ -185,51 +401,17 @@ absl::Status Repartitioner::Load(const std::vector<const PartitionedState*>& old
       return Disagree("the automatic round's length");
   }
   if (!dmn_.empty() && dmn_.size() != eng_.size()) return Disagree("whether the daemon holds state");
+  int h = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    RETURN_IF_ERROR(CheckEngineParam(i));
+    if (first.params[i].kind == kBlobDevice || dmn_.empty()) continue;
+    RETURN_IF_ERROR(CheckDaemonParam(i, h++));
+  }
   return absl::OkStatus();
 }
 
-absl::StatusOr<PartitionedState> Repartitioner::Cut() {
-  // The version the ranks wrote (engine/blob.h): V2, V3 (dtypes, bf16 masters) or V4 (and the
-  // automatic round's state, the same on every rank).
-  const EngineState& first = eng_.begin()->second;
-  const bool v3 = BlobHasDTypes(first.magic);
-  BlobWriter w;
-  w.I64(first.magic);
-  w.I64(first.mode);
-  w.I64(first.step);
-  w.I64(first.rounds);
-  w.I64(first.pending_version);
-  w.I64(first.loaded);
-  w.I64(static_cast<int64_t>(params_.size()));
-  DaemonState out_d;
-  if (!dmn_.empty()) {
-    out_d.header = dmn_.begin()->second.header;
-    out_d.header.clear_params();
-  }
-  int daemon_index = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    RETURN_IF_ERROR(CutEngineParam(i, v3, &w));
-    if (first.params[i].kind == kBlobDevice || dmn_.empty()) continue;
-    RETURN_IF_ERROR(CutDaemonParam(i, daemon_index++, &out_d));
-  }
-  if (first.magic == kEngineBlobMagicV4) {
-    w.I64(first.round_adaptive);
-    w.I64(first.round_base);
-    w.I64(first.round_interval);
-    w.I64(first.round_floor);
-  }
-  PartitionedState out;
-  out.engine = std::move(w.out);
-  if (!dmn_.empty()) {
-    out.daemon = WriteDaemon(out_d);
-  }
-  return out;
-}
-
-absl::Status Repartitioner::CutEngineParam(size_t i, bool v3, BlobWriter* w) {
+absl::Status Repartitioner::CheckEngineParam(size_t i) const {
   const RowShape rc = RowsOf(params_[i].shape);
-  const RowBlock nb = Share(i, new_world_, new_rank_).block;
-  const RowSource rows(params_[i].shape, layout_, old_world_);
   const EngineParam& p0 = eng_.begin()->second.params[i];
   for (const auto& [j, s] : eng_) {
     const EngineParam& p = s.params[i];
@@ -247,59 +429,17 @@ absl::Status Repartitioner::CutEngineParam(size_t i, bool v3, BlobWriter* w) {
       return Disagree(absl::StrCat("parameter '", params_[i].name, "' (its split, hot columns or "
                                    "step counts)"));
   }
-  // The rows [nb.begin, nb.end) of one of the engine's per-parameter arrays of `width` columns.
-  auto take = [&](std::vector<float> EngineParam::*field, int64_t width) -> absl::Status {
-    auto of = [this, i, field](int j) -> const std::vector<float>* {
-      auto it = eng_.find(j);
-      return it == eng_.end() ? nullptr : &(it->second.params[i].*field);
-    };
-    absl::StatusOr<std::vector<float>> a = rows.Take(nb.begin, nb.end, width, of);
-    if (!a.ok()) return a.status();
-    w->Floats(*a);
-    return absl::OkStatus();
-  };
-  w->I64(p0.kind);
-  w->I64(nb.rows() * rc.cols);
-  w->I64(p0.k);
-  if (v3) w->I64(p0.dtype);
-  if (p0.kind == kBlobDevice) {
-    w->I64(p0.dstep);
-    RETURN_IF_ERROR(take(&EngineParam::m, rc.cols));
-    RETURN_IF_ERROR(take(&EngineParam::v, rc.cols));
-    if (v3 && p0.master.empty()) w->Floats({});  // no master yet: the first Step widens the value
-    else if (v3) RETURN_IF_ERROR(take(&EngineParam::master, rc.cols));
-  } else {
-    w->I64(p0.round_grads);
-  }
-  if (p0.kind == kBlobSplit) {
-    w->Ints(p0.hot_idx);
-    w->Ints(p0.cold_idx);
-    w->Ints(p0.hot_steps);
-    for (auto field : {&EngineParam::hot_master, &EngineParam::hot_m, &EngineParam::hot_v})
-      RETURN_IF_ERROR(take(field, p0.k));
-    if (eng_.begin()->second.magic == kEngineBlobMagicV4) {
-      if (p0.pending_shown.empty()) w->Floats({});
-      else RETURN_IF_ERROR(take(&EngineParam::pending_shown, rc.cols - p0.k));
-    }
-  }
   return absl::OkStatus();
 }
 
-absl::Status Repartitioner::CutDaemonParam(size_t i, int h, DaemonState* out) {
-  // The daemon's arrays of parameter i (its h-th offloaded one): [rows, width], width = its
-  // offloaded columns.
-  const RowShape rc = RowsOf(params_[i].shape);
-  const RowBlock nb = Share(i, new_world_, new_rank_).block;
-  const RowSource rows(params_[i].shape, layout_, old_world_);
+absl::Status Repartitioner::CheckDaemonParam(size_t i, int h) const {
   const EngineParam& p0 = eng_.begin()->second.params[i];
   const DaemonState& d0 = dmn_.begin()->second;
-  if (h >= d0.header.params_size())
-    return absl::DataLossError("the daemon checkpoint has fewer parameters than the engine offloads");
-  // The daemon counts steps per column of the parameter's last dimension: the partition's
-  // columns for a weight, but each element (each of the partition's rows) of a 1-D one, whose
-  // step counts are then cut and joined by rows like its arrays.
-  const bool steps_by_row = p0.kind != kBlobSplit && params_[i].shape.size() <= 1;
+  const bool steps_by_row = StepsByRow(p0, params_[i]);
   for (const auto& [j, d] : dmn_) {
+    if (h >= d.header.params_size())
+      return absl::DataLossError(
+          "the daemon checkpoint has fewer parameters than the engine offloads");
     if (d.header.params_size() != d0.header.params_size() ||
         d.header.params(h).spec().name() != params_[i].name ||
         (!steps_by_row &&
@@ -309,55 +449,22 @@ absl::Status Repartitioner::CutDaemonParam(size_t i, int h, DaemonState* out) {
         d.header.version() != d0.header.version() || d.header.last_step() != d0.header.last_step())
       return Disagree(absl::StrCat("the daemon's parameter '", params_[i].name, "'"));
   }
-  // (a daemon checkpoint exists only once the engine has loaded the daemon, at its first step,
-  // which selects the column sets)
-  const int64_t width = p0.kind == kBlobSplit ? static_cast<int64_t>(p0.cold_idx.size()) : rc.cols;
-  v1::CheckpointHeader::Param* hp = out->header.add_params();
-  *hp = d0.header.params(h);
-  hp->mutable_spec()->clear_shape();
-  if (p0.kind == kBlobSplit) {
-    hp->mutable_spec()->add_shape(nb.rows());
-    hp->mutable_spec()->add_shape(width);
-  } else {
-    for (int64_t x : Share(i, new_world_, new_rank_).shape)
-      hp->mutable_spec()->add_shape(x);
-  }
-  if (steps_by_row) {
-    std::map<int, std::vector<int64_t>> steps;
-    for (const auto& [j, d] : dmn_)
-      steps[j].assign(d.header.params(h).col_steps().begin(), d.header.params(h).col_steps().end());
-    auto steps_of = [&steps](int j) -> const std::vector<int64_t>* {
-      auto it = steps.find(j);
-      return it == steps.end() ? nullptr : &it->second;
-    };
-    absl::StatusOr<std::vector<int64_t>> a =
-        rows.Take<decltype(steps_of), int64_t>(nb.begin, nb.end, 1, steps_of);
-    if (!a.ok()) return a.status();
-    hp->clear_col_steps();
-    for (int64_t x : *a) hp->add_col_steps(x);
-  }
-  for (auto field : {&DaemonState::master, &DaemonState::m, &DaemonState::v, &DaemonState::acc}) {
-    auto daemon_of = [this, h, field](int j) -> const std::vector<float>* {
-      auto it = dmn_.find(j);
-      return it == dmn_.end() ? nullptr : &(it->second.*field)[h];
-    };
-    absl::StatusOr<std::vector<float>> a = rows.Take(nb.begin, nb.end, width, daemon_of);
-    if (!a.ok()) return a.status();
-    (out->*field).push_back(std::move(*a));
-  }
   return absl::OkStatus();
 }
 
-std::string Repartitioner::WriteDaemon(const DaemonState& d) {
-  std::vector<CheckpointArrays> arrays;
-  for (size_t h = 0; h < d.master.size(); ++h)  // read only: the export does not write them
-    arrays.push_back({const_cast<float*>(d.master[h].data()), const_cast<float*>(d.m[h].data()),
-                      const_cast<float*>(d.v[h].data()), const_cast<float*>(d.acc[h].data()),
-                      static_cast<int64_t>(d.master[h].size())});
-  CheckpointExport out(d.header, std::move(arrays));
-  std::string bytes(out.total(), '\0');
-  out.Next(bytes.data(), bytes.size());
-  return bytes;
+absl::StatusOr<PartitionedState> Repartitioner::Cut() {
+  const EngineState& first = eng_.begin()->second;
+  std::vector<ShareOf> target;
+  std::vector<char> master, shown;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    target.push_back(Share(i, new_world_, new_rank_));
+    master.push_back(!first.params[i].master.empty());
+    shown.push_back(!first.params[i].pending_shown.empty());
+  }
+  OldRanksRows rows(params_, target, eng_, dmn_, old_world_, layout_);
+  StateWriter w{params_, first, dmn_.empty() ? nullptr : &dmn_.begin()->second,
+                target, master, shown, rows};
+  return w.Write();
 }
 
 }  // namespace
@@ -371,6 +478,278 @@ absl::StatusOr<PartitionedState> Repartition(const std::vector<WholeParam>& para
   Repartitioner r(params, old_world, new_world, new_rank, layout);
   RETURN_IF_ERROR(r.Load(old));
   return r.Cut();
+}
+
+const char* RowField::NameOf(Name name) {
+  switch (name) {
+    case kM: return "m";
+    case kV: return "v";
+    case kMaster: return "master";
+    case kHotMaster: return "hot_master";
+    case kHotM: return "hot_m";
+    case kHotV: return "hot_v";
+    case kShown: return "shown";
+    case kDaemonMaster: return "daemon_master";
+    case kDaemonM: return "daemon_m";
+    case kDaemonV: return "daemon_v";
+    case kDaemonAcc: return "daemon_acc";
+    case kDaemonSteps: return "daemon_steps";
+    case kFlags: return "flags";
+  }
+  return "?";
+}
+
+namespace {
+
+// The per-row arrays a state of this version has for parameter `p` (of `whole`), and their
+// widths: a function of its kind, hot count and dtype alone.
+std::vector<std::pair<RowField::Name, int64_t>> FieldsOf(const EngineParam& p,
+                                                        const WholeParam& whole, int64_t magic) {
+  const int64_t cols = RowsOf(whole.shape).cols;
+  std::vector<std::pair<RowField::Name, int64_t>> out;
+  if (p.kind == kBlobDevice) {
+    out = {{RowField::kM, cols}, {RowField::kV, cols}};
+    if (BlobHasDTypes(magic) && p.dtype == kBlobBf16) out.push_back({RowField::kMaster, cols});
+  } else {
+    if (p.kind == kBlobSplit) {
+      out = {{RowField::kHotMaster, p.k}, {RowField::kHotM, p.k}, {RowField::kHotV, p.k}};
+      if (magic == kEngineBlobMagicV4) out.push_back({RowField::kShown, cols - p.k});
+    }
+    const int64_t width = p.kind == kBlobSplit ? cols - p.k : cols;
+    for (RowField::Name n : {RowField::kDaemonMaster, RowField::kDaemonM, RowField::kDaemonV,
+                             RowField::kDaemonAcc})
+      out.push_back({n, width});
+    if (StepsByRow(p, whole)) out.push_back({RowField::kDaemonSteps, 1});
+  }
+  out.push_back({RowField::kFlags, 1});
+  return out;
+}
+
+// No rows: the rest of a state.
+class NoRows : public RowsFrom {
+ public:
+  absl::StatusOr<std::vector<float>> Engine(size_t, RowField::Name, std::vector<float> EngineParam::*,
+                                            int64_t) override {
+    return std::vector<float>();
+  }
+  absl::StatusOr<std::vector<float>> Daemon(size_t, int, RowField::Name,
+                                            std::vector<std::vector<float>> DaemonState::*,
+                                            int64_t) override {
+    return std::vector<float>();
+  }
+  absl::StatusOr<std::vector<int64_t>> DaemonSteps(size_t, int) override {
+    return std::vector<int64_t>();
+  }
+};
+
+// The rows given to JoinRows, by parameter and name (checked whole by JoinRows).
+class GivenRows : public RowsFrom {
+ public:
+  GivenRows(const std::vector<WholeParam>& params,
+            const std::map<std::pair<int, RowField::Name>, const RowField*>& fields)
+      : params_(params), fields_(fields) {}
+
+  absl::StatusOr<std::vector<float>> Engine(size_t i, RowField::Name name,
+                                            std::vector<float> EngineParam::*,
+                                            int64_t width) override {
+    if (width == 0) return std::vector<float>();  // not held yet (the hot arrays, step 0)
+    ASSIGN_OR_RETURN(const RowField* f, Find(i, name, width));
+    return f->f32;
+  }
+  absl::StatusOr<std::vector<float>> Daemon(size_t i, int, RowField::Name name,
+                                            std::vector<std::vector<float>> DaemonState::*,
+                                            int64_t width) override {
+    ASSIGN_OR_RETURN(const RowField* f, Find(i, name, width));
+    return f->f32;
+  }
+  absl::StatusOr<std::vector<int64_t>> DaemonSteps(size_t i, int) override {
+    ASSIGN_OR_RETURN(const RowField* f, Find(i, RowField::kDaemonSteps, 1));
+    return f->i64;
+  }
+
+ private:
+  absl::StatusOr<const RowField*> Find(size_t i, RowField::Name name, int64_t width) const {
+    auto it = fields_.find({static_cast<int>(i), name});
+    if (it == fields_.end() || it->second->width != width)
+      return absl::DataLossError(absl::StrCat(
+          "parameter '", params_[i].name, "': its state's ", RowField::NameOf(name), " has ",
+          it == fields_.end() ? 0 : it->second->width, " values a row, the rest says ", width));
+    return it->second;
+  }
+
+  const std::vector<WholeParam>& params_;
+  const std::map<std::pair<int, RowField::Name>, const RowField*>& fields_;
+};
+
+// Rank `rank`'s shares, cut to no rows (the shares of SplitRows' rest).
+std::vector<ShareOf> NoRowsOf(const std::vector<WholeParam>& params, int world, int rank,
+                              RowLayout layout) {
+  std::vector<ShareOf> out;
+  for (const WholeParam& p : params) {
+    ShareOf s = ShareOfParam(p.shape, world, rank, layout);
+    s.block.end = s.block.begin;
+    if (!s.shape.empty()) s.shape[0] = 0;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+absl::Status CheckWorld(const char* what, int world, int rank) {
+  if (world < 1 || rank < 0 || rank >= world)
+    return absl::InvalidArgumentError(absl::StrCat(what, ": needs 0 <= rank < world"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<SplitState> SplitRows(const std::vector<WholeParam>& params,
+                                     const PartitionedState& share, int world, int rank,
+                                     RowLayout layout) {
+  RETURN_IF_ERROR(CheckWorld("SplitRows", world, rank));
+  ASSIGN_OR_RETURN(EngineState eng, ParseEngine(share.engine, rank, params.size()));
+  std::optional<DaemonState> dmn;
+  if (!share.daemon.empty()) {
+    ASSIGN_OR_RETURN(dmn.emplace(), ParseDaemon(share.daemon, rank));
+  }
+  SplitState out;
+  int h = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const EngineParam& p = eng.params[i];
+    const ShareOf sh = ShareOfParam(params[i].shape, world, rank, layout);
+    const int64_t rows = sh.block.rows();
+    if (p.numel != rows * sh.whole.cols || p.k < 0 || p.k > sh.whole.cols)
+      return absl::DataLossError(absl::StrCat(
+          "the engine state's parameter '", params[i].name, "' has numel ", p.numel, " and k ",
+          p.k, ", rank ", rank, " of ", world, "'s ", rows, " rows of ", sh.whole.cols,
+          " columns have ", rows * sh.whole.cols));
+    const bool offloaded = p.kind != kBlobDevice && dmn.has_value();
+    if (offloaded && h >= dmn->header.params_size())
+      return absl::DataLossError("the daemon checkpoint has fewer parameters than the engine offloads");
+    for (const auto& [name, width] : FieldsOf(p, params[i], eng.magic)) {
+      RowField f;
+      f.param = static_cast<int>(i);
+      f.name = name;
+      f.width = width;
+      const size_t n = static_cast<size_t>(rows * width);
+      const std::vector<float>* held = nullptr;
+      switch (name) {
+        case RowField::kM: held = &p.m; break;
+        case RowField::kV: held = &p.v; break;
+        case RowField::kMaster: held = &p.master; break;
+        case RowField::kHotMaster: held = &p.hot_master; break;
+        case RowField::kHotM: held = &p.hot_m; break;
+        case RowField::kHotV: held = &p.hot_v; break;
+        case RowField::kShown: held = &p.pending_shown; break;
+        case RowField::kDaemonMaster: if (offloaded) held = &dmn->master[h]; break;
+        case RowField::kDaemonM: if (offloaded) held = &dmn->m[h]; break;
+        case RowField::kDaemonV: if (offloaded) held = &dmn->v[h]; break;
+        case RowField::kDaemonAcc: if (offloaded) held = &dmn->acc[h]; break;
+        case RowField::kDaemonSteps:
+          if (offloaded) {
+            f.i64.assign(dmn->header.params(h).col_steps().begin(),
+                         dmn->header.params(h).col_steps().end());
+          }
+          f.i64.resize(n);
+          break;
+        case RowField::kFlags:
+          f.i64.assign(n, (p.master.empty() ? 0 : 1) | (p.pending_shown.empty() ? 0 : 2));
+          break;
+      }
+      if (!f.is_int()) {
+        // Not held yet (no master, no pending round, nothing offloaded): zeros, per the flags
+        // and the rest.
+        if (held != nullptr && !held->empty() && held->size() != n)
+          return absl::DataLossError(absl::StrCat(
+              "parameter '", params[i].name, "': its ", RowField::NameOf(name), " has ",
+              held->size(), " values, its ", rows, " rows of ", width, " hold ", n));
+        f.f32 = held != nullptr && !held->empty() ? *held : std::vector<float>(n, 0.0f);
+      } else if (f.i64.size() != n) {
+        return absl::DataLossError(absl::StrCat("parameter '", params[i].name, "': its ",
+                                                RowField::NameOf(name), " has ", f.i64.size(),
+                                                " values, its rows hold ", n));
+      }
+      out.fields.push_back(std::move(f));
+    }
+    if (offloaded) ++h;
+  }
+  const std::vector<ShareOf> none = NoRowsOf(params, world, rank, layout);
+  std::vector<char> master, shown;
+  for (const EngineParam& p : eng.params) {
+    master.push_back(!p.master.empty());
+    shown.push_back(!p.pending_shown.empty());
+  }
+  NoRows no_rows;
+  StateWriter w{params, eng, dmn ? &*dmn : nullptr, none, master, shown, no_rows};
+  ASSIGN_OR_RETURN(out.rest, w.Write());
+  return out;
+}
+
+absl::StatusOr<PartitionedState> JoinRows(const std::vector<WholeParam>& params,
+                                          const PartitionedState& rest,
+                                          const std::vector<RowField>& fields, int world,
+                                          int rank, RowLayout layout) {
+  RETURN_IF_ERROR(CheckWorld("JoinRows", world, rank));
+  absl::StatusOr<EngineState> eng = ParseEngineBlob(rest.engine);
+  if (!eng.ok() || eng->params.size() != params.size())
+    return absl::DataLossError(absl::StrCat(
+        "the state's rest: ",
+        eng.ok() ? absl::StrCat(eng->params.size(), " parameters, the group has ", params.size())
+                 : std::string(eng.status().message())));
+  std::optional<DaemonState> dmn;
+  if (!rest.daemon.empty()) {
+    ASSIGN_OR_RETURN(dmn.emplace(), ParseDaemon(rest.daemon, rank));
+  }
+  std::map<std::pair<int, RowField::Name>, const RowField*> by_name;
+  for (const RowField& f : fields) {
+    if (f.param < 0 || static_cast<size_t>(f.param) >= params.size())
+      return absl::InvalidArgumentError(absl::StrCat("a row array of parameter ", f.param,
+                                                     ": the group has ", params.size()));
+    if (!by_name.emplace(std::make_pair(f.param, f.name), &f).second)
+      return absl::InvalidArgumentError(absl::StrCat("parameter '", params[f.param].name,
+                                                     "': ", RowField::NameOf(f.name),
+                                                     " given twice"));
+  }
+  std::vector<ShareOf> target;
+  std::vector<char> master, shown;
+  size_t expected = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const EngineParam& p = eng->params[i];
+    if (p.numel != 0)
+      return absl::DataLossError(absl::StrCat("the state's rest holds ", p.numel,
+                                              " values of parameter '", params[i].name,
+                                              "': not the rest of a split state"));
+    target.push_back(ShareOfParam(params[i].shape, world, rank, layout));
+    const int64_t rows = target.back().block.rows();
+    for (const auto& [name, width] : FieldsOf(p, params[i], eng->magic)) {
+      ++expected;
+      auto it = by_name.find({static_cast<int>(i), name});
+      if (it == by_name.end())
+        return absl::InvalidArgumentError(absl::StrCat("parameter '", params[i].name, "': no ",
+                                                       RowField::NameOf(name), " given"));
+      const RowField& f = *it->second;
+      const size_t n = f.is_int() ? f.i64.size() : f.f32.size();
+      if (f.width != width || static_cast<int64_t>(n) != rows * width)
+        return absl::InvalidArgumentError(absl::StrCat(
+            "parameter '", params[i].name, "': ", RowField::NameOf(name), " has ", n,
+            " values of width ", f.width, "; rank ", rank, " of ", world, "'s ", rows,
+            " rows of ", width, " hold ", rows * width));
+    }
+    // The flags of the rows (every row of a share says the same); no rows: nothing held.
+    const std::vector<int64_t>& flags = by_name.at({static_cast<int>(i), RowField::kFlags})->i64;
+    for (int64_t x : flags)
+      if (x != flags[0])
+        return absl::DataLossError(absl::StrCat("parameter '", params[i].name,
+                                                "': its rows disagree on what the state holds"));
+    const int64_t held = flags.empty() ? 0 : flags[0];
+    master.push_back((held & 1) != 0);
+    shown.push_back((held & 2) != 0);
+  }
+  if (expected != fields.size())
+    return absl::InvalidArgumentError(absl::StrCat(fields.size() - expected,
+                                                   " row arrays that no parameter has"));
+  GivenRows given(params, by_name);
+  StateWriter w{params, *eng, dmn ? &*dmn : nullptr, target, master, shown, given};
+  return w.Write();
 }
 
 }  // namespace stallfree

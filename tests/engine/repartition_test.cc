@@ -339,6 +339,44 @@ TEST_F(RepartitionTest, AnAutomaticRoundSavedMidRoundContinuesExactly) {
   ContinueWithOtherWorlds(OffloadMode::kZenFlow, /*automatic=*/true);
 }
 
+// The whole parameters' per-row arrays, each row from the split of the old rank that holds it.
+std::vector<RowField> WholeRows(const std::vector<WholeParam>& whole,
+                                const std::vector<SplitState>& splits) {
+  const int world = static_cast<int>(splits.size());
+  std::vector<RowField> out = splits[0].fields;
+  for (RowField& f : out) {
+    const ShareOf s0 = ShareOfParam(whole[f.param].shape, world, 0);
+    if (s0.block.replicated) continue;  // rank 0 holds it whole
+    const size_t n = static_cast<size_t>(s0.whole.rows * f.width);
+    f.f32.clear();
+    f.i64.clear();
+    for (int j = 0; j < world; ++j)
+      for (const RowField& g : splits[j].fields)
+        if (g.param == f.param && g.name == f.name) {
+          f.f32.insert(f.f32.end(), g.f32.begin(), g.f32.end());
+          f.i64.insert(f.i64.end(), g.i64.begin(), g.i64.end());
+        }
+    EXPECT_EQ(f.is_int() ? f.i64.size() : f.f32.size(), n) << RowField::NameOf(f.name);
+  }
+  return out;
+}
+
+// Rank `rank` of `world`'s rows of the whole arrays.
+std::vector<RowField> RankRows(const std::vector<RowField>& whole_rows, int world, int rank,
+                             const std::vector<WholeParam>& whole) {
+  std::vector<RowField> out;
+  for (const RowField& f : whole_rows) {
+    const RowBlock b = ShareOfParam(whole[f.param].shape, world, rank).block;
+    RowField g = f;
+    if (f.is_int())
+      g.i64.assign(f.i64.begin() + b.begin * f.width, f.i64.begin() + b.end * f.width);
+    else
+      g.f32.assign(f.f32.begin() + b.begin * f.width, f.f32.begin() + b.end * f.width);
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
 void RepartitionTest::ContinueWithOtherWorlds(OffloadMode mode, bool automatic) {
   constexpr int kOld = 4;
   constexpr int64_t kSaved = 5, kSteps = 10;  // step 5: inside a round (S = 2), Update pending
@@ -361,6 +399,18 @@ void RepartitionTest::ContinueWithOtherWorlds(OffloadMode mode, bool automatic) 
   }
   ASSERT_FALSE(saved[0].daemon.empty()) << "nothing was offloaded: the test proves nothing";
   const std::vector<WholeParam> whole = Whole(model_);
+  std::vector<SplitState> splits;
+  for (int r = 0; r < kOld; ++r) {
+    absl::StatusOr<SplitState> split = SplitRows(whole, saved[r], kOld, r);
+    ASSERT_TRUE(split.ok()) << split.status();
+    // A rank's own arrays and its rest give back its state, byte for byte.
+    absl::StatusOr<PartitionedState> back = JoinRows(whole, split->rest, split->fields, kOld, r);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_TRUE(back->engine == saved[r].engine);
+    EXPECT_TRUE(back->daemon == saved[r].daemon);
+    splits.push_back(std::move(*split));
+  }
+  const std::vector<RowField> whole_rows = WholeRows(whole, splits);
 
   for (int world : {2, 1, 4}) {
     SCOPED_TRACE(absl::StrCat("4 -> ", world, " ranks"));
@@ -376,6 +426,20 @@ void RepartitionTest::ContinueWithOtherWorlds(OffloadMode mode, bool automatic) 
       if (world == kOld) {
         EXPECT_EQ(mine->engine, saved[s].engine);  // the identity
       }
+      // The same state through the per-row arrays (what a DCP checkpoint of FSDP2 holds): the
+      // whole arrays joined from the old ranks' splits, this rank's rows of them, and the rest
+      // of any old rank's split. (The daemon checkpoint's header names the session and rank
+      // that wrote it, which a restore does not read: compared with the rest of the rank whose
+      // header Repartition copies, its first source.)
+      const std::vector<RowField> my_rows = RankRows(whole_rows, world, s, whole);
+      absl::StatusOr<PartitionedState> joined =
+          JoinRows(whole, splits[(s + 1) % kOld].rest, my_rows, world, s);
+      ASSERT_TRUE(joined.ok()) << joined.status();
+      EXPECT_TRUE(joined->engine == mine->engine);
+      joined = JoinRows(whole, splits[SourceRanks(whole, kOld, world, s)[0]].rest, my_rows,
+                        world, s);
+      ASSERT_TRUE(joined.ok()) << joined.status();
+      EXPECT_TRUE(joined->daemon == mine->daemon);
       const std::string tag = absl::StrCat("to", world, "-", OffloadModeName(mode), ".r", s);
       ASSERT_TRUE(ranks[s]->session->WriteCheckpoint(tag, mine->daemon).ok());
       absl::Status st = ranks[s]->engine->Restore(tag, mine->engine);
@@ -445,6 +509,27 @@ TEST_F(RepartitionTest, MissingRanksDisagreeingStepsAndGarbageAreRefused) {
     EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << which << ": " << r.status();
     EXPECT_NE(r.status().message().find("rank 2"), std::string::npos) << r.status();
   }
+  // JoinRows: a missing array, one of the wrong size, one too many, a rest that holds rows.
+  absl::StatusOr<SplitState> split = SplitRows(whole, at3[1], 4, 1);
+  ASSERT_TRUE(split.ok()) << split.status();
+  ASSERT_TRUE(JoinRows(whole, split->rest, split->fields, 4, 1).ok());
+  std::vector<RowField> fields = split->fields;
+  fields.erase(fields.begin());
+  r = JoinRows(whole, split->rest, fields, 4, 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("no hot_master given"), std::string::npos) << r.status();
+  fields = split->fields;
+  fields[0].f32.pop_back();
+  r = JoinRows(whole, split->rest, fields, 4, 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  fields = split->fields;
+  fields.push_back(fields[0]);
+  r = JoinRows(whole, split->rest, fields, 4, 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("given twice"), std::string::npos) << r.status();
+  r = JoinRows(whole, at3[1], split->fields, 4, 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+  EXPECT_NE(r.status().message().find("not the rest"), std::string::npos) << r.status();
   // Another model's states: the parameter count differs.
   std::vector<WholeParam> fewer = whole;
   fewer.pop_back();
