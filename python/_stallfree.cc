@@ -258,6 +258,58 @@ void BindFunctions(py::module_& m) {
       },
       py::arg("params"), py::arg("old"), py::arg("new_world"), py::arg("new_rank"),
       py::arg("layout") = "even");
+  // A share's (engine state, daemon checkpoint), given by (address, size) of its uint8 tensors,
+  // as (rest engine, rest daemon, [(param, name, width, int64, bytearray)]).
+  m.def(
+      "split_rows",
+      [](const stallfree::api::WholeShapes& params, uintptr_t engine, size_t engine_size,
+         uintptr_t daemon, size_t daemon_size, int world, int rank, const std::string& layout) {
+        std::string e = BytesAt(engine, engine_size), d = BytesAt(daemon, daemon_size);
+        std::tuple<std::string, std::string, std::vector<stallfree::api::RowArray>> out;
+        {
+          py::gil_scoped_release release;
+          out = stallfree::api::SplitRows(params, std::move(e), std::move(d), world, rank,
+                                          layout);
+        }
+        py::list arrays;
+        for (stallfree::api::RowArray& a : std::get<2>(out))
+          arrays.append(py::make_tuple(a.param, a.name, a.width, a.int64, py::bytearray(a.bytes)));
+        return py::make_tuple(py::bytearray(std::get<0>(out)), py::bytearray(std::get<1>(out)),
+                              arrays);
+      },
+      py::arg("params"), py::arg("engine"), py::arg("engine_size"), py::arg("daemon"),
+      py::arg("daemon_size"), py::arg("world"), py::arg("rank"), py::arg("layout") = "fsdp2",
+      "a share's state (engine/repartition.h, SplitRows) as its rest and per-row arrays");
+  // The rest's bytes and arrays [(param, name, width, int64, address, size)] -> this rank's
+  // (state, daemon) as bytearrays.
+  m.def(
+      "join_rows",
+      [](const stallfree::api::WholeShapes& params, const py::bytes& rest_engine,
+         const py::bytes& rest_daemon, const py::list& arrays, int world, int rank,
+         const std::string& layout) {
+        std::vector<stallfree::api::RowArray> in;
+        for (const py::handle& h : arrays) {
+          py::tuple t = h.cast<py::tuple>();
+          stallfree::api::RowArray a;
+          a.param = t[0].cast<int>();
+          a.name = t[1].cast<std::string>();
+          a.width = t[2].cast<int64_t>();
+          a.int64 = t[3].cast<bool>();
+          a.bytes = BytesAt(t[4].cast<uintptr_t>(), t[5].cast<size_t>());
+          in.push_back(std::move(a));
+        }
+        std::string e = rest_engine, d = rest_daemon;
+        std::pair<std::string, std::string> out;
+        {
+          py::gil_scoped_release release;
+          out = stallfree::api::JoinRows(params, std::move(e), std::move(d), std::move(in),
+                                         world, rank, layout);
+        }
+        return py::make_tuple(py::bytearray(out.first), py::bytearray(out.second));
+      },
+      py::arg("params"), py::arg("rest_engine"), py::arg("rest_daemon"), py::arg("arrays"),
+      py::arg("world"), py::arg("rank"), py::arg("layout") = "fsdp2",
+      "this rank's state from a split's rest and its own rows (engine/repartition.h, JoinRows)");
 }
 
 }  // namespace

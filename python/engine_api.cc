@@ -1,5 +1,6 @@
 #include "python/engine_api.h"
 
+#include <cstring>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -364,6 +365,62 @@ std::pair<std::string, std::string> Repartition(
   }
   PartitionedState out =
       Take(stallfree::Repartition(Whole(params), ptrs, new_world, new_rank, rows));
+  return {std::move(out.engine), std::move(out.daemon)};
+}
+
+std::tuple<std::string, std::string, std::vector<RowArray>> SplitRows(
+    const WholeShapes& params, std::string engine, std::string daemon, int world, int rank,
+    const std::string& layout) {
+  const PartitionedState share{std::move(engine), std::move(daemon)};
+  stallfree::SplitState split =
+      Take(stallfree::SplitRows(Whole(params), share, world, rank, LayoutOf(layout)));
+  std::vector<RowArray> arrays;
+  for (stallfree::RowField& f : split.fields) {
+    RowArray a;
+    a.param = f.param;
+    a.name = stallfree::RowField::NameOf(f.name);
+    a.width = f.width;
+    a.int64 = f.is_int();
+    a.bytes = a.int64 ? std::string(reinterpret_cast<const char*>(f.i64.data()), f.i64.size() * 8)
+                      : std::string(reinterpret_cast<const char*>(f.f32.data()), f.f32.size() * 4);
+    arrays.push_back(std::move(a));
+  }
+  return {std::move(split.rest.engine), std::move(split.rest.daemon), std::move(arrays)};
+}
+
+std::pair<std::string, std::string> JoinRows(const WholeShapes& params, std::string rest_engine,
+                                             std::string rest_daemon,
+                                             std::vector<RowArray> arrays, int world, int rank,
+                                             const std::string& layout) {
+  std::vector<stallfree::RowField> fields;
+  for (RowArray& a : arrays) {
+    stallfree::RowField f;
+    f.param = a.param;
+    f.width = a.width;
+    bool known = false;
+    for (int n = stallfree::RowField::kM; n <= stallfree::RowField::kFlags; ++n)
+      if (a.name == stallfree::RowField::NameOf(static_cast<stallfree::RowField::Name>(n))) {
+        f.name = static_cast<stallfree::RowField::Name>(n);
+        known = true;
+      }
+    if (!known) throw InvalidArgument("join_rows: no row array is named '" + a.name + "'");
+    const size_t elem = f.is_int() ? 8 : 4;
+    if (a.int64 != f.is_int() || a.bytes.size() % elem != 0)
+      throw InvalidArgument("join_rows: '" + a.name + "' holds " +
+                            (f.is_int() ? "int64" : "float32") + " values");
+    if (f.is_int()) {
+      f.i64.resize(a.bytes.size() / 8);
+      memcpy(f.i64.data(), a.bytes.data(), a.bytes.size());
+    } else {
+      f.f32.resize(a.bytes.size() / 4);
+      memcpy(f.f32.data(), a.bytes.data(), a.bytes.size());
+    }
+    a.bytes.clear();
+    fields.push_back(std::move(f));
+  }
+  const PartitionedState rest{std::move(rest_engine), std::move(rest_daemon)};
+  PartitionedState out =
+      Take(stallfree::JoinRows(Whole(params), rest, fields, world, rank, LayoutOf(layout)));
   return {std::move(out.engine), std::move(out.daemon)};
 }
 

@@ -17,6 +17,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -176,6 +177,26 @@ std::pair<std::string, std::string> Repartition(
     const WholeShapes& params,
     std::vector<std::optional<std::pair<std::string, std::string>>> old, int new_world,
     int new_rank, const std::string& layout);
+
+// One per-row array of a share's state (engine/repartition.h, RowField): its parameter in the
+// group, its name ("m", "hot_master", "daemon_steps", ...), its values per row, and its values
+// (fp32, or int64 where `int64`) as bytes.
+struct RowArray {
+  int param = 0;
+  std::string name;
+  int64_t width = 0;
+  bool int64 = false;
+  std::string bytes;
+};
+// A share's (engine state, daemon checkpoint) as the rest (engine, daemon) and its per-row
+// arrays (engine/repartition.h, SplitRows), and back (JoinRows).
+std::tuple<std::string, std::string, std::vector<RowArray>> SplitRows(
+    const WholeShapes& params, std::string engine, std::string daemon, int world, int rank,
+    const std::string& layout);
+std::pair<std::string, std::string> JoinRows(const WholeShapes& params, std::string rest_engine,
+                                             std::string rest_daemon,
+                                             std::vector<RowArray> arrays, int world, int rank,
+                                             const std::string& layout);
 
 }  // namespace api
 }  // namespace stallfree

@@ -15,6 +15,19 @@ def _called_from(module, function):
     return False
 
 
+def _called_from_torch_state_dict():
+    """Whether torch's distributed state-dict API is asking (by its public names), which wants
+    the state in its distributed form (_rows.py): "set" from set_optimizer_state_dict /
+    set_state_dict (its template for a full state dict), "get" from get_optimizer_state_dict /
+    get_state_dict, else None."""
+    module = "torch.distributed.checkpoint.state_dict"
+    if _called_from(module, "set_optimizer_state_dict") or _called_from(module, "set_state_dict"):
+        return "set"
+    if _called_from(module, "get_optimizer_state_dict") or _called_from(module, "get_state_dict"):
+        return "get"
+    return None
+
+
 def _calling_trainer():
     """The Hugging Face Trainer among the callers (its methods run the training loop that
     calls step() and backward()), or None."""

@@ -27,9 +27,11 @@ import torch
 import torch.distributed
 
 from . import _stallfree
+from . import _rows
 from . import _torch_private
 from ._daemon import Daemon, default_socket
-from ._integrations import _called_from, _calling_trainer, _consolidating_callback
+from ._integrations import (_called_from, _called_from_torch_state_dict, _calling_trainer,
+                            _consolidating_callback)
 from ._partition import (_DTYPE_NAMES, _Shards, _all_reduce_scores, _announce,
                          _dtensor_refusal, _fsdp2_groups, _is_dtensor, _local,
                          _check_same_parameters, _data_parallel_group, _on_device, _peers, _rank,
@@ -828,14 +830,30 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # where it was gathered, this rank's share elsewhere; never a second collective, which
         # the ranks would not all enter (a Trainer's callback consolidates before
         # accelerate's save_fsdp_optimizer asks every rank for its state).
+        partition = self.partition
+        fsdp2_1d = "fsdp2" in partition and partition["world"] == 1
         if self._consolidated is None or self._consolidated[0] != self._version:
-            if _shares(self.partition)["world"] > 1 and (
+            if _shares(partition)["world"] > 1 and not fsdp2_1d and (
                     _called_from("accelerate.checkpointing", "save_accelerator_state") or
                     _called_from("accelerate.utils.fsdp_utils", "save_fsdp_optimizer")):
                 self.consolidate_state_dict(to=0)
-        if self._consolidated is not None and self._consolidated[0] == self._version and \
-                self._consolidated[1] is not None:
-            return self._consolidated[1]
+        if self._consolidated is not None and self._consolidated[0] == self._version:
+            if self._consolidated[1] is not None:
+                return self._consolidated[1]
+            return self._share_state_dict()
+        asking = _called_from_torch_state_dict() if "fsdp2" in partition else None
+        if asking:
+            # torch's distributed state dict (and DCP and accelerate through it): the rows as
+            # DTensors (_rows.py).
+            if not fsdp2_1d:
+                raise Error("get_optimizer_state_dict / set_optimizer_state_dict under HSDP: "
+                            "each rank's state is a part of its replicate group's and of its "
+                            "shard group's rows, which torch's state dict cannot describe; save "
+                            "and load with stallfree.dcp.save / stallfree.dcp.load")
+            # set_optimizer_state_dict's template for a full state dict, which rank 0 may
+            # broadcast to the others: the keys of both forms, the saved one's filled in.
+            return _rows.to_rows(self._share_state_dict(), self._members, self._shards,
+                                 self.param_groups, keep_blob_keys=asking == "set")
         return self._share_state_dict()
 
     def consolidate_state_dict(self, to=0):
@@ -1097,7 +1115,29 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             else:
                 metas, blobs = [], []
                 for d, state in zip(dicts, states):
-                    meta, blob = self._group_entry(d["param_groups"][gi], state, where)
+                    theirs_gi = d["param_groups"][gi]
+                    blob_form = any(_META_KEY in state.get(k, {}) and _uint8(
+                        state[k][_META_KEY]).numel() > 0 for k in theirs_gi["params"])
+                    if blob_form:
+                        # (torch's set_optimizer_state_dict adds the distributed form's keys
+                        # of its template, this optimizer's own state, to a full state dict
+                        # of the other form: the saved state is the blob)
+                        _rows.drop_rows(state, theirs_gi["params"])
+                        meta, blob = self._group_entry(theirs_gi, state, where)
+                    elif any(_rows.is_rows(state.get(k, {})) for k in theirs_gi["params"]):
+                        _rows.drop_blob_placeholders(state, theirs_gi["params"])
+                        # torch's distributed form (_rows.py): this rank's rows, joined
+                        if len(dicts) > 1:
+                            raise Error("%s: a state dict of torch's distributed form "
+                                        "(get_optimizer_state_dict) loads alone, not in a list"
+                                        % where)
+                        pos = {id(p): j for j, p in enumerate(self.param_groups[gi]["params"])}
+                        members = [(n, p, theirs_gi["params"][pos[id(p)]])
+                                   for n, p in self._members[gi]]
+                        meta, blob = _rows.from_rows(gi, theirs_gi, state, members,
+                                                     self._shards[gi].describe(), where)
+                    else:
+                        meta, blob = self._group_entry(theirs_gi, state, where)
                     metas.append(meta)
                     blobs.append(blob)
             if any((m is None) != (metas[0] is None) for m in metas):

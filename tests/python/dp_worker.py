@@ -18,7 +18,11 @@ through torch's get_optimizer_state_dict(full_state_dict=True) after consolidate
 rank 0 writing OUT/<run>-dsd.pt, and set_optimizer_state_dict on every rank, as accelerate's FSDP2
 checkpoints do); "_dsd": "accelerate": through accelerate's own save_fsdp_optimizer and
 load_fsdp_optimizer with its FSDP2 plugin (OUT/<run>-acc); "trainer": the same after
-consolidate_state_dict(to=0), as a Hugging Face Trainer's callback does before it saves). "_save_at": K saves, after
+consolidate_state_dict(to=0), as a Hugging Face Trainer's callback does before it saves;
+"accelerate-sharded": the plugin's SHARDED_STATE_DICT (DCP); "full": as true without
+consolidating (torch all-gathers the rows of the distributed form); "sharded": torch's
+get_optimizer_state_dict through dcp.save to OUT/<run>-sdcp, and dcp.load into
+get_optimizer_state_dict's template, then set_optimizer_state_dict). "_save_at": K saves, after
 step K, every rank's optimizer state_dict() (OUT/<run>-opt-rank<r>.pt) and rank 0 the model's and
 the scheduler's (OUT/<run>-model.pt); "_resume": {"dir", "run", "world", "step"} starts instead
 from such a save of a run with `world` ranks: the model's weights, the optimizer from the list of
@@ -63,17 +67,17 @@ def whole(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def accelerate_fsdp2(rank):
-    """accelerate's FSDP2 plugin with the Hugging Face Trainer's state dict type (FULL_STATE_DICT;
-    the plugin's own default for FSDP2 is SHARDED_STATE_DICT, which ZenFlowAdamW's state does not
-    go through) and what its
+def accelerate_fsdp2(rank, sharded=False):
+    """accelerate's FSDP2 plugin with the Hugging Face Trainer's state dict type (FULL_STATE_DICT),
+    or with `sharded` the plugin's own default (SHARDED_STATE_DICT: DCP), and what its
     checkpoint functions use of an Accelerator. (accelerate enables FSDP on GPUs only, so its
     Accelerator does not run FSDP2 here; its save_fsdp_optimizer and load_fsdp_optimizer do.)"""
     import types
     from accelerate import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin
     PartialState(cpu=True)  # accelerate's logging needs it; it takes the gloo ranks as they are
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="FULL_STATE_DICT")
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, state_dict_type="SHARDED_STATE_DICT" if sharded else "FULL_STATE_DICT")
     return plugin, types.SimpleNamespace(process_index=rank, wait_for_everyone=dist.barrier)
 
 
@@ -159,11 +163,19 @@ def main():
             else:
                 model.load_state_dict(saved["model"])
             sched.load_state_dict(saved["sched"])
-            if use_dsd in ("accelerate", "trainer"):  # accelerate's own FSDP2 loading
+            if use_dsd in ("accelerate", "trainer", "accelerate-sharded"):  # accelerate's own
                 from accelerate.utils.fsdp_utils import load_fsdp_optimizer
-                plugin, acc = accelerate_fsdp2(rank)
+                plugin, acc = accelerate_fsdp2(rank, use_dsd == "accelerate-sharded")
                 load_fsdp_optimizer(plugin, acc, opt, model,
                                     os.path.join(resume["dir"], f"{resume['run']}-acc"))
+            elif use_dsd == "sharded":  # torch's distributed state dict through DCP
+                import torch.distributed.checkpoint as dcp
+                from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                                     set_optimizer_state_dict)
+                osd = {"optim": get_optimizer_state_dict(model, opt)}
+                dcp.load(osd, checkpoint_id=os.path.join(resume["dir"],
+                                                         f"{resume['run']}-sdcp"))
+                set_optimizer_state_dict(model, opt, osd["optim"])
             elif use_dsd:  # torch's full optimizer state dict, every rank the same file
                 from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                                      set_optimizer_state_dict)
@@ -210,17 +222,24 @@ def main():
                     record["stats"] = stats(sorted(set(sockets)))
                     dist.barrier()
                 if step == save_at:
-                    if use_dsd in ("accelerate", "trainer"):  # accelerate's FSDP2 saving
+                    if use_dsd in ("accelerate", "trainer", "accelerate-sharded"):
                         from accelerate.utils.fsdp_utils import save_fsdp_optimizer
                         if use_dsd == "trainer":  # the Trainer's callback consolidates first
                             opt.consolidate_state_dict(to=0)
-                        plugin, acc = accelerate_fsdp2(rank)
+                        plugin, acc = accelerate_fsdp2(rank, use_dsd == "accelerate-sharded")
                         save_fsdp_optimizer(plugin, acc, opt, model,
                                             os.path.join(out, f"{name}-acc"))
+                    elif use_dsd == "sharded":  # torch's distributed state dict, by DCP
+                        import torch.distributed.checkpoint as dcp
+                        from torch.distributed.checkpoint.state_dict import (
+                            get_optimizer_state_dict)
+                        dcp.save({"optim": get_optimizer_state_dict(model, opt)},
+                                 checkpoint_id=os.path.join(out, f"{name}-sdcp"))
                     elif use_dsd:  # as accelerate's FSDP2 FULL_STATE_DICT saving does
                         from torch.distributed.checkpoint.state_dict import (
                             StateDictOptions, get_optimizer_state_dict)
-                        opt.consolidate_state_dict(to=0)
+                        if use_dsd is True:  # "full": torch all-gathers the rows itself
+                            opt.consolidate_state_dict(to=0)
                         osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(
                             full_state_dict=True, cpu_offload=True))
                         if rank == 0:

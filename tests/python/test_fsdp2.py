@@ -170,55 +170,70 @@ ROUNDS = dict(mode="zenflow", topk_ratio=0.25, update_interval=4, select_interva
 @pytest.fixture(scope="module")
 def saved_by_4(daemon, tmp_path_factory):
     """The zenflow run (rounds of 4, bf16 transfers) on 4 FSDP2 ranks, its optimizer saved
-    mid-round with stallfree.dcp (each rank its share) and the whole model by rank 0."""
+    mid-round with stallfree.dcp (each rank its share; "zenflow") and with torch's
+    get_optimizer_state_dict through dcp.save ("sharded"), and the whole model by rank 0."""
     out = tmp_path_factory.mktemp("fsdp2-save4")
-    runs = {"zenflow": dict(ROUNDS, _dcp=True, _save_at=SAVE_AT)}
-    return out, train_ranks(4, out, [daemon.socket], runs, wrap="fsdp2",
-                            steps=RESUME_STEPS)["zenflow"]
+    return out, train_ranks(4, out, [daemon.socket], {
+        run: dict(ROUNDS, _save_at=SAVE_AT, **how) for run, how in DCP_RUNS.items()},
+        wrap="fsdp2", steps=RESUME_STEPS)
+
+
+# The two ways to DCP: stallfree.dcp, and torch's distributed state dict (_rows.py).
+DCP_RUNS = {"zenflow": dict(_dcp=True), "sharded": dict(_dsd="sharded")}
+
+
+def resume_from_4(out, world, tmp_path, daemon):
+    return train_ranks(world, tmp_path, [daemon.socket], {run: dict(
+        ROUNDS, _resume={"dir": str(out), "run": run, "world": 4, "step": SAVE_AT}, **how)
+        for run, how in DCP_RUNS.items()}, wrap="fsdp2", steps=RESUME_STEPS)
 
 
 def test_dcp_save_with_4_ranks_resumes_on_4_bit_for_bit(saved_by_4, daemon, tmp_path):
     """stallfree.dcp.save on 4 FSDP2 ranks mid-round writes each rank's share under keys of its
-    own; 4 ranks that load it (each its own rows) continue bit for bit."""
+    own; torch's get_optimizer_state_dict through dcp.save writes each per-row array of the state
+    as the whole parameter's rows, each rank its chunk. 4 ranks that load either (each its own
+    rows) continue bit for bit."""
     import torch.distributed.checkpoint as dcp
     out, uninterrupted = saved_by_4
     md = dcp.FileSystemReader(str(out / "zenflow-dcp")).read_metadata().state_dict_metadata
     owners = {k.split("/")[2] for k in md if k.startswith("zenflow/g")}
     assert owners == {"r0of1s0of4", "r0of1s1of4", "r0of1s2of4", "r0of1s3of4"}, owners
-    resumed = train_ranks(4, tmp_path, [daemon.socket], {"zenflow": dict(
-        ROUNDS, _dcp=True, _resume={"dir": str(out), "run": "zenflow", "world": 4,
-                                    "step": SAVE_AT})}, wrap="fsdp2",
-        steps=RESUME_STEPS)["zenflow"]
-    assert_ranks_agree(resumed)
-    for r, u in zip(resumed, uninterrupted):
-        assert r["losses"] == u["losses"][SAVE_AT:]
-    for name, p in uninterrupted[0]["params"].items():
-        assert torch.equal(resumed[0]["params"][name], p), name
-    assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
+    md = dcp.FileSystemReader(str(out / "sharded-sdcp")).read_metadata().state_dict_metadata
+    rows = {k: v for k, v in md.items() if ".zenflow_rows.daemon_m" in k}
+    assert rows, sorted(md)
+    for k, v in rows.items():  # 4 chunks of the parameter's rows, together all of them
+        assert len(v.chunks) == 4 and sum(c.sizes[0] for c in v.chunks) == v.size[0], (k, v)
+    resumed = resume_from_4(out, 4, tmp_path, daemon)
+    for run in DCP_RUNS:
+        assert_ranks_agree(resumed[run])
+        for r, u in zip(resumed[run], uninterrupted[run]):
+            assert r["losses"] == u["losses"][SAVE_AT:], run
+        for name, p in uninterrupted[run][0]["params"].items():
+            assert torch.equal(resumed[run][0]["params"][name], p), (run, name)
+        assert resumed[run][0]["hot"] == uninterrupted[run][0]["hot"][SAVE_AT:], run
 
 
 def test_dcp_save_with_4_ranks_resumes_on_2(saved_by_4, daemon, tmp_path):
-    """The 4 FSDP2 ranks' checkpoint loaded by 2 (fully_shard cuts each weight in 2 chunks now;
-    each rank reads the 2 saved shares its chunk covers and joins them, engine/repartition.h with
-    FSDP2's layout): the run continues within test_partition.py's re-partition tolerances
-    (PARAM_ATOL / LOSS_RTOL: the gradient's and the scores' summation order change), with the
-    same hot columns."""
+    """The 4 FSDP2 ranks' checkpoints loaded by 2 (fully_shard cuts each weight in 2 chunks now).
+    stallfree.dcp: each rank reads the 2 saved shares its chunk covers and joins them
+    (engine/repartition.h with FSDP2's layout); torch's distributed state dict: DCP reads each
+    rank's rows of every per-row array, and the rank joins them with the state's rest. Both
+    continue within test_partition.py's re-partition tolerances (PARAM_ATOL / LOSS_RTOL: the
+    gradient's and the scores' summation order change), with the same hot columns."""
     out, uninterrupted = saved_by_4
-    resumed = train_ranks(2, tmp_path, [daemon.socket], {"zenflow": dict(
-        ROUNDS, _dcp=True, _resume={"dir": str(out), "run": "zenflow", "world": 4,
-                                    "step": SAVE_AT})}, wrap="fsdp2",
-        steps=RESUME_STEPS)["zenflow"]
-    assert_ranks_agree(resumed)
-    diffs = models.max_abs_diff(resumed[0]["params"], uninterrupted[0]["params"])
-    print("dcp: FSDP2 resumed with 2 ranks vs uninterrupted with 4: max |dparam| %.3g"
-          % max(diffs.values()))
-    for name, d in diffs.items():
-        assert d <= PARAM_ATOL, (name, d)
-    for i in range(RESUME_STEPS - SAVE_AT):
-        loss = sum(r["losses"][i] for r in resumed) / 2
-        ref = sum(r["losses"][SAVE_AT + i] for r in uninterrupted) / 4
-        assert models.rel_diff(loss, ref) <= LOSS_RTOL, SAVE_AT + 1 + i
-    assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
+    resumed = resume_from_4(out, 2, tmp_path, daemon)
+    for run in DCP_RUNS:
+        assert_ranks_agree(resumed[run])
+        diffs = models.max_abs_diff(resumed[run][0]["params"], uninterrupted[run][0]["params"])
+        print("%s: FSDP2 resumed with 2 ranks vs uninterrupted with 4: max |dparam| %.3g"
+              % (run, max(diffs.values())))
+        for name, d in diffs.items():
+            assert d <= PARAM_ATOL, (run, name, d)
+        for i in range(RESUME_STEPS - SAVE_AT):
+            loss = sum(r["losses"][i] for r in resumed[run]) / 2
+            ref = sum(r["losses"][SAVE_AT + i] for r in uninterrupted[run]) / 4
+            assert models.rel_diff(loss, ref) <= LOSS_RTOL, (run, SAVE_AT + 1 + i)
+        assert resumed[run][0]["hot"] == uninterrupted[run][0]["hot"][SAVE_AT:], run
 
 
 def test_one_copy_per_node(daemon, four_ranks, tmp_path):
@@ -241,40 +256,44 @@ def test_one_copy_per_node(daemon, four_ranks, tmp_path):
 def test_torch_full_state_dict_of_2_ranks_resumes(daemon, tmp_path):
     """What accelerate's FSDP2 checkpoints do (state_dict_type FULL_STATE_DICT, its default):
     get_optimizer_state_dict(full_state_dict=True) on every rank, rank 0 saving it, and
-    set_optimizer_state_dict on every rank at resume. consolidate_state_dict(to=0) first (the
-    optimizer does it itself under accelerate and a Trainer) makes rank 0's hold both ranks'
-    shares: 2 ranks continue bit for bit, 1 within the re-partition tolerances."""
+    set_optimizer_state_dict on every rank at resume. "zenflow": consolidate_state_dict(to=0)
+    first makes rank 0's hold both ranks' shares; "full": without it, torch all-gathers the
+    per-row arrays of the distributed form (_rows.py) as it does torch.optim.AdamW's exp_avg.
+    2 ranks continue bit for bit, 1 within the re-partition tolerances."""
     out = tmp_path / "save2"
-    config = dict(ROUNDS, _dsd=True)
-    uninterrupted = train_ranks(2, out, [daemon.socket], {"zenflow": dict(config,
-                                                                         _save_at=SAVE_AT)},
-                                wrap="fsdp2", steps=RESUME_STEPS)["zenflow"]
+    runs = {"zenflow": dict(ROUNDS, _dsd=True), "full": dict(ROUNDS, _dsd="full")}
+    uninterrupted = train_ranks(2, out, [daemon.socket],
+                                {k: dict(v, _save_at=SAVE_AT) for k, v in runs.items()},
+                                wrap="fsdp2", steps=RESUME_STEPS)
     for world in (2, 1):
         resumed = train_ranks(world, tmp_path / f"load{world}", [daemon.socket], {
-            "zenflow": dict(config, _resume={"dir": str(out), "run": "zenflow", "world": 2,
-                                             "step": SAVE_AT})},
-            wrap="fsdp2", steps=RESUME_STEPS)["zenflow"]
-        assert_ranks_agree(resumed)
-        diffs = models.max_abs_diff(resumed[0]["params"], uninterrupted[0]["params"])
-        print("full state dict: resumed with %d ranks: max |dparam| %.3g"
-              % (world, max(diffs.values())))
-        for name, d in diffs.items():
-            assert d <= (0 if world == 2 else PARAM_ATOL), (world, name, d)
-        assert resumed[0]["hot"] == uninterrupted[0]["hot"][SAVE_AT:]
+            k: dict(v, _resume={"dir": str(out), "run": k, "world": 2, "step": SAVE_AT})
+            for k, v in runs.items()}, wrap="fsdp2", steps=RESUME_STEPS)
+        for run in runs:
+            assert_ranks_agree(resumed[run])
+            diffs = models.max_abs_diff(resumed[run][0]["params"],
+                                        uninterrupted[run][0]["params"])
+            print("full state dict (%s): resumed with %d ranks: max |dparam| %.3g"
+                  % (run, world, max(diffs.values())))
+            for name, d in diffs.items():
+                assert d <= (0 if world == 2 else PARAM_ATOL), (run, world, name, d)
+            assert resumed[run][0]["hot"] == uninterrupted[run][0]["hot"][SAVE_AT:], run
 
 
 def test_accelerate_fsdp2_checkpoint_functions_resume_bit_for_bit(daemon, tmp_path):
     """accelerate's FSDP2 checkpointing (save_fsdp_optimizer / load_fsdp_optimizer with its
     FSDP2 plugin, FULL_STATE_DICT as the Trainer sets it: rank 0 writing, rank 0 reading and
     broadcasting), what a Hugging Face Trainer or accelerate's save_state call under FSDP2, on 2
-    ranks mid-round: the optimizer consolidates itself when save_fsdp_optimizer asks for its
-    state, so the file holds both ranks' shares, and 2 ranks continue bit for bit. "trainer": a
-    Hugging Face
-    Trainer's callback has consolidated before (every rank), and save_fsdp_optimizer must not
-    consolidate again (rank 0 would not take part: a hang). (accelerate enables FSDP on GPUs
-    only: on CPU ranks its Trainer falls back to DDP, so the functions are called directly.)"""
+    ranks mid-round: torch's get_optimizer_state_dict, which save_fsdp_optimizer calls, gets the
+    distributed form (_rows.py) and all-gathers its rows, so the file holds both ranks' rows,
+    and 2 ranks continue bit for bit. "trainer": consolidated before (every rank), as a caller
+    may, and save_fsdp_optimizer must not consolidate again (rank 0 would not take part: a
+    hang). "accelerate-sharded": the plugin's own default, SHARDED_STATE_DICT (DCP, each rank
+    its rows). (accelerate enables FSDP on GPUs only: on CPU ranks its Trainer falls back to
+    DDP, so the functions are called directly.)"""
     out = tmp_path / "save2"
-    runs = {how: dict(ROUNDS, _dsd=how) for how in ("accelerate", "trainer")}
+    runs = {how: dict(ROUNDS, _dsd=how)
+            for how in ("accelerate", "trainer", "accelerate-sharded")}
     uninterrupted = train_ranks(2, out, [daemon.socket],
                                 {k: dict(v, _save_at=SAVE_AT) for k, v in runs.items()},
                                 wrap="fsdp2", steps=RESUME_STEPS)
