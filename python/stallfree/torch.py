@@ -912,7 +912,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         on it that consolidates the state on the saving rank before each checkpoint: the
         Trainer has only its main process call state_dict(), so without it the checkpoint
         would hold rank 0's share alone. Nothing changes in the user's script."""
-        if _shares(self.partition)["world"] == 1 or self._trainer_checked:
+        partition = self.partition
+        if _shares(partition)["world"] == 1 or self._trainer_checked or (
+                "fsdp2" in partition and partition["world"] == 1):
+            # (on a 1-D FSDP2 mesh the Trainer saves through accelerate's save_fsdp_optimizer,
+            # every rank, and torch's state-dict functions: the distributed form, _rows.py)
             return
         self._trainer_checked = True  # once: the Trainer that calls the first partitioned step
         trainer = _calling_trainer()

@@ -22,7 +22,8 @@ consolidate_state_dict(to=0), as a Hugging Face Trainer's callback does before i
 "accelerate-sharded": the plugin's SHARDED_STATE_DICT (DCP); "full": as true without
 consolidating (torch all-gathers the rows of the distributed form); "sharded": torch's
 get_optimizer_state_dict through dcp.save to OUT/<run>-sdcp, and dcp.load into
-get_optimizer_state_dict's template, then set_optimizer_state_dict). "_save_at": K saves, after
+get_optimizer_state_dict's template, then set_optimizer_state_dict; "refused": records the
+stallfree.Error that get_optimizer_state_dict raises, as "refused"). "_save_at": K saves, after
 step K, every rank's optimizer state_dict() (OUT/<run>-opt-rank<r>.pt) and rank 0 the model's and
 the scheduler's (OUT/<run>-model.pt); "_resume": {"dir", "run", "world", "step"} starts instead
 from such a save of a run with `world` ranks: the model's weights, the optimizer from the list of
@@ -229,6 +230,13 @@ def main():
                         plugin, acc = accelerate_fsdp2(rank, use_dsd == "accelerate-sharded")
                         save_fsdp_optimizer(plugin, acc, opt, model,
                                             os.path.join(out, f"{name}-acc"))
+                    elif use_dsd == "refused":  # (under HSDP) the error it must get
+                        from torch.distributed.checkpoint.state_dict import (
+                            get_optimizer_state_dict)
+                        try:
+                            get_optimizer_state_dict(model, opt)
+                        except stallfree.Error as e:
+                            record["refused"] = str(e)
                     elif use_dsd == "sharded":  # torch's distributed state dict, by DCP
                         import torch.distributed.checkpoint as dcp
                         from torch.distributed.checkpoint.state_dict import (

@@ -39,6 +39,8 @@ LLAMA = {"llama-" + k: dict(v, _llama=True) for k, v in {
     "adamw": dict(_adamw=True), "lr-off": dict(_adamw=True, _lr_scale=1.01),
     "sync-offload": EXACT["sync-offload"], "zenflow-S1": EXACT["zenflow-S1"],
     "rounds": LLAMA_ROUNDS}.items()}
+# One step under HSDP, then torch's get_optimizer_state_dict, which must be refused.
+HSDP_REFUSED = {"refused": dict(mode="zenflow", _steps=1, _save_at=1, _dsd="refused")}
 # test_a_parameter_some_ranks_hold_none_of's runs, in the 4-rank FSDP2 launch.
 ODD = {"odd-" + k: v for k, v in EXACT.items() if v.get("_odd")}
 
@@ -59,9 +61,10 @@ def two_ranks(daemon, tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_ranks(daemon, tmp_path_factory):
     """The 4-rank runs of STEPS steps: HSDP (2 x 2) with the exact configurations; FSDP2 with
-    them on TinyLM of width 66 (uneven chunks), LLAMA and ODD; each with WIDE."""
+    them on TinyLM of width 66 (uneven chunks), LLAMA and ODD; each with WIDE; HSDP with
+    HSDP_REFUSED."""
     hsdp = train_ranks(4, tmp_path_factory.mktemp("hsdp-4"), [daemon.socket],
-                       dict(EXACT_PLAIN, **WIDE), wrap="hsdp")
+                       dict(EXACT_PLAIN, **WIDE, **HSDP_REFUSED), wrap="hsdp")
     uneven = train_ranks(4, tmp_path_factory.mktemp("fsdp2-4"), [daemon.socket],
                          dict({k: dict(v, _width=66) for k, v in EXACT_PLAIN.items()}, **WIDE,
                               **LLAMA, **ODD), wrap="fsdp2")
@@ -234,6 +237,16 @@ def test_dcp_save_with_4_ranks_resumes_on_2(saved_by_4, daemon, tmp_path):
             ref = sum(r["losses"][SAVE_AT + i] for r in uninterrupted[run]) / 4
             assert models.rel_diff(loss, ref) <= LOSS_RTOL, (run, SAVE_AT + 1 + i)
         assert resumed[run][0]["hot"] == uninterrupted[run][0]["hot"][SAVE_AT:], run
+
+
+def test_torch_state_dict_under_hsdp_is_refused(four_ranks):
+    """Under HSDP a rank's state is a part of its replicate group's and of its shard group's
+    rows, which torch's distributed state dict cannot describe: get_optimizer_state_dict gets a
+    stallfree.Error naming stallfree.dcp, on every rank, never a state dict DCP would save
+    wrong."""
+    for rec in four_ranks["hsdp"]["refused"]:
+        assert "under HSDP" in rec.get("refused", ""), rec.get("refused")
+        assert "stallfree.dcp.save" in rec["refused"], rec["refused"]
 
 
 def test_one_copy_per_node(daemon, four_ranks, tmp_path):
