@@ -685,7 +685,7 @@ absl::StatusOr<bool> CheckpointImport::Take(const void* src, uint64_t n, const A
     } else if (piece_ < pieces_.size()) {
       auto& [data, bytes] = pieces_[piece_];
       k = std::min(n, bytes - in_piece_);
-      memcpy(data + in_piece_, in, k);
+      if (k > 0) memcpy(data + in_piece_, in, k);  // (an array of no rows has no data)
       writing_ = true;
       sum_.Update(in, k);
       done_ += k;

@@ -127,8 +127,8 @@ def drop_rows(state, keys):
                         if n != REST_KEY and not n.startswith(ROWS_PREFIX)}
 
 
-def from_rows(gi, theirs, state, members, partition, where):
-    """Group gi's (meta, (engine, daemon)) for this rank from a state dict in the form above:
+def from_rows(theirs, state, members, partition, where):
+    """A group's (meta, (engine, daemon)) for this rank from a state dict in the form above:
     `state` (a copy of the state dict's "state", whose entries this replaces by ones without the
     engine's), `theirs` its param group, `members` this optimizer's (name, parameter, state key),
     `partition` this rank's (_Shards.describe())."""

@@ -822,7 +822,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         rank's. Called by accelerate's Accelerator.save_state (which every rank calls), it
         consolidates on rank 0 itself; under a Hugging Face Trainer the optimizer consolidates
         before each checkpoint (_follow_trainer), so the checkpoint the main process writes
-        holds every rank's share."""
+        holds every rank's share. Over FSDP2 parameters on a 1-D mesh, asked by torch's
+        get_optimizer_state_dict / set_optimizer_state_dict (and so by DCP and accelerate), the
+        state in their distributed form (_rows.py): per-row arrays as DTensors cut like the
+        parameters, which DCP saves and loads on any number of ranks."""
         if self._closed:
             raise Error("the optimizer is closed")
         self._resolve_group()
@@ -1138,7 +1141,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         pos = {id(p): j for j, p in enumerate(self.param_groups[gi]["params"])}
                         members = [(n, p, theirs_gi["params"][pos[id(p)]])
                                    for n, p in self._members[gi]]
-                        meta, blob = _rows.from_rows(gi, theirs_gi, state, members,
+                        meta, blob = _rows.from_rows(theirs_gi, state, members,
                                                      self._shards[gi].describe(), where)
                     else:
                         meta, blob = self._group_entry(theirs_gi, state, where)
