@@ -310,6 +310,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._staged = []    # per param group: indices whose gradient the engine has for step()
         self._verified = []  # per param group: the ranks' values were found equal (first step)
         self._layouts = []   # per param group: each member's (dtype, device, shape) as built
+        self._taken = []     # per param group: its params as the engine was built over them
         if self._group is not None and torch.distributed.get_world_size(self._group) > 1:
             _announce()
         self._shards = []    # per param group: its _Shards (the data-parallel partition)
@@ -394,14 +395,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" \
             else None
         shards, engine = self._partition(gi, members, device, stream)
-        self._shards.append(shards)
-        self._members.append(members)
-        self._hypers.append(_hyper_of(group))
-        self._streams.append(stream)
-        self._engines.append(engine)
-        self._staged.append(set())
-        self._verified.append(False)
-        self._layouts.append([(p.dtype, p.device, tuple(p.shape)) for _, p in members])
+        for lst, value in ((self._shards, shards), (self._members, members),
+                           (self._hypers, _hyper_of(group)), (self._streams, stream),
+                           (self._engines, engine), (self._staged, set()),
+                           (self._verified, False), (self._taken, list(group["params"])),
+                           (self._layouts, [(p.dtype, p.device, tuple(p.shape))
+                                            for _, p in members])):
+            if gi < len(lst):  # taken again (_follow_switched_params)
+                lst[gi] = value
+            else:
+                lst.append(value)
         if self._config["stream_gradients"] and engine is not None:
             for i, (name, p) in enumerate(members):
                 if engine.splits(i):
@@ -440,6 +443,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         state_dict, load_state_dict, flush, consolidate_state_dict) the default group becomes
         process_group and every group's engine is rebuilt over its share, before anything has
         been stepped. A collective of the group, as that first use is."""
+        self._follow_switched_params()
         if not self._group_pending:
             return
         group = _data_parallel_group(None)
@@ -466,6 +470,36 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._hypers[gi] = _hyper_of(self.param_groups[gi])
             if old is not None:
                 old.close(flush=False)  # nothing stepped: the parameters hold every value
+
+    def _follow_switched_params(self):
+        """accelerate's FSDP2 preparation (Accelerator.prepare, and so a Hugging Face Trainer
+        with fsdp_config's fsdp_version 2) builds the optimizer over the whole parameters, then
+        puts fully_shard's DTensors in their place in param_groups
+        (fsdp2_switch_optimizer_parameters). At the first use after that, before anything has
+        stepped, every group whose parameters changed is taken again over its new ones, and
+        torch's state of the old ones is dropped. A collective where the new ones are
+        partitioned, as that first use is."""
+        switched = [gi for gi, group in enumerate(self.param_groups)
+                    if gi < len(self._taken) and (
+                        len(group["params"]) != len(self._taken[gi]) or
+                        any(a is not b for a, b in zip(group["params"], self._taken[gi])))]
+        if not switched:
+            return
+        if any(e is not None and e.step_count > 0 for e in self._engines):
+            raise Error(
+                "param_groups[%d]'s parameters were replaced after the optimizer had stepped "
+                "(its state is the old parameters'): build the optimizer over the parameters it "
+                "will train, or let accelerate's prepare() replace them before the first step"
+                % switched[0])
+        for gi in switched:
+            old = self._engines[gi]
+            self._engines[gi] = None
+            if old is not None:
+                old.close(flush=False)  # nothing stepped: the old parameters hold every value
+            self._take_group(gi)
+        current = {id(p) for group in self.param_groups for p in group["params"]}
+        for p in [p for p in self.state if id(p) not in current]:
+            del self.state[p]
 
     @property
     def partition(self):

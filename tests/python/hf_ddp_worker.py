@@ -2,7 +2,8 @@
 --nproc_per_node 2 hf_ddp_worker.py SOCKET OUT_DIR STEPS RUNS_JSON`: for each run of RUNS_JSON
 ({name: [optimizer, config] or [optimizer, config, more hf_models.train arguments]}) a Trainer
 run (with {"accelerate": true, ...} among those arguments, accelerate's own loop instead:
-hf_models.accelerate_train, Accelerator(cpu=True) on the gloo ranks torchrun made) (hf_models.train) of the tiny Llama with
+hf_models.accelerate_train, Accelerator(cpu=True) on the gloo ranks torchrun made; with
+{"fsdp2": true, ...}, the Trainer's FSDP2, fsdp_on_cpu) (hf_models.train) of the tiny Llama with
 per_device_train_batch_size BATCH / WORLD and ddp_backend="gloo" (the Trainer wraps the model in
 DistributedDataParallel itself), every ZenFlowAdamW of both ranks on the one stallfreed at
 SOCKET (TrainingArguments, made first, initialise torch.distributed, so each optimizer opens its
@@ -18,6 +19,25 @@ import torch.distributed as dist
 import hf_models
 
 
+def fsdp_on_cpu():
+    """accelerate takes its FSDP plugin for GPU distributed types only (AcceleratorState in
+    accelerate/state.py), so on these CPU ranks a Trainer with fsdp would run DDP: the ranks'
+    PartialState says MULTI_GPU instead of MULTI_CPU, its device staying the CPU, and the
+    Trainer's Accelerator then runs FSDP2 (fully_shard on the gloo ranks) as on GPUs."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+    init = PartialState.__init__
+    if getattr(init, "fsdp_on_cpu", False):
+        return
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.MULTI_GPU
+    patched.fsdp_on_cpu = True
+    PartialState.__init__ = patched
+
+
 def main():
     socket, out_dir = sys.argv[1], sys.argv[2]
     steps, runs = int(sys.argv[3]), json.loads(sys.argv[4])
@@ -27,6 +47,9 @@ def main():
         if config is not None:
             config = dict(config, socket=socket)
         more = dict(more[0]) if more else {}
+        if more.pop("fsdp2", False):  # the Trainer's FSDP2 (fsdp_config's fsdp_version 2)
+            fsdp_on_cpu()
+            more.update(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
         if more.pop("accelerate", False):  # accelerate's own loop (hf_models.accelerate_train)
             result = hf_models.accelerate_train("llama", optimizer, config, max_steps=steps,
                                                 **more)

@@ -148,7 +148,9 @@ TrainResult = collections.namedtuple("TrainResult", "losses params extra")
 
 
 def snapshot(model):
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    """The parameters' values, whole (an FSDP2 DTensor all-gathered: a collective)."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+            for n, p in model.named_parameters()}
 
 
 def changed(model, before):

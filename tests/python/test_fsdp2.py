@@ -10,6 +10,9 @@ models.PARAM_ATOL / LOSS_RTOL (FSDP2 adds only the rounding of averaging L parti
 gradients, as DDP does), and the zenflow defaults equal the one process within
 test_partition.DEFAULTS_LOSS_RTOL.
 """
+import json
+import os
+
 import pytest
 import torch
 
@@ -320,6 +323,46 @@ def test_accelerate_fsdp2_checkpoint_functions_resume_bit_for_bit(daemon, tmp_pa
         for name, p in uninterrupted[how][0]["params"].items():
             assert torch.equal(resumed[how][0]["params"][name], p), (how, name)
 
+
+
+def test_trainer_with_fsdp2_trains_saves_mid_round_and_resumes(daemon, tmp_path):
+    """A Hugging Face Trainer with fsdp="full_shard" and fsdp_config's fsdp_version 2 under
+    torchrun on 2 ranks (hf_ddp_worker.py; accelerate's FSDP, which it enables on GPUs only,
+    switched on for these CPU ranks by fsdp_on_cpu), the optimizer given as
+    optimizer_cls_and_kwargs (the Trainer refuses optimizers= under FSDP): the Trainer builds it
+    over the whole parameters, then accelerate's prepare() shards the model and puts the DTensors
+    in the optimizer's param groups, which the optimizer follows before its first step (it is
+    then partitioned over FSDP2's shard group). The run saves mid-round at step 6 (rounds of 4) with
+    the Trainer's checkpoint (accelerate's FULL_STATE_DICT); resumed from it, steps 7 to 10 equal
+    the uninterrupted run's bit for bit: losses, every parameter, the hot columns."""
+    from conftest import HERE, free_port, run_python
+    config = dict(mode="zenflow", topk_ratio=0.25, update_interval=4, select_interval=4,
+                  warmup_steps=0)
+
+    def launch(out, runs):
+        run_python("torch.distributed.run", "--nproc_per_node", 2, "--master_addr", "127.0.0.1",
+                   "--master_port", free_port(), os.path.join(HERE, "hf_ddp_worker.py"),
+                   daemon.socket, out, 10, json.dumps(runs), module=True, timeout=240)
+        return {name: [torch.load(str(out / f"{name}-rank{r}.pt")) for r in range(2)]
+                for name in runs}
+
+    straight = launch(tmp_path / "a", {"straight": ["zenflow", config, {
+        "fsdp2": True, "cls_and_kwargs": True, "save_steps": 6}]})["straight"]
+    checkpoint = tmp_path / "a" / "straight" / "checkpoint-6"
+    assert (checkpoint / "optimizer.bin").exists(), sorted(os.listdir(checkpoint.parent))
+    resumed = launch(tmp_path / "b", {"resumed": ["zenflow", config, {
+        "fsdp2": True, "cls_and_kwargs": True, "resume_from": str(checkpoint)}]})["resumed"]
+    for r in range(2):
+        assert straight[r]["partition"] == {"world": 1, "rank": 0,
+                                            "fsdp2": {"world": 2, "rank": r}}, straight[r]
+        assert straight[r]["optimizer"] == "ZenFlowAdamW"
+    # (the resumed Trainer's log holds steps 1 to 6 from the checkpoint's trainer state)
+    for step in range(7, 11):
+        assert resumed[0]["losses"][step] == straight[0]["losses"][step], step
+    for name, p in straight[0]["params"].items():
+        assert torch.equal(resumed[0]["params"][name], p), name
+        assert torch.equal(resumed[1]["params"][name], p), name
+    assert resumed[0]["hot"] == straight[0]["hot"]
 
 
 @pytest.fixture(scope="module")

@@ -252,6 +252,38 @@ def test_add_param_group_is_all_or_nothing(daemon):
         opt.close()
 
 
+def test_parameters_switched_before_the_first_step_are_followed(daemon):
+    """accelerate's FSDP2 prepare() puts new parameters in the optimizer's param groups after
+    the optimizer was built (fsdp2_switch_optimizer_parameters): before the first step the
+    optimizer takes them, trains them as AdamW trains the same values, and keeps no state of
+    the old ones; after a step it refuses, naming the group, since its state is the old
+    parameters'."""
+    old_model, model, ref_model = models.make_model(0), models.make_model(0), models.make_model(0)
+    ref = torch.optim.AdamW(models.param_groups(ref_model), betas=(0.9, 0.999), eps=1e-8)
+    opt = ZenFlowAdamW(models.param_groups(old_model), socket=daemon.socket, **EXACT)
+    try:
+        for group, new in zip(opt.param_groups, models.param_groups(model)):
+            group["params"] = new["params"]  # as accelerate does, in place
+        before = models.snapshot(old_model)
+        for step in range(1, 4):
+            for o, m in ((opt, model), (ref, ref_model)):
+                o.zero_grad(set_to_none=True)
+                models.loss_fn(m, models.batch(0, step)).backward()
+                o.step()
+        for (n, a), b in zip(model.named_parameters(), ref_model.parameters()):
+            assert (a - b).abs().max().item() <= models.PARAM_ATOL, n
+        assert models.changed(old_model, before) == []
+        assert set(map(id, opt.state)) == {id(p) for p in model.parameters()}
+        opt.state_dict()  # torch's packing finds every state key among the groups' params
+        opt.param_groups[1]["params"] = list(models.param_groups(old_model)[1]["params"])
+        with pytest.raises(stallfree.Error, match=r"param_groups\[1\]'s parameters were "
+                                                   r"replaced after the optimizer had stepped"):
+            opt.step()
+    finally:
+        opt.param_groups[1]["params"] = models.param_groups(model)[1]["params"]
+        opt.close()
+
+
 @pytest.mark.parametrize("mode", ["no-offload", "zenflow"])
 def test_step_is_all_or_nothing(mode, daemon):
     """Group 1 has a bad gradient: the step is refused before group 0's engine steps."""
