@@ -280,40 +280,40 @@ void ModeledDevice::Accumulate(float* acc, const void* grad, GradType type, floa
 }
 
 void ModeledDevice::AdamW(const kernels::AdamWConfig& config, float* param, float* m, float* v,
-                          const void* grad, GradType type, int64_t n, uint16_t* bf16_out) const {
-  if (!AnyVirtual({param, m, v, grad, bf16_out}))
-    CpuK().AdamW(config, param, m, v, grad, type, n, bf16_out);
-  Hbm(n * (24.0 + Sz(type) + (bf16_out ? 2.0 : 0.0)));
+                          const void* grad, GradType type, int64_t n, kernels::ParamOut out) const {
+  if (!AnyVirtual({param, m, v, grad, out.bf16, out.fp32}))
+    CpuK().AdamW(config, param, m, v, grad, type, n, out);
+  Hbm(n * (24.0 + Sz(type) + (out.bf16 ? 2.0 : 0.0) + (out.fp32 ? 4.0 : 0.0)));
 }
 
 void ModeledDevice::AdamWColumns(const kernels::AdamWConfig& config, const float* step_size,
                                  const float* bc2_sqrt, float* param, float* m, float* v,
                                  const void* grad, GradType type, int64_t rows, int64_t cols,
-                                 uint16_t* bf16_out) const {
-  if (!AnyVirtual({step_size, bc2_sqrt, param, m, v, grad, bf16_out}))
+                                 kernels::ParamOut out) const {
+  if (!AnyVirtual({step_size, bc2_sqrt, param, m, v, grad, out.bf16, out.fp32}))
     CpuK().AdamWColumns(config, step_size, bc2_sqrt, param, m, v, grad, type, rows, cols,
-                        bf16_out);
-  Hbm(static_cast<double>(rows) * cols * (24.0 + Sz(type) + (bf16_out ? 2.0 : 0.0)));
+                        out);
+  Hbm(static_cast<double>(rows) * cols * (24.0 + Sz(type) + (out.bf16 ? 2.0 : 0.0) + (out.fp32 ? 4.0 : 0.0)));
 }
 
 void ModeledDevice::AccumulateAdamW(const kernels::AdamWConfig& config, float* param, float* m,
                                     float* v, const float* acc, const void* grad, GradType type,
-                                    float acc_scale, int64_t n, uint16_t* bf16_out) const {
-  if (!AnyVirtual({param, m, v, acc, grad, bf16_out}))
-    CpuK().AccumulateAdamW(config, param, m, v, acc, grad, type, acc_scale, n, bf16_out);
-  Hbm(n * (28.0 + (grad ? Sz(type) : 0.0) + (bf16_out ? 2.0 : 0.0)));
+                                    float acc_scale, int64_t n, kernels::ParamOut out) const {
+  if (!AnyVirtual({param, m, v, acc, grad, out.bf16, out.fp32}))
+    CpuK().AccumulateAdamW(config, param, m, v, acc, grad, type, acc_scale, n, out);
+  Hbm(n * (28.0 + (grad ? Sz(type) : 0.0) + (out.bf16 ? 2.0 : 0.0) + (out.fp32 ? 4.0 : 0.0)));
 }
 
 void ModeledDevice::AccumulateAdamWColumns(const kernels::AdamWConfig& config,
                                            const float* step_size, const float* bc2_sqrt,
                                            float* param, float* m, float* v, const float* acc,
                                            const void* grad, GradType type, float acc_scale,
-                                           int64_t rows, int64_t cols, uint16_t* bf16_out) const {
-  if (!AnyVirtual({step_size, bc2_sqrt, param, m, v, acc, grad, bf16_out}))
+                                           int64_t rows, int64_t cols, kernels::ParamOut out) const {
+  if (!AnyVirtual({step_size, bc2_sqrt, param, m, v, acc, grad, out.bf16, out.fp32}))
     CpuK().AccumulateAdamWColumns(config, step_size, bc2_sqrt, param, m, v, acc, grad, type,
-                                  acc_scale, rows, cols, bf16_out);
+                                  acc_scale, rows, cols, out);
   Hbm(static_cast<double>(rows) * cols *
-      (24.0 + (acc ? 4.0 : 0.0) + Sz(type) + (bf16_out ? 2.0 : 0.0)));
+      (24.0 + (acc ? 4.0 : 0.0) + Sz(type) + (out.bf16 ? 2.0 : 0.0) + (out.fp32 ? 4.0 : 0.0)));
 }
 
 void ModeledDevice::FloatToBf16(const float* src, uint16_t* dst, int64_t n) const {

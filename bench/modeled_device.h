@@ -143,19 +143,19 @@ class ModeledDevice final : public kernels::TransformerOps, public kernels::Opti
                   kernels::AccumulateMode mode) const override;
   void AdamW(const kernels::AdamWConfig& config, float* param, float* m, float* v,
              const void* grad, kernels::GradType type, int64_t n,
-             uint16_t* bf16_out) const override;
+             kernels::ParamOut out) const override;
   void AdamWColumns(const kernels::AdamWConfig& config, const float* step_size,
                     const float* bc2_sqrt, float* param, float* m, float* v, const void* grad,
                     kernels::GradType type, int64_t rows, int64_t cols,
-                    uint16_t* bf16_out) const override;
+                    kernels::ParamOut out) const override;
   void AccumulateAdamW(const kernels::AdamWConfig& config, float* param, float* m, float* v,
                        const float* acc, const void* grad, kernels::GradType type,
-                       float acc_scale, int64_t n, uint16_t* bf16_out) const override;
+                       float acc_scale, int64_t n, kernels::ParamOut out) const override;
   void AccumulateAdamWColumns(const kernels::AdamWConfig& config, const float* step_size,
                               const float* bc2_sqrt, float* param, float* m, float* v,
                               const float* acc, const void* grad, kernels::GradType type,
                               float acc_scale, int64_t rows, int64_t cols,
-                              uint16_t* bf16_out) const override;
+                              kernels::ParamOut out) const override;
   void FloatToBf16(const float* src, uint16_t* dst, int64_t n) const override;
   void Bf16ToFloat(const uint16_t* src, float* dst, int64_t n) const override;
   void ColumnScores(const void* grad, kernels::GradType type, int64_t rows, int64_t cols,

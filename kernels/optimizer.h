@@ -42,9 +42,9 @@ struct AdamWConfig {
   double weight_decay = 0.0;
   int64_t step = 1;        // t, >= 1.
   float grad_scale = 1.0f;  // multiplies the gradient (e.g. 1/accumulation count, unscaling).
-  // The bf16 output (`out` of the kernels that take one) is the value predicted one step ahead,
-  // round(2 p_new - p_old) (2 p_new exact, the difference rounded once in fp32), instead of
-  // round(p_new); p itself is AdamW's as always. The daemon's ZenFlow update with predict_cold
+  // The output (`out` of the kernels that take one) is the value predicted one step ahead,
+  // 2 p_new - p_old (2 p_new exact, the difference rounded once in fp32; then rounded to bf16
+  // for a bf16 output), instead of p_new; p itself is AdamW's as always. The daemon's ZenFlow update with predict_cold
   // (engine/zenflow.h). The CPU kernels only (the daemon's).
   bool predict_out = false;
 };
@@ -62,6 +62,32 @@ AdamWConstants MakeAdamWConstants(const AdamWConfig& config);
 void MakeColumnConstants(const AdamWConfig& config, const int64_t* steps, int64_t cols,
                          float* step_size, float* bc2_sqrt);
 
+// Where an AdamW pass also writes the new parameter values (the daemon's parameter slot, the
+// device's bf16 parameter): as bf16 (round to nearest even), or as fp32, in the same pass as the
+// update (streaming stores on the CPU: the slot is not read back by the pass); both null:
+// nowhere. Laid out like the parameter. A bf16 pointer converts to one, so callers that write
+// bf16 pass it as before.
+struct ParamOut {
+  uint16_t* bf16 = nullptr;
+  float* fp32 = nullptr;
+  ParamOut() = default;
+  ParamOut(std::nullptr_t) {}                 // NOLINT: nowhere, as a null bf16 pointer was
+  ParamOut(uint16_t* bf16_out) : bf16(bf16_out) {}  // NOLINT: implicit, the bf16 output
+  static ParamOut Fp32(float* out) {
+    ParamOut o;
+    o.fp32 = out;
+    return o;
+  }
+  bool empty() const { return bf16 == nullptr && fp32 == nullptr; }
+  // The output of the elements from `offset` on.
+  ParamOut At(int64_t offset) const {
+    ParamOut o;
+    o.bf16 = bf16 == nullptr ? nullptr : bf16 + offset;
+    o.fp32 = fp32 == nullptr ? nullptr : fp32 + offset;
+    return o;
+  }
+};
+
 enum class AccumulateMode {
   kAdd,        // acc[i] += scale * grad[i]
   kOverwrite,  // acc[i]  = scale * grad[i] (the first push of a round: no clearing pass)
@@ -76,10 +102,10 @@ class OptimizerKernel {
   virtual void Accumulate(float* acc, const void* grad, GradType type, float scale, int64_t n,
                           AccumulateMode mode = AccumulateMode::kAdd) const = 0;
 
-  // One AdamW step over n elements. grad is fp32 or bf16 per `type`. If bf16_out is not null,
-  // the new parameters are also written there as bf16 (round to nearest even).
+  // One AdamW step over n elements. grad is fp32 or bf16 per `type`. The new parameters are
+  // also written to `out` (ParamOut: bf16, fp32, or nowhere).
   virtual void AdamW(const AdamWConfig& config, float* param, float* m, float* v,
-                     const void* grad, GradType type, int64_t n, uint16_t* bf16_out) const = 0;
+                     const void* grad, GradType type, int64_t n, ParamOut out) const = 0;
 
   // AdamW over a row-major block [rows, cols] (row stride cols) in which column c has its own
   // step: the bias-correction constants come from step_size[c] and bc2_sqrt[c] (per-column
@@ -88,12 +114,12 @@ class OptimizerKernel {
   // memory. Bit-identical to AdamW on each column with config.step = that column's step.
   //
   // ZenFlow needs this because columns move between the GPU and the CPU daemon with their step
-  // counts, so the columns of one weight are at different steps. grad and bf16_out are laid out
-  // like param ([rows, cols], fp32 or bf16 per `type`); bf16_out may be null. rows, cols >= 0.
+  // counts, so the columns of one weight are at different steps. grad and out are laid out
+  // like param ([rows, cols], fp32 or bf16 per `type`); out may be empty. rows, cols >= 0.
   virtual void AdamWColumns(const AdamWConfig& config, const float* step_size,
                             const float* bc2_sqrt, float* param, float* m, float* v,
                             const void* grad, GradType type, int64_t rows, int64_t cols,
-                            uint16_t* bf16_out) const = 0;
+                            ParamOut out) const = 0;
 
   // AdamWColumns fused with the accumulation of one more gradient (the ZenFlow round's last push
   // folded into its Update): for every element i of the row-major [rows, cols] block,
@@ -102,7 +128,7 @@ class OptimizerKernel {
   // Bit-identical to Accumulate(acc, grad, type, acc_scale, rows * cols, kAdd) (kOverwrite when
   // acc is null) followed by AdamWColumns on the fp32 acc, except that acc is only read (null:
   // the accumulator is logically zero, nothing pushed since the last Update). grad (fp32 or bf16
-  // per `type`) must not be null; acc, grad and bf16_out are laid out like param. All arrays are
+  // per `type`) must not be null; acc, grad and out are laid out like param. All arrays are
   // in the backend's memory; step_size, bc2_sqrt as for AdamWColumns. rows, cols >= 0.
   //
   // The default does exactly those two calls through a host-memory scratch copy of acc, so it
@@ -112,16 +138,16 @@ class OptimizerKernel {
                                       const float* bc2_sqrt, float* param, float* m, float* v,
                                       const float* acc, const void* grad, GradType type,
                                       float acc_scale, int64_t rows, int64_t cols,
-                                      uint16_t* bf16_out) const;
+                                      ParamOut out) const;
 
   // The fused ZenFlow boundary pass: g = acc[i] + acc_scale * grad[i] (the round's last deferred
   // gradient, fp32 or bf16), then the AdamW step of `config` with that g (config.grad_scale
-  // multiplies the sum), writing the bf16 copy if bf16_out is not null. acc is read, not written:
+  // multiplies the sum), writing the new values to `out`. acc is read, not written:
   // the next round's first push overwrites it (AccumulateMode::kOverwrite). grad may be null
   // (g = acc[i]).
   virtual void AccumulateAdamW(const AdamWConfig& config, float* param, float* m, float* v,
                                const float* acc, const void* grad, GradType type,
-                               float acc_scale, int64_t n, uint16_t* bf16_out) const = 0;
+                               float acc_scale, int64_t n, ParamOut out) const = 0;
 
   // dst[i] = bf16(src[i]) (round to nearest even, NaN stays NaN) and back.
   virtual void FloatToBf16(const float* src, uint16_t* dst, int64_t n) const = 0;

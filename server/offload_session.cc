@@ -412,30 +412,27 @@ void OffloadSession::Update(const UpdatePlan& plan) {
       PrepareAccumulator(plan.fuse_push ? AccumulatorUse::kFusedUpdate : AccumulatorUse::kUpdate);
   const int64_t total = static_cast<int64_t>(layout_->total_elems);
   uint64_t fused_bytes = 0;
-  // predict (column steps only): the bf16 slot gets the kernels' predicted output; the fp32 one
-  // holds each value before the Update, then 2 p_new - p_old (the kernels' arithmetic).
-  const bool predict32 = cfg.predict_out && !bf16;
-  if (predict32) {
-    ParallelChunks(total, [&](int64_t b, int64_t e) {
-      memcpy(out32 + b, master_ + b, (e - b) * sizeof(float));
-    });
-  }
+  // The kernels write the parameter slot in the update's own pass (bf16, or fp32 with streaming
+  // stores: no second pass over the master); with predict (column steps only) the value
+  // predicted one step ahead, 2 p_new - p_old.
+  auto out_at = [&](uint64_t e) {
+    return bf16 ? kernels::ParamOut(out16 + e) : kernels::ParamOut::Fp32(out32 + e);
+  };
   if (!plan.column_steps) {
     ParallelChunks(total, [&](int64_t b, int64_t e) {
-      const int64_t n = e - b;
-      k.AdamW(cfg, master_ + b, m_ + b, v_ + b, acc_ + b, kernels::GradType::kFp32, n,
-              bf16 ? out16 + b : nullptr);
-      if (!bf16) memcpy(out32 + b, master_ + b, n * sizeof(float));
+      k.AdamW(cfg, master_ + b, m_ + b, v_ + b, acc_ + b, kernels::GradType::kFp32, e - b,
+              out_at(b));
     });
     for (std::vector<int64_t>& steps : col_steps_) std::fill(steps.begin(), steps.end(), cfg.step);
-    LandHandovers(bf16 ? out16 : nullptr, bf16 ? nullptr : out32);
   } else {
     std::vector<float> step_size, bc2;
     for (size_t i = 0; i < layout_->params.size(); ++i) {
       const ParamLayout& p = layout_->params[i];
       const uint64_t e = p.elem_offset;
-      if (plan.skip[i]) {  // unchanged; its current value goes out like the others'
+      if (plan.skip[i]) {  // unchanged; its current value goes out like the others' (predicted:
+                           // 2 p - p = p exactly)
         if (bf16) k.FloatToBf16(master_ + e, out16 + e, p.numel);
+        else memcpy(out32 + e, master_ + e, p.numel * sizeof(float));
         continue;
       }
       std::vector<int64_t>& steps = col_steps_[i];
@@ -449,30 +446,18 @@ void OffloadSession::Update(const UpdatePlan& plan) {
         k.AccumulateAdamWColumns(cfg, step_size.data(), bc2.data(), master_ + e, m_ + e, v_ + e,
                                  acc_zero ? nullptr : acc_ + e,
                                  GradSlot(plan.grad_slot) + p.grad_offset, p.grad_type(),
-                                 plan.push_scale, p.rows, p.cols, bf16 ? out16 + e : nullptr);
+                                 plan.push_scale, p.rows, p.cols, out_at(e));
         fused_bytes += p.numel * p.grad_element_bytes();
       } else {
         k.AdamWColumns(cfg, step_size.data(), bc2.data(), master_ + e, m_ + e, v_ + e, acc_ + e,
-                       kernels::GradType::kFp32, p.rows, p.cols, bf16 ? out16 + e : nullptr);
-      }
-    }
-    // Columns handed over in this round arrived from the device with the round's step taken
-    // there: their state replaces what the pass computed for them.
-    if (predict32) {
-      // The prediction first, then the arrived columns as they are (their change is zero).
-      ParallelChunks(total, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) out32[i] = (master_[i] + master_[i]) - out32[i];
-      });
-      LandHandovers(nullptr, out32);
-    } else {
-      LandHandovers(bf16 ? out16 : nullptr, nullptr);  // the fp32 copy below includes them
-      if (!bf16) {
-        ParallelChunks(total, [&](int64_t b, int64_t e) {
-          memcpy(out32 + b, master_ + b, (e - b) * sizeof(float));
-        });
+                       kernels::GradType::kFp32, p.rows, p.cols, out_at(e));
       }
     }
   }
+  // Columns handed over in this round arrived from the device with the round's step taken
+  // there: their state replaces what the pass computed for them, and their values go out as
+  // they are (their change is zero, so the prediction is the value).
+  LandHandovers(bf16 ? out16 : nullptr, bf16 ? nullptr : out32);
   const double secs = Seconds(Clock::now() - t0);
   DaemonCounters* counters = env_.counters;
   counters->update_ns.fetch_add(static_cast<int64_t>(secs * 1e9));

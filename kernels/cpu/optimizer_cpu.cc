@@ -32,6 +32,7 @@ struct Portable {
   static constexpr int kMaxW = 1;
   static F Load(const float* p) { return *p; }
   static void Store(float* p, F x) { *p = x; }
+  static void StoreStream(float* p, F x) { *p = x; }
   static F Set1(float x) { return x; }
   static F Add(F a, F b) { return a + b; }
   static F Sub(F a, F b) { return a - b; }
@@ -148,12 +149,11 @@ class CpuKernel final : public OptimizerKernel {
   }
 
   void AdamW(const AdamWConfig& config, float* p, float* m, float* v, const void* grad,
-             GradType type, int64_t n, uint16_t* out) const override {
+             GradType type, int64_t n, ParamOut out) const override {
     const AdamWConstants c = MakeAdamWConstants(config);
     const size_t gs = GradTypeSize(type);
     ParallelChunks(n, [&](int64_t b, int64_t len) {
-      f_.adamw(c, p + b, m + b, v + b, Offset(grad, b, gs), type, len,
-               out == nullptr ? nullptr : out + b);
+      f_.adamw(c, p + b, m + b, v + b, Offset(grad, b, gs), type, len, out.At(b));
     });
   }
 
@@ -162,13 +162,13 @@ class CpuKernel final : public OptimizerKernel {
   // elements is one task on the calling thread (no parallel overhead).
   void AdamWColumns(const AdamWConfig& config, const float* step_size, const float* bc2_sqrt,
                     float* p, float* m, float* v, const void* grad, GradType type, int64_t rows,
-                    int64_t cols, uint16_t* out) const override {
+                    int64_t cols, ParamOut out) const override {
     const AdamWConstants c = MakeAdamWConstants(config);  // its step_size, bc2_sqrt are unused
     const size_t gs = GradTypeSize(type);
     ColumnTasks(rows, cols, [&](int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
       const int64_t at = r0 * cols + c0;
       f_.adamw_cols(c, step_size + c0, bc2_sqrt + c0, p + at, m + at, v + at,
-                    Offset(grad, at, gs), type, nr, nc, cols, out == nullptr ? nullptr : out + at);
+                    Offset(grad, at, gs), type, nr, nc, cols, out.At(at));
     });
   }
 
@@ -176,25 +176,25 @@ class CpuKernel final : public OptimizerKernel {
   void AccumulateAdamWColumns(const AdamWConfig& config, const float* step_size,
                               const float* bc2_sqrt, float* p, float* m, float* v,
                               const float* acc, const void* grad, GradType type, float acc_scale,
-                              int64_t rows, int64_t cols, uint16_t* out) const override {
+                              int64_t rows, int64_t cols, ParamOut out) const override {
     const AdamWConstants c = MakeAdamWConstants(config);  // its step_size, bc2_sqrt are unused
     const size_t gs = GradTypeSize(type);
     ColumnTasks(rows, cols, [&](int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
       const int64_t at = r0 * cols + c0;
       f_.acc_adamw_cols(c, step_size + c0, bc2_sqrt + c0, p + at, m + at, v + at,
                         acc == nullptr ? nullptr : acc + at, Offset(grad, at, gs), type,
-                        acc_scale, nr, nc, cols, out == nullptr ? nullptr : out + at);
+                        acc_scale, nr, nc, cols, out.At(at));
     });
   }
 
   void AccumulateAdamW(const AdamWConfig& config, float* p, float* m, float* v, const float* acc,
                        const void* grad, GradType type, float acc_scale, int64_t n,
-                       uint16_t* out) const override {
+                       ParamOut out) const override {
     const AdamWConstants c = MakeAdamWConstants(config);
     const size_t gs = GradTypeSize(type);
     ParallelChunks(n, [&](int64_t b, int64_t len) {
       f_.acc_adamw(c, p + b, m + b, v + b, acc + b, Offset(grad, b, gs), type, acc_scale, len,
-                   out == nullptr ? nullptr : out + b);
+                   out.At(b));
     });
   }
 

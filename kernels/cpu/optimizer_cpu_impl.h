@@ -38,20 +38,20 @@ struct ChunkFns {
   void (*accumulate)(float* acc, const void* grad, GradType type, float scale, int64_t n,
                      AccumulateMode mode);
   void (*adamw)(const AdamWConstants& c, float* p, float* m, float* v, const void* grad,
-                GradType type, int64_t n, uint16_t* out);
+                GradType type, int64_t n, ParamOut out);
   // AdamW with per-column bias corrections over a [rows, cols] block whose rows start `ld`
   // elements apart (p, m, v, grad, out alike): element (r, j) uses step_size[j] and bc2_sqrt[j]
   // in place of c.step_size and c.bc2_sqrt.
   void (*adamw_cols)(const AdamWConstants& c, const float* step_size, const float* bc2_sqrt,
                      float* p, float* m, float* v, const void* grad, GradType type, int64_t rows,
-                     int64_t cols, int64_t ld, uint16_t* out);
+                     int64_t cols, int64_t ld, ParamOut out);
   void (*acc_adamw)(const AdamWConstants& c, float* p, float* m, float* v, const float* acc,
-                    const void* grad, GradType type, float acc_scale, int64_t n, uint16_t* out);
+                    const void* grad, GradType type, float acc_scale, int64_t n, ParamOut out);
   // adamw_cols on g = acc + acc_scale * grad (acc null: acc_scale * grad); acc like p.
   void (*acc_adamw_cols)(const AdamWConstants& c, const float* step_size, const float* bc2_sqrt,
                          float* p, float* m, float* v, const float* acc, const void* grad,
                          GradType type, float acc_scale, int64_t rows, int64_t cols, int64_t ld,
-                         uint16_t* out);
+                         ParamOut out);
   void (*to_bf16)(const float* src, uint16_t* dst, int64_t n);
   void (*from_bf16)(const uint16_t* src, float* dst, int64_t n);
   // Column scores of columns [c_begin, c_end) of G[rows, ld].
@@ -153,7 +153,7 @@ struct ColumnSteps {
 // bc2_sqrt come from `steps`; the other constants from c.
 template <class V, class Steps>
 inline void AdamWVec(const AdamWConstants& c, const Steps& steps, typename V::F g, float* pp,
-                     float* pm, float* pv, uint16_t* pout) {
+                     float* pm, float* pv, uint16_t* pout, float* pout32) {
   using F = typename V::F;
   const F old = V::Load(pp);
   F p = V::Mul(old, V::Set1(c.decay));
@@ -164,25 +164,40 @@ inline void AdamWVec(const AdamWConstants& c, const Steps& steps, typename V::F 
   V::Store(pm, m);
   V::Store(pv, v);
   V::Store(pp, p);
-  if (pout != nullptr) V::StoreBf16(pout, c.predict_out ? V::Sub(V::Add(p, p), old) : p);
+  if (pout != nullptr || pout32 != nullptr) {
+    const F shown = c.predict_out ? V::Sub(V::Add(p, p), old) : p;
+    if (pout != nullptr) V::StoreBf16(pout, shown);
+    if (pout32 != nullptr) V::StoreStream(pout32, shown);
+  }
+}
+
+// The outputs of the vector at i: a[b] the bf16 array, a[f] the fp32 one (null where absent).
+template <int kArrays>
+inline uint16_t* OutBf16(TailArray (&a)[kArrays], int b, int64_t i) {
+  return a[b].base == nullptr ? nullptr : static_cast<uint16_t*>(a[b].base) + i;
+}
+template <int kArrays>
+inline float* OutFp32(TailArray (&a)[kArrays], int f, int64_t i) {
+  return a[f].base == nullptr ? nullptr : static_cast<float*>(a[f].base) + i;
 }
 
 template <class V>
 void AdamWT(const AdamWConstants& c, float* p, float* m, float* v, const void* grad,
-            GradType type, int64_t n, uint16_t* out) {
-  TailArray arr[5] = {{p, 4, true},
+            GradType type, int64_t n, ParamOut out) {
+  TailArray arr[6] = {{p, 4, true},
                       {m, 4, true},
                       {v, 4, true},
                       {const_cast<void*>(grad), GradTypeSize(type), false},
-                      {out, 2, true}};
+                      {out.bf16, 2, true},
+                      {out.fp32, 4, true}};
   const typename V::F scale = V::Set1(c.grad_scale);
   auto run = [&](auto bf16_tag) {
     constexpr bool kBf16 = decltype(bf16_tag)::value;
-    ForEachVector<V::kMaxW>(n, V::W, arr, [&](TailArray(&a)[5], int64_t i) {
+    ForEachVector<V::kMaxW>(n, V::W, arr, [&](TailArray(&a)[6], int64_t i) {
       const typename V::F g = V::Mul(scale, LoadG<V, kBf16>(a[3].base, i));
-      uint16_t* o = a[4].base == nullptr ? nullptr : static_cast<uint16_t*>(a[4].base) + i;
       AdamWVec<V>(c, UniformStep<V>{c}, g, static_cast<float*>(a[0].base) + i,
-                  static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i, o);
+                  static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i,
+                  OutBf16(a, 4, i), OutFp32(a, 5, i));
     });
   };
   if (type == GradType::kBf16) run(std::true_type{});
@@ -196,27 +211,29 @@ void AdamWT(const AdamWConstants& c, float* p, float* m, float* v, const void* g
 template <class V>
 void AdamWColsT(const AdamWConstants& c, const float* step_size, const float* bc2_sqrt, float* p,
                 float* m, float* v, const void* grad, GradType type, int64_t rows, int64_t cols,
-                int64_t ld, uint16_t* out) {
+                int64_t ld, ParamOut out) {
   const size_t gs = GradTypeSize(type);
   const typename V::F scale = V::Set1(c.grad_scale);
   auto run = [&](auto bf16_tag) {
     constexpr bool kBf16 = decltype(bf16_tag)::value;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t at = r * ld;
-      TailArray arr[7] = {{p + at, 4, true},
+      const ParamOut o = out.At(at);
+      TailArray arr[8] = {{p + at, 4, true},
                           {m + at, 4, true},
                           {v + at, 4, true},
                           {const_cast<char*>(static_cast<const char*>(grad)) + at * gs, gs, false},
-                          {out == nullptr ? nullptr : out + at, 2, true},
+                          {o.bf16, 2, true},
                           {const_cast<float*>(step_size), 4, false},
-                          {const_cast<float*>(bc2_sqrt), 4, false}};
-      ForEachVector<V::kMaxW>(cols, V::W, arr, [&](TailArray(&a)[7], int64_t i) {
+                          {const_cast<float*>(bc2_sqrt), 4, false},
+                          {o.fp32, 4, true}};
+      ForEachVector<V::kMaxW>(cols, V::W, arr, [&](TailArray(&a)[8], int64_t i) {
         const typename V::F g = V::Mul(scale, LoadG<V, kBf16>(a[3].base, i));
-        uint16_t* o = a[4].base == nullptr ? nullptr : static_cast<uint16_t*>(a[4].base) + i;
         const ColumnSteps<V> steps{static_cast<const float*>(a[5].base) + i,
                                    static_cast<const float*>(a[6].base) + i};
         AdamWVec<V>(c, steps, g, static_cast<float*>(a[0].base) + i,
-                    static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i, o);
+                    static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i,
+                    OutBf16(a, 4, i), OutFp32(a, 7, i));
       });
     }
   };
@@ -232,7 +249,7 @@ template <class V>
 void AccAdamWColsT(const AdamWConstants& c, const float* step_size, const float* bc2_sqrt,
                    float* p, float* m, float* v, const float* acc, const void* grad,
                    GradType type, float acc_scale, int64_t rows, int64_t cols, int64_t ld,
-                   uint16_t* out) {
+                   ParamOut out) {
   const size_t gs = GradTypeSize(type);
   const typename V::F scale = V::Set1(c.grad_scale), ascale = V::Set1(acc_scale);
   auto run = [&](auto bf16_tag, auto has_acc_tag) {
@@ -240,22 +257,24 @@ void AccAdamWColsT(const AdamWConstants& c, const float* step_size, const float*
     constexpr bool kHasAcc = decltype(has_acc_tag)::value;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t at = r * ld;
-      TailArray arr[8] = {{p + at, 4, true},
+      const ParamOut o = out.At(at);
+      TailArray arr[9] = {{p + at, 4, true},
                           {m + at, 4, true},
                           {v + at, 4, true},
                           {const_cast<char*>(static_cast<const char*>(grad)) + at * gs, gs, false},
-                          {out == nullptr ? nullptr : out + at, 2, true},
+                          {o.bf16, 2, true},
                           {const_cast<float*>(step_size), 4, false},
                           {const_cast<float*>(bc2_sqrt), 4, false},
-                          {kHasAcc ? const_cast<float*>(acc) + at : nullptr, 4, false}};
-      ForEachVector<V::kMaxW>(cols, V::W, arr, [&](TailArray(&a)[8], int64_t i) {
+                          {kHasAcc ? const_cast<float*>(acc) + at : nullptr, 4, false},
+                          {o.fp32, 4, true}};
+      ForEachVector<V::kMaxW>(cols, V::W, arr, [&](TailArray(&a)[9], int64_t i) {
         typename V::F sum = V::Mul(ascale, LoadG<V, kBf16>(a[3].base, i));
         if (kHasAcc) sum = V::Add(V::Load(static_cast<const float*>(a[7].base) + i), sum);
-        uint16_t* o = a[4].base == nullptr ? nullptr : static_cast<uint16_t*>(a[4].base) + i;
         const ColumnSteps<V> steps{static_cast<const float*>(a[5].base) + i,
                                    static_cast<const float*>(a[6].base) + i};
         AdamWVec<V>(c, steps, V::Mul(scale, sum), static_cast<float*>(a[0].base) + i,
-                    static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i, o);
+                    static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i,
+                    OutBf16(a, 4, i), OutFp32(a, 8, i));
       });
     }
   };
@@ -271,23 +290,24 @@ void AccAdamWColsT(const AdamWConstants& c, const float* step_size, const float*
 
 template <class V>
 void AccAdamWT(const AdamWConstants& c, float* p, float* m, float* v, const float* acc,
-               const void* grad, GradType type, float acc_scale, int64_t n, uint16_t* out) {
-  TailArray arr[6] = {{p, 4, true},
+               const void* grad, GradType type, float acc_scale, int64_t n, ParamOut out) {
+  TailArray arr[7] = {{p, 4, true},
                       {m, 4, true},
                       {v, 4, true},
                       {const_cast<float*>(acc), 4, false},
                       {const_cast<void*>(grad), GradTypeSize(type), false},
-                      {out, 2, true}};
+                      {out.bf16, 2, true},
+                      {out.fp32, 4, true}};
   const typename V::F scale = V::Set1(c.grad_scale), ascale = V::Set1(acc_scale);
   auto run = [&](auto bf16_tag, auto has_grad_tag) {
     constexpr bool kBf16 = decltype(bf16_tag)::value;
     constexpr bool kHasGrad = decltype(has_grad_tag)::value;
-    ForEachVector<V::kMaxW>(n, V::W, arr, [&](TailArray(&a)[6], int64_t i) {
+    ForEachVector<V::kMaxW>(n, V::W, arr, [&](TailArray(&a)[7], int64_t i) {
       typename V::F sum = V::Load(static_cast<const float*>(a[3].base) + i);
       if (kHasGrad) sum = V::Add(sum, V::Mul(ascale, LoadG<V, kBf16>(a[4].base, i)));
-      uint16_t* o = a[5].base == nullptr ? nullptr : static_cast<uint16_t*>(a[5].base) + i;
       AdamWVec<V>(c, UniformStep<V>{c}, V::Mul(scale, sum), static_cast<float*>(a[0].base) + i,
-                  static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i, o);
+                  static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i,
+                  OutBf16(a, 5, i), OutFp32(a, 6, i));
     });
   };
   if (grad == nullptr) run(std::false_type{}, std::false_type{});

@@ -45,7 +45,7 @@ void OptimizerKernel::AccumulateAdamWColumns(const AdamWConfig& config, const fl
                                              const float* bc2_sqrt, float* param, float* m,
                                              float* v, const float* acc, const void* grad,
                                              GradType type, float acc_scale, int64_t rows,
-                                             int64_t cols, uint16_t* bf16_out) const {
+                                             int64_t cols, ParamOut out) const {
   if (rows <= 0 || cols <= 0) return;
   const int64_t n = rows * cols;
   std::vector<float> sum(static_cast<size_t>(n));
@@ -53,7 +53,7 @@ void OptimizerKernel::AccumulateAdamWColumns(const AdamWConfig& config, const fl
   Accumulate(sum.data(), grad, type, acc_scale, n,
              acc == nullptr ? AccumulateMode::kOverwrite : AccumulateMode::kAdd);
   AdamWColumns(config, step_size, bc2_sqrt, param, m, v, sum.data(), GradType::kFp32, rows, cols,
-               bf16_out);
+               out);
 }
 
 namespace {
@@ -96,7 +96,7 @@ inline float LoadGrad(const void* grad, GradType type, int64_t i) {
 
 // One element of AdamW; g already scaled.
 inline void AdamWElement(const AdamWConstants& k, float g, float* param, float* m, float* v,
-                         uint16_t* out) {
+                         ParamOut out) {
   const float old = *param;
   float p = old * k.decay;
   const float mi = k.b1 * *m + k.omb1 * g;
@@ -106,7 +106,9 @@ inline void AdamWElement(const AdamWConstants& k, float g, float* param, float* 
   *m = mi;
   *v = vi;
   *param = p;
-  if (out != nullptr) *out = stallfree::FloatToBf16(k.predict_out ? (p + p) - old : p);
+  const float shown = k.predict_out ? (p + p) - old : p;
+  if (out.bf16 != nullptr) *out.bf16 = stallfree::FloatToBf16(shown);
+  if (out.fp32 != nullptr) *out.fp32 = shown;
 }
 
 class ScalarKernel final : public OptimizerKernel {
@@ -122,17 +124,17 @@ class ScalarKernel final : public OptimizerKernel {
   }
 
   void AdamW(const AdamWConfig& c, float* param, float* m, float* v, const void* grad,
-             GradType type, int64_t n, uint16_t* bf16_out) const override {
+             GradType type, int64_t n, ParamOut out) const override {
     const AdamWConstants k = MakeAdamWConstants(c);
     for (int64_t i = 0; i < n; ++i) {
       AdamWElement(k, k.grad_scale * LoadGrad(grad, type, i), param + i, m + i, v + i,
-                   bf16_out == nullptr ? nullptr : bf16_out + i);
+                   out.At(i));
     }
   }
 
   void AdamWColumns(const AdamWConfig& c, const float* step_size, const float* bc2_sqrt,
                     float* param, float* m, float* v, const void* grad, GradType type,
-                    int64_t rows, int64_t cols, uint16_t* bf16_out) const override {
+                    int64_t rows, int64_t cols, ParamOut out) const override {
     AdamWConstants k = MakeAdamWConstants(c);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t col = 0; col < cols; ++col) {
@@ -140,7 +142,7 @@ class ScalarKernel final : public OptimizerKernel {
         k.bc2_sqrt = bc2_sqrt[col];
         const int64_t i = r * cols + col;
         AdamWElement(k, k.grad_scale * LoadGrad(grad, type, i), param + i, m + i, v + i,
-                     bf16_out == nullptr ? nullptr : bf16_out + i);
+                     out.At(i));
       }
     }
   }
@@ -148,7 +150,7 @@ class ScalarKernel final : public OptimizerKernel {
   void AccumulateAdamWColumns(const AdamWConfig& c, const float* step_size,
                               const float* bc2_sqrt, float* param, float* m, float* v,
                               const float* acc, const void* grad, GradType type, float acc_scale,
-                              int64_t rows, int64_t cols, uint16_t* bf16_out) const override {
+                              int64_t rows, int64_t cols, ParamOut out) const override {
     AdamWConstants k = MakeAdamWConstants(c);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t col = 0; col < cols; ++col) {
@@ -159,20 +161,20 @@ class ScalarKernel final : public OptimizerKernel {
         const float scaled = acc_scale * LoadGrad(grad, type, i);
         const float sum = acc == nullptr ? scaled : acc[i] + scaled;
         AdamWElement(k, k.grad_scale * sum, param + i, m + i, v + i,
-                     bf16_out == nullptr ? nullptr : bf16_out + i);
+                     out.At(i));
       }
     }
   }
 
   void AccumulateAdamW(const AdamWConfig& c, float* param, float* m, float* v, const float* acc,
                        const void* grad, GradType type, float acc_scale, int64_t n,
-                       uint16_t* bf16_out) const override {
+                       ParamOut out) const override {
     const AdamWConstants k = MakeAdamWConstants(c);
     for (int64_t i = 0; i < n; ++i) {
       float sum = acc[i];
       if (grad != nullptr) sum = sum + acc_scale * LoadGrad(grad, type, i);
       AdamWElement(k, k.grad_scale * sum, param + i, m + i, v + i,
-                   bf16_out == nullptr ? nullptr : bf16_out + i);
+                   out.At(i));
     }
   }
 

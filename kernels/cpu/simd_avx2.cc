@@ -24,6 +24,12 @@ struct Avx2 {
   static constexpr int kMaxW = 8;
   static F Load(const float* p) { return _mm256_loadu_ps(p); }
   static void Store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  // A store never read back by the pass (the fp32 parameter slot): non-temporal where aligned
+  // (Fence() orders them at the end of the chunk).
+  static void StoreStream(float* p, F x) {
+    if ((reinterpret_cast<uintptr_t>(p) & 31) == 0) _mm256_stream_ps(p, x);
+    else _mm256_storeu_ps(p, x);
+  }
   static F Set1(float x) { return _mm256_set1_ps(x); }
   static F Add(F a, F b) { return _mm256_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
@@ -34,7 +40,7 @@ struct Avx2 {
     return _mm256_castsi256_ps(
         _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7fffffff)));
   }
-  static void Fence() {}
+  static void Fence() { _mm_sfence(); }
   static F LoadBf16(const uint16_t* p) {
     const __m256i wide =
         _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -28,6 +28,12 @@ struct Avx512 {
   static constexpr int kMaxW = 16;
   static F Load(const float* p) { return _mm512_loadu_ps(p); }
   static void Store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  // A store never read back by the pass (the fp32 parameter slot): non-temporal where aligned,
+  // skipping the read for ownership (Fence() orders them at the end of the chunk).
+  static void StoreStream(float* p, F x) {
+    if ((reinterpret_cast<uintptr_t>(p) & 63) == 0) _mm512_stream_ps(p, x);
+    else _mm512_storeu_ps(p, x);
+  }
   static F Set1(float x) { return _mm512_set1_ps(x); }
   static F Add(F a, F b) { return _mm512_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm512_sub_ps(a, b); }

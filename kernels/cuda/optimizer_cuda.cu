@@ -508,8 +508,22 @@ class CudaOptimizerKernel final : public OptimizerKernel {
     }
   }
 
+  void CopyOut(const ParamOut& out, const float* param, int64_t n) const {
+    if (out.fp32 == nullptr || n <= 0) return;
+    Check("cudaMemcpyAsync (fp32 output)",
+          cudaMemcpyAsync(out.fp32, param, static_cast<size_t>(n) * sizeof(float),
+                          cudaMemcpyDeviceToDevice, stream_));
+  }
+
+  // An fp32 output (ParamOut::fp32) is the parameter copied after the update (the daemon's CPU
+  // kernels write it in the same pass; predict_out is theirs alone).
   void AdamW(const AdamWConfig& config, float* param, float* m, float* v, const void* grad,
-             GradType type, int64_t n, uint16_t* bf16_out) const override {
+             GradType type, int64_t n, ParamOut out) const override {
+    AdamWTo(config, param, m, v, grad, type, n, out.bf16);
+    CopyOut(out, param, n);
+  }
+  void AdamWTo(const AdamWConfig& config, float* param, float* m, float* v, const void* grad,
+               GradType type, int64_t n, uint16_t* bf16_out) const {
     if (n <= 0) return;
     const AdamWConstants k = MakeAdamWConstants(config);
     const VecPlan plan =
@@ -524,7 +538,13 @@ class CudaOptimizerKernel final : public OptimizerKernel {
 
   void AdamWColumns(const AdamWConfig& config, const float* step_size, const float* bc2_sqrt,
                     float* param, float* m, float* v, const void* grad, GradType type,
-                    int64_t rows, int64_t cols, uint16_t* bf16_out) const override {
+                    int64_t rows, int64_t cols, ParamOut out) const override {
+    AdamWColumnsTo(config, step_size, bc2_sqrt, param, m, v, grad, type, rows, cols, out.bf16);
+    if (rows > 0 && cols > 0) CopyOut(out, param, rows * cols);
+  }
+  void AdamWColumnsTo(const AdamWConfig& config, const float* step_size, const float* bc2_sqrt,
+                      float* param, float* m, float* v, const void* grad, GradType type,
+                      int64_t rows, int64_t cols, uint16_t* bf16_out) const {
     if (rows < 0 || cols < 0) {
       Record("AdamWColumns: need rows >= 0 and cols >= 0");
       return;
@@ -547,7 +567,7 @@ class CudaOptimizerKernel final : public OptimizerKernel {
   void AccumulateAdamWColumns(const AdamWConfig& config, const float* step_size,
                               const float* bc2_sqrt, float* param, float* m, float* v,
                               const float* acc, const void* grad, GradType type, float acc_scale,
-                              int64_t rows, int64_t cols, uint16_t* bf16_out) const override {
+                              int64_t rows, int64_t cols, ParamOut out) const override {
     if (rows < 0 || cols < 0) {
       Record("AccumulateAdamWColumns: need rows >= 0 and cols >= 0");
       return;
@@ -565,13 +585,18 @@ class CudaOptimizerKernel final : public OptimizerKernel {
       return;
     Accumulate(sum, grad, type, acc_scale, n,
                acc == nullptr ? AccumulateMode::kOverwrite : AccumulateMode::kAdd);
-    AdamWColumns(config, step_size, bc2_sqrt, param, m, v, sum, GradType::kFp32, rows, cols,
-                 bf16_out);
+    AdamWColumns(config, step_size, bc2_sqrt, param, m, v, sum, GradType::kFp32, rows, cols, out);
   }
 
   void AccumulateAdamW(const AdamWConfig& config, float* param, float* m, float* v,
                        const float* acc, const void* grad, GradType type, float acc_scale,
-                       int64_t n, uint16_t* bf16_out) const override {
+                       int64_t n, ParamOut out) const override {
+    AccumulateAdamWTo(config, param, m, v, acc, grad, type, acc_scale, n, out.bf16);
+    CopyOut(out, param, n);
+  }
+  void AccumulateAdamWTo(const AdamWConfig& config, float* param, float* m, float* v,
+                         const float* acc, const void* grad, GradType type, float acc_scale,
+                         int64_t n, uint16_t* bf16_out) const {
     if (n <= 0) return;
     const AdamWConstants k = MakeAdamWConstants(config);
     const VecPlan plan = PlanVectors(

@@ -456,16 +456,16 @@ class DefaultFusedKernel final : public OptimizerKernel {
     r.Accumulate(acc, grad, type, scale, n, mode);
   }
   void AdamW(const AdamWConfig& c, float* p, float* m, float* v, const void* g, GradType t,
-             int64_t n, uint16_t* o) const override {
+             int64_t n, ParamOut o) const override {
     r.AdamW(c, p, m, v, g, t, n, o);
   }
   void AdamWColumns(const AdamWConfig& c, const float* ss, const float* bc, float* p, float* m,
                     float* v, const void* g, GradType t, int64_t rows, int64_t cols,
-                    uint16_t* o) const override {
+                    ParamOut o) const override {
     r.AdamWColumns(c, ss, bc, p, m, v, g, t, rows, cols, o);
   }
   void AccumulateAdamW(const AdamWConfig& c, float* p, float* m, float* v, const float* acc,
-                       const void* g, GradType t, float s, int64_t n, uint16_t* o) const override {
+                       const void* g, GradType t, float s, int64_t n, ParamOut o) const override {
     r.AccumulateAdamW(c, p, m, v, acc, g, t, s, n, o);
   }
   void FloatToBf16(const float* src, uint16_t* dst, int64_t n) const override {
@@ -490,6 +490,86 @@ class DefaultFusedKernel final : public OptimizerKernel {
     r.ScatterColumns(src, es, rows, ld, idx, k, dst);
   }
 };
+
+// The fp32 output (ParamOut::Fp32: the daemon's fp32 parameter slot, written in the update's
+// own pass with streaming stores where aligned): for every backend and the four AdamW entry
+// points, it holds exactly the new parameters (with predict_out, (p_new + p_new) - p_old), and
+// p, m and v are those of the same call without an output. Arrays 64-byte aligned and offset by
+// 0 or 1 element, so both the streaming and the unaligned stores run, over sizes that cross the
+// vector widths and the chunks.
+TEST(OptimizerCpu, Fp32OutputIsTheNewValuesWrittenInTheSamePass) {
+  AdamWConfig c;
+  c.lr = 1e-2;
+  c.weight_decay = 0.1;
+  c.step = 3;
+  struct Aligned {  // n floats at a 64-byte boundary plus `off` elements
+    explicit Aligned(const std::vector<float>& x, size_t off)
+        : buf((x.size() + off + 16 + 15) / 16 * 16 + 16), at(Align() + off) {
+      std::copy(x.begin(), x.end(), at);
+    }
+    float* Align() {
+      auto a = reinterpret_cast<uintptr_t>(buf.data());
+      return reinterpret_cast<float*>((a + 63) / 64 * 64);
+    }
+    std::vector<float> Get(int64_t n) const { return std::vector<float>(at, at + n); }
+    std::vector<float> buf;
+    float* at;
+  };
+  std::vector<const OptimizerKernel*> kernels = FastKernels();
+  kernels.push_back(&ReferenceKernel());
+  for (const OptimizerKernel* k : kernels) {
+    for (int64_t n : {int64_t{1}, int64_t{17}, int64_t{32768 + 13}}) {
+      for (size_t off : {size_t{0}, size_t{1}}) {
+        for (int entry = 0; entry < 4; ++entry) {
+          for (bool predict : {false, true}) {
+            const std::string what = std::string(k->name()) + " entry " +
+                                     std::to_string(entry) + " n=" + std::to_string(n) +
+                                     " off=" + std::to_string(off) + (predict ? " predict" : "");
+            const std::vector<float> p0 = Random(n, 1), m0 = Random(n, 2, 0.1f),
+                                     g = Random(n, 3), acc = Random(n, 5);
+            std::vector<float> v0 = Random(n, 4, 0.1f);
+            for (float& x : v0) x = x * x;
+            std::vector<float> ss(n), bc(n);
+            std::vector<int64_t> steps(n, 3);
+            MakeColumnConstants(c, steps.data(), n, ss.data(), bc.data());
+            AdamWConfig cc = c;
+            cc.predict_out = predict;
+            auto run = [&](Aligned* p, Aligned* m, Aligned* v, ParamOut out) {
+              switch (entry) {
+                case 0:
+                  k->AdamW(cc, p->at, m->at, v->at, g.data(), GradType::kFp32, n, out);
+                  break;
+                case 1:
+                  k->AdamWColumns(cc, ss.data(), bc.data(), p->at, m->at, v->at, g.data(),
+                                  GradType::kFp32, 1, n, out);
+                  break;
+                case 2:
+                  k->AccumulateAdamW(cc, p->at, m->at, v->at, acc.data(), g.data(),
+                                     GradType::kFp32, 0.5f, n, out);
+                  break;
+                default:
+                  k->AccumulateAdamWColumns(cc, ss.data(), bc.data(), p->at, m->at, v->at,
+                                            acc.data(), g.data(), GradType::kFp32, 0.5f, 1, n,
+                                            out);
+              }
+            };
+            Aligned p(p0, off), m(m0, off), v(v0, off), o(std::vector<float>(n, -1.0f), off);
+            Aligned rp(p0, off), rm(m0, off), rv(v0, off);
+            run(&p, &m, &v, ParamOut::Fp32(o.at));
+            run(&rp, &rm, &rv, nullptr);
+            const std::vector<float> pn = p.Get(n), out = o.Get(n);
+            std::vector<float> want(n);
+            for (int64_t i = 0; i < n; ++i) want[i] = predict ? (pn[i] + pn[i]) - p0[i] : pn[i];
+            ExpectBitsEqual(want, out, what + " out");
+            ExpectBitsEqual(rp.Get(n), pn, what + " p");
+            ExpectBitsEqual(rm.Get(n), m.Get(n), what + " m");
+            ExpectBitsEqual(rv.Get(n), v.Get(n), what + " v");
+          }
+        }
+      }
+    }
+  }
+}
 
 TEST(OptimizerCpu, AccumulateAdamWColumnsOracleEqualsAccumulateThenAdamWColumns) {
   // The contract, on the oracle (and on the OptimizerKernel default): Accumulate into the
@@ -766,15 +846,15 @@ TEST(OptimizerCpu, ConvertingColumnMovesEqualMoveThenConvert) {
     void Accumulate(float* a, const void* g, GradType t, float s, int64_t n,
                     AccumulateMode m) const override { r.Accumulate(a, g, t, s, n, m); }
     void AdamW(const AdamWConfig& c, float* p, float* m, float* v, const void* g, GradType t,
-               int64_t n, uint16_t* o) const override { r.AdamW(c, p, m, v, g, t, n, o); }
+               int64_t n, ParamOut o) const override { r.AdamW(c, p, m, v, g, t, n, o); }
     void AdamWColumns(const AdamWConfig& c, const float* ss, const float* bc, float* p, float* m,
                       float* v, const void* g, GradType t, int64_t rw, int64_t cl,
-                      uint16_t* o) const override {
+                      ParamOut o) const override {
       r.AdamWColumns(c, ss, bc, p, m, v, g, t, rw, cl, o);
     }
     void AccumulateAdamW(const AdamWConfig& c, float* p, float* m, float* v, const float* a,
                          const void* g, GradType t, float s, int64_t n,
-                         uint16_t* o) const override {
+                         ParamOut o) const override {
       r.AccumulateAdamW(c, p, m, v, a, g, t, s, n, o);
     }
     void FloatToBf16(const float* s, uint16_t* d, int64_t n) const override { r.FloatToBf16(s, d, n); }
