@@ -24,6 +24,7 @@
 
 #include "common/bf16.h"
 #include "common/flags.h"
+#include "common/region.h"
 #include "kernels/optimizer.h"
 
 namespace stallfree {
@@ -553,8 +554,71 @@ BlockRuns MeasureBlock(Bench* b) {
   return w;
 }
 
+// The daemon's fp32 update as OffloadSession::Update runs it: master, m, v and the accumulator
+// in one state block, the new values also written to an fp32 parameter slot of the session's
+// region (a memfd). The arrays placed exactly n elements apart (as the daemon did; n here a
+// power of two, as a model of 2048 x 2048 weights gives) and StateStride apart (as it does now:
+// 1088 bytes further into a page each, server/requests.h); the state block in the daemon's anonymous
+// memory (transparent huge pages), and in a memfd, as a state that outlives the daemon would
+// need (shmem's own huge-page setting applies there). Also the update without the slot, and with
+// the slot written by a second pass (a memcpy, as before the kernels wrote it).
+struct SlotRuns {
+  double packed = 0, strided = 0, memfd = 0, no_slot = 0, copy_after = 0;  // best seconds
+};
+
+SlotRuns MeasureSlot(Bench* b) {
+  SlotRuns r;
+  const int64_t n = b->n;
+  const int64_t stride = n + (1024 + 272 - n % 1024) % 1024;  // server/requests.h, StateStride
+  const uint64_t bytes = static_cast<uint64_t>(stride) * 4 * sizeof(float);
+  auto slot = MappedRegion::CreateMemfd("bench slot", static_cast<uint64_t>(n) * sizeof(float),
+                                        PinPolicy::kOff);
+  auto anon = MappedRegion::CreateAnonymous("bench state", bytes, PinPolicy::kOff);
+  auto memfd = MappedRegion::CreateMemfd("bench state memfd", bytes, PinPolicy::kOff);
+  if (!slot.ok() || !anon.ok() || !memfd.ok()) {
+    printf("session state placement: not measured (%s)\n",
+           std::string((!slot.ok() ? slot.status() : !anon.ok() ? anon.status()
+                                                                : memfd.status()).message())
+               .c_str());
+    return r;
+  }
+  float* out = reinterpret_cast<float*>((*slot)->data());
+  auto run = [&](MappedRegion* state, int64_t apart, bool with_slot, bool copy) {
+    float* base = reinterpret_cast<float*>(state->data());
+    float *p = base, *m = base + apart, *v = base + 2 * apart, *acc = base + 3 * apart;
+    ParallelChunks(n, [&](int64_t s, int64_t len) {  // first touch, as Fill
+      for (int64_t i = s; i < s + len; ++i) {
+        p[i] = b->a.p[i];
+        m[i] = b->a.m[i];
+        v[i] = b->a.v[i];
+        acc[i] = b->a.acc[i];
+      }
+    });
+    return Best(static_cast<int>(b->reps), [&] {
+      b->c.step = b->step++;
+      ParallelChunks(n, [&](int64_t s, int64_t len) {
+        b->fast.AdamW(b->c, p + s, m + s, v + s, acc + s, GradType::kFp32, len,
+                      with_slot && !copy ? kernels::ParamOut::Fp32(out + s) : nullptr);
+        if (copy) memcpy(out + s, p + s, len * sizeof(float));
+      });
+    });
+  };
+  r.packed = run(anon->get(), n, true, false);
+  r.strided = run(anon->get(), stride, true, false);
+  r.memfd = run(memfd->get(), stride, true, false);
+  r.no_slot = run(anon->get(), stride, false, false);
+  r.copy_after = run(anon->get(), stride, true, true);
+  printf("\nsession state placement (%lld elements; fp32 update + slot): arrays n apart %.3f "
+         "Gelem/s, StateStride apart %.3f, the state in a memfd %.3f; without the slot %.3f; "
+         "the slot by a second pass %.3f\n",
+         static_cast<long long>(n), n / r.packed / 1e9, n / r.strided / 1e9, n / r.memfd / 1e9,
+         n / r.no_slot / 1e9, n / r.copy_after / 1e9);
+  return r;
+}
+
 // The FIGURE lines.
-void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, const BlockRuns& w) {
+void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, const BlockRuns& w,
+                  const SlotRuns& slot) {
   const int64_t n = b.n;
   printf("\n");
   printf("FIGURE stream_limit_4r3w %.2f GB/s\n", l.limit_gbs);
@@ -582,6 +646,13 @@ void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, co
   printf("FIGURE select_4096x4096_fraction_of_adamw %.3f ratio\n", w.t_w_select / w.t_w_adamw);
   printf("FIGURE adamw_columns_4096x4096_fraction_of_adamw %.3f ratio\n",
          w.t_w_cols / w.t_w_adamw);
+  if (slot.strided > 0) {
+    printf("FIGURE session_update_fp32_slot_gelem_per_s %.3f Gelem/s\n", n / slot.strided / 1e9);
+    printf("FIGURE session_update_state_stride_vs_packed %.3f x\n", slot.packed / slot.strided);
+    printf("FIGURE session_update_fp32_slot_vs_second_pass %.3f x\n",
+           slot.copy_after / slot.strided);
+    printf("FIGURE session_update_state_memfd_vs_anonymous %.3f x\n", slot.strided / slot.memfd);
+  }
 }
 
 int Main(int argc, char** argv) {
@@ -611,7 +682,8 @@ int Main(int argc, char** argv) {
   MeasureBoundary(&b, l, &k);
   PrintTable(b, l, k);
   const BlockRuns w = MeasureBlock(&b);
-  PrintFigures(b, l, k, w);
+  const SlotRuns slot = MeasureSlot(&b);
+  PrintFigures(b, l, k, w, slot);
   return 0;
 }
 

@@ -344,9 +344,10 @@ absl::Status OffloadSession::Allocate(SessionLayout layout) {
   state_ = std::move(*state);
   float* base = reinterpret_cast<float*>(state_->data());
   master_ = base;
-  m_ = base + elems;
-  v_ = base + 2 * elems;
-  acc_ = base + 3 * elems;
+  const uint64_t stride = layout.state_stride;
+  m_ = base + stride;
+  v_ = base + 2 * stride;
+  acc_ = base + 3 * stride;
   layout_ = std::make_unique<const SessionLayout>(std::move(layout));
   registered_ = true;
   pinned_bytes_ = region_->size() + state_->size();

@@ -133,6 +133,10 @@ struct SessionLayout {
   std::vector<ParamLayout> params;
   std::map<std::string, size_t> index;  // name -> position in params
   uint64_t total_elems = 0;             // of every fp32 array, padding included
+  // Elements from the start of one of the state's arrays (master, m, v, accumulator) to the
+  // next: total_elems padded so that the arrays are staggered within a page (StateStride,
+  // requests.h).
+  uint64_t state_stride = 0;
   uint64_t state_bytes = 0;             // master, m, v, accumulator
   v1::RegionLayout region;
 

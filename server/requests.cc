@@ -26,6 +26,8 @@ constexpr uint64_t kHandoverBlocks = 4;
 
 }  // namespace
 
+uint64_t StateStride(uint64_t elems) { return elems + (1024 + 272 - elems % 1024) % 1024; }
+
 absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req) {
   if (req.params_size() == 0) return absl::InvalidArgumentError("params: empty");
   if (req.param_dtype() != v1::DTYPE_UNSPECIFIED && req.param_dtype() != v1::DTYPE_FP32 &&
@@ -117,7 +119,8 @@ absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req)
     pl->set_staging_offset(p.elem_offset * 4);
   }
   out.total_elems = elems;
-  out.state_bytes = 4 * elems * 4;
+  out.state_stride = StateStride(elems);
+  out.state_bytes = 4 * out.state_stride * 4;
   return out;
 }
 

@@ -48,7 +48,10 @@ std::vector<Spec> ColdModel(v1::DType grad) {
   return {{"0.weight", {1024, 922}, grad}, {"1.weight", {1024, 922}, grad},
           {"2.weight", {1024, 922}, grad}};
 }
-constexpr uint64_t kColdElems = 3 * 1024 * 922;  // 2,832,384: a multiple of 16
+constexpr uint64_t kColdElems = 3 * 1024 * 922;  // 2,832,384: a multiple of 16 (and of 1024)
+// The state's arrays lie kColdElems + 272 elements apart (StateStride: staggered by 1088 bytes
+// within a page, kColdElems being a multiple of 1024).
+constexpr uint64_t kStride = kColdElems + 272;
 
 // bf16 in and out, one parameter slot (what ZenFlowAdamW's default registers): 2 x 2 bytes of
 // gradient slots, 2 bytes of parameter slot, 4/32 of staging and 16 of fp32 state per element.
@@ -66,9 +69,10 @@ TEST(LayOutParams, Bf16TransfersOneSlotTakeAbout22BytesPerElement) {
   EXPECT_EQ(r.staging_offset(), r.param_slot_offset() + r.param_slot_bytes());
   EXPECT_EQ(r.staging_bytes(), Pages(kColdElems / 32 * 4));
   EXPECT_EQ(r.region_bytes(), r.staging_offset() + r.staging_bytes());
-  EXPECT_EQ(l->state_bytes, 16 * kColdElems);
+  EXPECT_EQ(l->state_stride, kStride);
+  EXPECT_EQ(l->state_bytes, 16 * kStride);
   EXPECT_EQ(l->pinned_bytes(), 2 * Pages(2 * kColdElems) + Pages(2 * kColdElems) +
-                                   Pages(kColdElems / 8) + 16 * kColdElems);
+                                   Pages(kColdElems / 8) + 16 * kStride);
   const double per_elem = static_cast<double>(l->pinned_bytes()) / kColdElems;
   EXPECT_LE(per_elem, 22.13);
   EXPECT_GE(per_elem, 22.125);
@@ -107,7 +111,8 @@ TEST(LayOutParams, UnspecifiedSlotCountMeansTheLayoutOfBefore) {
   EXPECT_EQ(r.staging_offset(), r.param_slot_offset() + 2 * r.param_slot_bytes());
   EXPECT_EQ(r.staging_bytes(), Pages(4 * kColdElems));
   EXPECT_EQ(r.region_bytes(), 2 * Pages(2 * kColdElems) + 3 * Pages(4 * kColdElems));
-  EXPECT_EQ(static_cast<double>(l->pinned_bytes()) / kColdElems, 32.0);
+  EXPECT_EQ(l->pinned_bytes(), 2 * Pages(2 * kColdElems) + 3 * Pages(4 * kColdElems) +
+                                   16 * kStride);
   v1::LoadParamsRequest whole;
   EXPECT_TRUE(PlanLoad(whole, *l).ok());
   // bf16 slots, two of them: half the bytes each.
