@@ -260,6 +260,16 @@ class RepartitionTest : public ::testing::Test {
     const std::vector<std::vector<float>>* grads = &grads_;
     r->engine->set_score_reduce([whole, grads](const std::string& name, float* scores,
                                                int64_t cols) -> absl::Status {
+      if (name.empty()) {
+        // The automatic round's figures ({replicas, compute, stall, replicas with an Update,
+        // their Update seconds}, engine/zenflow.cc): summed over the ranks they are the same on
+        // every rank, so every rank chooses the same length. The ranks here step one after the
+        // other, so the sum is given: a 10 ms step without stalls and the reported 0.2 s Update
+        // (one rank's figures; each rank's own measured stall could set a floor on it alone).
+        const float fig[5] = {1.0f, 0.01f, 0.0f, 1.0f, 0.2f};
+        std::copy(fig, fig + std::min<int64_t>(cols, 5), scores);
+        return absl::OkStatus();
+      }
       for (size_t i = 0; i < whole->size(); ++i) {
         if ((*whole)[i].name != name) continue;
         for (int64_t c = 0; c < cols; ++c) {
