@@ -224,6 +224,18 @@ def test_param_names_kept_and_checked_on_load(daemon):
         assert [e.step_count for e in opt2._engines] == before
 
 
+def assert_trains_as_adamw(opt, model, ref, ref_model, steps=3):
+    """opt on model and torch's AdamW ref on ref_model (the same values), stepped side by side:
+    the parameters end within models.PARAM_ATOL."""
+    for step in range(1, steps + 1):
+        for o, m in ((opt, model), (ref, ref_model)):
+            o.zero_grad(set_to_none=True)
+            models.loss_fn(m, models.batch(0, step)).backward()
+            o.step()
+    for (n, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert (a - b).abs().max().item() <= models.PARAM_ATOL, n
+
+
 def test_add_param_group_is_all_or_nothing(daemon):
     model = models.make_model(0)
     groups = models.param_groups(model)
@@ -241,13 +253,7 @@ def test_add_param_group_is_all_or_nothing(daemon):
             assert len(opt.param_groups) == 1 and len(opt._engines) == 1
             assert set(opt.state) == set(groups[0]["params"])
         # Still whole: it trains group 0 as AdamW does.
-        for step in range(1, 4):
-            for o, m in ((opt, model), (ref, ref_model)):
-                o.zero_grad(set_to_none=True)
-                models.loss_fn(m, models.batch(0, step)).backward()
-                o.step()
-        for (n, a), b in zip(model.named_parameters(), ref_model.parameters()):
-            assert (a - b).abs().max().item() <= models.PARAM_ATOL, n
+        assert_trains_as_adamw(opt, model, ref, ref_model)
     finally:
         opt.close()
 
@@ -265,13 +271,7 @@ def test_parameters_switched_before_the_first_step_are_followed(daemon):
         for group, new in zip(opt.param_groups, models.param_groups(model)):
             group["params"] = new["params"]  # as accelerate does, in place
         before = models.snapshot(old_model)
-        for step in range(1, 4):
-            for o, m in ((opt, model), (ref, ref_model)):
-                o.zero_grad(set_to_none=True)
-                models.loss_fn(m, models.batch(0, step)).backward()
-                o.step()
-        for (n, a), b in zip(model.named_parameters(), ref_model.parameters()):
-            assert (a - b).abs().max().item() <= models.PARAM_ATOL, n
+        assert_trains_as_adamw(opt, model, ref, ref_model)
         assert models.changed(old_model, before) == []
         assert set(map(id, opt.state)) == {id(p) for p in model.parameters()}
         opt.state_dict()  # torch's packing finds every state key among the groups' params
