@@ -171,7 +171,7 @@ int main(int argc, char** argv) {
          Faults() - f0);
   auto att = sm.Attach(ref.session_id(), ref.token(), getuid(), getpid());
   if (!att.ok()) return fprintf(stderr, "%s\n", att.status().ToString().c_str()), 1;
-  auto region = MappedRegion::MapFd(dup(att->first), att->second);
+  auto region = MappedRegion::MapFd(dup(att->region_fd), att->region_bytes);
   if (!region.ok()) return fprintf(stderr, "%s\n", region.status().ToString().c_str()), 1;
   {  // Both gradient slots: small bf16 values (as the bench fills them once).
     uint16_t* g = reinterpret_cast<uint16_t*>((*region)->data());

@@ -151,8 +151,8 @@ absl::Status Client::Call(const char* rpc, const RpcFn& call) {
 }
 
 absl::Status Client::FdExchange(int conn, const std::string& path, const std::string& request,
-                                std::string* reply, int* fd) {
-  *fd = -1;
+                                std::string* reply, std::vector<int>* fds, size_t max_fds) {
+  fds->clear();
   // Both directions time out after rpc_timeout (a stopped daemon accepts connections through
   // the kernel's backlog, and then never answers).
   struct timeval tv;
@@ -163,7 +163,7 @@ absl::Status Client::FdExchange(int conn, const std::string& path, const std::st
     return ErrnoStatus("setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", path);
   const auto start = std::chrono::steady_clock::now();
   absl::Status st = SendWithFd(conn, request, -1);
-  if (st.ok()) st = RecvWithFd(conn, 512, reply, fd);
+  if (st.ok()) st = RecvWithFds(conn, 512, reply, fds, max_fds);
   // A timed-out send or receive fails with EAGAIN, which ErrnoStatus makes RESOURCE_EXHAUSTED.
   if (absl::IsResourceExhausted(st) &&
       std::chrono::steady_clock::now() - start >=
@@ -236,9 +236,9 @@ absl::StatusOr<v1::CallerRef> Client::Caller() {
   ASSIGN_OR_RETURN(v1::Stats stats, GetStats());
   ASSIGN_OR_RETURN(int conn, ConnectUnix(stats.fd_socket()));
   std::string reply;
-  int fd = -1;
-  absl::Status st = FdExchange(conn, stats.fd_socket(), "CALLER\n", &reply, &fd);
-  if (fd >= 0) close(fd);
+  std::vector<int> fds;
+  absl::Status st = FdExchange(conn, stats.fd_socket(), "CALLER\n", &reply, &fds, 1);
+  for (int fd : fds) close(fd);
   std::istringstream in(reply.rfind("OK ", 0) == 0 ? reply.substr(3) : "");
   uint64_t id = 0;
   std::string token;
@@ -370,6 +370,8 @@ absl::Status Session::Close() {
       std::min(10.0, client_->rpc_timeout_s()));
   if (host_registered_) HostUnregister(region_->data(), region_->size());
   region_.reset();
+  if (state_fd_ >= 0) close(state_fd_);  // the session is closed: its state may go
+  state_fd_ = -1;
   if (conn_ >= 0) close(conn_);
   conn_ = -1;
   return st;
@@ -379,22 +381,33 @@ absl::Status Session::Attach() {
   ASSIGN_OR_RETURN(int conn, ConnectUnix(fd_socket_));
   conn_ = conn;
   std::string reply;
-  int fd = -1;
+  std::vector<int> fds;
+  // The region's memfd, which this process maps, and the optimizer state's, which it holds.
   RETURN_IF_ERROR(client_->FdExchange(
-      conn_, fd_socket_, absl::StrCat(ref_.session_id(), " ", ref_.token(), "\n"), &reply, &fd));
-  if (reply.rfind("OK ", 0) != 0 || fd < 0) {
-    if (fd >= 0) close(fd);
+      conn_, fd_socket_, absl::StrCat(ref_.session_id(), " ", ref_.token(), " STATE\n"), &reply,
+      &fds, 2));
+  auto close_all = [&fds] {
+    for (int fd : fds) close(fd);
+  };
+  if (reply.rfind("OK ", 0) != 0 || fds.size() != 2) {
+    close_all();
     while (!reply.empty() && reply.back() == '\n') reply.pop_back();
-    return absl::PermissionDeniedError(
-        absl::StrCat("the daemon refused the region of session ", ref_.session_id(), ": ", reply));
+    return absl::PermissionDeniedError(absl::StrCat("the daemon refused the region of session ",
+                                                    ref_.session_id(), ": ", reply));
   }
-  uint64_t size = 0;
-  std::istringstream(reply.substr(3)) >> size;
-  if (size != layout_.region_bytes()) {
-    close(fd);
+  uint64_t size = 0, state_size = 0;
+  std::istringstream(reply.substr(3)) >> size >> state_size;
+  struct stat st;
+  if (size != layout_.region_bytes() || fstat(fds[1], &st) != 0 ||
+      static_cast<uint64_t>(st.st_size) != state_size) {
+    close_all();
     return absl::InternalError(absl::StrCat("region is ", size, " bytes, layout says ",
-                                            layout_.region_bytes()));
+                                            layout_.region_bytes(), "; state ", state_size,
+                                            " bytes"));
   }
+  state_fd_ = fds[1];
+  state_bytes_ = state_size;
+  const int fd = fds[0];
   ASSIGN_OR_RETURN(region_, MappedRegion::MapFd(fd, size));
   std::string err;
   host_registered_ = HostRegister(region_->data(), region_->size(), &err);

@@ -156,7 +156,7 @@ class Client {
   // One request and answer on a connection to the fd socket `path`, both bounded by rpc_timeout
   // (DEADLINE_EXCEEDED naming the socket past it).
   absl::Status FdExchange(int conn, const std::string& path, const std::string& request,
-                          std::string* reply, int* fd);
+                          std::string* reply, std::vector<int>* fds, size_t max_fds);
 
   std::string socket_path_;
   double rpc_timeout_s_;
@@ -183,6 +183,11 @@ class Session {
                               uint32_t param_slots = 0);
 
   const v1::RegionLayout& layout() const { return layout_; }
+  // The daemon's memfd of this session's optimizer state (master, m, v, accumulator), held by
+  // this process from the attach on and never mapped here: the state outlives the daemon's
+  // process. -1 before RegisterParams, and after Close.
+  int state_fd() const { return state_fd_; }
+  uint64_t state_bytes() const { return state_bytes_; }
   absl::StatusOr<const v1::ParamLayout*> Param(const std::string& name) const;
   // Where parameter `name`'s gradient goes in gradient slot `slot` (0 or 1).
   void* GradSlot(uint32_t slot, const std::string& name) const;
@@ -295,6 +300,8 @@ class Session {
   v1::RegionLayout layout_;
   std::map<std::string, v1::ParamLayout> params_;
   std::unique_ptr<MappedRegion> region_;
+  int state_fd_ = -1;
+  uint64_t state_bytes_ = 0;
 };
 
 }  // namespace stallfree

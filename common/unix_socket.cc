@@ -74,6 +74,10 @@ absl::StatusOr<struct ucred> PeerCredentials(int sock) {
 }
 
 absl::Status SendWithFd(int sock, const std::string& message, int fd) {
+  return SendWithFds(sock, message, fd >= 0 ? std::vector<int>{fd} : std::vector<int>{});
+}
+
+absl::Status SendWithFds(int sock, const std::string& message, const std::vector<int>& fds) {
   struct iovec iov;
   iov.iov_base = const_cast<char*>(message.data());
   iov.iov_len = message.size();
@@ -81,16 +85,17 @@ absl::Status SendWithFd(int sock, const std::string& message, int fd) {
   memset(&msg, 0, sizeof msg);
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))];
-  if (fd >= 0) {
-    memset(control, 0, sizeof control);
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
+  std::vector<char> control;
+  if (!fds.empty()) {
+    const size_t bytes = fds.size() * sizeof(int);
+    control.assign(CMSG_SPACE(bytes), 0);
+    msg.msg_control = control.data();
+    msg.msg_controllen = control.size();
     struct cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
     cmsg->cmsg_level = SOL_SOCKET;
     cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
+    cmsg->cmsg_len = CMSG_LEN(bytes);
+    memcpy(CMSG_DATA(cmsg), fds.data(), bytes);
   }
   ssize_t n;
   do {
@@ -105,7 +110,15 @@ absl::Status SendWithFd(int sock, const std::string& message, int fd) {
 }
 
 absl::Status RecvWithFd(int sock, size_t max_bytes, std::string* message, int* fd) {
-  *fd = -1;
+  std::vector<int> fds;
+  absl::Status st = RecvWithFds(sock, max_bytes, message, &fds, 1);
+  *fd = fds.empty() ? -1 : fds[0];
+  return st;
+}
+
+absl::Status RecvWithFds(int sock, size_t max_bytes, std::string* message, std::vector<int>* fds,
+                         size_t max_fds) {
+  fds->clear();
   message->assign(max_bytes, '\0');
   struct iovec iov;
   iov.iov_base = message->data();
@@ -114,9 +127,10 @@ absl::Status RecvWithFd(int sock, size_t max_bytes, std::string* message, int* f
   memset(&msg, 0, sizeof msg);
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int))];
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
+  // Room for one more than allowed, so that too many are seen (and closed), not truncated.
+  std::vector<char> control(CMSG_SPACE((max_fds + 1) * sizeof(int)));
+  msg.msg_control = control.data();
+  msg.msg_controllen = control.size();
   ssize_t n;
   do {
     n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
@@ -125,10 +139,23 @@ absl::Status RecvWithFd(int sock, size_t max_bytes, std::string* message, int* f
   message->resize(n);
   for (struct cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-      memcpy(fd, CMSG_DATA(c), sizeof(int));
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        fds->push_back(fd);
+      }
     }
   }
-  if (n == 0 && *fd < 0) {
+  if (fds->size() > max_fds || (msg.msg_flags & MSG_CTRUNC) != 0) {
+    const size_t got = fds->size();
+    for (int fd : *fds) close(fd);
+    fds->clear();
+    return absl::InvalidArgumentError(absl::StrCat("fd socket ", sock, ": ", got,
+                                                   " descriptors sent, at most ", max_fds,
+                                                   " expected"));
+  }
+  if (n == 0 && fds->empty()) {
     return absl::UnavailableError(absl::StrCat("fd socket ", sock, " closed by the peer"));
   }
   return absl::OkStatus();

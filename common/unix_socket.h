@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -21,8 +22,15 @@ absl::StatusOr<int> ConnectUnix(const std::string& path);
 absl::StatusOr<struct ucred> PeerCredentials(int sock);
 // Sends `message` and, if fd >= 0, the descriptor as SCM_RIGHTS ancillary data.
 absl::Status SendWithFd(int sock, const std::string& message, int fd);
+// Sends `message` and the descriptors `fds` (none: a plain message) in one SCM_RIGHTS.
+absl::Status SendWithFds(int sock, const std::string& message, const std::vector<int>& fds);
 // Receives up to `max_bytes` of message and at most one descriptor (-1 if none was sent).
 absl::Status RecvWithFd(int sock, size_t max_bytes, std::string* message, int* fd);
+// Receives up to `max_bytes` of message and at most `max_fds` descriptors (in the order sent;
+// the caller owns them). More descriptors than that: every one received is closed, and an
+// InvalidArgument names the count.
+absl::Status RecvWithFds(int sock, size_t max_bytes, std::string* message, std::vector<int>* fds,
+                         size_t max_fds);
 // Reads one '\n'-terminated line (without the newline), at most max_bytes.
 absl::StatusOr<std::string> ReadLine(int sock, size_t max_bytes);
 // True if the peer of the connected socket `sock` has closed its end (or the connection broke),

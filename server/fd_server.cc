@@ -74,13 +74,20 @@ void FdServer::Handshake(int conn) {
   }
   std::istringstream in(*line);
   uint64_t id = 0;
-  std::string token;
-  if (!(in >> id >> token)) {
-    return reply_error(absl::InvalidArgumentError("expected '<session_id> <token>' or 'CALLER'"));
+  std::string token, more;
+  // "STATE": the client holds the optimizer state's memfd too (clients before it ask for the
+  // region alone).
+  if (!(in >> id >> token) || ((in >> more) && more != "STATE")) {
+    return reply_error(absl::InvalidArgumentError(
+        "expected '<session_id> <token> [STATE]' or 'CALLER'"));
   }
-  auto fd = sessions_->Attach(id, token, cred->uid, cred->pid);
-  if (!fd.ok()) return reply_error(fd.status());
-  absl::Status st = SendWithFd(conn, absl::StrCat("OK ", fd->second, "\n"), fd->first);
+  const bool state = more == "STATE";
+  auto fds = sessions_->Attach(id, token, cred->uid, cred->pid);
+  if (!fds.ok()) return reply_error(fds.status());
+  absl::Status st =
+      state ? SendWithFds(conn, absl::StrCat("OK ", fds->region_bytes, " ", fds->state_bytes, "\n"),
+                          {fds->region_fd, fds->state_fd})
+            : SendWithFd(conn, absl::StrCat("OK ", fds->region_bytes, "\n"), fds->region_fd);
   if (!st.ok()) {
     close(conn);
     sessions_->OnConnectionClosed(id);

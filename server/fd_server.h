@@ -1,8 +1,10 @@
 // FdServer: the side unix socket that hands a session's memfd to its process (SCM_RIGHTS) and
 // then watches the connection: when it closes, the session is reclaimed.
 // Protocol: the client sends "<session_id> <token>\n"; the daemon checks the token, makes the
-// peer's SO_PEERCRED uid and pid the session's, and answers "OK <region_bytes>\n" with the fd,
-// or "ERR <message>\n". Or it sends "CALLER\n" and receives "OK <caller_id> <token>\n", a
+// peer's SO_PEERCRED uid and pid the session's, and answers "OK <region_bytes>\n" with the
+// region's fd, or "ERR <message>\n". With "<session_id> <token> STATE\n" the answer is
+// "OK <region_bytes> <state_bytes>\n" with two fds: the region's and the optimizer state's
+// memfd, which the client holds (never maps) so that the state outlives the daemon's process. Or it sends "CALLER\n" and receives "OK <caller_id> <token>\n", a
 // caller credential for its uid (offload.proto, CallerRef). Either stays valid while the
 // connection stays open.
 #pragma once

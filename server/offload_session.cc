@@ -109,7 +109,7 @@ const SessionLayout* OffloadSession::layout() const {
   return registered_ ? layout_.get() : nullptr;
 }
 
-absl::StatusOr<std::pair<int, uint64_t>> OffloadSession::Attach(uid_t uid, pid_t pid) {
+absl::StatusOr<SessionFds> OffloadSession::Attach(uid_t uid, pid_t pid) {
   MutexLock lock(&mu_);
   if (closed_) return absl::NotFoundError(absl::StrCat("no session ", id_));
   if (!registered_)
@@ -120,7 +120,7 @@ absl::StatusOr<std::pair<int, uint64_t>> OffloadSession::Attach(uid_t uid, pid_t
   uid_ = uid;  // from SO_PEERCRED: the kernel's, never the request's
   pid_ = pid;
   SF_LOG(kInfo, "session %d attached by pid %d uid %d", id_, pid, uid);
-  return std::make_pair(region_->fd(), region_->size());
+  return SessionFds{region_->fd(), region_->size(), state_->fd(), state_->size()};
 }
 
 absl::Status OffloadSession::CheckLoadable() const {
@@ -315,20 +315,27 @@ absl::Status OffloadSession::Allocate(SessionLayout layout) {
   const v1::RegionLayout& rl = layout.region;
   auto region = MappedRegion::CreateMemfd(absl::StrCat("stallfree-session-", id_),
                                           rl.region_bytes(), env_.pin);
+  // The optimizer state in a memfd too, whose descriptor the session's process receives with
+  // the region's (Attach) and holds, so that the daemon's exit does not free it. Measured as
+  // fast for the update as the daemon's anonymous huge-page memory (bench/optimizer_bench,
+  // session_update_state_memfd_vs_anonymous).
   absl::StatusOr<std::unique_ptr<MappedRegion>> state =
-      region.ok() ? MappedRegion::CreateAnonymous(absl::StrCat("session ", id_, " state"),
-                                                  layout.state_bytes, env_.pin)
+      region.ok() ? MappedRegion::CreateMemfd(absl::StrCat("stallfree-session-", id_, "-state"),
+                                              layout.state_bytes, env_.pin)
                   : region.status();
   if (region.ok() && state.ok()) {
-    // Write every page of the region once now (before mu_ is taken: this takes seconds for
-    // GBs): on a VM whose memory is backed lazily the first write to a 4 KiB page costs far
-    // more than the write (~3-5 s/GB; MAP_POPULATE of shmem does not back it), and the slots'
-    // first writes would otherwise land in the first steps' pushes and updates. The state is
-    // already backed: CreateAnonymous populates it with huge pages.
-    uint8_t* base = (*region)->data();
-    ParallelChunks(static_cast<int64_t>((*region)->size() / kPage), [&](int64_t b, int64_t e) {
-      memset(base + b * kPage, 0, (e - b) * kPage);
-    });
+    // Write every page of the region and the state once now (before mu_ is taken: this takes
+    // seconds for GBs): on a VM whose memory is backed lazily the first write to a 4 KiB page
+    // costs far more than the write (~3-5 s/GB; MAP_POPULATE of shmem does not back it), and the
+    // first writes would otherwise land in the first steps' pushes and updates.
+    for (MappedRegion* r : {region->get(), state->get()}) {
+      uint8_t* base = r->data();
+      const uint64_t size = r->size();
+      ParallelChunks(static_cast<int64_t>((size + kPage - 1) / kPage), [&](int64_t b, int64_t e) {
+        const uint64_t lo = b * kPage, hi = std::min<uint64_t>(size, e * kPage);
+        memset(base + lo, 0, hi - lo);
+      });
+    }
   }
   MutexLock lock(&mu_);
   registering_ = false;

@@ -168,6 +168,16 @@ struct PushPlan {
   uint64_t bytes = 0;  // the gradient bytes the jobs read
 };
 
+// What a session's process receives on the fd socket (FdServer): the region it maps, and the
+// optimizer state's memfd, which it holds without mapping so that the state outlives the
+// daemon's process.
+struct SessionFds {
+  int region_fd = -1;
+  uint64_t region_bytes = 0;
+  int state_fd = -1;
+  uint64_t state_bytes = 0;
+};
+
 // A validated Update (offload.proto, UpdateRequest).
 struct UpdatePlan {
   kernels::AdamWConfig config;  // config.step: the request's step
@@ -238,9 +248,9 @@ class OffloadSession {
   absl::Status BeginRegister(uint64_t layout_bytes) ABSL_LOCKS_EXCLUDED(mu_);
   // The layout once the session has registered (valid while the session lives), else null.
   const SessionLayout* layout() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Makes the peer's kernel-reported uid and pid the session's; returns the region's fd (still
-  // the session's) and size. NotFound once the session closed.
-  absl::StatusOr<std::pair<int, uint64_t>> Attach(uid_t uid, pid_t pid) ABSL_LOCKS_EXCLUDED(mu_);
+  // Makes the peer's kernel-reported uid and pid the session's; returns the region's and the
+  // state's memfds (still the session's) and sizes. NotFound once the session closed.
+  absl::StatusOr<SessionFds> Attach(uid_t uid, pid_t pid) ABSL_LOCKS_EXCLUDED(mu_);
   // FailedPrecondition once an Update ran or runs (LoadParams would discard optimizer state).
   absl::Status CheckLoadable() const ABSL_LOCKS_EXCLUDED(mu_);
   // Claims the Update of `step`: Aborted while an update or restore runs, FailedPrecondition

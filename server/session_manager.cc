@@ -564,9 +564,8 @@ void SessionManager::WaitUpdate(const v1::WaitUpdateRequest& req, OffloadSession
   }
 }
 
-absl::StatusOr<std::pair<int, uint64_t>> SessionManager::Attach(uint64_t session_id,
-                                                                const std::string& token,
-                                                                uid_t peer_uid, pid_t peer_pid) {
+absl::StatusOr<SessionFds> SessionManager::Attach(uint64_t session_id, const std::string& token,
+                                                  uid_t peer_uid, pid_t peer_pid) {
   std::shared_ptr<OffloadSession> s;
   {
     MutexLock lock(&mu_);

@@ -111,11 +111,11 @@ class SessionManager {
   std::vector<v1::SessionInfo> AllSessionInfo();
 
   // The fd hand-off: checks the token, makes the peer's kernel-reported uid and pid the
-  // session's, returns the memfd (still owned by the session) and its size. On success the
-  // connection becomes the session's liveness channel: OnConnectionClosed(session_id) must be
-  // called when it closes.
-  absl::StatusOr<std::pair<int, uint64_t>> Attach(uint64_t session_id, const std::string& token,
-                                                  uid_t peer_uid, pid_t peer_pid);
+  // session's, returns the region's and the state's memfds (still owned by the session) and
+  // sizes. On success the connection becomes the session's liveness channel:
+  // OnConnectionClosed(session_id) must be called when it closes.
+  absl::StatusOr<SessionFds> Attach(uint64_t session_id, const std::string& token,
+                                    uid_t peer_uid, pid_t peer_pid);
   void OnConnectionClosed(uint64_t session_id);
   // A caller credential for the peer's uid (offload.proto, CallerRef), valid until
   // DropCaller(caller_id), which the fd socket calls when the connection closes.

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include <sys/mman.h>
 #include <gtest/gtest.h>
 
 #include "client/client.h"
@@ -201,6 +202,73 @@ TEST(Daemon, Bf16SessionPinsAbout22BytesPerRegisteredElement) {
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->pinned_bytes(), stats->pinned_bytes());
   EXPECT_TRUE(s.Close().ok());
+}
+
+// The session's optimizer state lives in a memfd whose descriptor the session's process holds
+// from the attach on (never mapped by the client library): after an Update the master there is
+// AdamW's, bit for bit, and after the daemon is SIGKILLed the memory is still there, the same
+// bytes, for whatever re-adopts it. (Also: the state's four arrays are staggered: m begins
+// state_stride elements after the master.)
+TEST(Daemon, TheStateOutlivesTheDaemonInTheSessionsOwnDescriptor) {
+  Daemon d;
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto session = (*client)->OpenSession("survivor", 0);
+  ASSERT_TRUE(session.ok()) << session.status();
+  Session& s = **session;
+  const int64_t rows = 64, cols = 40, n = rows * cols;
+  ASSERT_TRUE(s.RegisterParams({{"w", {rows, cols}, v1::DTYPE_FP32}}, v1::DTYPE_FP32, 1).ok());
+  ASSERT_GE(s.state_fd(), 0);
+  struct stat st;
+  ASSERT_EQ(fstat(s.state_fd(), &st), 0);
+  // 2560 elements: the arrays 2560 + 784 apart (272 past a multiple of 1024), 16 bytes each.
+  const uint64_t stride = 2560 + 784;
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), 16 * stride);
+  EXPECT_EQ(s.state_bytes(), 16 * stride);
+
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  std::vector<float> w(n), g(n);
+  for (float& x : w) x = normal(rng);
+  ASSERT_TRUE(s.LoadValues({{"w", w.data()}}).ok());
+  for (float& x : g) x = normal(rng);
+  memcpy(s.GradSlot(0, "w"), g.data(), n * 4);
+  ASSERT_TRUE(s.Push(1, 0).ok());
+  const v1::AdamWHyper h = Hyper();
+  v1::UpdateRequest req;
+  req.set_step(1);
+  *req.mutable_hyper() = h;
+  ASSERT_TRUE(s.Update(req).ok());
+  ASSERT_TRUE(s.WaitUpdate(1).ok());
+  std::vector<float> m(n, 0.0f), v(n, 0.0f);
+  kernels::ReferenceKernel().AdamW(Config(h, 1), w.data(), m.data(), v.data(), g.data(),
+                                   kernels::GradType::kFp32, n, nullptr);
+
+  void* p = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, s.state_fd(), 0);
+  ASSERT_NE(p, MAP_FAILED) << strerror(errno);
+  const float* state = static_cast<const float*>(p);
+  auto check = [&](const char* when) {
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(state[i], w[i]) << when << ": master [" << i << "]";
+      ASSERT_EQ(state[stride + i], m[i]) << when << ": m [" << i << "]";
+      ASSERT_EQ(state[2 * stride + i], v[i]) << when << ": v [" << i << "]";
+    }
+  };
+  check("after the Update");
+  ASSERT_EQ(kill(d.pid(), SIGKILL), 0);
+  for (int i = 0; i < 200 && kill(d.pid(), 0) == 0; ++i) {  // until the zombie is all it is
+    int status = 0;
+    if (waitpid(d.pid(), &status, WNOHANG) == d.pid()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  check("after the daemon's SIGKILL");
+  munmap(p, st.st_size);
+  // Mapped anew from the held descriptor alone: the same bytes.
+  p = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, s.state_fd(), 0);
+  ASSERT_NE(p, MAP_FAILED) << strerror(errno);
+  state = static_cast<const float*>(p);
+  check("mapped again from the held descriptor");
+  munmap(p, st.st_size);
 }
 
 TEST(Daemon, ConnectWithoutDaemonNamesTheSocket) {

@@ -188,9 +188,9 @@ class OffloadSessionTest : public ::testing::Test {
     EXPECT_TRUE(r.s->Allocate(*std::move(layout)).ok());
     r.layout = r.s->layout();
     EXPECT_NE(r.layout, nullptr);
-    absl::StatusOr<std::pair<int, uint64_t>> fd = r.s->Attach(getuid(), getpid());
+    absl::StatusOr<SessionFds> fd = r.s->Attach(getuid(), getpid());
     EXPECT_TRUE(fd.ok()) << fd.status();
-    auto region = MappedRegion::MapFd(dup(fd->first), fd->second);
+    auto region = MappedRegion::MapFd(dup(fd->region_fd), fd->region_bytes);
     EXPECT_TRUE(region.ok()) << region.status();
     r.region = *std::move(region);
     return r;
