@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -167,6 +168,43 @@ TEST(PeerClosed, TellsAClosedConnectionFromAnOpenOne) {
   close(sv[1]);
   EXPECT_TRUE(PeerClosed(sv[0]));
   close(sv[0]);
+}
+
+// Descriptors over a unix socket: two in one message arrive in order (each a working
+// descriptor of the same open file); more than the receiver takes are all closed, with an error
+// that counts them; a plain message carries none.
+TEST(SendWithFds, DescriptorsArriveInOrderAndTooManyAreRefused) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  int a[2], b[2];
+  ASSERT_EQ(pipe(a), 0);
+  ASSERT_EQ(pipe(b), 0);
+  ASSERT_TRUE(SendWithFds(sv[0], "two\n", {a[1], b[1]}).ok());
+  std::string msg;
+  std::vector<int> fds;
+  ASSERT_TRUE(RecvWithFds(sv[1], 64, &msg, &fds, 2).ok());
+  EXPECT_EQ(msg, "two\n");
+  ASSERT_EQ(fds.size(), 2u);
+  ASSERT_EQ(write(fds[0], "A", 1), 1);  // the first is a's write end, the second b's
+  ASSERT_EQ(write(fds[1], "B", 1), 1);
+  char c = 0;
+  ASSERT_EQ(read(a[0], &c, 1), 1);
+  EXPECT_EQ(c, 'A');
+  ASSERT_EQ(read(b[0], &c, 1), 1);
+  EXPECT_EQ(c, 'B');
+  for (int fd : fds) close(fd);
+
+  ASSERT_TRUE(SendWithFds(sv[0], "2", {a[1], b[1]}).ok());
+  absl::Status st = RecvWithFds(sv[1], 64, &msg, &fds, 1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("2 descriptors sent, at most 1"), std::string::npos) << st;
+  EXPECT_TRUE(fds.empty());
+
+  ASSERT_TRUE(SendWithFds(sv[0], "none", {}).ok());
+  ASSERT_TRUE(RecvWithFds(sv[1], 64, &msg, &fds, 2).ok());
+  EXPECT_EQ(msg, "none");
+  EXPECT_TRUE(fds.empty());
+  for (int fd : {sv[0], sv[1], a[0], a[1], b[0], b[1]}) close(fd);
 }
 
 }  // namespace

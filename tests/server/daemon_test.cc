@@ -271,6 +271,40 @@ TEST(Daemon, TheStateOutlivesTheDaemonInTheSessionsOwnDescriptor) {
   munmap(p, st.st_size);
 }
 
+// The fd socket hands the state's descriptor to the session's token only: a wrong token, a
+// second attach of an attached session, and an unknown word after the token are each answered
+// "ERR ..." without a descriptor.
+TEST(Daemon, TheFdSocketGivesTheStateToTheSessionsTokenAlone) {
+  Daemon d;
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto session = (*client)->OpenSession("held", 0);
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_TRUE((*session)->RegisterParams({{"w", {8, 40}, v1::DTYPE_FP32}}).ok());
+  auto stats = (*client)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  const v1::SessionRef& ref = (*session)->ref();
+  const std::string id = std::to_string(ref.session_id());
+  for (const auto& [line, why] : std::vector<std::pair<std::string, std::string>>{
+           {id + " not-the-token STATE\n", "wrong token"},
+           {id + " " + ref.token() + " STATE\n", "already attached"},
+           {id + " " + ref.token() + " EVERYTHING\n", "expected"}}) {
+    SCOPED_TRACE(line);
+    auto conn = ConnectUnix(stats->fd_socket());
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    std::string reply;
+    std::vector<int> fds;
+    ASSERT_TRUE(SendWithFd(*conn, line, -1).ok());
+    ASSERT_TRUE(RecvWithFds(*conn, 512, &reply, &fds, 2).ok());
+    for (int fd : fds) close(fd);
+    close(*conn);
+    EXPECT_EQ(reply.rfind("ERR ", 0), 0u) << reply;
+    EXPECT_NE(reply.find(why), std::string::npos) << reply;
+    EXPECT_TRUE(fds.empty()) << fds.size() << " descriptors came with the refusal";
+  }
+  EXPECT_GE((*session)->state_fd(), 0);  // the session's own, untouched
+}
+
 TEST(Daemon, ConnectWithoutDaemonNamesTheSocket) {
   auto client = Client::Connect("/tmp/stallfree-no-such-dir/d.sock", 200);
   ASSERT_FALSE(client.ok());
