@@ -154,19 +154,38 @@ std::vector<int> SourceRanks(const std::vector<WholeParam>& params, int old_worl
 
 namespace {
 
+// Parameter i's array `name` in a parsed state: the engine's (p), or its daemon's (d, the
+// daemon's h-th offloaded parameter); null where the state has none (no daemon state) and for
+// the int64 arrays (kDaemonSteps, kFlags). The one map from a RowField to where a state keeps it.
+template <typename P, typename D>
+auto ArrayOf(P& p, D* d, int h, RowField::Name name) -> decltype(&p.m) {
+  switch (name) {
+    case RowField::kM: return &p.m;
+    case RowField::kV: return &p.v;
+    case RowField::kMaster: return &p.master;
+    case RowField::kHotMaster: return &p.hot_master;
+    case RowField::kHotM: return &p.hot_m;
+    case RowField::kHotV: return &p.hot_v;
+    case RowField::kShown: return &p.pending_shown;
+    case RowField::kDaemonMaster: return d == nullptr ? nullptr : &d->master[h];
+    case RowField::kDaemonM: return d == nullptr ? nullptr : &d->m[h];
+    case RowField::kDaemonV: return d == nullptr ? nullptr : &d->v[h];
+    case RowField::kDaemonAcc: return d == nullptr ? nullptr : &d->acc[h];
+    case RowField::kDaemonSteps:
+    case RowField::kFlags: return nullptr;
+  }
+  return nullptr;
+}
+
 // Where a written state's per-row arrays come from: the old ranks' blocks (Repartition), or the
 // arrays given (JoinRows), or none (the state of no rows).
 class RowsFrom {
  public:
   virtual ~RowsFrom() = default;
-  // Parameter i's engine array `field`, the target's rows of `width` values each.
-  virtual absl::StatusOr<std::vector<float>> Engine(size_t i, RowField::Name field,
-                                                    std::vector<float> EngineParam::*member,
+  // Parameter i's float array `name` (h: its index among the daemon's parameters), the
+  // target's rows of `width` values each.
+  virtual absl::StatusOr<std::vector<float>> Floats(size_t i, int h, RowField::Name name,
                                                     int64_t width) = 0;
-  // Parameter i's (the daemon's h-th) daemon array `field`.
-  virtual absl::StatusOr<std::vector<float>> Daemon(
-      size_t i, int h, RowField::Name field, std::vector<std::vector<float>> DaemonState::*member,
-      int64_t width) = 0;
   // Parameter i's daemon step counts by row (a 1-D parameter's).
   virtual absl::StatusOr<std::vector<int64_t>> DaemonSteps(size_t i, int h) = 0;
 };
@@ -228,11 +247,9 @@ absl::Status StateWriter::EngineParamOf(size_t i, bool v3, BlobWriter* w) {
   const RowShape rc = RowsOf(params[i].shape);
   const RowBlock nb = target[i].block;
   const EngineParam& p0 = first.params[i];
-  auto take = [&](RowField::Name name, std::vector<float> EngineParam::*member,
-                  int64_t width) -> absl::Status {
-    absl::StatusOr<std::vector<float>> a = rows.Engine(i, name, member, width);
-    if (!a.ok()) return a.status();
-    w->Floats(*a);
+  auto take = [&](RowField::Name name, int64_t width) -> absl::Status {
+    ASSIGN_OR_RETURN(std::vector<float> a, rows.Floats(i, -1, name, width));
+    w->Floats(a);
     return absl::OkStatus();
   };
   w->I64(p0.kind);
@@ -241,10 +258,10 @@ absl::Status StateWriter::EngineParamOf(size_t i, bool v3, BlobWriter* w) {
   if (v3) w->I64(p0.dtype);
   if (p0.kind == kBlobDevice) {
     w->I64(p0.dstep);
-    RETURN_IF_ERROR(take(RowField::kM, &EngineParam::m, rc.cols));
-    RETURN_IF_ERROR(take(RowField::kV, &EngineParam::v, rc.cols));
+    RETURN_IF_ERROR(take(RowField::kM, rc.cols));
+    RETURN_IF_ERROR(take(RowField::kV, rc.cols));
     if (v3 && !master[i]) w->Floats({});  // no master yet: the first Step widens the value
-    else if (v3) RETURN_IF_ERROR(take(RowField::kMaster, &EngineParam::master, rc.cols));
+    else if (v3) RETURN_IF_ERROR(take(RowField::kMaster, rc.cols));
   } else {
     w->I64(p0.round_grads);
   }
@@ -253,12 +270,12 @@ absl::Status StateWriter::EngineParamOf(size_t i, bool v3, BlobWriter* w) {
     w->Ints(p0.cold_idx);
     w->Ints(p0.hot_steps);
     const int64_t k = p0.hot_idx.empty() ? 0 : p0.k;  // no hot arrays before the first step
-    RETURN_IF_ERROR(take(RowField::kHotMaster, &EngineParam::hot_master, k));
-    RETURN_IF_ERROR(take(RowField::kHotM, &EngineParam::hot_m, k));
-    RETURN_IF_ERROR(take(RowField::kHotV, &EngineParam::hot_v, k));
+    RETURN_IF_ERROR(take(RowField::kHotMaster, k));
+    RETURN_IF_ERROR(take(RowField::kHotM, k));
+    RETURN_IF_ERROR(take(RowField::kHotV, k));
     if (first.magic == kEngineBlobMagicV4) {
       if (!shown[i]) w->Floats({});
-      else RETURN_IF_ERROR(take(RowField::kShown, &EngineParam::pending_shown, rc.cols - p0.k));
+      else RETURN_IF_ERROR(take(RowField::kShown, rc.cols - p0.k));
     }
   }
   return absl::OkStatus();
@@ -293,7 +310,7 @@ absl::Status StateWriter::DaemonParamOf(size_t i, int h, DaemonState* out) {
       {RowField::kDaemonMaster, &DaemonState::master}, {RowField::kDaemonM, &DaemonState::m},
       {RowField::kDaemonV, &DaemonState::v}, {RowField::kDaemonAcc, &DaemonState::acc}};
   for (const auto& [name, member] : arrays) {
-    ASSIGN_OR_RETURN(std::vector<float> a, rows.Daemon(i, h, name, member, width));
+    ASSIGN_OR_RETURN(std::vector<float> a, rows.Floats(i, h, name, width));
     (out->*member).push_back(std::move(a));
   }
   return absl::OkStatus();
@@ -308,21 +325,13 @@ class OldRanksRows : public RowsFrom {
       : params_(params), target_(target), eng_(eng), dmn_(dmn), old_world_(old_world),
         layout_(layout) {}
 
-  absl::StatusOr<std::vector<float>> Engine(size_t i, RowField::Name,
-                                            std::vector<float> EngineParam::*member,
+  absl::StatusOr<std::vector<float>> Floats(size_t i, int h, RowField::Name name,
                                             int64_t width) override {
-    auto of = [this, i, member](int j) -> const std::vector<float>* {
-      auto it = eng_.find(j);
-      return it == eng_.end() ? nullptr : &(it->second.params[i].*member);
-    };
-    return Source(i).Take(target_[i].block.begin, target_[i].block.end, width, of);
-  }
-  absl::StatusOr<std::vector<float>> Daemon(size_t i, int h, RowField::Name,
-                                            std::vector<std::vector<float>> DaemonState::*member,
-                                            int64_t width) override {
-    auto of = [this, h, member](int j) -> const std::vector<float>* {
-      auto it = dmn_.find(j);
-      return it == dmn_.end() ? nullptr : &(it->second.*member)[h];
+    auto of = [this, i, h, name](int j) -> const std::vector<float>* {
+      auto e = eng_.find(j);
+      if (e == eng_.end()) return nullptr;
+      auto d = dmn_.find(j);
+      return ArrayOf(e->second.params[i], d == dmn_.end() ? nullptr : &d->second, h, name);
     };
     return Source(i).Take(target_[i].block.begin, target_[i].block.end, width, of);
   }
@@ -528,13 +537,7 @@ std::vector<std::pair<RowField::Name, int64_t>> FieldsOf(const EngineParam& p,
 // No rows: the rest of a state.
 class NoRows : public RowsFrom {
  public:
-  absl::StatusOr<std::vector<float>> Engine(size_t, RowField::Name, std::vector<float> EngineParam::*,
-                                            int64_t) override {
-    return std::vector<float>();
-  }
-  absl::StatusOr<std::vector<float>> Daemon(size_t, int, RowField::Name,
-                                            std::vector<std::vector<float>> DaemonState::*,
-                                            int64_t) override {
+  absl::StatusOr<std::vector<float>> Floats(size_t, int, RowField::Name, int64_t) override {
     return std::vector<float>();
   }
   absl::StatusOr<std::vector<int64_t>> DaemonSteps(size_t, int) override {
@@ -546,29 +549,23 @@ class NoRows : public RowsFrom {
 class GivenRows : public RowsFrom {
  public:
   GivenRows(const std::vector<WholeParam>& params,
-            const std::map<std::pair<int, RowField::Name>, const RowField*>& fields)
+            const std::map<std::pair<int, RowField::Name>, RowField*>& fields)
       : params_(params), fields_(fields) {}
 
-  absl::StatusOr<std::vector<float>> Engine(size_t i, RowField::Name name,
-                                            std::vector<float> EngineParam::*,
+  // Each array is taken once: moved out, not copied.
+  absl::StatusOr<std::vector<float>> Floats(size_t i, int, RowField::Name name,
                                             int64_t width) override {
     if (width == 0) return std::vector<float>();  // not held yet (the hot arrays, step 0)
-    ASSIGN_OR_RETURN(const RowField* f, Find(i, name, width));
-    return f->f32;
-  }
-  absl::StatusOr<std::vector<float>> Daemon(size_t i, int, RowField::Name name,
-                                            std::vector<std::vector<float>> DaemonState::*,
-                                            int64_t width) override {
-    ASSIGN_OR_RETURN(const RowField* f, Find(i, name, width));
-    return f->f32;
+    ASSIGN_OR_RETURN(RowField * f, Find(i, name, width));
+    return std::move(f->f32);
   }
   absl::StatusOr<std::vector<int64_t>> DaemonSteps(size_t i, int) override {
-    ASSIGN_OR_RETURN(const RowField* f, Find(i, RowField::kDaemonSteps, 1));
-    return f->i64;
+    ASSIGN_OR_RETURN(RowField * f, Find(i, RowField::kDaemonSteps, 1));
+    return std::move(f->i64);
   }
 
  private:
-  absl::StatusOr<const RowField*> Find(size_t i, RowField::Name name, int64_t width) const {
+  absl::StatusOr<RowField*> Find(size_t i, RowField::Name name, int64_t width) const {
     auto it = fields_.find({static_cast<int>(i), name});
     if (it == fields_.end() || it->second->width != width)
       return absl::DataLossError(absl::StrCat(
@@ -578,7 +575,7 @@ class GivenRows : public RowsFrom {
   }
 
   const std::vector<WholeParam>& params_;
-  const std::map<std::pair<int, RowField::Name>, const RowField*>& fields_;
+  const std::map<std::pair<int, RowField::Name>, RowField*>& fields_;
 };
 
 // Rank `rank`'s shares, cut to no rows (the shares of SplitRows' rest).
@@ -611,10 +608,16 @@ absl::StatusOr<SplitState> SplitRows(const std::vector<WholeParam>& params,
   if (!share.daemon.empty()) {
     ASSIGN_OR_RETURN(dmn.emplace(), ParseDaemon(share.daemon, rank));
   }
+  // Which optional arrays the state holds, before the arrays are moved out.
+  std::vector<char> master, shown;
+  for (const EngineParam& p : eng.params) {
+    master.push_back(!p.master.empty());
+    shown.push_back(!p.pending_shown.empty());
+  }
   SplitState out;
   int h = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    const EngineParam& p = eng.params[i];
+    EngineParam& p = eng.params[i];
     const ShareOf sh = ShareOfParam(params[i].shape, world, rank, layout);
     const int64_t rows = sh.block.rows();
     if (p.numel != rows * sh.whole.cols || p.k < 0 || p.k > sh.whole.cols)
@@ -631,29 +634,14 @@ absl::StatusOr<SplitState> SplitRows(const std::vector<WholeParam>& params,
       f.name = name;
       f.width = width;
       const size_t n = static_cast<size_t>(rows * width);
-      const std::vector<float>* held = nullptr;
-      switch (name) {
-        case RowField::kM: held = &p.m; break;
-        case RowField::kV: held = &p.v; break;
-        case RowField::kMaster: held = &p.master; break;
-        case RowField::kHotMaster: held = &p.hot_master; break;
-        case RowField::kHotM: held = &p.hot_m; break;
-        case RowField::kHotV: held = &p.hot_v; break;
-        case RowField::kShown: held = &p.pending_shown; break;
-        case RowField::kDaemonMaster: if (offloaded) held = &dmn->master[h]; break;
-        case RowField::kDaemonM: if (offloaded) held = &dmn->m[h]; break;
-        case RowField::kDaemonV: if (offloaded) held = &dmn->v[h]; break;
-        case RowField::kDaemonAcc: if (offloaded) held = &dmn->acc[h]; break;
-        case RowField::kDaemonSteps:
-          if (offloaded) {
-            f.i64.assign(dmn->header.params(h).col_steps().begin(),
-                         dmn->header.params(h).col_steps().end());
-          }
-          f.i64.resize(n);
-          break;
-        case RowField::kFlags:
-          f.i64.assign(n, (p.master.empty() ? 0 : 1) | (p.pending_shown.empty() ? 0 : 2));
-          break;
+      std::vector<float>* held = ArrayOf(p, offloaded ? &*dmn : nullptr, h, name);
+      if (name == RowField::kDaemonSteps) {
+        if (offloaded)
+          f.i64.assign(dmn->header.params(h).col_steps().begin(),
+                       dmn->header.params(h).col_steps().end());
+        f.i64.resize(n);
+      } else if (name == RowField::kFlags) {
+        f.i64.assign(n, (master[i] ? 1 : 0) | (shown[i] ? 2 : 0));
       }
       if (!f.is_int()) {
         // Not held yet (no master, no pending round, nothing offloaded): zeros, per the flags
@@ -662,7 +650,8 @@ absl::StatusOr<SplitState> SplitRows(const std::vector<WholeParam>& params,
           return absl::DataLossError(absl::StrCat(
               "parameter '", params[i].name, "': its ", RowField::NameOf(name), " has ",
               held->size(), " values, its ", rows, " rows of ", width, " hold ", n));
-        f.f32 = held != nullptr && !held->empty() ? *held : std::vector<float>(n, 0.0f);
+        // (moved out of the parsed state: its rest below needs none of the arrays)
+        f.f32 = held != nullptr && !held->empty() ? std::move(*held) : std::vector<float>(n, 0.0f);
       } else if (f.i64.size() != n) {
         return absl::DataLossError(absl::StrCat("parameter '", params[i].name, "': its ",
                                                 RowField::NameOf(name), " has ", f.i64.size(),
@@ -673,11 +662,6 @@ absl::StatusOr<SplitState> SplitRows(const std::vector<WholeParam>& params,
     if (offloaded) ++h;
   }
   const std::vector<ShareOf> none = NoRowsOf(params, world, rank, layout);
-  std::vector<char> master, shown;
-  for (const EngineParam& p : eng.params) {
-    master.push_back(!p.master.empty());
-    shown.push_back(!p.pending_shown.empty());
-  }
   NoRows no_rows;
   StateWriter w{params, eng, dmn ? &*dmn : nullptr, none, master, shown, no_rows};
   ASSIGN_OR_RETURN(out.rest, w.Write());
@@ -686,8 +670,8 @@ absl::StatusOr<SplitState> SplitRows(const std::vector<WholeParam>& params,
 
 absl::StatusOr<PartitionedState> JoinRows(const std::vector<WholeParam>& params,
                                           const PartitionedState& rest,
-                                          const std::vector<RowField>& fields, int world,
-                                          int rank, RowLayout layout) {
+                                          std::vector<RowField> fields, int world, int rank,
+                                          RowLayout layout) {
   RETURN_IF_ERROR(CheckWorld("JoinRows", world, rank));
   absl::StatusOr<EngineState> eng = ParseEngineBlob(rest.engine);
   if (!eng.ok() || eng->params.size() != params.size())
@@ -699,8 +683,8 @@ absl::StatusOr<PartitionedState> JoinRows(const std::vector<WholeParam>& params,
   if (!rest.daemon.empty()) {
     ASSIGN_OR_RETURN(dmn.emplace(), ParseDaemon(rest.daemon, rank));
   }
-  std::map<std::pair<int, RowField::Name>, const RowField*> by_name;
-  for (const RowField& f : fields) {
+  std::map<std::pair<int, RowField::Name>, RowField*> by_name;
+  for (RowField& f : fields) {
     if (f.param < 0 || static_cast<size_t>(f.param) >= params.size())
       return absl::InvalidArgumentError(absl::StrCat("a row array of parameter ", f.param,
                                                      ": the group has ", params.size()));

@@ -88,9 +88,10 @@ absl::StatusOr<SplitState> SplitRows(const std::vector<WholeParam>& params,
 // per-row arrays of its own rows: those SplitRows would give it, which it restores as if it had
 // written them. InvalidArgument when a field is missing, repeated, unknown or of the wrong
 // size; DataLoss when `rest` is not SplitRows' rest of these parameters.
+// `fields` are taken (moved into the state written), not copied.
 absl::StatusOr<PartitionedState> JoinRows(const std::vector<WholeParam>& params,
                                           const PartitionedState& rest,
-                                          const std::vector<RowField>& fields, int world,
-                                          int rank, RowLayout layout = RowLayout::kEven);
+                                          std::vector<RowField> fields, int world, int rank,
+                                          RowLayout layout = RowLayout::kEven);
 
 }  // namespace stallfree

@@ -9,6 +9,7 @@
 // argument. Engine.step releases the GIL while the engine runs; the score-reduce hook takes it
 // back to call into Python.
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include <pybind11/functional.h>
@@ -215,8 +216,8 @@ void BindFunctions(py::module_& m) {
         },
         py::arg("approx_bytes") = int64_t{1} << 20, py::arg("seed") = 1);
   m.def("partition_share",
-        [](const std::vector<int64_t>& shape, int world, int rank) {
-          const stallfree::api::Share s = stallfree::api::ShareOf(shape, world, rank);
+        [](const std::vector<int64_t>& shape, int world, int rank, const std::string& layout) {
+          const stallfree::api::Share s = stallfree::api::ShareOf(shape, world, rank, layout);
           py::dict d;
           d["rows"] = s.rows;
           d["cols"] = s.cols;
@@ -226,10 +227,11 @@ void BindFunctions(py::module_& m) {
           d["shape"] = s.shape;
           return d;
         },
-        py::arg("shape"), py::arg("world"), py::arg("rank"),
+        py::arg("shape"), py::arg("world"), py::arg("rank"), py::arg("layout") = "even",
         "{rows, cols, first, end, replicated, shape}: a parameter of `shape` as rows x cols and "
-        "rank's share of it over world data-parallel ranks (its elements [first, end); the "
-        "shape the rank's engine sees)");
+        "rank's share of it over world ranks (its elements [first, end); the shape the rank's "
+        "engine sees); layout: 'even' (ZenFlowAdamW's own partition) or 'fsdp2' (fully_shard's "
+        "chunks of dimension 0)");
   m.def("repartition_sources", &stallfree::api::RepartitionSources, py::arg("params"),
         py::arg("old_world"), py::arg("new_world"), py::arg("new_rank"),
         py::arg("layout") = "even",
@@ -272,8 +274,15 @@ void BindFunctions(py::module_& m) {
                                           layout);
         }
         py::list arrays;
-        for (stallfree::api::RowArray& a : std::get<2>(out))
-          arrays.append(py::make_tuple(a.param, a.name, a.width, a.int64, py::bytearray(a.bytes)));
+        for (stallfree::api::RowArray& a : std::get<2>(out)) {
+          const char* data = a.int64 ? reinterpret_cast<const char*>(a.i64.data())
+                                     : reinterpret_cast<const char*>(a.f32.data());
+          const size_t bytes = a.int64 ? a.i64.size() * 8 : a.f32.size() * 4;
+          arrays.append(py::make_tuple(a.param, a.name, a.width, a.int64,
+                                       py::bytearray(data, bytes)));
+          std::vector<float>().swap(a.f32);  // each array held once at a time
+          std::vector<int64_t>().swap(a.i64);
+        }
         return py::make_tuple(py::bytearray(std::get<0>(out)), py::bytearray(std::get<1>(out)),
                               arrays);
       },
@@ -295,7 +304,17 @@ void BindFunctions(py::module_& m) {
           a.name = t[1].cast<std::string>();
           a.width = t[2].cast<int64_t>();
           a.int64 = t[3].cast<bool>();
-          a.bytes = BytesAt(t[4].cast<uintptr_t>(), t[5].cast<size_t>());
+          const auto* at = reinterpret_cast<const char*>(t[4].cast<uintptr_t>());
+          const size_t bytes = t[5].cast<size_t>(), elem = a.int64 ? 8 : 4;
+          if (bytes % elem != 0)
+            throw stallfree::api::InvalidArgument("join_rows: '" + a.name + "' has " +
+                                                  std::to_string(bytes) + " bytes, not whole " +
+                                                  (a.int64 ? "int64" : "float32") + " values");
+          if (a.int64) a.i64.resize(bytes / 8);
+          else a.f32.resize(bytes / 4);
+          if (bytes > 0)
+            memcpy(a.int64 ? static_cast<void*>(a.i64.data()) : static_cast<void*>(a.f32.data()),
+                   at, bytes);
           in.push_back(std::move(a));
         }
         std::string e = rest_engine, d = rest_daemon;

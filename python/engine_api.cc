@@ -1,6 +1,5 @@
 #include "python/engine_api.h"
 
-#include <cstring>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -321,12 +320,20 @@ std::string DefaultCorpusText(int64_t approx_bytes, uint32_t seed) {
   return stallfree::DefaultCorpusText(approx_bytes, seed);
 }
 
-Share ShareOf(const std::vector<int64_t>& shape, int world, int rank) {
+namespace {
+RowLayout LayoutOf(const std::string& layout) {
+  if (layout == "even") return RowLayout::kEven;
+  if (layout == "fsdp2") return RowLayout::kFsdp2;
+  throw InvalidArgument("layout: '" + layout + "' is not 'even' or 'fsdp2'");
+}
+}  // namespace
+
+Share ShareOf(const std::vector<int64_t>& shape, int world, int rank, const std::string& layout) {
   if (world < 1 || rank < 0 || rank >= world)
     throw InvalidArgument("partition_share: needs 0 <= rank < world");
   for (int64_t d : shape)
     if (d < 0) throw InvalidArgument("partition_share: a negative dimension");
-  const stallfree::ShareOf s = stallfree::ShareOfParam(shape, world, rank);
+  const stallfree::ShareOf s = stallfree::ShareOfParam(shape, world, rank, LayoutOf(layout));
   return Share{s.whole.rows, s.whole.cols, s.first(), s.end(), s.block.replicated, s.shape};
 }
 
@@ -337,11 +344,6 @@ std::vector<WholeParam> Whole(const WholeShapes& params) {
   return out;
 }
 
-RowLayout LayoutOf(const std::string& layout) {
-  if (layout == "even") return RowLayout::kEven;
-  if (layout == "fsdp2") return RowLayout::kFsdp2;
-  throw InvalidArgument("layout: '" + layout + "' is not 'even' or 'fsdp2'");
-}
 }  // namespace
 
 std::vector<int> RepartitionSources(const WholeShapes& params, int old_world, int new_world,
@@ -381,8 +383,8 @@ std::tuple<std::string, std::string, std::vector<RowArray>> SplitRows(
     a.name = stallfree::RowField::NameOf(f.name);
     a.width = f.width;
     a.int64 = f.is_int();
-    a.bytes = a.int64 ? std::string(reinterpret_cast<const char*>(f.i64.data()), f.i64.size() * 8)
-                      : std::string(reinterpret_cast<const char*>(f.f32.data()), f.f32.size() * 4);
+    a.f32 = std::move(f.f32);
+    a.i64 = std::move(f.i64);
     arrays.push_back(std::move(a));
   }
   return {std::move(split.rest.engine), std::move(split.rest.daemon), std::move(arrays)};
@@ -404,23 +406,16 @@ std::pair<std::string, std::string> JoinRows(const WholeShapes& params, std::str
         known = true;
       }
     if (!known) throw InvalidArgument("join_rows: no row array is named '" + a.name + "'");
-    const size_t elem = f.is_int() ? 8 : 4;
-    if (a.int64 != f.is_int() || a.bytes.size() % elem != 0)
+    if (a.int64 != f.is_int())
       throw InvalidArgument("join_rows: '" + a.name + "' holds " +
                             (f.is_int() ? "int64" : "float32") + " values");
-    if (f.is_int()) {
-      f.i64.resize(a.bytes.size() / 8);
-      memcpy(f.i64.data(), a.bytes.data(), a.bytes.size());
-    } else {
-      f.f32.resize(a.bytes.size() / 4);
-      memcpy(f.f32.data(), a.bytes.data(), a.bytes.size());
-    }
-    a.bytes.clear();
+    f.f32 = std::move(a.f32);
+    f.i64 = std::move(a.i64);
     fields.push_back(std::move(f));
   }
   const PartitionedState rest{std::move(rest_engine), std::move(rest_daemon)};
-  PartitionedState out =
-      Take(stallfree::JoinRows(Whole(params), rest, fields, world, rank, LayoutOf(layout)));
+  PartitionedState out = Take(
+      stallfree::JoinRows(Whole(params), rest, std::move(fields), world, rank, LayoutOf(layout)));
   return {std::move(out.engine), std::move(out.daemon)};
 }
 

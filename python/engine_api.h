@@ -161,7 +161,9 @@ struct Share {
   bool replicated = false;
   std::vector<int64_t> shape;
 };
-Share ShareOf(const std::vector<int64_t>& shape, int world, int rank);
+// layout: "even" (this partition) or "fsdp2" (fully_shard's chunks of dimension 0).
+Share ShareOf(const std::vector<int64_t>& shape, int world, int rank,
+              const std::string& layout = "even");
 
 // A group's parameters, whole (name, shape), in the engine's order.
 using WholeShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
@@ -179,14 +181,15 @@ std::pair<std::string, std::string> Repartition(
     int new_rank, const std::string& layout);
 
 // One per-row array of a share's state (engine/repartition.h, RowField): its parameter in the
-// group, its name ("m", "hot_master", "daemon_steps", ...), its values per row, and its values
-// (fp32, or int64 where `int64`) as bytes.
+// group, its name ("m", "hot_master", "daemon_steps", ...), its values per row, and its values:
+// fp32, or int64 where `int64`.
 struct RowArray {
   int param = 0;
   std::string name;
   int64_t width = 0;
   bool int64 = false;
-  std::string bytes;
+  std::vector<float> f32;
+  std::vector<int64_t> i64;
 };
 // A share's (engine state, daemon checkpoint) as the rest (engine, daemon) and its per-row
 // arrays (engine/repartition.h, SplitRows), and back (JoinRows).

@@ -51,14 +51,11 @@ def _unframe(rest, where):
 
 
 def _per(shape):
-    """A parameter's rows per index of its dimension 0 (engine/partition.h: a 1-D parameter is
-    one row per element)."""
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    if len(shape) <= 1:
-        rows = shape[0] if shape else 1
-    return rows // shape[0] if shape and shape[0] else 0
+    """A parameter's rows per index of its dimension 0 (its rows as engine/partition.h counts
+    them, over its dimension 0; 0 for a parameter of no rows)."""
+    if not shape or not shape[0]:
+        return 0
+    return _stallfree.partition_share(shape, 1, 0)["rows"] // shape[0]
 
 
 def to_rows(sd, members_of, shards_of, param_groups, keep_blob_keys=False):
@@ -171,17 +168,11 @@ def from_rows(theirs, state, members, partition, where):
             width = t.shape[1] // per
             if isinstance(t, DTensor):
                 local = t.to_local()
-            else:  # whole (a full state dict): this rank's rows
-                flat = t.reshape(-1, width)
-                if layout == "fsdp2":
-                    chunk = -(-shape[0] // world) if world > 1 else shape[0]
-                    b, e = min(shape[0], chunk * rank), min(shape[0], chunk * (rank + 1))
-                    local = flat[b * per:e * per]
-                else:
-                    share = _stallfree.partition_share(shape, world, rank)
-                    cols = share["cols"]
-                    local = flat[share["first"] // cols:share["end"] // cols]
-            is_int = field in ("daemon_steps", "flags")
+            else:  # whole (a full state dict): this rank's rows, by the partition's own rule
+                share = _stallfree.partition_share(shape, world, rank, layout)
+                cols = share["cols"]
+                local = t.reshape(-1, width)[share["first"] // cols:share["end"] // cols]
+            is_int = not t.is_floating_point()  # the int64 arrays (step counts, flags)
             local = local.detach().to("cpu", torch.int64 if is_int else torch.float32)
             local = local.contiguous()
             held.append(local)

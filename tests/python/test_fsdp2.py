@@ -188,6 +188,16 @@ def saved_by_4(daemon, tmp_path_factory):
 DCP_RUNS = {"zenflow": dict(_dcp=True), "sharded": dict(_dsd="sharded")}
 
 
+def assert_resumed_bit_for_bit(resumed, uninterrupted, what):
+    """A run resumed from its save after step SAVE_AT on as many ranks: the ranks agree, and
+    every rank's losses from there and the final parameters are the uninterrupted run's."""
+    assert_ranks_agree(resumed)
+    for r, u in zip(resumed, uninterrupted):
+        assert r["losses"] == u["losses"][SAVE_AT:], what
+    for name, p in uninterrupted[0]["params"].items():
+        assert torch.equal(resumed[0]["params"][name], p), (what, name)
+
+
 def resume_from_4(out, world, tmp_path, daemon):
     return train_ranks(world, tmp_path, [daemon.socket], {run: dict(
         ROUNDS, _resume={"dir": str(out), "run": run, "world": 4, "step": SAVE_AT}, **how)
@@ -211,11 +221,7 @@ def test_dcp_save_with_4_ranks_resumes_on_4_bit_for_bit(saved_by_4, daemon, tmp_
         assert len(v.chunks) == 4 and sum(c.sizes[0] for c in v.chunks) == v.size[0], (k, v)
     resumed = resume_from_4(out, 4, tmp_path, daemon)
     for run in DCP_RUNS:
-        assert_ranks_agree(resumed[run])
-        for r, u in zip(resumed[run], uninterrupted[run]):
-            assert r["losses"] == u["losses"][SAVE_AT:], run
-        for name, p in uninterrupted[run][0]["params"].items():
-            assert torch.equal(resumed[run][0]["params"][name], p), (run, name)
+        assert_resumed_bit_for_bit(resumed[run], uninterrupted[run], run)
         assert resumed[run][0]["hot"] == uninterrupted[run][0]["hot"][SAVE_AT:], run
 
 
@@ -317,12 +323,7 @@ def test_accelerate_fsdp2_checkpoint_functions_resume_bit_for_bit(daemon, tmp_pa
         k: dict(v, _resume={"dir": str(out), "run": k, "world": 2, "step": SAVE_AT})
         for k, v in runs.items()}, wrap="fsdp2", steps=RESUME_STEPS)
     for how in runs:
-        assert_ranks_agree(resumed[how])
-        for r, u in zip(resumed[how], uninterrupted[how]):
-            assert r["losses"] == u["losses"][SAVE_AT:], how
-        for name, p in uninterrupted[how][0]["params"].items():
-            assert torch.equal(resumed[how][0]["params"][name], p), (how, name)
-
+        assert_resumed_bit_for_bit(resumed[how], uninterrupted[how], how)
 
 
 def test_trainer_with_fsdp2_trains_saves_mid_round_and_resumes(daemon, tmp_path):
