@@ -103,6 +103,38 @@ def to_rows(sd, members_of, shards_of, param_groups, keep_blob_keys=False):
     return dict(sd, state=state)
 
 
+def template(sd, members_of, shards_of, param_groups):
+    """A template of both forms for set_optimizer_state_dict (full state dicts) over parameters
+    that are not FSDP2's: every engine entry and every key of the distributed form (the arrays
+    this optimizer's state has, SplitRows' names) present and empty. torch fills in the saved
+    dict's values, whichever form it is; load_state_dict takes the form that is filled."""
+    index, start = {}, 0
+    for group in param_groups:
+        for i, p in enumerate(group["params"]):
+            index[id(p)] = start + i
+        start += len(group["params"])
+    state = dict(sd["state"])
+    for gi in range(len(sd["param_groups"])):
+        key, _, engine, daemon = _group_blobs(sd, gi)
+        if key is None:
+            continue
+        where = shards_of[gi].describe()
+        shapes = [(n, list(p.shape)) for n, p in members_of[gi]]
+        engine, daemon = _uint8(engine), _uint8(daemon)
+        _, _, arrays = _stallfree.split_rows(
+            shapes, engine.data_ptr(), engine.numel(), daemon.data_ptr(), daemon.numel(),
+            where["world"], where["rank"], "even")
+        state[key] = dict(state[key], **{k: torch.empty(0, dtype=torch.uint8)
+                                         for k in _BLOB_KEYS})
+        state[key][REST_KEY] = b""
+        for i, name, _, is_int, _ in arrays:
+            k = index[id(members_of[gi][i][1])]
+            state[k] = dict(state.get(k, {}))
+            state[k][ROWS_PREFIX + name] = torch.empty(
+                0, dtype=torch.int64 if is_int else torch.float32)
+    return dict(sd, state=state)
+
+
 def is_rows(entry):
     return REST_KEY in entry
 

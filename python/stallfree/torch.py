@@ -878,8 +878,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if self._consolidated[1] is not None:
                 return self._consolidated[1]
             return self._share_state_dict()
-        asking = _called_from_torch_state_dict() if "fsdp2" in partition else None
-        if asking:
+        asking = _called_from_torch_state_dict()
+        if asking == "set" and "fsdp2" not in partition:
+            # set_optimizer_state_dict's template for a full state dict into parameters that are
+            # not FSDP2's: the keys of both forms, empty, the saved one's filled in (a full
+            # state dict of the distributed form loads here from its whole rows).
+            return _rows.template(self._share_state_dict(), self._members, self._shards,
+                                  self.param_groups)
+        if asking and "fsdp2" in partition:
             # torch's distributed state dict (and DCP and accelerate through it): the rows as
             # DTensors (_rows.py).
             if not fsdp2_1d:

@@ -281,7 +281,8 @@ def test_torch_full_state_dict_of_2_ranks_resumes(daemon, tmp_path):
     set_optimizer_state_dict on every rank at resume. "zenflow": consolidate_state_dict(to=0)
     first makes rank 0's hold both ranks' shares; "full": without it, torch all-gathers the
     per-row arrays of the distributed form (_rows.py) as it does torch.optim.AdamW's exp_avg.
-    2 ranks continue bit for bit, 1 within the re-partition tolerances."""
+    2 ranks continue bit for bit, 1 within the re-partition tolerances, and so does one process
+    without FSDP that loads "full" through set_optimizer_state_dict."""
     out = tmp_path / "save2"
     runs = {"zenflow": dict(ROUNDS, _dsd=True), "full": dict(ROUNDS, _dsd="full")}
     uninterrupted = train_ranks(2, out, [daemon.socket],
@@ -300,6 +301,17 @@ def test_torch_full_state_dict_of_2_ranks_resumes(daemon, tmp_path):
             for name, d in diffs.items():
                 assert d <= (0 if world == 2 else PARAM_ATOL), (run, world, name, d)
             assert resumed[run][0]["hot"] == uninterrupted[run][0]["hot"][SAVE_AT:], run
+    # The distributed form's full state dict into one process without FSDP (a plain model, the
+    # optimizer's rows taken from the whole arrays): within the same tolerances.
+    plain = train_ranks(1, tmp_path / "plain", [daemon.socket], {
+        "full": dict(runs["full"], _resume={"dir": str(out), "run": "full", "world": 2,
+                                             "step": SAVE_AT})},
+        wrap="plain", steps=RESUME_STEPS)["full"]
+    diffs = models.max_abs_diff(plain[0]["params"], uninterrupted["full"][0]["params"])
+    print("full state dict into a plain model: max |dparam| %.3g" % max(diffs.values()))
+    for name, d in diffs.items():
+        assert d <= PARAM_ATOL, ("plain", name, d)
+    assert plain[0]["hot"] == uninterrupted["full"][0]["hot"][SAVE_AT:]
 
 
 def test_accelerate_fsdp2_checkpoint_functions_resume_bit_for_bit(daemon, tmp_path):
