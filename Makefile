@@ -5,7 +5,7 @@ NVCC := /usr/local/cuda/bin/nvcc
 APT_PACKAGES := bazel-bootstrap g++ protobuf-compiler protobuf-compiler-grpc libprotobuf-dev \
   libgrpc++-dev libabsl-dev libtbb-dev libgloo-dev libopenblas-dev libgtest-dev libgmock-dev \
   libbenchmark-dev gnuplot-nox pybind11-dev python3-dev python3.11-venv \
-  libsystemd-dev systemd libcivetweb-dev prometheus python3-yaml
+  libsystemd-dev systemd libcivetweb-dev prometheus python3-yaml libssl-dev
 
 # The project's Python: a virtual environment on Debian's python3.11 (the ABI the extension is
 # built for) with the pinned packages of python/requirements.txt from PyPI (torch 2.15,

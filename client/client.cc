@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -151,7 +152,8 @@ absl::Status Client::Call(const char* rpc, const RpcFn& call) {
 }
 
 absl::Status Client::FdExchange(int conn, const std::string& path, const std::string& request,
-                                std::string* reply, std::vector<int>* fds, size_t max_fds) {
+                                std::string* reply, std::vector<int>* fds, size_t max_fds,
+                                const std::vector<int>& send_fds) {
   fds->clear();
   // Both directions time out after rpc_timeout (a stopped daemon accepts connections through
   // the kernel's backlog, and then never answers).
@@ -162,7 +164,7 @@ absl::Status Client::FdExchange(int conn, const std::string& path, const std::st
       setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0)
     return ErrnoStatus("setsockopt(SO_RCVTIMEO/SO_SNDTIMEO)", path);
   const auto start = std::chrono::steady_clock::now();
-  absl::Status st = SendWithFd(conn, request, -1);
+  absl::Status st = SendWithFds(conn, request, send_fds);
   if (st.ok()) st = RecvWithFds(conn, 512, reply, fds, max_fds);
   // A timed-out send or receive fails with EAGAIN, which ErrnoStatus makes RESOURCE_EXHAUSTED.
   if (absl::IsResourceExhausted(st) &&
@@ -193,6 +195,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socke
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(1 << 30);
+  // A restarted daemon is reached within a second (gRPC's default backoff grows to 2 minutes):
+  // a session re-attaches to it (Session::Reattach) and goes on.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   auto channel = grpc::CreateCustomChannel("unix:" + socket_path,
                                            grpc::InsecureChannelCredentials(), args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() +
@@ -232,7 +239,11 @@ Client::~Client() {
 
 absl::StatusOr<v1::CallerRef> Client::Caller() {
   std::lock_guard<std::mutex> lock(caller_mu_);
-  if (caller_conn_ >= 0) return caller_;
+  if (caller_conn_ >= 0 && !PeerClosed(caller_conn_)) return caller_;
+  if (caller_conn_ >= 0) {  // the daemon that issued it went away: ask the one there now
+    close(caller_conn_);
+    caller_conn_ = -1;
+  }
   ASSIGN_OR_RETURN(v1::Stats stats, GetStats());
   ASSIGN_OR_RETURN(int conn, ConnectUnix(stats.fd_socket()));
   std::string reply;
@@ -396,7 +407,7 @@ absl::Status Session::Attach() {
                                                     ref_.session_id(), ": ", reply));
   }
   uint64_t size = 0, state_size = 0;
-  std::istringstream(reply.substr(3)) >> size >> state_size;
+  std::istringstream(reply.substr(3)) >> size >> state_size >> generation_;
   struct stat st;
   if (size != layout_.region_bytes() || fstat(fds[1], &st) != 0 ||
       static_cast<uint64_t>(st.st_size) != state_size) {
@@ -413,6 +424,90 @@ absl::Status Session::Attach() {
   host_registered_ = HostRegister(region_->data(), region_->size(), &err);
   if (!err.empty()) SF_LOG(kWarning, "region of session %d: %s", ref_.session_id(), err);
   return absl::OkStatus();
+}
+
+namespace {
+// The code of an fd socket refusal "ERR <CODE> <message>" (fd_server.h); UNKNOWN if none is named.
+absl::StatusCode RefusalCode(const std::string& reply) {
+  std::istringstream in(reply);
+  std::string err, name;
+  in >> err >> name;
+  for (int c = 0; c <= 16; ++c)
+    if (absl::StatusCodeToString(static_cast<absl::StatusCode>(c)) == name)
+      return static_cast<absl::StatusCode>(c);
+  return absl::StatusCode::kUnknown;
+}
+}  // namespace
+
+absl::StatusOr<Session::Adopted> Session::Reattach(double wait_s) {
+  if (closed_ || region_ == nullptr || state_fd_ < 0)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", ref_.session_id(), " has no state to re-attach (closed, or not registered)"));
+  if (conn_ >= 0 && !PeerClosed(conn_))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the daemon that holds session ", ref_.session_id(), " is still connected to it"));
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                    std::chrono::duration<double>(wait_s));
+  auto next_note = start + std::chrono::seconds(10);
+  const std::string request = absl::StrCat("ADOPT ", ref_.token(), " ", generation_, "\n");
+  absl::Status last = absl::UnavailableError("no attempt");
+  while (true) {
+    absl::StatusOr<int> conn = ConnectUnix(fd_socket_);
+    if (conn.ok()) {
+      std::string reply;
+      std::vector<int> fds;
+      last = client_->FdExchange(*conn, fd_socket_, request, &reply, &fds, 0,
+                                 {region_->fd(), state_fd_});
+      while (!reply.empty() && reply.back() == '\n') reply.pop_back();
+      Adopted got;
+      uint64_t id = 0, generation = 0;
+      std::istringstream in(reply.rfind("OK ", 0) == 0 ? reply.substr(3) : "");
+      if (last.ok() &&
+          (in >> id >> generation >> got.version >> got.last_step >> got.pushes_since_update)) {
+        if (conn_ >= 0) close(conn_);
+        conn_ = *conn;
+        const uint64_t old_id = ref_.session_id();
+        ref_.set_session_id(id);
+        generation_ = generation;
+        // The gRPC channel may still hold the dead daemon's connection (its first call would
+        // fail on it) or be backing off (Connect's backoff, at most 1 s): a health check until
+        // the new daemon answers one, within the same bound (and at least 2 s), so that the
+        // session's next call reaches it.
+        const auto until =
+            std::max(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(2));
+        while (!client_->Health().ok() && std::chrono::steady_clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        SF_LOG(kInfo, "session %d re-attached to the stallfreed at %s as session %d "
+               "(generation %d): version %d, %d pushes since it", old_id, fd_socket_, id,
+               generation, got.version, got.pushes_since_update);
+        return got;
+      }
+      close(*conn);
+      if (last.ok())  // the daemon answered and refused: waiting does not change that
+        return absl::Status(RefusalCode(reply) == absl::StatusCode::kUnknown
+                                ? absl::StatusCode::kFailedPrecondition
+                                : RefusalCode(reply),
+                            absl::StrCat("the stallfreed at ", fd_socket_,
+                                         " refused to take back session ", ref_.session_id(),
+                                         ": ", reply));
+    } else {
+      last = conn.status();
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline)
+      return absl::UnavailableError(absl::StrCat(
+          "no stallfreed took back session ", ref_.session_id(), " at ", fd_socket_, " within ",
+          Seconds(wait_s), " (", last.message(), "); its state is still held by this process "
+          "until the session closes"));
+    if (now >= next_note) {
+      SF_LOG(kWarning, "session %d: waiting for a stallfreed at %s to take it back (%.0f of %.0f s)",
+             ref_.session_id(), fd_socket_,
+             std::chrono::duration<double>(now - start).count(), wait_s);
+      next_note = now + std::chrono::seconds(10);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
 }
 
 absl::Status Session::RegisterParams(const std::vector<ParamSpec>& params,

@@ -156,7 +156,8 @@ class Client {
   // One request and answer on a connection to the fd socket `path`, both bounded by rpc_timeout
   // (DEADLINE_EXCEEDED naming the socket past it).
   absl::Status FdExchange(int conn, const std::string& path, const std::string& request,
-                          std::string* reply, std::vector<int>* fds, size_t max_fds);
+                          std::string* reply, std::vector<int>* fds, size_t max_fds,
+                          const std::vector<int>& send_fds = {});
 
   std::string socket_path_;
   double rpc_timeout_s_;
@@ -187,6 +188,8 @@ class Session {
   // this process from the attach on and never mapped here: the state outlives the daemon's
   // process. -1 before RegisterParams, and after Close.
   int state_fd() const { return state_fd_; }
+  // The region's memfd (mapped here); -1 before RegisterParams and after Close.
+  int region_fd() const { return region_ ? region_->fd() : -1; }
   uint64_t state_bytes() const { return state_bytes_; }
   absl::StatusOr<const v1::ParamLayout*> Param(const std::string& name) const;
   // Where parameter `name`'s gradient goes in gradient slot `slot` (0 or 1).
@@ -272,6 +275,26 @@ class Session {
                                                       v1::DType out_dtype = v1::DTYPE_FP32);
   absl::Status Close();
 
+  // Where a session's state stands when a daemon takes it back (the newest commit of its
+  // record, server/session_record.h): the newest version an Update made ready, the step of the
+  // last Update, and the pushes since it.
+  struct Adopted {
+    int64_t version = 0;
+    int64_t last_step = 0;
+    int64_t pushes_since_update = 0;
+  };
+  // After the daemon that held this session went away (a call failed UNAVAILABLE), gives the
+  // session to the daemon now at the same fd socket (a restarted stallfreed), waiting up to
+  // wait_s seconds for one to answer: the region's and the state's descriptors go with the token
+  // and the generation (server/fd_server.h, ADOPT). The session then has a new id (ref()) and
+  // its state as it was: a call that failed is retried if Adopted says that it did not happen.
+  // UNAVAILABLE naming the socket when no daemon answered in time; the daemon's refusal with its
+  // code otherwise (PERMISSION_DENIED, FAILED_PRECONDITION: a stale generation, a torn state).
+  // Not concurrently with the session's other calls.
+  absl::StatusOr<Adopted> Reattach(double wait_s);
+  // The generation the session's record had at the attach or the last Reattach.
+  uint64_t generation() const { return generation_; }
+
   const v1::SessionRef& ref() const { return ref_; }
 
  private:
@@ -302,6 +325,7 @@ class Session {
   std::unique_ptr<MappedRegion> region_;
   int state_fd_ = -1;
   uint64_t state_bytes_ = 0;
+  uint64_t generation_ = 0;
 };
 
 }  // namespace stallfree

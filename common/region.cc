@@ -118,6 +118,11 @@ absl::StatusOr<std::unique_ptr<MappedRegion>> MappedRegion::MapFd(int fd, uint64
       new MappedRegion(name, static_cast<uint8_t*>(p), size, fd, false));
 }
 
+absl::Status MappedRegion::Lock(PinPolicy pin) {
+  if (locked_) return absl::OkStatus();
+  return Pin(name_, data_, size_, pin, &locked_);
+}
+
 MappedRegion::~MappedRegion() {
   if (data_ != nullptr) {
     if (locked_) munlock(data_, size_);

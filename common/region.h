@@ -36,6 +36,10 @@ class MappedRegion {
   // the file is `size` bytes and that it is sealed against shrinking.
   static absl::StatusOr<std::unique_ptr<MappedRegion>> MapFd(int fd, uint64_t size);
 
+  // Pins a mapping made by MapFd per `pin` (as CreateMemfd does its own): the daemon's mapping
+  // of a session it adopts. Idempotent.
+  absl::Status Lock(PinPolicy pin);
+
   ~MappedRegion();
   MappedRegion(const MappedRegion&) = delete;
   MappedRegion& operator=(const MappedRegion&) = delete;

@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -173,6 +174,30 @@ absl::StatusOr<std::string> ReadLine(int sock, size_t max_bytes) {
     line.push_back(c);
   }
   return absl::InvalidArgumentError(absl::StrCat("line longer than ", max_bytes, " bytes"));
+}
+
+absl::StatusOr<std::string> ReadLineWithFds(int sock, size_t max_bytes, std::vector<int>* fds,
+                                            size_t max_fds) {
+  fds->clear();
+  std::string line;
+  auto fail = [&](absl::Status st) {
+    for (int fd : *fds) close(fd);
+    fds->clear();
+    return st;
+  };
+  while (line.size() < max_bytes) {
+    // One byte at a time, so that nothing after the line is consumed; the descriptors come
+    // with the first byte of the message they were sent with.
+    std::string byte;
+    std::vector<int> got;
+    absl::Status st = RecvWithFds(sock, 1, &byte, &got, max_fds - std::min(max_fds, fds->size()));
+    fds->insert(fds->end(), got.begin(), got.end());
+    if (!st.ok()) return fail(st);
+    if (byte.empty()) return fail(absl::UnavailableError("peer closed before sending a full line"));
+    if (byte[0] == '\n') return line;
+    line.push_back(byte[0]);
+  }
+  return fail(absl::InvalidArgumentError(absl::StrCat("line longer than ", max_bytes, " bytes")));
 }
 
 bool PeerClosed(int sock) {

@@ -33,6 +33,11 @@ absl::Status RecvWithFds(int sock, size_t max_bytes, std::string* message, std::
                          size_t max_fds);
 // Reads one '\n'-terminated line (without the newline), at most max_bytes.
 absl::StatusOr<std::string> ReadLine(int sock, size_t max_bytes);
+// ReadLine that also takes the descriptors sent with the line (SCM_RIGHTS), at most max_fds in
+// all, in the order sent, into *fds (the caller owns them); on any error every one received is
+// closed and *fds is empty.
+absl::StatusOr<std::string> ReadLineWithFds(int sock, size_t max_bytes, std::vector<int>* fds,
+                                            size_t max_fds);
 // True if the peer of the connected socket `sock` has closed its end (or the connection broke),
 // without waiting and without consuming data: for a connection on which the peer sends nothing
 // more, such as a session's connection to the daemon's fd socket (the daemon's process going

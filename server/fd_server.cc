@@ -60,8 +60,12 @@ void FdServer::Handshake(int conn) {
   };
   absl::StatusOr<struct ucred> cred = PeerCredentials(conn);
   if (!cred.ok()) return reply_error(cred.status());
-  absl::StatusOr<std::string> line = ReadLine(conn, 256);
+  // Descriptors come only with "ADOPT"; sent with anything else they are closed unread.
+  std::vector<int> fds_in;
+  absl::StatusOr<std::string> line = ReadLineWithFds(conn, 256, &fds_in, 2);
   if (!line.ok()) return reply_error(line.status());
+  if (line->rfind("ADOPT ", 0) == 0) return Adopt(conn, *cred, *line, std::move(fds_in));
+  for (int fd : fds_in) close(fd);
   if (*line == "CALLER") {  // a caller credential for the peer's uid, while this stays open
     const v1::CallerRef caller = sessions_->NewCaller(cred->uid, cred->pid);
     if (!SendWithFd(conn, absl::StrCat("OK ", caller.caller_id(), " ", caller.token(), "\n"), -1)
@@ -85,7 +89,8 @@ void FdServer::Handshake(int conn) {
   auto fds = sessions_->Attach(id, token, cred->uid, cred->pid);
   if (!fds.ok()) return reply_error(fds.status());
   absl::Status st =
-      state ? SendWithFds(conn, absl::StrCat("OK ", fds->region_bytes, " ", fds->state_bytes, "\n"),
+      state ? SendWithFds(conn, absl::StrCat("OK ", fds->region_bytes, " ", fds->state_bytes, " ",
+                                             fds->generation, "\n"),
                           {fds->region_fd, fds->state_fd})
             : SendWithFd(conn, absl::StrCat("OK ", fds->region_bytes, "\n"), fds->region_fd);
   if (!st.ok()) {
@@ -96,6 +101,38 @@ void FdServer::Handshake(int conn) {
   if (!Watch(conn, Peer{false, id})) {
     close(conn);
     sessions_->OnConnectionClosed(id);
+  }
+}
+
+void FdServer::Adopt(int conn, const struct ucred& cred, const std::string& line,
+                     std::vector<int> fds) {
+  std::istringstream in(line.substr(6));
+  std::string token, more;
+  uint64_t generation = 0;
+  if (!(in >> token >> generation) || (in >> more) || fds.size() != 2) {
+    for (int fd : fds) close(fd);
+    SF_LOG(kWarning, "fd socket: refused an adoption by pid %d: malformed", cred.pid);
+    SendWithFd(conn, "ERR INVALID_ARGUMENT expected 'ADOPT <token> <generation>' with the "
+               "region's and the state's descriptors\n", -1).IgnoreError();
+    close(conn);
+    return;
+  }
+  absl::StatusOr<AdoptResult> got =
+      sessions_->Adopt(token, generation, fds[0], fds[1], cred.uid, cred.pid);
+  if (!got.ok()) {
+    SF_LOG(kWarning, "fd socket: refused an adoption by pid %d uid %d: %s", cred.pid, cred.uid,
+           got.status().ToString());
+    SendWithFd(conn, absl::StrCat("ERR ", absl::StatusCodeToString(got.status().code()), " ",
+                                  got.status().message(), "\n"), -1).IgnoreError();
+    close(conn);
+    return;
+  }
+  absl::Status st = SendWithFd(
+      conn, absl::StrCat("OK ", got->session_id, " ", got->generation, " ", got->version, " ",
+                         got->last_step, " ", got->pushes_since_update, "\n"), -1);
+  if (!st.ok() || !Watch(conn, Peer{false, got->session_id})) {
+    close(conn);
+    sessions_->OnConnectionClosed(got->session_id);
   }
 }
 

@@ -1,12 +1,20 @@
-// FdServer: the side unix socket that hands a session's memfd to its process (SCM_RIGHTS) and
-// then watches the connection: when it closes, the session is reclaimed.
-// Protocol: the client sends "<session_id> <token>\n"; the daemon checks the token, makes the
-// peer's SO_PEERCRED uid and pid the session's, and answers "OK <region_bytes>\n" with the
-// region's fd, or "ERR <message>\n". With "<session_id> <token> STATE\n" the answer is
-// "OK <region_bytes> <state_bytes>\n" with two fds: the region's and the optimizer state's
-// memfd, which the client holds (never maps) so that the state outlives the daemon's process. Or it sends "CALLER\n" and receives "OK <caller_id> <token>\n", a
-// caller credential for its uid (offload.proto, CallerRef). Either stays valid while the
-// connection stays open.
+// FdServer: the side unix socket that hands a session's memfds to its process (SCM_RIGHTS) and
+// then watches the connection: when it closes, the session is reclaimed. One line per
+// connection:
+//  - "<session_id> <token>\n": the daemon checks the token, makes the peer's SO_PEERCRED uid and
+//    pid the session's, and answers "OK <region_bytes>\n" with the region's fd.
+//  - "<session_id> <token> STATE\n": the answer is "OK <region_bytes> <state_bytes>
+//    <generation>\n" with two fds, the region's and the optimizer state's memfd, which the
+//    client holds (never maps) so that the state outlives the daemon's process; the generation
+//    is what a later ADOPT presents.
+//  - "ADOPT <token> <generation>\n" sent with those two fds (region first), by the process of a
+//    session whose daemon went away, to a daemon started since: SessionManager::Adopt. The
+//    answer is "OK <session_id> <generation> <version> <last_step> <pushes_since_update>\n":
+//    the session's new id, the generation to present next time, and where its state stands.
+//  - "CALLER\n": the answer is "OK <caller_id> <token>\n", a caller credential for the peer's
+//    uid (offload.proto, CallerRef).
+// A refusal is "ERR <code> <message>\n". What an answer grants stays valid while the connection
+// stays open.
 #pragma once
 
 #include <atomic>
@@ -14,6 +22,9 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
+
+#include <sys/socket.h>
 
 #include "absl/status/status.h"
 #include "server/session_manager.h"
@@ -38,6 +49,8 @@ class FdServer {
   };
   void Loop();
   void Handshake(int conn);
+  // The ADOPT line `line` with its descriptors (closed here on a refusal).
+  void Adopt(int conn, const struct ucred& cred, const std::string& line, std::vector<int> fds);
   // Watches conn for its close (then the session is reclaimed or the caller dropped).
   bool Watch(int conn, Peer peer);
 

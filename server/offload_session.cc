@@ -119,8 +119,12 @@ absl::StatusOr<SessionFds> OffloadSession::Attach(uid_t uid, pid_t pid) {
   attached_ = true;
   uid_ = uid;  // from SO_PEERCRED: the kernel's, never the request's
   pid_ = pid;
+  identity_.uid = uid;
+  identity_.generation = 1;
+  WriteIdentity();
   SF_LOG(kInfo, "session %d attached by pid %d uid %d", id_, pid, uid);
-  return SessionFds{region_->fd(), region_->size(), state_->fd(), state_->size()};
+  return SessionFds{region_->fd(), region_->size(), state_->fd(), state_->size(),
+                    identity_.generation};
 }
 
 absl::Status OffloadSession::CheckLoadable() const {
@@ -255,6 +259,90 @@ v1::SessionInfo OffloadSession::Info() const {
   return info;
 }
 
+uint64_t OffloadSession::generation() const {
+  MutexLock lock(&mu_);
+  return identity_.generation;
+}
+
+absl::Status OffloadSession::Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> region,
+                                   std::unique_ptr<MappedRegion> state, SessionIdentity identity,
+                                   const SessionCommit& commit, uid_t uid, pid_t pid) {
+  RETURN_IF_ERROR(env_.budget->Reserve(layout.pinned_bytes()));
+  // The work state, before the session is published (nothing is posted to it yet).
+  col_steps_ = commit.col_steps;
+  acc_stale_ = commit.acc_stale;
+  has_state_ = commit.has_state;
+  MutexLock lock(&mu_);
+  reserved_bytes_ = layout.pinned_bytes();
+  region_ = std::move(region);
+  state_ = std::move(state);
+  record_ = std::make_unique<SessionRecord>(state_->data(), layout.arrays_offset);
+  float* base = reinterpret_cast<float*>(state_->data() + layout.arrays_offset);
+  const uint64_t stride = layout.state_stride;
+  master_ = base;
+  m_ = base + stride;
+  v_ = base + 2 * stride;
+  acc_ = base + 3 * stride;
+  layout_ = std::make_unique<const SessionLayout>(std::move(layout));
+  registered_ = attached_ = true;
+  uid_ = uid;
+  pid_ = pid;
+  updated_once_ = commit.updated_once;
+  version_ = commit.version;
+  last_step_ = commit.last_step;
+  pushes_since_update_ = commit.pushes_since_update;
+  ready_slot_ = commit.ready_slot;
+  ready_dtype_ = static_cast<v1::DType>(commit.ready_dtype);
+  identity_ = std::move(identity);
+  ++identity_.generation;
+  WriteIdentity();
+  pinned_bytes_ = region_->size() + state_->size();
+  env_.counters->pinned_bytes.fetch_add(pinned_bytes_);
+  SF_LOG(kInfo, "session %d adopted (generation %d) by pid %d uid %d: version %d, %d pushes "
+         "since it", id_, identity_.generation, pid, uid, version_, pushes_since_update_);
+  return absl::OkStatus();
+}
+
+SessionCommit OffloadSession::CommitOf(RecordBusy busy, int64_t busy_step) {
+  SessionCommit c;
+  c.busy = busy;
+  if (busy == RecordBusy::kNone && state_lost_) c.busy = RecordBusy::kRestore;
+  if (busy == RecordBusy::kNone && !handed_over_.empty()) c.busy = RecordBusy::kHandover;
+  c.busy_step = busy_step;
+  c.updated_once = updated_once_;
+  c.has_state = has_state_;
+  c.acc_stale = acc_stale_;
+  c.version = version_;
+  c.last_step = last_step_;
+  c.pushes_since_update = pushes_since_update_;
+  c.ready_slot = ready_slot_;
+  c.ready_dtype = static_cast<uint32_t>(ready_dtype_);
+  c.col_steps = col_steps_;
+  return c;
+}
+
+void OffloadSession::WriteCommit(const SessionCommit& commit) {
+  absl::StatusOr<uint64_t> seq = record_->Commit(commit);
+  if (!seq.ok())
+    SF_LOG(kError, "session %d: its record's commit failed (%s): a restarted daemon could not "
+           "adopt it", id_, seq.status().ToString());
+}
+
+void OffloadSession::CommitRecord(RecordBusy busy, int64_t busy_step) {
+  SessionCommit c;
+  {
+    MutexLock lock(&mu_);
+    c = CommitOf(busy, busy_step);
+  }
+  WriteCommit(c);
+}
+
+void OffloadSession::WriteIdentity() {
+  absl::Status st = record_->WriteIdentity(identity_);
+  if (!st.ok())
+    SF_LOG(kError, "session %d: its record's identity was not written (%s)", id_, st.ToString());
+}
+
 // ---- Work.
 
 uint8_t* OffloadSession::GradSlot(uint32_t s) const {
@@ -349,7 +437,20 @@ absl::Status OffloadSession::Allocate(SessionLayout layout) {
   for (const ParamLayout& p : layout.params) col_steps_.emplace_back(p.cols, 0);
   region_ = std::move(*region);
   state_ = std::move(*state);
-  float* base = reinterpret_cast<float*>(state_->data());
+  record_ = std::make_unique<SessionRecord>(state_->data(), layout.arrays_offset);
+  identity_.rank = rank_;
+  identity_.name = name_;
+  identity_.token_sha256 = TokenDigest(token_);
+  identity_.param_dtype = static_cast<uint32_t>(layout.requested_param_dtype);
+  identity_.param_slots = layout.requested_param_slots;
+  for (const ParamLayout& p : layout.params)
+    identity_.params.push_back({p.name, p.shape, static_cast<uint32_t>(p.grad_dtype)});
+  identity_.total_elems = layout.total_elems;
+  identity_.state_stride = layout.state_stride;
+  identity_.region_bytes = rl.region_bytes();
+  identity_.state_bytes = layout.state_bytes;
+  WriteIdentity();
+  float* base = reinterpret_cast<float*>(state_->data() + layout.arrays_offset);
   master_ = base;
   const uint64_t stride = layout.state_stride;
   m_ = base + stride;
@@ -357,6 +458,7 @@ absl::Status OffloadSession::Allocate(SessionLayout layout) {
   acc_ = base + 3 * stride;
   layout_ = std::make_unique<const SessionLayout>(std::move(layout));
   registered_ = true;
+  WriteCommit(CommitOf(RecordBusy::kNone, 0));
   pinned_bytes_ = region_->size() + state_->size();
   env_.counters->pinned_bytes.fetch_add(pinned_bytes_);
   SF_LOG(kInfo, "session %d registered %d parameters, %d elements; region %d bytes%s", id_,
@@ -367,6 +469,7 @@ absl::Status OffloadSession::Allocate(SessionLayout layout) {
 
 void OffloadSession::LoadParams(const std::vector<LoadJob>& jobs) {
   ++epoch_;
+  CommitRecord(RecordBusy::kLoad);
   has_state_ = true;
   for (const LoadJob& job : jobs) {
     const ParamLayout& p = layout_->params[job.param];
@@ -380,10 +483,12 @@ void OffloadSession::LoadParams(const std::vector<LoadJob>& jobs) {
     });
     col_steps_[job.param].assign(static_cast<size_t>(p.cols), 0);
   }
+  CommitRecord();
 }
 
 int64_t OffloadSession::Accumulate(const PushPlan& plan) {
   ++epoch_;
+  CommitRecord(RecordBusy::kPush);
   const auto t0 = Clock::now();
   const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
   const bool overwrite =
@@ -401,13 +506,21 @@ int64_t OffloadSession::Accumulate(const PushPlan& plan) {
   env_.counters->push_bytes.Observe(static_cast<double>(plan.bytes));
   env_.counters->pushes.fetch_add(1);
   env_.counters->bytes_in.fetch_add(plan.bytes);
-  MutexLock lock(&mu_);
-  pushes_++;
-  return ++pushes_since_update_;
+  SessionCommit c;
+  int64_t pushes;
+  {
+    MutexLock lock(&mu_);
+    pushes_++;
+    pushes = ++pushes_since_update_;
+    c = CommitOf(RecordBusy::kNone, 0);
+  }
+  WriteCommit(c);
+  return pushes;
 }
 
 void OffloadSession::Update(const UpdatePlan& plan) {
   ++epoch_;
+  CommitRecord(RecordBusy::kUpdate, plan.config.step);
   has_state_ = true;
   const auto t0 = Clock::now();
   const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
@@ -499,6 +612,8 @@ void OffloadSession::Update(const UpdatePlan& plan) {
       }
     }
   }
+  // Committed before anyone hears of the version: a version a client saw is one the record has.
+  CommitRecord();
   SF_LOG(kDebug, "session %d: update of step %d done in %.3f s", id_, cfg.step, secs);
   for (Waiter& w : ready) w.done(result);
 }
@@ -581,6 +696,7 @@ std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePla
   });
   env_.counters->migrated_columns.fetch_add(2 * moved);
   env_.counters->migrate_seconds.Observe(Seconds(Clock::now() - t0));
+  CommitRecord();  // says that columns wait for the next Update (RecordBusy::kHandover)
   return results;
 }
 
@@ -684,7 +800,12 @@ absl::StatusOr<v1::CheckpointHeader> OffloadSession::Restore(const std::string& 
     st = absl::PermissionDeniedError(
         absl::StrCat("tag: checkpoint '", tag, "' belongs to uid ", header->owner_uid()));
   if (st.ok()) st = MatchHeader(*layout_, *header, absl::StrCat("tag: checkpoint '", tag, "'"));
-  if (st.ok()) st = ReadCheckpointArrays(path, *header, StateArrays());
+  if (st.ok()) {
+    // The reads verify the whole file before the first byte goes into the state.
+    CommitRecord(RecordBusy::kRestore);
+    st = ReadCheckpointArrays(path, *header, StateArrays());
+    if (!st.ok()) CommitRecord();
+  }
   if (st.ok()) Restored(*header, out);
   {
     MutexLock lock(&mu_);
@@ -720,6 +841,7 @@ void OffloadSession::Restored(const v1::CheckpointHeader& header, v1::DType out)
   ready_dtype_ = out;
   pushes_since_update_ = 0;
   state_lost_ = false;
+  WriteCommit(CommitOf(RecordBusy::kNone, 0));
 }
 
 absl::StatusOr<uint64_t> OffloadSession::ExportChunk(uint64_t offset, std::optional<uid_t> owner,
@@ -779,6 +901,7 @@ absl::Status OffloadSession::AbandonImport(absl::Status why) {
     MutexLock lock(&mu_);
     importing_ = false;
     if (lost) state_lost_ = true;
+    WriteCommit(CommitOf(RecordBusy::kNone, 0));  // busy while the state is lost
   }
   SF_LOG(kWarning, "session %d: import abandoned (%s)%s", id_, why.ToString(),
          lost ? "; its state is incomplete until an import or a Restore succeeds"
@@ -799,6 +922,9 @@ absl::StatusOr<OffloadSession::Imported> OffloadSession::ImportChunk(uint64_t of
                                                " is still running for session ", id_));
       importing_ = true;
     }
+    // The import writes the arrays from its first chunk on: a crash before it completes leaves
+    // them torn.
+    CommitRecord(RecordBusy::kRestore);
     import_ = std::make_unique<CheckpointImport>(
         total, absl::StrCat("the state imported into session ", id_));
     import_epoch_ = epoch_;

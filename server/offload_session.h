@@ -42,6 +42,7 @@
 #include "common/region.h"
 #include "kernels/optimizer.h"
 #include "server/checkpoint.h"
+#include "server/session_record.h"
 #include "server/strand.h"
 #include "stallfree/v1/offload.pb.h"
 
@@ -137,8 +138,14 @@ struct SessionLayout {
   // next: total_elems padded so that the arrays are staggered within a page (StateStride,
   // requests.h).
   uint64_t state_stride = 0;
-  uint64_t state_bytes = 0;             // master, m, v, accumulator
+  // The state memfd: the session record (server/session_record.h) in its first pages, then
+  // master, m, v and accumulator (4 * state_stride floats) from byte arrays_offset.
+  uint64_t arrays_offset = 0;
+  uint64_t state_bytes = 0;
   v1::RegionLayout region;
+  // The request's own param_dtype and param_slots (0: the layout of before), for the record.
+  v1::DType requested_param_dtype = v1::DTYPE_UNSPECIFIED;
+  uint32_t requested_param_slots = 0;
 
   // The position of parameter `name` in params, or -1.
   int64_t Find(const std::string& name) const {
@@ -176,6 +183,18 @@ struct SessionFds {
   uint64_t region_bytes = 0;
   int state_fd = -1;
   uint64_t state_bytes = 0;
+  // The session record's generation (session_record.h): what a re-attach must present.
+  uint64_t generation = 0;
+};
+
+// What an adopted session's process learns (SessionManager::Adopt): its new id, the generation
+// to present next time, and where its state stands (the newest commit of its record).
+struct AdoptResult {
+  uint64_t session_id = 0;
+  uint64_t generation = 0;
+  int64_t version = 0;
+  int64_t last_step = 0;
+  int64_t pushes_since_update = 0;
 };
 
 // A validated Update (offload.proto, UpdateRequest).
@@ -279,6 +298,17 @@ class OffloadSession {
   // For ListSessions and GetStats.
   v1::SessionInfo Info() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Takes back a session that another daemon process held (SessionManager::Adopt checked the
+  // identity against the request and re-made `layout` from it; `commit` is the record's newest,
+  // not busy): maps nothing new, takes the mapped region and state as they are, reserves their
+  // bytes of the budget (ResourceExhausted), restores the control state the commit holds, and
+  // writes the identity with the next generation. The session is registered and attached (uid,
+  // pid) afterwards. Before any work is posted.
+  absl::Status Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> region,
+                     std::unique_ptr<MappedRegion> state, SessionIdentity identity,
+                     const SessionCommit& commit, uid_t uid, pid_t pid) ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t generation() const ABSL_LOCKS_EXCLUDED(mu_);
+
   // Frees the region and the state, gives their reservation back to the budget and their
   // bytes to the pinned counter. Only once no work method can run any more (the strand closed
   // and idle, or the session being destroyed); idempotent.
@@ -373,6 +403,17 @@ class OffloadSession {
   // succeeds. Returns why. On the strand.
   absl::Status AbandonImport(absl::Status why) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The record's commit of the state as it is now, `busy` naming the work method about to change
+  // the arrays (kNone: none; a pending handover or a lost state says so itself). On the strand.
+  SessionCommit CommitOf(RecordBusy busy, int64_t busy_step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes CommitOf to the record (an error is logged: the session works on, but a daemon
+  // restart then cannot adopt it). On the strand.
+  void CommitRecord(RecordBusy busy = RecordBusy::kNone, int64_t busy_step = 0)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void WriteCommit(const SessionCommit& commit);
+  // Writes identity_ to the record.
+  void WriteIdentity() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   uint8_t* GradSlot(uint32_t slot) const;
   uint8_t* ParamSlot(uint32_t slot) const;
   float* Staging() const;
@@ -432,6 +473,10 @@ class OffloadSession {
   float* m_ = nullptr;
   float* v_ = nullptr;
   float* acc_ = nullptr;
+  // The session record at the start of the state memfd, and its identity (set by Allocate or
+  // Adopt; uid and generation by Attach and Adopt).
+  std::unique_ptr<SessionRecord> record_;
+  SessionIdentity identity_ ABSL_GUARDED_BY(mu_);
 
   // Work state: touched only by the work methods, on the strand.
   std::vector<std::vector<int64_t>> col_steps_;  // per parameter, per column: AdamW steps taken

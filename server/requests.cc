@@ -26,6 +26,13 @@ constexpr uint64_t kHandoverBlocks = 4;
 
 }  // namespace
 
+std::vector<RecordParam> RecordParamsOf(const SessionLayout& layout) {
+  std::vector<RecordParam> out;
+  for (const ParamLayout& p : layout.params)
+    out.push_back({p.name, p.shape, static_cast<uint32_t>(p.grad_dtype)});
+  return out;
+}
+
 uint64_t StateStride(uint64_t elems) { return elems + (1024 + 272 - elems % 1024) % 1024; }
 
 absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req) {
@@ -120,7 +127,10 @@ absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req)
   }
   out.total_elems = elems;
   out.state_stride = StateStride(elems);
-  out.state_bytes = 4 * out.state_stride * 4;
+  AlignUp(RecordBytes(RecordParamsOf(out)), kPage, &out.arrays_offset);
+  out.state_bytes = out.arrays_offset + 4 * out.state_stride * 4;
+  out.requested_param_dtype = req.param_dtype();
+  out.requested_param_slots = req.param_slots();
   return out;
 }
 

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "server/offload_session.h"
+#include "server/session_record.h"
 #include "stallfree/v1/offload.pb.h"
 
 namespace stallfree {
@@ -28,6 +29,8 @@ uint64_t StateStride(uint64_t elems);
 
 // The parameters of a RegisterParams request, laid out (offload_session.h, SessionLayout).
 absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& request);
+// A layout's parameters as its session record names them.
+std::vector<RecordParam> RecordParamsOf(const SessionLayout& layout);
 
 // The copies of a LoadParams request: its ranges, or the parameters it names (none named: all)
 // whole from their staging offsets.

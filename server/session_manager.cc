@@ -1,6 +1,7 @@
 #include "server/session_manager.h"
 
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -577,6 +578,95 @@ absl::StatusOr<SessionFds> SessionManager::Attach(uint64_t session_id, const std
   if (s->token() != token)
     return absl::PermissionDeniedError(absl::StrCat("wrong token for session ", session_id));
   return s->Attach(peer_uid, peer_pid);
+}
+
+absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint64_t generation,
+                                                  int region_fd, int state_fd, uid_t peer_uid,
+                                                  pid_t peer_pid) {
+  auto refuse = [&](absl::Status st) {
+    if (region_fd >= 0) close(region_fd);
+    if (state_fd >= 0) close(state_fd);
+    Reject(st);
+    return st;
+  };
+  {
+    MutexLock lock(&mu_);
+    if (draining_) return refuse(ShuttingDown());
+  }
+  struct stat st;
+  if (fstat(state_fd, &st) != 0) return refuse(ErrnoStatus("fstat", "the adopted state's memfd"));
+  // Mapped whole (MapFd checks that it is sealed against shrinking: the sender cannot cut it
+  // under the daemon).
+  absl::StatusOr<std::unique_ptr<MappedRegion>> state =
+      MappedRegion::MapFd(std::exchange(state_fd, -1), static_cast<uint64_t>(st.st_size));
+  if (!state.ok()) return refuse(state.status());
+  SessionRecord record((*state)->data(), (*state)->size());
+  absl::StatusOr<SessionIdentity> id = record.ReadIdentity();
+  if (!id.ok()) return refuse(id.status());
+  if (id->uid != peer_uid)
+    return refuse(absl::PermissionDeniedError(absl::StrCat(
+        "the state belongs to uid ", id->uid, ", not to uid ", peer_uid)));
+  if (id->token_sha256 != TokenDigest(token))
+    return refuse(absl::PermissionDeniedError("wrong token for the adopted state"));
+  if (id->generation != generation)
+    return refuse(absl::FailedPreconditionError(absl::StrCat(
+        "generation ", generation, " is stale: the state is at generation ", id->generation,
+        " (another process adopted it since)")));
+  // The same registration, laid out by this daemon's rules: the same layout, or a refusal.
+  v1::RegisterParamsRequest reg;
+  reg.set_param_dtype(static_cast<v1::DType>(id->param_dtype));
+  reg.set_param_slots(id->param_slots);
+  for (const RecordParam& p : id->params) {
+    v1::ParamSpec* spec = reg.add_params();
+    spec->set_name(p.name);
+    for (int64_t d : p.shape) spec->add_shape(d);
+    spec->set_grad_dtype(static_cast<v1::DType>(p.grad_dtype));
+  }
+  absl::StatusOr<SessionLayout> layout = LayOutParams(reg);
+  if (!layout.ok()) return refuse(absl::DataLossError(absl::StrCat(
+      "the adopted state's registration does not lay out: ", layout.status().message())));
+  if (layout->total_elems != id->total_elems || layout->state_stride != id->state_stride ||
+      layout->region.region_bytes() != id->region_bytes ||
+      layout->state_bytes != id->state_bytes || layout->state_bytes != (*state)->size())
+    return refuse(absl::FailedPreconditionError(absl::StrCat(
+        "the adopted state was laid out differently (", id->region_bytes, " region bytes, ",
+        id->state_bytes, " state bytes) from what this stallfreed lays out (",
+        layout->region.region_bytes(), ", ", layout->state_bytes,
+        "): restore it from a checkpoint with the stallfreed that wrote it")));
+  absl::StatusOr<SessionCommit> commit =
+      SessionRecord((*state)->data(), layout->arrays_offset).NewestCommit();
+  if (!commit.ok()) return refuse(commit.status());
+  if (commit->busy != RecordBusy::kNone)
+    return refuse(absl::FailedPreconditionError(absl::StrCat(
+        "the daemon that held the state stopped in the middle of ", RecordBusyName(commit->busy),
+        commit->busy_step > 0 ? absl::StrCat(" of step ", commit->busy_step) : std::string(),
+        ": the state may be torn; restore it from a checkpoint")));
+  absl::StatusOr<std::unique_ptr<MappedRegion>> region =
+      MappedRegion::MapFd(std::exchange(region_fd, -1), layout->region.region_bytes());
+  if (!region.ok()) return refuse(region.status());
+  if (absl::Status pinned = (*state)->Lock(options_.pin); !pinned.ok()) return refuse(pinned);
+  if (absl::Status pinned = (*region)->Lock(options_.pin); !pinned.ok()) return refuse(pinned);
+  std::shared_ptr<OffloadSession> session;
+  uint64_t new_id;
+  {
+    MutexLock lock(&mu_);
+    if (draining_) return refuse(ShuttingDown());
+    new_id = next_id_++;
+    session = std::make_shared<OffloadSession>(
+        new_id, token, id->name, id->rank, peer_pid,
+        OffloadSession::Env{arena_, &budget_, &counters_, options_.pin});
+  }
+  const SessionCommit c = *commit;
+  absl::Status adopted = session->Adopt(*std::move(layout), *std::move(region),
+                                        *std::move(state), *std::move(id), c, peer_uid, peer_pid);
+  if (!adopted.ok()) return refuse(adopted);
+  {
+    MutexLock lock(&mu_);
+    sessions_[new_id] = session;
+  }
+  counters_.sessions_opened.fetch_add(1);
+  return AdoptResult{new_id, session->generation(), c.version, c.last_step,
+                     c.pushes_since_update};
 }
 
 void SessionManager::OnConnectionClosed(uint64_t session_id) {

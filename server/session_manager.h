@@ -117,6 +117,18 @@ class SessionManager {
   absl::StatusOr<SessionFds> Attach(uint64_t session_id, const std::string& token,
                                     uid_t peer_uid, pid_t peer_pid);
   void OnConnectionClosed(uint64_t session_id);
+  // Takes back a session that a daemon process before this one held, from its region's and
+  // state's memfds (owned by this call from here on, closed on failure) sent by the session's
+  // process, which presents the session's token and the generation it last got. The state's
+  // record (session_record.h) must be whole and name the peer's uid, that token's digest and
+  // that generation, with a registration this daemon lays out identically, and no work method
+  // may have been running when it was last committed (its arrays could be torn). Refusals:
+  // PermissionDenied (another uid, a wrong token), FailedPrecondition (a stale generation, a
+  // torn or differently laid out state), DataLoss (no whole record), ResourceExhausted (the
+  // budget), Unavailable while draining. The session gets a new id, its process's connection
+  // becomes its liveness channel (OnConnectionClosed), as after Attach.
+  absl::StatusOr<AdoptResult> Adopt(const std::string& token, uint64_t generation, int region_fd,
+                                    int state_fd, uid_t peer_uid, pid_t peer_pid);
   // A caller credential for the peer's uid (offload.proto, CallerRef), valid until
   // DropCaller(caller_id), which the fd socket calls when the connection closes.
   v1::CallerRef NewCaller(uid_t peer_uid, pid_t peer_pid);

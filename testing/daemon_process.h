@@ -46,9 +46,36 @@ class Daemon {
       args.push_back("--state_dir");
       args.push_back(dir_ + "/state");
     }
+    args_ = args;
+    Spawn();
+  }
+  ~Daemon() {
+    Kill();
+    std::string cmd = "rm -rf " + dir_;
+    if (system(cmd.c_str()) != 0) perror("rm");
+  }
+  // SIGKILL and wait (a crash); a no-op when none runs.
+  void Kill() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    pid_ = -1;
+  }
+  // Starts the daemon again with the same arguments, on the same sockets (a restart after
+  // Kill or Terminate).
+  void Restart() {
+    Kill();
+    unlink(socket_.c_str());  // waited for below: the new daemon's own
+    Spawn();
+  }
+
+ private:
+  void Spawn() {
+    const std::vector<std::string>& args = args_;
     pid_ = fork();
     if (pid_ == 0) {
-      int fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      int fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);  // restarts append
       dup2(fd, 2);
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -62,14 +89,8 @@ class Daemon {
       std::this_thread::sleep_for(std::chrono::milliseconds(25));
     }
   }
-  ~Daemon() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    std::string cmd = "rm -rf " + dir_;
-    if (system(cmd.c_str()) != 0) perror("rm");
-  }
+
+ public:
   // SIGTERM and wait; returns the exit status.
   int Terminate() {
     if (pid_ <= 0) return -1;
@@ -99,6 +120,7 @@ class Daemon {
 
  private:
   std::string dir_, socket_, log_, error_;
+  std::vector<std::string> args_;
   pid_t pid_ = -1;
 };
 

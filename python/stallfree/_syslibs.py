@@ -28,6 +28,7 @@ RUNTIME_PACKAGES = (
     "libtbb12",
     "libcivetweb1",
     "libsystemd0",
+    "libssl3",
 )
 
 # soname -> Debian package, for every library the three load (directly or not).

@@ -51,6 +51,8 @@ def child_env(**extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([PKG_PATH, HERE])
     env.pop("STALLFREE_SOCKET", None)
+    # A child that aborts (a C++ std::terminate, SIGSEGV) prints every thread's Python stack.
+    env["PYTHONFAULTHANDLER"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -23,6 +23,7 @@
 #include "testing/daemon_process.h"
 #include "testing/hyper.h"
 #include "kernels/optimizer.h"
+#include "server/session_record.h"
 
 namespace stallfree {
 namespace {
@@ -143,12 +144,18 @@ TEST(Daemon, Bf16SessionPinsAbout22BytesPerRegisteredElement) {
   ASSERT_TRUE(stats.ok());
   const uint64_t elems = 3 * n;
   EXPECT_EQ(stats->param_elements(), static_cast<int64_t>(elems));
-  // The state: 16 bytes per element, its arrays 272 elements further apart (elems is a
-  // multiple of 1024; StateStride staggers them within a page).
-  EXPECT_EQ(stats->pinned_bytes(), s.layout().region_bytes() + 16 * (elems + 272));
+  // The state: the session record's pages (server/session_record.h: two commits of 8 bytes a
+  // column, 44 KiB here), then 16 bytes per element, its arrays 272 elements further apart (elems
+  // is a multiple of 1024; StateStride staggers them within a page).
+  std::vector<RecordParam> record;
+  for (const std::string& name : names) record.push_back({name, {rows, cols}, v1::DTYPE_BF16});
+  const uint64_t record_pages = (RecordBytes(record) + 4095) / 4096 * 4096;
+  EXPECT_EQ(record_pages, 11u * 4096);
+  EXPECT_EQ(stats->pinned_bytes(), s.layout().region_bytes() + record_pages + 16 * (elems + 272));
+  EXPECT_EQ(s.state_bytes(), record_pages + 16 * (elems + 272));
   const double per_elem = static_cast<double>(stats->pinned_bytes()) / elems;
   EXPECT_GE(per_elem, 22.125);
-  EXPECT_LE(per_elem, 22.13);
+  EXPECT_LE(per_elem, 22.125 + 0.02);  // the padding and the record: 0.018 a element
   EXPECT_LE(static_cast<double>(stats->pinned_bytes()) / (3 * (1024 * 1024 + 1024)), 20.0);
 
   // Too large for a whole load from the staging area; LoadValues chunks it.
@@ -221,10 +228,11 @@ TEST(Daemon, TheStateOutlivesTheDaemonInTheSessionsOwnDescriptor) {
   ASSERT_GE(s.state_fd(), 0);
   struct stat st;
   ASSERT_EQ(fstat(s.state_fd(), &st), 0);
-  // 2560 elements: the arrays 2560 + 784 apart (272 past a multiple of 1024), 16 bytes each.
-  const uint64_t stride = 2560 + 784;
-  EXPECT_EQ(static_cast<uint64_t>(st.st_size), 16 * stride);
-  EXPECT_EQ(s.state_bytes(), 16 * stride);
+  // The record's page (server/session_record.h), then 2560 elements: the arrays 2560 + 784
+  // apart (272 past a multiple of 1024), 16 bytes each.
+  const uint64_t stride = 2560 + 784, arrays_at = 4096;
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), arrays_at + 16 * stride);
+  EXPECT_EQ(s.state_bytes(), arrays_at + 16 * stride);
 
   std::mt19937 rng(11);
   std::normal_distribution<float> normal;
@@ -246,7 +254,7 @@ TEST(Daemon, TheStateOutlivesTheDaemonInTheSessionsOwnDescriptor) {
 
   void* p = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, s.state_fd(), 0);
   ASSERT_NE(p, MAP_FAILED) << strerror(errno);
-  const float* state = static_cast<const float*>(p);
+  const float* state = reinterpret_cast<const float*>(static_cast<uint8_t*>(p) + arrays_at);
   auto check = [&](const char* when) {
     for (int64_t i = 0; i < n; ++i) {
       ASSERT_EQ(state[i], w[i]) << when << ": master [" << i << "]";
@@ -266,7 +274,7 @@ TEST(Daemon, TheStateOutlivesTheDaemonInTheSessionsOwnDescriptor) {
   // Mapped anew from the held descriptor alone: the same bytes.
   p = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, s.state_fd(), 0);
   ASSERT_NE(p, MAP_FAILED) << strerror(errno);
-  state = static_cast<const float*>(p);
+  state = reinterpret_cast<const float*>(static_cast<uint8_t*>(p) + arrays_at);
   check("mapped again from the held descriptor");
   munmap(p, st.st_size);
 }

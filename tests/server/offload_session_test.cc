@@ -263,11 +263,12 @@ TEST_F(OffloadSessionTest, LayoutPadsParametersAndPagesSlots) {
   EXPECT_EQ(r.layout->total_elems, 64u);
   EXPECT_EQ(r.layout->region.grad_slot_bytes(), 4096u);
   EXPECT_EQ(r.layout->region.region_bytes(), 5u * 4096u);
-  // The state's four arrays 272 elements apart (64 elements, padded to 272 more than a multiple
-  // of 1024: StateStride staggers them within a page).
+  // The session record's page, then the state's four arrays 272 elements apart (64 elements,
+  // padded to 272 more than a multiple of 1024: StateStride staggers them within a page).
   EXPECT_EQ(r.layout->state_stride, 272u);
-  EXPECT_EQ(r.layout->state_bytes, 4u * 272u * 4u);
-  EXPECT_EQ(counters_.pinned_bytes.load(), 5u * 4096u + 4u * 272u * 4u);
+  EXPECT_EQ(r.layout->arrays_offset, 4096u);
+  EXPECT_EQ(r.layout->state_bytes, 4096u + 4u * 272u * 4u);
+  EXPECT_EQ(counters_.pinned_bytes.load(), 5u * 4096u + 4096u + 4u * 272u * 4u);
   r.s->Release();
   EXPECT_EQ(counters_.pinned_bytes.load(), 0u);
   EXPECT_EQ(r.s->BeginRegister(1).code(), Code::kFailedPrecondition);

@@ -1,0 +1,287 @@
+#include "server/session_record.h"
+
+#include <openssl/sha.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/checksum.h"
+
+namespace stallfree {
+namespace {
+
+constexpr char kMagic[8] = {'S', 'F', 'S', 'E', 'S', 'S', '0', '1'};
+constexpr uint32_t kFormat = 1;
+constexpr uint32_t kMaxParams = 1 << 20;
+
+uint64_t Align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }
+
+uint64_t Digest(const uint8_t* p, uint64_t n) {
+  Checksum64 c;
+  c.Update(p, n);
+  return c.Digest();
+}
+
+// Appends fixed-size little-endian values (the machines this runs on are little-endian).
+class Writer {
+ public:
+  template <typename T>
+  void Put(T v) {
+    const size_t at = out.size();
+    out.resize(at + sizeof v);
+    memcpy(out.data() + at, &v, sizeof v);
+  }
+  void Bytes(const void* p, size_t n) {
+    const uint8_t* b = static_cast<const uint8_t*>(p);
+    out.insert(out.end(), b, b + n);
+  }
+  void Str(const std::string& s) {
+    Put<uint32_t>(static_cast<uint32_t>(s.size()));
+    Bytes(s.data(), s.size());
+  }
+  std::vector<uint8_t> out;
+};
+
+// Reads what Writer wrote, within [p, p + n); a read past the end fails (ok() false).
+class Reader {
+ public:
+  Reader(const uint8_t* p, uint64_t n) : p_(p), n_(n) {}
+  template <typename T>
+  T Get() {
+    T v{};
+    if (at_ + sizeof v > n_) {
+      ok_ = false;
+      return v;
+    }
+    memcpy(&v, p_ + at_, sizeof v);
+    at_ += sizeof v;
+    return v;
+  }
+  bool Bytes(void* dst, uint64_t n) {
+    if (at_ > n_ || n > n_ - at_) return ok_ = false;
+    memcpy(dst, p_ + at_, n);
+    at_ += n;
+    return true;
+  }
+  bool Str(std::string* s, uint32_t max) {
+    const uint32_t n = Get<uint32_t>();
+    if (!ok_ || n > max) return ok_ = false;
+    s->resize(n);
+    return Bytes(s->data(), n);
+  }
+  bool ok() const { return ok_; }
+  uint64_t at() const { return at_; }
+
+ private:
+  const uint8_t* p_;
+  uint64_t n_;
+  uint64_t at_ = 0;
+  bool ok_ = true;
+};
+
+std::vector<uint8_t> EncodeIdentity(const SessionIdentity& id) {
+  Writer w;
+  w.Bytes(kMagic, sizeof kMagic);
+  w.Put<uint32_t>(kFormat);
+  w.Put<uint32_t>(0);  // the identity's bytes, set below
+  w.Put<uint32_t>(static_cast<uint32_t>(id.uid));
+  w.Put<int32_t>(id.rank);
+  w.Put<uint64_t>(id.generation);
+  w.Bytes(id.token_sha256.data(), id.token_sha256.size());
+  w.Put<uint64_t>(id.total_elems);
+  w.Put<uint64_t>(id.state_stride);
+  w.Put<uint64_t>(id.region_bytes);
+  w.Put<uint64_t>(id.state_bytes);
+  w.Put<uint32_t>(id.param_dtype);
+  w.Put<uint32_t>(id.param_slots);
+  w.Put<uint32_t>(static_cast<uint32_t>(id.params.size()));
+  for (const RecordParam& p : id.params) {
+    w.Str(p.name);
+    w.Put<uint32_t>(p.grad_dtype);
+    w.Put<uint32_t>(static_cast<uint32_t>(p.shape.size()));
+    for (int64_t d : p.shape) w.Put<int64_t>(d);
+  }
+  w.Str(id.name);
+  while (w.out.size() % 8 != 0) w.out.push_back(0);
+  const uint32_t bytes = static_cast<uint32_t>(w.out.size() + 8);
+  memcpy(w.out.data() + 12, &bytes, 4);
+  w.Put<uint64_t>(Digest(w.out.data(), w.out.size()));
+  return w.out;
+}
+
+int64_t Columns(const std::vector<int64_t>& shape) { return shape.empty() ? 0 : shape.back(); }
+
+}  // namespace
+
+const char* RecordBusyName(RecordBusy busy) {
+  switch (busy) {
+    case RecordBusy::kNone: return "nothing";
+    case RecordBusy::kLoad: return "a LoadParams";
+    case RecordBusy::kPush: return "a push";
+    case RecordBusy::kUpdate: return "an Update";
+    case RecordBusy::kRestore: return "a Restore or ImportState";
+    case RecordBusy::kHandover: return "a handover (MigrateColumns) not landed by an Update";
+  }
+  return "an unknown operation";
+}
+
+std::array<uint8_t, 32> TokenDigest(const std::string& token) {
+  std::array<uint8_t, 32> out;
+  SHA256(reinterpret_cast<const unsigned char*>(token.data()), token.size(), out.data());
+  return out;
+}
+
+uint64_t RecordBytes(const std::vector<RecordParam>& params) {
+  SessionIdentity id;
+  id.params = params;
+  id.name.assign(kRecordMaxName, ' ');
+  int64_t cols = 0;
+  for (const RecordParam& p : params) cols += Columns(p.shape);
+  const uint64_t commit = 56 + 8 * static_cast<uint64_t>(cols) + 8;
+  return Align8(EncodeIdentity(id).size()) + 2 * commit;
+}
+
+absl::Status SessionRecord::WriteIdentity(const SessionIdentity& id) {
+  if (id.name.size() > kRecordMaxName || RecordBytes(id.params) > size_)
+    return absl::InternalError(absl::StrCat("the session record needs ", RecordBytes(id.params),
+                                            " bytes, it has ", size_));
+  const std::vector<uint8_t> bytes = EncodeIdentity(id);
+  memcpy(data_, bytes.data(), bytes.size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SessionIdentity> SessionRecord::ReadIdentity() const {
+  auto loss = [](const std::string& what) {
+    return absl::DataLossError(absl::StrCat("the session record's identity ", what));
+  };
+  if (size_ < 24 || memcmp(data_, kMagic, sizeof kMagic) != 0)
+    return loss("is missing (no stallfree session record at the end of this state)");
+  Reader r(data_ + 8, size_ - 8);
+  const uint32_t format = r.Get<uint32_t>();
+  const uint32_t bytes = r.Get<uint32_t>();
+  if (format != kFormat)
+    return loss(absl::StrCat("has format ", format, "; this stallfreed reads format ", kFormat));
+  if (bytes < 24 || bytes > size_ || bytes % 8 != 0)
+    return loss(absl::StrCat("claims ", bytes, " bytes of ", size_));
+  uint64_t sum;
+  memcpy(&sum, data_ + bytes - 8, 8);
+  if (sum != Digest(data_, bytes - 8)) return loss("fails its checksum");
+  r = Reader(data_ + 16, bytes - 24);
+  SessionIdentity id;
+  id.uid = static_cast<uid_t>(r.Get<uint32_t>());
+  id.rank = r.Get<int32_t>();
+  id.generation = r.Get<uint64_t>();
+  r.Bytes(id.token_sha256.data(), id.token_sha256.size());
+  id.total_elems = r.Get<uint64_t>();
+  id.state_stride = r.Get<uint64_t>();
+  id.region_bytes = r.Get<uint64_t>();
+  id.state_bytes = r.Get<uint64_t>();
+  id.param_dtype = r.Get<uint32_t>();
+  id.param_slots = r.Get<uint32_t>();
+  const uint32_t n = r.Get<uint32_t>();
+  if (!r.ok() || n > kMaxParams) return loss("has a bad parameter count");
+  id.params.resize(n);
+  for (RecordParam& p : id.params) {
+    r.Str(&p.name, 1024);
+    p.grad_dtype = r.Get<uint32_t>();
+    const uint32_t dims = r.Get<uint32_t>();
+    if (!r.ok() || dims > 8) return loss("has a bad parameter");
+    for (uint32_t d = 0; d < dims; ++d) p.shape.push_back(r.Get<int64_t>());
+  }
+  r.Str(&id.name, kRecordMaxName);
+  if (!r.ok()) return loss("is cut short");
+  return id;
+}
+
+absl::Status SessionRecord::Locate(uint64_t* identity_bytes, std::vector<int64_t>* cols) const {
+  absl::StatusOr<SessionIdentity> id = ReadIdentity();
+  if (!id.ok()) return id.status();
+  memcpy(identity_bytes, data_ + 12, 4);
+  *identity_bytes &= 0xffffffffu;
+  cols->clear();
+  for (const RecordParam& p : id->params) cols->push_back(Columns(p.shape));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> SessionRecord::Commit(const SessionCommit& c) {
+  uint64_t at = 0;
+  std::vector<int64_t> cols;
+  if (absl::Status st = Locate(&at, &cols); !st.ok()) return st;
+  int64_t total = 0;
+  if (c.col_steps.size() != cols.size())
+    return absl::InternalError("the commit's column steps do not match the identity");
+  for (size_t i = 0; i < cols.size(); ++i) {
+    if (static_cast<int64_t>(c.col_steps[i].size()) != cols[i])
+      return absl::InternalError("the commit's column steps do not match the identity");
+    total += cols[i];
+  }
+  const uint64_t slot = CommitBytes(static_cast<uint64_t>(total));
+  if (at + 2 * slot > size_) return absl::InternalError("the session record is too small");
+  if (next_sequence_ == 0) {
+    absl::StatusOr<SessionCommit> newest = NewestCommit();
+    next_sequence_ = newest.ok() ? newest->sequence + 1 : 1;
+  }
+  const uint64_t seq = next_sequence_++;
+  Writer w;
+  w.Put<uint64_t>(seq);
+  w.Put<uint32_t>(static_cast<uint32_t>(c.busy));
+  w.Put<uint32_t>((c.updated_once ? 1u : 0u) | (c.has_state ? 2u : 0u) | (c.acc_stale ? 4u : 0u));
+  w.Put<int64_t>(c.busy_step);
+  w.Put<int64_t>(c.version);
+  w.Put<int64_t>(c.last_step);
+  w.Put<int64_t>(c.pushes_since_update);
+  w.Put<uint32_t>(c.ready_slot);
+  w.Put<uint32_t>(c.ready_dtype);
+  for (const std::vector<int64_t>& steps : c.col_steps) w.Bytes(steps.data(), steps.size() * 8);
+  w.Put<uint64_t>(Digest(w.out.data(), w.out.size()));
+  // Slot 0 takes the odd sequence numbers, slot 1 the even ones: the other slot keeps the
+  // previous commit whole while this one is written.
+  memcpy(data_ + at + (seq % 2 == 1 ? 0 : slot), w.out.data(), w.out.size());
+  return seq;
+}
+
+absl::StatusOr<SessionCommit> SessionRecord::NewestCommit() const {
+  uint64_t at = 0;
+  std::vector<int64_t> cols;
+  if (absl::Status st = Locate(&at, &cols); !st.ok()) return st;
+  uint64_t total = 0;
+  for (int64_t c : cols) total += static_cast<uint64_t>(c);
+  const uint64_t slot = CommitBytes(total);
+  if (at + 2 * slot > size_) return absl::DataLossError("the session record is cut short");
+  bool any_written = false;
+  absl::StatusOr<SessionCommit> best = absl::NotFoundError("the session record has no commit");
+  for (int s = 0; s < 2; ++s) {
+    const uint8_t* p = data_ + at + s * slot;
+    uint64_t seq, sum;
+    memcpy(&seq, p, 8);
+    if (seq == 0) continue;
+    any_written = true;
+    memcpy(&sum, p + slot - 8, 8);
+    if (sum != Digest(p, slot - 8)) continue;  // torn: the other slot has the one before
+    if (best.ok() && best->sequence > seq) continue;
+    Reader r(p, slot - 8);
+    SessionCommit c;
+    c.sequence = r.Get<uint64_t>();
+    c.busy = static_cast<RecordBusy>(r.Get<uint32_t>());
+    const uint32_t flags = r.Get<uint32_t>();
+    c.updated_once = flags & 1;
+    c.has_state = flags & 2;
+    c.acc_stale = flags & 4;
+    c.busy_step = r.Get<int64_t>();
+    c.version = r.Get<int64_t>();
+    c.last_step = r.Get<int64_t>();
+    c.pushes_since_update = r.Get<int64_t>();
+    c.ready_slot = r.Get<uint32_t>();
+    c.ready_dtype = r.Get<uint32_t>();
+    for (int64_t n : cols) {
+      c.col_steps.emplace_back(static_cast<size_t>(n));
+      r.Bytes(c.col_steps.back().data(), static_cast<uint64_t>(n) * 8);
+    }
+    best = std::move(c);
+  }
+  if (!best.ok() && any_written)
+    return absl::DataLossError("neither of the session record's commits checks out");
+  return best;
+}
+
+}  // namespace stallfree

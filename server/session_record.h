@@ -1,0 +1,128 @@
+// The session record: what a restarted daemon needs to take a session back from its memfds
+// (SessionManager::Adopt), kept at the end of the session's state memfd, after the four fp32
+// arrays, by the daemon that holds the session. The session's process holds that memfd too, so
+// the record outlives the daemon with the state it describes.
+//
+// Two parts, each with its own checksum (Checksum64 of its bytes before it):
+//  - The identity, written when the session registers and again when it attaches and at every
+//    adoption: who owns it (the attached process's uid; the SHA-256 of its token, never the
+//    token), its generation (1 at the first attach, +1 at each adoption: a stale copy of the
+//    session's descriptors cannot take it back), its name and rank, and its registration (the
+//    RegisterParams request's parameters, dtype and slots) with the layout it gave (total
+//    elements, state stride, region and state bytes), so that a daemon whose layout rules
+//    differ refuses the session instead of misreading it.
+//  - Two commit slots, written alternately (the older one, with the next sequence number), so
+//    that a crash while one is written leaves the other whole. A commit holds the control state
+//    that the arrays do not: the version and step, pushes since the last Update, the parameter
+//    slot and dtype of the newest version, the accumulator's state, the per-column step counts,
+//    and `busy`: the work method that was changing the arrays when the commit was written (set
+//    before it starts, cleared by the commit after it). A session whose newest commit is busy
+//    died in the middle of changing its state: its arrays may be torn, and it is not adopted.
+//
+// Layout, little-endian, at byte `RecordOffset` of the state memfd, RecordBytes long:
+//   identity:  "SFSESS01" u32 format u32 bytes | u32 uid u32 rank u64 generation
+//              u8[32] token_sha256 | u64 total_elems u64 state_stride u64 region_bytes
+//              u64 state_bytes | u32 param_dtype u32 param_slots u32 nparams
+//              per parameter: u32 name_bytes, name, u32 grad_dtype, u32 ndims, i64 dims[ndims]
+//              u32 name_bytes, name | u64 checksum
+//   then, 8-aligned, two slots of CommitBytes each:
+//              u64 sequence (0: never written) u32 busy u32 flags i64 busy_step i64 version
+//              i64 last_step i64 pushes_since_update u32 ready_slot u32 ready_dtype
+//              i64 col_steps[total columns] | u64 checksum
+#pragma once
+
+#include <sys/types.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace stallfree {
+
+// One registered parameter, as RegisterParams named it.
+struct RecordParam {
+  std::string name;
+  std::vector<int64_t> shape;
+  uint32_t grad_dtype = 0;  // v1::DType
+};
+
+struct SessionIdentity {
+  uid_t uid = static_cast<uid_t>(-1);  // -1 until the session's process attached
+  int32_t rank = 0;
+  uint64_t generation = 0;
+  std::array<uint8_t, 32> token_sha256{};
+  std::string name;
+  // The registration, and the layout it gave.
+  uint32_t param_dtype = 0;  // RegisterParamsRequest.param_dtype
+  uint32_t param_slots = 0;  // RegisterParamsRequest.param_slots (0: the layout of before)
+  std::vector<RecordParam> params;
+  uint64_t total_elems = 0, state_stride = 0, region_bytes = 0, state_bytes = 0;
+};
+
+// The work method a commit says was changing the arrays (SessionCommit::busy).
+enum class RecordBusy : uint32_t {
+  kNone = 0,
+  kLoad = 1,      // LoadParams
+  kPush = 2,      // Accumulate
+  kUpdate = 3,    // Update
+  kRestore = 4,   // Restore or ImportState
+  kHandover = 5,  // columns handed over and not yet landed by the next Update
+};
+const char* RecordBusyName(RecordBusy busy);
+
+struct SessionCommit {
+  uint64_t sequence = 0;
+  RecordBusy busy = RecordBusy::kNone;
+  int64_t busy_step = 0;  // the step of the busy Update or push, when it has one
+  bool updated_once = false;
+  bool has_state = false;
+  bool acc_stale = false;  // OffloadSession::PrepareAccumulator
+  int64_t version = 0;
+  int64_t last_step = 0;
+  int64_t pushes_since_update = 0;
+  uint32_t ready_slot = 0;
+  uint32_t ready_dtype = 0;  // v1::DType
+  std::vector<std::vector<int64_t>> col_steps;  // per parameter, per column
+};
+
+// SHA-256 of a session token.
+std::array<uint8_t, 32> TokenDigest(const std::string& token);
+
+// The longest session name a record holds (OpenSession's limit).
+inline constexpr size_t kRecordMaxName = 256;
+// The record's size for a session of these parameters (identity's names and shapes, with room
+// for a name of kRecordMaxName bytes; commits' columns), a multiple of 8.
+uint64_t RecordBytes(const std::vector<RecordParam>& params);
+
+// A session's record in memory `data` of `size` bytes (RecordBytes). Not thread safe: the
+// owner writes the identity and the commits from one thread at a time.
+class SessionRecord {
+ public:
+  SessionRecord(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
+
+  // Writes the identity; the commit slots' place follows from it (written once per session
+  // with the same parameters: later writes change only the uid, generation and token digest).
+  absl::Status WriteIdentity(const SessionIdentity& id);
+  // Reads and verifies the identity: DataLoss naming the fault (magic, format, size, checksum).
+  absl::StatusOr<SessionIdentity> ReadIdentity() const;
+  // Writes `commit` with the next sequence number into the older slot; returns that number.
+  // col_steps must have the identity's parameters' columns.
+  absl::StatusOr<uint64_t> Commit(const SessionCommit& commit);
+  // The newest whole commit: DataLoss if neither slot checks out, NotFound if none was written.
+  absl::StatusOr<SessionCommit> NewestCommit() const;
+
+ private:
+  // The identity's size and its parameters' columns, from the bytes (ReadIdentity checked them).
+  absl::Status Locate(uint64_t* identity_bytes, std::vector<int64_t>* cols) const;
+  uint64_t CommitBytes(uint64_t total_cols) const { return 56 + 8 * total_cols + 8; }
+
+  uint8_t* data_;
+  uint64_t size_;
+  uint64_t next_sequence_ = 0;  // 0: not known yet (read from the slots at the first Commit)
+};
+
+}  // namespace stallfree

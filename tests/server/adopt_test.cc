@@ -1,0 +1,294 @@
+// A daemon killed between a session's calls loses nothing: the session's process holds the
+// region's and the state's memfds, and a daemon started on the same socket takes the session
+// back (Session::Reattach, the fd socket's ADOPT) from the record at the start of the state
+// (server/session_record.h). The run goes on bit for bit, with no step recomputed; and only the
+// session's own process, with its token and its current generation, can take it back.
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "client/client.h"
+#include "common/status.h"
+#include "common/unix_socket.h"
+#include "kernels/optimizer.h"
+#include "server/session_record.h"
+#include "testing/daemon_process.h"
+#include "testing/hyper.h"
+
+namespace stallfree {
+namespace {
+
+using Code = absl::StatusCode;
+using testing::Daemon;
+
+kernels::AdamWConfig Config(const v1::AdamWHyper& h, int64_t step) {
+  kernels::AdamWConfig c;
+  c.lr = h.lr();
+  c.beta1 = h.beta1();
+  c.beta2 = h.beta2();
+  c.eps = h.eps();
+  c.weight_decay = h.weight_decay();
+  c.step = step;
+  return c;
+}
+
+constexpr int64_t kRows = 64, kCols = 40, kN = kRows * kCols;
+
+// A session of one [64, 40] fp32 parameter with one fp32 parameter slot, loaded with `w`.
+struct Opened {
+  std::unique_ptr<Client> client;
+  std::unique_ptr<Session> session;
+};
+Opened Open(const std::string& socket, const std::vector<float>& w) {
+  Opened r;
+  auto client = Client::Connect(socket, 3000, 20);
+  EXPECT_TRUE(client.ok()) << client.status();
+  if (!client.ok()) return r;
+  r.client = *std::move(client);
+  auto session = r.client->OpenSession("adoptee", 3);
+  EXPECT_TRUE(session.ok()) << session.status();
+  if (!session.ok()) return r;
+  r.session = *std::move(session);
+  EXPECT_TRUE(
+      r.session->RegisterParams({{"w", {kRows, kCols}, v1::DTYPE_FP32}}, v1::DTYPE_FP32, 1).ok());
+  EXPECT_TRUE(r.session->LoadValues({{"w", w.data()}}).ok());
+  return r;
+}
+
+absl::Status Push(Session& s, const std::vector<float>& g, int64_t step) {
+  memcpy(s.GradSlot(0, "w"), g.data(), kN * 4);
+  return s.Push(step, 0).status();
+}
+
+absl::Status Update(Session& s, const v1::AdamWHyper& h, int64_t step) {
+  v1::UpdateRequest req;
+  req.set_step(step);
+  *req.mutable_hyper() = h;
+  RETURN_IF_ERROR(s.Update(req));
+  return s.WaitUpdate(step).status();
+}
+
+// The state's master, m and v as the session's held memfd has them (the arrays after the
+// record's pages: the array stride of requests.h's StateStride for 2560 elements).
+struct Arrays {
+  std::vector<float> master, m, v;
+};
+Arrays ReadState(int fd) {
+  struct stat st;
+  EXPECT_EQ(fstat(fd, &st), 0);
+  void* p = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+  EXPECT_NE(p, MAP_FAILED) << strerror(errno);
+  const uint64_t stride = 2560 + 784;
+  const uint64_t arrays_at = static_cast<uint64_t>(st.st_size) - 16 * stride;
+  const float* a = reinterpret_cast<const float*>(static_cast<const uint8_t*>(p) + arrays_at);
+  Arrays out{{a, a + kN}, {a + stride, a + stride + kN}, {a + 2 * stride, a + 2 * stride + kN}};
+  munmap(p, st.st_size);
+  return out;
+}
+
+// A raw ADOPT on the daemon's fd socket with these descriptors: the daemon's answer line.
+std::string RawAdopt(const std::string& fd_socket, const std::string& line,
+                     const std::vector<int>& fds) {
+  absl::StatusOr<int> conn = ConnectUnix(fd_socket);
+  if (!conn.ok()) return conn.status().ToString();
+  std::string reply;
+  std::vector<int> got;
+  absl::Status st = SendWithFds(*conn, line, fds);
+  if (st.ok()) st = RecvWithFds(*conn, 512, &reply, &got, 0);
+  close(*conn);
+  return st.ok() ? reply : st.ToString();
+}
+
+std::string FdSocket(Client& c) {
+  auto stats = c.GetStats();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  return stats.ok() ? stats->fd_socket() : "";
+}
+
+// SIGKILL of the daemon in the middle of a round (one push after the Update of step 1), a new
+// daemon on the same socket, Reattach: the session's version, step and pushes are where they
+// were, and the rest of the run equals AdamW's run locally bit for bit (no step recomputed, no
+// push repeated). The same again after a second kill (generation 3).
+TEST(Adopt, ARestartedDaemonTakesTheSessionBackAndTheRunGoesOnBitForBit) {
+  Daemon d;
+  ASSERT_TRUE(d.started()) << d.error();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> w(kN);
+  for (float& x : w) x = normal(rng);
+  Opened r = Open(d.socket(), w);
+  ASSERT_NE(r.session, nullptr);
+  Session& s = *r.session;
+  EXPECT_EQ(s.generation(), 1u);
+  const v1::AdamWHyper h = testing::TestHyper(0.05);
+  std::vector<float> m(kN, 0.0f), v(kN, 0.0f);
+  const kernels::OptimizerKernel& ref = kernels::ReferenceKernel();
+  auto grad = [&] {
+    std::vector<float> g(kN);
+    for (float& x : g) x = normal(rng);
+    return g;
+  };
+  for (int64_t step = 1; step <= 4; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    // Two pushes a round; the daemon dies after the first push of rounds 2 and 4.
+    std::vector<float> g1 = grad(), g2 = grad(), sum(kN);
+    for (int64_t i = 0; i < kN; ++i) sum[i] = g1[i] + g2[i];
+    ASSERT_TRUE(Push(s, g1, step).ok());
+    if (step == 2 || step == 4) {
+      const uint64_t old_id = s.ref().session_id();
+      d.Kill();
+      d.Restart();
+      // The old session is gone with its daemon: the next call says so.
+      absl::Status lost = Push(s, g2, step);
+      ASSERT_EQ(lost.code(), Code::kUnavailable) << lost;
+      absl::StatusOr<Session::Adopted> back = s.Reattach(30);
+      ASSERT_TRUE(back.ok()) << back.status() << "\n" << d.Log();
+      EXPECT_EQ(back->version, step - 1);
+      EXPECT_EQ(back->last_step, step - 1);
+      EXPECT_EQ(back->pushes_since_update, 1) << "the failed push did not happen";
+      EXPECT_EQ(s.generation(), step == 2 ? 2u : 3u);
+      EXPECT_NE(s.ref().session_id(), 0u);
+      (void)old_id;
+      auto listed = r.client->ListSessions();
+      ASSERT_TRUE(listed.ok()) << listed.status();
+      ASSERT_EQ(listed->size(), 1u);
+      EXPECT_EQ((*listed)[0].session_id(), s.ref().session_id());
+      EXPECT_EQ((*listed)[0].name(), "adoptee");
+      EXPECT_EQ((*listed)[0].rank(), 3);
+      EXPECT_EQ((*listed)[0].version(), step - 1);
+    }
+    ASSERT_TRUE(Push(s, g2, step).ok());
+    ASSERT_TRUE(Update(s, h, step).ok());
+    ref.AdamW(Config(h, step), w.data(), m.data(), v.data(), sum.data(), kernels::GradType::kFp32,
+              kN, nullptr);
+    const float* out = s.ParamsFp32(0, "w");
+    for (int64_t i = 0; i < kN; ++i) ASSERT_EQ(out[i], w[i]) << "parameter slot [" << i << "]";
+  }
+  const Arrays a = ReadState(s.state_fd());
+  EXPECT_EQ(a.master, w);
+  EXPECT_EQ(a.m, m);
+  EXPECT_EQ(a.v, v);
+  EXPECT_TRUE(s.Close().ok());
+}
+
+// Only the session's process, with the token and the current generation, takes the session
+// back; each refusal leaves the state as it was, and the rightful Reattach still works after
+// them: a forged token, a stale generation, another uid (when the test runs as root), a record
+// with a bad checksum, and a record whose newest commit says an Update was running (torn).
+TEST(Adopt, TakingASessionBackIsRefusedToAnyoneButItsOwnerAndToATornState) {
+  Daemon d;
+  ASSERT_TRUE(d.started()) << d.error();
+  std::vector<float> w(kN, 0.5f), g(kN, 0.25f);
+  Opened r = Open(d.socket(), w);
+  ASSERT_NE(r.session, nullptr);
+  Session& s = *r.session;
+  const v1::AdamWHyper h = testing::TestHyper(0.05);
+  ASSERT_TRUE(Push(s, g, 1).ok());
+  ASSERT_TRUE(Update(s, h, 1).ok());
+  const Arrays before = ReadState(s.state_fd());
+  const std::string fd_socket = FdSocket(*r.client);
+  ASSERT_FALSE(fd_socket.empty());
+  d.Kill();
+  d.Restart();
+  const std::vector<int> fds = {s.region_fd(), s.state_fd()};
+  const std::string token = s.ref().token();
+  auto refused = [&](const std::string& line, const std::string& code, const std::string& says) {
+    SCOPED_TRACE(line);
+    const std::string reply = RawAdopt(fd_socket, line, fds);
+    EXPECT_EQ(reply.rfind("ERR " + code, 0), 0u) << reply;
+    EXPECT_NE(reply.find(says), std::string::npos) << reply;
+  };
+  refused("ADOPT forged-token 1\n", "PERMISSION_DENIED", "wrong token");
+  refused("ADOPT " + token + " 0\n", "FAILED_PRECONDITION", "generation 0 is stale");
+  {  // the right line without the descriptors: malformed
+    const std::string reply = RawAdopt(fd_socket, "ADOPT " + token + " 1\n", {});
+    EXPECT_EQ(reply.rfind("ERR INVALID_ARGUMENT", 0), 0u) << reply;
+  }
+  if (geteuid() == 0) {  // another uid, with the very descriptors and token
+    const pid_t child = fork();
+    if (child == 0) {
+      if (setuid(65534) != 0) _exit(2);
+      const std::string reply = RawAdopt(fd_socket, "ADOPT " + token + " 1\n", fds);
+      _exit(reply.rfind("ERR PERMISSION_DENIED", 0) == 0 &&
+                    reply.find("belongs to uid") != std::string::npos
+                ? 0
+                : 1);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "uid 65534 was not refused: exit " << status;
+  }
+  // The record, edited through the held descriptor: a flipped identity byte, then a commit that
+  // says an Update of step 2 was running.
+  struct stat st;
+  ASSERT_EQ(fstat(s.state_fd(), &st), 0);
+  uint8_t* p = static_cast<uint8_t*>(
+      mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, s.state_fd(), 0));
+  ASSERT_NE(p, MAP_FAILED) << strerror(errno);
+  p[40] ^= 1;  // in the token digest
+  refused("ADOPT " + token + " 1\n", "DATA_LOSS", "checksum");
+  p[40] ^= 1;
+  const uint64_t arrays_at = static_cast<uint64_t>(st.st_size) - 16 * (2560 + 784);
+  SessionRecord record(p, arrays_at);
+  absl::StatusOr<SessionCommit> newest = record.NewestCommit();
+  ASSERT_TRUE(newest.ok()) << newest.status();
+  EXPECT_EQ(newest->version, 1);
+  EXPECT_EQ(newest->busy, RecordBusy::kNone);
+  SessionCommit torn = *newest;
+  torn.busy = RecordBusy::kUpdate;
+  torn.busy_step = 2;
+  ASSERT_TRUE(record.Commit(torn).ok());
+  refused("ADOPT " + token + " 1\n", "FAILED_PRECONDITION",
+          "in the middle of an Update of step 2");
+  ASSERT_TRUE(record.Commit(*newest).ok());  // whole again, as the daemon left it
+  munmap(p, st.st_size);
+
+  const Arrays after = ReadState(s.state_fd());
+  EXPECT_EQ(after.master, before.master);
+  EXPECT_EQ(after.m, before.m);
+  EXPECT_EQ(after.v, before.v);
+  absl::StatusOr<Session::Adopted> back = s.Reattach(30);
+  ASSERT_TRUE(back.ok()) << back.status() << "\n" << d.Log();
+  EXPECT_EQ(back->version, 1);
+  // The generation it had is stale now: a second ADOPT with it is refused.
+  refused("ADOPT " + token + " 1\n", "FAILED_PRECONDITION", "generation 1 is stale");
+  absl::Status pushed = Push(s, g, 2);
+  ASSERT_TRUE(pushed.ok()) << pushed << "\n" << d.Log();
+  absl::Status updated = Update(s, h, 2);
+  EXPECT_TRUE(updated.ok()) << updated;
+}
+
+// Reattach with no daemon at the socket waits its bound and names the socket; while the daemon
+// that holds the session still runs it is refused.
+TEST(Adopt, ReattachWaitsItsBoundAndNamesTheSocket) {
+  Daemon d;
+  ASSERT_TRUE(d.started()) << d.error();
+  std::vector<float> w(kN, 0.5f);
+  Opened r = Open(d.socket(), w);
+  ASSERT_NE(r.session, nullptr);
+  absl::StatusOr<Session::Adopted> early = r.session->Reattach(1);
+  EXPECT_EQ(early.status().code(), Code::kFailedPrecondition) << early.status();
+  const std::string fd_socket = FdSocket(*r.client);
+  d.Kill();
+  unlink(fd_socket.c_str());
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<Session::Adopted> none = r.session->Reattach(1.5);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(none.status().code(), Code::kUnavailable) << none.status();
+  EXPECT_NE(none.status().message().find(fd_socket), std::string::npos) << none.status();
+  EXPECT_GE(took, 1.4);
+  EXPECT_LT(took, 5);
+}
+
+}  // namespace
+}  // namespace stallfree
