@@ -332,22 +332,25 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
 }
 
 Session::Session(Client* client, v1::SessionRef ref, std::string fd_socket)
-    : client_(client), ref_(std::move(ref)), fd_socket_(std::move(fd_socket)) {}
+    : client_(client), token_(ref.token()), session_id_(ref.session_id()),
+      fd_socket_(std::move(fd_socket)) {}
 
 Session::~Session() { Close().IgnoreError(); }
 
 absl::Status Session::Rpc(const grpc::Status& s) const {
   absl::Status st = FromGrpc(s);
-  if (st.ok() || absl::IsUnavailable(st) || conn_ < 0 || !PeerClosed(conn_)) return st;
+  const int conn = conn_.load();
+  if (st.ok() || absl::IsUnavailable(st) || conn < 0 || !PeerClosed(conn)) return st;
   // The daemon that held the session closed the session's connection: its process is gone, and
   // whatever answered (a restarted daemon: "no session", a wrong token) does not have the session.
   return absl::UnavailableError(absl::StrCat("stallfreed went away (the connection of session ",
-                                             ref_.session_id(), " closed): ", st.ToString()));
+                                             session_id_.load(), " closed): ", st.ToString()));
 }
 
 int Session::DaemonPid() const {
-  if (conn_ < 0) return 0;
-  absl::StatusOr<struct ucred> peer = PeerCredentials(conn_);
+  const int conn = conn_.load();
+  if (conn < 0) return 0;
+  absl::StatusOr<struct ucred> peer = PeerCredentials(conn);
   return peer.ok() ? static_cast<int>(peer->pid) : 0;
 }
 
@@ -373,7 +376,7 @@ absl::Status Session::Close() {
   if (closed_) return absl::OkStatus();
   closed_ = true;
   v1::CloseSessionRequest req;
-  *req.mutable_session() = ref_;
+  *req.mutable_session() = ref();
   v1::CloseSessionResponse resp;
   absl::Status st = Call(
       "CloseSession", 0,
@@ -385,6 +388,8 @@ absl::Status Session::Close() {
   state_fd_ = -1;
   if (conn_ >= 0) close(conn_);
   conn_ = -1;
+  for (int fd : dead_conns_) close(fd);
+  dead_conns_.clear();
   return st;
 }
 
@@ -395,7 +400,7 @@ absl::Status Session::Attach() {
   std::vector<int> fds;
   // The region's memfd, which this process maps, and the optimizer state's, which it holds.
   RETURN_IF_ERROR(client_->FdExchange(
-      conn_, fd_socket_, absl::StrCat(ref_.session_id(), " ", ref_.token(), " STATE\n"), &reply,
+      conn_, fd_socket_, absl::StrCat(session_id_.load(), " ", token_, " STATE\n"), &reply,
       &fds, 2));
   auto close_all = [&fds] {
     for (int fd : fds) close(fd);
@@ -404,10 +409,11 @@ absl::Status Session::Attach() {
     close_all();
     while (!reply.empty() && reply.back() == '\n') reply.pop_back();
     return absl::PermissionDeniedError(absl::StrCat("the daemon refused the region of session ",
-                                                    ref_.session_id(), ": ", reply));
+                                                    session_id_.load(), ": ", reply));
   }
-  uint64_t size = 0, state_size = 0;
-  std::istringstream(reply.substr(3)) >> size >> state_size >> generation_;
+  uint64_t size = 0, state_size = 0, generation = 0;
+  std::istringstream(reply.substr(3)) >> size >> state_size >> generation;
+  generation_ = generation;
   struct stat st;
   if (size != layout_.region_bytes() || fstat(fds[1], &st) != 0 ||
       static_cast<uint64_t>(st.st_size) != state_size) {
@@ -422,7 +428,7 @@ absl::Status Session::Attach() {
   ASSIGN_OR_RETURN(region_, MappedRegion::MapFd(fd, size));
   std::string err;
   host_registered_ = HostRegister(region_->data(), region_->size(), &err);
-  if (!err.empty()) SF_LOG(kWarning, "region of session %d: %s", ref_.session_id(), err);
+  if (!err.empty()) SF_LOG(kWarning, "region of session %d: %s", session_id_.load(), err);
   return absl::OkStatus();
 }
 
@@ -442,15 +448,15 @@ absl::StatusCode RefusalCode(const std::string& reply) {
 absl::StatusOr<Session::Adopted> Session::Reattach(double wait_s) {
   if (closed_ || region_ == nullptr || state_fd_ < 0)
     return absl::FailedPreconditionError(absl::StrCat(
-        "session ", ref_.session_id(), " has no state to re-attach (closed, or not registered)"));
+        "session ", session_id_.load(), " has no state to re-attach (closed, or not registered)"));
   if (conn_ >= 0 && !PeerClosed(conn_))
     return absl::FailedPreconditionError(absl::StrCat(
-        "the daemon that holds session ", ref_.session_id(), " is still connected to it"));
+        "the daemon that holds session ", session_id_.load(), " is still connected to it"));
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                     std::chrono::duration<double>(wait_s));
   auto next_note = start + std::chrono::seconds(10);
-  const std::string request = absl::StrCat("ADOPT ", ref_.token(), " ", generation_, "\n");
+  const std::string request = absl::StrCat("ADOPT ", token_, " ", generation_.load(), "\n");
   absl::Status last = absl::UnavailableError("no attempt");
   while (true) {
     absl::StatusOr<int> conn = ConnectUnix(fd_socket_);
@@ -465,11 +471,12 @@ absl::StatusOr<Session::Adopted> Session::Reattach(double wait_s) {
       std::istringstream in(reply.rfind("OK ", 0) == 0 ? reply.substr(3) : "");
       if (last.ok() &&
           (in >> id >> generation >> got.version >> got.last_step >> got.pushes_since_update)) {
-        if (conn_ >= 0) close(conn_);
-        conn_ = *conn;
-        const uint64_t old_id = ref_.session_id();
-        ref_.set_session_id(id);
+        // The dead daemon's connection stays open until Close: another thread's call may be
+        // asking it whether it closed (Rpc).
+        if (conn_ >= 0) dead_conns_.push_back(conn_);
+        const uint64_t old_id = session_id_.exchange(id);
         generation_ = generation;
+        conn_ = *conn;
         // The gRPC channel may still hold the dead daemon's connection (its first call would
         // fail on it) or be backing off (Connect's backoff, at most 1 s): a health check until
         // the new daemon answers one, within the same bound (and at least 2 s), so that the
@@ -489,7 +496,7 @@ absl::StatusOr<Session::Adopted> Session::Reattach(double wait_s) {
                                 ? absl::StatusCode::kFailedPrecondition
                                 : RefusalCode(reply),
                             absl::StrCat("the stallfreed at ", fd_socket_,
-                                         " refused to take back session ", ref_.session_id(),
+                                         " refused to take back session ", session_id_.load(),
                                          ": ", reply));
     } else {
       last = conn.status();
@@ -497,12 +504,12 @@ absl::StatusOr<Session::Adopted> Session::Reattach(double wait_s) {
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline)
       return absl::UnavailableError(absl::StrCat(
-          "no stallfreed took back session ", ref_.session_id(), " at ", fd_socket_, " within ",
+          "no stallfreed took back session ", session_id_.load(), " at ", fd_socket_, " within ",
           Seconds(wait_s), " (", last.message(), "); its state is still held by this process "
           "until the session closes"));
     if (now >= next_note) {
       SF_LOG(kWarning, "session %d: waiting for a stallfreed at %s to take it back (%.0f of %.0f s)",
-             ref_.session_id(), fd_socket_,
+             session_id_.load(), fd_socket_,
              std::chrono::duration<double>(now - start).count(), wait_s);
       next_note = now + std::chrono::seconds(10);
     }
@@ -514,7 +521,7 @@ absl::Status Session::RegisterParams(const std::vector<ParamSpec>& params,
                                      v1::DType param_dtype, uint32_t param_slots) {
   v1::RegisterParamsRequest req;
   uint64_t elements = 0;
-  *req.mutable_session() = ref_;
+  *req.mutable_session() = ref();
   req.set_param_dtype(param_dtype);
   req.set_param_slots(param_slots);
   for (const ParamSpec& p : params) {
@@ -596,7 +603,7 @@ absl::Status Session::LoadParams() { return LoadParams(std::vector<LoadRange>{})
 
 absl::Status Session::LoadParams(const std::vector<LoadRange>& ranges) {
   v1::LoadParamsRequest req;
-  *req.mutable_session() = ref_;
+  *req.mutable_session() = ref();
   for (const LoadRange& r : ranges) {
     v1::LoadRange* out = req.add_ranges();
     out->set_param(r.param);
@@ -639,7 +646,7 @@ absl::Status Session::LoadValues(
 
 absl::StatusOr<v1::PushGradientsResponse> Session::Push(const v1::PushGradientsRequest& request) {
   v1::PushGradientsRequest req = request;
-  *req.mutable_session() = ref_;
+  *req.mutable_session() = ref();
   v1::PushGradientsResponse resp;
   // It reads a gradient slot and reads and writes the fp32 accumulator (at most 3 slots of
   // bytes), behind the session's earlier work (a running Update, which rpc_timeout bounds).
@@ -689,7 +696,7 @@ absl::Status Session::UpdateWithPush(int64_t step, const v1::AdamWHyper& hyper,
 }
 
 absl::Status Session::Update(v1::UpdateRequest req) {
-  *req.mutable_session() = ref_;
+  *req.mutable_session() = ref();
   v1::UpdateResponse resp;
   // Validated and started; the daemon answers at once (WaitUpdate waits for the work).
   return Call("Update", 0, [&](grpc::ClientContext* ctx) {
@@ -701,7 +708,7 @@ absl::StatusOr<v1::MigrateColumnsResponse> Session::HandOverColumns(
     const std::vector<ColumnMove>& moves) {
   if (moves.empty()) return absl::InvalidArgumentError("HandOverColumns: no moves");
   v1::MigrateColumnsRequest req;
-  *req.mutable_session() = ref_;
+  *req.mutable_session() = ref();
   req.set_handover(true);
   req.set_param(moves[0].param);
   for (int64_t c : moves[0].columns) req.add_columns(c);
@@ -734,7 +741,7 @@ absl::StatusOr<v1::WaitUpdateResponse> Session::WaitUpdate(int64_t min_version,
     timeout_ms = static_cast<uint32_t>(std::max(1.0, std::floor((t - margin) * 1000)));
   }
   v1::WaitUpdateRequest req;
-  *req.mutable_session() = ref_;
+  *req.mutable_session() = ref();
   req.set_min_version(min_version);
   req.set_timeout_ms(timeout_ms);
   v1::WaitUpdateResponse resp;
@@ -747,7 +754,7 @@ absl::StatusOr<v1::WaitUpdateResponse> Session::WaitUpdate(int64_t min_version,
 
 absl::StatusOr<v1::CheckpointResponse> Session::Checkpoint(const std::string& tag) {
   v1::CheckpointRequest req;
-  *req.mutable_session() = ref_;
+  *req.mutable_session() = ref();
   req.set_tag(tag);
   v1::CheckpointResponse resp;
   RETURN_IF_ERROR(Call("Checkpoint", StateBytes(), [&](grpc::ClientContext* ctx) {
@@ -758,7 +765,7 @@ absl::StatusOr<v1::CheckpointResponse> Session::Checkpoint(const std::string& ta
 
 absl::StatusOr<v1::RestoreResponse> Session::Restore(const std::string& tag, v1::DType out_dtype) {
   v1::RestoreRequest req;
-  *req.mutable_session() = ref_;
+  *req.mutable_session() = ref();
   req.set_tag(tag);
   req.set_out_dtype(out_dtype);
   v1::RestoreResponse resp;
@@ -775,7 +782,7 @@ absl::StatusOr<std::string> Session::ReadCheckpointBytes(const std::string& tag,
   std::string out;
   for (uint64_t offset = 0;;) {
     v1::ReadCheckpointRequest req;
-    *req.mutable_session() = ref_;
+    *req.mutable_session() = ref();
     req.set_tag(tag);
     req.set_offset(offset);
     req.set_delete_after(delete_after);
@@ -804,7 +811,7 @@ absl::Status Session::WriteCheckpointBytes(const std::string& tag, const std::st
     const uint64_t n = std::min<uint64_t>(chunk, bytes.size() - offset);
     memcpy(staging, bytes.data() + offset, n);
     v1::WriteCheckpointRequest req;
-    *req.mutable_session() = ref_;
+    *req.mutable_session() = ref();
     req.set_tag(tag);
     req.set_offset(offset);
     req.set_length(n);
@@ -822,7 +829,7 @@ absl::Status Session::WriteCheckpointBytes(const std::string& tag, const std::st
 
 absl::Status Session::DeleteCheckpoint(const std::string& tag) {
   v1::DeleteCheckpointRequest req;
-  *req.mutable_session() = ref_;
+  *req.mutable_session() = ref();
   req.set_tag(tag);
   v1::DeleteCheckpointResponse resp;
   // On the session's strand, behind its earlier work.
@@ -837,7 +844,7 @@ absl::StatusOr<std::string> Session::ExportState(int64_t* version) {
   std::string out;
   for (uint64_t offset = 0;;) {
     v1::ExportStateRequest req;
-    *req.mutable_session() = ref_;
+    *req.mutable_session() = ref();
     req.set_offset(offset);
     v1::ExportStateResponse resp;
     // The first chunk waits behind the session's earlier work (an Update); each copies at most
@@ -873,7 +880,7 @@ absl::StatusOr<v1::ImportStateResponse> Session::ImportState(const void* bytes, 
     const uint64_t n = std::min<uint64_t>(chunk, size - offset);
     if (n > 0) memcpy(staging, src + offset, n);  // an empty state: bytes may be null
     v1::ImportStateRequest req;
-    *req.mutable_session() = ref_;
+    *req.mutable_session() = ref();
     req.set_offset(offset);
     req.set_length(n);
     req.set_total_bytes(size);

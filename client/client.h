@@ -59,6 +59,7 @@
 // (attaching a session, a caller credential) by rpc_timeout.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <future>
 #include <map>
@@ -293,9 +294,15 @@ class Session {
   // Not concurrently with the session's other calls.
   absl::StatusOr<Adopted> Reattach(double wait_s);
   // The generation the session's record had at the attach or the last Reattach.
-  uint64_t generation() const { return generation_; }
+  uint64_t generation() const { return generation_.load(); }
 
-  const v1::SessionRef& ref() const { return ref_; }
+  // The session's id (a Reattach changes it) and token.
+  v1::SessionRef ref() const {
+    v1::SessionRef r;
+    r.set_session_id(session_id_.load());
+    r.set_token(token_);
+    return r;
+  }
 
  private:
   friend class Client;
@@ -315,9 +322,12 @@ class Session {
   uint64_t StateBytes() const;
 
   Client* client_;
-  v1::SessionRef ref_;
+  const std::string token_;
+  // Written by Reattach while other threads' calls may read them.
+  std::atomic<uint64_t> session_id_;
   std::string fd_socket_;
-  int conn_ = -1;
+  std::atomic<int> conn_{-1};
+  std::vector<int> dead_conns_;  // the connections of daemons gone, closed by Close
   bool closed_ = false;
   bool host_registered_ = false;
   v1::RegionLayout layout_;
@@ -325,7 +335,7 @@ class Session {
   std::unique_ptr<MappedRegion> region_;
   int state_fd_ = -1;
   uint64_t state_bytes_ = 0;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};
 };
 
 }  // namespace stallfree

@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status.h"
+
 namespace stallfree {
 
 v1::DType ToProto(DType t) { return t == DType::kBf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32; }
@@ -27,27 +31,110 @@ const void* SessionTarget::ParamSlot(uint32_t slot, const std::string& name, DTy
   return s_->ParamsFp32(slot, name);
 }
 
+absl::StatusOr<SessionTarget::Adopted> SessionTarget::Recover(uint64_t generation,
+                                                             const absl::Status& why) {
+  const double wait_s = reattach_s_.load();
+  if (wait_s <= 0 || !absl::IsUnavailable(why)) return why;
+  absl::MutexLock one(&reattach_mu_);
+  if (s_->generation() != generation) {  // another thread re-attached since the call began
+    absl::MutexLock lock(&mu_);
+    return adopted_;
+  }
+  SF_LOG(kWarning, "session %d: %s; re-attaching (waiting up to %.0f s for a stallfreed)",
+         s_->ref().session_id(), why.ToString(), wait_s);
+  absl::StatusOr<Session::Adopted> back = s_->Reattach(wait_s);
+  // A daemon that cannot take the state back (torn, refused) is a lost daemon to the caller as
+  // well: UNAVAILABLE, whose recovery is a checkpoint's.
+  if (!back.ok())
+    return absl::UnavailableError(
+        absl::StrCat(back.status().ToString(), " (after: ", why.message(), ")"));
+  Adopted a{s_->generation(), back->version, back->pushes_since_update};
+  bool resend = false;
+  SentUpdate redo;
+  int64_t pushes_before = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (started_ > back->version && sent_.step == started_) {
+      resend = true;
+      redo = sent_;
+      pushes_before = pushes_before_sent_;
+    }
+  }
+  if (resend) {
+    // The daemon that died had accepted the Update and not run it: its round's pushes must all
+    // be there, and the Update goes again as it was.
+    if (back->pushes_since_update != pushes_before)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the state taken back has ", back->pushes_since_update, " pushes after version ",
+          back->version, ", but the Update of step ", redo.step, " followed ", pushes_before,
+          ": restore a checkpoint"));
+    RETURN_IF_ERROR(SendUpdate(redo));
+    a.pushes_since_update = 0;  // counted from that Update on, as the daemon will
+  }
+  absl::MutexLock lock(&mu_);
+  adopted_ = a;
+  ++reattached_;
+  if (resend) ++resent_;
+  SF_LOG(kInfo, "session %d: taken back at version %d%s", s_->ref().session_id(), a.version,
+         resend ? absl::StrCat("; the Update of step ", redo.step, " sent again") : "");
+  return a;
+}
+
+absl::Status SessionTarget::Resilient(const std::function<absl::Status()>& call,
+                                      const std::function<bool(const Adopted&)>& done) {
+  const uint64_t generation = s_->generation();
+  absl::Status st = call();
+  if (st.ok()) return st;
+  absl::StatusOr<Adopted> a = Recover(generation, st);
+  if (!a.ok()) return a.status();
+  if (done && done(*a)) return absl::OkStatus();
+  return call();
+}
+
 absl::Status SessionTarget::Push(int64_t step, uint32_t slot, float scale) {
-  return s_->Push(step, slot, scale).status();
+  int64_t before;
+  {
+    absl::MutexLock lock(&mu_);
+    before = pushes_;
+  }
+  // Done already if the state taken back counts it.
+  RETURN_IF_ERROR(Resilient([&] { return s_->Push(step, slot, scale).status(); },
+                            [&](const Adopted& a) { return a.pushes_since_update > before; }));
+  absl::MutexLock lock(&mu_);
+  ++pushes_;
+  return absl::OkStatus();
+}
+
+absl::Status SessionTarget::SendUpdate(const SentUpdate& u) {
+  v1::AdamWHyper h;
+  h.set_lr(u.hyper.lr);
+  h.set_beta1(u.hyper.beta1);
+  h.set_beta2(u.hyper.beta2);
+  h.set_eps(u.hyper.eps);
+  h.set_weight_decay(u.hyper.weight_decay);
+  return s_->UpdateWithPush(u.step, h, u.param_slot, ToProto(u.out), u.grad_slot, u.push_scale,
+                            u.skip_params, u.hyper.predict);
 }
 
 absl::Status SessionTarget::UpdateWithPush(int64_t step, const AdamW& hyper,
                                            uint32_t param_slot, DType out, uint32_t grad_slot,
                                            float push_scale,
                                            const std::vector<std::string>& skip_params) {
-  v1::AdamWHyper h;
-  h.set_lr(hyper.lr);
-  h.set_beta1(hyper.beta1);
-  h.set_beta2(hyper.beta2);
-  h.set_eps(hyper.eps);
-  h.set_weight_decay(hyper.weight_decay);
-  absl::Status st = s_->UpdateWithPush(step, h, param_slot, ToProto(out), grad_slot, push_scale,
-                                       skip_params, hyper.predict);
-  if (st.ok()) {
+  const SentUpdate u{step, hyper, param_slot, out, grad_slot, push_scale, skip_params};
+  int64_t before;
+  {
     absl::MutexLock lock(&mu_);
-    started_ = std::max(started_, step);
+    before = pushes_;
   }
-  return st;
+  // Done already if the state taken back has its version.
+  RETURN_IF_ERROR(Resilient([&] { return SendUpdate(u); },
+                            [&](const Adopted& a) { return a.version >= step; }));
+  absl::MutexLock lock(&mu_);
+  started_ = std::max(started_, step);
+  sent_ = u;
+  pushes_before_sent_ = before;
+  pushes_ = 0;
+  return absl::OkStatus();
 }
 
 absl::Status SessionTarget::WaitUpdate(int64_t min_version) {
@@ -57,8 +144,12 @@ absl::Status SessionTarget::WaitUpdate(int64_t min_version) {
     absl::MutexLock lock(&mu_);
     if (seen_.version >= min_version && min_version > 0) return absl::OkStatus();
   }
-  absl::StatusOr<v1::WaitUpdateResponse> got = s_->WaitUpdate(min_version);
-  if (!got.ok()) return got.status();
+  absl::StatusOr<v1::WaitUpdateResponse> got;
+  // After a re-attach the Update is there or sent again (Recover): the wait goes on.
+  RETURN_IF_ERROR(Resilient([&] {
+    got = s_->WaitUpdate(min_version);
+    return got.status();
+  }));
   absl::MutexLock lock(&mu_);
   if (got->version() > seen_.version) seen_ = {got->version(), got->update_seconds()};
   return absl::OkStatus();
@@ -66,8 +157,13 @@ absl::Status SessionTarget::WaitUpdate(int64_t min_version) {
 
 absl::StatusOr<OffloadTarget::HandOver> SessionTarget::HandOverColumns(
     const std::vector<ColumnMove>& moves) {
-  absl::StatusOr<v1::MigrateColumnsResponse> got = s_->HandOverColumns(moves);
-  if (!got.ok()) return got.status();
+  // A handover the daemon that died had done leaves the record busy (not taken back): after a
+  // re-attach it did not happen.
+  absl::StatusOr<v1::MigrateColumnsResponse> got;
+  RETURN_IF_ERROR(Resilient([&] {
+    got = s_->HandOverColumns(moves);
+    return got.status();
+  }));
   HandOver out;
   out.pushes = got->pushes();
   out.steps.emplace_back(got->steps().begin(), got->steps().end());
@@ -77,25 +173,45 @@ absl::StatusOr<OffloadTarget::HandOver> SessionTarget::HandOverColumns(
 }
 
 absl::Status SessionTarget::Checkpoint(const std::string& tag) {
-  return s_->Checkpoint(tag).status();
+  return Resilient([&] { return s_->Checkpoint(tag).status(); });
+}
+
+absl::StatusOr<std::string> SessionTarget::ReadCheckpoint(const std::string& tag,
+                                                          bool delete_after) {
+  absl::StatusOr<std::string> got;
+  RETURN_IF_ERROR(Resilient([&] {
+    got = s_->ReadCheckpointBytes(tag, delete_after);
+    return got.status();
+  }));
+  return got;
+}
+
+absl::StatusOr<std::string> SessionTarget::ExportState() {
+  absl::StatusOr<std::string> got;
+  RETURN_IF_ERROR(Resilient([&] {
+    got = s_->ExportState();
+    return got.status();
+  }));
+  return got;
 }
 
 absl::Status SessionTarget::Restore(const std::string& tag, DType out) {
   {
     absl::MutexLock lock(&mu_);
     seen_ = UpdateSeen();
-    started_ = 0;
+    started_ = pushes_ = 0;
   }
-  return s_->Restore(tag, ToProto(out)).status();
+  return Resilient([&] { return s_->Restore(tag, ToProto(out)).status(); });
 }
 
 absl::Status SessionTarget::ImportState(const std::string& bytes, DType out) {
   {
     absl::MutexLock lock(&mu_);
     seen_ = UpdateSeen();
-    started_ = 0;
+    started_ = pushes_ = 0;
   }
-  return s_->ImportState(bytes.data(), bytes.size(), ToProto(out)).status();
+  return Resilient(
+      [&] { return s_->ImportState(bytes.data(), bytes.size(), ToProto(out)).status(); });
 }
 
 }  // namespace stallfree

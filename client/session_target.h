@@ -1,8 +1,21 @@
 // stallfree::SessionTarget: the ZenFlow engine's OffloadTarget (engine/offload_target.h) over a
 // stallfreed session (client.h). It maps the engine's types onto offload.proto's and back; the
 // session keeps its transport, its errors (client.h says what each code means) and its region.
+//
+// Surviving the daemon (reattach_s > 0): a call that finds the daemon gone (UNAVAILABLE)
+// re-attaches the session to the daemon at the same socket (Session::Reattach, which waits up
+// to reattach_s for one), then finishes what the daemon that died had not: the Update this
+// target started if the state's record says it never ran (sent again as it was: the gradient
+// slot it reads is untouched until its WaitUpdate, the engine's rule), then the call itself
+// unless the record says that it happened (a push the record counts, an Update it has). The
+// engine sees nothing but a slow call. One thread re-attaches; another that finds the daemon
+// gone meanwhile uses what it found. A state the record says is torn (the daemon died inside
+// an Update, a push or a handover) is not taken back: the call fails with the daemon's
+// FAILED_PRECONDITION, and the caller restores a checkpoint.
 #pragma once
 
+#include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -22,11 +35,26 @@ DType FromProto(v1::DType t);
 
 class SessionTarget : public OffloadTarget {
  public:
-  // Over `session`, which must outlive this target; or over one it owns.
-  explicit SessionTarget(Session* session) : s_(session) {}
-  explicit SessionTarget(std::unique_ptr<Session> session)
-      : owned_(std::move(session)), s_(owned_.get()) {}
+  // Over `session`, which must outlive this target; or over one it owns. reattach_s: see the
+  // top of this file (0: a lost daemon fails the call).
+  explicit SessionTarget(Session* session, double reattach_s = 0)
+      : s_(session), reattach_s_(reattach_s) {}
+  explicit SessionTarget(std::unique_ptr<Session> session, double reattach_s = 0)
+      : owned_(std::move(session)), s_(owned_.get()), reattach_s_(reattach_s) {}
   Session* session() const { return s_; }
+  // From now on a lost daemon fails the call at once (reattach_s 0).
+  void StopReattaching() { reattach_s_.store(0); }
+  // How many times this target re-attached its session to a new daemon.
+  int64_t reattached() const {
+    absl::MutexLock lock(&mu_);
+    return reattached_;
+  }
+  // How many Updates it sent again after a re-attach (accepted by the daemon that died, never
+  // run there).
+  int64_t resent_updates() const {
+    absl::MutexLock lock(&mu_);
+    return resent_;
+  }
 
   absl::Status Register(const std::vector<Param>& params, DType param_dtype,
                         uint32_t param_slots) override;
@@ -41,7 +69,7 @@ class SessionTarget : public OffloadTarget {
   float* Staging() const override { return s_->Staging(); }
   uint64_t staging_floats() const override { return s_->staging_floats(); }
   absl::Status LoadParams(const std::vector<LoadRange>& ranges) override {
-    return s_->LoadParams(ranges);
+    return Resilient([&] { return s_->LoadParams(ranges); });
   }
   absl::Status Push(int64_t step, uint32_t slot, float scale) override;
   absl::Status UpdateWithPush(int64_t step, const AdamW& hyper, uint32_t param_slot, DType out,
@@ -56,16 +84,14 @@ class SessionTarget : public OffloadTarget {
   absl::Status Checkpoint(const std::string& tag) override;
   absl::Status Restore(const std::string& tag, DType out) override;
   absl::Status DeleteCheckpoint(const std::string& tag) override {
-    return s_->DeleteCheckpoint(tag);
+    return Resilient([&] { return s_->DeleteCheckpoint(tag); });
   }
   absl::StatusOr<std::string> ReadCheckpoint(const std::string& tag,
-                                             bool delete_after) override {
-    return s_->ReadCheckpointBytes(tag, delete_after);
-  }
+                                             bool delete_after) override;
   absl::Status WriteCheckpoint(const std::string& tag, const std::string& bytes) override {
-    return s_->WriteCheckpointBytes(tag, bytes);
+    return Resilient([&] { return s_->WriteCheckpointBytes(tag, bytes); });
   }
-  absl::StatusOr<std::string> ExportState() override { return s_->ExportState(); }
+  absl::StatusOr<std::string> ExportState() override;
   absl::Status ImportState(const std::string& bytes, DType out) override;
   // The newest Update this target started (UpdateWithPush) that a WaitUpdate has not returned
   // yet; 0 when none runs as far as the target knows (and after a Restore or an import).
@@ -75,11 +101,45 @@ class SessionTarget : public OffloadTarget {
   }
 
  private:
+  // An Update as UpdateWithPush sent it, to send again if the daemon died before it ran.
+  struct SentUpdate {
+    int64_t step = 0;
+    AdamW hyper;
+    uint32_t param_slot = 0;
+    DType out = DType::kFp32;
+    uint32_t grad_slot = 0;
+    float push_scale = 1.0f;
+    std::vector<std::string> skip_params;
+  };
+  absl::Status SendUpdate(const SentUpdate& u);
+  // Where the session's state stands after the newest re-attach and what it finished.
+  struct Adopted {
+    uint64_t generation = 0;
+    int64_t version = 0;
+    int64_t pushes_since_update = 0;
+  };
+  // After `call` failed with `why`: UNAVAILABLE with reattach on, the state where it stands once
+  // the session is re-attached (by this thread, or by another since the call began at
+  // `generation`) and the started Update finished; else why.
+  absl::StatusOr<Adopted> Recover(uint64_t generation, const absl::Status& why);
+  // call(); on a lost daemon Recover, then, unless done(what Recover found) says the call
+  // happened, call() once more.
+  absl::Status Resilient(const std::function<absl::Status()>& call,
+                         const std::function<bool(const Adopted&)>& done = nullptr);
+
   std::unique_ptr<Session> owned_;
   Session* s_;
+  std::atomic<double> reattach_s_;
   mutable absl::Mutex mu_;  // WaitUpdate runs on the engine's thread and its copy thread
   UpdateSeen seen_ ABSL_GUARDED_BY(mu_);
   int64_t started_ ABSL_GUARDED_BY(mu_) = 0;  // the newest Update's version UpdateWithPush began
+  int64_t pushes_ ABSL_GUARDED_BY(mu_) = 0;   // pushes done since the newest Update began
+  SentUpdate sent_ ABSL_GUARDED_BY(mu_);      // the newest Update sent
+  int64_t pushes_before_sent_ ABSL_GUARDED_BY(mu_) = 0;  // the pushes of its round before it
+  Adopted adopted_ ABSL_GUARDED_BY(mu_);
+  int64_t reattached_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t resent_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Mutex reattach_mu_;  // one re-attach at a time
 };
 
 }  // namespace stallfree

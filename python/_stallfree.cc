@@ -80,14 +80,17 @@ void BindErrors(py::module_& m) {
 
 void BindClient(py::module_& m) {
   py::class_<Connection, std::shared_ptr<Connection>>(m, "Client")
-      .def(py::init([](const std::string& socket, int timeout_ms, double rpc_timeout) {
+      .def(py::init([](const std::string& socket, int timeout_ms, double rpc_timeout,
+                       double reattach) {
              py::gil_scoped_release release;
-             return Connection::Open(socket, timeout_ms, rpc_timeout);
+             return Connection::Open(socket, timeout_ms, rpc_timeout, reattach);
            }),
-           py::arg("socket"), py::arg("timeout_ms") = 3000, py::arg("rpc_timeout") = 0.0)
+           py::arg("socket"), py::arg("timeout_ms") = 3000, py::arg("rpc_timeout") = 0.0,
+           py::arg("reattach") = 0.0)
       .def("health", &Connection::Health, py::call_guard<py::gil_scoped_release>())
       .def("stats", &Connection::Stats, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("rpc_timeout", &Connection::RpcTimeout);
+      .def_property_readonly("rpc_timeout", &Connection::RpcTimeout)
+      .def_property_readonly("reattach_timeout", &Connection::ReattachTimeout);
 }
 
 void BindEngine(py::module_& m) {

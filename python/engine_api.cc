@@ -1,5 +1,6 @@
 #include "python/engine_api.h"
 
+#include <cmath>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -36,7 +37,8 @@ T Take(absl::StatusOr<T> s) {
 
 class ConnectionImpl : public Connection {
  public:
-  explicit ConnectionImpl(std::unique_ptr<Client> c) : client_(std::move(c)) {}
+  ConnectionImpl(std::unique_ptr<Client> c, double reattach_s)
+      : client_(std::move(c)), reattach_s_(reattach_s) {}
   std::string Health() override { return Take(client_->Health()); }
   std::map<std::string, double> Stats() override {
     v1::Stats s = Take(client_->GetStats());
@@ -52,10 +54,12 @@ class ConnectionImpl : public Connection {
             {"worker_threads", static_cast<double>(s.worker_threads())}};
   }
   double RpcTimeout() const override { return client_->rpc_timeout_s(); }
+  double ReattachTimeout() const override { return reattach_s_; }
   Client* client() { return client_.get(); }
 
  private:
   std::unique_ptr<Client> client_;
+  const double reattach_s_;
 };
 
 DType DTypeOf(const std::string& s, const std::string& field) {
@@ -124,7 +128,7 @@ class EngineImpl : public Engine {
         throw Error(absl::StrCat("mode ", OffloadModeName(cfg.mode),
                                  " needs a daemon connection"));
       target_ = std::make_unique<SessionTarget>(
-          Take(conn->client()->OpenSession(session_name, rank)));
+          Take(conn->client()->OpenSession(session_name, rank)), conn->ReattachTimeout());
     }
     engine_ = Take(ZenFlowEngine::Create(cfg, std::move(ps), *kernel_, *ops_, target_.get()));
   }
@@ -226,6 +230,9 @@ class EngineImpl : public Engine {
 
   void Close(bool flush) override {
     if (!engine_) return;
+    // A close does not wait for a daemon to come back (it also runs when the interpreter
+    // exits): a lost daemon fails its flush at once.
+    if (target_) target_->StopReattaching();
     // Closed whatever the flush gave; then a failed flush is raised (the values may lack the
     // newest cold columns, which the caller must know).
     const absl::Status flushed = flush ? engine_->Flush() : absl::OkStatus();
@@ -301,10 +308,13 @@ double TopkForBudget(const EngineConfig& config, const std::vector<ParamDesc>& p
 }
 
 std::shared_ptr<Connection> Connection::Open(const std::string& socket, int timeout_ms,
-                                             double rpc_timeout_s) {
+                                             double rpc_timeout_s, double reattach_s) {
   absl::StatusOr<double> t = RpcTimeoutSeconds(rpc_timeout_s);
   if (!t.ok()) throw InvalidArgument(std::string(t.status().message()));
-  return std::make_shared<ConnectionImpl>(Take(Client::Connect(socket, timeout_ms, *t)));
+  if (!(reattach_s >= 0) || !std::isfinite(reattach_s))
+    throw InvalidArgument("reattach_timeout: must be a finite number of seconds >= 0");
+  return std::make_shared<ConnectionImpl>(Take(Client::Connect(socket, timeout_ms, *t)),
+                                          reattach_s);
 }
 
 std::unique_ptr<Engine> Engine::Create(std::shared_ptr<Connection> connection,

@@ -42,13 +42,17 @@ class Connection {
   // timeout_ms: for the connection; rpc_timeout_s: the bound of every call after it (client.h,
   // Deadlines; 0: $STALLFREE_RPC_TIMEOUT, else 120 s): a daemon that does not answer within it
   // is an Error with code DEADLINE_EXCEEDED naming the socket, the call and the bound.
+  // reattach_s > 0: an engine's session on it survives the daemon's going away: its next call
+  // waits up to reattach_s for a daemon at the same socket (a restarted stallfreed) and goes on
+  // there with the session's state as it was (client/session_target.h).
   static std::shared_ptr<Connection> Open(const std::string& socket, int timeout_ms,
-                                          double rpc_timeout_s = 0);
+                                          double rpc_timeout_s = 0, double reattach_s = 0);
   virtual ~Connection() = default;
   virtual std::string Health() = 0;
   virtual std::map<std::string, double> Stats() = 0;
   // The bound of every call, in seconds (what Open's rpc_timeout_s resolved to).
   virtual double RpcTimeout() const = 0;
+  virtual double ReattachTimeout() const = 0;
 };
 
 // A field of the engine's config or timings (enums by name).

@@ -217,6 +217,12 @@ uint64_t OffloadSession::MarkClosed(const std::string& waiter_message) {
     closed_message_ = waiter_message;
     waiters.swap(waiters_);
     bytes = reserved_bytes_;
+    // Generation 0: closed by its daemon (Close, an operator's close, a reclaim), never to be
+    // taken back by a later one (SessionManager::Adopt).
+    if (registered_ && record_ != nullptr) {
+      identity_.generation = 0;
+      WriteIdentity();
+    }
   }
   for (Waiter& w : waiters) w.done(absl::AbortedError(waiter_message));
   return bytes;
@@ -289,7 +295,7 @@ absl::Status OffloadSession::Adopt(SessionLayout layout, std::unique_ptr<MappedR
   pid_ = pid;
   updated_once_ = commit.updated_once;
   version_ = commit.version;
-  last_step_ = commit.last_step;
+  last_step_ = committed_step_ = commit.last_step;
   pushes_since_update_ = commit.pushes_since_update;
   ready_slot_ = commit.ready_slot;
   ready_dtype_ = static_cast<v1::DType>(commit.ready_dtype);
@@ -313,7 +319,7 @@ SessionCommit OffloadSession::CommitOf(RecordBusy busy, int64_t busy_step) {
   c.has_state = has_state_;
   c.acc_stale = acc_stale_;
   c.version = version_;
-  c.last_step = last_step_;
+  c.last_step = committed_step_;
   c.pushes_since_update = pushes_since_update_;
   c.ready_slot = ready_slot_;
   c.ready_dtype = static_cast<uint32_t>(ready_dtype_);
@@ -596,6 +602,7 @@ void OffloadSession::Update(const UpdatePlan& plan) {
     update_running_ = false;
     updated_once_ = true;
     version_ = cfg.step;
+    committed_step_ = cfg.step;
     ready_slot_ = plan.param_slot;
     ready_dtype_ = plan.out;
     last_update_seconds_ = secs;
@@ -834,7 +841,7 @@ void OffloadSession::Restored(const v1::CheckpointHeader& header, v1::DType out)
   }
   handed_over_.clear();
   MutexLock lock(&mu_);
-  last_step_ = header.last_step();
+  last_step_ = committed_step_ = header.last_step();
   version_ = header.version();
   updated_once_ = true;
   ready_slot_ = 0;

@@ -444,7 +444,10 @@ class OffloadSession {
   // (Update, Checkpoint, ExportState) until an import or a Restore succeeds.
   bool state_lost_ ABSL_GUARDED_BY(mu_) = false;
   bool updated_once_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t last_step_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t last_step_ ABSL_GUARDED_BY(mu_) = 0;  // of the newest Update claimed (BeginUpdate)
+  // The step of the newest Update done (or restored): what the record commits as last_step, so
+  // that an Update claimed and never run is claimed again after an adoption.
+  int64_t committed_step_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t version_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t ready_slot_ ABSL_GUARDED_BY(mu_) = 0;
   v1::DType ready_dtype_ ABSL_GUARDED_BY(mu_) = v1::DTYPE_FP32;

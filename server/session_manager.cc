@@ -608,6 +608,10 @@ absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint
         "the state belongs to uid ", id->uid, ", not to uid ", peer_uid)));
   if (id->token_sha256 != TokenDigest(token))
     return refuse(absl::PermissionDeniedError("wrong token for the adopted state"));
+  if (id->generation == 0)
+    return refuse(absl::FailedPreconditionError(
+        "the session was closed by the daemon that held it (a close, an operator's stallfreectl "
+        "close, or its process's exit): it is not taken back"));
   if (id->generation != generation)
     return refuse(absl::FailedPreconditionError(absl::StrCat(
         "generation ", generation, " is stale: the state is at generation ", id->generation,

@@ -7,7 +7,8 @@
 //  - The identity, written when the session registers and again when it attaches and at every
 //    adoption: who owns it (the attached process's uid; the SHA-256 of its token, never the
 //    token), its generation (1 at the first attach, +1 at each adoption: a stale copy of the
-//    session's descriptors cannot take it back), its name and rank, and its registration (the
+//    session's descriptors cannot take it back; 0 once the daemon closed the session), its name
+//    and rank, and its registration (the
 //    RegisterParams request's parameters, dtype and slots) with the layout it gave (total
 //    elements, state stride, region and state bytes), so that a daemon whose layout rules
 //    differ refuses the session instead of misreading it.

@@ -138,8 +138,10 @@ void AddRunFlags(stallfree::FlagSet* flags, stallfree::trainer::TrainOptions* o,
   flags->AddInt("checkpoint_every", &o->checkpoint_every,
                 "checkpoint every N steps (0: at the end only)");
   flags->AddInt("reconnect_s", &o->reconnect_s,
-                "if stallfreed goes away, wait this long for it (systemd restarts it) and continue "
-                "from the last checkpoint; 0: stop at once and print the --resume command");
+                "if stallfreed goes away, wait this long for it (systemd restarts it): the "
+                "restarted daemon takes the run's sessions back and the run goes on where it was "
+                "(from the last checkpoint if a session's state cannot be taken back); 0: stop "
+                "at once and print the --resume command");
   flags->AddDouble("rpc_timeout", &o->rpc_timeout_s,
                    "seconds any call to stallfreed may take, a wait for its update included, "
                    "before the run fails naming the daemon (a stopped or hung one); 0: the client "

@@ -177,7 +177,10 @@ absl::Status TrainRun::StartEngine() {
     ASSIGN_OR_RETURN(session_,
                      client_->OpenSession(
                          absl::StrCat("gpt-", o.preset, "-", o.run_name, ".rank", rank_), rank_));
-    target_ = std::make_unique<SessionTarget>(session_.get());
+    // A daemon that goes away is waited for up to --reconnect_s and the session re-attached to
+    // its successor, where the run goes on at the step it was (SessionTarget); only a state
+    // that cannot be taken back falls to RunRank's restart from the last checkpoint.
+    target_ = std::make_unique<SessionTarget>(session_.get(), static_cast<double>(o.reconnect_s));
   }
   dp_ = std::make_unique<DataParallelSync>(*dev_, dp_dev_, tensors_, N_, replica_, bf16_);
   std::set<std::string> replicated_params;  // held whole by every replica

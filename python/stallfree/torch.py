@@ -42,14 +42,16 @@ from ._state import (_BLOB_KEYS, _DAEMON_KEY, _ENGINE_KEY, _META_KEY,
                      _share_of, _shares, _uint8)
 
 
-def _connect(socket, explicit, rpc_timeout=0.0):
+def _connect(socket, explicit, rpc_timeout=0.0, reattach=0.0):
     """A client for `socket` whose calls are bounded by rpc_timeout seconds (0: the client's
-    default); when it does not answer and it was not given explicitly, a client for a private
-    daemon (returned too, to be stopped with the optimizer)."""
+    default) and whose sessions wait up to `reattach` seconds for a restarted daemon to take them
+    back; when it does not answer and it was not given explicitly, a client for a private daemon
+    (returned too, to be stopped with the optimizer; nothing restarts it, so its sessions do not
+    wait)."""
     why = "the socket does not exist"
     if os.path.exists(socket):
         try:
-            return _stallfree.Client(socket, 3000, rpc_timeout), None
+            return _stallfree.Client(socket, 3000, rpc_timeout, reattach), None
         except Error as e:
             why = str(e)
     if explicit:
@@ -190,6 +192,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     "Deadlines": calls that move the session's state get one more second per 64 MiB). A daemon
     that does not answer within it (stopped, hung) makes step() raise stallfree.Error with code
     DEADLINE_EXCEEDED naming the socket, the call and the bound, instead of waiting forever.
+    reattach_timeout: when the node's daemon goes away (a crash, `systemctl restart`), how long
+    step() waits for it to come back (default 300 s; 0: raise at once). The daemon started again
+    takes this optimizer's sessions back from the memory this process holds, and training goes
+    on at the step it was, bit for bit: no step is lost and none is computed again. A daemon
+    that died in the middle of an Update cannot take that state back yet; then, as when no
+    daemon comes back in time, step() raises stallfree.Error (UNAVAILABLE) naming the socket,
+    and the run resumes from its last checkpoint. A private daemon (no stallfreed at the
+    socket) is not restarted: its sessions do not wait; close() never waits.
 
     lr, betas, eps, weight_decay and amsgrad default to torch.optim.AdamW's defaults (weight_decay
     1e-2), so a script that drops it in without them trains the same AdamW. lr, betas, eps and
@@ -236,7 +246,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  predict_cold=_ENGINE["predict_cold"],
                  grad_dtype="bf16", param_dtype="bf16", transfers="auto",
                  stream_gradients=False, socket=None, session_name=None, process_group=None,
-                 reduce_gradients=False, timeout=300.0, rpc_timeout=None):
+                 reduce_gradients=False, timeout=300.0, rpc_timeout=None,
+                 reattach_timeout=300.0):
         _check_hyper(lr, betas, eps, weight_decay, "")
         for flag, value in (("amsgrad", amsgrad), ("maximize", maximize),
                             ("capturable", capturable), ("differentiable", differentiable)):
@@ -282,6 +293,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not timeout > 0:
             raise ValueError("timeout: %r is not a positive number of seconds" % (timeout,))
         self._timeout = datetime.timedelta(seconds=float(timeout))
+        if (isinstance(reattach_timeout, bool) or
+                not isinstance(reattach_timeout, (int, float)) or
+                not 0 <= reattach_timeout < float("inf")):
+            raise ValueError("reattach_timeout: %r is not a number of seconds >= 0"
+                             % (reattach_timeout,))
         if rpc_timeout is not None and (isinstance(rpc_timeout, bool) or
                                         not isinstance(rpc_timeout, (int, float)) or
                                         not rpc_timeout > 0):
@@ -327,7 +343,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             explicit = socket is not None
             self.socket = socket or os.environ.get("STALLFREE_SOCKET") or default_socket()
             self._client, self.daemon = _connect(self.socket, explicit,
-                                                 float(rpc_timeout or 0.0))
+                                                 float(rpc_timeout or 0.0),
+                                                 float(reattach_timeout))
             if self.daemon is not None:
                 self.socket = self.daemon.socket
         # The bound of every call to the daemon, in seconds (None without one).

@@ -225,7 +225,8 @@ def test_daemon_gone_names_the_socket_and_how_to_resume():
     import signal
     with stallfree.Daemon(threads=1) as d:
         model = models.make_model(0)
-        opt = ZenFlowAdamW(model.parameters(), socket=d.socket, **ZENFLOW_EXACT)
+        opt = ZenFlowAdamW(model.parameters(), socket=d.socket, reattach_timeout=0,
+                           **ZENFLOW_EXACT)
         one_step(model, opt, 1)
         os.kill(d.pid, signal.SIGKILL)
         with pytest.raises(stallfree.Error) as err:
@@ -246,7 +247,8 @@ def test_close_raises_when_the_final_flush_fails():
     with stallfree.Daemon(threads=1) as d:
         model = models.make_model(0)
         opt = ZenFlowAdamW(model.parameters(), socket=d.socket, mode="zenflow", topk_ratio=0.25,
-                           update_interval=2, warmup_steps=0, await_updates=False, **FP32)
+                           update_interval=2, warmup_steps=0, await_updates=False,
+                           reattach_timeout=0, **FP32)
         for step in (1, 2):  # step 2 is a boundary: its round's Update is pending
             one_step(model, opt, step)
         os.kill(d.pid, signal.SIGKILL)

@@ -10,13 +10,17 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include "client/client.h"
+#include "client/session_target.h"
 #include "common/status.h"
 #include "common/unix_socket.h"
 #include "kernels/optimizer.h"
@@ -266,6 +270,92 @@ TEST(Adopt, TakingASessionBackIsRefusedToAnyoneButItsOwnerAndToATornState) {
   ASSERT_TRUE(pushed.ok()) << pushed << "\n" << d.Log();
   absl::Status updated = Update(s, h, 2);
   EXPECT_TRUE(updated.ok()) << updated;
+}
+
+// An Update the daemon accepted and had not run when it died (queued behind a long checkpoint)
+// is sent again by the SessionTarget once the session is taken back, its round's push intact;
+// the checkpoint that the kill broke, on another thread, is sent again too. The parameters then
+// equal those of the same calls on a daemon never killed, bit for bit.
+TEST(Adopt, AnUpdateAcceptedAndNeverRunIsSentAgainAfterTheReattach) {
+  const int64_t rows = 2048, cols = 4096, n = rows * cols;  // 128 MiB of state: a slow checkpoint
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal;
+  std::vector<float> w(n), g1(n), g2(n);
+  for (auto* v : {&w, &g1, &g2})
+    for (float& x : *v) x = normal(rng);
+  OffloadTarget::AdamW hyper;
+  hyper.lr = 0.01;
+  hyper.weight_decay = 0.01;
+  // The same calls, once on a daemon killed between the Update's acceptance and its run, once
+  // on one never killed.
+  auto run = [&](bool kill, int64_t* resent) -> std::vector<float> {
+    Daemon d({"--threads", "1"});
+    EXPECT_TRUE(d.started()) << d.error();
+    auto client = Client::Connect(d.socket(), 3000, 60);
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return {};
+    auto session = (*client)->OpenSession("queued", 0);
+    EXPECT_TRUE(session.ok()) << session.status();
+    if (!session.ok()) return {};
+    SessionTarget t(std::move(*session), 60);
+    Session& s = *t.session();
+    EXPECT_TRUE(s.RegisterParams({{"w", {rows, cols}, v1::DTYPE_FP32}}, v1::DTYPE_FP32, 1).ok());
+    EXPECT_TRUE(s.LoadValues({{"w", w.data()}}).ok());
+    memcpy(s.GradSlot(0, "w"), g1.data(), n * 4);
+    EXPECT_TRUE(t.Push(1, 0, 1.0f).ok());
+    std::thread checkpoint([&] {
+      absl::Status st = t.Checkpoint("slow");
+      EXPECT_TRUE(st.ok()) << st;
+    });
+    // Until the checkpoint's file is being written (the daemon's strand is in it).
+    auto writing = [&] {
+      std::error_code ec;
+      for (const auto& e : std::filesystem::recursive_directory_iterator(d.dir() + "/state", ec))
+        if (e.is_regular_file()) return true;
+      return false;
+    };
+    for (int i = 0; i < 1000 && !writing(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    memcpy(s.GradSlot(1, "w"), g2.data(), n * 4);
+    EXPECT_TRUE(t.UpdateWithPush(1, hyper, 0, DType::kFp32, 1, 0.5f, {}).ok());
+    if (kill) {
+      d.Kill();
+      d.Restart();
+    }
+    absl::Status waited = t.WaitUpdate(1);
+    EXPECT_TRUE(waited.ok()) << waited << "\n" << d.Log();
+    checkpoint.join();
+    *resent = t.resent_updates();
+    const float* out = s.ParamsFp32(0, "w");
+    return out == nullptr ? std::vector<float>() : std::vector<float>(out, out + n);
+  };
+  int64_t resent = 0, none = 0;
+  const std::vector<float> got = run(true, &resent);
+  const std::vector<float> want = run(false, &none);
+  ASSERT_EQ(got.size(), static_cast<size_t>(n));
+  EXPECT_EQ(resent, 1) << "the Update ran before the kill: the checkpoint was too fast";
+  EXPECT_EQ(none, 0);
+  EXPECT_TRUE(got == want) << "the parameters differ from the uninterrupted calls'";
+}
+
+// A session its daemon closed (here an operator's close) is not taken back, by that daemon or
+// a later one: its record says so (generation 0).
+TEST(Adopt, ASessionItsDaemonClosedIsNotTakenBack) {
+  Daemon d;
+  ASSERT_TRUE(d.started()) << d.error();
+  std::vector<float> w(kN, 0.5f);
+  Opened r = Open(d.socket(), w);
+  ASSERT_NE(r.session, nullptr);
+  ASSERT_TRUE(r.client->CloseSession(r.session->ref().session_id()).ok());
+  // The daemon keeps the closed session's connection: no re-attach while it runs.
+  absl::StatusOr<Session::Adopted> same = r.session->Reattach(5);
+  EXPECT_EQ(same.status().code(), Code::kFailedPrecondition) << same.status();
+  d.Kill();
+  d.Restart();
+  absl::StatusOr<Session::Adopted> later = r.session->Reattach(5);
+  EXPECT_EQ(later.status().code(), Code::kFailedPrecondition) << later.status();
+  EXPECT_NE(later.status().message().find("closed by the daemon"), std::string::npos)
+      << later.status();
 }
 
 // Reattach with no daemon at the socket waits its bound and names the socket; while the daemon

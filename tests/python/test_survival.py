@@ -1,0 +1,91 @@
+"""A daemon that goes away loses nothing: ZenFlowAdamW's sessions hold their state's memory, and
+when stallfreed is started again on the same socket (systemd's Restart=, an upgrade), the next
+step() re-attaches them (reattach_timeout) and training goes on at the step it was, bit for bit
+with a run that was never interrupted: no step lost, none computed again."""
+import os
+import signal
+import tempfile
+import time
+
+import torch
+
+import models
+import stallfree
+from stallfree.torch import ZenFlowAdamW
+
+# Rounds of two steps whose Updates the steps wait for: between two steps the daemon is idle, so
+# the kill never lands inside an Update (a state torn there is not taken back yet).
+ROUNDS = dict(mode="zenflow", topk_ratio=0.25, update_interval=2, select_interval=2,
+              await_updates=True, warmup_steps=0, **models.FP32)
+
+
+def kill(daemon):
+    os.kill(daemon.pid, signal.SIGKILL)
+    for _ in range(500):
+        try:
+            os.kill(daemon.pid, 0)
+        except ProcessLookupError:
+            break
+        if os.waitpid(daemon.pid, os.WNOHANG)[0] == daemon.pid:
+            break
+        time.sleep(0.01)
+    daemon.close()
+
+
+def train(steps, kill_before=()):
+    """`steps` steps of the test model on a daemon at a fixed socket; before each step of
+    kill_before the daemon is SIGKILLed and a new one started on the socket. Returns the losses
+    and the final parameters."""
+    sock = os.path.join(tempfile.mkdtemp(prefix="stallfree-survival-", dir="/tmp"), "d.sock")
+    daemon = stallfree.Daemon(socket=sock, threads=1)
+    try:
+        model = models.make_model(0)
+        opt = ZenFlowAdamW(model.parameters(), socket=sock, reattach_timeout=30, **ROUNDS)
+        losses = []
+        for step in range(1, steps + 1):
+            if step in kill_before:
+                kill(daemon)
+                daemon = stallfree.Daemon(socket=sock, threads=1)
+            opt.zero_grad(set_to_none=True)
+            loss = models.loss_fn(model, models.batch(0, step))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        opt.close()
+        return losses, [p.detach().clone() for p in model.parameters()]
+    finally:
+        daemon.close()
+
+
+def test_a_daemon_killed_between_steps_is_waited_for_and_training_goes_on_bit_for_bit():
+    """SIGKILL in the middle of a round (before step 4: one of its two steps pushed) and at a
+    round's boundary (before step 7): each time the next step waits for the daemon started
+    again, which takes the sessions back; every loss and every final parameter equal the
+    uninterrupted run's exactly."""
+    ref_losses, ref_params = train(10)
+    losses, params = train(10, kill_before=(4, 7))
+    assert losses == ref_losses
+    for i, (a, b) in enumerate(zip(params, ref_params)):
+        assert torch.equal(a, b), "parameter %d differs" % i
+
+
+def test_with_reattach_timeout_0_a_lost_daemon_raises_at_once():
+    """reattach_timeout=0: the step after the kill raises stallfree.Error (UNAVAILABLE) naming
+    the socket within a few seconds, instead of waiting for a daemon."""
+    with stallfree.Daemon(threads=1) as d:
+        model = models.make_model(0)
+        opt = ZenFlowAdamW(model.parameters(), socket=d.socket, reattach_timeout=0, **ROUNDS)
+        opt.zero_grad(set_to_none=True)
+        models.loss_fn(model, models.batch(0, 1)).backward()
+        opt.step()
+        os.kill(d.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            for step in range(2, 5):
+                opt.zero_grad(set_to_none=True)
+                models.loss_fn(model, models.batch(0, step)).backward()
+                opt.step()
+            raise AssertionError("no error after the daemon's kill")
+        except stallfree.Error as e:
+            assert str(e).startswith("stallfreed at %s went away (" % d.socket), e
+        assert time.monotonic() - t0 < 10
