@@ -449,12 +449,19 @@ absl::StatusOr<Session::Adopted> Session::Reattach(double wait_s) {
   if (closed_ || region_ == nullptr || state_fd_ < 0)
     return absl::FailedPreconditionError(absl::StrCat(
         "session ", session_id_.load(), " has no state to re-attach (closed, or not registered)"));
-  if (conn_ >= 0 && !PeerClosed(conn_))
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the daemon that holds session ", session_id_.load(), " is still connected to it"));
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                     std::chrono::duration<double>(wait_s));
+  // A daemon that is shutting down (SIGTERM: an upgrade, systemctl restart) answers UNAVAILABLE
+  // while it finishes its running work, and closes the session's connection when it exits:
+  // until then the session is still its own.
+  while (conn_ >= 0 && !PeerClosed(conn_)) {
+    if (std::chrono::steady_clock::now() >= deadline)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the daemon that holds session ", session_id_.load(), " is still connected to it "
+          "after ", Seconds(wait_s)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   auto next_note = start + std::chrono::seconds(10);
   const std::string request = absl::StrCat("ADOPT ", token_, " ", generation_.load(), "\n");
   absl::Status last = absl::UnavailableError("no attempt");

@@ -35,9 +35,9 @@ absl::StatusOr<SessionTarget::Adopted> SessionTarget::Recover(uint64_t generatio
                                                              const absl::Status& why) {
   const double wait_s = reattach_s_.load();
   if (wait_s <= 0 || !absl::IsUnavailable(why)) return why;
-  absl::MutexLock one(&reattach_mu_);
+  std::unique_lock<std::shared_mutex> alone(calls_mu_);
   if (s_->generation() != generation) {  // another thread re-attached since the call began
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return adopted_;
   }
   SF_LOG(kWarning, "session %d: %s; re-attaching (waiting up to %.0f s for a stallfreed)",
@@ -53,7 +53,7 @@ absl::StatusOr<SessionTarget::Adopted> SessionTarget::Recover(uint64_t generatio
   SentUpdate redo;
   int64_t pushes_before = 0;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (started_ > back->version && sent_.step == started_) {
       resend = true;
       redo = sent_;
@@ -71,7 +71,7 @@ absl::StatusOr<SessionTarget::Adopted> SessionTarget::Recover(uint64_t generatio
     RETURN_IF_ERROR(SendUpdate(redo));
     a.pushes_since_update = 0;  // counted from that Update on, as the daemon will
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   adopted_ = a;
   ++reattached_;
   if (resend) ++resent_;
@@ -82,25 +82,31 @@ absl::StatusOr<SessionTarget::Adopted> SessionTarget::Recover(uint64_t generatio
 
 absl::Status SessionTarget::Resilient(const std::function<absl::Status()>& call,
                                       const std::function<bool(const Adopted&)>& done) {
-  const uint64_t generation = s_->generation();
-  absl::Status st = call();
+  uint64_t generation;
+  absl::Status st;
+  {
+    std::shared_lock<std::shared_mutex> shared(calls_mu_);
+    generation = s_->generation();
+    st = call();
+  }
   if (st.ok()) return st;
   absl::StatusOr<Adopted> a = Recover(generation, st);
   if (!a.ok()) return a.status();
   if (done && done(*a)) return absl::OkStatus();
+  std::shared_lock<std::shared_mutex> shared(calls_mu_);
   return call();
 }
 
 absl::Status SessionTarget::Push(int64_t step, uint32_t slot, float scale) {
   int64_t before;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     before = pushes_;
   }
   // Done already if the state taken back counts it.
   RETURN_IF_ERROR(Resilient([&] { return s_->Push(step, slot, scale).status(); },
                             [&](const Adopted& a) { return a.pushes_since_update > before; }));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   ++pushes_;
   return absl::OkStatus();
 }
@@ -123,13 +129,13 @@ absl::Status SessionTarget::UpdateWithPush(int64_t step, const AdamW& hyper,
   const SentUpdate u{step, hyper, param_slot, out, grad_slot, push_scale, skip_params};
   int64_t before;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     before = pushes_;
   }
   // Done already if the state taken back has its version.
   RETURN_IF_ERROR(Resilient([&] { return SendUpdate(u); },
                             [&](const Adopted& a) { return a.version >= step; }));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   started_ = std::max(started_, step);
   sent_ = u;
   pushes_before_sent_ = before;
@@ -141,7 +147,7 @@ absl::Status SessionTarget::WaitUpdate(int64_t min_version) {
   {
     // A version a WaitUpdate has already seen is ready (versions only grow until a Restore,
     // which forgets them): no round trip to the daemon.
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (seen_.version >= min_version && min_version > 0) return absl::OkStatus();
   }
   absl::StatusOr<v1::WaitUpdateResponse> got;
@@ -150,7 +156,7 @@ absl::Status SessionTarget::WaitUpdate(int64_t min_version) {
     got = s_->WaitUpdate(min_version);
     return got.status();
   }));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (got->version() > seen_.version) seen_ = {got->version(), got->update_seconds()};
   return absl::OkStatus();
 }
@@ -197,7 +203,7 @@ absl::StatusOr<std::string> SessionTarget::ExportState() {
 
 absl::Status SessionTarget::Restore(const std::string& tag, DType out) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     seen_ = UpdateSeen();
     started_ = pushes_ = 0;
   }
@@ -206,7 +212,7 @@ absl::Status SessionTarget::Restore(const std::string& tag, DType out) {
 
 absl::Status SessionTarget::ImportState(const std::string& bytes, DType out) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     seen_ = UpdateSeen();
     started_ = pushes_ = 0;
   }

@@ -8,21 +8,23 @@
 // target started if the state's record says it never ran (sent again as it was: the gradient
 // slot it reads is untouched until its WaitUpdate, the engine's rule), then the call itself
 // unless the record says that it happened (a push the record counts, an Update it has). The
-// engine sees nothing but a slow call. One thread re-attaches; another that finds the daemon
-// gone meanwhile uses what it found. A state the record says is torn (the daemon died inside
+// engine sees nothing but a slow call. One thread re-attaches, with every other call held back
+// until the Update is sent again; another that finds the daemon gone meanwhile uses what it
+// found. A state the record says is torn (the daemon died inside
 // an Update, a push or a handover) is not taken back: the call fails with the daemon's
 // FAILED_PRECONDITION, and the caller restores a checkpoint.
 #pragma once
 
 #include <atomic>
 #include <functional>
+#include <shared_mutex>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "client/client.h"
 #include "common/dtype.h"
 #include "engine/offload_target.h"
@@ -46,13 +48,13 @@ class SessionTarget : public OffloadTarget {
   void StopReattaching() { reattach_s_.store(0); }
   // How many times this target re-attached its session to a new daemon.
   int64_t reattached() const {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return reattached_;
   }
   // How many Updates it sent again after a re-attach (accepted by the daemon that died, never
   // run there).
   int64_t resent_updates() const {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return resent_;
   }
 
@@ -77,7 +79,7 @@ class SessionTarget : public OffloadTarget {
                               const std::vector<std::string>& skip_params) override;
   absl::Status WaitUpdate(int64_t min_version) override;
   UpdateSeen LastUpdate() const override {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return seen_;
   }
   absl::StatusOr<HandOver> HandOverColumns(const std::vector<ColumnMove>& moves) override;
@@ -96,7 +98,7 @@ class SessionTarget : public OffloadTarget {
   // The newest Update this target started (UpdateWithPush) that a WaitUpdate has not returned
   // yet; 0 when none runs as far as the target knows (and after a Restore or an import).
   int64_t UnseenUpdate() const {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return started_ > seen_.version ? started_ : 0;
   }
 
@@ -130,7 +132,7 @@ class SessionTarget : public OffloadTarget {
   std::unique_ptr<Session> owned_;
   Session* s_;
   std::atomic<double> reattach_s_;
-  mutable absl::Mutex mu_;  // WaitUpdate runs on the engine's thread and its copy thread
+  mutable Mutex mu_;  // WaitUpdate runs on the engine's thread and its copy thread
   UpdateSeen seen_ ABSL_GUARDED_BY(mu_);
   int64_t started_ ABSL_GUARDED_BY(mu_) = 0;  // the newest Update's version UpdateWithPush began
   int64_t pushes_ ABSL_GUARDED_BY(mu_) = 0;   // pushes done since the newest Update began
@@ -139,7 +141,9 @@ class SessionTarget : public OffloadTarget {
   Adopted adopted_ ABSL_GUARDED_BY(mu_);
   int64_t reattached_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t resent_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Mutex reattach_mu_;  // one re-attach at a time
+  // Shared by each attempt of a call, exclusive while Recover re-attaches and sends the Update
+  // again: no call reaches the session taken back before it is where the target left it.
+  std::shared_mutex calls_mu_;
 };
 
 }  // namespace stallfree

@@ -270,10 +270,9 @@ uint64_t OffloadSession::generation() const {
   return identity_.generation;
 }
 
-absl::Status OffloadSession::Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> region,
-                                   std::unique_ptr<MappedRegion> state, SessionIdentity identity,
-                                   const SessionCommit& commit, uid_t uid, pid_t pid) {
-  RETURN_IF_ERROR(env_.budget->Reserve(layout.pinned_bytes()));
+void OffloadSession::Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> region,
+                           std::unique_ptr<MappedRegion> state, SessionIdentity identity,
+                           const SessionCommit& commit, uid_t uid, pid_t pid) {
   // The work state, before the session is published (nothing is posted to it yet).
   col_steps_ = commit.col_steps;
   acc_stale_ = commit.acc_stale;
@@ -306,7 +305,6 @@ absl::Status OffloadSession::Adopt(SessionLayout layout, std::unique_ptr<MappedR
   env_.counters->pinned_bytes.fetch_add(pinned_bytes_);
   SF_LOG(kInfo, "session %d adopted (generation %d) by pid %d uid %d: version %d, %d pushes "
          "since it", id_, identity_.generation, pid, uid, version_, pushes_since_update_);
-  return absl::OkStatus();
 }
 
 SessionCommit OffloadSession::CommitOf(RecordBusy busy, int64_t busy_step) {

@@ -299,14 +299,14 @@ class OffloadSession {
   v1::SessionInfo Info() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Takes back a session that another daemon process held (SessionManager::Adopt checked the
-  // identity against the request and re-made `layout` from it; `commit` is the record's newest,
-  // not busy): maps nothing new, takes the mapped region and state as they are, reserves their
-  // bytes of the budget (ResourceExhausted), restores the control state the commit holds, and
+  // identity against the request, re-made `layout` from it and reserved its bytes of the
+  // budget, which the session now holds; `commit` is the record's newest, not busy): takes the
+  // mapped region and state as they are, restores the control state the commit holds, and
   // writes the identity with the next generation. The session is registered and attached (uid,
   // pid) afterwards. Before any work is posted.
-  absl::Status Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> region,
-                     std::unique_ptr<MappedRegion> state, SessionIdentity identity,
-                     const SessionCommit& commit, uid_t uid, pid_t pid) ABSL_LOCKS_EXCLUDED(mu_);
+  void Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> region,
+             std::unique_ptr<MappedRegion> state, SessionIdentity identity,
+             const SessionCommit& commit, uid_t uid, pid_t pid) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t generation() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees the region and the state, gives their reservation back to the budget and their

@@ -595,13 +595,10 @@ absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint
   }
   struct stat st;
   if (fstat(state_fd, &st) != 0) return refuse(ErrnoStatus("fstat", "the adopted state's memfd"));
-  // Mapped whole (MapFd checks that it is sealed against shrinking: the sender cannot cut it
-  // under the daemon).
-  absl::StatusOr<std::unique_ptr<MappedRegion>> state =
-      MappedRegion::MapFd(std::exchange(state_fd, -1), static_cast<uint64_t>(st.st_size));
-  if (!state.ok()) return refuse(state.status());
-  SessionRecord record((*state)->data(), (*state)->size());
-  absl::StatusOr<SessionIdentity> id = record.ReadIdentity();
+  // Judged before anything of it is mapped: what the sender claims decides how much memory the
+  // daemon commits, and the budget must allow it first.
+  absl::StatusOr<SessionIdentity> id =
+      ReadIdentityFromFd(state_fd, static_cast<uint64_t>(st.st_size));
   if (!id.ok()) return refuse(id.status());
   if (id->uid != peer_uid)
     return refuse(absl::PermissionDeniedError(absl::StrCat(
@@ -631,39 +628,67 @@ absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint
       "the adopted state's registration does not lay out: ", layout.status().message())));
   if (layout->total_elems != id->total_elems || layout->state_stride != id->state_stride ||
       layout->region.region_bytes() != id->region_bytes ||
-      layout->state_bytes != id->state_bytes || layout->state_bytes != (*state)->size())
+      layout->state_bytes != id->state_bytes ||
+      layout->state_bytes != static_cast<uint64_t>(st.st_size))
     return refuse(absl::FailedPreconditionError(absl::StrCat(
         "the adopted state was laid out differently (", id->region_bytes, " region bytes, ",
         id->state_bytes, " state bytes) from what this stallfreed lays out (",
         layout->region.region_bytes(), ", ", layout->state_bytes,
         "): restore it from a checkpoint with the stallfreed that wrote it")));
+  const uint64_t pinned = layout->pinned_bytes();
+  if (absl::Status st = budget_.Reserve(pinned); !st.ok()) return refuse(st);
+  auto unreserve = [&](absl::Status why) {
+    budget_.Release(pinned);
+    return refuse(why);
+  };
+  // Mapped whole (MapFd checks that it is sealed against shrinking: the sender cannot cut it
+  // under the daemon).
+  absl::StatusOr<std::unique_ptr<MappedRegion>> state =
+      MappedRegion::MapFd(std::exchange(state_fd, -1), static_cast<uint64_t>(st.st_size));
+  if (!state.ok()) return unreserve(state.status());
+  // The identity again, from the mapping the daemon will use (the sender holds the descriptor
+  // and could have changed it since the read above).
+  absl::StatusOr<SessionIdentity> mapped =
+      SessionRecord((*state)->data(), layout->arrays_offset).ReadIdentity();
+  if (!mapped.ok()) return unreserve(mapped.status());
+  if (mapped->uid != id->uid || mapped->token_sha256 != id->token_sha256 ||
+      mapped->generation != id->generation || mapped->state_bytes != id->state_bytes ||
+      mapped->params.size() != id->params.size())
+    return unreserve(absl::FailedPreconditionError("the adopted state changed while it was read"));
   absl::StatusOr<SessionCommit> commit =
       SessionRecord((*state)->data(), layout->arrays_offset).NewestCommit();
-  if (!commit.ok()) return refuse(commit.status());
+  if (!commit.ok()) return unreserve(commit.status());
+  bool sane = commit->version >= 0 && commit->last_step >= 0 &&
+              commit->pushes_since_update >= 0 &&
+              commit->ready_slot < layout->region.param_slots() &&
+              (commit->ready_dtype == v1::DTYPE_FP32 || commit->ready_dtype == v1::DTYPE_BF16);
+  for (const std::vector<int64_t>& steps : commit->col_steps)
+    for (int64_t t : steps) sane = sane && t >= 0;
+  if (!sane)
+    return unreserve(absl::DataLossError("the session record's commit holds values out of range"));
   if (commit->busy != RecordBusy::kNone)
-    return refuse(absl::FailedPreconditionError(absl::StrCat(
+    return unreserve(absl::FailedPreconditionError(absl::StrCat(
         "the daemon that held the state stopped in the middle of ", RecordBusyName(commit->busy),
         commit->busy_step > 0 ? absl::StrCat(" of step ", commit->busy_step) : std::string(),
         ": the state may be torn; restore it from a checkpoint")));
   absl::StatusOr<std::unique_ptr<MappedRegion>> region =
       MappedRegion::MapFd(std::exchange(region_fd, -1), layout->region.region_bytes());
-  if (!region.ok()) return refuse(region.status());
-  if (absl::Status pinned = (*state)->Lock(options_.pin); !pinned.ok()) return refuse(pinned);
-  if (absl::Status pinned = (*region)->Lock(options_.pin); !pinned.ok()) return refuse(pinned);
+  if (!region.ok()) return unreserve(region.status());
+  if (absl::Status locked = (*state)->Lock(options_.pin); !locked.ok()) return unreserve(locked);
+  if (absl::Status locked = (*region)->Lock(options_.pin); !locked.ok()) return unreserve(locked);
   std::shared_ptr<OffloadSession> session;
   uint64_t new_id;
   {
     MutexLock lock(&mu_);
-    if (draining_) return refuse(ShuttingDown());
+    if (draining_) return unreserve(ShuttingDown());
     new_id = next_id_++;
     session = std::make_shared<OffloadSession>(
         new_id, token, id->name, id->rank, peer_pid,
         OffloadSession::Env{arena_, &budget_, &counters_, options_.pin});
   }
   const SessionCommit c = *commit;
-  absl::Status adopted = session->Adopt(*std::move(layout), *std::move(region),
-                                        *std::move(state), *std::move(id), c, peer_uid, peer_pid);
-  if (!adopted.ok()) return refuse(adopted);
+  session->Adopt(*std::move(layout), *std::move(region), *std::move(state), *std::move(id), c,
+                 peer_uid, peer_pid);
   {
     MutexLock lock(&mu_);
     sessions_[new_id] = session;

@@ -2,6 +2,9 @@
 
 #include <openssl/sha.h>
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -129,6 +132,35 @@ std::array<uint8_t, 32> TokenDigest(const std::string& token) {
   std::array<uint8_t, 32> out;
   SHA256(reinterpret_cast<const unsigned char*>(token.data()), token.size(), out.data());
   return out;
+}
+
+absl::StatusOr<SessionIdentity> ReadIdentityFromFd(int fd, uint64_t size) {
+  auto read_at = [&](uint8_t* dst, uint64_t n, uint64_t at) -> absl::Status {
+    uint64_t done = 0;
+    while (done < n) {
+      const ssize_t r = pread(fd, dst + done, n - done, static_cast<off_t>(at + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0)
+        return absl::DataLossError(absl::StrCat("the session record could not be read (",
+                                                r < 0 ? strerror(errno) : "end of file", ")"));
+      done += static_cast<uint64_t>(r);
+    }
+    return absl::OkStatus();
+  };
+  uint8_t head[16];
+  if (size < sizeof head)
+    return absl::DataLossError(absl::StrCat("the state is ", size, " bytes: no session record"));
+  if (absl::Status st = read_at(head, sizeof head, 0); !st.ok()) return st;
+  uint32_t bytes;
+  memcpy(&bytes, head + 12, 4);
+  // At most the record of kMaxParams parameters of 8 dimensions and long names.
+  constexpr uint64_t kMaxIdentity = uint64_t{64} << 20;
+  if (bytes < 24 || bytes > size || bytes > kMaxIdentity)
+    return absl::DataLossError(absl::StrCat("the session record's identity claims ", bytes,
+                                            " bytes of ", size));
+  std::vector<uint8_t> buf(bytes);
+  if (absl::Status st = read_at(buf.data(), bytes, 0); !st.ok()) return st;
+  return SessionRecord(buf.data(), buf.size()).ReadIdentity();
 }
 
 uint64_t RecordBytes(const std::vector<RecordParam>& params) {

@@ -90,6 +90,11 @@ struct SessionCommit {
   std::vector<std::vector<int64_t>> col_steps;  // per parameter, per column
 };
 
+// The identity of the record at the start of file `fd` (`size` bytes), read with pread: no
+// mapping, so that a descriptor's claims are judged before anything of it is mapped or
+// populated. DataLoss as ReadIdentity, or naming the failed read.
+absl::StatusOr<SessionIdentity> ReadIdentityFromFd(int fd, uint64_t size);
+
 // SHA-256 of a session token.
 std::array<uint8_t, 32> TokenDigest(const std::string& token);
 

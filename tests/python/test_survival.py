@@ -32,10 +32,11 @@ def kill(daemon):
     daemon.close()
 
 
-def train(steps, kill_before=()):
+def train(steps, kill_before=(), stop=kill):
     """`steps` steps of the test model on a daemon at a fixed socket; before each step of
-    kill_before the daemon is SIGKILLed and a new one started on the socket. Returns the losses
-    and the final parameters."""
+    kill_before the daemon is stopped by `stop` (SIGKILL; or close(): SIGTERM, as an upgrade's
+    systemctl restart) and a new one started on the socket. Returns the losses and the final
+    parameters."""
     sock = os.path.join(tempfile.mkdtemp(prefix="stallfree-survival-", dir="/tmp"), "d.sock")
     daemon = stallfree.Daemon(socket=sock, threads=1)
     try:
@@ -44,7 +45,7 @@ def train(steps, kill_before=()):
         losses = []
         for step in range(1, steps + 1):
             if step in kill_before:
-                kill(daemon)
+                stop(daemon)
                 daemon = stallfree.Daemon(socket=sock, threads=1)
             opt.zero_grad(set_to_none=True)
             loss = models.loss_fn(model, models.batch(0, step))
@@ -64,6 +65,17 @@ def test_a_daemon_killed_between_steps_is_waited_for_and_training_goes_on_bit_fo
     uninterrupted run's exactly."""
     ref_losses, ref_params = train(10)
     losses, params = train(10, kill_before=(4, 7))
+    assert losses == ref_losses
+    for i, (a, b) in enumerate(zip(params, ref_params)):
+        assert torch.equal(a, b), "parameter %d differs" % i
+
+
+def test_a_daemon_restarted_mid_run_hands_the_sessions_to_its_successor_bit_for_bit():
+    """An upgrade's restart: the daemon stopped with SIGTERM (it finishes its running work and
+    exits, leaving the sessions' state to the processes that hold it) mid-round and a new one
+    started on the socket; the run equals the uninterrupted one exactly."""
+    ref_losses, ref_params = train(8)
+    losses, params = train(8, kill_before=(4,), stop=lambda d: d.close())
     assert losses == ref_losses
     for i, (a, b) in enumerate(zip(params, ref_params)):
         assert torch.equal(a, b), "parameter %d differs" % i

@@ -348,7 +348,7 @@ TEST(Adopt, ASessionItsDaemonClosedIsNotTakenBack) {
   ASSERT_NE(r.session, nullptr);
   ASSERT_TRUE(r.client->CloseSession(r.session->ref().session_id()).ok());
   // The daemon keeps the closed session's connection: no re-attach while it runs.
-  absl::StatusOr<Session::Adopted> same = r.session->Reattach(5);
+  absl::StatusOr<Session::Adopted> same = r.session->Reattach(0.2);
   EXPECT_EQ(same.status().code(), Code::kFailedPrecondition) << same.status();
   d.Kill();
   d.Restart();
@@ -366,8 +366,10 @@ TEST(Adopt, ReattachWaitsItsBoundAndNamesTheSocket) {
   std::vector<float> w(kN, 0.5f);
   Opened r = Open(d.socket(), w);
   ASSERT_NE(r.session, nullptr);
-  absl::StatusOr<Session::Adopted> early = r.session->Reattach(1);
+  absl::StatusOr<Session::Adopted> early = r.session->Reattach(0.3);
   EXPECT_EQ(early.status().code(), Code::kFailedPrecondition) << early.status();
+  EXPECT_NE(early.status().message().find("still connected"), std::string::npos)
+      << early.status();
   const std::string fd_socket = FdSocket(*r.client);
   d.Kill();
   unlink(fd_socket.c_str());

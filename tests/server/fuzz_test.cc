@@ -5,11 +5,17 @@
 // ids, out-of-order calls, raw garbage bodies). Every answer must carry a code that offload.proto documents for requests
 // (INTERNAL would mean a system call failed), the daemon must still be running, and afterwards a
 // good session must train normally: one AdamW step gives the value computed here by hand.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <algorithm>
+#include <thread>
+#include <sstream>
 #include <cmath>
 #include <condition_variable>
 #include <mutex>
@@ -27,6 +33,9 @@
 
 #include "client/client.h"
 #include "common/tbb_sync.h"
+#include "common/unix_socket.h"
+#include "server/requests.h"
+#include "server/session_record.h"
 #include "testing/daemon_process.h"
 
 namespace stallfree {
@@ -443,6 +452,211 @@ TEST(Fuzz, HostileRequestsGetDocumentedCodesAndTheDaemonServesOn) {
   auto stats = (*client)->GetStats();
   ASSERT_TRUE(stats.ok());
   EXPECT_GT(stats->rejected_requests(), 1000);
+}
+
+// A memfd holding `bytes` (of `size` bytes when larger: sparse), sealed against shrinking and
+// growing as a session's state is, unless seal is false.
+int Memfd(const std::string& bytes, uint64_t size, bool seal) {
+  const int fd = memfd_create("fuzz", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return -1;
+  if (ftruncate(fd, static_cast<off_t>(std::max<uint64_t>(size, bytes.size()))) != 0 ||
+      pwrite(fd, bytes.data(), bytes.size(), 0) != static_cast<ssize_t>(bytes.size())) {
+    close(fd);
+    return -1;
+  }
+  if (seal) fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
+  return fd;
+}
+
+std::string ReadAll(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return "";
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  if (pread(fd, out.data(), out.size(), 0) != static_cast<ssize_t>(out.size())) return "";
+  return out;
+}
+
+// A state whose record checks out (identity and a commit written by SessionRecord) for a
+// registration of random parameters, owned by this uid with `token` and `generation`: sized as
+// this daemon lays it out (sparse beyond the record) when `consistent`, else as given.
+std::string CraftedRecord(std::mt19937_64& rng, const std::string& token, uint64_t generation,
+                          bool consistent, uint64_t* size) {
+  v1::RegisterParamsRequest req;
+  const int n = 1 + static_cast<int>(rng() % 3);
+  for (int i = 0; i < n; ++i) {
+    v1::ParamSpec* p = req.add_params();
+    p->set_name(rng() % 5 == 0 ? std::string("a\0b", 3) : "p" + std::to_string(i));
+    // Rows up to 2^26 (a state of up to 4 GiB a parameter, sparse here), columns up to 64.
+    if (rng() % 2)
+      p->add_shape(rng() % 3 == 0 ? static_cast<int64_t>(1) << (10 + rng() % 17)
+                                  : 1 + static_cast<int64_t>(rng() % 64));
+    p->add_shape(1 + static_cast<int64_t>(rng() % 64));
+    p->set_grad_dtype(rng() % 2 ? v1::DTYPE_FP32 : v1::DTYPE_BF16);
+  }
+  req.set_param_slots(1 + rng() % 2);
+  absl::StatusOr<SessionLayout> layout = LayOutParams(req);
+  if (!layout.ok()) return "";
+  SessionIdentity id;
+  id.uid = getuid();
+  id.generation = generation;
+  id.token_sha256 = TokenDigest(token);
+  id.name = "crafted";
+  id.param_slots = req.param_slots();
+  id.params = RecordParamsOf(*layout);
+  id.total_elems = layout->total_elems;
+  id.state_stride = layout->state_stride;
+  id.region_bytes = layout->region.region_bytes();
+  id.state_bytes = consistent ? layout->state_bytes : layout->state_bytes + 4096 * (rng() % 3);
+  std::string bytes(layout->arrays_offset, '\0');
+  SessionRecord record(reinterpret_cast<uint8_t*>(bytes.data()), bytes.size());
+  if (!record.WriteIdentity(id).ok()) return "";
+  SessionCommit c;
+  for (const ParamLayout& p : layout->params) c.col_steps.emplace_back(p.cols, 1);
+  c.busy = static_cast<RecordBusy>(rng() % 2 ? 0 : rng() % 9);
+  c.ready_slot = static_cast<uint32_t>(rng() % 3);
+  c.ready_dtype = static_cast<uint32_t>(rng() % 4);
+  c.version = rng() % 4 == 0 ? -1 : 3;
+  if (!record.Commit(c).ok()) return "";
+  *size = id.state_bytes;
+  return bytes;
+}
+
+// Hostile ADOPTs on the fd socket (fd_server.h), from fixed seeds: malformed lines, no, one or
+// three descriptors, descriptors that are no memfd (a pipe, /dev/null), unsealed or cut-short
+// copies of a real session's state, copies with flipped bytes, and records that check out but
+// claim hostile layouts (sparse states far over the pinned budget, states whose size disagrees,
+// commits out of range or busy). Every answer is "ERR <a documented code>" (or "OK" for a whole
+// copy of a real state under its own token, which is then dropped), the daemon stays up and
+// its pinned memory returns to what the real sessions hold, and the real session trains on.
+TEST(Fuzz, HostileAdoptionsGetDocumentedCodesAndTheDaemonServesOn) {
+  testing::Daemon d({"--threads", "2", "--pinned_mib", "256"}, "warning");
+  ASSERT_TRUE(d.started()) << d.error();
+  auto client = Client::Connect(d.socket());
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto victim = (*client)->OpenSession("victim", 0);
+  ASSERT_TRUE(victim.ok());
+  Session& v = **victim;
+  ASSERT_TRUE(v.RegisterParams({{"w", {8, 16}, v1::DTYPE_FP32}}, v1::DTYPE_FP32, 1).ok());
+  ASSERT_TRUE(v.LoadParams().ok());
+  auto stats = (*client)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  const std::string fd_socket = stats->fd_socket();
+  const uint64_t pinned_before = stats->pinned_bytes();
+  const std::string real = ReadAll(v.state_fd());
+  ASSERT_FALSE(real.empty());
+  const std::string token = v.ref().token();
+  const std::set<std::string> documented = {"INVALID_ARGUMENT", "PERMISSION_DENIED",
+                                            "FAILED_PRECONDITION", "DATA_LOSS",
+                                            "RESOURCE_EXHAUSTED", "UNAVAILABLE"};
+  std::map<std::string, int> seen;
+  int adopted = 0;
+  const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(null_fd, 0);
+  for (uint64_t seed = 1; seed <= 3; ++seed) {
+    std::mt19937_64 rng(seed);
+    for (int i = 0; i < 150; ++i) {
+      std::string tok = rng() % 3 ? token : (rng() % 2 ? "forged" : std::string(200, 'x'));
+      const uint64_t gen = std::vector<uint64_t>{0, 1, 2, ~uint64_t{0}}[rng() % 4];
+      std::string line = "ADOPT " + tok + " " + std::to_string(gen) + "\n";
+      switch (rng() % 8) {
+        case 0: line = "ADOPT\n"; break;
+        case 1: line = "ADOPT " + tok + " x\n"; break;
+        case 2: line = "ADOPT " + tok + " 1 extra\n"; break;
+        case 3: line = "ADOPT " + tok + " -1\n"; break;
+        default: break;
+      }
+      std::vector<int> owned;  // closed after the exchange
+      std::string state = real;
+      uint64_t size = real.size();
+      bool seal = true;
+      switch (rng() % 7) {
+        case 0:  // flipped bytes
+          for (int k = 0; k < 1 + static_cast<int>(rng() % 4); ++k)
+            state[rng() % std::min<size_t>(state.size(), 8192)] ^= 1 + rng() % 255;
+          break;
+        case 1: seal = false; break;
+        case 2: state.resize(rng() % state.size()); size = state.size(); break;
+        case 3: state = CraftedRecord(rng, tok, gen, rng() % 2, &size); break;
+        case 4: state = std::string(rng() % 9000, static_cast<char>(rng())); size = state.size(); break;
+        default: break;
+      }
+      int sfd = -1;
+      const uint64_t kind = rng() % 10;
+      if (kind == 0) {
+        int p[2];
+        ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+        owned = {p[0], p[1]};
+        sfd = p[0];
+      } else if (kind == 1) {
+        sfd = null_fd;
+      } else {
+        sfd = Memfd(state, size, seal);
+        ASSERT_GE(sfd, 0) << strerror(errno) << ": " << size << " bytes";
+        owned.push_back(sfd);
+      }
+      std::vector<int> fds = {v.region_fd(), sfd};
+      switch (rng() % 6) {
+        case 0: fds.clear(); break;
+        case 1: fds = {sfd}; break;
+        case 2: fds.push_back(null_fd); break;
+        case 3: fds = {sfd, sfd}; break;
+        default: break;
+      }
+      absl::StatusOr<int> conn = ConnectUnix(fd_socket);
+      ASSERT_TRUE(conn.ok()) << conn.status();
+      std::string reply;
+      std::vector<int> got;
+      absl::Status st = SendWithFds(*conn, line, fds);
+      if (st.ok()) st = RecvWithFds(*conn, 512, &reply, &got, 0);
+      close(*conn);  // an adopted copy goes with its connection
+      for (int fd : owned) close(fd);
+      ASSERT_TRUE(st.ok()) << "seed " << seed << " request " << i << ": " << st;
+      if (reply.rfind("OK ", 0) == 0) {
+        ++adopted;
+        ++seen["OK"];
+      } else {
+        std::istringstream in(reply);
+        std::string err, code;
+        in >> err >> code;
+        ASSERT_EQ(err, "ERR") << reply;
+        ASSERT_TRUE(documented.count(code)) << "seed " << seed << " request " << i << ": "
+                                            << line << " got " << reply << "\n" << d.Log();
+        ++seen[code];
+      }
+      ASSERT_EQ(kill(d.pid(), 0), 0) << "the daemon died at seed " << seed << " request " << i;
+    }
+  }
+  close(null_fd);
+  std::string summary;
+  for (const auto& [code, n] : seen) summary += " " + code + "x" + std::to_string(n);
+  printf("adoptions:%s\n", summary.c_str());
+  EXPECT_GE(seen["DATA_LOSS"], 10);
+  EXPECT_GE(seen["PERMISSION_DENIED"], 10);
+  EXPECT_GE(seen["FAILED_PRECONDITION"], 10);
+  EXPECT_GE(seen["INVALID_ARGUMENT"], 10);
+  EXPECT_GE(seen["RESOURCE_EXHAUSTED"], 1);
+  // The copies adopted went with their connections: the daemon's pinned memory is the real
+  // session's again.
+  for (int i = 0; i < 200; ++i) {
+    auto now = (*client)->GetStats();
+    ASSERT_TRUE(now.ok());
+    if (now->pinned_bytes() == pinned_before) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  auto after = (*client)->GetStats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->pinned_bytes(), pinned_before) << adopted << " copies adopted";
+  // The real session trains on.
+  float* g = static_cast<float*>(v.GradSlot(0, "w"));
+  for (int i = 0; i < 128; ++i) g[i] = 0.5f;
+  ASSERT_TRUE(v.Push(1, 0).ok());
+  v1::AdamWHyper h;
+  h.set_lr(0.01);
+  h.set_beta1(0.9);
+  h.set_beta2(0.999);
+  h.set_eps(1e-8);
+  ASSERT_TRUE(v.Update(1, h, 0).ok());
+  EXPECT_TRUE(v.WaitUpdate(1).ok());
 }
 
 }  // namespace
