@@ -26,6 +26,7 @@
 #include "common/flags.h"
 #include "common/region.h"
 #include "kernels/optimizer.h"
+#include "server/session_record.h"
 
 namespace stallfree {
 namespace {
@@ -564,6 +565,7 @@ BlockRuns MeasureBlock(Bench* b) {
 // the slot written by a second pass (a memcpy, as before the kernels wrote it).
 struct SlotRuns {
   double packed = 0, strided = 0, memfd = 0, no_slot = 0, copy_after = 0;  // best seconds
+  double commits = 0;  // the session record's two commits of an Update (server/session_record.h)
 };
 
 SlotRuns MeasureSlot(Bench* b) {
@@ -608,6 +610,25 @@ SlotRuns MeasureSlot(Bench* b) {
   r.memfd = run(memfd->get(), stride, true, false);
   r.no_slot = run(anon->get(), stride, false, false);
   r.copy_after = run(anon->get(), stride, true, true);
+  // What crash safety adds to each Update: the session record's two commits (busy before, done
+  // after), for the n elements as square-ish weights of 8192 columns (per-column steps: the
+  // commit's size grows with the columns, not the elements).
+  {
+    const int64_t cols = 8192, rows = std::max<int64_t>(1, n / cols);
+    SessionIdentity id;
+    id.params = {{"w", {rows, cols}, 1}};
+    std::vector<uint8_t> rec(RecordBytes(id.params));
+    SessionRecord record(rec.data(), rec.size());
+    SessionCommit c;
+    c.col_steps = {std::vector<int64_t>(cols, 3)};
+    if (record.WriteIdentity(id).ok())
+      r.commits = Best(static_cast<int>(b->reps), [&] {
+        for (int i = 0; i < 2; ++i) {
+          SessionCommit copy = c;  // as CommitOf copies the steps
+          record.Commit(copy).IgnoreError();
+        }
+      });
+  }
   printf("\nsession state placement (%lld elements; fp32 update + slot): arrays n apart %.3f "
          "Gelem/s, StateStride apart %.3f, the state in a memfd %.3f; without the slot %.3f; "
          "the slot by a second pass %.3f\n",
@@ -652,6 +673,8 @@ void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, co
     printf("FIGURE session_update_fp32_slot_vs_second_pass %.3f x\n",
            slot.copy_after / slot.strided);
     printf("FIGURE session_update_state_memfd_vs_anonymous %.3f x\n", slot.strided / slot.memfd);
+    printf("FIGURE session_update_record_commits_fraction %.5f ratio (of the update's time)\n",
+           slot.commits / slot.strided);
   }
 }
 
