@@ -5,12 +5,14 @@ with a run that was never interrupted: no step lost, none computed again."""
 import os
 import signal
 import tempfile
+import threading
 import time
 
 import torch
 
 import models
 import stallfree
+from conftest import run_ranks
 from stallfree.torch import ZenFlowAdamW
 
 # Rounds of two steps whose Updates the steps wait for: between two steps the daemon is idle, so
@@ -101,3 +103,46 @@ def test_with_reattach_timeout_0_a_lost_daemon_raises_at_once():
         except stallfree.Error as e:
             assert str(e).startswith("stallfreed at %s went away (" % d.socket), e
         assert time.monotonic() - t0 < 10
+
+
+def test_four_ddp_ranks_partitioned_on_one_daemon_survive_its_kill_bit_for_bit(tmp_path):
+    """4 DDP ranks, their ZenFlowAdamW partitioned over them (a quarter of the offloaded state in
+    each rank's session) on one shared daemon, SIGKILLed before step 5 (mid-round) while the
+    ranks wait, and started again: each rank re-attaches its own session, and every rank's
+    losses and final parameters equal an uninterrupted run's exactly."""
+    steps = 8
+
+    def ranks(kill_at):
+        out = tmp_path / ("kill%d" % kill_at)
+        out.mkdir()
+        sock = os.path.join(tempfile.mkdtemp(prefix="stallfree-ddp-", dir="/tmp"), "d.sock")
+        daemon = [stallfree.Daemon(socket=sock, threads=1)]
+
+        def restart():
+            deadline = time.monotonic() + 120
+            while not (out / "paused").exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if not (out / "paused").exists():
+                return
+            kill(daemon[0])
+            daemon[0] = stallfree.Daemon(socket=sock, threads=1)
+            (out / "resumed").touch()
+
+        killer = threading.Thread(target=restart, daemon=True)
+        if kill_at:
+            killer.start()
+        try:
+            run_ranks("survival_worker.py", 4, [sock, steps, kill_at, out], out)
+        finally:
+            if kill_at:
+                killer.join(5)
+            daemon[0].close()
+        if kill_at:
+            assert (out / "resumed").exists()
+        return [torch.load(str(out / ("rank%d.pt" % r))) for r in range(4)]
+
+    ref, got = ranks(0), ranks(5)
+    for r in range(4):
+        assert got[r]["losses"] == ref[r]["losses"], r
+        for name, a in ref[r]["params"].items():
+            assert torch.equal(got[r]["params"][name], a), (r, name)
