@@ -170,7 +170,7 @@ def history(log_history, key):
 def train(kind, optimizer="adamw", config=None, *, max_steps, out_dir, save_steps=None,
           resume_from=None, seed=0, nudge_seed=None, lr=LR, eps=EPS, model_seed=0,
           dropout=None, per_device_batch=BATCH, cls_and_kwargs=False, optimizer_first=False,
-          **args_kw):
+          callbacks=(), **args_kw):
     """One Trainer run; returns {"losses": {step: loss}, "grad_norms": {step: norm}, "params":
     {name: tensor}, "timings": [last_timings per step this process ran], "hot": {name: hot
     columns at the end} (ZenFlowAdamW in zenflow mode), "optimizer": the optimizer's class
@@ -178,7 +178,8 @@ def train(kind, optimizer="adamw", config=None, *, max_steps, out_dir, save_step
     scheduler), Trainer(optimizer_cls_and_kwargs=(class, kwargs)): the Trainer builds the
     groups and the scheduler (from the arguments: the same cosine with warm-up).
     optimizer_first: model and optimizer before the TrainingArguments (under torchrun, before
-    torch.distributed is initialised); "partition" in the result is the optimizer's."""
+    torch.distributed is initialised); "partition" in the result is the optimizer's.
+    callbacks: more TrainerCallbacks."""
     torch.set_num_threads(1)
     # As in a user's script: the arguments first (under torchrun this initialises
     # torch.distributed, which ZenFlowAdamW sees when it is built), then model and optimizer;
@@ -196,13 +197,14 @@ def train(kind, optimizer="adamw", config=None, *, max_steps, out_dir, save_step
         assert optimizer == "zenflow"
         kwargs = dict(config or {}, lr=lr, betas=BETAS, eps=eps)
         trainer = Trainer(model=model, args=args, train_dataset=ByteDataset(),
-                          optimizer_cls_and_kwargs=(ZenFlowAdamW, kwargs), callbacks=[recorder])
+                          optimizer_cls_and_kwargs=(ZenFlowAdamW, kwargs),
+                          callbacks=[recorder, *callbacks])
     else:
         opt = early if optimizer_first else \
             OPTIMIZERS[optimizer](param_groups(model), lr=lr, eps=eps, **(config or {}))
         trainer = Trainer(model=model, args=args, train_dataset=ByteDataset(),
                           optimizers=(opt, make_scheduler(opt, max_steps)),
-                          callbacks=[recorder])
+                          callbacks=[recorder, *callbacks])
         recorder.optimizer = opt
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # quiet
     hot = {}

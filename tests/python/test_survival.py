@@ -146,3 +146,33 @@ def test_four_ddp_ranks_partitioned_on_one_daemon_survive_its_kill_bit_for_bit(t
         assert got[r]["losses"] == ref[r]["losses"], r
         for name, a in ref[r]["params"].items():
             assert torch.equal(got[r]["params"][name], a), (r, name)
+
+
+def test_a_hugging_face_trainer_run_survives_its_daemon_bit_for_bit(tmp_path):
+    """transformers' Trainer with ZenFlowAdamW (zenflow, its Updates awaited) on a shared daemon
+    that a callback SIGKILLs and starts again after step 4 of 10: the Trainer never notices, and
+    its logged losses and final parameters equal an uninterrupted run's exactly."""
+    import transformers
+    import hf_models
+
+    sock = os.path.join(tempfile.mkdtemp(prefix="stallfree-hf-", dir="/tmp"), "d.sock")
+    holder = [stallfree.Daemon(socket=sock, threads=1)]
+
+    class KillAfterStep4(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 4:
+                kill(holder[0])
+                holder[0] = stallfree.Daemon(socket=sock, threads=1)
+
+    config = dict(hf_models.EXACT_MODES["zenflow-S1"], socket=sock, reattach_timeout=60)
+    try:
+        ref = hf_models.train("llama", "zenflow", config, max_steps=10,
+                              out_dir=str(tmp_path / "ref"))
+        got = hf_models.train("llama", "zenflow", config, max_steps=10,
+                              out_dir=str(tmp_path / "got"), callbacks=[KillAfterStep4()])
+    finally:
+        holder[0].close()
+    assert len(ref["losses"]) == 10
+    assert got["losses"] == ref["losses"]
+    for name, a in ref["params"].items():
+        assert torch.equal(got["params"][name], a), name
