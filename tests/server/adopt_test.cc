@@ -28,6 +28,7 @@
 #include "server/session_record.h"
 #include "testing/daemon_process.h"
 #include "testing/hyper.h"
+#include "tests/server/adamw_config.h"
 
 namespace stallfree {
 namespace {
@@ -36,14 +37,7 @@ using Code = absl::StatusCode;
 using testing::Daemon;
 
 kernels::AdamWConfig Config(const v1::AdamWHyper& h, int64_t step) {
-  kernels::AdamWConfig c;
-  c.lr = h.lr();
-  c.beta1 = h.beta1();
-  c.beta2 = h.beta2();
-  c.eps = h.eps();
-  c.weight_decay = h.weight_decay();
-  c.step = step;
-  return c;
+  return testing::ConfigOf(h, step);
 }
 
 constexpr int64_t kRows = 64, kCols = 40, kN = kRows * kCols;

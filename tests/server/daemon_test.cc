@@ -22,6 +22,7 @@
 #include "common/unix_socket.h"
 #include "testing/daemon_process.h"
 #include "testing/hyper.h"
+#include "tests/server/adamw_config.h"
 #include "kernels/optimizer.h"
 #include "server/session_record.h"
 
@@ -34,14 +35,7 @@ using testing::Daemon;
 v1::AdamWHyper Hyper() { return testing::TestHyper(0.05); }
 
 kernels::AdamWConfig Config(const v1::AdamWHyper& h, int64_t step) {
-  kernels::AdamWConfig c;
-  c.lr = h.lr();
-  c.beta1 = h.beta1();
-  c.beta2 = h.beta2();
-  c.eps = h.eps();
-  c.weight_decay = h.weight_decay();
-  c.step = step;
-  return c;
+  return testing::ConfigOf(h, step);
 }
 
 // Trains two parameters (fp32 and bf16 gradients) through the daemon for several steps, two
