@@ -80,6 +80,7 @@ void OffloadSession::Release() {
     MutexLock lock(&mu_);
     region = std::move(region_);
     state = std::move(state_);
+    record_.reset();  // it points into the state
     master_ = m_ = v_ = acc_ = nullptr;
     reserved = std::exchange(reserved_bytes_, 0);
     pinned = std::exchange(pinned_bytes_, 0);

@@ -178,7 +178,12 @@ absl::Status SessionRecord::WriteIdentity(const SessionIdentity& id) {
     return absl::InternalError(absl::StrCat("the session record needs ", RecordBytes(id.params),
                                             " bytes, it has ", size_));
   const std::vector<uint8_t> bytes = EncodeIdentity(id);
+  if (identity_bytes_ != 0 && identity_bytes_ != bytes.size())
+    return absl::InternalError("the session record's identity changed its size");
   memcpy(data_, bytes.data(), bytes.size());
+  identity_bytes_ = bytes.size();
+  cols_.clear();
+  for (const RecordParam& p : id.params) cols_.push_back(Columns(p.shape));
   return absl::OkStatus();
 }
 
@@ -226,6 +231,11 @@ absl::StatusOr<SessionIdentity> SessionRecord::ReadIdentity() const {
 }
 
 absl::Status SessionRecord::Locate(uint64_t* identity_bytes, std::vector<int64_t>* cols) const {
+  if (identity_bytes_ != 0) {
+    *identity_bytes = identity_bytes_;
+    *cols = cols_;
+    return absl::OkStatus();
+  }
   absl::StatusOr<SessionIdentity> id = ReadIdentity();
   if (!id.ok()) return id.status();
   memcpy(identity_bytes, data_ + 12, 4);

@@ -104,8 +104,10 @@ inline constexpr size_t kRecordMaxName = 256;
 // for a name of kRecordMaxName bytes; commits' columns), a multiple of 8.
 uint64_t RecordBytes(const std::vector<RecordParam>& params);
 
-// A session's record in memory `data` of `size` bytes (RecordBytes). Not thread safe: the
-// owner writes the identity and the commits from one thread at a time.
+// A session's record in memory `data` of `size` bytes (RecordBytes). The identity and the
+// commits may be written from two threads at once (they are different bytes, and once this
+// object wrote the identity, its commits do not read it again); each of them from one thread at
+// a time.
 class SessionRecord {
  public:
   SessionRecord(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
@@ -122,13 +124,16 @@ class SessionRecord {
   absl::StatusOr<SessionCommit> NewestCommit() const;
 
  private:
-  // The identity's size and its parameters' columns, from the bytes (ReadIdentity checked them).
+  // The identity's size and its parameters' columns: what WriteIdentity wrote, else read from
+  // the bytes (ReadIdentity checks them).
   absl::Status Locate(uint64_t* identity_bytes, std::vector<int64_t>* cols) const;
   uint64_t CommitBytes(uint64_t total_cols) const { return 56 + 8 * total_cols + 8; }
 
   uint8_t* data_;
   uint64_t size_;
   uint64_t next_sequence_ = 0;  // 0: not known yet (read from the slots at the first Commit)
+  uint64_t identity_bytes_ = 0;  // set by WriteIdentity (the same for every write of a session)
+  std::vector<int64_t> cols_;
 };
 
 }  // namespace stallfree
