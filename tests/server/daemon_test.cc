@@ -570,7 +570,7 @@ TEST(Daemon, ASessionWhoseDaemonRestartedIsUnavailable) {
   ASSERT_TRUE(s.RegisterParams({{"w", {64}, v1::DTYPE_FP32}}).ok());
   ASSERT_TRUE(s.Push(1, 0).ok());
   const int status = d.Terminate();
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << d.Log();
 
   const pid_t again = StartDaemonAt(d.socket(), d.dir() + "/state2");
   ASSERT_GT(again, 0);
