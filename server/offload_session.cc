@@ -322,12 +322,11 @@ SessionCommit OffloadSession::CommitOf(RecordBusy busy, int64_t busy_step) {
   c.pushes_since_update = pushes_since_update_;
   c.ready_slot = ready_slot_;
   c.ready_dtype = static_cast<uint32_t>(ready_dtype_);
-  c.col_steps = col_steps_;
-  return c;
+  return c;  // the column steps: WriteCommit takes col_steps_ as they are
 }
 
 void OffloadSession::WriteCommit(const SessionCommit& commit) {
-  absl::StatusOr<uint64_t> seq = record_->Commit(commit);
+  absl::StatusOr<uint64_t> seq = record_->Commit(commit, &col_steps_);
   if (!seq.ok())
     SF_LOG(kError, "session %d: its record's commit failed (%s): a restarted daemon could not "
            "adopt it", id_, seq.status().ToString());
@@ -430,11 +429,12 @@ absl::Status OffloadSession::Allocate(SessionLayout layout) {
       });
     }
   }
-  MutexLock lock(&mu_);
+  mu_.Lock();
   registering_ = false;
   if (!region.ok() || !state.ok()) {
     env_.budget->Release(reserved_bytes_);
     reserved_bytes_ = 0;
+    mu_.Unlock();
     return region.ok() ? state.status() : region.status();
   }
   const uint64_t elems = layout.total_elems;
@@ -463,12 +463,13 @@ absl::Status OffloadSession::Allocate(SessionLayout layout) {
   acc_ = base + 3 * stride;
   layout_ = std::make_unique<const SessionLayout>(std::move(layout));
   registered_ = true;
-  WriteCommit(CommitOf(RecordBusy::kNone, 0));
   pinned_bytes_ = region_->size() + state_->size();
   env_.counters->pinned_bytes.fetch_add(pinned_bytes_);
   SF_LOG(kInfo, "session %d registered %d parameters, %d elements; region %d bytes%s", id_,
          layout_->params.size(), elems, rl.region_bytes(),
          region_->locked() ? " (mlocked)" : " (not mlocked)");
+  mu_.Unlock();
+  CommitRecord();  // its column steps written outside mu_ (a 1-D parameter has one per element)
   return absl::OkStatus();
 }
 

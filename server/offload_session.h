@@ -404,10 +404,11 @@ class OffloadSession {
   absl::Status AbandonImport(absl::Status why) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The record's commit of the state as it is now, `busy` naming the work method about to change
-  // the arrays (kNone: none; a pending handover or a lost state says so itself). On the strand.
+  // the arrays (kNone: none; a pending handover or a lost state says so itself), without its
+  // column steps (WriteCommit writes col_steps_ themselves). On the strand.
   SessionCommit CommitOf(RecordBusy busy, int64_t busy_step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Writes CommitOf to the record (an error is logged: the session works on, but a daemon
-  // restart then cannot adopt it). On the strand.
+  // Writes a commit with col_steps_ to the record (an error is logged: the session works on, but
+  // a daemon restart then cannot adopt it). On the strand.
   void CommitRecord(RecordBusy busy = RecordBusy::kNone, int64_t busy_step = 0)
       ABSL_LOCKS_EXCLUDED(mu_);
   void WriteCommit(const SessionCommit& commit);

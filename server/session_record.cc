@@ -181,9 +181,10 @@ absl::Status SessionRecord::WriteIdentity(const SessionIdentity& id) {
   if (identity_bytes_ != 0 && identity_bytes_ != bytes.size())
     return absl::InternalError("the session record's identity changed its size");
   memcpy(data_, bytes.data(), bytes.size());
-  identity_bytes_ = bytes.size();
-  cols_.clear();
-  for (const RecordParam& p : id.params) cols_.push_back(Columns(p.shape));
+  if (identity_bytes_ == 0) {  // set once: later writes (other threads) leave them as they are
+    for (const RecordParam& p : id.params) cols_.push_back(Columns(p.shape));
+    identity_bytes_ = bytes.size();
+  }
   return absl::OkStatus();
 }
 
@@ -245,15 +246,17 @@ absl::Status SessionRecord::Locate(uint64_t* identity_bytes, std::vector<int64_t
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> SessionRecord::Commit(const SessionCommit& c) {
+absl::StatusOr<uint64_t> SessionRecord::Commit(
+    const SessionCommit& c, const std::vector<std::vector<int64_t>>* col_steps) {
+  const std::vector<std::vector<int64_t>>& steps_of = col_steps ? *col_steps : c.col_steps;
   uint64_t at = 0;
   std::vector<int64_t> cols;
   if (absl::Status st = Locate(&at, &cols); !st.ok()) return st;
   int64_t total = 0;
-  if (c.col_steps.size() != cols.size())
+  if (steps_of.size() != cols.size())
     return absl::InternalError("the commit's column steps do not match the identity");
   for (size_t i = 0; i < cols.size(); ++i) {
-    if (static_cast<int64_t>(c.col_steps[i].size()) != cols[i])
+    if (static_cast<int64_t>(steps_of[i].size()) != cols[i])
       return absl::InternalError("the commit's column steps do not match the identity");
     total += cols[i];
   }
@@ -274,11 +277,18 @@ absl::StatusOr<uint64_t> SessionRecord::Commit(const SessionCommit& c) {
   w.Put<int64_t>(c.pushes_since_update);
   w.Put<uint32_t>(c.ready_slot);
   w.Put<uint32_t>(c.ready_dtype);
-  for (const std::vector<int64_t>& steps : c.col_steps) w.Bytes(steps.data(), steps.size() * 8);
-  w.Put<uint64_t>(Digest(w.out.data(), w.out.size()));
   // Slot 0 takes the odd sequence numbers, slot 1 the even ones: the other slot keeps the
-  // previous commit whole while this one is written.
-  memcpy(data_ + at + (seq % 2 == 1 ? 0 : slot), w.out.data(), w.out.size());
+  // previous commit whole while this one is written, in place (a 1-D parameter has a step count
+  // per element: no copies).
+  uint8_t* p = data_ + at + (seq % 2 == 1 ? 0 : slot);
+  memcpy(p, w.out.data(), w.out.size());
+  uint64_t off = w.out.size();
+  for (const std::vector<int64_t>& steps : steps_of) {
+    if (!steps.empty()) memcpy(p + off, steps.data(), steps.size() * 8);
+    off += steps.size() * 8;
+  }
+  const uint64_t sum = Digest(p, off);
+  memcpy(p + off, &sum, 8);
   return seq;
 }
 

@@ -104,10 +104,10 @@ inline constexpr size_t kRecordMaxName = 256;
 // for a name of kRecordMaxName bytes; commits' columns), a multiple of 8.
 uint64_t RecordBytes(const std::vector<RecordParam>& params);
 
-// A session's record in memory `data` of `size` bytes (RecordBytes). The identity and the
-// commits may be written from two threads at once (they are different bytes, and once this
-// object wrote the identity, its commits do not read it again); each of them from one thread at
-// a time.
+// A session's record in memory `data` of `size` bytes (RecordBytes). Once this object wrote the
+// identity (its first WriteIdentity, before any other thread uses it), the identity and the
+// commits may be written from two threads at once: they are different bytes, and the commits
+// do not read the identity again. Each of them from one thread at a time.
 class SessionRecord {
  public:
   SessionRecord(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
@@ -117,9 +117,11 @@ class SessionRecord {
   absl::Status WriteIdentity(const SessionIdentity& id);
   // Reads and verifies the identity: DataLoss naming the fault (magic, format, size, checksum).
   absl::StatusOr<SessionIdentity> ReadIdentity() const;
-  // Writes `commit` with the next sequence number into the older slot; returns that number.
-  // col_steps must have the identity's parameters' columns.
-  absl::StatusOr<uint64_t> Commit(const SessionCommit& commit);
+  // Writes `commit` with the next sequence number into the older slot, in place; returns that
+  // number. Its column steps are *col_steps when given (the caller's own, not copied), else
+  // commit.col_steps; they must have the identity's parameters' columns.
+  absl::StatusOr<uint64_t> Commit(const SessionCommit& commit,
+                                  const std::vector<std::vector<int64_t>>* col_steps = nullptr);
   // The newest whole commit: DataLoss if neither slot checks out, NotFound if none was written.
   absl::StatusOr<SessionCommit> NewestCommit() const;
 
