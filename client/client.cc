@@ -498,13 +498,17 @@ absl::StatusOr<Session::Adopted> Session::Reattach(double wait_s) {
         return got;
       }
       close(*conn);
-      if (last.ok())  // the daemon answered and refused: waiting does not change that
-        return absl::Status(RefusalCode(reply) == absl::StatusCode::kUnknown
+      const absl::StatusCode refused = RefusalCode(reply);
+      // The daemon answered and refused: waiting does not change that, unless it is itself
+      // shutting down (UNAVAILABLE: the next one is waited for).
+      if (last.ok() && refused != absl::StatusCode::kUnavailable)
+        return absl::Status(refused == absl::StatusCode::kUnknown
                                 ? absl::StatusCode::kFailedPrecondition
-                                : RefusalCode(reply),
+                                : refused,
                             absl::StrCat("the stallfreed at ", fd_socket_,
                                          " refused to take back session ", session_id_.load(),
                                          ": ", reply));
+      if (last.ok()) last = absl::UnavailableError(reply);
     } else {
       last = conn.status();
     }
@@ -515,7 +519,8 @@ absl::StatusOr<Session::Adopted> Session::Reattach(double wait_s) {
           Seconds(wait_s), " (", last.message(), "); its state is still held by this process "
           "until the session closes"));
     if (now >= next_note) {
-      SF_LOG(kWarning, "session %d: waiting for a stallfreed at %s to take it back (%.0f of %.0f s)",
+      SF_LOG(kWarning,
+             "session %d: waiting for a stallfreed at %s to take it back (%.0f of %.0f s)",
              session_id_.load(), fd_socket_,
              std::chrono::duration<double>(now - start).count(), wait_s);
       next_note = now + std::chrono::seconds(10);

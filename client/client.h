@@ -289,8 +289,9 @@ class Session {
   // wait_s seconds for one to answer: the region's and the state's descriptors go with the token
   // and the generation (server/fd_server.h, ADOPT). The session then has a new id (ref()) and
   // its state as it was: a call that failed is retried if Adopted says that it did not happen.
-  // UNAVAILABLE naming the socket when no daemon answered in time; the daemon's refusal with its
-  // code otherwise (PERMISSION_DENIED, FAILED_PRECONDITION: a stale generation, a torn state).
+  // UNAVAILABLE naming the socket when no daemon answered in time (a daemon that answers that
+  // it is shutting down is waited past); the daemon's refusal with its code otherwise
+  // (PERMISSION_DENIED, FAILED_PRECONDITION: a stale generation, a torn state).
   // Not concurrently with the session's other calls.
   absl::StatusOr<Adopted> Reattach(double wait_s);
   // The generation the session's record had at the attach or the last Reattach.
