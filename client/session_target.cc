@@ -48,7 +48,7 @@ absl::StatusOr<SessionTarget::Adopted> SessionTarget::Recover(uint64_t generatio
   if (!back.ok())
     return absl::UnavailableError(
         absl::StrCat(back.status().ToString(), " (after: ", why.message(), ")"));
-  Adopted a{s_->generation(), back->version, back->pushes_since_update};
+  Adopted a{back->version, back->pushes_since_update};
   bool resend = false;
   SentUpdate redo;
   int64_t pushes_before = 0;

@@ -116,7 +116,6 @@ class SessionTarget : public OffloadTarget {
   absl::Status SendUpdate(const SentUpdate& u);
   // Where the session's state stands after the newest re-attach and what it finished.
   struct Adopted {
-    uint64_t generation = 0;
     int64_t version = 0;
     int64_t pushes_since_update = 0;
   };

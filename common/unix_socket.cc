@@ -162,20 +162,6 @@ absl::Status RecvWithFds(int sock, size_t max_bytes, std::string* message, std::
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> ReadLine(int sock, size_t max_bytes) {
-  std::string line;
-  while (line.size() < max_bytes) {
-    char c;
-    ssize_t n = read(sock, &c, 1);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return ErrnoStatus("read", absl::StrCat("fd ", sock));
-    if (n == 0) return absl::UnavailableError("peer closed before sending a full line");
-    if (c == '\n') return line;
-    line.push_back(c);
-  }
-  return absl::InvalidArgumentError(absl::StrCat("line longer than ", max_bytes, " bytes"));
-}
-
 absl::StatusOr<std::string> ReadLineWithFds(int sock, size_t max_bytes, std::vector<int>* fds,
                                             size_t max_fds) {
   fds->clear();

@@ -31,11 +31,9 @@ absl::Status RecvWithFd(int sock, size_t max_bytes, std::string* message, int* f
 // InvalidArgument names the count.
 absl::Status RecvWithFds(int sock, size_t max_bytes, std::string* message, std::vector<int>* fds,
                          size_t max_fds);
-// Reads one '\n'-terminated line (without the newline), at most max_bytes.
-absl::StatusOr<std::string> ReadLine(int sock, size_t max_bytes);
-// ReadLine that also takes the descriptors sent with the line (SCM_RIGHTS), at most max_fds in
-// all, in the order sent, into *fds (the caller owns them); on any error every one received is
-// closed and *fds is empty.
+// Reads one '\n'-terminated line (without the newline), at most max_bytes, and the
+// descriptors sent with it (SCM_RIGHTS), at most max_fds in all, in the order sent, into *fds
+// (the caller owns them); on any error every one received is closed and *fds is empty.
 absl::StatusOr<std::string> ReadLineWithFds(int sock, size_t max_bytes, std::vector<int>* fds,
                                             size_t max_fds);
 // True if the peer of the connected socket `sock` has closed its end (or the connection broke),

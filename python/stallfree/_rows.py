@@ -23,7 +23,7 @@ import torch
 
 from . import _stallfree
 from ._stallfree import Error
-from ._state import _BLOB_KEYS, _group_blobs, _uint8
+from ._state import _BLOB_KEYS, _group_blobs, _param_index, _uint8
 
 REST_KEY = "zenflow_rest"
 ROWS_PREFIX = "zenflow_rows."
@@ -65,11 +65,7 @@ def to_rows(sd, members_of, shards_of, param_groups, keep_blob_keys=False):
     fills in)."""
     from torch.distributed.tensor import DTensor
 
-    index, start = {}, 0
-    for group in param_groups:
-        for i, p in enumerate(group["params"]):
-            index[id(p)] = start + i
-        start += len(group["params"])
+    index = _param_index(param_groups)
     state = dict(sd["state"])
     for gi in range(len(sd["param_groups"])):
         key, meta, engine, daemon = _group_blobs(sd, gi)
@@ -108,11 +104,7 @@ def template(sd, members_of, shards_of, param_groups):
     that are not FSDP2's: every engine entry and every key of the distributed form (the arrays
     this optimizer's state has, SplitRows' names) present and empty. torch fills in the saved
     dict's values, whichever form it is; load_state_dict takes the form that is filled."""
-    index, start = {}, 0
-    for group in param_groups:
-        for i, p in enumerate(group["params"]):
-            index[id(p)] = start + i
-        start += len(group["params"])
+    index = _param_index(param_groups)
     state = dict(sd["state"])
     for gi in range(len(sd["param_groups"])):
         key, _, engine, daemon = _group_blobs(sd, gi)

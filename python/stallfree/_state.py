@@ -22,6 +22,17 @@ _ENGINE_KEY, _DAEMON_KEY, _META_KEY = "zenflow_engine", "zenflow_daemon", "zenfl
 _BLOB_KEYS = (_ENGINE_KEY, _DAEMON_KEY, _META_KEY)
 
 
+def _param_index(param_groups):
+    """{id(parameter): its position in a state dict's "state"} (torch numbers the parameters of
+    every group in order)."""
+    index, start = {}, 0
+    for group in param_groups:
+        for i, p in enumerate(group["params"]):
+            index[id(p)] = start + i
+        start += len(group["params"])
+    return index
+
+
 def _group_blobs(sd, gi):
     """(state key, meta dict, engine tensor, daemon tensor) of group gi's engine entry in a
     state dict of this stallfree, or (None,) * 4 for a group without one."""

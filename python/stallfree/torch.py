@@ -37,7 +37,7 @@ from ._partition import (_DTYPE_NAMES, _Shards, _all_reduce_scores, _announce,
                          _check_same_parameters, _data_parallel_group, _on_device, _peers, _rank,
                          _warn_missing)
 from ._stallfree import Error
-from ._state import (_BLOB_KEYS, _DAEMON_KEY, _ENGINE_KEY, _META_KEY,
+from ._state import (_BLOB_KEYS, _DAEMON_KEY, _ENGINE_KEY, _META_KEY, _param_index,
                      _STATE_VERSION, _bytes_tensor, _group_blobs, _ranks_of_consolidated,
                      _share_of, _shares, _uint8)
 
@@ -990,12 +990,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 hook(self)
             with _torch_private.hooks_held(self, "state_dict_post") as post_hooks:
                 sd = super().state_dict()  # torch's packing, no hook runs in there
-        index = {}
-        start = 0
-        for group in self.param_groups:
-            for i, p in enumerate(group["params"]):
-                index[id(p)] = start + i
-            start += len(group["params"])
+        index = _param_index(self.param_groups)
         for gi, engine in enumerate(self._engines):
             if engine is None:
                 continue

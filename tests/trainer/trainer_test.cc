@@ -199,36 +199,6 @@ TEST_F(TrainerTest, KeepCheckpointsRemovesOlderTrainerAndDaemonFiles) {
   EXPECT_NE(bad.output.find("keep_checkpoints: must be >= 0"), std::string::npos) << bad.output;
 }
 
-// A stallfreed of the test's own, at a fixed socket and state directory, that the test kills
-// and starts again (as systemd's Restart=on-failure would).
-class OwnDaemon {
- public:
-  explicit OwnDaemon(const std::string& dir) : dir_(dir), socket_(dir + "/d.sock") {
-    mkdir(dir.c_str(), 0755);
-  }
-  ~OwnDaemon() { Kill(); }
-  void Start() {
-    pid_ = testing::Spawn("exec server/stallfreed --socket " + socket_ + " --state_dir " + dir_ +
-                 "/state --threads 2 --log_level warning 2>>" + dir_ + "/daemon.log");
-    for (int i = 0; i < 200; ++i) {
-      struct stat st;
-      if (stat(socket_.c_str(), &st) == 0) return;
-      usleep(25000);
-    }
-  }
-  void Kill() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
-  const std::string& socket() const { return socket_; }
-
- private:
-  std::string dir_, socket_;
-  pid_t pid_ = -1;
-};
-
 // "exec trainer/trainer ARGS" with the --socket of args replaced by `socket`.
 std::string OnSocket(std::vector<std::string> args, const std::string& socket) {
   for (size_t i = 0; i + 1 < args.size(); ++i)
@@ -264,8 +234,10 @@ TEST_F(TrainerTest, ADaemonKilledMidRunIsWaitedForAndTheRunGoesOnWhereItWas) {
                                           "--engine_warmup", "4"};
   TrainerRun ref = Trainer(Cat(Base("ref", 60), flags));
   ASSERT_EQ(ref.code, 0) << ref.output;
-  OwnDaemon own(daemon_->dir() + "/own");
-  own.Start();
+  // A stallfreed of the test's own, that it kills and starts again on the same socket (as
+  // systemd's Restart=on-failure would).
+  testing::Daemon own({"--threads", "2"}, "warning");
+  ASSERT_TRUE(own.started()) << own.error();
   const pid_t trainer = testing::Spawn(
       OnSocket(Cat(Base("rec", 60), flags), own.socket()) + " --reconnect_s 30 > " + out_ +
       "/rec.log 2>&1");
@@ -280,8 +252,7 @@ TEST_F(TrainerTest, ADaemonKilledMidRunIsWaitedForAndTheRunGoesOnWhereItWas) {
   };
   signal_all(SIGSTOP);
   usleep(500000);
-  own.Kill();
-  own.Start();
+  own.Restart();
   signal_all(SIGCONT);
   int status = 0;
   waitpid(trainer, &status, 0);
@@ -335,8 +306,8 @@ TEST_F(TrainerTest, ASessionClosedUnderARunIsRecoveredLikeALostDaemon) {
 // Without the daemon coming back within --reconnect_s, the run stops with an error that names
 // the socket, the last checkpoint and the command that continues from it.
 TEST_F(TrainerTest, ADaemonThatStaysAwayEndsTheRunWithTheResumeCommand) {
-  OwnDaemon own(daemon_->dir() + "/gone");
-  own.Start();
+  testing::Daemon own({"--threads", "2"}, "warning");
+  ASSERT_TRUE(own.started()) << own.error();
   testing::RunShell("mkdir -p " + out_);
   const pid_t trainer = testing::Spawn(
       OnSocket(Cat(Base("gone", 400), {"--checkpoint_every", "5"}), own.socket()) +
