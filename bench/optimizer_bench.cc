@@ -26,6 +26,7 @@
 #include "common/flags.h"
 #include "common/region.h"
 #include "kernels/optimizer.h"
+#include "server/session_journal.h"
 #include "server/session_record.h"
 
 namespace stallfree {
@@ -566,6 +567,7 @@ BlockRuns MeasureBlock(Bench* b) {
 struct SlotRuns {
   double packed = 0, strided = 0, memfd = 0, no_slot = 0, copy_after = 0;  // best seconds
   double commits = 0;  // the session record's two commits of an Update (server/session_record.h)
+  double journaled = 0;  // the memfd update through the work journal (server/session_journal.h)
 };
 
 SlotRuns MeasureSlot(Bench* b) {
@@ -585,7 +587,10 @@ SlotRuns MeasureSlot(Bench* b) {
     return r;
   }
   float* out = reinterpret_cast<float*>((*slot)->data());
-  auto run = [&](MappedRegion* state, int64_t apart, bool with_slot, bool copy) {
+  // With `journal`, the update runs as OffloadSession::Update runs it: over the journal's units,
+  // each saved before it changes and marked done after.
+  auto run = [&](MappedRegion* state, int64_t apart, bool with_slot, bool copy,
+                 WorkJournal* journal = nullptr) {
     float* base = reinterpret_cast<float*>(state->data());
     float *p = base, *m = base + apart, *v = base + 2 * apart, *acc = base + 3 * apart;
     ParallelChunks(n, [&](int64_t s, int64_t len) {  // first touch, as Fill
@@ -598,6 +603,14 @@ SlotRuns MeasureSlot(Bench* b) {
     });
     return Best(static_cast<int>(b->reps), [&] {
       b->c.step = b->step++;
+      if (journal != nullptr) {
+        journal->Begin(static_cast<uint64_t>(b->c.step), JournalOp::kUpdate, "").IgnoreError();
+        journal->Run(static_cast<uint64_t>(n), {p, m, v}, [&](uint64_t s, uint64_t e) {
+          b->fast.AdamW(b->c, p + s, m + s, v + s, acc + s, GradType::kFp32,
+                        static_cast<int64_t>(e - s), kernels::ParamOut::Fp32(out + s));
+        });
+        return;
+      }
       ParallelChunks(n, [&](int64_t s, int64_t len) {
         b->fast.AdamW(b->c, p + s, m + s, v + s, acc + s, GradType::kFp32, len,
                       with_slot && !copy ? kernels::ParamOut::Fp32(out + s) : nullptr);
@@ -610,6 +623,22 @@ SlotRuns MeasureSlot(Bench* b) {
   r.memfd = run(memfd->get(), stride, true, false);
   r.no_slot = run(anon->get(), stride, false, false);
   r.copy_after = run(anon->get(), stride, true, true);
+  {
+    const JournalGeometry g = JournalGeometryFor(static_cast<uint64_t>(n), 1);
+    auto jmem = MappedRegion::CreateMemfd("bench journal", g.bytes, PinPolicy::kOff);
+    if (jmem.ok()) {
+      WorkJournal journal((*jmem)->data(), g);
+      journal.Format();
+      // Alternated with the plain memfd update: this machine is shared and noisy.
+      double plain = r.memfd, with = 1e30;
+      for (int round = 0; round < 2; ++round) {
+        with = std::min(with, run(memfd->get(), stride, true, false, &journal));
+        plain = std::min(plain, run(memfd->get(), stride, true, false));
+      }
+      r.memfd = plain;
+      r.journaled = with;
+    }
+  }
   // What crash safety adds to each Update: the session record's two commits (busy before, done
   // after), for the n elements as square-ish weights of 8192 columns (per-column steps: the
   // commit's size grows with the columns, not the elements).
@@ -626,6 +655,9 @@ SlotRuns MeasureSlot(Bench* b) {
         for (int i = 0; i < 2; ++i) record.Commit(c).IgnoreError();
       });
   }
+  if (r.journaled > 0)
+    printf("\nsession update through the work journal (memfd state + slot): %.3f Gelem/s, "
+           "without %.3f\n", n / r.journaled / 1e9, n / r.memfd / 1e9);
   printf("\nsession state placement (%lld elements; fp32 update + slot): arrays n apart %.3f "
          "Gelem/s, StateStride apart %.3f, the state in a memfd %.3f; without the slot %.3f; "
          "the slot by a second pass %.3f\n",
@@ -672,6 +704,9 @@ void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, co
     printf("FIGURE session_update_state_memfd_vs_anonymous %.3f x\n", slot.strided / slot.memfd);
     printf("FIGURE session_update_record_commits_fraction %.5f ratio (of the update's time)\n",
            slot.commits / slot.strided);
+    if (slot.journaled > 0)
+      printf("FIGURE session_update_journaled_vs_without %.3f x (throughput; crash safety's "
+             "target >= 0.95)\n", slot.memfd / slot.journaled);
   }
 }
 

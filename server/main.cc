@@ -61,6 +61,7 @@ struct Flags {
   int64_t parent_pid = 0;
   std::string metrics_address;
   double update_wait_s = 60;
+  int64_t test_unit_delay_us = 0;
 };
 
 // Parses the command line into *f; -1 to go on, else the exit code (help, a bad flag).
@@ -96,6 +97,9 @@ int ParseFlags(int argc, char** argv, Flags* f) {
                   "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464; "
                   "port 0: any free one, logged); empty: off. Every uid's session names appear "
                   "there: bind it where only the node's monitoring reaches");
+  flags.AddInt("test_unit_delay_us", &f->test_unit_delay_us,
+               "testing only: each unit (up to 1024 elements) of a push or an Update waits this long half way, "
+               "so that a crash test can stop the daemon inside one (0: never)");
   return flags.ParseCommandLine(argc, argv);
 }
 
@@ -125,8 +129,9 @@ bool Configure(Flags* f, stallfree::DaemonOptions* opts) {
             f->pin.c_str());
     return false;
   }
-  if (f->threads < 0 || f->pinned_mib < 0) {
-    fprintf(stderr, "stallfreed: --threads and --pinned_mib must be >= 0\n");
+  if (f->test_unit_delay_us > 0) SetUnitDelayForTesting(f->test_unit_delay_us);
+  if (f->threads < 0 || f->pinned_mib < 0 || f->test_unit_delay_us < 0) {
+    fprintf(stderr, "stallfreed: --threads, --pinned_mib and --test_unit_delay_us must be >= 0\n");
     return false;
   }
   // At least 1 ms, at most what WaitUpdateRequest.timeout_ms can name (about 49 days).

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
+#include "common/le_bytes.h"
 #include "common/log.h"
 #include "common/status.h"
 
@@ -80,7 +81,8 @@ void OffloadSession::Release() {
     MutexLock lock(&mu_);
     region = std::move(region_);
     state = std::move(state_);
-    record_.reset();  // it points into the state
+    record_.reset();  // it and the journal point into the state
+    journal_.reset();
     master_ = m_ = v_ = acc_ = nullptr;
     reserved = std::exchange(reserved_bytes_, 0);
     pinned = std::exchange(pinned_bytes_, 0);
@@ -283,6 +285,7 @@ void OffloadSession::Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> r
   region_ = std::move(region);
   state_ = std::move(state);
   record_ = std::make_unique<SessionRecord>(state_->data(), layout.arrays_offset);
+  journal_ = std::make_unique<WorkJournal>(state_->data() + layout.journal_offset, layout.journal);
   float* base = reinterpret_cast<float*>(state_->data() + layout.arrays_offset);
   const uint64_t stride = layout.state_stride;
   master_ = base;
@@ -317,6 +320,7 @@ SessionCommit OffloadSession::CommitOf(RecordBusy busy, int64_t busy_step) {
   c.updated_once = updated_once_;
   c.has_state = has_state_;
   c.acc_stale = acc_stale_;
+  c.handovers_pending = !handed_over_.empty();
   c.version = version_;
   c.last_step = committed_step_;
   c.pushes_since_update = pushes_since_update_;
@@ -455,6 +459,8 @@ absl::Status OffloadSession::Allocate(SessionLayout layout) {
   identity_.region_bytes = rl.region_bytes();
   identity_.state_bytes = layout.state_bytes;
   WriteIdentity();
+  journal_ = std::make_unique<WorkJournal>(state_->data() + layout.journal_offset, layout.journal);
+  journal_->Format();
   float* base = reinterpret_cast<float*>(state_->data() + layout.arrays_offset);
   master_ = base;
   const uint64_t stride = layout.state_stride;
@@ -492,26 +498,203 @@ void OffloadSession::LoadParams(const std::vector<LoadJob>& jobs) {
   CommitRecord();
 }
 
+namespace {
+
+// The plans of the journaled operations (session_journal.h), as the work journal keeps them.
+std::string EncodeUpdatePlan(const UpdatePlan& plan) {
+  LeWriter w;
+  const kernels::AdamWConfig& c = plan.config;
+  w.Put<double>(c.lr);
+  w.Put<double>(c.beta1);
+  w.Put<double>(c.beta2);
+  w.Put<double>(c.eps);
+  w.Put<double>(c.weight_decay);
+  w.Put<int64_t>(c.step);
+  w.Put<float>(c.grad_scale);
+  w.Put<uint8_t>(c.predict_out ? 1 : 0);
+  w.Put<uint32_t>(plan.param_slot);
+  w.Put<uint32_t>(static_cast<uint32_t>(plan.out));
+  w.Put<uint8_t>(plan.column_steps ? 1 : 0);
+  w.Put<uint8_t>(plan.fuse_push ? 1 : 0);
+  w.Put<uint32_t>(plan.grad_slot);
+  w.Put<float>(plan.push_scale);
+  w.Put<uint32_t>(static_cast<uint32_t>(plan.skip.size()));
+  w.Bytes(plan.skip.data(), plan.skip.size());
+  return std::string(w.out.begin(), w.out.end());
+}
+
+// The journal's bytes are the session process's to write (it holds the memfd): everything is
+// checked against the layout, as a request would be.
+absl::StatusOr<UpdatePlan> DecodeUpdatePlan(const std::string& bytes, const SessionLayout& layout) {
+  LeReader r(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  UpdatePlan plan;
+  kernels::AdamWConfig& c = plan.config;
+  c.lr = r.Get<double>();
+  c.beta1 = r.Get<double>();
+  c.beta2 = r.Get<double>();
+  c.eps = r.Get<double>();
+  c.weight_decay = r.Get<double>();
+  c.step = r.Get<int64_t>();
+  c.grad_scale = r.Get<float>();
+  c.predict_out = r.Get<uint8_t>() != 0;
+  plan.param_slot = r.Get<uint32_t>();
+  plan.out = static_cast<v1::DType>(r.Get<uint32_t>());
+  plan.column_steps = r.Get<uint8_t>() != 0;
+  plan.fuse_push = r.Get<uint8_t>() != 0;
+  plan.grad_slot = r.Get<uint32_t>();
+  plan.push_scale = r.Get<float>();
+  const uint32_t nskip = r.Get<uint32_t>();
+  if (r.ok() && nskip <= layout.params.size()) {
+    plan.skip.resize(nskip);
+    r.Bytes(plan.skip.data(), nskip);
+  }
+  if (!r.ok() || nskip != (plan.column_steps ? layout.params.size() : nskip) || c.step < 1 ||
+      plan.param_slot >= layout.region.param_slots() || plan.grad_slot > 1 ||
+      (plan.out != v1::DTYPE_FP32 && plan.out != v1::DTYPE_BF16) ||
+      (plan.out == v1::DTYPE_FP32 && layout.region.param_dtype() == v1::DTYPE_BF16))
+    return absl::DataLossError("the work journal's Update plan does not fit the session");
+  return plan;
+}
+
+std::string EncodePushPlan(const PushPlan& plan) {
+  LeWriter w;
+  w.Put<float>(plan.scale);
+  w.Put<uint8_t>(plan.whole ? 1 : 0);
+  w.Put<uint64_t>(plan.bytes);
+  w.Put<uint32_t>(static_cast<uint32_t>(plan.jobs.size()));
+  for (const AccumulateJob& j : plan.jobs) {
+    w.Put<uint64_t>(j.acc_offset);
+    w.Put<uint64_t>(j.region_offset);
+    w.Put<uint32_t>(static_cast<uint32_t>(j.type));
+    w.Put<int64_t>(j.count);
+  }
+  return std::string(w.out.begin(), w.out.end());
+}
+
+absl::StatusOr<PushPlan> DecodePushPlan(const std::string& bytes, const SessionLayout& layout) {
+  LeReader r(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  PushPlan plan;
+  plan.scale = r.Get<float>();
+  plan.whole = r.Get<uint8_t>() != 0;
+  plan.bytes = r.Get<uint64_t>();
+  const uint32_t n = r.Get<uint32_t>();
+  bool ok = r.ok() && n <= bytes.size() / 28 && std::isfinite(plan.scale);
+  for (uint32_t i = 0; ok && i < n; ++i) {
+    AccumulateJob j{};
+    j.acc_offset = r.Get<uint64_t>();
+    j.region_offset = r.Get<uint64_t>();
+    const uint32_t type = r.Get<uint32_t>();
+    j.count = r.Get<int64_t>();
+    j.type = type == static_cast<uint32_t>(kernels::GradType::kBf16) ? kernels::GradType::kBf16
+                                                                       : kernels::GradType::kFp32;
+    const uint64_t esize = j.type == kernels::GradType::kBf16 ? 2 : 4;
+    const uint64_t count = static_cast<uint64_t>(j.count);
+    ok = r.ok() && j.count >= 0 && j.acc_offset <= layout.total_elems &&
+         count <= layout.total_elems - j.acc_offset &&
+         j.region_offset <= layout.region.staging_offset() &&
+         count <= (layout.region.staging_offset() - j.region_offset) / esize &&
+         type <= static_cast<uint32_t>(kernels::GradType::kBf16);
+    j.data = nullptr;
+    plan.jobs.push_back(j);
+  }
+  if (!ok) return absl::DataLossError("the work journal's push plan does not fit the session");
+  return plan;
+}
+
+}  // namespace
+
+uint64_t OffloadSession::BeginWork(RecordBusy busy, int64_t busy_step, JournalOp op,
+                                   const std::string& plan) {
+  SessionCommit c;
+  {
+    MutexLock lock(&mu_);
+    c = CommitOf(busy, busy_step);
+  }
+  c.journaled = op != JournalOp::kNone && plan.size() <= layout_->journal.plan_capacity;
+  absl::StatusOr<uint64_t> seq = record_->Commit(c, &col_steps_);
+  if (!seq.ok()) {
+    SF_LOG(kError, "session %d: its record's commit failed (%s): a restarted daemon could not "
+           "adopt it", id_, seq.status().ToString());
+    journal_->ClearDone();
+    return 0;
+  }
+  if (!c.journaled) {
+    journal_->ClearDone();
+    return *seq;
+  }
+  if (absl::Status st = journal_->Begin(*seq, op, plan); !st.ok())
+    SF_LOG(kError, "session %d: %s", id_, st.ToString());
+  return *seq;
+}
+
 int64_t OffloadSession::Accumulate(const PushPlan& plan) {
   ++epoch_;
-  CommitRecord(RecordBusy::kPush);
+  // A push of a request's own bytes cannot be finished by another daemon (the bytes die with
+  // this one): it runs without a journal entry.
+  bool from_region = true;
+  for (const AccumulateJob& j : plan.jobs) from_region = from_region && j.data == nullptr;
+  BeginWork(RecordBusy::kPush, 0, from_region ? JournalOp::kPush : JournalOp::kNone,
+            from_region ? EncodePushPlan(plan) : std::string());
   const auto t0 = Clock::now();
-  const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
-  const bool overwrite =
-      PrepareAccumulator(plan.whole ? AccumulatorUse::kWholePush : AccumulatorUse::kPartialPush);
-  const kernels::AccumulateMode mode =
-      overwrite ? kernels::AccumulateMode::kOverwrite : kernels::AccumulateMode::kAdd;
-  for (const AccumulateJob& j : plan.jobs) {
-    const uint8_t* src = j.data != nullptr ? j.data : region_->data() + j.region_offset;
-    // The kernel runs in parallel over this arena itself.
-    k.Accumulate(acc_ + j.acc_offset, src, j.type, plan.scale, j.count, mode);
-  }
+  AccumulateArrays(plan);
   const auto took = Clock::now() - t0;
   env_.counters->accumulate_ns.fetch_add(Nanos(took));
   env_.counters->push_seconds.Observe(Seconds(took));
   env_.counters->push_bytes.Observe(static_cast<double>(plan.bytes));
   env_.counters->pushes.fetch_add(1);
   env_.counters->bytes_in.fetch_add(plan.bytes);
+  return FinishPush();
+}
+
+void OffloadSession::AccumulateArrays(const PushPlan& plan) {
+  const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
+  const bool overwrite =
+      PrepareAccumulator(plan.whole ? AccumulatorUse::kWholePush : AccumulatorUse::kPartialPush);
+  const kernels::AccumulateMode mode =
+      overwrite ? kernels::AccumulateMode::kOverwrite : kernels::AccumulateMode::kAdd;
+  // Each journal unit adds the jobs' elements within it, in the jobs' order (an element two
+  // jobs name gets their sums in that order, as one job after the other would give).
+  const uint64_t total = layout_->total_elems;
+  const uint64_t unit = layout_->journal.unit;
+  const uint64_t units = (total + unit - 1) / unit;
+  std::vector<uint32_t> first(units + 1, 0);  // per unit, its pieces in `pieces`
+  for (const AccumulateJob& j : plan.jobs) {
+    if (j.count <= 0) continue;
+    const uint64_t u0 = j.acc_offset / unit;
+    const uint64_t u1 = (j.acc_offset + j.count - 1) / unit;
+    for (uint64_t u = u0; u <= u1; ++u) ++first[u + 1];
+  }
+  for (uint64_t u = 0; u < units; ++u) first[u + 1] += first[u];
+  std::vector<uint32_t> pieces(first[units]);  // job indices, by unit
+  {
+    std::vector<uint32_t> fill(first.begin(), first.end() - 1);
+    for (uint32_t i = 0; i < plan.jobs.size(); ++i) {
+      const AccumulateJob& j = plan.jobs[i];
+      if (j.count <= 0) continue;
+      const uint64_t u0 = j.acc_offset / unit;
+      const uint64_t u1 = (j.acc_offset + j.count - 1) / unit;
+      for (uint64_t u = u0; u <= u1; ++u) pieces[fill[u]++] = i;
+    }
+  }
+  journal_->Run(
+      total, {acc_},
+      [&](uint64_t b, uint64_t e) {
+        const uint64_t u = b / unit;
+        for (uint32_t at = first[u]; at < first[u + 1]; ++at) {
+          const AccumulateJob& j = plan.jobs[pieces[at]];
+          const uint64_t lo = std::max(b, j.acc_offset);
+          const uint64_t hi = std::min(e, j.acc_offset + static_cast<uint64_t>(j.count));
+          const uint64_t esize = j.type == kernels::GradType::kBf16 ? 2 : 4;
+          const uint8_t* src =
+              (j.data != nullptr ? j.data : region_->data() + j.region_offset) +
+              (lo - j.acc_offset) * esize;
+          k.Accumulate(acc_ + lo, src, j.type, plan.scale, static_cast<int64_t>(hi - lo), mode);
+        }
+      },
+      [&](uint64_t u) { return first[u] == first[u + 1]; });
+}
+
+int64_t OffloadSession::FinishPush() {
   SessionCommit c;
   int64_t pushes;
   {
@@ -526,9 +709,14 @@ int64_t OffloadSession::Accumulate(const PushPlan& plan) {
 
 void OffloadSession::Update(const UpdatePlan& plan) {
   ++epoch_;
-  CommitRecord(RecordBusy::kUpdate, plan.config.step);
-  has_state_ = true;
+  BeginWork(RecordBusy::kUpdate, plan.config.step, JournalOp::kUpdate, EncodeUpdatePlan(plan));
   const auto t0 = Clock::now();
+  const uint64_t fused_bytes = UpdateArrays(plan);
+  FinishUpdate(plan, Seconds(Clock::now() - t0), fused_bytes);
+}
+
+uint64_t OffloadSession::UpdateArrays(const UpdatePlan& plan) {
+  has_state_ = true;
   const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
   const kernels::AdamWConfig& cfg = plan.config;
   const bool bf16 = plan.out == v1::DTYPE_BF16;
@@ -537,55 +725,94 @@ void OffloadSession::Update(const UpdatePlan& plan) {
   uint16_t* out16 = reinterpret_cast<uint16_t*>(dst);
   const bool acc_zero =
       PrepareAccumulator(plan.fuse_push ? AccumulatorUse::kFusedUpdate : AccumulatorUse::kUpdate);
-  const int64_t total = static_cast<int64_t>(layout_->total_elems);
-  uint64_t fused_bytes = 0;
+  const uint64_t total = layout_->total_elems;
+  const std::vector<float*> arrays = {master_, m_, v_};
   // The kernels write the parameter slot in the update's own pass (bf16, or fp32 with streaming
   // stores: no second pass over the master); with predict (column steps only) the value
   // predicted one step ahead, 2 p_new - p_old.
   auto out_at = [&](uint64_t e) {
     return bf16 ? kernels::ParamOut(out16 + e) : kernels::ParamOut::Fp32(out32 + e);
   };
+  uint64_t fused_bytes = 0;
   if (!plan.column_steps) {
-    ParallelChunks(total, [&](int64_t b, int64_t e) {
-      k.AdamW(cfg, master_ + b, m_ + b, v_ + b, acc_ + b, kernels::GradType::kFp32, e - b,
-              out_at(b));
+    journal_->Run(total, arrays, [&](uint64_t b, uint64_t e) {
+      k.AdamW(cfg, master_ + b, m_ + b, v_ + b, acc_ + b, kernels::GradType::kFp32,
+              static_cast<int64_t>(e - b), out_at(b));
     });
     for (std::vector<int64_t>& steps : col_steps_) std::fill(steps.begin(), steps.end(), cfg.step);
-  } else {
-    std::vector<float> step_size, bc2;
-    for (size_t i = 0; i < layout_->params.size(); ++i) {
-      const ParamLayout& p = layout_->params[i];
-      const uint64_t e = p.elem_offset;
-      if (plan.skip[i]) {  // unchanged; its current value goes out like the others' (predicted:
-                           // 2 p - p = p exactly)
-        if (bf16) k.FloatToBf16(master_ + e, out16 + e, p.numel);
-        else memcpy(out32 + e, master_ + e, p.numel * sizeof(float));
-        continue;
-      }
-      std::vector<int64_t>& steps = col_steps_[i];
-      for (int64_t& t : steps) ++t;
-      step_size.resize(steps.size());
-      bc2.resize(steps.size());
-      kernels::MakeColumnConstants(cfg, steps.data(), p.cols, step_size.data(), bc2.data());
+    LandHandovers(bf16 ? out16 : nullptr, bf16 ? nullptr : out32);
+    return 0;
+  }
+  const std::vector<ParamLayout>& params = layout_->params;
+  std::vector<std::vector<float>> step_size(params.size()), bc2(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (plan.skip[i]) continue;
+    std::vector<int64_t>& steps = col_steps_[i];
+    for (int64_t& t : steps) ++t;
+    step_size[i].resize(steps.size());
+    bc2[i].resize(steps.size());
+    kernels::MakeColumnConstants(cfg, steps.data(), params[i].cols, step_size[i].data(),
+                                 bc2[i].data());
+    if (plan.fuse_push) fused_bytes += params[i].numel * params[i].grad_element_bytes();
+  }
+  // Elements [lo, hi) of parameter i: a skipped one's current value goes out like the others'
+  // (predicted: 2 p - p = p exactly); the others' AdamW over the whole rows and row pieces the
+  // range holds.
+  auto piece = [&](size_t i, uint64_t lo, uint64_t hi) {
+    const ParamLayout& p = params[i];
+    const uint64_t e0 = p.elem_offset;
+    if (plan.skip[i]) {
+      if (bf16) k.FloatToBf16(master_ + e0 + lo, out16 + e0 + lo, static_cast<int64_t>(hi - lo));
+      else memcpy(out32 + e0 + lo, master_ + e0 + lo, (hi - lo) * sizeof(float));
+      return;
+    }
+    const uint64_t cols = static_cast<uint64_t>(p.cols);
+    for (uint64_t at = lo; at < hi;) {
+      const uint64_t c0 = at % cols;
+      const int64_t nr = c0 != 0 || hi - at < cols ? 1 : static_cast<int64_t>((hi - at) / cols);
+      const int64_t nc = nr > 1 || (c0 == 0 && hi - at >= cols)
+                             ? p.cols
+                             : static_cast<int64_t>(std::min(cols - c0, hi - at));
+      const uint64_t x = e0 + at;
       if (plan.fuse_push) {
         // The whole-slot push of grad_slot and this step in one pass (one read of the
         // accumulator, no write): bit-identical to Accumulate and then AdamWColumns.
-        k.AccumulateAdamWColumns(cfg, step_size.data(), bc2.data(), master_ + e, m_ + e, v_ + e,
-                                 acc_zero ? nullptr : acc_ + e,
-                                 GradSlot(plan.grad_slot) + p.grad_offset, p.grad_type(),
-                                 plan.push_scale, p.rows, p.cols, out_at(e));
-        fused_bytes += p.numel * p.grad_element_bytes();
+        k.AccumulateAdamWColumns(cfg, step_size[i].data() + c0, bc2[i].data() + c0, master_ + x,
+                                 m_ + x, v_ + x, acc_zero ? nullptr : acc_ + x,
+                                 GradSlot(plan.grad_slot) + p.grad_offset +
+                                     at * p.grad_element_bytes(),
+                                 p.grad_type(), plan.push_scale, nr, nc, out_at(x));
       } else {
-        k.AdamWColumns(cfg, step_size.data(), bc2.data(), master_ + e, m_ + e, v_ + e, acc_ + e,
-                       kernels::GradType::kFp32, p.rows, p.cols, out_at(e));
+        k.AdamWColumns(cfg, step_size[i].data() + c0, bc2[i].data() + c0, master_ + x, m_ + x,
+                       v_ + x, acc_ + x, kernels::GradType::kFp32, nr, nc, out_at(x));
       }
+      at += static_cast<uint64_t>(nr * nc);
     }
-  }
+  };
+  journal_->Run(total, arrays, [&](uint64_t b, uint64_t e) {
+    // The parameters that overlap [b, e) (laid out in order, padding between them).
+    size_t i = static_cast<size_t>(
+        std::upper_bound(params.begin(), params.end(), b,
+                         [](uint64_t x, const ParamLayout& p) { return x < p.elem_offset; }) -
+        params.begin());
+    if (i > 0) --i;
+    for (; i < params.size() && params[i].elem_offset < e; ++i) {
+      const uint64_t start = params[i].elem_offset;
+      const uint64_t end = start + static_cast<uint64_t>(params[i].numel);
+      const uint64_t lo = std::max(b, start), hi = std::min(e, end);
+      if (lo < hi) piece(i, lo - start, hi - start);
+    }
+  });
   // Columns handed over in this round arrived from the device with the round's step taken
   // there: their state replaces what the pass computed for them, and their values go out as
   // they are (their change is zero, so the prediction is the value).
   LandHandovers(bf16 ? out16 : nullptr, bf16 ? nullptr : out32);
-  const double secs = Seconds(Clock::now() - t0);
+  return fused_bytes;
+}
+
+void OffloadSession::FinishUpdate(const UpdatePlan& plan, double secs, uint64_t fused_bytes) {
+  const kernels::AdamWConfig& cfg = plan.config;
+  const bool bf16 = plan.out == v1::DTYPE_BF16;
   DaemonCounters* counters = env_.counters;
   counters->update_ns.fetch_add(static_cast<int64_t>(secs * 1e9));
   counters->update_seconds.Observe(secs);
@@ -603,6 +830,7 @@ void OffloadSession::Update(const UpdatePlan& plan) {
     updated_once_ = true;
     version_ = cfg.step;
     committed_step_ = cfg.step;
+    last_step_ = std::max(last_step_, cfg.step);
     ready_slot_ = plan.param_slot;
     ready_dtype_ = plan.out;
     last_update_seconds_ = secs;
@@ -623,6 +851,54 @@ void OffloadSession::Update(const UpdatePlan& plan) {
   CommitRecord();
   SF_LOG(kDebug, "session %d: update of step %d done in %.3f s", id_, cfg.step, secs);
   for (Waiter& w : ready) w.done(result);
+}
+
+absl::Status OffloadSession::Resume(const SessionCommit& commit) {
+  RETURN_IF_ERROR(journal_->CheckHeader());
+  if (commit.busy == RecordBusy::kNone) return absl::OkStatus();
+  absl::StatusOr<JournalEntry> entry = journal_->Entry();
+  if (!entry.ok() || entry->commit_sequence != commit.sequence) {
+    // Begin never finished: no unit started, the arrays are the commit's.
+    SF_LOG(kInfo, "session %d: the daemon before stopped as its %s began: nothing of it ran, "
+           "and the state is where its commit says", id_, RecordBusyName(commit.busy));
+    CommitRecord();
+    return absl::OkStatus();
+  }
+  const bool update = commit.busy == RecordBusy::kUpdate;
+  if (entry->kind != (update ? JournalOp::kUpdate : JournalOp::kPush))
+    return absl::DataLossError(absl::StrCat("the work journal's entry is not the ",
+                                            RecordBusyName(commit.busy), " its commit names"));
+  const auto t0 = Clock::now();
+  const uint64_t total = layout_->total_elems;
+  if (update) {
+    absl::StatusOr<UpdatePlan> plan = DecodeUpdatePlan(entry->plan, *layout_);
+    if (!plan.ok()) return plan.status();
+    if (plan->config.step != commit.busy_step)
+      return absl::DataLossError("the work journal's Update is not the step its commit names");
+    RETURN_IF_ERROR(journal_->RollBackTorn(total, {master_, m_, v_}));
+    const uint64_t done = journal_->done_units();
+    const uint64_t fused_bytes = UpdateArrays(*plan);
+    FinishUpdate(*plan, Seconds(Clock::now() - t0), fused_bytes);
+    SF_LOG(kWarning, "session %d: the Update of step %d, cut short by the daemon before (%d of "
+           "%d units done), finished", id_, plan->config.step, done, layout_->journal.units);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<PushPlan> plan = DecodePushPlan(entry->plan, *layout_);
+  if (!plan.ok()) return plan.status();
+  RETURN_IF_ERROR(journal_->RollBackTorn(total, {acc_}));
+  // A push that began by clearing a stale accumulator is redone whole from the cleared one.
+  if (commit.acc_stale && !plan->whole) journal_->ClearDone();
+  const uint64_t done = journal_->done_units();
+  AccumulateArrays(*plan);
+  const int64_t pushes = FinishPush();
+  SF_LOG(kWarning, "session %d: a push cut short by the daemon before (%d units done) finished: "
+         "%d pushes since the last Update", id_, done, pushes);
+  return absl::OkStatus();
+}
+
+AdoptResult OffloadSession::Standing() const {
+  MutexLock lock(&mu_);
+  return AdoptResult{id_, identity_.generation, version_, committed_step_, pushes_since_update_};
 }
 
 namespace {

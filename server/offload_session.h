@@ -42,6 +42,7 @@
 #include "common/region.h"
 #include "kernels/optimizer.h"
 #include "server/checkpoint.h"
+#include "server/session_journal.h"
 #include "server/session_record.h"
 #include "server/strand.h"
 #include "stallfree/v1/offload.pb.h"
@@ -141,6 +142,9 @@ struct SessionLayout {
   // The state memfd: the session record (server/session_record.h) in its first pages, then
   // master, m, v and accumulator (4 * state_stride floats) from byte arrays_offset.
   uint64_t arrays_offset = 0;
+  // Then, from byte journal_offset (page-aligned), the work journal (session_journal.h).
+  uint64_t journal_offset = 0;
+  JournalGeometry journal;
   uint64_t state_bytes = 0;
   v1::RegionLayout region;
   // The request's own param_dtype and param_slots (0: the layout of before), for the record.
@@ -308,6 +312,16 @@ class OffloadSession {
              std::unique_ptr<MappedRegion> state, SessionIdentity identity,
              const SessionCommit& commit, uid_t uid, pid_t pid) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t generation() const ABSL_LOCKS_EXCLUDED(mu_);
+  // After Adopt, before any work is posted: finishes the operation that the adopted commit says
+  // was running when the daemon before died (an Update or a push with its work journal entry,
+  // session_journal.h): the units in flight are rolled back and the units not done run, so the
+  // state is the uninterrupted operation's, bit for bit. An operation whose entry never
+  // completed did not start: the state is the commit's. DataLoss for a journal that does not
+  // check out. On the daemon's arena.
+  absl::Status Resume(const SessionCommit& commit) ABSL_LOCKS_EXCLUDED(mu_);
+  // Where the session stands: its id, generation, version, the step of its newest Update done
+  // and the pushes since it.
+  AdoptResult Standing() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees the region and the state, gives their reservation back to the budget and their
   // bytes to the pinned counter. Only once no work method can run any more (the strand closed
@@ -412,6 +426,21 @@ class OffloadSession {
   void CommitRecord(RecordBusy busy = RecordBusy::kNone, int64_t busy_step = 0)
       ABSL_LOCKS_EXCLUDED(mu_);
   void WriteCommit(const SessionCommit& commit);
+  // Before a work method changes the arrays: the busy commit (with col_steps_), then the work
+  // journal's entry of `op` with `plan` (JournalOp::kNone, or a plan too large for the
+  // journal: none, and the commit says the operation cannot be finished by another daemon).
+  // Returns the commit's sequence (0 if it failed). On the strand.
+  uint64_t BeginWork(RecordBusy busy, int64_t busy_step, JournalOp op, const std::string& plan)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The work of a push and of an Update on the arrays (and the parameter slot), over the
+  // journal's units that are not done; then their bookkeeping, commit and waiters. Update and
+  // Accumulate run them after BeginWork, Resume after rolling back the units in flight. On the
+  // strand. UpdateArrays returns the gradient bytes its fused push read.
+  void AccumulateArrays(const PushPlan& plan);
+  int64_t FinishPush() ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t UpdateArrays(const UpdatePlan& plan);
+  void FinishUpdate(const UpdatePlan& plan, double secs, uint64_t fused_bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Writes identity_ to the record.
   void WriteIdentity() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -481,6 +510,8 @@ class OffloadSession {
   // Adopt; uid and generation by Attach and Adopt).
   std::unique_ptr<SessionRecord> record_;
   SessionIdentity identity_ ABSL_GUARDED_BY(mu_);
+  // The work journal after the arrays (set by Allocate or Adopt, with record_).
+  std::unique_ptr<WorkJournal> journal_;
 
   // Work state: touched only by the work methods, on the strand.
   std::vector<std::vector<int64_t>> col_steps_;  // per parameter, per column: AdamW steps taken

@@ -128,7 +128,9 @@ absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req)
   out.total_elems = elems;
   out.state_stride = StateStride(elems);
   AlignUp(RecordBytes(RecordParamsOf(out)), kPage, &out.arrays_offset);
-  out.state_bytes = out.arrays_offset + 4 * out.state_stride * 4;
+  AlignUp(out.arrays_offset + 4 * out.state_stride * 4, kPage, &out.journal_offset);
+  out.journal = JournalGeometryFor(elems, out.params.size());
+  out.state_bytes = out.journal_offset + out.journal.bytes;
   out.requested_param_dtype = req.param_dtype();
   out.requested_param_slots = req.param_slots();
   return out;

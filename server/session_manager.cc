@@ -666,10 +666,16 @@ absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint
     for (int64_t t : steps) sane = sane && t >= 0;
   if (!sane)
     return unreserve(absl::DataLossError("the session record's commit holds values out of range"));
-  if (commit->busy != RecordBusy::kNone)
+  // An Update or a push with its work journal entry is finished by this daemon (Resume); any
+  // other work cut short may have torn the state.
+  const bool resumable = (commit->busy == RecordBusy::kUpdate ||
+                          commit->busy == RecordBusy::kPush) &&
+                         commit->journaled && !commit->handovers_pending;
+  if (commit->busy != RecordBusy::kNone && !resumable)
     return unreserve(absl::FailedPreconditionError(absl::StrCat(
         "the daemon that held the state stopped in the middle of ", RecordBusyName(commit->busy),
         commit->busy_step > 0 ? absl::StrCat(" of step ", commit->busy_step) : std::string(),
+        commit->handovers_pending ? " with handed-over columns not landed yet" : "",
         ": the state may be torn; restore it from a checkpoint")));
   absl::StatusOr<std::unique_ptr<MappedRegion>> region =
       MappedRegion::MapFd(std::exchange(region_fd, -1), layout->region.region_bytes());
@@ -689,13 +695,20 @@ absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint
   const SessionCommit c = *commit;
   session->Adopt(*std::move(layout), *std::move(region), *std::move(state), *std::move(id), c,
                  peer_uid, peer_pid);
+  // The work the daemon before died in, finished before anyone can reach the session.
+  absl::Status resumed;
+  arena_->execute([&] { resumed = session->Resume(c); });
+  if (!resumed.ok()) {
+    session->Release();  // the memory and its reservation
+    Reject(resumed);
+    return resumed;
+  }
   {
     MutexLock lock(&mu_);
     sessions_[new_id] = session;
   }
   counters_.sessions_opened.fetch_add(1);
-  return AdoptResult{new_id, session->generation(), c.version, c.last_step,
-                     c.pushes_since_update};
+  return session->Standing();
 }
 
 void SessionManager::OnConnectionClosed(uint64_t session_id) {

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/checksum.h"
+#include "common/le_bytes.h"
 
 namespace stallfree {
 namespace {
@@ -25,65 +26,8 @@ uint64_t Digest(const uint8_t* p, uint64_t n) {
   return c.Digest();
 }
 
-// Appends fixed-size little-endian values (the machines this runs on are little-endian).
-class Writer {
- public:
-  template <typename T>
-  void Put(T v) {
-    const size_t at = out.size();
-    out.resize(at + sizeof v);
-    memcpy(out.data() + at, &v, sizeof v);
-  }
-  void Bytes(const void* p, size_t n) {
-    const uint8_t* b = static_cast<const uint8_t*>(p);
-    out.insert(out.end(), b, b + n);
-  }
-  void Str(const std::string& s) {
-    Put<uint32_t>(static_cast<uint32_t>(s.size()));
-    Bytes(s.data(), s.size());
-  }
-  std::vector<uint8_t> out;
-};
-
-// Reads what Writer wrote, within [p, p + n); a read past the end fails (ok() false).
-class Reader {
- public:
-  Reader(const uint8_t* p, uint64_t n) : p_(p), n_(n) {}
-  template <typename T>
-  T Get() {
-    T v{};
-    if (at_ + sizeof v > n_) {
-      ok_ = false;
-      return v;
-    }
-    memcpy(&v, p_ + at_, sizeof v);
-    at_ += sizeof v;
-    return v;
-  }
-  bool Bytes(void* dst, uint64_t n) {
-    if (at_ > n_ || n > n_ - at_) return ok_ = false;
-    memcpy(dst, p_ + at_, n);
-    at_ += n;
-    return true;
-  }
-  bool Str(std::string* s, uint32_t max) {
-    const uint32_t n = Get<uint32_t>();
-    if (!ok_ || n > max) return ok_ = false;
-    s->resize(n);
-    return Bytes(s->data(), n);
-  }
-  bool ok() const { return ok_; }
-  uint64_t at() const { return at_; }
-
- private:
-  const uint8_t* p_;
-  uint64_t n_;
-  uint64_t at_ = 0;
-  bool ok_ = true;
-};
-
 std::vector<uint8_t> EncodeIdentity(const SessionIdentity& id) {
-  Writer w;
+  LeWriter w;
   w.Bytes(kMagic, sizeof kMagic);
   w.Put<uint32_t>(kFormat);
   w.Put<uint32_t>(0);  // the identity's bytes, set below
@@ -194,7 +138,7 @@ absl::StatusOr<SessionIdentity> SessionRecord::ReadIdentity() const {
   };
   if (size_ < 24 || memcmp(data_, kMagic, sizeof kMagic) != 0)
     return loss("is missing (no stallfree session record at the end of this state)");
-  Reader r(data_ + 8, size_ - 8);
+  LeReader r(data_ + 8, size_ - 8);
   const uint32_t format = r.Get<uint32_t>();
   const uint32_t bytes = r.Get<uint32_t>();
   if (format != kFormat)
@@ -204,7 +148,7 @@ absl::StatusOr<SessionIdentity> SessionRecord::ReadIdentity() const {
   uint64_t sum;
   memcpy(&sum, data_ + bytes - 8, 8);
   if (sum != Digest(data_, bytes - 8)) return loss("fails its checksum");
-  r = Reader(data_ + 16, bytes - 24);
+  r = LeReader(data_ + 16, bytes - 24);
   SessionIdentity id;
   id.uid = static_cast<uid_t>(r.Get<uint32_t>());
   id.rank = r.Get<int32_t>();
@@ -267,10 +211,11 @@ absl::StatusOr<uint64_t> SessionRecord::Commit(
     next_sequence_ = newest.ok() ? newest->sequence + 1 : 1;
   }
   const uint64_t seq = next_sequence_++;
-  Writer w;
+  LeWriter w;
   w.Put<uint64_t>(seq);
   w.Put<uint32_t>(static_cast<uint32_t>(c.busy));
-  w.Put<uint32_t>((c.updated_once ? 1u : 0u) | (c.has_state ? 2u : 0u) | (c.acc_stale ? 4u : 0u));
+  w.Put<uint32_t>((c.updated_once ? 1u : 0u) | (c.has_state ? 2u : 0u) | (c.acc_stale ? 4u : 0u) |
+                  (c.journaled ? 8u : 0u) | (c.handovers_pending ? 16u : 0u));
   w.Put<int64_t>(c.busy_step);
   w.Put<int64_t>(c.version);
   w.Put<int64_t>(c.last_step);
@@ -311,7 +256,7 @@ absl::StatusOr<SessionCommit> SessionRecord::NewestCommit() const {
     memcpy(&sum, p + slot - 8, 8);
     if (sum != Digest(p, slot - 8)) continue;  // torn: the other slot has the one before
     if (best.ok() && best->sequence > seq) continue;
-    Reader r(p, slot - 8);
+    LeReader r(p, slot - 8);
     SessionCommit c;
     c.sequence = r.Get<uint64_t>();
     c.busy = static_cast<RecordBusy>(r.Get<uint32_t>());
@@ -319,6 +264,8 @@ absl::StatusOr<SessionCommit> SessionRecord::NewestCommit() const {
     c.updated_once = flags & 1;
     c.has_state = flags & 2;
     c.acc_stale = flags & 4;
+    c.journaled = flags & 8;
+    c.handovers_pending = flags & 16;
     c.busy_step = r.Get<int64_t>();
     c.version = r.Get<int64_t>();
     c.last_step = r.Get<int64_t>();

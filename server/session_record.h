@@ -82,6 +82,13 @@ struct SessionCommit {
   bool updated_once = false;
   bool has_state = false;
   bool acc_stale = false;  // OffloadSession::PrepareAccumulator
+  // A busy commit's operation has its entry in the work journal (session_journal.h): a daemon
+  // that adopts the session finishes it. Without one (a plan too large for the journal, an
+  // inline push's bytes that died with the daemon) a busy commit is a torn state.
+  bool journaled = false;
+  // Columns were handed over since the last Update and wait in the daemon's memory for the
+  // next one to land them (RecordBusy::kHandover when nothing else is busy).
+  bool handovers_pending = false;
   int64_t version = 0;
   int64_t last_step = 0;
   int64_t pushes_since_update = 0;

@@ -267,8 +267,12 @@ TEST_F(OffloadSessionTest, LayoutPadsParametersAndPagesSlots) {
   // padded to 272 more than a multiple of 1024: StateStride staggers them within a page).
   EXPECT_EQ(r.layout->state_stride, 272u);
   EXPECT_EQ(r.layout->arrays_offset, 4096u);
-  EXPECT_EQ(r.layout->state_bytes, 4096u + 4u * 272u * 4u);
-  EXPECT_EQ(counters_.pinned_bytes.load(), 5u * 4096u + 4096u + 4u * 272u * 4u);
+  // Then, from the next page, the work journal (session_journal.h): its header (32 bytes), its
+  // entry (16 + a plan room of 256 + 32 x (2 x 3 + 64) = 2496, + an 8-byte checksum), 2 slot
+  // headers and 1 bitmap word, to 64 bytes: 2624; and 2 slots of 3 units of 256 elements.
+  EXPECT_EQ(r.layout->journal_offset, 3u * 4096u);
+  EXPECT_EQ(r.layout->state_bytes, 3u * 4096u + 2624u + 2u * 3u * 256u * 4u);
+  EXPECT_EQ(counters_.pinned_bytes.load(), 5u * 4096u + r.layout->state_bytes);
   r.s->Release();
   EXPECT_EQ(counters_.pinned_bytes.load(), 0u);
   EXPECT_EQ(r.s->BeginRegister(1).code(), Code::kFailedPrecondition);

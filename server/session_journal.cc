@@ -1,0 +1,225 @@
+#include "server/session_journal.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <cstring>
+
+#include <tbb/blocked_range.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/checksum.h"
+#include "common/tbb_sync.h"
+
+namespace stallfree {
+namespace {
+
+constexpr char kMagic[8] = {'S', 'F', 'J', 'R', 'N', 'L', '0', '1'};
+constexpr uint64_t kHeaderBytes = 8 + 4 + 4 + 8 + 8;
+constexpr uint64_t kOpHeaderBytes = 8 + 4 + 4;
+constexpr uint32_t kMaxArrays = 3;
+
+uint64_t Align(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
+
+std::atomic<int64_t> unit_delay_us{0};
+
+}  // namespace
+
+void SetUnitDelayForTesting(int64_t microseconds) { unit_delay_us.store(microseconds); }
+
+JournalGeometry JournalGeometryFor(uint64_t total_elems, size_t params) {
+  JournalGeometry g;
+  // A slot per worker, up to one per Mi elements: a large session runs on up to 32 workers at
+  // once, and a small one's journal stays small (2 slots, and units of about 1/128 of its
+  // elements: the slots' copies are at most 3/64 of one array, 24 KiB from 128 Ki elements).
+  g.slots = static_cast<uint32_t>(std::clamp<uint64_t>(total_elems >> 20, 2, 32));
+  g.unit = std::clamp<uint64_t>(total_elems / 128 / 16 * 16, 256, kJournalMaxUnit);
+  g.units = (total_elems + g.unit - 1) / g.unit;
+  // An Update's plan: its fixed fields and a byte per parameter; a push's: 32 bytes per job, a
+  // whole-slot push has one job per parameter.
+  g.plan_capacity = Align(256 + 32 * (2 * static_cast<uint64_t>(params) + 64), 8);
+  const uint64_t before_data = kHeaderBytes + kOpHeaderBytes + g.plan_capacity + 8 +
+                               8 * static_cast<uint64_t>(g.slots) + 8 * ((g.units + 63) / 64);
+  g.bytes = Align(before_data, 64) + static_cast<uint64_t>(g.slots) * kMaxArrays * g.unit * 4;
+  return g;
+}
+
+uint64_t WorkJournal::OpBytes() const { return kOpHeaderBytes + g_.plan_capacity + 8; }
+
+uint64_t* WorkJournal::SlotHeaders() const {
+  return reinterpret_cast<uint64_t*>(data_ + kHeaderBytes + OpBytes());
+}
+
+uint64_t* WorkJournal::DoneBits() const { return SlotHeaders() + g_.slots; }
+
+float* WorkJournal::SlotData(uint32_t slot) const {
+  const uint64_t at = Align(kHeaderBytes + OpBytes() + 8 * static_cast<uint64_t>(g_.slots) +
+                                8 * ((g_.units + 63) / 64),
+                            64);
+  return reinterpret_cast<float*>(data_ + at) + static_cast<uint64_t>(slot) * kMaxArrays * g_.unit;
+}
+
+void WorkJournal::Format() {
+  memset(data_, 0, g_.bytes - static_cast<uint64_t>(g_.slots) * kMaxArrays * g_.unit * 4);
+  memcpy(data_, kMagic, 8);
+  const uint32_t unit = static_cast<uint32_t>(g_.unit);
+  memcpy(data_ + 8, &g_.slots, 4);
+  memcpy(data_ + 12, &unit, 4);
+  memcpy(data_ + 16, &g_.units, 8);
+  memcpy(data_ + 24, &g_.plan_capacity, 8);
+}
+
+absl::Status WorkJournal::CheckHeader() const {
+  uint32_t slots, unit;
+  uint64_t units, capacity;
+  memcpy(&slots, data_ + 8, 4);
+  memcpy(&unit, data_ + 12, 4);
+  memcpy(&units, data_ + 16, 8);
+  memcpy(&capacity, data_ + 24, 8);
+  if (memcmp(data_, kMagic, 8) != 0 || slots != g_.slots || unit != g_.unit ||
+      units != g_.units || capacity != g_.plan_capacity)
+    return absl::DataLossError(absl::StrCat(
+        "the session's work journal is not the one its layout gives (", slots, " slots of ",
+        unit, " elements, ", units, " units; expected ", g_.slots, ", ", g_.unit, ", ",
+        g_.units, ")"));
+  return absl::OkStatus();
+}
+
+absl::Status WorkJournal::Begin(uint64_t commit_sequence, JournalOp kind,
+                                const std::string& plan) {
+  uint8_t* op = data_ + kHeaderBytes;
+  // The entry goes invalid first (its checksum no longer matches once the sequence changes),
+  // then the slots and the bitmap are cleared, then the entry is written whole.
+  const uint64_t none = 0;
+  memcpy(op, &none, 8);
+  std::atomic_thread_fence(std::memory_order_release);
+  for (uint32_t s = 0; s < g_.slots; ++s) __atomic_store_n(&SlotHeaders()[s], 0, __ATOMIC_RELAXED);
+  memset(DoneBits(), 0, 8 * ((g_.units + 63) / 64));
+  std::atomic_thread_fence(std::memory_order_release);
+  if (plan.size() > g_.plan_capacity)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the operation's plan of ", plan.size(), " bytes exceeds the work journal's ",
+        g_.plan_capacity));
+  const uint32_t k = static_cast<uint32_t>(kind), n = static_cast<uint32_t>(plan.size());
+  memcpy(op + 8, &k, 4);
+  memcpy(op + 12, &n, 4);
+  if (n > 0) memcpy(op + kOpHeaderBytes, plan.data(), n);
+  std::atomic_thread_fence(std::memory_order_release);
+  memcpy(op, &commit_sequence, 8);
+  Checksum64 c;
+  c.Update(op, kOpHeaderBytes + n);
+  const uint64_t sum = c.Digest();
+  memcpy(op + kOpHeaderBytes + g_.plan_capacity, &sum, 8);
+  std::atomic_thread_fence(std::memory_order_release);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<JournalEntry> WorkJournal::Entry() const {
+  const uint8_t* op = data_ + kHeaderBytes;
+  JournalEntry e;
+  uint32_t k, n;
+  memcpy(&e.commit_sequence, op, 8);
+  memcpy(&k, op + 8, 4);
+  memcpy(&n, op + 12, 4);
+  if (n > g_.plan_capacity || k > static_cast<uint32_t>(JournalOp::kPush))
+    return absl::DataLossError("the work journal's entry is cut short");
+  Checksum64 c;
+  c.Update(op, kOpHeaderBytes + n);
+  uint64_t sum;
+  memcpy(&sum, op + kOpHeaderBytes + g_.plan_capacity, 8);
+  if (sum != c.Digest()) return absl::DataLossError("the work journal's entry is cut short");
+  e.kind = static_cast<JournalOp>(k);
+  e.plan.assign(reinterpret_cast<const char*>(op + kOpHeaderBytes), n);
+  return e;
+}
+
+void WorkJournal::ClearDone() {
+  memset(DoneBits(), 0, 8 * ((g_.units + 63) / 64));
+  for (uint32_t s = 0; s < g_.slots; ++s) __atomic_store_n(&SlotHeaders()[s], 0, __ATOMIC_RELAXED);
+  std::atomic_thread_fence(std::memory_order_release);
+}
+
+bool WorkJournal::done(uint64_t unit) const {
+  return (__atomic_load_n(&DoneBits()[unit / 64], __ATOMIC_ACQUIRE) >> (unit % 64)) & 1;
+}
+
+uint64_t WorkJournal::done_units() const {
+  uint64_t n = 0;
+  for (uint64_t w = 0; w < (g_.units + 63) / 64; ++w) n += __builtin_popcountll(DoneBits()[w]);
+  return n;
+}
+
+void WorkJournal::Save(const std::vector<float*>& arrays, uint64_t b, uint64_t e,
+                       float* saved) const {
+  const uint64_t n = e - b;
+  for (size_t a = 0; a < arrays.size(); ++a)
+    memcpy(saved + a * g_.unit, arrays[a] + b, n * sizeof(float));
+}
+
+void WorkJournal::Run(uint64_t elems, const std::vector<float*>& arrays,
+                      const std::function<void(uint64_t, uint64_t)>& work,
+                      const std::function<bool(uint64_t)>& skip) {
+  const uint64_t units = (elems + g_.unit - 1) / g_.unit;
+  std::vector<uint64_t> todo;
+  todo.reserve(units);
+  for (uint64_t u = 0; u < units; ++u)
+    if (!done(u) && !(skip && skip(u))) todo.push_back(u);
+  if (todo.empty()) return;
+  std::atomic<uint64_t> next{0};
+  const int64_t delay_us = unit_delay_us.load(std::memory_order_relaxed);
+  // Units are taken a batch at a time, so that each worker's streams through the arrays run on
+  // across its units (the hardware prefetchers keep up) and the shared counter is touched once
+  // per batch.
+  constexpr uint64_t kBatch = 32;
+  auto worker = [&](uint32_t slot) {
+    float* saved = SlotData(slot);
+    for (uint64_t first = next.fetch_add(kBatch); first < todo.size();
+         first = next.fetch_add(kBatch)) {
+      for (uint64_t i = first; i < std::min<uint64_t>(todo.size(), first + kBatch); ++i) {
+        const uint64_t u = todo[i];
+        const uint64_t b = u * g_.unit, e = std::min(elems, b + g_.unit);
+        Save(arrays, b, e, saved);
+        __atomic_store_n(&SlotHeaders()[slot], u + 1, __ATOMIC_RELEASE);
+        if (delay_us > 0) {
+          // Testing: the unit half changed while it waits, as a crash can leave it.
+          const uint64_t mid = b + (e - b) / 32 * 16;
+          work(b, mid);
+          std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+          work(mid, e);
+        } else {
+          work(b, e);
+        }
+        __atomic_fetch_or(&DoneBits()[u / 64], uint64_t{1} << (u % 64), __ATOMIC_RELEASE);
+      }
+    }
+  };
+  const uint32_t tasks = static_cast<uint32_t>(std::min<uint64_t>(g_.slots, todo.size()));
+  if (tasks == 1) {
+    worker(0);
+    return;
+  }
+  // One task per slot, each taking units from the shared counter until none are left.
+  ParallelFor(tbb::blocked_range<uint32_t>(0, tasks, 1), [&](const tbb::blocked_range<uint32_t>& r) {
+    for (uint32_t s = r.begin(); s < r.end(); ++s) worker(s);
+  });
+}
+
+absl::Status WorkJournal::RollBackTorn(uint64_t elems, const std::vector<float*>& arrays) {
+  for (uint32_t s = 0; s < g_.slots; ++s) {
+    const uint64_t h = __atomic_load_n(&SlotHeaders()[s], __ATOMIC_ACQUIRE);
+    if (h == 0) continue;
+    const uint64_t u = h - 1;
+    if (u >= g_.units || u * g_.unit >= elems)
+      return absl::DataLossError(absl::StrCat("the work journal's slot ", s, " names unit ", u,
+                                              ", beyond the session's ", g_.units));
+    if (done(u)) continue;
+    const uint64_t b = u * g_.unit, e = std::min(elems, b + g_.unit);
+    const float* saved = SlotData(s);
+    for (size_t a = 0; a < arrays.size(); ++a)
+      memcpy(arrays[a] + b, saved + a * g_.unit, (e - b) * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace stallfree
