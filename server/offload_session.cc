@@ -278,6 +278,9 @@ void OffloadSession::Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> r
                            const SessionCommit& commit, uid_t uid, pid_t pid) {
   // The work state, before the session is published (nothing is posted to it yet).
   col_steps_ = commit.col_steps;
+  landing_pending_ = false;
+  for (const std::vector<int64_t>& steps : col_steps_)
+    for (int64_t t : steps) landing_pending_ = landing_pending_ || t < 0;
   acc_stale_ = commit.acc_stale;
   has_state_ = commit.has_state;
   MutexLock lock(&mu_);
@@ -315,12 +318,10 @@ SessionCommit OffloadSession::CommitOf(RecordBusy busy, int64_t busy_step) {
   SessionCommit c;
   c.busy = busy;
   if (busy == RecordBusy::kNone && state_lost_) c.busy = RecordBusy::kRestore;
-  if (busy == RecordBusy::kNone && !handed_over_.empty()) c.busy = RecordBusy::kHandover;
   c.busy_step = busy_step;
   c.updated_once = updated_once_;
   c.has_state = has_state_;
   c.acc_stale = acc_stale_;
-  c.handovers_pending = !handed_over_.empty();
   c.version = version_;
   c.last_step = committed_step_;
   c.pushes_since_update = pushes_since_update_;
@@ -734,13 +735,27 @@ uint64_t OffloadSession::UpdateArrays(const UpdatePlan& plan) {
     return bf16 ? kernels::ParamOut(out16 + e) : kernels::ParamOut::Fp32(out32 + e);
   };
   uint64_t fused_bytes = 0;
+  // Columns handed over in this round arrived from the device with the round's step taken
+  // there: the pass computes them like the others, and each unit then writes their state back
+  // (and their values out as they are: their change is zero, so the prediction is the value)
+  // before it is done, so that a unit done or rolled back holds them as they arrived.
+  std::vector<LandingColumn> landed;
+  const std::vector<LandingCell> cells =
+      TakeLandings(plan.column_steps ? &plan.skip : nullptr, &landed);
+  uint16_t* land16 = bf16 ? out16 : nullptr;
+  float* land32 = bf16 ? nullptr : out32;
+  auto finish = [&] {
+    for (const LandingColumn& l : landed) col_steps_[l.param][l.column] = l.step;
+    landing_pending_ = false;
+  };
   if (!plan.column_steps) {
     journal_->Run(total, arrays, [&](uint64_t b, uint64_t e) {
       k.AdamW(cfg, master_ + b, m_ + b, v_ + b, acc_ + b, kernels::GradType::kFp32,
               static_cast<int64_t>(e - b), out_at(b));
+      LandCells(cells, b, e, land16, land32);
     });
     for (std::vector<int64_t>& steps : col_steps_) std::fill(steps.begin(), steps.end(), cfg.step);
-    LandHandovers(bf16 ? out16 : nullptr, bf16 ? nullptr : out32);
+    finish();
     return 0;
   }
   const std::vector<ParamLayout>& params = layout_->params;
@@ -802,11 +817,9 @@ uint64_t OffloadSession::UpdateArrays(const UpdatePlan& plan) {
       const uint64_t lo = std::max(b, start), hi = std::min(e, end);
       if (lo < hi) piece(i, lo - start, hi - start);
     }
+    LandCells(cells, b, e, land16, land32);
   });
-  // Columns handed over in this round arrived from the device with the round's step taken
-  // there: their state replaces what the pass computed for them, and their values go out as
-  // they are (their change is zero, so the prediction is the value).
-  LandHandovers(bf16 ? out16 : nullptr, bf16 ? nullptr : out32);
+  finish();
   return fused_bytes;
 }
 
@@ -923,14 +936,16 @@ void ForEachSpan(const std::vector<RowSpan>& spans, Fn fn) {
 
 std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePlan>& plans) {
   ++epoch_;
+  // Cut short, the exchange below leaves the staging area and the arrays torn: a daemon that
+  // adopts the session refuses it (no journal entry).
+  CommitRecord(RecordBusy::kHandover);
   const auto t0 = Clock::now();
-  // The incoming state waits in handed_over_ until the round's Update has run (which then writes
-  // it in place of whatever that Update computed for these columns); the outgoing state, with
-  // the columns' share of the round (the accumulator as it is logically), goes to the four
-  // staging blocks.
-  if (handed_over_.empty()) handed_over_.resize(layout_->params.size());
+  // Each column's state and its share of the round (the accumulator as it is logically) go out
+  // to the four staging blocks; the incoming state lands in the arrays at once, and its column
+  // is marked with its incoming step count (LandingMark), so that the round's Update writes it
+  // back in place of what it computes there. The arrays and the marks are all a restarted
+  // daemon needs: nothing waits in this process's memory.
   std::vector<MigrateResult> results(plans.size());
-  std::vector<float*> blocks(plans.size());
   std::vector<RowSpan> spans;
   int64_t pushes = 0;
   if (!acc_stale_) {
@@ -942,13 +957,7 @@ std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePla
     const MigratePlan& plan = plans[i];
     const ParamLayout& p = layout_->params[plan.param];
     const int64_t n = static_cast<int64_t>(plan.columns.size());
-    HandedOver& h = handed_over_[plan.param];
-    h.columns.insert(h.columns.end(), plan.columns.begin(), plan.columns.end());
-    h.steps.insert(h.steps.end(), plan.steps.begin(), plan.steps.end());
-    h.blocks.emplace_back(3 * p.rows * n);
-    h.counts.push_back(n);
-    blocks[i] = h.blocks.back().data();
-    for (int64_t c : plan.columns) results[i].steps.push_back(col_steps_[plan.param][c]);
+    for (int64_t c : plan.columns) results[i].steps.push_back(StepOf(col_steps_[plan.param][c]));
     results[i].pushes = pushes;
     AddRowSpans(i, p.rows, n, &spans);
     moved += n;
@@ -959,80 +968,70 @@ std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePla
     const int64_t n = static_cast<int64_t>(plan.columns.size());
     const int64_t* cols = plan.columns.data();
     float* staging = Staging() + plan.staging_at;
-    const float* from[4] = {master_ + p.elem_offset, m_ + p.elem_offset, v_ + p.elem_offset,
-                            acc_ + p.elem_offset};
+    float* state[4] = {master_ + p.elem_offset, m_ + p.elem_offset, v_ + p.elem_offset,
+                       acc_ + p.elem_offset};
     for (int a = 0; a < 4; ++a) {
       float* block = staging + a * p.rows * n;
-      if (a < 3)
-        memcpy(blocks[sp.item] + (a * p.rows + sp.r0) * n, block + sp.r0 * n,
-               (sp.r1 - sp.r0) * n * sizeof(float));
       for (int64_t r = sp.r0; r < sp.r1; ++r) {
-        const float* row = from[a] + r * p.cols;
-        float* out = block + r * n;
-        if (a == 3 && acc_stale_) {
-          std::fill(out, out + n, 0.0f);
+        float* row = state[a] + r * p.cols;
+        float* io = block + r * n;
+        if (a == 3) {
+          for (int64_t j = 0; j < n; ++j) io[j] = acc_stale_ ? 0.0f : row[cols[j]];
           continue;
         }
-        for (int64_t j = 0; j < n; ++j) out[j] = row[cols[j]];
+        for (int64_t j = 0; j < n; ++j) std::swap(io[j], row[cols[j]]);
       }
     }
   });
+  for (const MigratePlan& plan : plans)
+    for (size_t j = 0; j < plan.columns.size(); ++j)
+      col_steps_[plan.param][plan.columns[j]] = LandingMark(plan.steps[j]);
+  landing_pending_ = landing_pending_ || moved > 0;
   env_.counters->migrated_columns.fetch_add(2 * moved);
   env_.counters->migrate_seconds.Observe(Seconds(Clock::now() - t0));
-  CommitRecord();  // says that columns wait for the next Update (RecordBusy::kHandover)
+  CommitRecord();
   return results;
 }
 
-void OffloadSession::LandHandovers(uint16_t* out16, float* out32) {
-  struct Item {
-    size_t param;
-    const int64_t* cols;
-    int64_t n;
-    const float* values;
-  };
-  std::vector<Item> items;
-  std::vector<RowSpan> spans;
-  for (size_t i = 0; i < handed_over_.size(); ++i) {
-    const HandedOver& h = handed_over_[i];
+std::vector<OffloadSession::LandingCell> OffloadSession::TakeLandings(
+    const std::vector<char>* skip, std::vector<LandingColumn>* columns) {
+  std::vector<LandingCell> cells;
+  if (!landing_pending_) return cells;
+  for (size_t i = 0; i < layout_->params.size(); ++i) {
     const ParamLayout& p = layout_->params[i];
-    size_t first = 0;  // h.columns[first..] belong to the current block
-    for (size_t b = 0; b < h.blocks.size(); ++b) {
-      const std::vector<float>& block = h.blocks[b];
-      const int64_t n = h.counts[b];
-      AddRowSpans(items.size(), p.rows, n, &spans);
-      items.push_back({i, h.columns.data() + first, n, block.data()});
-      first += n;
-    }
-  }
-  ForEachSpan(spans, [&](const RowSpan& sp) {
-    const Item& it = items[sp.item];
-    const ParamLayout& p = layout_->params[it.param];
-    float* state[3] = {master_ + p.elem_offset, m_ + p.elem_offset, v_ + p.elem_offset};
-    for (int a = 0; a < 3; ++a)
-      for (int64_t r = sp.r0; r < sp.r1; ++r) {
-        float* row = state[a] + r * p.cols;
-        const float* in = it.values + (a * p.rows + r) * it.n;
-        for (int64_t j = 0; j < it.n; ++j) row[it.cols[j]] = in[j];
-      }
-    for (int64_t r = sp.r0; r < sp.r1 && (out16 != nullptr || out32 != nullptr); ++r) {
-      const uint64_t at = p.elem_offset + r * p.cols;
-      for (int64_t j = 0; j < it.n; ++j) {
-        const float x = master_[at + it.cols[j]];
-        if (out16 != nullptr) out16[at + it.cols[j]] = FloatToBf16(x);
-        if (out32 != nullptr) out32[at + it.cols[j]] = x;
+    std::vector<int64_t>& steps = col_steps_[i];
+    for (int64_t c = 0; c < p.cols; ++c) {
+      if (steps[c] >= 0) continue;
+      const int64_t step = StepOf(steps[c]);
+      columns->push_back({i, c, step});
+      // The Update about to run adds its step to every column it does not skip.
+      steps[c] = skip != nullptr && (*skip)[i] ? step : step - 1;
+      for (int64_t r = 0; r < p.rows; ++r) {
+        const uint64_t at = p.elem_offset + static_cast<uint64_t>(r * p.cols + c);
+        cells.push_back({at, master_[at], m_[at], v_[at]});
       }
     }
-  });
-  for (size_t i = 0; i < handed_over_.size(); ++i) {
-    const HandedOver& h = handed_over_[i];
-    for (size_t j = 0; j < h.columns.size(); ++j) col_steps_[i][h.columns[j]] = h.steps[j];
   }
-  handed_over_.clear();
+  std::sort(cells.begin(), cells.end(),
+            [](const LandingCell& x, const LandingCell& y) { return x.at < y.at; });
+  return cells;
+}
+
+void OffloadSession::LandCells(const std::vector<LandingCell>& cells, uint64_t b, uint64_t e,
+                               uint16_t* out16, float* out32) {
+  auto it = std::lower_bound(cells.begin(), cells.end(), b,
+                             [](const LandingCell& x, uint64_t at) { return x.at < at; });
+  for (; it != cells.end() && it->at < e; ++it) {
+    master_[it->at] = it->master;
+    m_[it->at] = it->m;
+    v_[it->at] = it->v;
+    if (out16 != nullptr) out16[it->at] = FloatToBf16(it->master);
+    if (out32 != nullptr) out32[it->at] = it->master;
+  }
 }
 
 absl::StatusOr<v1::CheckpointHeader> OffloadSession::SnapshotHeader(std::optional<uid_t> owner) {
-  for (const HandedOver& h : handed_over_)
-    if (!h.columns.empty())
+  if (landing_pending_)
       return absl::FailedPreconditionError(absl::StrCat(
           "session ", id_, " handed columns over in the middle of a round; checkpoint after the "
           "round's Update"));
@@ -1115,7 +1114,7 @@ void OffloadSession::Restored(const v1::CheckpointHeader& header, v1::DType out)
     else
       memcpy(reinterpret_cast<float*>(dst) + p.elem_offset, src, p.numel * sizeof(float));
   }
-  handed_over_.clear();
+  landing_pending_ = false;
   MutexLock lock(&mu_);
   last_step_ = committed_step_ = header.last_step();
   version_ = header.version();

@@ -345,9 +345,8 @@ class OffloadSession {
   void Update(const UpdatePlan& plan) ABSL_LOCKS_EXCLUDED(mu_);
   // On the strand. The handovers of `plans` (MigrateColumnsRequest.handover; distinct
   // parameters): each column's state and accumulated gradient go to the four staging blocks
-  // at its plan's staging_at,
-  // and the three incoming blocks are kept for the next Update to write in place of what it
-  // computes for those columns.
+  // at its plan's staging_at, and the three incoming blocks take their place in the arrays,
+  // for the next Update to write back in place of what it computes for those columns.
   std::vector<MigrateResult> HandOver(const std::vector<MigratePlan>& plans);
   // On the strand. Writes the checkpoint file `path` of the state (the accumulator as it is
   // logically), owned by `owner`. *version: the version it holds.
@@ -529,18 +528,31 @@ class OffloadSession {
   std::unique_ptr<CheckpointImport> import_;  // the ImportState in progress
   uint64_t import_epoch_ = 0;
   Clock::time_point import_start_;
-  // Per parameter: the columns handed over since the last Update (Migrate with handover), their
-  // incoming step counts and state (per call, [3][rows][n]: master, m, v), which that Update
-  // writes after its pass (LandHandovers).
-  struct HandedOver {
-    std::vector<int64_t> columns, steps;
-    std::vector<std::vector<float>> blocks;  // per call: [3][rows][n] master, m, v
-    std::vector<int64_t> counts;             // per call: its n columns (rows may be 0)
+  // Columns handed over since the last Update (HandOver): their incoming state is in the arrays
+  // and their step count is marked (LandingMark) until that Update lands them.
+  bool landing_pending_ = false;
+  // A handed-over column's mark in col_steps_ (negative) for its incoming step count, and the
+  // step count of a mark or a count.
+  static int64_t LandingMark(int64_t step) { return -step - 1; }
+  static int64_t StepOf(int64_t t) { return t < 0 ? -t - 1 : t; }
+  // One element of a handed-over column, as it arrived, and one such column.
+  struct LandingCell {
+    uint64_t at;  // element offset in the arrays
+    float master, m, v;
   };
-  std::vector<HandedOver> handed_over_;
-  // On the strand: writes the handed-over columns' state and step counts, and their values to
-  // the parameter slot as bf16 (out16) or fp32 (out32) where not null; clears handed_over_.
-  void LandHandovers(uint16_t* out16, float* out32);
+  struct LandingColumn {
+    size_t param;
+    int64_t column, step;
+  };
+  // On the strand, as an Update begins: the marked columns' elements (sorted by offset) and
+  // columns; their marks become the step count that the Update's own step (unless `skip` says
+  // it skips the parameter) turns into the incoming one.
+  std::vector<LandingCell> TakeLandings(const std::vector<char>* skip,
+                                        std::vector<LandingColumn>* columns);
+  // Writes the cells within elements [b, e) back to the arrays, and their values to the
+  // parameter slot as bf16 (out16) or fp32 (out32) where not null.
+  void LandCells(const std::vector<LandingCell>& cells, uint64_t b, uint64_t e, uint16_t* out16,
+                 float* out32);
 };
 
 }  // namespace stallfree

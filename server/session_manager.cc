@@ -662,20 +662,20 @@ absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint
               commit->pushes_since_update >= 0 &&
               commit->ready_slot < layout->region.param_slots() &&
               (commit->ready_dtype == v1::DTYPE_FP32 || commit->ready_dtype == v1::DTYPE_BF16);
+  // A negative count marks a column handed over and not landed yet (OffloadSession::HandOver).
   for (const std::vector<int64_t>& steps : commit->col_steps)
-    for (int64_t t : steps) sane = sane && t >= 0;
+    for (int64_t t : steps) sane = sane && t >= -(int64_t{1} << 62);
   if (!sane)
     return unreserve(absl::DataLossError("the session record's commit holds values out of range"));
   // An Update or a push with its work journal entry is finished by this daemon (Resume); any
   // other work cut short may have torn the state.
-  const bool resumable = (commit->busy == RecordBusy::kUpdate ||
-                          commit->busy == RecordBusy::kPush) &&
-                         commit->journaled && !commit->handovers_pending;
+  const bool resumable =
+      (commit->busy == RecordBusy::kUpdate || commit->busy == RecordBusy::kPush) &&
+      commit->journaled;
   if (commit->busy != RecordBusy::kNone && !resumable)
     return unreserve(absl::FailedPreconditionError(absl::StrCat(
         "the daemon that held the state stopped in the middle of ", RecordBusyName(commit->busy),
         commit->busy_step > 0 ? absl::StrCat(" of step ", commit->busy_step) : std::string(),
-        commit->handovers_pending ? " with handed-over columns not landed yet" : "",
         ": the state may be torn; restore it from a checkpoint")));
   absl::StatusOr<std::unique_ptr<MappedRegion>> region =
       MappedRegion::MapFd(std::exchange(region_fd, -1), layout->region.region_bytes());

@@ -67,7 +67,7 @@ const char* RecordBusyName(RecordBusy busy) {
     case RecordBusy::kPush: return "a push";
     case RecordBusy::kUpdate: return "an Update";
     case RecordBusy::kRestore: return "a Restore or ImportState";
-    case RecordBusy::kHandover: return "a handover (MigrateColumns) not landed by an Update";
+    case RecordBusy::kHandover: return "a handover (MigrateColumns)";
   }
   return "an unknown operation";
 }
@@ -215,7 +215,7 @@ absl::StatusOr<uint64_t> SessionRecord::Commit(
   w.Put<uint64_t>(seq);
   w.Put<uint32_t>(static_cast<uint32_t>(c.busy));
   w.Put<uint32_t>((c.updated_once ? 1u : 0u) | (c.has_state ? 2u : 0u) | (c.acc_stale ? 4u : 0u) |
-                  (c.journaled ? 8u : 0u) | (c.handovers_pending ? 16u : 0u));
+                  (c.journaled ? 8u : 0u));
   w.Put<int64_t>(c.busy_step);
   w.Put<int64_t>(c.version);
   w.Put<int64_t>(c.last_step);
@@ -265,7 +265,6 @@ absl::StatusOr<SessionCommit> SessionRecord::NewestCommit() const {
     c.has_state = flags & 2;
     c.acc_stale = flags & 4;
     c.journaled = flags & 8;
-    c.handovers_pending = flags & 16;
     c.busy_step = r.Get<int64_t>();
     c.version = r.Get<int64_t>();
     c.last_step = r.Get<int64_t>();

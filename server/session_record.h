@@ -71,7 +71,7 @@ enum class RecordBusy : uint32_t {
   kPush = 2,      // Accumulate
   kUpdate = 3,    // Update
   kRestore = 4,   // Restore or ImportState
-  kHandover = 5,  // columns handed over and not yet landed by the next Update
+  kHandover = 5,  // HandOver (MigrateColumns), exchanging columns between staging and arrays
 };
 const char* RecordBusyName(RecordBusy busy);
 
@@ -86,9 +86,6 @@ struct SessionCommit {
   // that adopts the session finishes it. Without one (a plan too large for the journal, an
   // inline push's bytes that died with the daemon) a busy commit is a torn state.
   bool journaled = false;
-  // Columns were handed over since the last Update and wait in the daemon's memory for the
-  // next one to land them (RecordBusy::kHandover when nothing else is busy).
-  bool handovers_pending = false;
   int64_t version = 0;
   int64_t last_step = 0;
   int64_t pushes_since_update = 0;

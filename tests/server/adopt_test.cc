@@ -354,8 +354,10 @@ TEST(Adopt, AnUpdateAcceptedAndNeverRunIsSentAgainAfterTheReattach) {
   EXPECT_TRUE(got == want) << "the parameters differ from the uninterrupted calls'";
 }
 
-// A daemon SIGKILLed at any instant of a push or an Update loses nothing: the daemon that takes
-// the session back finishes the operation from its work journal (server/session_journal.h), and
+// A daemon SIGKILLed at any instant of a push or an Update, or between a handover and the Update
+// that lands its columns, loses nothing: the daemon that takes the session back finishes the
+// operation from its work journal (server/session_journal.h) and the handed-over columns from
+// the arrays, where they wait marked, and
 // the run equals the same calls on a daemon never killed, bit for bit, with no Update sent again
 // and no step recomputed. The kills are aimed through the held descriptor: a watcher thread reads
 // the record's newest commit and the journal's done units, and kills once the running
@@ -377,12 +379,12 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
   hyper.lr = 0.01;
   hyper.weight_decay = 0.01;
   struct Kill {
-    RecordBusy what;
+    RecordBusy what;  // kNone: after the round's handover, before its Update
     int64_t step;  // the Update's step, or the step of the round the push belongs to
     double share;  // of the units done when the kill is sent
   };
   struct Outcome {
-    std::vector<float> slot;
+    std::vector<float> slot, outgoing;
     Arrays state;
     int landed = 0;
     int64_t reattached = 0, resent = 0;
@@ -416,9 +418,13 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
         const uint64_t target = static_cast<uint64_t>(k.share * layout.journal.units);
         auto running = [&] {
           absl::StatusOr<SessionCommit> c = record.NewestCommit();
-          return c.ok() && c->busy == k.what &&
-                 (k.what == RecordBusy::kUpdate ? c->busy_step == k.step
-                                                : c->version == k.step - 1);
+          if (!c.ok() || c->busy != k.what) return false;
+          if (k.what == RecordBusy::kUpdate) return c->busy_step == k.step;
+          if (k.what == RecordBusy::kPush) return c->version == k.step - 1;
+          // Handed-over columns are marked with negative step counts until the Update lands them.
+          bool marked = false;
+          for (int64_t t : c->col_steps[0]) marked = marked || t < 0;
+          return marked && c->version == k.step - 1;
         };
         while (!stop.load() && !(running() && journal.done_units() >= target)) {
         }
@@ -429,7 +435,9 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
         }
         d.Kill();
         const uint64_t done = journal.done_units();
-        if (running() && done > 0 && done < layout.journal.units) ++o.landed;
+        if (k.what == RecordBusy::kNone ? running()
+                                        : running() && done > 0 && done < layout.journal.units)
+          ++o.landed;
         d.Restart();
       }
     });
@@ -437,6 +445,16 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
       memcpy(s.GradSlot(0, "w"), grads[2 * step - 2].data(), n * 4);
       absl::Status pushed = t.Push(step, 0, 1.0f);
       EXPECT_TRUE(pushed.ok()) << pushed << "\n" << d.Log();
+      if (step == 2) {
+        // Columns 3 and 17 handed over to the daemon (their state as a device would send it),
+        // and the daemon's handed back; then a pause in which a kill finds them not landed yet.
+        float* staging = s.Staging();
+        for (int64_t i = 0; i < 4 * rows * 2; ++i) staging[i] = 0.001f * static_cast<float>(i % 997);
+        absl::StatusOr<OffloadTarget::HandOver> got = t.HandOverColumns({{"w", {3, 17}, {4, 9}}});
+        EXPECT_TRUE(got.ok()) << got.status() << "\n" << d.Log();
+        if (got.ok()) o.outgoing.assign(staging, staging + 4 * rows * 2);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
       memcpy(s.GradSlot(1, "w"), grads[2 * step - 1].data(), n * 4);
       absl::Status sent = t.UpdateWithPush(step, hyper, 0, DType::kFp32, 1, 0.5f, {});
       EXPECT_TRUE(sent.ok()) << sent << "\n" << d.Log();
@@ -455,6 +473,7 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
   };
   const std::vector<Kill> kills = {{RecordBusy::kPush, 1, 0.5},
                                    {RecordBusy::kUpdate, 1, 0.3},
+                                   {RecordBusy::kNone, 2, 0},
                                    {RecordBusy::kUpdate, 2, 0.8},
                                    {RecordBusy::kPush, 3, 0.1},
                                    {RecordBusy::kUpdate, 3, 0.05}};
@@ -465,6 +484,7 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
   EXPECT_EQ(got.resent, 0) << "an Update was sent again: the daemon did not finish it";
   ASSERT_EQ(got.slot.size(), static_cast<size_t>(n));
   EXPECT_TRUE(got.slot == want.slot) << "the parameters differ from the uninterrupted run's";
+  EXPECT_TRUE(got.outgoing == want.outgoing) << "the handed-back columns differ";
   EXPECT_TRUE(got.state.master == want.state.master);
   EXPECT_TRUE(got.state.m == want.state.m);
   EXPECT_TRUE(got.state.v == want.state.v);
