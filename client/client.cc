@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -463,7 +464,14 @@ absl::StatusOr<Session::Adopted> Session::Reattach(double wait_s) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   auto next_note = start + std::chrono::seconds(10);
-  const std::string request = absl::StrCat("ADOPT ", token_, " ", generation_.load(), "\n");
+  // One nonce per adoption, kept until one succeeds: if a daemon adopts the session and dies
+  // before its answer arrives, the next one recognises this process's retry by it.
+  if (adopt_nonce_ == 0) {
+    std::random_device rd;
+    while (adopt_nonce_ == 0) adopt_nonce_ = (uint64_t{rd()} << 32) | rd();
+  }
+  const std::string request =
+      absl::StrCat("ADOPT ", token_, " ", generation_.load(), " ", adopt_nonce_, "\n");
   absl::Status last = absl::UnavailableError("no attempt");
   while (true) {
     absl::StatusOr<int> conn = ConnectUnix(fd_socket_);
@@ -483,6 +491,7 @@ absl::StatusOr<Session::Adopted> Session::Reattach(double wait_s) {
         if (conn_ >= 0) dead_conns_.push_back(conn_);
         const uint64_t old_id = session_id_.exchange(id);
         generation_ = generation;
+        adopt_nonce_ = 0;
         conn_ = *conn;
         // The gRPC channel may still hold the dead daemon's connection (its first call would
         // fail on it) or be backing off (Connect's backoff, at most 1 s): a health check until

@@ -337,6 +337,8 @@ class Session {
   int state_fd_ = -1;
   uint64_t state_bytes_ = 0;
   std::atomic<uint64_t> generation_{0};
+  // The nonce of the adoption Reattach attempts until one succeeds (0: none yet).
+  uint64_t adopt_nonce_ = 0;
 };
 
 }  // namespace stallfree

@@ -40,44 +40,56 @@ absl::StatusOr<SessionTarget::Adopted> SessionTarget::Recover(uint64_t generatio
     MutexLock lock(&mu_);
     return adopted_;
   }
-  SF_LOG(kWarning, "session %d: %s; re-attaching (waiting up to %.0f s for a stallfreed)",
-         s_->ref().session_id(), why.ToString(), wait_s);
-  absl::StatusOr<Session::Adopted> back = s_->Reattach(wait_s);
-  // A daemon that cannot take the state back (torn, refused) is a lost daemon to the caller as
-  // well: UNAVAILABLE, whose recovery is a checkpoint's.
-  if (!back.ok())
-    return absl::UnavailableError(
-        absl::StrCat(back.status().ToString(), " (after: ", why.message(), ")"));
-  Adopted a{back->version, back->pushes_since_update};
-  bool resend = false;
-  SentUpdate redo;
-  int64_t pushes_before = 0;
-  {
-    MutexLock lock(&mu_);
-    if (started_ > back->version && sent_.step == started_) {
-      resend = true;
-      redo = sent_;
-      pushes_before = pushes_before_sent_;
+  absl::Status lost = why;
+  for (int attempt = 0; attempt < kMaxRecoveries; ++attempt) {
+    SF_LOG(kWarning, "session %d: %s; re-attaching (waiting up to %.0f s for a stallfreed)",
+           s_->ref().session_id(), lost.ToString(), wait_s);
+    absl::StatusOr<Session::Adopted> back = s_->Reattach(wait_s);
+    // A daemon that cannot take the state back (torn, refused) is a lost daemon to the caller
+    // as well: UNAVAILABLE, whose recovery is a checkpoint's.
+    if (!back.ok())
+      return absl::UnavailableError(
+          absl::StrCat(back.status().ToString(), " (after: ", why.message(), ")"));
+    Adopted a{back->version, back->pushes_since_update};
+    bool resend = false;
+    SentUpdate redo;
+    int64_t pushes_before = 0;
+    {
+      MutexLock lock(&mu_);
+      if (started_ > back->version && sent_.step == started_) {
+        resend = true;
+        redo = sent_;
+        pushes_before = pushes_before_sent_;
+      }
     }
+    if (resend) {
+      // The daemon that died had accepted the Update and not run it: its round's pushes must
+      // all be there, and the Update goes again as it was.
+      if (back->pushes_since_update != pushes_before)
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the state taken back has ", back->pushes_since_update, " pushes after version ",
+            back->version, ", but the Update of step ", redo.step, " followed ", pushes_before,
+            ": restore a checkpoint"));
+      absl::Status sent = SendUpdate(redo);
+      // The daemon that took the session back is gone too: once more, with the next one.
+      if (absl::IsUnavailable(sent)) {
+        lost = sent;
+        continue;
+      }
+      RETURN_IF_ERROR(sent);
+      a.pushes_since_update = 0;  // counted from that Update on, as the daemon will
+    }
+    MutexLock lock(&mu_);
+    adopted_ = a;
+    ++reattached_;
+    if (resend) ++resent_;
+    SF_LOG(kInfo, "session %d: taken back at version %d%s", s_->ref().session_id(), a.version,
+           resend ? absl::StrCat("; the Update of step ", redo.step, " sent again") : "");
+    return a;
   }
-  if (resend) {
-    // The daemon that died had accepted the Update and not run it: its round's pushes must all
-    // be there, and the Update goes again as it was.
-    if (back->pushes_since_update != pushes_before)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the state taken back has ", back->pushes_since_update, " pushes after version ",
-          back->version, ", but the Update of step ", redo.step, " followed ", pushes_before,
-          ": restore a checkpoint"));
-    RETURN_IF_ERROR(SendUpdate(redo));
-    a.pushes_since_update = 0;  // counted from that Update on, as the daemon will
-  }
-  MutexLock lock(&mu_);
-  adopted_ = a;
-  ++reattached_;
-  if (resend) ++resent_;
-  SF_LOG(kInfo, "session %d: taken back at version %d%s", s_->ref().session_id(), a.version,
-         resend ? absl::StrCat("; the Update of step ", redo.step, " sent again") : "");
-  return a;
+  return absl::UnavailableError(absl::StrCat("stallfreed went away ", kMaxRecoveries,
+                                             " times while session ", s_->ref().session_id(),
+                                             " was taken back (last: ", lost.message(), ")"));
 }
 
 absl::Status SessionTarget::Resilient(const std::function<absl::Status()>& call,
@@ -89,12 +101,18 @@ absl::Status SessionTarget::Resilient(const std::function<absl::Status()>& call,
     generation = s_->generation();
     st = call();
   }
-  if (st.ok()) return st;
-  absl::StatusOr<Adopted> a = Recover(generation, st);
-  if (!a.ok()) return a.status();
-  if (done && done(*a)) return absl::OkStatus();
-  std::shared_lock<std::shared_mutex> shared(calls_mu_);
-  return call();
+  // A daemon that dies again while the call is retried (a crash loop, an operator's second
+  // restart) is recovered from again: each recovery waits up to reattach_s for a daemon, and a
+  // call gives up after kMaxRecoveries of them.
+  for (int recovered = 0; !st.ok() && recovered < kMaxRecoveries; ++recovered) {
+    absl::StatusOr<Adopted> a = Recover(generation, st);
+    if (!a.ok()) return a.status();
+    if (done && done(*a)) return absl::OkStatus();
+    std::shared_lock<std::shared_mutex> shared(calls_mu_);
+    generation = s_->generation();
+    st = call();
+  }
+  return st;
 }
 
 absl::Status SessionTarget::Push(int64_t step, uint32_t slot, float scale) {

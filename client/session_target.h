@@ -114,6 +114,8 @@ class SessionTarget : public OffloadTarget {
     std::vector<std::string> skip_params;
   };
   absl::Status SendUpdate(const SentUpdate& u);
+  // How many times one call, or one recovery, re-attaches at most while the daemon keeps dying.
+  static constexpr int kMaxRecoveries = 64;
   // Where the session's state stands after the newest re-attach and what it finished.
   struct Adopted {
     int64_t version = 0;
@@ -121,10 +123,11 @@ class SessionTarget : public OffloadTarget {
   };
   // After `call` failed with `why`: UNAVAILABLE with reattach on, the state where it stands once
   // the session is re-attached (by this thread, or by another since the call began at
-  // `generation`) and the started Update finished; else why.
+  // `generation`) and the started Update finished (a daemon that dies while the Update is sent
+  // again is re-attached from too); else why.
   absl::StatusOr<Adopted> Recover(uint64_t generation, const absl::Status& why);
   // call(); on a lost daemon Recover, then, unless done(what Recover found) says the call
-  // happened, call() once more.
+  // happened, call() again (and so on, while the daemon keeps going away, at most 64 times).
   absl::Status Resilient(const std::function<absl::Status()>& call,
                          const std::function<bool(const Adopted&)>& done = nullptr);
 

@@ -108,17 +108,19 @@ void FdServer::Adopt(int conn, const struct ucred& cred, const std::string& line
                      std::vector<int> fds) {
   std::istringstream in(line.substr(6));
   std::string token, more;
-  uint64_t generation = 0;
-  if (!(in >> token >> generation) || (in >> more) || fds.size() != 2) {
+  uint64_t generation = 0, nonce = 0;
+  bool ok = static_cast<bool>(in >> token >> generation);
+  if (ok && !(in >> std::ws).eof()) ok = static_cast<bool>(in >> nonce) && !(in >> more);
+  if (!ok || fds.size() != 2) {
     for (int fd : fds) close(fd);
     SF_LOG(kWarning, "fd socket: refused an adoption by pid %d: malformed", cred.pid);
-    SendWithFd(conn, "ERR INVALID_ARGUMENT expected 'ADOPT <token> <generation>' with the "
+    SendWithFd(conn, "ERR INVALID_ARGUMENT expected 'ADOPT <token> <generation> [<nonce>]' with the "
                "region's and the state's descriptors\n", -1).IgnoreError();
     close(conn);
     return;
   }
   absl::StatusOr<AdoptResult> got =
-      sessions_->Adopt(token, generation, fds[0], fds[1], cred.uid, cred.pid);
+      sessions_->Adopt(token, generation, nonce, fds[0], fds[1], cred.uid, cred.pid);
   if (!got.ok()) {
     SF_LOG(kWarning, "fd socket: refused an adoption by pid %d uid %d: %s", cred.pid, cred.uid,
            got.status().ToString());

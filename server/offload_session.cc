@@ -124,6 +124,7 @@ absl::StatusOr<SessionFds> OffloadSession::Attach(uid_t uid, pid_t pid) {
   pid_ = pid;
   identity_.uid = uid;
   identity_.generation = 1;
+  identity_.adopt_nonce = 0;
   WriteIdentity();
   SF_LOG(kInfo, "session %d attached by pid %d uid %d", id_, pid, uid);
   return SessionFds{region_->fd(), region_->size(), state_->fd(), state_->size(),
@@ -275,7 +276,8 @@ uint64_t OffloadSession::generation() const {
 
 void OffloadSession::Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> region,
                            std::unique_ptr<MappedRegion> state, SessionIdentity identity,
-                           const SessionCommit& commit, uid_t uid, pid_t pid) {
+                           const SessionCommit& commit, uid_t uid, pid_t pid,
+                           uint64_t nonce) {
   // The work state, before the session is published (nothing is posted to it yet).
   col_steps_ = commit.col_steps;
   landing_pending_ = false;
@@ -307,6 +309,7 @@ void OffloadSession::Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> r
   ready_dtype_ = static_cast<v1::DType>(commit.ready_dtype);
   identity_ = std::move(identity);
   ++identity_.generation;
+  identity_.adopt_nonce = nonce;
   WriteIdentity();
   pinned_bytes_ = region_->size() + state_->size();
   env_.counters->pinned_bytes.fetch_add(pinned_bytes_);

@@ -310,7 +310,8 @@ class OffloadSession {
   // pid) afterwards. Before any work is posted.
   void Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> region,
              std::unique_ptr<MappedRegion> state, SessionIdentity identity,
-             const SessionCommit& commit, uid_t uid, pid_t pid) ABSL_LOCKS_EXCLUDED(mu_);
+             const SessionCommit& commit, uid_t uid, pid_t pid, uint64_t nonce)
+      ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t generation() const ABSL_LOCKS_EXCLUDED(mu_);
   // After Adopt, before any work is posted: finishes the operation that the adopted commit says
   // was running when the daemon before died (an Update or a push with its work journal entry,

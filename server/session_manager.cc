@@ -581,8 +581,8 @@ absl::StatusOr<SessionFds> SessionManager::Attach(uint64_t session_id, const std
 }
 
 absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint64_t generation,
-                                                  int region_fd, int state_fd, uid_t peer_uid,
-                                                  pid_t peer_pid) {
+                                                  uint64_t nonce, int region_fd, int state_fd,
+                                                  uid_t peer_uid, pid_t peer_pid) {
   auto refuse = [&](absl::Status st) {
     if (region_fd >= 0) close(region_fd);
     if (state_fd >= 0) close(state_fd);
@@ -609,7 +609,9 @@ absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint
     return refuse(absl::FailedPreconditionError(
         "the session was closed by the daemon that held it (a close, an operator's stallfreectl "
         "close, or its process's exit): it is not taken back"));
-  if (id->generation != generation)
+  // The same attempt again: its adoption went through in a daemon that died before answering.
+  const bool retried = nonce != 0 && id->adopt_nonce == nonce && id->generation == generation + 1;
+  if (id->generation != generation && !retried)
     return refuse(absl::FailedPreconditionError(absl::StrCat(
         "generation ", generation, " is stale: the state is at generation ", id->generation,
         " (another process adopted it since)")));
@@ -694,7 +696,7 @@ absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint
   }
   const SessionCommit c = *commit;
   session->Adopt(*std::move(layout), *std::move(region), *std::move(state), *std::move(id), c,
-                 peer_uid, peer_pid);
+                 peer_uid, peer_pid, nonce);
   // The work the daemon before died in, finished before anyone can reach the session.
   absl::Status resumed;
   arena_->execute([&] { resumed = session->Resume(c); });

@@ -126,9 +126,12 @@ class SessionManager {
   // PermissionDenied (another uid, a wrong token), FailedPrecondition (a stale generation, a
   // torn or differently laid out state), DataLoss (no whole record), ResourceExhausted (the
   // budget), Unavailable while draining. The session gets a new id, its process's connection
-  // becomes its liveness channel (OnConnectionClosed), as after Attach.
-  absl::StatusOr<AdoptResult> Adopt(const std::string& token, uint64_t generation, int region_fd,
-                                    int state_fd, uid_t peer_uid, pid_t peer_pid);
+  // becomes its liveness channel (OnConnectionClosed), as after Attach. `nonce` (0: none) names
+  // the attempt: a process whose adoption succeeded in a daemon that died before answering
+  // retries with the generation before and the same nonce, and is let in.
+  absl::StatusOr<AdoptResult> Adopt(const std::string& token, uint64_t generation,
+                                    uint64_t nonce, int region_fd, int state_fd, uid_t peer_uid,
+                                    pid_t peer_pid);
   // A caller credential for the peer's uid (offload.proto, CallerRef), valid until
   // DropCaller(caller_id), which the fd socket calls when the connection closes.
   v1::CallerRef NewCaller(uid_t peer_uid, pid_t peer_pid);

@@ -34,6 +34,7 @@ std::vector<uint8_t> EncodeIdentity(const SessionIdentity& id) {
   w.Put<uint32_t>(static_cast<uint32_t>(id.uid));
   w.Put<int32_t>(id.rank);
   w.Put<uint64_t>(id.generation);
+  w.Put<uint64_t>(id.adopt_nonce);
   w.Bytes(id.token_sha256.data(), id.token_sha256.size());
   w.Put<uint64_t>(id.total_elems);
   w.Put<uint64_t>(id.state_stride);
@@ -153,6 +154,7 @@ absl::StatusOr<SessionIdentity> SessionRecord::ReadIdentity() const {
   id.uid = static_cast<uid_t>(r.Get<uint32_t>());
   id.rank = r.Get<int32_t>();
   id.generation = r.Get<uint64_t>();
+  id.adopt_nonce = r.Get<uint64_t>();
   r.Bytes(id.token_sha256.data(), id.token_sha256.size());
   id.total_elems = r.Get<uint64_t>();
   id.state_stride = r.Get<uint64_t>();

@@ -21,7 +21,7 @@
 //    died in the middle of changing its state: its arrays may be torn, and it is not adopted.
 //
 // Layout, little-endian, at byte `RecordOffset` of the state memfd, RecordBytes long:
-//   identity:  "SFSESS01" u32 format u32 bytes | u32 uid u32 rank u64 generation
+//   identity:  "SFSESS01" u32 format u32 bytes | u32 uid u32 rank u64 generation u64 adopt_nonce
 //              u8[32] token_sha256 | u64 total_elems u64 state_stride u64 region_bytes
 //              u64 state_bytes | u32 param_dtype u32 param_slots u32 nparams
 //              per parameter: u32 name_bytes, name, u32 grad_dtype, u32 ndims, i64 dims[ndims]
@@ -55,6 +55,9 @@ struct SessionIdentity {
   uid_t uid = static_cast<uid_t>(-1);  // -1 until the session's process attached
   int32_t rank = 0;
   uint64_t generation = 0;
+  // The nonce of the ADOPT that gave this generation (0: none): the same process retrying an
+  // adoption whose answer it never got presents it with the generation before.
+  uint64_t adopt_nonce = 0;
   std::array<uint8_t, 32> token_sha256{};
   std::string name;
   // The registration, and the layout it gave.
@@ -117,7 +120,8 @@ class SessionRecord {
   SessionRecord(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
 
   // Writes the identity; the commit slots' place follows from it (written once per session
-  // with the same parameters: later writes change only the uid, generation and token digest).
+  // with the same parameters: later writes change only the uid, generation, adoption nonce and
+  // token digest).
   absl::Status WriteIdentity(const SessionIdentity& id);
   // Reads and verifies the identity: DataLoss naming the fault (magic, format, size, checksum).
   absl::StatusOr<SessionIdentity> ReadIdentity() const;

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 import models
 import stallfree
 from stallfree.torch import ZenFlowAdamW
+from rank_exit import exit_rank
 
 ZENFLOW = dict(mode="zenflow", topk_ratio=0.25, update_interval=1, select_interval=2,
                await_updates=True, grad_dtype="fp32", param_dtype="fp32",
@@ -79,8 +80,8 @@ def main():
     record["daemon_socket"] = daemon.socket
     torch.save(record, out_path)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_rank()

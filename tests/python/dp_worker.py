@@ -61,6 +61,7 @@ import models
 import stallfree
 import stallfree.dcp
 from stallfree.torch import ZenFlowAdamW
+from rank_exit import exit_rank
 
 
 def whole(p):
@@ -281,8 +282,8 @@ def main():
                             for n, p in model.named_parameters()}
         torch.save(record, os.path.join(out, f"{name}-rank{rank}.pt"))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_rank()

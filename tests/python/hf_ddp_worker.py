@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import hf_models
+from rank_exit import exit_rank
 
 
 def fsdp_on_cpu():
@@ -68,3 +69,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_rank()

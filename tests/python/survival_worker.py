@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import models
 from stallfree.torch import ZenFlowAdamW
+from rank_exit import exit_rank
 
 # Rounds of two steps whose Updates each step waits for: when the ranks meet, the daemon is idle.
 ZENFLOW = dict(mode="zenflow", topk_ratio=0.25, update_interval=2, select_interval=2,
@@ -56,8 +57,8 @@ def main():
     opt.close()
     torch.save({"losses": losses, "params": models.snapshot(model)},
                os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_rank()

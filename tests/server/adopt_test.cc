@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -286,6 +287,44 @@ TEST(Adopt, TakingASessionBackIsRefusedToAnyoneButItsOwnerAndToATornState) {
   ASSERT_TRUE(pushed.ok()) << pushed << "\n" << d.Log();
   absl::Status updated = Update(s, h, 2);
   EXPECT_TRUE(updated.ok()) << updated;
+}
+
+// An adoption whose answer never arrived (the daemon that adopted the session died first) is
+// retried by the same process with the generation before and the same nonce, and let in; the
+// generation before with another nonce is stale, as ever.
+TEST(Adopt, AnAdoptionWhoseAnswerWasLostIsLetInAgainByItsNonceAlone) {
+  Daemon d;
+  ASSERT_TRUE(d.started()) << d.error();
+  std::vector<float> w(kN, 0.5f);
+  Opened r = Open(d.socket(), w);
+  ASSERT_NE(r.session, nullptr);
+  Session& s = *r.session;
+  const std::string fd_socket = FdSocket(*r.client);
+  const std::vector<int> fds = {s.region_fd(), s.state_fd()};
+  const std::string token = s.ref().token();
+  d.Kill();
+  d.Restart();
+  // Adopted, and the daemon dies with the answer's connection still open (not a client's exit).
+  absl::StatusOr<int> conn = ConnectUnix(fd_socket);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  std::string reply;
+  std::vector<int> got;
+  ASSERT_TRUE(SendWithFds(*conn, "ADOPT " + token + " 1 777\n", fds).ok());
+  ASSERT_TRUE(RecvWithFds(*conn, 512, &reply, &got, 0).ok());
+  EXPECT_EQ(reply.rfind("OK ", 0), 0u) << reply;
+  d.Kill();
+  close(*conn);
+  d.Restart();
+  std::string again = RawAdopt(fd_socket, "ADOPT " + token + " 1 778\n", fds);
+  EXPECT_EQ(again.rfind("ERR FAILED_PRECONDITION generation 1 is stale", 0), 0u) << again;
+  again = RawAdopt(fd_socket, "ADOPT " + token + " 1\n", fds);
+  EXPECT_EQ(again.rfind("ERR FAILED_PRECONDITION generation 1 is stale", 0), 0u) << again;
+  again = RawAdopt(fd_socket, "ADOPT " + token + " 1 777\n", fds);
+  EXPECT_EQ(again.rfind("OK ", 0), 0u) << again;
+  std::istringstream in(again.substr(3));
+  uint64_t id = 0, generation = 0;
+  in >> id >> generation;
+  EXPECT_EQ(generation, 3u);
 }
 
 // An Update the daemon accepted and had not run when it died (queued behind a long checkpoint)

@@ -8,15 +8,19 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "client/client.h"
 #include "engine/blob.h"
 #include "testing/spawn.h"
 #include "trainer/checkpoint.h"
@@ -220,52 +224,84 @@ bool WaitForSteps(const std::string& csv, size_t rows) {
   return false;
 }
 
-// --reconnect_s: the daemon is SIGKILLed mid-run and started again; each rank's session is
-// taken back by the new daemon from the memfds the rank holds (SessionTarget re-attaches), and
-// the run goes on at the step it was: no step is computed again (metrics.csv has each once, the
-// log never falls back to a checkpoint), and its losses equal an uninterrupted run's, every one
-// of them. The trainer is stopped (SIGSTOP) around the kill so that the daemon dies between
-// its calls, not inside an Update (a state torn there is not taken back yet: that run falls
-// back to its last checkpoint, as ASessionClosedUnderARunIsRecoveredLikeALostDaemon shows).
-TEST_F(TrainerTest, ADaemonKilledMidRunIsWaitedForAndTheRunGoesOnWhereItWas) {
-  // 4 warm-up steps, then rounds of S = 4: the kill lands after step 12 or a little later, in
-  // the middle of a round, with an Update in flight or just done.
-  const std::vector<std::string> flags = {"--nproc", "2", "--checkpoint_every", "5",
-                                          "--engine_warmup", "4"};
-  TrainerRun ref = Trainer(Cat(Base("ref", 60), flags));
+// 20 SIGKILLs of the daemon in a 200-step zenflow run (2 ranks, rounds of S = 4 after 4 warm-up
+// steps, no periodic checkpoint to fall back to), each followed at once by a daemon on the same
+// socket (as systemd's Restart= would): the run goes on where it was every time. Every other
+// kill of the first ten is aimed inside an Update (the test polls the daemon's sessions and
+// kills once one says its Update runs; the daemon's units are slowed by its testing flag
+// --test_unit_delay_us so that an Update lasts long enough to be aimed at); the others fall at
+// random instants. The daemons that took the sessions back must have finished at least 5 Updates
+// that the kills cut short (their log says so), every loss equals the uninterrupted run's, the
+// final parameters of both ranks equal its bit for bit, metrics.csv holds each step once, and
+// no step is computed again (the log never falls back to a checkpoint or starts over).
+TEST_F(TrainerTest, TwentyDaemonKillsInA200StepRunCostNoStep) {
+  const int64_t steps = 200;
+  const std::vector<std::string> flags = {"--nproc", "2", "--engine_warmup", "4", "--stop_at",
+                                          "200"};
+  TrainerRun ref = Trainer(Cat(Base("ref", steps), flags));
   ASSERT_EQ(ref.code, 0) << ref.output;
-  // A stallfreed of the test's own, that it kills and starts again on the same socket (as
-  // systemd's Restart=on-failure would).
-  testing::Daemon own({"--threads", "2"}, "warning");
+  testing::Daemon own({"--threads", "2", "--test_unit_delay_us", "1000"}, "info");
   ASSERT_TRUE(own.started()) << own.error();
   const pid_t trainer = testing::Spawn(
-      OnSocket(Cat(Base("rec", 60), flags), own.socket()) + " --reconnect_s 30 > " + out_ +
-      "/rec.log 2>&1");
-  ASSERT_TRUE(WaitForSteps(Csv("rec"), 12)) << "the run did not reach step 12";
-  // The trainer and its ranks (each in a process group of its own) stop; what the daemon was
-  // given, it finishes.
-  const std::string groups = testing::RunShell("pgrep -P " + std::to_string(trainer)).output;
-  auto signal_all = [&](int sig) {
-    kill(-trainer, sig);
-    std::istringstream children(groups);
-    for (pid_t child; children >> child;) kill(-child, sig);
+      OnSocket(Cat(Base("kills", steps), flags), own.socket()) + " --reconnect_s 60 > " + out_ +
+      "/kills.log 2>&1");
+  ASSERT_TRUE(WaitForSteps(Csv("kills"), 6)) << "the run did not reach step 6";
+  std::mt19937 rng(20);
+  std::uniform_int_distribution<int> pause_ms(30, 250);
+  auto updating = [&] {
+    auto client = Client::Connect(own.socket(), 1000, 2);
+    if (!client.ok()) return false;
+    auto sessions = (*client)->ListSessions();
+    if (!sessions.ok()) return false;
+    for (const v1::SessionInfo& s : *sessions)
+      if (s.update_running()) return true;
+    return false;
   };
-  signal_all(SIGSTOP);
-  usleep(500000);
-  own.Restart();
-  signal_all(SIGCONT);
+  int kills = 0;
   int status = 0;
-  waitpid(trainer, &status, 0);
-  const std::string log = testing::RunShell("cat " + out_ + "/rec.log").output;
+  bool exited = false;
+  for (int k = 0; k < 20 && !exited; ++k) {
+    if (k < 10 && k % 2 == 0) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!updating() && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms(rng)));
+    }
+    exited = waitpid(trainer, &status, WNOHANG) == trainer;
+    if (exited) break;
+    own.Kill();
+    own.Restart();
+    ++kills;
+  }
+  if (!exited) waitpid(trainer, &status, 0);
+  const std::string log = testing::RunShell("cat " + out_ + "/kills.log").output;
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << log;
-  EXPECT_NE(log.find("re-attaching"), std::string::npos) << log;
+  EXPECT_EQ(kills, 20) << "the run ended before its 20 kills\n" << log;
+  const std::string daemon_log = own.Log();
+  int finished = 0;
+  for (size_t at = 0; (at = daemon_log.find("cut short by the daemon before", at)) !=
+                      std::string::npos;
+       ++at)
+    ++finished;
+  EXPECT_GE(finished, 5) << "Updates and pushes finished by the next daemon:\n" << daemon_log;
   EXPECT_NE(log.find("taken back at version"), std::string::npos) << log;
   EXPECT_EQ(log.find("continuing from checkpoint"), std::string::npos) << log;
+  EXPECT_EQ(log.find("starts over"), std::string::npos) << log;
   EXPECT_EQ(log.find("computed again"), std::string::npos) << log;
-  const std::vector<double> a = Losses("ref"), b = Losses("rec");
-  ASSERT_EQ(a.size(), 60u);
-  ASSERT_EQ(b.size(), 60u) << "metrics.csv must hold each step once";
-  for (int i = 0; i < 60; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+  const std::vector<double> a = Losses("ref"), b = Losses("kills");
+  ASSERT_EQ(a.size(), static_cast<size_t>(steps));
+  ASSERT_EQ(b.size(), static_cast<size_t>(steps)) << "metrics.csv must hold each step once";
+  for (int64_t i = 0; i < steps; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+  for (int r = 0; r < 2; ++r) {
+    absl::StatusOr<trainer::RankState> want =
+        trainer::DecodeState(trainer::RankFile(Dir("ref"), "ref-step200", r));
+    absl::StatusOr<trainer::RankState> got =
+        trainer::DecodeState(trainer::RankFile(Dir("kills"), "kills-step200", r));
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(got->tensors == want->tensors) << "rank " << r << "'s final parameters differ";
+  }
 }
 
 // A session the daemon closes under a running trainer (stallfreectl close: the daemon then
