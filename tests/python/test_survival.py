@@ -1,7 +1,9 @@
 """A daemon that goes away loses nothing: ZenFlowAdamW's sessions hold their state's memory, and
 when stallfreed is started again on the same socket (systemd's Restart=, an upgrade), the next
 step() re-attaches them (reattach_timeout) and training goes on at the step it was, bit for bit
-with a run that was never interrupted: no step lost, none computed again."""
+with a run that was never interrupted: no step lost, none computed again. That holds for a kill
+at any instant: between steps, and inside an Update or a push, which the next daemon finishes
+from the session's work journal."""
 import os
 import signal
 import tempfile
@@ -15,10 +17,75 @@ import stallfree
 from conftest import run_ranks
 from stallfree.torch import ZenFlowAdamW
 
-# Rounds of two steps whose Updates the steps wait for: between two steps the daemon is idle, so
-# the kill never lands inside an Update (a state torn there is not taken back yet).
+# Rounds of two steps whose Updates the steps wait for.
 ROUNDS = dict(mode="zenflow", topk_ratio=0.25, update_interval=2, select_interval=2,
               await_updates=True, warmup_steps=0, **models.FP32)
+
+
+# Units of the daemon's work slowed (its testing flag --test_unit_delay_us, which it also reads
+# from the environment), so that an Update lasts long enough for kills to land inside it.
+SLOW_UNITS = "STALLFREE_TEST_UNIT_DELAY_US"
+
+
+def start_daemon(sock, slow=0):
+    """A daemon on `sock` whose units each wait `slow` microseconds (0: none)."""
+    saved = {SLOW_UNITS: os.environ.get(SLOW_UNITS)}
+    if slow:
+        os.environ[SLOW_UNITS] = str(slow)
+    try:
+        return stallfree.Daemon(socket=sock, threads=1)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def finished_inside(daemon):
+    """How many Updates that a killed daemon left half done `daemon` finished (its log)."""
+    try:
+        with open(daemon.log_path, "rb") as f:
+            return f.read().decode("utf-8", "replace").count(", cut short by the daemon before")
+    except OSError:
+        return 0
+
+
+class Killer:
+    """SIGKILLs the daemon in holder[0] (on `sock`) `kills` times at random instants (seeded),
+    each followed at once by a new one on the socket (systemd's Restart=), while the run goes
+    on; `finished` counts the Updates that the new daemons finished for a daemon killed inside
+    them. The first kill waits until started() says the run is training (if given)."""
+
+    def __init__(self, holder, sock, kills=20, pause=(0.05, 0.25), seed=0, slow=2000,
+                 started=None):
+        import random
+        self.holder, self.sock, self.kills, self.pause = holder, sock, kills, pause
+        self.slow, self.started = slow, started
+        self.rng = random.Random(seed)
+        self.done = self.finished = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        deadline = time.monotonic() + 120
+        while self.started and not self.started() and time.monotonic() < deadline:
+            if self.stop.wait(0.02):
+                return
+        while self.done < self.kills and not self.stop.wait(self.rng.uniform(*self.pause)):
+            self.finished += finished_inside(self.holder[0])
+            kill(self.holder[0])
+            self.holder[0] = start_daemon(self.sock, slow=self.slow)
+            self.done += 1
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(60)
+        self.finished += finished_inside(self.holder[0])
 
 
 def kill(daemon):
@@ -105,74 +172,74 @@ def test_with_reattach_timeout_0_a_lost_daemon_raises_at_once():
         assert time.monotonic() - t0 < 10
 
 
-def test_four_ddp_ranks_partitioned_on_one_daemon_survive_its_kill_bit_for_bit(tmp_path):
+def test_four_ddp_ranks_partitioned_on_one_daemon_survive_20_kills_bit_for_bit(tmp_path):
     """4 DDP ranks, their ZenFlowAdamW partitioned over them (a quarter of the offloaded state in
-    each rank's session) on one shared daemon, SIGKILLed before step 5 (mid-round) while the
-    ranks wait, and started again: each rank re-attaches its own session, and every rank's
-    losses and final parameters equal an uninterrupted run's exactly."""
-    steps = 8
+    each rank's session) on one shared daemon, SIGKILLed 20 times at random instants while they
+    train and started again each time: each rank re-attaches its own session whenever it next
+    needs it, the Updates cut short are finished by the next daemon (at least 5 of them), and
+    every rank's losses and final parameters equal an uninterrupted run's exactly."""
+    steps = 24
 
-    def ranks(kill_at):
-        out = tmp_path / ("kill%d" % kill_at)
+    def ranks(kills):
+        out = tmp_path / ("kills%d" % kills)
         out.mkdir()
         sock = os.path.join(tempfile.mkdtemp(prefix="stallfree-ddp-", dir="/tmp"), "d.sock")
-        daemon = [stallfree.Daemon(socket=sock, threads=1)]
-
-        def restart():
-            deadline = time.monotonic() + 120
-            while not (out / "paused").exists() and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if not (out / "paused").exists():
-                return
-            kill(daemon[0])
-            daemon[0] = stallfree.Daemon(socket=sock, threads=1)
-            (out / "resumed").touch()
-
-        killer = threading.Thread(target=restart, daemon=True)
-        if kill_at:
-            killer.start()
+        # A rank's session is small (a few units): each unit waits 20 ms.
+        holder = [start_daemon(sock, slow=20000 if kills else 0)]
+        killer = Killer(holder, sock, kills, seed=1, slow=20000,
+                        started=lambda: (out / "training").exists())
         try:
-            run_ranks("survival_worker.py", 4, [sock, steps, kill_at, out], out)
+            if kills:
+                with killer:
+                    run_ranks("survival_worker.py", 4, [sock, steps, out], out)
+            else:
+                run_ranks("survival_worker.py", 4, [sock, steps, out], out)
+            last_log = holder[0]._log_tail()
         finally:
-            if kill_at:
-                killer.join(5)
-            daemon[0].close()
-        if kill_at:
-            assert (out / "resumed").exists()
+            holder[0].close()
+        assert killer.done == kills, "the run ended after %d of its kills" % killer.done
+        if kills:
+            assert killer.finished >= 5, (killer.finished, last_log)
         return [torch.load(str(out / ("rank%d.pt" % r))) for r in range(4)]
 
-    ref, got = ranks(0), ranks(5)
+    ref, got = ranks(0), ranks(20)
     for r in range(4):
         assert got[r]["losses"] == ref[r]["losses"], r
         for name, a in ref[r]["params"].items():
             assert torch.equal(got[r]["params"][name], a), (r, name)
 
 
-def test_a_hugging_face_trainer_run_survives_its_daemon_bit_for_bit(tmp_path):
+def test_a_hugging_face_trainer_run_survives_20_kills_bit_for_bit(tmp_path):
     """transformers' Trainer with ZenFlowAdamW (zenflow, its Updates awaited) on a shared daemon
-    that a callback SIGKILLs and starts again after step 4 of 10: the Trainer never notices, and
-    its logged losses and final parameters equal an uninterrupted run's exactly."""
+    that is SIGKILLed 20 times at random instants during the run and started again each time:
+    the Trainer never notices, the Updates cut short are finished by the next daemon (at least 5
+    of them), and its logged losses and final parameters equal an uninterrupted run's exactly."""
     import transformers
     import hf_models
 
     sock = os.path.join(tempfile.mkdtemp(prefix="stallfree-hf-", dir="/tmp"), "d.sock")
-    holder = [stallfree.Daemon(socket=sock, threads=1)]
-
-    class KillAfterStep4(transformers.TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            if state.global_step == 4:
-                kill(holder[0])
-                holder[0] = stallfree.Daemon(socket=sock, threads=1)
-
+    holder = [start_daemon(sock)]
     config = dict(hf_models.EXACT_MODES["zenflow-S1"], socket=sock, reattach_timeout=60)
+    steps = 30
     try:
-        ref = hf_models.train("llama", "zenflow", config, max_steps=10,
+        ref = hf_models.train("llama", "zenflow", config, max_steps=steps,
                               out_dir=str(tmp_path / "ref"))
-        got = hf_models.train("llama", "zenflow", config, max_steps=10,
-                              out_dir=str(tmp_path / "got"), callbacks=[KillAfterStep4()])
+        holder[0].close()
+        holder[0] = start_daemon(sock, slow=2000)
+        training = threading.Event()
+
+        class Started(transformers.TrainerCallback):  # the kills begin after the first step
+            def on_step_end(self, args, state, control, **kw):
+                training.set()
+
+        with Killer(holder, sock, 20, seed=2, started=training.is_set) as killer:
+            got = hf_models.train("llama", "zenflow", config, max_steps=steps,
+                                  out_dir=str(tmp_path / "got"), callbacks=[Started()])
     finally:
         holder[0].close()
-    assert len(ref["losses"]) == 10
+    assert killer.done == 20, "the run ended after %d of its kills" % killer.done
+    assert killer.finished >= 5, killer.finished
+    assert len(ref["losses"]) == steps
     assert got["losses"] == ref["losses"]
     for name, a in ref["params"].items():
         assert torch.equal(got["params"][name], a), name
