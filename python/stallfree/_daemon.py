@@ -5,7 +5,9 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import weakref
 
@@ -62,27 +64,39 @@ class Daemon:
     state_dir: its checkpoint directory (default: inside that temporary directory);
     threads: optimizer worker threads (0: all cores); log_level: its log level (its log goes to
     `log_path`). The daemon runs with --parent_pid, so it stops by itself when this process
-    dies, even by SIGKILL: it never outlives its parent.
+    dies, even by SIGKILL: it never outlives its parent. restart_on_exit: when it exits without
+    close() (a crash, a kill), it is started again on the same socket and state directory (at
+    most 100 times; `restarts` counts them), and takes back the sessions of this process, whose
+    memory this process holds.
     """
 
     def __init__(self, socket=None, state_dir=None, threads=0, log_level="warning",
-                 pinned_mib=0, startup_timeout=30.0):
+                 pinned_mib=0, startup_timeout=30.0, restart_on_exit=False):
         self._dir = tempfile.mkdtemp(prefix="stallfree-", dir="/tmp")
         self.socket = socket or os.path.join(self._dir, "stallfreed.sock")
         self.state_dir = state_dir or os.path.join(self._dir, "state")
         self.log_path = os.path.join(self._dir, "stallfreed.log")
         self._proc = None
-        args = [stallfreed_path(), "--socket", self.socket, "--state_dir", self.state_dir,
-                "--threads", str(int(threads)), "--log_level", log_level,
-                "--pinned_mib", str(int(pinned_mib)), "--parent_pid", str(os.getpid())]
-        with open(self.log_path, "wb") as log:
+        self._args = [stallfreed_path(), "--socket", self.socket, "--state_dir", self.state_dir,
+                      "--threads", str(int(threads)), "--log_level", log_level,
+                      "--pinned_mib", str(int(pinned_mib)), "--parent_pid", str(os.getpid())]
+        self._startup_timeout = startup_timeout
+        self._lock = threading.Lock()
+        self._closing = False
+        self.restarts = 0
+        self._start("wb")
+        _live.add(self)
+        if restart_on_exit:
+            threading.Thread(target=self._keep, name="stallfreed keeper", daemon=True).start()
+
+    def _start(self, mode):
+        with open(self.log_path, mode) as log:
             # Its own session: a Ctrl-C in the terminal reaches the trainer, which then closes
             # the daemon in order, instead of killing the daemon under a running step.
-            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
+            self._proc = subprocess.Popen(self._args, stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self._proc.pid
-        _live.add(self)
-        deadline = time.monotonic() + startup_timeout
+        deadline = time.monotonic() + self._startup_timeout
         while True:
             if self._proc.poll() is not None:
                 why = self._log_tail()
@@ -100,8 +114,38 @@ class Daemon:
             if time.monotonic() > deadline:
                 self.close()
                 raise Error("stallfreed did not answer on %s within %.0f s (log: %s)"
-                            % (self.socket, startup_timeout, self.log_path))
+                            % (self.socket, self._startup_timeout, self.log_path))
             time.sleep(0.02)
+
+    # A daemon that keeps dying right after its start is not started again for ever.
+    _MAX_RESTARTS = 100
+
+    def _keep(self):
+        """restart_on_exit: starts the daemon again, on the same socket and state directory, when
+        it exits unless close() stopped it; the sessions of this process's optimizers wait for
+        it (reattach_timeout) and it takes them back from the memory this process holds."""
+        while True:
+            proc = self._proc
+            if proc is None:
+                return
+            code = proc.wait()
+            with self._lock:
+                if self._closing or self._proc is not proc:
+                    return
+                if self.restarts >= self._MAX_RESTARTS:
+                    print("stallfree: the private stallfreed (pid %d) exited with code %d; it "
+                          "was started again %d times already: not again (log: %s)"
+                          % (proc.pid, code, self.restarts, self.log_path), file=sys.stderr)
+                    return
+                print("stallfree: the private stallfreed (pid %d) exited with code %d; starting "
+                      "it again on %s" % (proc.pid, code, self.socket), file=sys.stderr)
+                try:
+                    self._start("ab")
+                except Error as e:
+                    print("stallfree: the private stallfreed did not start again: %s" % e,
+                          file=sys.stderr)
+                    return
+                self.restarts += 1
 
     def _log_tail(self):
         try:
@@ -116,6 +160,8 @@ class Daemon:
 
     def close(self, timeout=10.0):
         """Stops the daemon (SIGTERM: it finishes running updates) and removes its directory."""
+        with self._lock:
+            self._closing = True
         if self._proc is None:
             return
         if self._proc.poll() is None:

@@ -46,8 +46,8 @@ def _connect(socket, explicit, rpc_timeout=0.0, reattach=0.0):
     """A client for `socket` whose calls are bounded by rpc_timeout seconds (0: the client's
     default) and whose sessions wait up to `reattach` seconds for a restarted daemon to take them
     back; when it does not answer and it was not given explicitly, a client for a private daemon
-    (returned too, to be stopped with the optimizer; nothing restarts it, so its sessions do not
-    wait)."""
+    (returned too, to be stopped with the optimizer), which is started again if it exits before
+    that, and takes the sessions back as a restarted node daemon would."""
     why = "the socket does not exist"
     if os.path.exists(socket):
         try:
@@ -59,10 +59,10 @@ def _connect(socket, explicit, rpc_timeout=0.0, reattach=0.0):
             "no stallfreed answers at %s (%s): start one with `stallfreed --socket %s`, or pass "
             "socket=None to use $STALLFREE_SOCKET or the node's default socket, and otherwise a "
             "private daemon" % (socket, why, socket))
-    daemon = Daemon()
+    daemon = Daemon(restart_on_exit=True)
     print("stallfree: no stallfreed answers at %s; started a private one (pid %d) on %s; it "
           "stops with this optimizer" % (socket, daemon.pid, daemon.socket), file=sys.stderr)
-    return _stallfree.Client(daemon.socket, 3000, rpc_timeout), daemon
+    return _stallfree.Client(daemon.socket, 3000, rpc_timeout, reattach), daemon
 
 
 def _unsupported_kind(p):
@@ -195,11 +195,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     reattach_timeout: when the node's daemon goes away (a crash, `systemctl restart`), how long
     step() waits for it to come back (default 300 s; 0: raise at once). The daemon started again
     takes this optimizer's sessions back from the memory this process holds, and training goes
-    on at the step it was, bit for bit: no step is lost and none is computed again. A daemon
-    that died in the middle of an Update cannot take that state back yet; then, as when no
-    daemon comes back in time, step() raises stallfree.Error (UNAVAILABLE) naming the socket,
-    and the run resumes from its last checkpoint. A private daemon (no stallfreed at the
-    socket) is not restarted: its sessions do not wait; close() never waits.
+    on at the step it was, bit for bit: no step is lost and none is computed again, wherever the
+    daemon died (between calls, or inside an Update or a push, which the next daemon finishes
+    from the session's work journal). When no daemon comes back in time, step() raises
+    stallfree.Error (UNAVAILABLE) naming the socket, and the run resumes from its last
+    checkpoint. A private daemon (no stallfreed at the socket) that exits is started again by
+    this process on its socket, and takes the sessions back the same way; close() never waits.
 
     lr, betas, eps, weight_decay and amsgrad default to torch.optim.AdamW's defaults (weight_decay
     1e-2), so a script that drops it in without them trains the same AdamW. lr, betas, eps and

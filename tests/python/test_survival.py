@@ -150,6 +150,35 @@ def test_a_daemon_restarted_mid_run_hands_the_sessions_to_its_successor_bit_for_
         assert torch.equal(a, b), "parameter %d differs" % i
 
 
+def test_a_private_daemon_that_dies_is_started_again_and_training_goes_on_bit_for_bit(
+        monkeypatch):
+    """No stallfreed at the socket: ZenFlowAdamW starts a private one, which this process starts
+    again on its socket when it dies (SIGKILL before steps 4 and 7); each time it takes the
+    sessions back from the memory this process holds, and the run equals one on a daemon never
+    killed, exactly."""
+    ref_losses, ref_params = train(10)
+    monkeypatch.setenv("STALLFREE_SOCKET", os.path.join(tempfile.mkdtemp(dir="/tmp"), "none.sock"))
+    model = models.make_model(0)
+    opt = ZenFlowAdamW(model.parameters(), reattach_timeout=30, **ROUNDS)
+    try:
+        assert opt.daemon is not None, "no private daemon"
+        losses = []
+        for step in range(1, 11):
+            if step in (4, 7):
+                os.kill(opt.daemon.pid, signal.SIGKILL)
+            opt.zero_grad(set_to_none=True)
+            loss = models.loss_fn(model, models.batch(0, step))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert opt.daemon.restarts == 2
+    finally:
+        opt.close()
+    assert losses == ref_losses
+    for i, (a, b) in enumerate(zip(model.parameters(), ref_params)):
+        assert torch.equal(a.detach(), b), "parameter %d differs" % i
+
+
 def test_with_reattach_timeout_0_a_lost_daemon_raises_at_once():
     """reattach_timeout=0: the step after the kill raises stallfree.Error (UNAVAILABLE) naming
     the socket within a few seconds, instead of waiting for a daemon."""
