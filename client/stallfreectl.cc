@@ -72,6 +72,9 @@ int PrintStats(stallfree::Client* client, const std::string& output) {
          Bytes(st.bytes_out()).c_str());
   printf("%-22s %ld\n", "rejected requests", (long)st.rejected_requests());
   printf("%-22s %ld\n", "migrated columns", (long)st.migrated_columns());
+  printf("%-22s %ld running, %ld resumed\n", "updates now", (long)st.updates_running(),
+         (long)st.updates_resumed());
+  printf("%-22s %ld\n", "pushes resumed", (long)st.pushes_resumed());
   return 0;
 }
 

@@ -123,6 +123,12 @@ std::string RenderMetrics(SessionManager* sessions) {
       "Parameter bytes written to the regions.", static_cast<double>(st.bytes_out()));
   One(&out, "stallfree_migrated_columns_total", "counter",
       "Columns moved by MigrateColumns (each direction counts).", st.migrated_columns());
+  One(&out, "stallfree_updates_running", "gauge", "Sessions whose Update is claimed or running.",
+      st.updates_running());
+  One(&out, "stallfree_updates_resumed_total", "counter",
+      "Updates that a daemon before this one died in, finished here.", st.updates_resumed());
+  One(&out, "stallfree_pushes_resumed_total", "counter",
+      "Pushes that a daemon before this one died in, finished here.", st.pushes_resumed());
 
   Family(&out, "stallfree_rejected_requests_total", "counter",
          "Requests answered with an error, by RPC method and gRPC code.");

@@ -895,6 +895,7 @@ absl::Status OffloadSession::Resume(const SessionCommit& commit) {
     const uint64_t done = journal_->done_units();
     const uint64_t fused_bytes = UpdateArrays(*plan);
     FinishUpdate(*plan, Seconds(Clock::now() - t0), fused_bytes);
+    env_.counters->updates_resumed.fetch_add(1);
     SF_LOG(kWarning, "session %d: the Update of step %d, cut short by the daemon before (%d of "
            "%d units done), finished", id_, plan->config.step, done, layout_->journal.units);
     return absl::OkStatus();
@@ -907,6 +908,7 @@ absl::Status OffloadSession::Resume(const SessionCommit& commit) {
   const uint64_t done = journal_->done_units();
   AccumulateArrays(*plan);
   const int64_t pushes = FinishPush();
+  env_.counters->pushes_resumed.fetch_add(1);
   SF_LOG(kWarning, "session %d: a push cut short by the daemon before (%d units done) finished: "
          "%d pushes since the last Update", id_, done, pushes);
   return absl::OkStatus();

@@ -81,6 +81,9 @@ struct DaemonCounters {
   std::atomic<uint64_t> bytes_out{0};
   std::atomic<int64_t> rejected{0};
   std::atomic<int64_t> migrated_columns{0};
+  // Updates and pushes cut short by the daemon before, finished when a session was taken back.
+  std::atomic<int64_t> updates_resumed{0};
+  std::atomic<int64_t> pushes_resumed{0};
   // Latencies and sizes, for the Prometheus endpoint (server/metrics.h).
   Histogram push_seconds{Histogram::Exponential(1e-5, 4, 12)};       // 10 us .. 42 s
   Histogram push_bytes{Histogram::Exponential(1024, 4, 14)};         // 1 KiB .. 64 GiB

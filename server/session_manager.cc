@@ -609,8 +609,9 @@ absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint
     return refuse(absl::FailedPreconditionError(
         "the session was closed by the daemon that held it (a close, an operator's stallfreectl "
         "close, or its process's exit): it is not taken back"));
-  // The same attempt again: its adoption went through in a daemon that died before answering.
-  const bool retried = nonce != 0 && id->adopt_nonce == nonce && id->generation == generation + 1;
+  // The same attempt again: its adoption went through in a daemon that died before answering
+  // (as many times as the record's generation is ahead: each carried the attempt's nonce).
+  const bool retried = nonce != 0 && id->adopt_nonce == nonce && id->generation > generation;
   if (id->generation != generation && !retried)
     return refuse(absl::FailedPreconditionError(absl::StrCat(
         "generation ", generation, " is stale: the state is at generation ", id->generation,
@@ -791,10 +792,11 @@ absl::StatusOr<std::vector<v1::SessionInfo>> SessionManager::ListSessions(
 
 v1::Stats SessionManager::GetStats() {
   v1::Stats st;
-  int64_t sessions = 0, params = 0, elems = 0;
+  int64_t sessions = 0, params = 0, elems = 0, running = 0;
   for (const auto& s : OpenSessions()) {
     const v1::SessionInfo info = s->Info();
     ++sessions;
+    running += info.update_running() ? 1 : 0;
     params += info.params();
     elems += info.param_elements();
   }
@@ -809,6 +811,9 @@ v1::Stats SessionManager::GetStats() {
   st.set_pinned_budget_bytes(options_.pinned_budget_bytes);
   st.set_pushes(counters_.pushes.load());
   st.set_updates(counters_.updates.load());
+  st.set_updates_running(running);
+  st.set_updates_resumed(counters_.updates_resumed.load());
+  st.set_pushes_resumed(counters_.pushes_resumed.load());
   st.set_accumulate_seconds(counters_.accumulate_ns.load() * 1e-9);
   st.set_update_seconds(counters_.update_ns.load() * 1e-9);
   st.set_bytes_in(counters_.bytes_in.load());

@@ -127,8 +127,8 @@ class SessionManager {
   // torn or differently laid out state), DataLoss (no whole record), ResourceExhausted (the
   // budget), Unavailable while draining. The session gets a new id, its process's connection
   // becomes its liveness channel (OnConnectionClosed), as after Attach. `nonce` (0: none) names
-  // the attempt: a process whose adoption succeeded in a daemon that died before answering
-  // retries with the generation before and the same nonce, and is let in.
+  // the attempt: a process whose adoption succeeded in a daemon that died before answering (once
+  // or more) retries with the generation it has and the same nonce, and is let in.
   absl::StatusOr<AdoptResult> Adopt(const std::string& token, uint64_t generation,
                                     uint64_t nonce, int region_fd, int state_fd, uid_t peer_uid,
                                     pid_t peer_pid);

@@ -319,12 +319,21 @@ TEST(Adopt, AnAdoptionWhoseAnswerWasLostIsLetInAgainByItsNonceAlone) {
   EXPECT_EQ(again.rfind("ERR FAILED_PRECONDITION generation 1 is stale", 0), 0u) << again;
   again = RawAdopt(fd_socket, "ADOPT " + token + " 1\n", fds);
   EXPECT_EQ(again.rfind("ERR FAILED_PRECONDITION generation 1 is stale", 0), 0u) << again;
+  // Adopted again, and that answer lost too: the record is two generations ahead.
+  conn = ConnectUnix(fd_socket);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  ASSERT_TRUE(SendWithFds(*conn, "ADOPT " + token + " 1 777\n", fds).ok());
+  ASSERT_TRUE(RecvWithFds(*conn, 512, &reply, &got, 0).ok());
+  EXPECT_EQ(reply.rfind("OK ", 0), 0u) << reply;
+  d.Kill();
+  close(*conn);
+  d.Restart();
   again = RawAdopt(fd_socket, "ADOPT " + token + " 1 777\n", fds);
   EXPECT_EQ(again.rfind("OK ", 0), 0u) << again;
   std::istringstream in(again.substr(3));
   uint64_t id = 0, generation = 0;
   in >> id >> generation;
-  EXPECT_EQ(generation, 3u);
+  EXPECT_EQ(generation, 4u);
 }
 
 // An Update the daemon accepted and had not run when it died (queued behind a long checkpoint)
