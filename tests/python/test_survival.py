@@ -59,7 +59,7 @@ class Killer:
     run is training (if given)."""
 
     def __init__(self, holder, sock, kills=20, pause=(0.05, 0.25), seed=0, slow=2000,
-                 started=None, aimed=10):
+                 started=None, aimed=16):
         import random
         self.holder, self.sock, self.kills, self.pause = holder, sock, kills, pause
         self.slow, self.started, self.aimed = slow, started, aimed
@@ -217,7 +217,7 @@ def test_with_reattach_timeout_0_a_lost_daemon_raises_at_once():
 
 def test_four_ddp_ranks_partitioned_on_one_daemon_survive_20_kills_bit_for_bit(tmp_path):
     """4 DDP ranks, their ZenFlowAdamW partitioned over them (a quarter of the offloaded state in
-    each rank's session) on one shared daemon, SIGKILLed 20 times while they train (5 of them
+    each rank's session) on one shared daemon, SIGKILLed 20 times while they train (8 of them
     aimed at a running Update, the others at random instants) and started again each time: each
     rank re-attaches its own session whenever it next needs it, the Updates cut short are
     finished by the next daemon (at least 5 of them), and every rank's losses and final
@@ -254,7 +254,7 @@ def test_four_ddp_ranks_partitioned_on_one_daemon_survive_20_kills_bit_for_bit(t
 
 def test_a_hugging_face_trainer_run_survives_20_kills_bit_for_bit(tmp_path):
     """transformers' Trainer with ZenFlowAdamW (zenflow, its Updates awaited) on a shared daemon
-    that is SIGKILLed 20 times during the run (5 of them aimed at a running Update, the others at
+    that is SIGKILLed 20 times during the run (8 of them aimed at a running Update, the others at
     random instants) and started again each time: the Trainer never notices, the Updates cut
     short are finished by the next daemon (at least 5 of them), and its logged losses and final
     parameters equal an uninterrupted run's exactly."""

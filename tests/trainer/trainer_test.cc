@@ -227,7 +227,7 @@ bool WaitForSteps(const std::string& csv, size_t rows) {
 // 20 SIGKILLs of the daemon in a 200-step zenflow run (2 ranks, rounds of S = 4 after 4 warm-up
 // steps, no periodic checkpoint to fall back to), each followed at once by a daemon on the same
 // socket (as systemd's Restart= would): the run goes on where it was every time. Every other
-// kill of the first ten is aimed inside an Update (the test polls the daemon's sessions and
+// kill of the first sixteen is aimed inside an Update (the test polls the daemon's sessions and
 // kills once one says its Update runs; the daemon's units are slowed by its testing flag
 // --test_unit_delay_us so that an Update lasts long enough to be aimed at); the others fall at
 // random instants. The daemons that took the sessions back must have finished at least 5 Updates
@@ -261,7 +261,7 @@ TEST_F(TrainerTest, TwentyDaemonKillsInA200StepRunCostNoStep) {
   int status = 0;
   bool exited = false;
   for (int k = 0; k < 20 && !exited; ++k) {
-    if (k < 10 && k % 2 == 0) {
+    if (k < 16 && k % 2 == 0) {
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
       while (!updating() && std::chrono::steady_clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
