@@ -1,7 +1,8 @@
 // The session record: what a restarted daemon needs to take a session back from its memfds
-// (SessionManager::Adopt), kept at the end of the session's state memfd, after the four fp32
-// arrays, by the daemon that holds the session. The session's process holds that memfd too, so
-// the record outlives the daemon with the state it describes.
+// (SessionManager::Adopt), kept in the first pages of the session's state memfd, before the
+// four fp32 arrays (and the work journal after them, session_journal.h), by the daemon that
+// holds the session. The session's process holds that memfd too, so the record outlives the
+// daemon with the state it describes.
 //
 // Two parts, each with its own checksum (Checksum64 of its bytes before it):
 //  - The identity, written when the session registers and again when it attaches and at every
@@ -18,7 +19,9 @@
 //    slot and dtype of the newest version, the accumulator's state, the per-column step counts,
 //    and `busy`: the work method that was changing the arrays when the commit was written (set
 //    before it starts, cleared by the commit after it). A session whose newest commit is busy
-//    died in the middle of changing its state: its arrays may be torn, and it is not adopted.
+//    died in the middle of changing its state: a journaled Update or push (the commit says so)
+//    is finished from the work journal by the daemon that adopts it; any other busy state may
+//    be torn, and it is not adopted.
 //
 // Layout, little-endian, at byte `RecordOffset` of the state memfd, RecordBytes long:
 //   identity:  "SFSESS01" u32 format u32 bytes | u32 uid u32 rank u64 generation u64 adopt_nonce
