@@ -485,7 +485,8 @@ absl::StatusOr<Session::Adopted> Session::Reattach(double wait_s) {
       uint64_t id = 0, generation = 0;
       std::istringstream in(reply.rfind("OK ", 0) == 0 ? reply.substr(3) : "");
       if (last.ok() &&
-          (in >> id >> generation >> got.version >> got.last_step >> got.pushes_since_update)) {
+          (in >> id >> generation >> got.version >> got.last_step >> got.pushes_since_update >>
+           got.handovers)) {
         // The dead daemon's connection stays open until Close: another thread's call may be
         // asking it whether it closed (Rpc).
         if (conn_ >= 0) dead_conns_.push_back(conn_);

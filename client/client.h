@@ -283,6 +283,7 @@ class Session {
     int64_t version = 0;
     int64_t last_step = 0;
     int64_t pushes_since_update = 0;
+    int64_t handovers = 0;  // HandOver calls the session finished, ever
   };
   // After the daemon that held this session went away (a call failed UNAVAILABLE), gives the
   // session to the daemon now at the same fd socket (a restarted stallfreed), waiting up to

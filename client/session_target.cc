@@ -17,7 +17,10 @@ absl::Status SessionTarget::Register(const std::vector<Param>& params, DType par
   std::vector<ParamSpec> specs;
   specs.reserve(params.size());
   for (const Param& p : params) specs.push_back({p.name, p.shape, ToProto(p.grad_dtype)});
-  return s_->RegisterParams(specs, ToProto(param_dtype), param_slots);
+  RETURN_IF_ERROR(s_->RegisterParams(specs, ToProto(param_dtype), param_slots));
+  MutexLock lock(&mu_);
+  handovers_ = 0;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> SessionTarget::ParamNumel(const std::string& name) const {
@@ -50,7 +53,7 @@ absl::StatusOr<SessionTarget::Adopted> SessionTarget::Recover(uint64_t generatio
     if (!back.ok())
       return absl::UnavailableError(
           absl::StrCat(back.status().ToString(), " (after: ", why.message(), ")"));
-    Adopted a{back->version, back->pushes_since_update};
+    Adopted a{back->version, back->pushes_since_update, back->handovers};
     bool resend = false;
     SentUpdate redo;
     int64_t pushes_before = 0;
@@ -181,13 +184,33 @@ absl::Status SessionTarget::WaitUpdate(int64_t min_version) {
 
 absl::StatusOr<OffloadTarget::HandOver> SessionTarget::HandOverColumns(
     const std::vector<ColumnMove>& moves) {
-  // A handover the daemon that died had done leaves the record busy (not taken back): after a
-  // re-attach it did not happen.
+  // A handover that the daemon that died was in the middle of leaves the record busy (not
+  // taken back). One it finished before its answer reached this process is counted by the
+  // record: its answer (the outgoing step counts) is lost, and sending it again would exchange
+  // the columns back; so the call fails as a lost daemon's, whose recovery is a checkpoint's.
+  int64_t before;
+  {
+    MutexLock lock(&mu_);
+    before = handovers_;
+  }
+  bool answer_lost = false;
   absl::StatusOr<v1::MigrateColumnsResponse> got;
-  RETURN_IF_ERROR(Resilient([&] {
-    got = s_->HandOverColumns(moves);
-    return got.status();
-  }));
+  RETURN_IF_ERROR(Resilient(
+      [&] {
+        got = s_->HandOverColumns(moves);
+        return got.status();
+      },
+      [&](const Adopted& a) { return answer_lost = before < 0 || a.handovers > before; }));
+  if (answer_lost)
+    return absl::UnavailableError(absl::StrCat(
+        "stallfreed went away as it answered a handover of columns of session ",
+        s_->ref().session_id(), before < 0 ? " (or may have: this process did not register it)"
+                                           : "",
+        "; the handover's answer is lost: restore a checkpoint"));
+  {
+    MutexLock lock(&mu_);
+    if (handovers_ >= 0) ++handovers_;
+  }
   HandOver out;
   out.pushes = got->pushes();
   out.steps.emplace_back(got->steps().begin(), got->steps().end());

@@ -120,6 +120,7 @@ class SessionTarget : public OffloadTarget {
   struct Adopted {
     int64_t version = 0;
     int64_t pushes_since_update = 0;
+    int64_t handovers = 0;
   };
   // After `call` failed with `why`: UNAVAILABLE with reattach on, the state where it stands once
   // the session is re-attached (by this thread, or by another since the call began at
@@ -138,6 +139,9 @@ class SessionTarget : public OffloadTarget {
   UpdateSeen seen_ ABSL_GUARDED_BY(mu_);
   int64_t started_ ABSL_GUARDED_BY(mu_) = 0;  // the newest Update's version UpdateWithPush began
   int64_t pushes_ ABSL_GUARDED_BY(mu_) = 0;   // pushes done since the newest Update began
+  // HandOver calls the session finished, as the daemon counts them (-1: not known: a session
+  // this target did not register).
+  int64_t handovers_ ABSL_GUARDED_BY(mu_) = -1;
   SentUpdate sent_ ABSL_GUARDED_BY(mu_);      // the newest Update sent
   int64_t pushes_before_sent_ ABSL_GUARDED_BY(mu_) = 0;  // the pushes of its round before it
   Adopted adopted_ ABSL_GUARDED_BY(mu_);

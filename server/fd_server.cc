@@ -131,7 +131,8 @@ void FdServer::Adopt(int conn, const struct ucred& cred, const std::string& line
   }
   absl::Status st = SendWithFd(
       conn, absl::StrCat("OK ", got->session_id, " ", got->generation, " ", got->version, " ",
-                         got->last_step, " ", got->pushes_since_update, "\n"), -1);
+                         got->last_step, " ", got->pushes_since_update, " ", got->handovers,
+                         "\n"), -1);
   if (!st.ok() || !Watch(conn, Peer{false, got->session_id})) {
     close(conn);
     sessions_->OnConnectionClosed(got->session_id);

@@ -7,10 +7,12 @@
 //    <generation>\n" with two fds, the region's and the optimizer state's memfd, which the
 //    client holds (never maps) so that the state outlives the daemon's process; the generation
 //    is what a later ADOPT presents.
-//  - "ADOPT <token> <generation>\n" sent with those two fds (region first), by the process of a
-//    session whose daemon went away, to a daemon started since: SessionManager::Adopt. The
-//    answer is "OK <session_id> <generation> <version> <last_step> <pushes_since_update>\n":
-//    the session's new id, the generation to present next time, and where its state stands.
+//  - "ADOPT <token> <generation> [<nonce>]\n" sent with those two fds (region first), by the
+//    process of a session whose daemon went away, to a daemon started since:
+//    SessionManager::Adopt (the nonce names the attempt, kept until one succeeds). The answer
+//    is "OK <session_id> <generation> <version> <last_step> <pushes_since_update>
+//    <handovers>\n": the session's new id, the generation to present next time, and where its
+//    state stands.
 //  - "CALLER\n": the answer is "OK <caller_id> <token>\n", a caller credential for the peer's
 //    uid (offload.proto, CallerRef).
 // A refusal is "ERR <code> <message>\n". What an answer grants stays valid while the connection

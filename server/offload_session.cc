@@ -305,6 +305,7 @@ void OffloadSession::Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> r
   version_ = commit.version;
   last_step_ = committed_step_ = commit.last_step;
   pushes_since_update_ = commit.pushes_since_update;
+  handovers_ = commit.handovers;
   ready_slot_ = commit.ready_slot;
   ready_dtype_ = static_cast<v1::DType>(commit.ready_dtype);
   identity_ = std::move(identity);
@@ -328,6 +329,7 @@ SessionCommit OffloadSession::CommitOf(RecordBusy busy, int64_t busy_step) {
   c.version = version_;
   c.last_step = committed_step_;
   c.pushes_since_update = pushes_since_update_;
+  c.handovers = handovers_;
   c.ready_slot = ready_slot_;
   c.ready_dtype = static_cast<uint32_t>(ready_dtype_);
   return c;  // the column steps: WriteCommit takes col_steps_ as they are
@@ -916,7 +918,8 @@ absl::Status OffloadSession::Resume(const SessionCommit& commit) {
 
 AdoptResult OffloadSession::Standing() const {
   MutexLock lock(&mu_);
-  return AdoptResult{id_, identity_.generation, version_, committed_step_, pushes_since_update_};
+  return AdoptResult{id_,           identity_.generation, version_, committed_step_,
+                     pushes_since_update_, handovers_};
 }
 
 namespace {
@@ -994,6 +997,10 @@ std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePla
   landing_pending_ = landing_pending_ || moved > 0;
   env_.counters->migrated_columns.fetch_add(2 * moved);
   env_.counters->migrate_seconds.Observe(Seconds(Clock::now() - t0));
+  {
+    MutexLock lock(&mu_);
+    ++handovers_;
+  }
   CommitRecord();
   return results;
 }

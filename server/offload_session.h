@@ -202,6 +202,7 @@ struct AdoptResult {
   int64_t version = 0;
   int64_t last_step = 0;
   int64_t pushes_since_update = 0;
+  int64_t handovers = 0;  // HandOver calls finished, ever (SessionCommit::handovers)
 };
 
 // A validated Update (offload.proto, UpdateRequest).
@@ -488,6 +489,7 @@ class OffloadSession {
   int64_t pushes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t updates_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t pushes_since_update_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t handovers_ ABSL_GUARDED_BY(mu_) = 0;  // HandOver calls finished, ever
   struct Waiter {
     int64_t min_version;
     Clock::time_point deadline;

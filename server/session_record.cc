@@ -114,7 +114,7 @@ uint64_t RecordBytes(const std::vector<RecordParam>& params) {
   id.name.assign(kRecordMaxName, ' ');
   int64_t cols = 0;
   for (const RecordParam& p : params) cols += Columns(p.shape);
-  const uint64_t commit = 56 + 8 * static_cast<uint64_t>(cols) + 8;
+  const uint64_t commit = 64 + 8 * static_cast<uint64_t>(cols) + 8;
   return Align8(EncodeIdentity(id).size()) + 2 * commit;
 }
 
@@ -222,6 +222,7 @@ absl::StatusOr<uint64_t> SessionRecord::Commit(
   w.Put<int64_t>(c.version);
   w.Put<int64_t>(c.last_step);
   w.Put<int64_t>(c.pushes_since_update);
+  w.Put<int64_t>(c.handovers);
   w.Put<uint32_t>(c.ready_slot);
   w.Put<uint32_t>(c.ready_dtype);
   // Slot 0 takes the odd sequence numbers, slot 1 the even ones: the other slot keeps the
@@ -271,6 +272,7 @@ absl::StatusOr<SessionCommit> SessionRecord::NewestCommit() const {
     c.version = r.Get<int64_t>();
     c.last_step = r.Get<int64_t>();
     c.pushes_since_update = r.Get<int64_t>();
+    c.handovers = r.Get<int64_t>();
     c.ready_slot = r.Get<uint32_t>();
     c.ready_dtype = r.Get<uint32_t>();
     for (int64_t n : cols) {

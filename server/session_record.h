@@ -31,7 +31,7 @@
 //              u32 name_bytes, name | u64 checksum
 //   then, 8-aligned, two slots of CommitBytes each:
 //              u64 sequence (0: never written) u32 busy u32 flags i64 busy_step i64 version
-//              i64 last_step i64 pushes_since_update u32 ready_slot u32 ready_dtype
+//              i64 last_step i64 pushes_since_update i64 handovers u32 ready_slot u32 ready_dtype
 //              i64 col_steps[total columns] | u64 checksum
 #pragma once
 
@@ -95,6 +95,9 @@ struct SessionCommit {
   int64_t version = 0;
   int64_t last_step = 0;
   int64_t pushes_since_update = 0;
+  // HandOver calls the session has finished, ever: a client whose handover's answer was lost
+  // tells by it whether the handover happened.
+  int64_t handovers = 0;
   uint32_t ready_slot = 0;
   uint32_t ready_dtype = 0;  // v1::DType
   std::vector<std::vector<int64_t>> col_steps;  // per parameter, per column
@@ -140,7 +143,7 @@ class SessionRecord {
   // The identity's size and its parameters' columns: what WriteIdentity wrote, else read from
   // the bytes (ReadIdentity checks them).
   absl::Status Locate(uint64_t* identity_bytes, std::vector<int64_t>* cols) const;
-  uint64_t CommitBytes(uint64_t total_cols) const { return 56 + 8 * total_cols + 8; }
+  uint64_t CommitBytes(uint64_t total_cols) const { return 64 + 8 * total_cols + 8; }
 
   uint8_t* data_;
   uint64_t size_;

@@ -115,6 +115,20 @@ Arrays ReadState(int fd, int64_t rows = kRows, int64_t cols = kCols) {
   return out;
 }
 
+// The accumulator as the held memfd has it.
+std::vector<float> ReadAccumulator(int fd, int64_t rows, int64_t cols) {
+  const SessionLayout layout = StateLayout(rows, cols);
+  void* p = mmap(nullptr, layout.state_bytes, PROT_READ, MAP_SHARED, fd, 0);
+  EXPECT_NE(p, MAP_FAILED) << strerror(errno);
+  if (p == MAP_FAILED) return {};
+  const float* acc = reinterpret_cast<const float*>(static_cast<const uint8_t*>(p) +
+                                                    layout.arrays_offset) +
+                     3 * layout.state_stride;
+  std::vector<float> out(acc, acc + rows * cols);
+  munmap(p, layout.state_bytes);
+  return out;
+}
+
 // A raw ADOPT on the daemon's fd socket with these descriptors: the daemon's answer line.
 std::string RawAdopt(const std::string& fd_socket, const std::string& line,
                      const std::vector<int>& fds) {
@@ -433,6 +447,7 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
   };
   struct Outcome {
     std::vector<float> slot, outgoing;
+    std::vector<std::vector<float>> after_push, after_update;  // the accumulator, the slot
     Arrays state;
     int landed = 0;
     int64_t reattached = 0, resent = 0;
@@ -461,6 +476,9 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
     const SessionRecord record(p, layout.arrays_offset);
     const WorkJournal journal(p + layout.journal_offset, layout.journal);
     std::atomic<bool> stop{false};
+    // The handover's answer has arrived (a kill before it would leave the client without it: the
+    // call then fails, by design, instead of handing the columns over twice).
+    std::atomic<bool> answered{false};
     std::thread watcher([&] {
       for (const Kill& k : kills) {
         const uint64_t target = static_cast<uint64_t>(k.share * layout.journal.units);
@@ -472,7 +490,7 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
           // Handed-over columns are marked with negative step counts until the Update lands them.
           bool marked = false;
           for (int64_t t : c->col_steps[0]) marked = marked || t < 0;
-          return marked && c->version == k.step - 1;
+          return marked && c->version == k.step - 1 && answered.load();
         };
         while (!stop.load() && !(running() && journal.done_units() >= target)) {
         }
@@ -493,6 +511,7 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
       memcpy(s.GradSlot(0, "w"), grads[2 * step - 2].data(), n * 4);
       absl::Status pushed = t.Push(step, 0, 1.0f);
       EXPECT_TRUE(pushed.ok()) << pushed << "\n" << d.Log();
+      o.after_push.push_back(ReadAccumulator(s.state_fd(), rows, cols));
       if (step == 2) {
         // Columns 3 and 17 handed over to the daemon (their state as a device would send it),
         // and the daemon's handed back; then a pause in which a kill finds them not landed yet.
@@ -501,6 +520,7 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
         absl::StatusOr<OffloadTarget::HandOver> got = t.HandOverColumns({{"w", {3, 17}, {4, 9}}});
         EXPECT_TRUE(got.ok()) << got.status() << "\n" << d.Log();
         if (got.ok()) o.outgoing.assign(staging, staging + 4 * rows * 2);
+        answered.store(true);
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
       memcpy(s.GradSlot(1, "w"), grads[2 * step - 1].data(), n * 4);
@@ -508,6 +528,8 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
       EXPECT_TRUE(sent.ok()) << sent << "\n" << d.Log();
       absl::Status waited = t.WaitUpdate(step);
       EXPECT_TRUE(waited.ok()) << waited << "\n" << d.Log();
+      const float* now = s.ParamsFp32(0, "w");
+      o.after_update.emplace_back(now, now + n);
     }
     stop.store(true);
     watcher.join();
@@ -531,6 +553,10 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
   EXPECT_EQ(got.reattached, static_cast<int64_t>(kills.size()));
   EXPECT_EQ(got.resent, 0) << "an Update was sent again: the daemon did not finish it";
   ASSERT_EQ(got.slot.size(), static_cast<size_t>(n));
+  for (size_t i = 0; i < want.after_push.size() && i < got.after_push.size(); ++i) {
+    EXPECT_TRUE(got.after_push[i] == want.after_push[i]) << "the accumulator after push " << i + 1;
+    EXPECT_TRUE(got.after_update[i] == want.after_update[i]) << "the slot after Update " << i + 1;
+  }
   EXPECT_TRUE(got.slot == want.slot) << "the parameters differ from the uninterrupted run's";
   EXPECT_TRUE(got.outgoing == want.outgoing) << "the handed-back columns differ";
   EXPECT_TRUE(got.state.master == want.state.master);
