@@ -114,8 +114,11 @@ void FdServer::Adopt(int conn, const struct ucred& cred, const std::string& line
   if (!ok || fds.size() != 2) {
     for (int fd : fds) close(fd);
     SF_LOG(kWarning, "fd socket: refused an adoption by pid %d: malformed", cred.pid);
-    SendWithFd(conn, "ERR INVALID_ARGUMENT expected 'ADOPT <token> <generation> [<nonce>]' with the "
-               "region's and the state's descriptors\n", -1).IgnoreError();
+    SendWithFd(conn,
+               "ERR INVALID_ARGUMENT expected 'ADOPT <token> <generation> [<nonce>]' with the "
+               "region's and the state's descriptors\n",
+               -1)
+        .IgnoreError();
     close(conn);
     return;
   }

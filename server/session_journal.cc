@@ -205,9 +205,10 @@ void WorkJournal::Run(uint64_t elems, const std::vector<float*>& arrays,
     return;
   }
   // One task per slot, each taking units from the shared counter until none are left.
-  ParallelFor(tbb::blocked_range<uint32_t>(0, tasks, 1), [&](const tbb::blocked_range<uint32_t>& r) {
-    for (uint32_t s = r.begin(); s < r.end(); ++s) worker(s);
-  });
+  ParallelFor(tbb::blocked_range<uint32_t>(0, tasks, 1),
+              [&](const tbb::blocked_range<uint32_t>& r) {
+                for (uint32_t s = r.begin(); s < r.end(); ++s) worker(s);
+              });
 }
 
 absl::Status WorkJournal::RollBackTorn(uint64_t elems, const std::vector<float*>& arrays) {

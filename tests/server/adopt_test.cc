@@ -455,8 +455,9 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
   auto run = [&](const std::vector<Kill>& kills) {
     Outcome o;
     // Units slowed (testing only) where kills are aimed, so that each lands inside its operation.
-    Daemon d(kills.empty() ? std::vector<std::string>{"--threads", "1"}
-                           : std::vector<std::string>{"--threads", "1", "--test_unit_delay_us", "20"});
+    std::vector<std::string> flags = {"--threads", "1"};
+    if (!kills.empty()) flags.insert(flags.end(), {"--test_unit_delay_us", "20"});
+    Daemon d(flags);
     EXPECT_TRUE(d.started()) << d.error();
     auto client = Client::Connect(d.socket(), 3000, 60);
     EXPECT_TRUE(client.ok()) << client.status();
@@ -516,7 +517,8 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
         // Columns 3 and 17 handed over to the daemon (their state as a device would send it),
         // and the daemon's handed back; then a pause in which a kill finds them not landed yet.
         float* staging = s.Staging();
-        for (int64_t i = 0; i < 4 * rows * 2; ++i) staging[i] = 0.001f * static_cast<float>(i % 997);
+        for (int64_t i = 0; i < 4 * rows * 2; ++i)
+          staging[i] = 0.001f * static_cast<float>(i % 997);
         absl::StatusOr<OffloadTarget::HandOver> got = t.HandOverColumns({{"w", {3, 17}, {4, 9}}});
         EXPECT_TRUE(got.ok()) << got.status() << "\n" << d.Log();
         if (got.ok()) o.outgoing.assign(staging, staging + 4 * rows * 2);
