@@ -654,6 +654,10 @@ int64_t OffloadSession::Accumulate(const PushPlan& plan) {
 
 void OffloadSession::AccumulateArrays(const PushPlan& plan) {
   const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
+  // A stale accumulator is overwritten (a whole push) or cleared and redone whole (Resume): a
+  // unit cut short is run again from its start without its old elements, which are not saved
+  // (the common ZenFlow push, the round's first, copies nothing).
+  const bool save = !acc_stale_;
   const bool overwrite =
       PrepareAccumulator(plan.whole ? AccumulatorUse::kWholePush : AccumulatorUse::kPartialPush);
   const kernels::AccumulateMode mode =
@@ -683,7 +687,7 @@ void OffloadSession::AccumulateArrays(const PushPlan& plan) {
     }
   }
   journal_->Run(
-      total, {acc_},
+      total, save ? std::vector<float*>{acc_} : std::vector<float*>{},
       [&](uint64_t b, uint64_t e) {
         const uint64_t u = b / unit;
         for (uint32_t at = first[u]; at < first[u + 1]; ++at) {
@@ -904,8 +908,10 @@ absl::Status OffloadSession::Resume(const SessionCommit& commit) {
   }
   absl::StatusOr<PushPlan> plan = DecodePushPlan(entry->plan, *layout_);
   if (!plan.ok()) return plan.status();
-  RETURN_IF_ERROR(journal_->RollBackTorn(total, {acc_}));
-  // A push that began by clearing a stale accumulator is redone whole from the cleared one.
+  // A push onto a stale accumulator saved nothing (AccumulateArrays): a whole one overwrites the
+  // units not done, the one in flight included; one that began by clearing it is redone whole
+  // from the cleared one.
+  if (!commit.acc_stale) RETURN_IF_ERROR(journal_->RollBackTorn(total, {acc_}));
   if (commit.acc_stale && !plan->whole) journal_->ClearDone();
   const uint64_t done = journal_->done_units();
   AccumulateArrays(*plan);

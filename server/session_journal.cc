@@ -99,9 +99,7 @@ absl::Status WorkJournal::Begin(uint64_t commit_sequence, JournalOp kind,
   const uint64_t none = 0;
   memcpy(op, &none, 8);
   OrderStores();
-  for (uint32_t s = 0; s < g_.slots; ++s) __atomic_store_n(&SlotHeaders()[s], 0, __ATOMIC_RELAXED);
-  memset(DoneBits(), 0, 8 * ((g_.units + 63) / 64));
-  OrderStores();
+  ClearDone();
   if (plan.size() > g_.plan_capacity)
     return absl::InvalidArgumentError(absl::StrCat(
         "the operation's plan of ", plan.size(), " bytes exceeds the work journal's ",

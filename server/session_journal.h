@@ -91,12 +91,14 @@ class WorkJournal {
   absl::Status Begin(uint64_t commit_sequence, JournalOp kind, const std::string& plan);
   // The operation Begin wrote last: DataLoss if its checksum fails (Begin was cut short).
   absl::StatusOr<JournalEntry> Entry() const;
-  // Forgets which units are done (an operation that must run again whole).
+  // Forgets which units are done and which are in flight (an operation that must run again
+  // whole, or one that runs without an entry).
   void ClearDone();
 
   // Runs work(begin, end) over every unit of [0, elems) that is not done, in parallel on the
   // current task arena, each unit saved first from `arrays` (at most 3, each at least elems
-  // long) and marked done after. elems <= units * unit. `skip(u)`, when given, leaves
+  // long; none when running a unit again from its start gives its result anyway) and marked
+  // done after. elems <= units * unit. `skip(u)`, when given, leaves
   // unit u out (nothing of it changes).
   void Run(uint64_t elems, const std::vector<float*>& arrays,
            const std::function<void(uint64_t, uint64_t)>& work,
