@@ -568,6 +568,7 @@ struct SlotRuns {
   double packed = 0, strided = 0, memfd = 0, no_slot = 0, copy_after = 0;  // best seconds
   double commits = 0;  // the session record's two commits of an Update (server/session_record.h)
   double journaled = 0;  // the memfd update through the work journal (server/session_journal.h)
+  double cols_plain = 0, cols_journaled = 0;  // the column-step fused update, without and with
 };
 
 SlotRuns MeasureSlot(Bench* b) {
@@ -605,10 +606,15 @@ SlotRuns MeasureSlot(Bench* b) {
       b->c.step = b->step++;
       if (journal != nullptr) {
         journal->Begin(static_cast<uint64_t>(b->c.step), JournalOp::kUpdate, "").IgnoreError();
-        journal->Run(static_cast<uint64_t>(n), {p, m, v}, [&](uint64_t s, uint64_t e) {
-          b->fast.AdamW(b->c, p + s, m + s, v + s, acc + s, GradType::kFp32,
-                        static_cast<int64_t>(e - s), kernels::ParamOut::Fp32(out + s));
-        });
+        journal->Run(
+            static_cast<uint64_t>(n), {p, m, v},
+            [&](uint64_t s, uint64_t e) {
+              b->fast.AdamW(b->c, p + s, m + s, v + s, acc + s, GradType::kFp32,
+                            static_cast<int64_t>(e - s), kernels::ParamOut::Fp32(out + s));
+            },
+            nullptr,
+            b->fast.KeepsUndoLog() ? WorkJournal::Saving::kInKernels
+                                   : WorkJournal::Saving::kCopyFirst);
         return;
       }
       ParallelChunks(n, [&](int64_t s, int64_t len) {
@@ -637,6 +643,56 @@ SlotRuns MeasureSlot(Bench* b) {
       }
       r.memfd = plain;
       r.journaled = with;
+      // The kernel ZenFlow's Updates run (the round's last push fused into AdamW with per-column
+      // steps; rows of 2048 columns, fp32 gradient and slot): per journal unit in the kernels'
+      // pass, against whole rows in chunks without the journal.
+      const int64_t cols = 2048, rows = n / cols;
+      std::vector<int64_t> steps(cols);
+      for (int64_t j = 0; j < cols; ++j) steps[j] = 1 + j % 7;
+      std::vector<float> ss(cols), bc(cols);
+      kernels::MakeColumnConstants(b->c, steps.data(), cols, ss.data(), bc.data());
+      float* base = reinterpret_cast<float*>((*memfd)->data());
+      float *p = base, *m = base + stride, *v = base + 2 * stride, *acc = base + 3 * stride;
+      const float* g = b->a.g.data();
+      auto cols_run = [&](bool journaled) {
+        return Best(static_cast<int>(b->reps), [&] {
+          if (journaled) {
+            journal.Begin(1, JournalOp::kUpdate, "").IgnoreError();
+            journal.Run(
+                static_cast<uint64_t>(rows * cols), {p, m, v},
+                [&](uint64_t s, uint64_t e) {
+                  // As OffloadSession::UpdateArrays cuts a range: a row's rest, whole rows, a
+                  // row's start.
+                  for (int64_t at = static_cast<int64_t>(s); at < static_cast<int64_t>(e);) {
+                    const int64_t c0 = at % cols, left = static_cast<int64_t>(e) - at;
+                    const int64_t nr = c0 != 0 || left < cols ? 1 : left / cols;
+                    const int64_t nc = nr > 1 || (c0 == 0 && left >= cols)
+                                           ? cols : std::min(cols - c0, left);
+                    b->fast.AccumulateAdamWColumns(b->c, ss.data() + c0, bc.data() + c0, p + at,
+                                                   m + at, v + at, acc + at, g + at,
+                                                   GradType::kFp32, 0.5f, nr, nc,
+                                                   kernels::ParamOut::Fp32(out + at));
+                    at += nr * nc;
+                  }
+                },
+                nullptr, WorkJournal::Saving::kInKernels);
+            return;
+          }
+          ParallelChunks(rows, [&](int64_t r0, int64_t nr) {
+            const int64_t at = r0 * cols;
+            b->fast.AccumulateAdamWColumns(b->c, ss.data(), bc.data(), p + at, m + at, v + at,
+                                           acc + at, g + at, GradType::kFp32, 0.5f, nr, cols,
+                                           kernels::ParamOut::Fp32(out + at));
+          });
+        });
+      };
+      double cplain = 1e30, cwith = 1e30;
+      for (int round = 0; round < 2; ++round) {
+        cwith = std::min(cwith, cols_run(true));
+        cplain = std::min(cplain, cols_run(false));
+      }
+      r.cols_plain = cplain;
+      r.cols_journaled = cwith;
     }
   }
   // What crash safety adds to each Update: the session record's two commits (busy before, done
@@ -658,6 +714,9 @@ SlotRuns MeasureSlot(Bench* b) {
   if (r.journaled > 0)
     printf("\nsession update through the work journal (memfd state + slot): %.3f Gelem/s, "
            "without %.3f\n", n / r.journaled / 1e9, n / r.memfd / 1e9);
+  if (r.cols_journaled > 0)
+    printf("the same with per-column steps and the push fused (ZenFlow's Update): %.3f Gelem/s, "
+           "without the journal %.3f\n", n / r.cols_journaled / 1e9, n / r.cols_plain / 1e9);
   printf("\nsession state placement (%lld elements; fp32 update + slot): arrays n apart %.3f "
          "Gelem/s, StateStride apart %.3f, the state in a memfd %.3f; without the slot %.3f; "
          "the slot by a second pass %.3f\n",
@@ -707,6 +766,10 @@ void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, co
     if (slot.journaled > 0)
       printf("FIGURE session_update_journaled_vs_without %.3f x (throughput; crash safety's "
              "target >= 0.95)\n", slot.memfd / slot.journaled);
+    if (slot.cols_journaled > 0)
+      printf("FIGURE session_update_columns_journaled_vs_without %.3f x (throughput; the "
+             "column-step fused Update, target >= 0.95)\n",
+             slot.cols_plain / slot.cols_journaled);
   }
 }
 

@@ -97,6 +97,9 @@ class OptimizerKernel {
  public:
   virtual ~OptimizerKernel() = default;
   virtual const char* name() const = 0;
+  // Whether the AdamW kernels keep the calling thread's undo log (kernels/undo_log.h): the CPU
+  // backends do; the oracle and the CUDA backend do not.
+  virtual bool KeepsUndoLog() const { return false; }
 
   // acc[i] (+)= scale * grad[i] for i < n; grad is fp32 or bf16 per `type`.
   virtual void Accumulate(float* acc, const void* grad, GradType type, float scale, int64_t n,

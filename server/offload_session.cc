@@ -14,6 +14,7 @@
 #include "common/le_bytes.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "kernels/undo_log.h"
 
 namespace stallfree {
 namespace {
@@ -757,12 +758,26 @@ uint64_t OffloadSession::UpdateArrays(const UpdatePlan& plan) {
     for (const LandingColumn& l : landed) col_steps_[l.param][l.column] = l.step;
     landing_pending_ = false;
   };
+  // The kernels save each unit's elements as they change them (the journal's undo log), where
+  // they keep one (the CPU backends; the oracle, forced by STALLFREE_CPU_KERNEL, does not); a
+  // unit that handed-over columns land in is copied first, since LandCells writes it too.
+  const WorkJournal::Saving saving = k.KeepsUndoLog() ? WorkJournal::Saving::kInKernels
+                                                      : WorkJournal::Saving::kCopyFirst;
+  const uint64_t unit = layout_->journal.unit;
+  auto lands_in = [&](uint64_t u) {
+    auto it = std::lower_bound(cells.begin(), cells.end(), u * unit,
+                               [](const LandingCell& x, uint64_t at) { return x.at < at; });
+    return it != cells.end() && it->at < (u + 1) * unit;
+  };
   if (!plan.column_steps) {
-    journal_->Run(total, arrays, [&](uint64_t b, uint64_t e) {
-      k.AdamW(cfg, master_ + b, m_ + b, v_ + b, acc_ + b, kernels::GradType::kFp32,
-              static_cast<int64_t>(e - b), out_at(b));
-      LandCells(cells, b, e, land16, land32);
-    });
+    journal_->Run(
+        total, arrays,
+        [&](uint64_t b, uint64_t e) {
+          k.AdamW(cfg, master_ + b, m_ + b, v_ + b, acc_ + b, kernels::GradType::kFp32,
+                  static_cast<int64_t>(e - b), out_at(b));
+          LandCells(cells, b, e, land16, land32);
+        },
+        nullptr, saving, lands_in);
     for (std::vector<int64_t>& steps : col_steps_) std::fill(steps.begin(), steps.end(), cfg.step);
     finish();
     return 0;
@@ -827,7 +842,7 @@ uint64_t OffloadSession::UpdateArrays(const UpdatePlan& plan) {
       if (lo < hi) piece(i, lo - start, hi - start);
     }
     LandCells(cells, b, e, land16, land32);
-  });
+  }, nullptr, saving, lands_in);
   finish();
   return fused_bytes;
 }

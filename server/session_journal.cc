@@ -5,12 +5,16 @@
 #include <chrono>
 #include <thread>
 #include <cstring>
+#include <map>
+#include <optional>
+#include <utility>
 
 #include <tbb/blocked_range.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/checksum.h"
 #include "common/tbb_sync.h"
+#include "kernels/undo_log.h"
 
 namespace stallfree {
 namespace {
@@ -23,6 +27,11 @@ constexpr uint32_t kMaxArrays = 3;
 uint64_t Align(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
 
 std::atomic<int64_t> unit_delay_us{0};
+
+// The window of a slot header (kernels::UndoMark) for a unit copied whole when it went on from
+// its `done` (a unit cut short in the kernels' pass, finished by a backend that keeps no undo
+// log): the slot holds the unit, its elements below `done` already finished.
+constexpr uint64_t kCopiedWhole = 31;
 
 // Keeps the stores before it before the stores after it in the program's order. That is all a
 // crash needs on x86-64, whose stores become visible in program order (TSO); the order is not
@@ -138,6 +147,7 @@ absl::StatusOr<JournalEntry> WorkJournal::Entry() const {
 }
 
 void WorkJournal::ClearDone() {
+  resume_.clear();
   memset(DoneBits(), 0, 8 * ((g_.units + 63) / 64));
   for (uint32_t s = 0; s < g_.slots; ++s) __atomic_store_n(&SlotHeaders()[s], 0, __ATOMIC_RELAXED);
   OrderStores();
@@ -162,42 +172,94 @@ void WorkJournal::Save(const std::vector<float*>& arrays, uint64_t b, uint64_t e
 
 void WorkJournal::Run(uint64_t elems, const std::vector<float*>& arrays,
                       const std::function<void(uint64_t, uint64_t)>& work,
-                      const std::function<bool(uint64_t)>& skip) {
+                      const std::function<bool(uint64_t)>& skip, Saving saving,
+                      const std::function<bool(uint64_t)>& copy_first) {
+  const bool in_kernels = saving == Saving::kInKernels && arrays.size() == 3;
   const uint64_t units = (elems + g_.unit - 1) / g_.unit;
+  // A unit a kill cut short in the kernels' pass goes on from where it stopped, in the slot
+  // that names it (RollBackTorn): another worker must not take that slot first.
+  std::vector<std::pair<uint64_t, uint64_t>> resume(g_.slots, {units, 0});  // unit, from
+  std::vector<bool> resuming(units, false);
+  for (const auto& [slot, at] : resume_)
+    if (at.first < units && !done(at.first) && !(skip && skip(at.first))) {
+      resume[slot] = at;
+      resuming[at.first] = true;
+    }
+  resume_.clear();
   std::vector<uint64_t> todo;
   todo.reserve(units);
   for (uint64_t u = 0; u < units; ++u)
-    if (!done(u) && !(skip && skip(u))) todo.push_back(u);
-  if (todo.empty()) return;
+    if (!done(u) && !resuming[u] && !(skip && skip(u))) todo.push_back(u);
+  const bool any_resume =
+      std::find(resuming.begin(), resuming.end(), true) != resuming.end();
+  if (todo.empty() && !any_resume) return;
   std::atomic<uint64_t> next{0};
   const int64_t delay_us = unit_delay_us.load(std::memory_order_relaxed);
+  auto by_kernels = [&](uint64_t u) { return in_kernels && !(copy_first && copy_first(u)); };
+  // Units [u, u + n) from element `from` of the first: in the kernels' pass, consecutive units
+  // go as one span (one kernel call per piece of the work instead of one per unit and piece: a
+  // call costs about 70 ns, a tenth of a unit's update), the header naming the span's first
+  // unit and the mark counting from the span's start.
+  auto run_span = [&](uint32_t slot, uint64_t u, uint64_t n, uint64_t from) {
+    float* saved = SlotData(slot);
+    const uint64_t b = u * g_.unit, e = std::min(elems, (u + n) * g_.unit);
+    kernels::UndoLog log;
+    std::optional<kernels::ScopedUndoLog> keep;
+    if (by_kernels(u)) {
+      __atomic_store_n(&SlotHeaders()[slot], kernels::UndoMark(u + 1, from, 0),
+                       __ATOMIC_RELEASE);
+      OrderStores();
+      for (int a = 0; a < 3; ++a) log.base[a] = arrays[a] + b;
+      log.ring = saved;  // 3 * kUndoRing floats, at most a third of the slot
+      log.elems = e - b;
+      log.mark = &SlotHeaders()[slot];
+      log.tag = u + 1;
+      keep.emplace(&log);
+    } else {
+      Save(arrays, b, e, saved);
+      __atomic_store_n(&SlotHeaders()[slot],
+                       from == 0 ? u + 1 : kernels::UndoMark(u + 1, from, kCopiedWhole),
+                       __ATOMIC_RELEASE);
+    }
+    if (delay_us > 0) {
+      // Testing: the unit half changed while it waits, as a crash can leave it.
+      const uint64_t mid = b + from + (e - b - from) / 32 * 16;
+      work(b + from, mid);
+      std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+      work(mid, e);
+    } else {
+      work(b + from, e);
+    }
+    keep.reset();
+    for (uint64_t x = u; x < u + n;) {  // the done bits, a word at a time
+      const uint64_t bits = std::min<uint64_t>(u + n - x, 64 - x % 64);
+      const uint64_t mask = (bits == 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1) << (x % 64);
+      __atomic_fetch_or(&DoneBits()[x / 64], mask, __ATOMIC_RELEASE);
+      x += bits;
+    }
+  };
   // Units are taken a batch at a time, so that each worker's streams through the arrays run on
   // across its units (the hardware prefetchers keep up) and the shared counter is touched once
-  // per batch.
+  // per batch. A batch's consecutive units in the kernels' pass are one span (one unit at a
+  // time with the testing delay, which is per unit).
   constexpr uint64_t kBatch = 32;
+  static_assert(kBatch * kJournalMaxUnit <= kernels::kUndoMaxElems, "a span must fit the log");
   auto worker = [&](uint32_t slot) {
-    float* saved = SlotData(slot);
+    if (resume[slot].first < units) run_span(slot, resume[slot].first, 1, resume[slot].second);
     for (uint64_t first = next.fetch_add(kBatch); first < todo.size();
          first = next.fetch_add(kBatch)) {
-      for (uint64_t i = first; i < std::min<uint64_t>(todo.size(), first + kBatch); ++i) {
-        const uint64_t u = todo[i];
-        const uint64_t b = u * g_.unit, e = std::min(elems, b + g_.unit);
-        Save(arrays, b, e, saved);
-        __atomic_store_n(&SlotHeaders()[slot], u + 1, __ATOMIC_RELEASE);
-        if (delay_us > 0) {
-          // Testing: the unit half changed while it waits, as a crash can leave it.
-          const uint64_t mid = b + (e - b) / 32 * 16;
-          work(b, mid);
-          std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-          work(mid, e);
-        } else {
-          work(b, e);
-        }
-        __atomic_fetch_or(&DoneBits()[u / 64], uint64_t{1} << (u % 64), __ATOMIC_RELEASE);
+      const uint64_t last = std::min<uint64_t>(todo.size(), first + kBatch);
+      for (uint64_t i = first; i < last;) {
+        uint64_t j = i + 1;
+        if (by_kernels(todo[i]) && delay_us == 0)
+          while (j < last && todo[j] == todo[j - 1] + 1 && by_kernels(todo[j])) ++j;
+        run_span(slot, todo[i], j - i, 0);
+        i = j;
       }
     }
   };
-  const uint32_t tasks = static_cast<uint32_t>(std::min<uint64_t>(g_.slots, todo.size()));
+  const uint32_t tasks =
+      any_resume ? g_.slots : static_cast<uint32_t>(std::min<uint64_t>(g_.slots, todo.size()));
   if (tasks == 1) {
     worker(0);
     return;
@@ -210,18 +272,72 @@ void WorkJournal::Run(uint64_t elems, const std::vector<float*>& arrays,
 }
 
 absl::Status WorkJournal::RollBackTorn(uint64_t elems, const std::vector<float*>& arrays) {
+  resume_.clear();
+  // First, each slot's header in the kernels' pass is made a header of the one unit it stopped
+  // in: the span's units before it are marked done, the window put back (in the next unit too,
+  // when the vector in flight crossed into it), and the header rewritten to name the unit alone,
+  // from where it stopped, with nothing in flight. Each step can be done again: a kill in the
+  // middle of this leaves the same to do.
   for (uint32_t s = 0; s < g_.slots; ++s) {
     const uint64_t h = __atomic_load_n(&SlotHeaders()[s], __ATOMIC_ACQUIRE);
-    if (h == 0) continue;
-    const uint64_t u = h - 1;
-    if (u >= g_.units || u * g_.unit >= elems)
-      return absl::DataLossError(absl::StrCat("the work journal's slot ", s, " names unit ", u,
+    const uint64_t tag = kernels::UndoMarkTag(h);
+    if (tag == 0) continue;
+    const uint64_t u0 = tag - 1;
+    if (u0 >= g_.units || u0 * g_.unit >= elems)
+      return absl::DataLossError(absl::StrCat("the work journal's slot ", s, " names unit ", u0,
                                               ", beyond the session's ", g_.units));
-    if (done(u)) continue;
-    const uint64_t b = u * g_.unit, e = std::min(elems, b + g_.unit);
+    const uint64_t window = kernels::UndoMarkWindow(h);
+    if (kernels::UndoMarkWhole(h) || window == kCopiedWhole) continue;
+    const uint64_t at = u0 * g_.unit + kernels::UndoMarkDone(h);  // the window's first element
+    if (at + window > elems || window > kernels::kUndoMaxWindow || arrays.size() != 3)
+      return absl::DataLossError(absl::StrCat(
+          "the work journal's slot ", s, " names elements beyond the session (unit ", u0,
+          ", done ", kernels::UndoMarkDone(h), ", window ", window, ")"));
+    const uint64_t u = at / g_.unit;
+    for (uint64_t x = u0; x < u; ++x)
+      __atomic_fetch_or(&DoneBits()[x / 64], uint64_t{1} << (x % 64), __ATOMIC_RELEASE);
+    if (done(u)) continue;  // finished since (the header is an old one)
     const float* saved = SlotData(s);
-    for (size_t a = 0; a < arrays.size(); ++a)
-      memcpy(arrays[a] + b, saved + a * g_.unit, (e - b) * sizeof(float));
+    for (size_t a = 0; a < 3; ++a)
+      memcpy(arrays[a] + at,
+             saved + a * kernels::kUndoRing + kernels::UndoRingAt(at - u0 * g_.unit),
+             window * sizeof(float));
+    // The window's elements are as before now: the header names the unit alone, nothing in
+    // flight (after the copy back: a kill before this store copies the same again).
+    OrderStores();
+    __atomic_store_n(&SlotHeaders()[s], kernels::UndoMark(u + 1, at - u * g_.unit, 0),
+                     __ATOMIC_RELEASE);
+  }
+  // Then, per unit in flight, the slot that names it furthest on (a unit resumed after an
+  // earlier kill can be named by two slots, the older one behind), put back and resumed.
+  std::map<uint64_t, uint32_t> in_flight;
+  for (uint32_t s = 0; s < g_.slots; ++s) {
+    const uint64_t h = __atomic_load_n(&SlotHeaders()[s], __ATOMIC_ACQUIRE);
+    if (kernels::UndoMarkTag(h) == 0) continue;
+    const uint64_t u = kernels::UndoMarkTag(h) - 1;
+    if (done(u)) continue;
+    const uint64_t e = std::min(elems, u * g_.unit + g_.unit) - u * g_.unit;
+    if (kernels::UndoMarkDone(h) > e)
+      return absl::DataLossError(absl::StrCat("the work journal's slot ", s,
+                                              " names elements beyond unit ", u));
+    auto [it, inserted] = in_flight.emplace(u, s);
+    if (inserted) continue;
+    const uint64_t o = __atomic_load_n(&SlotHeaders()[it->second], __ATOMIC_ACQUIRE);
+    if (std::make_pair(kernels::UndoMarkDone(h), kernels::UndoMarkWindow(h)) >
+        std::make_pair(kernels::UndoMarkDone(o), kernels::UndoMarkWindow(o)))
+      it->second = s;
+  }
+  for (const auto& [u, s] : in_flight) {
+    const uint64_t h = __atomic_load_n(&SlotHeaders()[s], __ATOMIC_ACQUIRE);
+    const uint64_t b = u * g_.unit, e = std::min(elems, b + g_.unit);
+    const uint64_t done = kernels::UndoMarkDone(h), window = kernels::UndoMarkWindow(h);
+    if (kernels::UndoMarkWhole(h) || window == kCopiedWhole) {
+      // The elements below `done` were copied finished: putting them back changes nothing.
+      const float* saved = SlotData(s);
+      for (size_t a = 0; a < arrays.size(); ++a)
+        memcpy(arrays[a] + b, saved + a * g_.unit, (e - b) * sizeof(float));
+    }  // (a unit in the kernels' pass has its window back already)
+    if (done > 0) resume_[s] = {u, done};
   }
   return absl::OkStatus();
 }

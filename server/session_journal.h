@@ -5,39 +5,58 @@
 //
 // An operation (an Update, a push) runs over units: blocks of `unit` elements of the flat
 // arrays (JournalGeometry), unit u covering elements [u * unit, (u + 1) * unit). Each unit
-// is done by one worker, which first saves the unit's elements of the arrays the operation
-// writes (master, m and v for an Update; the accumulator for a push) in a slot of its own,
-// then names the unit in the slot's header, changes the arrays, and finally sets the unit's
-// bit in the done bitmap. The saved copy stays in the worker's cache (a unit's three arrays are
-// at most 12 KiB) and the unit's elements are in the cache when the work reads them, so the
-// journal adds no traffic to memory; it adds the copy, measured at about a fifth of the
-// update's throughput (bench/optimizer_bench, session_update_journaled_vs_without).
+// is done by one worker, which keeps the unit's elements of the arrays the operation writes
+// (master, m and v for an Update; the accumulator for a push) from before in a slot of its
+// own until it has changed them, and finally sets the unit's bit in the done bitmap. Two ways:
+// - copied first: the unit's elements are copied to the slot whole, then the slot's header
+//   names the unit, then the work changes it (a push; an Update's unit that the work also
+//   writes outside its kernels: one with handed-over columns landing in it);
+// - in the kernels' pass (an Update): the header names the unit, and the CPU AdamW kernels
+//   copy each vector's old values to a small ring in the slot and advance a mark in the header
+//   (done so far, and the vector in flight) before they change it (kernels/undo_log.h). A copy
+//   of the whole unit, made in the pass or before it, cost a fifth of the update's throughput
+//   (bench/optimizer_bench, session_update_journaled_vs_without 0.71-0.83): its 12 KiB fell out
+//   of L1 between units. The ring stays there. Consecutive units a worker takes run as one span
+//   (up to 32): the header names the span's first unit and the mark counts from its start, so
+//   the work's kernel calls are as long as without the journal (a call costs about 70 ns, a
+//   tenth of a unit's update with per-column steps).
 //
 // After a crash at any instant, every unit is in one of three states: done (its bit is set: the
-// arrays hold its result), in flight (named by a slot header, bit not set: the slot holds its
-// elements from before, and the arrays may hold anything between), or untouched. Roll back the
-// units in flight (RollBackTorn) and run the operation again over the units not done (Run): the
-// result is the uninterrupted operation's, bit for bit, because every unit computes from its
-// own elements only.
+// arrays hold its result), in flight (named by a slot header, bit not set), or untouched. A unit
+// in flight copied first has its old elements in the slot and anything in the arrays; one in
+// the kernels' pass has its elements below the mark's `done` finished (a span's units before
+// the one it stopped in too), the mark's window in the ring, and the rest untouched. Roll back
+// the units in flight (RollBackTorn: the whole unit, or the window, and the span's units before
+// it marked done) and run the operation again over the units not done (Run: a unit cut short in
+// the kernels' pass from its `done` on, in the same slot): the result is the uninterrupted
+// operation's, bit for bit, because every element computes from its own values only.
 //
 // The order that makes this hold (SIGKILL at any instruction; the memory is shared, so every
 // store that retired is in it afterwards; x86's stores become visible in program order):
 //   Begin: clear the slot headers and the bitmap, then write the operation (its sequence, the
 //          record commit that announced it, its plan bytes, a checksum).
-//   unit:  save -> header (release) -> change the arrays -> done bit (release).
+//   unit:  copy -> header (release) -> change the arrays -> done bit (release), or
+//          header (done, no window) -> per vector: ring -> mark (release) -> change -> ...
+//          -> done bit (release).
 // An operation whose journal entry does not check out, or names another commit, never started
 // its units: the arrays are as the commit before it left them.
 //
 // Layout at the journal's offset, little-endian, JournalBytes long:
 //   "SFJRNL01" u32 slots u32 unit | u64 units u64 plan_capacity
 //   op:    u64 commit_sequence u32 kind u32 plan_bytes | plan[plan_capacity] | u64 checksum
-//   u64 slot_header[slots] (unit + 1; 0: none) | u64 done[ceil(units / 64)]
-//   64-aligned: float slot_data[slots][3 * unit]
+//   u64 slot_header[slots] (kernels::UndoMark: unit + 1 in the low 43 bits, 0: none; the
+//   window's length in the next 5, 31: copied whole when it went on from `done`; done + 1 in
+//   the top 16, counted from the span's first unit; 0 there: copied first) |
+//   u64 done[ceil(units / 64)]
+//   64-aligned: float slot_data[slots][3 * unit] (in the kernels' pass, each array's first
+//   kernels::kUndoRing floats are its ring)
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -95,16 +114,31 @@ class WorkJournal {
   // whole, or one that runs without an entry).
   void ClearDone();
 
+  // How a unit's elements from before are saved in its slot.
+  enum class Saving {
+    // By a copy of the whole unit before its work (at most 3 arrays; none when running a unit
+    // again from its start gives its result anyway).
+    kCopyFirst,
+    // By the kernels as they change them, a vector at a time, in the same pass
+    // (kernels/undo_log.h: the slot's header is the undo log's mark, the slot's data its ring).
+    // The arrays are an AdamW's param, m and v, and the work writes them only through kernels
+    // whose KeepsUndoLog() is true, in increasing order, each element once; a unit for which
+    // `copy_first(u)` is true (the work also writes it otherwise) is copied first instead.
+    kInKernels,
+  };
   // Runs work(begin, end) over every unit of [0, elems) that is not done, in parallel on the
-  // current task arena, each unit saved first from `arrays` (at most 3, each at least elems
-  // long; none when running a unit again from its start gives its result anyway) and marked
-  // done after. elems <= units * unit. `skip(u)`, when given, leaves
-  // unit u out (nothing of it changes).
+  // current task arena, each unit saved from `arrays` (each at least elems long) as `saving`
+  // says and marked done after; a unit RollBackTorn found cut short in the kernels' pass goes on
+  // from where it stopped (work(begin, end) then starts inside the unit). elems <= units * unit.
+  // `skip(u)`, when given, leaves unit u out (nothing of it changes).
   void Run(uint64_t elems, const std::vector<float*>& arrays,
            const std::function<void(uint64_t, uint64_t)>& work,
-           const std::function<bool(uint64_t)>& skip = nullptr);
-  // Puts back the saved elements of the units in flight (named by a slot, not done). DataLoss
-  // if a slot names a unit beyond the journal.
+           const std::function<bool(uint64_t)>& skip = nullptr,
+           Saving saving = Saving::kCopyFirst,
+           const std::function<bool(uint64_t)>& copy_first = nullptr);
+  // Puts back the saved elements of the units in flight (named by a slot, not done): a unit
+  // copied first whole, a unit cut short in the kernels' pass its window (and the next Run
+  // goes on from there). DataLoss if a slot names a unit or elements beyond the journal.
   absl::Status RollBackTorn(uint64_t elems, const std::vector<float*>& arrays);
 
   bool done(uint64_t unit) const;
@@ -120,6 +154,9 @@ class WorkJournal {
 
   uint8_t* data_;
   JournalGeometry g_;
+  // Per slot, the unit RollBackTorn found cut short in the kernels' pass and its first element
+  // not done (relative to the unit): where the next Run goes on.
+  std::map<uint32_t, std::pair<uint64_t, uint64_t>> resume_;
 };
 
 }  // namespace stallfree

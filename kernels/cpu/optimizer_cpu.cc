@@ -20,9 +20,23 @@
 #include "common/log.h"
 #include "kernels/cpu/optimizer_cpu_impl.h"
 #include "kernels/optimizer.h"
+#include "kernels/undo_log.h"
 
 namespace stallfree {
 namespace kernels {
+
+namespace {
+thread_local const UndoLog* active_undo_log = nullptr;
+}  // namespace
+
+const UndoLog* ActiveUndoLog() { return active_undo_log; }
+
+ScopedUndoLog::ScopedUndoLog(const UndoLog* log) : previous_(active_undo_log) {
+  active_undo_log = log;
+}
+
+ScopedUndoLog::~ScopedUndoLog() { active_undo_log = previous_; }
+
 namespace cpu {
 namespace {
 
@@ -135,10 +149,24 @@ void MoveColumns(GradType st, const void* src, int64_t rows, int64_t ld, const i
 
 GradType ElemType(size_t elem_size) { return elem_size == 2 ? GradType::kBf16 : GradType::kFp32; }
 
+// The calling thread's undo log (kernels/undo_log.h) if the call's `extent` elements from p
+// (and the same elements of m and v) lie in its range; such a call runs whole on this thread.
+// A call outside the range is not logged.
+const UndoLog* LogFor(const float* p, const float* m, const float* v, int64_t extent) {
+  const UndoLog* log = ActiveUndoLog();
+  if (log == nullptr || extent <= 0) return nullptr;
+  const int64_t o = p - log->base[0];
+  if (o < 0 || o + extent > static_cast<int64_t>(log->elems) || m - log->base[1] != o ||
+      v - log->base[2] != o)
+    return nullptr;
+  return log;
+}
+
 class CpuKernel final : public OptimizerKernel {
  public:
   explicit CpuKernel(const ChunkFns& fns) : f_(fns) {}
   const char* name() const override { return f_.name; }
+  bool KeepsUndoLog() const override { return true; }
 
   void Accumulate(float* acc, const void* grad, GradType type, float scale, int64_t n,
                   AccumulateMode mode) const override {
@@ -151,9 +179,13 @@ class CpuKernel final : public OptimizerKernel {
   void AdamW(const AdamWConfig& config, float* p, float* m, float* v, const void* grad,
              GradType type, int64_t n, ParamOut out) const override {
     const AdamWConstants c = MakeAdamWConstants(config);
+    if (const UndoLog* log = LogFor(p, m, v, n)) {
+      f_.adamw(c, p, m, v, grad, type, n, out, log);
+      return;
+    }
     const size_t gs = GradTypeSize(type);
     ParallelChunks(n, [&](int64_t b, int64_t len) {
-      f_.adamw(c, p + b, m + b, v + b, Offset(grad, b, gs), type, len, out.At(b));
+      f_.adamw(c, p + b, m + b, v + b, Offset(grad, b, gs), type, len, out.At(b), nullptr);
     });
   }
 
@@ -164,11 +196,15 @@ class CpuKernel final : public OptimizerKernel {
                     float* p, float* m, float* v, const void* grad, GradType type, int64_t rows,
                     int64_t cols, ParamOut out) const override {
     const AdamWConstants c = MakeAdamWConstants(config);  // its step_size, bc2_sqrt are unused
+    if (const UndoLog* log = LogFor(p, m, v, rows * cols)) {
+      f_.adamw_cols(c, step_size, bc2_sqrt, p, m, v, grad, type, rows, cols, cols, out, log);
+      return;
+    }
     const size_t gs = GradTypeSize(type);
     ColumnTasks(rows, cols, [&](int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
       const int64_t at = r0 * cols + c0;
       f_.adamw_cols(c, step_size + c0, bc2_sqrt + c0, p + at, m + at, v + at,
-                    Offset(grad, at, gs), type, nr, nc, cols, out.At(at));
+                    Offset(grad, at, gs), type, nr, nc, cols, out.At(at), nullptr);
     });
   }
 
@@ -178,12 +214,17 @@ class CpuKernel final : public OptimizerKernel {
                               const float* acc, const void* grad, GradType type, float acc_scale,
                               int64_t rows, int64_t cols, ParamOut out) const override {
     const AdamWConstants c = MakeAdamWConstants(config);  // its step_size, bc2_sqrt are unused
+    if (const UndoLog* log = LogFor(p, m, v, rows * cols)) {
+      f_.acc_adamw_cols(c, step_size, bc2_sqrt, p, m, v, acc, grad, type, acc_scale, rows, cols,
+                        cols, out, log);
+      return;
+    }
     const size_t gs = GradTypeSize(type);
     ColumnTasks(rows, cols, [&](int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
       const int64_t at = r0 * cols + c0;
       f_.acc_adamw_cols(c, step_size + c0, bc2_sqrt + c0, p + at, m + at, v + at,
                         acc == nullptr ? nullptr : acc + at, Offset(grad, at, gs), type,
-                        acc_scale, nr, nc, cols, out.At(at));
+                        acc_scale, nr, nc, cols, out.At(at), nullptr);
     });
   }
 
@@ -191,10 +232,14 @@ class CpuKernel final : public OptimizerKernel {
                        const void* grad, GradType type, float acc_scale, int64_t n,
                        ParamOut out) const override {
     const AdamWConstants c = MakeAdamWConstants(config);
+    if (const UndoLog* log = LogFor(p, m, v, n)) {
+      f_.acc_adamw(c, p, m, v, acc, grad, type, acc_scale, n, out, log);
+      return;
+    }
     const size_t gs = GradTypeSize(type);
     ParallelChunks(n, [&](int64_t b, int64_t len) {
       f_.acc_adamw(c, p + b, m + b, v + b, acc + b, Offset(grad, b, gs), type, acc_scale, len,
-                   out.At(b));
+                   out.At(b), nullptr);
     });
   }
 

@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "kernels/optimizer.h"
+#include "kernels/undo_log.h"
 
 namespace stallfree {
 namespace kernels {
@@ -37,21 +38,23 @@ struct ChunkFns {
   const char* name;
   void (*accumulate)(float* acc, const void* grad, GradType type, float scale, int64_t n,
                      AccumulateMode mode);
+  // The AdamW kernels keep `log` (kernels/undo_log.h; null: none) for the elements they write.
   void (*adamw)(const AdamWConstants& c, float* p, float* m, float* v, const void* grad,
-                GradType type, int64_t n, ParamOut out);
+                GradType type, int64_t n, ParamOut out, const UndoLog* log);
   // AdamW with per-column bias corrections over a [rows, cols] block whose rows start `ld`
   // elements apart (p, m, v, grad, out alike): element (r, j) uses step_size[j] and bc2_sqrt[j]
   // in place of c.step_size and c.bc2_sqrt.
   void (*adamw_cols)(const AdamWConstants& c, const float* step_size, const float* bc2_sqrt,
                      float* p, float* m, float* v, const void* grad, GradType type, int64_t rows,
-                     int64_t cols, int64_t ld, ParamOut out);
+                     int64_t cols, int64_t ld, ParamOut out, const UndoLog* log);
   void (*acc_adamw)(const AdamWConstants& c, float* p, float* m, float* v, const float* acc,
-                    const void* grad, GradType type, float acc_scale, int64_t n, ParamOut out);
+                    const void* grad, GradType type, float acc_scale, int64_t n, ParamOut out,
+                    const UndoLog* log);
   // adamw_cols on g = acc + acc_scale * grad (acc null: acc_scale * grad); acc like p.
   void (*acc_adamw_cols)(const AdamWConstants& c, const float* step_size, const float* bc2_sqrt,
                          float* p, float* m, float* v, const float* acc, const void* grad,
                          GradType type, float acc_scale, int64_t rows, int64_t cols, int64_t ld,
-                         ParamOut out);
+                         ParamOut out, const UndoLog* log);
   void (*to_bf16)(const float* src, uint16_t* dst, int64_t n);
   void (*from_bf16)(const uint16_t* src, float* dst, int64_t n);
   // Column scores of columns [c_begin, c_end) of G[rows, ld].
@@ -77,19 +80,29 @@ inline typename V::F LoadG(const void* g, int64_t i) {
 
 // Runs body(i) for each full vector at i, then body on a zero-padded copy of the tail: `ins`
 // are the arrays read, `outs` the arrays written (copied in and back so in-place updates work).
-// Element sizes are given per array.
+// Element sizes are given per array. before(i, count), when given, runs before the body of the
+// `count` elements at i (indices into the real arrays, for the tail too).
 struct TailArray {
   void* base;       // the array's start (null: absent)
   size_t elem;      // 2 or 4 bytes
   bool written;
 };
 
-template <int kMaxW, int kArrays, class Body>
-inline void ForEachVector(int64_t n, int w, TailArray (&arrays)[kArrays], Body body) {
+struct NoBefore {
+  void operator()(int64_t, int64_t) const {}
+};
+
+template <int kMaxW, int kArrays, class Body, class Before = NoBefore>
+inline void ForEachVector(int64_t n, int w, TailArray (&arrays)[kArrays], Body body,
+                          Before before = NoBefore{}) {
   int64_t i = 0;
-  for (; i + w <= n; i += w) body(arrays, i);
+  for (; i + w <= n; i += w) {
+    before(i, w);
+    body(arrays, i);
+  }
   const int64_t rest = n - i;
   if (rest == 0) return;
+  before(i, rest);
   alignas(64) unsigned char buf[kArrays][kMaxW * 4];
   TailArray tail[kArrays];
   for (int a = 0; a < kArrays; ++a) {
@@ -106,6 +119,56 @@ inline void ForEachVector(int64_t n, int w, TailArray (&arrays)[kArrays], Body b
     std::memcpy(static_cast<unsigned char*>(arrays[a].base) + i * arrays[a].elem, buf[a],
                 rest * arrays[a].elem);
   }
+}
+
+// Keeps an undo log (kernels/undo_log.h) inside a kernel call: Before(p, m, v, count) runs
+// before the kernel writes the `count` (at most one vector's) elements at p, m and v (real
+// memory: the tail's padded copy is not). kOn false: nothing, compiled away. It holds four
+// values, so that the kernel's loop keeps its own in registers.
+template <class V, bool kOn>
+class UndoKeeper {
+ public:
+  static_assert(V::W <= static_cast<int>(kUndoMaxWindow), "a vector must fit the undo window");
+
+  explicit UndoKeeper(const UndoLog* log) {
+    if (!kOn) return;
+    base_ = log->base[0];
+    ring_ = log->ring;
+    mark_ = log->mark;
+    mark0_ = UndoMark(log->tag, 0, 0);
+  }
+
+  void Before(const float* p, const float* m, const float* v, int64_t count) {
+    if (!kOn) return;
+    const uint64_t o = static_cast<uint64_t>(p - base_);
+    float* r = ring_ + UndoRingAt(o);
+    if (count == V::W) {
+      V::Store(r, V::Load(p));
+      V::Store(r + kUndoRing, V::Load(m));
+      V::Store(r + 2 * kUndoRing, V::Load(v));
+    } else {  // a tail
+      for (int64_t i = 0; i < count; ++i)
+        r[i] = p[i], r[kUndoRing + i] = m[i], r[2 * kUndoRing + i] = v[i];
+    }
+    // The copy before the mark (release), the mark before the arrays' stores (the barrier).
+    __atomic_store_n(mark_, mark0_ + (static_cast<uint64_t>(count) << 43) + (o << 48),
+                     __ATOMIC_RELEASE);
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+  }
+
+ private:
+  const float* base_ = nullptr;
+  float* ring_ = nullptr;
+  uint64_t* mark_ = nullptr;
+  uint64_t mark0_ = 0;  // the mark of done 0, window 0
+};
+
+// Runs run(std::true_type) with a log, run(std::false_type) without: the kernels' bodies are
+// compiled both ways.
+template <class Run>
+inline void WithUndo(const UndoLog* log, Run run) {
+  if (log != nullptr) run(std::true_type{});
+  else run(std::false_type{});
 }
 
 template <class V>
@@ -183,7 +246,7 @@ inline float* OutFp32(TailArray (&a)[kArrays], int f, int64_t i) {
 
 template <class V>
 void AdamWT(const AdamWConstants& c, float* p, float* m, float* v, const void* grad,
-            GradType type, int64_t n, ParamOut out) {
+            GradType type, int64_t n, ParamOut out, const UndoLog* log) {
   TailArray arr[6] = {{p, 4, true},
                       {m, 4, true},
                       {v, 4, true},
@@ -191,17 +254,23 @@ void AdamWT(const AdamWConstants& c, float* p, float* m, float* v, const void* g
                       {out.bf16, 2, true},
                       {out.fp32, 4, true}};
   const typename V::F scale = V::Set1(c.grad_scale);
-  auto run = [&](auto bf16_tag) {
+  auto run = [&](auto bf16_tag, auto undo_tag) {
     constexpr bool kBf16 = decltype(bf16_tag)::value;
-    ForEachVector<V::kMaxW>(n, V::W, arr, [&](TailArray(&a)[6], int64_t i) {
-      const typename V::F g = V::Mul(scale, LoadG<V, kBf16>(a[3].base, i));
-      AdamWVec<V>(c, UniformStep<V>{c}, g, static_cast<float*>(a[0].base) + i,
-                  static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i,
-                  OutBf16(a, 4, i), OutFp32(a, 5, i));
-    });
+    UndoKeeper<V, decltype(undo_tag)::value> undo(log);
+    ForEachVector<V::kMaxW>(
+        n, V::W, arr,
+        [&](TailArray(&a)[6], int64_t i) {
+          const typename V::F g = V::Mul(scale, LoadG<V, kBf16>(a[3].base, i));
+          AdamWVec<V>(c, UniformStep<V>{c}, g, static_cast<float*>(a[0].base) + i,
+                      static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i,
+                      OutBf16(a, 4, i), OutFp32(a, 5, i));
+        },
+        [&](int64_t i, int64_t count) { undo.Before(p + i, m + i, v + i, count); });
   };
-  if (type == GradType::kBf16) run(std::true_type{});
-  else run(std::false_type{});
+  WithUndo(log, [&](auto undo_tag) {
+    if (type == GradType::kBf16) run(std::true_type{}, undo_tag);
+    else run(std::false_type{}, undo_tag);
+  });
   V::Fence();
 }
 
@@ -211,11 +280,12 @@ void AdamWT(const AdamWConstants& c, float* p, float* m, float* v, const void* g
 template <class V>
 void AdamWColsT(const AdamWConstants& c, const float* step_size, const float* bc2_sqrt, float* p,
                 float* m, float* v, const void* grad, GradType type, int64_t rows, int64_t cols,
-                int64_t ld, ParamOut out) {
+                int64_t ld, ParamOut out, const UndoLog* log) {
   const size_t gs = GradTypeSize(type);
   const typename V::F scale = V::Set1(c.grad_scale);
-  auto run = [&](auto bf16_tag) {
+  auto run = [&](auto bf16_tag, auto undo_tag) {
     constexpr bool kBf16 = decltype(bf16_tag)::value;
+    UndoKeeper<V, decltype(undo_tag)::value> undo(log);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t at = r * ld;
       const ParamOut o = out.At(at);
@@ -234,11 +304,15 @@ void AdamWColsT(const AdamWConstants& c, const float* step_size, const float* bc
         AdamWVec<V>(c, steps, g, static_cast<float*>(a[0].base) + i,
                     static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i,
                     OutBf16(a, 4, i), OutFp32(a, 7, i));
+      }, [&](int64_t i, int64_t count) {
+        undo.Before(p + at + i, m + at + i, v + at + i, count);
       });
     }
   };
-  if (type == GradType::kBf16) run(std::true_type{});
-  else run(std::false_type{});
+  WithUndo(log, [&](auto undo_tag) {
+    if (type == GradType::kBf16) run(std::true_type{}, undo_tag);
+    else run(std::false_type{}, undo_tag);
+  });
   V::Fence();
 }
 
@@ -249,12 +323,13 @@ template <class V>
 void AccAdamWColsT(const AdamWConstants& c, const float* step_size, const float* bc2_sqrt,
                    float* p, float* m, float* v, const float* acc, const void* grad,
                    GradType type, float acc_scale, int64_t rows, int64_t cols, int64_t ld,
-                   ParamOut out) {
+                   ParamOut out, const UndoLog* log) {
   const size_t gs = GradTypeSize(type);
   const typename V::F scale = V::Set1(c.grad_scale), ascale = V::Set1(acc_scale);
-  auto run = [&](auto bf16_tag, auto has_acc_tag) {
+  auto run = [&](auto bf16_tag, auto has_acc_tag, auto undo_tag) {
     constexpr bool kBf16 = decltype(bf16_tag)::value;
     constexpr bool kHasAcc = decltype(has_acc_tag)::value;
+    UndoKeeper<V, decltype(undo_tag)::value> undo(log);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t at = r * ld;
       const ParamOut o = out.At(at);
@@ -275,22 +350,27 @@ void AccAdamWColsT(const AdamWConstants& c, const float* step_size, const float*
         AdamWVec<V>(c, steps, V::Mul(scale, sum), static_cast<float*>(a[0].base) + i,
                     static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i,
                     OutBf16(a, 4, i), OutFp32(a, 8, i));
+      }, [&](int64_t i, int64_t count) {
+        undo.Before(p + at + i, m + at + i, v + at + i, count);
       });
     }
   };
   using T = std::true_type;
   using Fa = std::false_type;
   const bool bf16 = type == GradType::kBf16, has_acc = acc != nullptr;
-  if (bf16 && has_acc) run(T{}, T{});
-  else if (bf16) run(T{}, Fa{});
-  else if (has_acc) run(Fa{}, T{});
-  else run(Fa{}, Fa{});
+  WithUndo(log, [&](auto undo_tag) {
+    if (bf16 && has_acc) run(T{}, T{}, undo_tag);
+    else if (bf16) run(T{}, Fa{}, undo_tag);
+    else if (has_acc) run(Fa{}, T{}, undo_tag);
+    else run(Fa{}, Fa{}, undo_tag);
+  });
   V::Fence();
 }
 
 template <class V>
 void AccAdamWT(const AdamWConstants& c, float* p, float* m, float* v, const float* acc,
-               const void* grad, GradType type, float acc_scale, int64_t n, ParamOut out) {
+               const void* grad, GradType type, float acc_scale, int64_t n, ParamOut out,
+               const UndoLog* log) {
   TailArray arr[7] = {{p, 4, true},
                       {m, 4, true},
                       {v, 4, true},
@@ -299,20 +379,26 @@ void AccAdamWT(const AdamWConstants& c, float* p, float* m, float* v, const floa
                       {out.bf16, 2, true},
                       {out.fp32, 4, true}};
   const typename V::F scale = V::Set1(c.grad_scale), ascale = V::Set1(acc_scale);
-  auto run = [&](auto bf16_tag, auto has_grad_tag) {
+  auto run = [&](auto bf16_tag, auto has_grad_tag, auto undo_tag) {
     constexpr bool kBf16 = decltype(bf16_tag)::value;
     constexpr bool kHasGrad = decltype(has_grad_tag)::value;
-    ForEachVector<V::kMaxW>(n, V::W, arr, [&](TailArray(&a)[7], int64_t i) {
-      typename V::F sum = V::Load(static_cast<const float*>(a[3].base) + i);
-      if (kHasGrad) sum = V::Add(sum, V::Mul(ascale, LoadG<V, kBf16>(a[4].base, i)));
-      AdamWVec<V>(c, UniformStep<V>{c}, V::Mul(scale, sum), static_cast<float*>(a[0].base) + i,
-                  static_cast<float*>(a[1].base) + i, static_cast<float*>(a[2].base) + i,
-                  OutBf16(a, 5, i), OutFp32(a, 6, i));
-    });
+    UndoKeeper<V, decltype(undo_tag)::value> undo(log);
+    ForEachVector<V::kMaxW>(
+        n, V::W, arr,
+        [&](TailArray(&a)[7], int64_t i) {
+          typename V::F sum = V::Load(static_cast<const float*>(a[3].base) + i);
+          if (kHasGrad) sum = V::Add(sum, V::Mul(ascale, LoadG<V, kBf16>(a[4].base, i)));
+          AdamWVec<V>(c, UniformStep<V>{c}, V::Mul(scale, sum),
+                      static_cast<float*>(a[0].base) + i, static_cast<float*>(a[1].base) + i,
+                      static_cast<float*>(a[2].base) + i, OutBf16(a, 5, i), OutFp32(a, 6, i));
+        },
+        [&](int64_t i, int64_t count) { undo.Before(p + i, m + i, v + i, count); });
   };
-  if (grad == nullptr) run(std::false_type{}, std::false_type{});
-  else if (type == GradType::kBf16) run(std::true_type{}, std::true_type{});
-  else run(std::false_type{}, std::true_type{});
+  WithUndo(log, [&](auto undo_tag) {
+    if (grad == nullptr) run(std::false_type{}, std::false_type{}, undo_tag);
+    else if (type == GradType::kBf16) run(std::true_type{}, std::true_type{}, undo_tag);
+    else run(std::false_type{}, std::true_type{}, undo_tag);
+  });
   V::Fence();
 }
 

@@ -14,6 +14,7 @@
 #include "common/bf16.h"
 #include "gtest/gtest.h"
 #include "kernels/optimizer.h"
+#include "kernels/undo_log.h"
 
 namespace stallfree {
 namespace kernels {
@@ -906,6 +907,106 @@ TEST(OptimizerCpu, ConvertingColumnMovesEqualMoveThenConvert) {
                        want_narrow.data());
   ref.ScatterColumnsToBf16(f.data(), rows, cols, idx.data(), k, narrow.data());
   ExpectBitsEqual(want_narrow, narrow, "ScatterColumnsToBf16");
+}
+
+// The undo log (kernels/undo_log.h) the AdamW kernels keep: logging changes no result; after two
+// calls on the range (with a gap between them) the mark names the last vector, which the ring
+// holds from before; a kill inside that vector (its elements made garbage here) is finished
+// exactly by putting the window back and running the rest again; a call outside the range is
+// not logged.
+TEST(OptimizerCpu, UndoLogKeepsTheVectorInFlightAndMarksWhatIsDone) {
+  constexpr int64_t kN = 300, kOff = 3;  // misaligned
+  const AdamWConfig c = ColumnTestConfig();
+  const std::vector<int64_t> steps = ColumnSteps(kN);
+  const ColumnConstants kc = MakeColumns(c, steps);
+  for (const OptimizerKernel* k : FastKernels()) {
+    ASSERT_TRUE(k->KeepsUndoLog()) << k->name();
+    for (int variant = 0; variant < 4; ++variant) {
+      const std::string what = std::string(k->name()) + " variant " + std::to_string(variant);
+      std::vector<float> p = Random(kN + kOff, 11), m = Random(kN + kOff, 12, 0.01f),
+                         v = Random(kN + kOff, 13, 0.001f), acc = Random(kN + kOff, 14);
+      for (float& x : v) x = x * x;
+      const std::vector<float> g = Random(kN + kOff, 15);
+      // The calls: [10, 87) and [120, 300) of the range; the same calls without a log give want.
+      auto call = [&](std::vector<float>& P, std::vector<float>& M, std::vector<float>& V,
+                      int64_t b, int64_t e) {
+        float *pp = P.data() + kOff + b, *pm = M.data() + kOff + b, *pv = V.data() + kOff + b;
+        const float* pa = acc.data() + kOff + b;
+        const float* pg = g.data() + kOff + b;
+        AdamWConfig cs = c;
+        cs.step = 5;
+        switch (variant) {
+          case 0: k->AdamW(cs, pp, pm, pv, pg, GradType::kFp32, e - b, nullptr); break;
+          case 1:
+            k->AccumulateAdamW(cs, pp, pm, pv, pa, pg, GradType::kFp32, 0.5f, e - b, nullptr);
+            break;
+          case 2:  // one row of e - b columns
+            k->AdamWColumns(c, kc.step_size.data() + b, kc.bc2_sqrt.data() + b, pp, pm, pv, pg,
+                            GradType::kFp32, 1, e - b, nullptr);
+            break;
+          default:
+            k->AccumulateAdamWColumns(c, kc.step_size.data() + b, kc.bc2_sqrt.data() + b, pp, pm,
+                                      pv, pa, pg, GradType::kFp32, 0.5f, 1, e - b, nullptr);
+        }
+      };
+      std::vector<float> wp = p, wm = m, wv = v;
+      call(wp, wm, wv, 10, 87);
+      call(wp, wm, wv, 120, kN);
+
+      std::vector<float> ring(3 * kUndoRing, -1.0f);
+      uint64_t mark = UndoMark(7, 0, 0);
+      UndoLog log;
+      log.base[0] = p.data() + kOff;
+      log.base[1] = m.data() + kOff;
+      log.base[2] = v.data() + kOff;
+      log.ring = ring.data();
+      log.elems = kN;
+      log.mark = &mark;
+      log.tag = 7;
+      const std::vector<float> old_p = p, old_m = m, old_v = v;
+      {
+        ScopedUndoLog active(&log);
+        call(p, m, v, 10, 87);
+        call(p, m, v, 120, kN);
+        // Outside the range (its first element before the range's): not logged.
+        const uint64_t before = mark;
+        std::vector<float> q = old_p, qm = old_m, qv = old_v;
+        k->AdamW(c, q.data(), qm.data(), qv.data(), g.data(), GradType::kFp32, 5, nullptr);
+        EXPECT_EQ(mark, before) << what;
+      }
+      EXPECT_EQ(ActiveUndoLog(), nullptr);
+      ExpectBitsEqual(wp, p, what + " param");
+      ExpectBitsEqual(wm, m, what + " m");
+      ExpectBitsEqual(wv, v, what + " v");
+      // The last vector of [120, 300) for this backend's width.
+      const int64_t width = std::string(k->name()) == "avx512" ? 16
+                            : std::string(k->name()) == "avx2" ? 8 : 1;
+      const int64_t rest = (kN - 120) % width;
+      const uint64_t done = static_cast<uint64_t>(rest != 0 ? kN - rest : kN - width);
+      const uint64_t window = static_cast<uint64_t>(rest != 0 ? rest : width);
+      EXPECT_EQ(UndoMarkTag(mark), 7u) << what;
+      EXPECT_FALSE(UndoMarkWhole(mark)) << what;
+      EXPECT_EQ(UndoMarkDone(mark), done) << what;
+      EXPECT_EQ(UndoMarkWindow(mark), window) << what;
+      const std::vector<float>* olds[3] = {&old_p, &old_m, &old_v};
+      for (int a = 0; a < 3; ++a)
+        for (uint64_t i = 0; i < window; ++i)
+          EXPECT_EQ(ring[a * kUndoRing + UndoRingAt(done) + i], (*olds[a])[kOff + done + i])
+              << what << " array " << a << " element " << done + i;
+      // A kill inside the last vector: its elements anything. Put the window back and run again
+      // from `done`: the uninterrupted result.
+      std::vector<float>* arrays[3] = {&p, &m, &v};
+      for (int a = 0; a < 3; ++a)
+        for (uint64_t i = 0; i < window; ++i) (*arrays[a])[kOff + done + i] = 1e30f;
+      for (int a = 0; a < 3; ++a)
+        for (uint64_t i = 0; i < window; ++i)
+          (*arrays[a])[kOff + done + i] = ring[a * kUndoRing + UndoRingAt(done) + i];
+      call(p, m, v, static_cast<int64_t>(done), kN);
+      ExpectBitsEqual(wp, p, what + " param, finished");
+      ExpectBitsEqual(wm, m, what + " m, finished");
+      ExpectBitsEqual(wv, v, what + " v, finished");
+    }
+  }
 }
 
 }  // namespace

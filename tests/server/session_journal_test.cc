@@ -4,6 +4,7 @@
 // refused.
 #include "server/session_journal.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <stdexcept>
@@ -11,6 +12,8 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "kernels/optimizer.h"
 
 namespace stallfree {
 namespace {
@@ -80,6 +83,156 @@ TEST(WorkJournal, AnOperationCutShortIsFinishedExactlyAfterItsTornUnitIsRolledBa
   f.journal.Run(kElems, f.ptrs(), [&](uint64_t b, uint64_t e) { Step(f.ptrs(), b, e); });
   EXPECT_EQ(f.journal.done_units(), f.g.units);
   for (int a = 0; a < 3; ++a) EXPECT_TRUE(f.arrays[a] == want[a]) << "array " << a;
+}
+
+// An AdamW step of every element through the CPU kernels (what an Update's units run).
+struct KernelStep {
+  const kernels::OptimizerKernel& k;
+  std::vector<float> grad;
+  void operator()(std::vector<float*> a, uint64_t b, uint64_t e) const {
+    kernels::AdamWConfig c;
+    c.lr = 1e-2;
+    c.weight_decay = 0.1;
+    c.step = 3;
+    k.AdamW(c, a[0] + b, a[1] + b, a[2] + b, grad.data() + b, kernels::GradType::kFp32,
+            static_cast<int64_t>(e - b), nullptr);
+  }
+};
+
+// Random gradients for `step` and m, v >= 0 in `f`; returns the arrays after one step.
+std::vector<std::vector<float>> PrepareKernelCase(uint32_t seed, Fixture* f, KernelStep* step) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  step->grad.resize(kElems);
+  for (float& x : step->grad) x = normal(rng);
+  for (float& x : f->arrays[2]) x = x * x;
+  std::vector<std::vector<float>> want = f->arrays;
+  (*step)({want[0].data(), want[1].data(), want[2].data()}, 0, kElems);
+  return want;
+}
+
+// Bit for bit, naming the first element that differs.
+void ExpectArrays(const Fixture& f, const std::vector<std::vector<float>>& want) {
+  for (int a = 0; a < 3; ++a) {
+    size_t first = 0;
+    while (first < kElems && f.arrays[a][first] == want[a][first]) ++first;
+    EXPECT_EQ(first, kElems) << "array " << a << " differs from element " << first << " (unit "
+                             << first / f.g.unit << ")";
+  }
+}
+
+// Runs `step` over the units of `f` in the kernels' pass, with unit `torn` cut short: its work
+// runs over [b, b + cut) and dies inside its last vector, whose last 3 elements it leaves
+// garbage (with vectors of 8 or 16 elements from the unit's start, the cuts below end with
+// tails of 5 or more).
+void CutShortInTheKernels(Fixture& f, const KernelStep& step, uint64_t torn, uint64_t cut,
+                          WorkJournal::Saving saving) {
+  EXPECT_THROW(
+      f.journal.Run(
+          kElems, f.ptrs(),
+          [&](uint64_t b, uint64_t e) {
+            const uint64_t end = std::min(e, torn * f.g.unit + cut);
+            step(f.ptrs(), b, end);
+            for (float* a : f.ptrs())
+              for (uint64_t i = end - 3; i < end; ++i) a[i] = 1e30f;
+            throw std::runtime_error("killed");
+          },
+          [&](uint64_t u) { return u != torn; }, saving),
+      std::runtime_error);
+}
+
+TEST(WorkJournal, AnUpdateCutShortInsideTheKernelsPassGoesOnFromWhereItStopped) {
+  const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
+  ASSERT_TRUE(k.KeepsUndoLog()) << k.name();
+  if (std::string(k.name()) == "scalar") GTEST_SKIP() << "vectors of one element";
+  Fixture f;
+  KernelStep step{k, {}};
+  const std::vector<std::vector<float>> want = PrepareKernelCase(5, &f, &step);
+  const std::vector<std::vector<float>> before = f.arrays;
+  const auto in_kernels = WorkJournal::Saving::kInKernels;
+
+  ASSERT_TRUE(f.journal.Begin(8, JournalOp::kUpdate, "").ok());
+  f.journal.Run(kElems, f.ptrs(), [&](uint64_t b, uint64_t e) { step(f.ptrs(), b, e); },
+                [](uint64_t u) { return u % 2 == 1; }, in_kernels);
+  const uint64_t torn = 5, cut = 301;  // not a multiple of any vector width
+  CutShortInTheKernels(f, step, torn, cut, in_kernels);
+  EXPECT_FALSE(f.journal.done(torn));
+
+  // Run again from the unit's start after putting the window back, the elements before it would
+  // take the step twice; without putting it back, the garbage stays.
+  {
+    Fixture copy = f;
+    WorkJournal copied(reinterpret_cast<uint8_t*>(copy.memory.data()), copy.g);
+    copied.Run(kElems, copy.ptrs(), [&](uint64_t b, uint64_t e) { step(copy.ptrs(), b, e); },
+               nullptr, in_kernels);
+    EXPECT_FALSE(copy.arrays == want) << "the test cannot tell a missing roll-back";
+  }
+  {
+    Fixture copy = f;
+    WorkJournal copied(reinterpret_cast<uint8_t*>(copy.memory.data()), copy.g);
+    ASSERT_TRUE(copied.RollBackTorn(kElems, copy.ptrs()).ok());
+    WorkJournal fresh(reinterpret_cast<uint8_t*>(copy.memory.data()), copy.g);  // forgets where
+    fresh.Run(kElems, copy.ptrs(), [&](uint64_t b, uint64_t e) { step(copy.ptrs(), b, e); },
+              nullptr, in_kernels);
+    EXPECT_FALSE(copy.arrays == want) << "the test cannot tell a unit run again from its start";
+  }
+
+  // Killed again while it goes on (a second daemon), then finished by a third, which runs the
+  // oracle (no undo log: the unit is copied whole and goes on from where it stopped), killed
+  // again, and finished.
+  ASSERT_TRUE(f.journal.RollBackTorn(kElems, f.ptrs()).ok());
+  CutShortInTheKernels(f, step, torn, cut + 200, in_kernels);
+  ASSERT_TRUE(f.journal.RollBackTorn(kElems, f.ptrs()).ok());
+  const KernelStep oracle{kernels::ReferenceKernel(), step.grad};
+  ASSERT_FALSE(kernels::ReferenceKernel().KeepsUndoLog());
+  CutShortInTheKernels(f, oracle, torn, cut + 400, WorkJournal::Saving::kCopyFirst);
+  ASSERT_TRUE(f.journal.RollBackTorn(kElems, f.ptrs()).ok());
+  f.journal.Run(kElems, f.ptrs(), [&](uint64_t b, uint64_t e) { step(f.ptrs(), b, e); },
+                nullptr, in_kernels);
+  EXPECT_EQ(f.journal.done_units(), f.g.units);
+  ExpectArrays(f, want);
+  EXPECT_FALSE(f.arrays == before);
+}
+
+// Consecutive units run as one span in the kernels' pass; a kill in a vector that crossed from
+// one unit into the next (the work's kernel calls are 100 elements long, so vectors do not
+// keep to the units) leaves the span's earlier units done, the unit it stopped in to go on
+// from where it stopped, and the next unit's head as it was.
+TEST(WorkJournal, ASpanCutShortInAVectorAcrossTwoUnitsIsFinishedExactly) {
+  const kernels::OptimizerKernel& k = kernels::DefaultCpuKernel();
+  if (std::string(k.name()) == "scalar") GTEST_SKIP() << "vectors of one element";
+  Fixture f;
+  KernelStep step{k, {}};
+  const std::vector<std::vector<float>> want = PrepareKernelCase(6, &f, &step);
+  // Pieces of 100 from the start of what the journal hands the work.
+  auto pieces = [&](Fixture& x, uint64_t b, uint64_t e, uint64_t stop) {
+    for (uint64_t at = b; at < std::min(e, stop); at += 100)
+      step(x.ptrs(), at, std::min({e, stop, at + 100}));
+    if (stop < e) {
+      for (float* a : x.ptrs())
+        for (uint64_t i = stop - 3; i < stop; ++i) a[i] = 1e30f;
+      throw std::runtime_error("killed");
+    }
+  };
+  const uint64_t unit = f.g.unit;
+  ASSERT_EQ(unit % 100, 68u) << "the cut below assumes units of 768";
+  // Unit 5 starts at 3840; the piece [3800, 3900) cut at 3845 ends with the vector
+  // [3832, 3845) in flight, 8 elements of unit 4 and 5 of unit 5.
+  const uint64_t stop = 5 * unit + 5;
+  const auto in_kernels = WorkJournal::Saving::kInKernels;
+  ASSERT_TRUE(f.journal.Begin(9, JournalOp::kUpdate, "").ok());
+  EXPECT_THROW(f.journal.Run(kElems, f.ptrs(),
+                             [&](uint64_t b, uint64_t e) { pieces(f, b, e, stop); },
+                             [](uint64_t u) { return u >= 32; }, in_kernels),
+               std::runtime_error);
+  EXPECT_EQ(f.journal.done_units(), 0u) << "one span of 32 units, cut short";
+  ASSERT_TRUE(f.journal.RollBackTorn(kElems, f.ptrs()).ok());
+  EXPECT_EQ(f.journal.done_units(), 4u) << "the units before the one it stopped in";
+  EXPECT_FALSE(f.journal.done(4));
+  f.journal.Run(kElems, f.ptrs(), [&](uint64_t b, uint64_t e) { pieces(f, b, e, kElems); },
+                nullptr, in_kernels);
+  EXPECT_EQ(f.journal.done_units(), f.g.units);
+  ExpectArrays(f, want);
 }
 
 TEST(WorkJournal, EntriesThatDoNotCheckOutAreRefused) {
