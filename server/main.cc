@@ -26,6 +26,7 @@
 #include "server/fd_server.h"
 #include "server/metrics.h"
 #include "server/offload_service.h"
+#include "server/fd_store.h"
 #include "server/service_notify.h"
 #include "server/session_manager.h"
 
@@ -62,6 +63,7 @@ struct Flags {
   std::string metrics_address;
   double update_wait_s = 60;
   int64_t test_unit_delay_us = 0;
+  double fd_store_hold_s = 300;
 };
 
 // Parses the command line into *f; -1 to go on, else the exit code (help, a bad flag).
@@ -97,6 +99,11 @@ int ParseFlags(int argc, char** argv, Flags* f) {
                   "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464; "
                   "port 0: any free one, logged); empty: off. Every uid's session names appear "
                   "there: bind it where only the node's monitoring reaches");
+  flags.AddDouble("fd_store_hold_s", &f->fd_store_hold_s,
+                  "under systemd with FileDescriptorStoreMax=: how long a session's state that "
+                  "the service manager's fd store passed at start (the daemon before kept it "
+                  "there) waits for its process to re-attach before it is dropped from the "
+                  "store (its process, while alive, still holds it)");
   flags.AddInt("test_unit_delay_us", &f->test_unit_delay_us,
                "testing only: each unit (up to 1024 elements) of a push or an Update waits this long half way, "
                "so that a crash test can stop the daemon inside one (0: never)");
@@ -267,6 +274,20 @@ int Run(int argc, char** argv) {
                               static_cast<size_t>(opts.worker_threads) + 1);
   tbb::task_arena arena(opts.worker_threads, /*reserved_for_masters=*/0);
   SessionManager sessions(opts, &arena);
+  // The service manager's fd store: each session's memfds while it lives; the ones a daemon
+  // before this one kept there, finished and held for their processes.
+  FdStore fd_store;
+  if (FdStore::Available()) {
+    sessions.SetFdStore(
+        [&fd_store](const std::string& key, int state_fd, int region_fd) {
+          fd_store.Keep(key, state_fd, region_fd);
+        },
+        [&fd_store](const std::string& key) { fd_store.Drop(key); });
+  }
+  for (const FdStore::Stored& stored : FdStore::TakeStored())
+    sessions.HoldStored(stored.key, stored.region_fd, stored.state_fd,
+                        std::chrono::seconds(static_cast<int64_t>(f.fd_store_hold_s)))
+        .IgnoreError();  // logged
   FdServer fd_server(&sessions);
   absl::Status st = fd_server.Start(f.fd_socket);
   if (!st.ok()) {

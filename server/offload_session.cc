@@ -278,7 +278,7 @@ uint64_t OffloadSession::generation() const {
 void OffloadSession::Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> region,
                            std::unique_ptr<MappedRegion> state, SessionIdentity identity,
                            const SessionCommit& commit, uid_t uid, pid_t pid,
-                           uint64_t nonce) {
+                           uint64_t nonce, bool new_generation) {
   // The work state, before the session is published (nothing is posted to it yet).
   col_steps_ = commit.col_steps;
   landing_pending_ = false;
@@ -310,13 +310,30 @@ void OffloadSession::Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> r
   ready_slot_ = commit.ready_slot;
   ready_dtype_ = static_cast<v1::DType>(commit.ready_dtype);
   identity_ = std::move(identity);
-  ++identity_.generation;
-  identity_.adopt_nonce = nonce;
-  WriteIdentity();
+  if (new_generation) {  // not for a state the fd store passed (its process adopts it next)
+    ++identity_.generation;
+    identity_.adopt_nonce = nonce;
+    WriteIdentity();
+  }
   pinned_bytes_ = region_->size() + state_->size();
   env_.counters->pinned_bytes.fetch_add(pinned_bytes_);
-  SF_LOG(kInfo, "session %d adopted (generation %d) by pid %d uid %d: version %d, %d pushes "
-         "since it", id_, identity_.generation, pid, uid, version_, pushes_since_update_);
+  if (new_generation)
+    SF_LOG(kInfo, "session %d adopted (generation %d) by pid %d uid %d: version %d, %d pushes "
+           "since it", id_, identity_.generation, pid, uid, version_, pushes_since_update_);
+  else
+    SF_LOG(kInfo, "session '%s' (uid %d, generation %d) taken from the service manager's fd "
+           "store: version %d, %d pushes since it", name_, uid, identity_.generation, version_,
+           pushes_since_update_);
+}
+
+int OffloadSession::StateFd() const {
+  MutexLock lock(&mu_);
+  return state_ == nullptr ? -1 : state_->fd();
+}
+
+int OffloadSession::RegionFd() const {
+  MutexLock lock(&mu_);
+  return region_ == nullptr ? -1 : region_->fd();
 }
 
 SessionCommit OffloadSession::CommitOf(RecordBusy busy, int64_t busy_step) {

@@ -310,12 +310,16 @@ class OffloadSession {
   // identity against the request, re-made `layout` from it and reserved its bytes of the
   // budget, which the session now holds; `commit` is the record's newest, not busy): takes the
   // mapped region and state as they are, restores the control state the commit holds, and
-  // writes the identity with the next generation. The session is registered and attached (uid,
-  // pid) afterwards. Before any work is posted.
+  // writes the identity with the next generation (new_generation false: leaves it as it is, for
+  // a state the fd store passed, which its process adopts next). The session is registered and
+  // attached (uid, pid) afterwards. Before any work is posted.
   void Adopt(SessionLayout layout, std::unique_ptr<MappedRegion> region,
              std::unique_ptr<MappedRegion> state, SessionIdentity identity,
-             const SessionCommit& commit, uid_t uid, pid_t pid, uint64_t nonce)
-      ABSL_LOCKS_EXCLUDED(mu_);
+             const SessionCommit& commit, uid_t uid, pid_t pid, uint64_t nonce,
+             bool new_generation = true) ABSL_LOCKS_EXCLUDED(mu_);
+  // The state's and the region's memfds (the session's), once registered or adopted.
+  int StateFd() const ABSL_LOCKS_EXCLUDED(mu_);
+  int RegionFd() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t generation() const ABSL_LOCKS_EXCLUDED(mu_);
   // After Adopt, before any work is posted: finishes the operation that the adopted commit says
   // was running when the daemon before died (an Update or a push with its work journal entry,

@@ -211,12 +211,22 @@ absl::StatusOr<v1::OpenSessionResponse> SessionManager::Open(const v1::OpenSessi
 }
 
 std::shared_ptr<OffloadSession> SessionManager::Unregister(uint64_t id) {
-  MutexLock lock(&mu_);
-  auto it = sessions_.find(id);
-  if (it == sessions_.end()) return nullptr;
-  std::shared_ptr<OffloadSession> s = std::move(it->second);
-  sessions_.erase(it);
-  closing_[id] = s;
+  std::shared_ptr<OffloadSession> s;
+  std::string stored;
+  {
+    MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) return nullptr;
+    s = std::move(it->second);
+    sessions_.erase(it);
+    closing_[id] = s;
+    if (auto k = stored_.find(id); k != stored_.end()) {
+      stored = k->second;
+      stored_.erase(k);
+    }
+  }
+  // Closed for good (its record says so): the service manager lets its copy go.
+  if (!stored.empty() && drop_fds_) drop_fds_(stored);
   return s;
 }
 
@@ -577,12 +587,65 @@ absl::StatusOr<SessionFds> SessionManager::Attach(uint64_t session_id, const std
   }
   if (s->token() != token)
     return absl::PermissionDeniedError(absl::StrCat("wrong token for session ", session_id));
-  return s->Attach(peer_uid, peer_pid);
+  absl::StatusOr<SessionFds> fds = s->Attach(peer_uid, peer_pid);
+  // From here a daemon started again takes the session back: the service manager keeps a copy.
+  if (fds.ok() && keep_fds_) {
+    const std::string key = FdKey(fds->state_fd);
+    {
+      MutexLock lock(&mu_);
+      stored_[session_id] = key;
+    }
+    keep_fds_(key, fds->state_fd, fds->region_fd);
+  }
+  return fds;
+}
+
+void SessionManager::SetFdStore(std::function<void(const std::string&, int, int)> keep,
+                                std::function<void(const std::string&)> drop) {
+  keep_fds_ = std::move(keep);
+  drop_fds_ = std::move(drop);
+}
+
+std::string SessionManager::FdKey(int state_fd) {
+  struct stat st;
+  if (fstat(state_fd, &st) != 0) return "";
+  return absl::StrCat(st.st_ino);
+}
+
+absl::Status SessionManager::HoldStored(const std::string& key, int region_fd, int state_fd,
+                                        std::chrono::seconds hold) {
+  absl::StatusOr<AdoptResult> held =
+      AdoptImpl(nullptr, 0, 0, region_fd, state_fd, /*peer_uid=*/0, /*peer_pid=*/0);
+  if (!held.ok()) {
+    SF_LOG(kWarning, "session state %s from the service manager's fd store is not taken back "
+           "(%s); dropped from the store", key, held.status().ToString());
+    if (drop_fds_) drop_fds_(key);
+    return held.status();
+  }
+  {
+    MutexLock lock(&mu_);
+    held_[key] = Clock::now() + hold;
+  }
+  SF_LOG(kInfo, "session state %s from the service manager's fd store: version %d, %d pushes "
+         "since it; held %d s for its process to re-attach", key, held->version,
+         held->pushes_since_update, hold.count());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint64_t generation,
                                                   uint64_t nonce, int region_fd, int state_fd,
                                                   uid_t peer_uid, pid_t peer_pid) {
+  return AdoptImpl(&token, generation, nonce, region_fd, state_fd, peer_uid, peer_pid);
+}
+
+absl::StatusOr<AdoptResult> SessionManager::AdoptImpl(const std::string* token,
+                                                      uint64_t generation, uint64_t nonce,
+                                                      int region_fd, int state_fd,
+                                                      uid_t peer_uid, pid_t peer_pid) {
+  // token null: the service manager's fd store passed the state at start (HoldStored): no
+  // process presents it, so nothing of the owner's is checked, the generation stays, and the
+  // session is not published.
+  const bool from_store = token == nullptr;
   auto refuse = [&](absl::Status st) {
     if (region_fd >= 0) close(region_fd);
     if (state_fd >= 0) close(state_fd);
@@ -600,10 +663,14 @@ absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint
   absl::StatusOr<SessionIdentity> id =
       ReadIdentityFromFd(state_fd, static_cast<uint64_t>(st.st_size));
   if (!id.ok()) return refuse(id.status());
-  if (id->uid != peer_uid)
+  const std::string key = absl::StrCat(st.st_ino);  // as FdKey
+  if (from_store) {
+    peer_uid = id->uid;
+    generation = id->generation;
+  } else if (id->uid != peer_uid)
     return refuse(absl::PermissionDeniedError(absl::StrCat(
         "the state belongs to uid ", id->uid, ", not to uid ", peer_uid)));
-  if (id->token_sha256 != TokenDigest(token))
+  if (!from_store && id->token_sha256 != TokenDigest(*token))
     return refuse(absl::PermissionDeniedError("wrong token for the adopted state"));
   if (id->generation == 0)
     return refuse(absl::FailedPreconditionError(
@@ -690,14 +757,14 @@ absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint
   {
     MutexLock lock(&mu_);
     if (draining_) return unreserve(ShuttingDown());
-    new_id = next_id_++;
+    new_id = from_store ? 0 : next_id_++;
     session = std::make_shared<OffloadSession>(
-        new_id, token, id->name, id->rank, peer_pid,
+        new_id, from_store ? std::string() : *token, id->name, id->rank, peer_pid,
         OffloadSession::Env{arena_, &budget_, &counters_, options_.pin});
   }
   const SessionCommit c = *commit;
   session->Adopt(*std::move(layout), *std::move(region), *std::move(state), *std::move(id), c,
-                 peer_uid, peer_pid, nonce);
+                 peer_uid, peer_pid, nonce, /*new_generation=*/!from_store);
   // The work the daemon before died in, finished before anyone can reach the session.
   absl::Status resumed;
   arena_->execute([&] { resumed = session->Resume(c); });
@@ -706,10 +773,20 @@ absl::StatusOr<AdoptResult> SessionManager::Adopt(const std::string& token, uint
     Reject(resumed);
     return resumed;
   }
+  if (from_store) {
+    const AdoptResult standing = session->Standing();
+    session->Release();  // the record as Resume committed it: its process takes it back
+    return standing;
+  }
+  bool keep = false;
   {
     MutexLock lock(&mu_);
     sessions_[new_id] = session;
+    // Held since this daemon started: the service manager has its descriptors already.
+    keep = held_.erase(key) == 0;
+    stored_[new_id] = key;
   }
+  if (keep && keep_fds_) keep_fds_(key, session->StateFd(), session->RegionFd());
   counters_.sessions_opened.fetch_add(1);
   return session->Standing();
 }
@@ -728,6 +805,24 @@ std::vector<std::shared_ptr<OffloadSession>> SessionManager::OpenSessions() {
 void SessionManager::Housekeeping() {
   const std::vector<std::shared_ptr<OffloadSession>> open = OpenSessions();
   const auto now = Clock::now();
+  std::vector<std::string> expired;
+  {
+    MutexLock lock(&mu_);
+    for (auto it = held_.begin(); it != held_.end();) {
+      if (it->second > now) {
+        ++it;
+        continue;
+      }
+      expired.push_back(it->first);
+      it = held_.erase(it);
+    }
+  }
+  for (const std::string& key : expired) {
+    SF_LOG(kWarning, "session state %s from the service manager's fd store: its process did not "
+           "re-attach in time; dropped from the store (its process, if alive, still holds it)",
+           key);
+    if (drop_fds_) drop_fds_(key);
+  }
   for (const auto& s : open) s->ExpireWaiters(now);
   for (const auto& s : open) {
     const pid_t pid = s->pid();

@@ -132,6 +132,20 @@ class SessionManager {
   absl::StatusOr<AdoptResult> Adopt(const std::string& token, uint64_t generation,
                                     uint64_t nonce, int region_fd, int state_fd, uid_t peer_uid,
                                     pid_t peer_pid);
+  // The service manager's fd store (fd_store.h): `keep` gets a session's key and its state's
+  // and region's memfds once its process attached or adopted it (the daemon keeps owning them),
+  // `drop` its key once it is closed for good. Set before serving.
+  void SetFdStore(std::function<void(const std::string&, int, int)> keep,
+                  std::function<void(const std::string&)> drop);
+  // A session's key in the fd store: its state memfd's inode ("" if fstat fails).
+  static std::string FdKey(int state_fd);
+  // A session's state the fd store passed this daemon at start (owned by this call): finishes
+  // the Update or push the daemon before was cut short in (as Adopt does), leaves the record
+  // for its process's Adopt (same generation), and holds the key for `hold`: a process that
+  // re-attaches within it keeps the store's copy; after it, Housekeeping drops it. A state that
+  // cannot be taken back (torn, closed, laid out otherwise) is dropped from the store at once.
+  absl::Status HoldStored(const std::string& key, int region_fd, int state_fd,
+                          std::chrono::seconds hold);
   // A caller credential for the peer's uid (offload.proto, CallerRef), valid until
   // DropCaller(caller_id), which the fd socket calls when the connection closes.
   v1::CallerRef NewCaller(uid_t peer_uid, pid_t peer_pid);
@@ -146,6 +160,10 @@ class SessionManager {
   void Drain();
 
  private:
+  // Adopt; token null: from the fd store (HoldStored).
+  absl::StatusOr<AdoptResult> AdoptImpl(const std::string* token, uint64_t generation,
+                                        uint64_t nonce, int region_fd, int state_fd,
+                                        uid_t peer_uid, pid_t peer_pid);
   // The session `ref` names, for the request `what`: Unavailable while draining, NotFound,
   // PermissionDenied for a wrong token, and with needs_registered FailedPrecondition
   // ("<what> before RegisterParams") until it has registered. The one lookup of every RPC.
@@ -208,6 +226,12 @@ class SessionManager {
   std::map<uint64_t, std::shared_ptr<OffloadSession>> sessions_ ABSL_GUARDED_BY(mu_);
   // Closed or reclaimed sessions whose strand may still run tasks.
   std::map<uint64_t, std::shared_ptr<OffloadSession>> closing_ ABSL_GUARDED_BY(mu_);
+  // The fd store (SetFdStore): each attached or adopted session's key, and the keys of states
+  // it passed at start, held until their processes re-attach (HoldStored) or the deadline.
+  std::function<void(const std::string&, int, int)> keep_fds_;
+  std::function<void(const std::string&)> drop_fds_;
+  std::map<uint64_t, std::string> stored_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::chrono::steady_clock::time_point> held_ ABSL_GUARDED_BY(mu_);
   struct Caller {
     std::string token;
     uid_t uid;

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "testing/binaries.h"
@@ -24,7 +25,10 @@ namespace testing {
 // One daemon per object, on its own socket under /tmp (unix socket paths are short).
 class Daemon {
  public:
-  explicit Daemon(std::vector<std::string> extra = {}, std::string log_level = "debug") {
+  // `env`: NAME=VALUE entries set in the daemon's environment.
+  explicit Daemon(std::vector<std::string> extra = {}, std::string log_level = "debug",
+                  std::vector<std::string> env = {})
+      : env_(std::move(env)) {
     char tmpl[] = "/tmp/stallfree-test-XXXXXX";
     dir_ = mkdtemp(tmpl);
     chmod(dir_.c_str(), 0755);  // other uids must reach the fd socket to be refused by it.
@@ -63,20 +67,35 @@ class Daemon {
     pid_ = -1;
   }
   // Starts the daemon again with the same arguments, on the same sockets (a restart after
-  // Kill or Terminate).
-  void Restart() {
+  // Kill or Terminate). `fds`: descriptors passed as systemd passes its fd store's
+  // (sd_listen_fds_with_names(3): from 3 on, $LISTEN_FDS, $LISTEN_PID, $LISTEN_FDNAMES), each
+  // with its name.
+  void Restart(const std::vector<std::pair<std::string, int>>& fds = {}) {
     Kill();
     unlink(socket_.c_str());  // waited for below: the new daemon's own
-    Spawn();
+    Spawn(fds);
   }
 
  private:
-  void Spawn() {
+  void Spawn(const std::vector<std::pair<std::string, int>>& fds = {}) {
     const std::vector<std::string>& args = args_;
     pid_ = fork();
     if (pid_ == 0) {
       int fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);  // restarts append
       dup2(fd, 2);
+      for (const std::string& e : env_) putenv(const_cast<char*>(e.c_str()));
+      if (!fds.empty()) {
+        std::vector<int> high;  // out of the way first: the targets may be taken
+        for (const auto& f : fds) high.push_back(fcntl(f.second, F_DUPFD, 100));
+        std::string names;
+        for (size_t i = 0; i < fds.size(); ++i) {
+          dup2(high[i], 3 + static_cast<int>(i));
+          names += (i > 0 ? ":" : "") + fds[i].first;
+        }
+        setenv("LISTEN_FDS", std::to_string(fds.size()).c_str(), 1);
+        setenv("LISTEN_PID", std::to_string(getpid()).c_str(), 1);
+        setenv("LISTEN_FDNAMES", names.c_str(), 1);
+      }
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
@@ -121,6 +140,7 @@ class Daemon {
  private:
   std::string dir_, socket_, log_, error_;
   std::vector<std::string> args_;
+  std::vector<std::string> env_;
   pid_t pid_ = -1;
 };
 

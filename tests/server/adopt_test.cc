@@ -30,6 +30,7 @@
 #include "server/session_journal.h"
 #include "server/session_record.h"
 #include "testing/daemon_process.h"
+#include "testing/fake_service_manager.h"
 #include "testing/hyper.h"
 #include "tests/server/adamw_config.h"
 
@@ -152,6 +153,72 @@ std::string FdSocket(Client& c) {
 // daemon on the same socket, Reattach: the session's version, step and pushes are where they
 // were, and the rest of the run equals AdamW's run locally bit for bit (no step recomputed, no
 // push repeated). The same again after a second kill (generation 3).
+// A session's state as the test reads it through the memfd its process holds (read only):
+// its record and its work journal.
+struct StateView {
+  StateView(int fd, int64_t rows, int64_t cols)
+      : layout(StateLayout(rows, cols)),
+        p(static_cast<uint8_t*>(
+            mmap(nullptr, layout.state_bytes, PROT_READ, MAP_SHARED, fd, 0))),
+        record(ok() ? p : nullptr, layout.arrays_offset),
+        journal(ok() ? p + layout.journal_offset : nullptr, layout.journal) {
+    EXPECT_TRUE(ok()) << strerror(errno);
+  }
+  ~StateView() {
+    if (ok()) munmap(p, layout.state_bytes);
+  }
+  bool ok() const { return p != MAP_FAILED; }
+  const SessionLayout layout;
+  uint8_t* const p;
+  const SessionRecord record;
+  const WorkJournal journal;
+};
+
+// What the journaled kill tests run: weights of n elements, six gradients (two a round for
+// three rounds) and AdamW's settings, from `seed`.
+struct Rounds {
+  std::vector<float> w;
+  std::vector<std::vector<float>> grads;
+  OffloadTarget::AdamW hyper;
+};
+Rounds MakeRounds(int64_t n, uint32_t seed) {
+  Rounds r;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  r.w.resize(n);
+  for (float& x : r.w) x = normal(rng);
+  r.grads.assign(6, std::vector<float>(n));
+  for (auto& g : r.grads)
+    for (float& x : g) x = normal(rng);
+  r.hyper.lr = 0.01;
+  r.hyper.weight_decay = 0.01;
+  return r;
+}
+
+// A session named `name` on the daemon at `socket`, registered as one fp32 weight of
+// rows x cols and loaded with w, behind a SessionTarget that re-attaches for up to 60 s (null on
+// failure, which the test is told).
+struct Target {
+  std::unique_ptr<Client> client;
+  std::unique_ptr<SessionTarget> target;
+};
+Target OpenTarget(const std::string& socket, const std::string& name, int64_t rows,
+                  int64_t cols, const std::vector<float>& w) {
+  Target t;
+  auto client = Client::Connect(socket, 3000, 60);
+  EXPECT_TRUE(client.ok()) << client.status();
+  if (!client.ok()) return t;
+  t.client = *std::move(client);
+  auto session = t.client->OpenSession(name, 0);
+  EXPECT_TRUE(session.ok()) << session.status();
+  if (!session.ok()) return t;
+  t.target = std::make_unique<SessionTarget>(std::move(*session), 60);
+  Session& s = *t.target->session();
+  EXPECT_TRUE(s.RegisterParams({{"w", {rows, cols}, v1::DTYPE_FP32}}, v1::DTYPE_FP32, 1).ok());
+  EXPECT_TRUE(s.LoadValues({{"w", w.data()}}).ok());
+  return t;
+}
+
 TEST(Adopt, ARestartedDaemonTakesTheSessionBackAndTheRunGoesOnBitForBit) {
   Daemon d;
   ASSERT_TRUE(d.started()) << d.error();
@@ -430,16 +497,10 @@ TEST(Adopt, AnUpdateAcceptedAndNeverRunIsSentAgainAfterTheReattach) {
 // some units done, not all.
 TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
   const int64_t rows = 1024, cols = 4096, n = rows * cols;
-  std::mt19937 rng(11);
-  std::normal_distribution<float> normal;
-  std::vector<float> w(n);
-  for (float& x : w) x = normal(rng);
-  std::vector<std::vector<float>> grads(6, std::vector<float>(n));
-  for (auto& g : grads)
-    for (float& x : g) x = normal(rng);
-  OffloadTarget::AdamW hyper;
-  hyper.lr = 0.01;
-  hyper.weight_decay = 0.01;
+  const Rounds data = MakeRounds(n, 11);
+  const std::vector<float>& w = data.w;
+  const std::vector<std::vector<float>>& grads = data.grads;
+  const OffloadTarget::AdamW& hyper = data.hyper;
   struct Kill {
     RecordBusy what;  // kNone: after the round's handover, before its Update
     int64_t step;  // the Update's step, or the step of the round the push belongs to
@@ -459,23 +520,15 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
     if (!kills.empty()) flags.insert(flags.end(), {"--test_unit_delay_us", "20"});
     Daemon d(flags);
     EXPECT_TRUE(d.started()) << d.error();
-    auto client = Client::Connect(d.socket(), 3000, 60);
-    EXPECT_TRUE(client.ok()) << client.status();
-    if (!client.ok()) return o;
-    auto session = (*client)->OpenSession("journaled", 0);
-    EXPECT_TRUE(session.ok()) << session.status();
-    if (!session.ok()) return o;
-    SessionTarget t(std::move(*session), 60);
+    Target opened = OpenTarget(d.socket(), "journaled", rows, cols, w);
+    if (opened.target == nullptr) return o;
+    SessionTarget& t = *opened.target;
     Session& s = *t.session();
-    EXPECT_TRUE(s.RegisterParams({{"w", {rows, cols}, v1::DTYPE_FP32}}, v1::DTYPE_FP32, 1).ok());
-    EXPECT_TRUE(s.LoadValues({{"w", w.data()}}).ok());
-    const SessionLayout layout = StateLayout(rows, cols);
-    uint8_t* p = static_cast<uint8_t*>(
-        mmap(nullptr, layout.state_bytes, PROT_READ, MAP_SHARED, s.state_fd(), 0));
-    EXPECT_NE(p, MAP_FAILED) << strerror(errno);
-    if (p == MAP_FAILED) return o;
-    const SessionRecord record(p, layout.arrays_offset);
-    const WorkJournal journal(p + layout.journal_offset, layout.journal);
+    const StateView view(s.state_fd(), rows, cols);
+    if (!view.ok()) return o;
+    const SessionLayout& layout = view.layout;
+    const SessionRecord& record = view.record;
+    const WorkJournal& journal = view.journal;
     std::atomic<bool> stop{false};
     // The handover's answer has arrived (a kill before it would leave the client without it: the
     // call then fails, by design, instead of handing the columns over twice).
@@ -535,7 +588,6 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
     }
     stop.store(true);
     watcher.join();
-    munmap(p, layout.state_bytes);
     const float* out = s.ParamsFp32(0, "w");
     if (out != nullptr) o.slot.assign(out, out + n);
     o.state = ReadState(s.state_fd(), rows, cols);
@@ -564,6 +616,105 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
   EXPECT_TRUE(got.state.master == want.state.master);
   EXPECT_TRUE(got.state.m == want.state.m);
   EXPECT_TRUE(got.state.v == want.state.v);
+}
+
+// Under systemd (a fake service manager here), the daemon keeps each attached session's memfds
+// in the service manager's fd store. A daemon started again after a kill inside an Update gets
+// them at start and finishes that Update before the session's process re-attaches (which then
+// finds the step done: nothing is sent again, and the store is not given a second copy); a
+// state whose process does not re-attach within --fd_store_hold_s is dropped from the store (the
+// process still holds it, re-attaches later, and the store gets it again); a close drops it for
+// good. The run equals one without systemd or kills, bit for bit.
+TEST(Adopt, UnderSystemdTheFdStoreHandsTheStateToTheNextDaemonAtStart) {
+  const int64_t rows = 256, cols = 4096, n = rows * cols;
+  const Rounds data = MakeRounds(n, 12);
+  auto run = [&](bool systemd) {
+    std::vector<float> slot;
+    char tmpl[] = "/tmp/stallfree-sm-XXXXXX";
+    const std::string dir = mkdtemp(tmpl);
+    testing::FakeServiceManager sm(dir + "/notify");
+    EXPECT_TRUE(sm.bound());
+    std::vector<std::string> flags = {"--threads", "1", "--fd_store_hold_s", "2"};
+    if (systemd) flags.insert(flags.end(), {"--test_unit_delay_us", "20"});
+    Daemon d(flags, "debug", systemd ? std::vector<std::string>{sm.Env()}
+                                     : std::vector<std::string>{});
+    EXPECT_TRUE(d.started()) << d.error();
+    Target opened = OpenTarget(d.socket(), "stored", rows, cols, data.w);
+    if (opened.target == nullptr) return slot;
+    SessionTarget& t = *opened.target;
+    Session& s = *t.session();
+    struct stat st;
+    EXPECT_EQ(fstat(s.state_fd(), &st), 0);
+    const std::string state = "stallfree-" + std::to_string(st.st_ino) + "-state";
+    const std::string region = "stallfree-" + std::to_string(st.st_ino) + "-region";
+    if (systemd)
+      EXPECT_TRUE(testing::FakeServiceManager::WaitFor(
+          [&] { return sm.stored(state) == 1 && sm.stored(region) == 1; }, 5))
+          << "the attached session's memfds never reached the store\n" << d.Log();
+    const StateView view(s.state_fd(), rows, cols);
+    if (!view.ok()) return slot;
+    const SessionLayout& layout = view.layout;
+    const SessionRecord& record = view.record;
+    const WorkJournal& journal = view.journal;
+    std::thread killer;
+    for (int64_t step = 1; step <= 3; ++step) {
+      if (systemd && step == 3) {
+        // Killed between calls and started again with the store's descriptors; the process
+        // stays away past the hold: the store lets them go.
+        d.Kill();
+        d.Restart(sm.Stored());
+        EXPECT_TRUE(testing::FakeServiceManager::WaitFor(
+            [&] { return sm.removed(state) == 1 && sm.removed(region) == 1; }, 10))
+            << "a held state outlived --fd_store_hold_s\n" << d.Log();
+      }
+      memcpy(s.GradSlot(0, "w"), data.grads[2 * step - 2].data(), n * 4);
+      absl::Status pushed = t.Push(step, 0, 1.0f);
+      EXPECT_TRUE(pushed.ok()) << pushed << "\n" << d.Log();
+      if (systemd && step == 2) {
+        killer = std::thread([&] {
+          auto inside = [&] {
+            absl::StatusOr<SessionCommit> c = record.NewestCommit();
+            return c.ok() && c->busy == RecordBusy::kUpdate && c->busy_step == 2 &&
+                   journal.done_units() >= layout.journal.units / 3;
+          };
+          const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+          while (!inside() && std::chrono::steady_clock::now() < end) {
+          }
+          d.Kill();
+          const uint64_t done = journal.done_units();
+          EXPECT_TRUE(inside() && done < layout.journal.units) << "the kill missed the Update";
+          d.Restart(sm.Stored());
+        });
+      }
+      memcpy(s.GradSlot(1, "w"), data.grads[2 * step - 1].data(), n * 4);
+      absl::Status sent = t.UpdateWithPush(step, data.hyper, 0, DType::kFp32, 1, 0.5f, {});
+      EXPECT_TRUE(sent.ok()) << sent << "\n" << d.Log();
+      absl::Status waited = t.WaitUpdate(step);
+      EXPECT_TRUE(waited.ok()) << waited << "\n" << d.Log();
+      if (killer.joinable()) killer.join();
+    }
+    const float* out = s.ParamsFp32(0, "w");
+    if (out != nullptr) slot.assign(out, out + n);
+    if (systemd) {
+      const std::string log = d.Log();
+      EXPECT_NE(log.find("from the service manager's fd store: version 2"), std::string::npos)
+          << "the next daemon did not finish the Update at start\n" << log;
+      EXPECT_EQ(t.resent_updates(), 0) << "an Update was sent again";
+      EXPECT_EQ(t.reattached(), 2);
+      // Once at the attach, once after the held copy was dropped; never for the held state.
+      EXPECT_EQ(sm.stored(state), 2);
+      EXPECT_TRUE(s.Close().ok());
+      EXPECT_TRUE(testing::FakeServiceManager::WaitFor(
+          [&] { return sm.removed(state) == 2 && sm.removed(region) == 2; }, 5))
+          << "a closed session's memfds stayed in the store\n" << d.Log();
+    }
+    std::filesystem::remove_all(dir);
+    return slot;
+  };
+  const std::vector<float> got = run(true);
+  const std::vector<float> want = run(false);
+  ASSERT_EQ(got.size(), static_cast<size_t>(n));
+  EXPECT_TRUE(got == want) << "the parameters differ from the uninterrupted run's";
 }
 
 // A session its daemon closed (here an operator's close) is not taken back, by that daemon or

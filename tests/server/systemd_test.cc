@@ -24,6 +24,7 @@
 
 #include "client/client.h"
 #include "testing/binaries.h"
+#include "testing/fake_service_manager.h"
 #include "testing/hyper.h"
 #include "testing/spawn.h"
 
@@ -32,17 +33,10 @@ namespace {
 
 class NotifySocket {
  public:
-  explicit NotifySocket(const std::string& path) : path_(path) {
-    fd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
-    bound_ = bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-    timeval tv{0, 200000};
-    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  }
+  explicit NotifySocket(const std::string& path)
+      : path_(path), fd_(testing::BindNotifySocket(path, 200000)), bound_(fd_ >= 0) {}
   ~NotifySocket() {
-    close(fd_);
+    if (fd_ >= 0) close(fd_);
     unlink(path_.c_str());
   }
   bool bound() const { return bound_; }
@@ -88,8 +82,12 @@ Notification Parse(const std::string& text) {
     }
     const std::string key = line.substr(0, eq), value = line.substr(eq + 1);
     EXPECT_TRUE(n.fields.emplace(key, value).second) << key << " twice in " << text;
-    if (key == "READY" || key == "WATCHDOG" || key == "STOPPING") {
+    if (key == "READY" || key == "WATCHDOG" || key == "STOPPING" || key == "FDSTORE" ||
+        key == "FDSTOREREMOVE") {
       EXPECT_EQ(value, "1") << text;
+    } else if (key == "FDNAME") {  // a session's memfds in the fd store (server/fd_store.h)
+      EXPECT_TRUE(std::regex_match(value, std::regex(R"(stallfree-\d+-(state|region))")))
+          << "FDNAME: '" << value << "'";
     } else if (key == "STATUS") {
       EXPECT_TRUE(std::regex_match(value, status)) << "STATUS: '" << value << "'";
     } else {
@@ -192,6 +190,14 @@ TEST(Systemd, ReadyStatusWatchdogThenStoppingInOrder) {
     last_feed = got[i].at;
   }
   EXPECT_GE(watchdogs, 3);
+  // The session's two memfds went to the fd store once it attached, and out when it closed.
+  std::vector<std::string> stored, removed;
+  for (const Notification& n : got) {
+    if (n.Has("FDSTORE")) stored.push_back(n.fields.at("FDNAME"));
+    if (n.Has("FDSTOREREMOVE")) removed.push_back(n.fields.at("FDNAME"));
+  }
+  EXPECT_EQ(stored.size(), 2u);
+  EXPECT_EQ(removed, stored);
   if (system(("rm -rf " + dir).c_str()) != 0) perror("rm");
 }
 
