@@ -49,6 +49,7 @@ class ConnectionImpl : public Connection {
             {"updates_running", static_cast<double>(s.updates_running())},
             {"updates_resumed", static_cast<double>(s.updates_resumed())},
             {"pushes_resumed", static_cast<double>(s.pushes_resumed())},
+            {"held_states", static_cast<double>(s.held_states())},
             {"bytes_in", static_cast<double>(s.bytes_in())},
             {"bytes_out", static_cast<double>(s.bytes_out())},
             {"migrated_columns", static_cast<double>(s.migrated_columns())},

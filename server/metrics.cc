@@ -129,6 +129,9 @@ std::string RenderMetrics(SessionManager* sessions) {
       "Updates that a daemon before this one died in, finished here.", st.updates_resumed());
   One(&out, "stallfree_pushes_resumed_total", "counter",
       "Pushes that a daemon before this one died in, finished here.", st.pushes_resumed());
+  One(&out, "stallfree_held_states", "gauge",
+      "Session states the fd store passed at start, waiting for their processes.",
+      st.held_states());
 
   Family(&out, "stallfree_rejected_requests_total", "counter",
          "Requests answered with an error, by RPC method and gRPC code.");

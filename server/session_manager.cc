@@ -908,6 +908,10 @@ v1::Stats SessionManager::GetStats() {
   st.set_updates(counters_.updates.load());
   st.set_updates_running(running);
   st.set_updates_resumed(counters_.updates_resumed.load());
+  {
+    MutexLock lock(&mu_);
+    st.set_held_states(static_cast<int64_t>(held_.size()));
+  }
   st.set_pushes_resumed(counters_.pushes_resumed.load());
   st.set_accumulate_seconds(counters_.accumulate_ns.load() * 1e-9);
   st.set_update_seconds(counters_.update_ns.load() * 1e-9);

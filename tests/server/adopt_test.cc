@@ -663,9 +663,18 @@ TEST(Adopt, UnderSystemdTheFdStoreHandsTheStateToTheNextDaemonAtStart) {
         // stays away past the hold: the store lets them go.
         d.Kill();
         d.Restart(sm.Stored());
+        auto held_states = [&] {  // -1 while the new daemon does not answer yet
+          auto c = Client::Connect(d.socket(), 3000);
+          if (!c.ok()) return int64_t{-1};
+          auto st = (*c)->GetStats();
+          return st.ok() ? st->held_states() : int64_t{-1};
+        };
+        EXPECT_TRUE(testing::FakeServiceManager::WaitFor([&] { return held_states() == 1; }, 1.5))
+            << "GetStats did not count the held state\n" << d.Log();
         EXPECT_TRUE(testing::FakeServiceManager::WaitFor(
             [&] { return sm.removed(state) == 1 && sm.removed(region) == 1; }, 10))
             << "a held state outlived --fd_store_hold_s\n" << d.Log();
+        EXPECT_EQ(held_states(), 0);
       }
       memcpy(s.GradSlot(0, "w"), data.grads[2 * step - 2].data(), n * 4);
       absl::Status pushed = t.Push(step, 0, 1.0f);
