@@ -767,7 +767,7 @@ absl::StatusOr<AdoptResult> SessionManager::AdoptImpl(const std::string* token,
                  peer_uid, peer_pid, nonce, /*new_generation=*/!from_store);
   // The work the daemon before died in, finished before anyone can reach the session.
   absl::Status resumed;
-  arena_->execute([&] { resumed = session->Resume(c); });
+  ArenaExecute(*arena_, [&] { resumed = session->Resume(c); });
   if (!resumed.ok()) {
     session->Release();  // the memory and its reservation
     Reject(resumed);
