@@ -513,6 +513,9 @@ void PrintTable(const Bench& b, const StreamLimits& l, const KernelRuns& k) {
 // The 4096 x 4096 block's times: AdamW, accumulate, column selection, per-column AdamW.
 struct BlockRuns {
   double t_w_adamw = 0, t_w_acc = 0, t_w_select = 0, t_w_cols = 0;
+  // One AccumulateAdamWColumns call on a row of 64 / 1024 elements that stays in L1: the first
+  // is mostly the call's fixed cost, the second a work journal unit's (seconds per call).
+  double call_64 = 0, call_1024 = 0;
 };
 
 // Accumulate and column selection on a 4096 x 4096 gradient, against one AdamW step on it;
@@ -553,6 +556,23 @@ BlockRuns MeasureBlock(Bench* b) {
          w.t_w_select / w.t_w_adamw);
   printf("4096x4096 per-column steps: AdamWColumns %.2f ms (%.3f of AdamW)\n", w.t_w_cols * 1e3,
          w.t_w_cols / w.t_w_adamw);
+  // What a kernel call costs by itself: why the work journal runs a worker's consecutive units
+  // as one call (server/session_journal.h).
+  {
+    constexpr int kCalls = 20000;
+    auto calls = [&](int64_t n) {
+      return Best(b->reps * 2, [&] {
+                for (int i = 0; i < kCalls; ++i)
+                  fast.AccumulateAdamWColumns(c, col_step_size.data(), col_bc2_sqrt.data(), p, m,
+                                              v, b->a.acc.data(), g, GradType::kFp32, 0.5f, 1, n,
+                                              kernels::ParamOut::Fp32(b->a.p.data() + n));
+              }) / kCalls;
+    };
+    w.call_64 = calls(64);
+    w.call_1024 = calls(1024);
+  }
+  printf("one AccumulateAdamWColumns call in L1: %.0f ns on 64 elements, %.0f ns on 1024\n",
+         w.call_64 * 1e9, w.call_1024 * 1e9);
   return w;
 }
 
@@ -755,6 +775,10 @@ void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, co
   printf("FIGURE select_4096x4096_fraction_of_adamw %.3f ratio\n", w.t_w_select / w.t_w_adamw);
   printf("FIGURE adamw_columns_4096x4096_fraction_of_adamw %.3f ratio\n",
          w.t_w_cols / w.t_w_adamw);
+  printf("FIGURE adamw_columns_call_64_ns %.0f ns (one call on 64 elements in L1)\n",
+         w.call_64 * 1e9);
+  printf("FIGURE adamw_columns_call_64_fraction_of_1024 %.3f ratio (a journal unit's call)\n",
+         w.call_64 / w.call_1024);
   if (slot.strided > 0) {
     printf("FIGURE session_update_fp32_slot_gelem_per_s %.3f Gelem/s\n", n / slot.strided / 1e9);
     printf("FIGURE session_update_state_stride_vs_packed %.3f x\n", slot.packed / slot.strided);

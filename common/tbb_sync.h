@@ -33,51 +33,52 @@ inline void TsanAcquire(const void* p) {
 #endif
 }
 
-// Marks TsanRelease(p) when it goes out of scope, an exception's way out included (a body that
-// throws still hands what it touched back to the thread that catches it).
-class TsanReleaseAtExit {
+// One hand-off to TBB and back: constructed before the work is handed over (the edge there),
+// Enter() where each piece of it starts (the edge there, and one back when the piece ends, an
+// exception's way out included), and the edge back to this thread when it goes out of scope,
+// normally or with the exception TBB rethrows.
+class TsanHandOff {
  public:
-  explicit TsanReleaseAtExit(const void* p) : p_(p) {}
-  ~TsanReleaseAtExit() { TsanRelease(p_); }
-  TsanReleaseAtExit(const TsanReleaseAtExit&) = delete;
-  TsanReleaseAtExit& operator=(const TsanReleaseAtExit&) = delete;
+  TsanHandOff() { TsanRelease(&start_); }
+  ~TsanHandOff() { TsanAcquire(&done_); }
+  TsanHandOff(const TsanHandOff&) = delete;
+  TsanHandOff& operator=(const TsanHandOff&) = delete;
+
+  class Piece {
+   public:
+    explicit Piece(const char* done) : done_(done) {}
+    ~Piece() { TsanRelease(done_); }
+    Piece(const Piece&) = delete;
+    Piece& operator=(const Piece&) = delete;
+
+   private:
+    const char* done_;
+  };
+  Piece Enter() const {
+    TsanAcquire(&start_);
+    return Piece(&done_);
+  }
 
  private:
-  const void* p_;
+  char start_ = 0, done_ = 0;
 };
 
 template <typename Range, typename Body>
 void ParallelFor(const Range& range, const Body& body) {
-  char start = 0, done = 0;
-  TsanRelease(&start);
-  try {
-    tbb::parallel_for(range, [&](const Range& sub) {
-      TsanAcquire(&start);
-      TsanReleaseAtExit release(&done);
-      body(sub);
-    });
-  } catch (...) {
-    TsanAcquire(&done);
-    throw;
-  }
-  TsanAcquire(&done);
+  const TsanHandOff hand_off;
+  tbb::parallel_for(range, [&](const Range& sub) {
+    const TsanHandOff::Piece piece = hand_off.Enter();
+    body(sub);
+  });
 }
 
 template <typename F>
 void ArenaExecute(tbb::task_arena& arena, const F& f) {
-  char start = 0, done = 0;
-  TsanRelease(&start);
-  try {
-    arena.execute([&] {
-      TsanAcquire(&start);
-      TsanReleaseAtExit release(&done);
-      f();
-    });
-  } catch (...) {
-    TsanAcquire(&done);
-    throw;
-  }
-  TsanAcquire(&done);
+  const TsanHandOff hand_off;
+  arena.execute([&] {
+    const TsanHandOff::Piece piece = hand_off.Enter();
+    f();
+  });
 }
 
 }  // namespace stallfree

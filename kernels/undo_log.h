@@ -19,8 +19,8 @@
 //
 // Why a ring and not a copy of the whole range: the copy's cache lines (12 KiB for a daemon unit
 // of 1024 elements) fell out of L1 between ranges, and their misses took the fill buffers the
-// update's memory streams need: a fifth of the update's throughput (measured: the same stores
-// into 64 hot floats cost nothing).
+// update's memory streams need: a fifth of the update's throughput (server/session_journal.h;
+// experimental builds showed the same stores into a few hot floats cost nothing).
 //
 // What a kill keeps is the stores in program order (the memory is shared: every store that
 // retired is in it; x86-64 makes stores visible in program order).

@@ -17,6 +17,13 @@ namespace stallfree {
 namespace {
 
 constexpr char kPrefix[] = "stallfree-";
+constexpr char kState[] = "-state";
+constexpr char kRegion[] = "-region";
+
+// The FDNAME of a session's memfd: "stallfree-<key>-state" or "-region".
+std::string Name(const std::string& key, const char* part) {
+  return absl::StrCat(kPrefix, key, part);
+}
 
 void Send(const std::string& state, int* fds, unsigned n, const std::string& what) {
   const int r = sd_pid_notify_with_fds(0, 0, state.c_str(), fds, n);
@@ -34,18 +41,18 @@ bool FdStore::Available() {
 
 void FdStore::Keep(const std::string& key, int state_fd, int region_fd) {
   if (!Available() || key.empty()) return;
-  int state = state_fd, region = region_fd;
-  Send(absl::StrCat("FDSTORE=1\nFDNAME=", kPrefix, key, "-state"), &state, 1,
-       absl::StrCat("keeping session state ", key));
-  Send(absl::StrCat("FDSTORE=1\nFDNAME=", kPrefix, key, "-region"), &region, 1,
-       absl::StrCat("keeping session region ", key));
+  int fds[2] = {state_fd, region_fd};
+  const char* parts[2] = {kState, kRegion};
+  for (int i = 0; i < 2; ++i)
+    Send(absl::StrCat("FDSTORE=1\nFDNAME=", Name(key, parts[i])), &fds[i], 1,
+         absl::StrCat("keeping ", Name(key, parts[i])));
 }
 
 void FdStore::Drop(const std::string& key) {
   if (!Available() || key.empty()) return;
-  for (const char* part : {"-state", "-region"})
-    Send(absl::StrCat("FDSTOREREMOVE=1\nFDNAME=", kPrefix, key, part), nullptr, 0,
-         absl::StrCat("dropping session ", key, part));
+  for (const char* part : {kState, kRegion})
+    Send(absl::StrCat("FDSTOREREMOVE=1\nFDNAME=", Name(key, part)), nullptr, 0,
+         absl::StrCat("dropping ", Name(key, part)));
 }
 
 std::vector<FdStore::Stored> FdStore::TakeStored() {
@@ -64,9 +71,9 @@ std::vector<FdStore::Stored> FdStore::TakeStored() {
     bool state = false, known = absl::StartsWith(key, kPrefix);
     if (known) {
       key = key.substr(strlen(kPrefix));
-      state = absl::EndsWith(key, "-state");
-      known = state || absl::EndsWith(key, "-region");
-      if (known) key = key.substr(0, key.size() - (state ? 6 : 7));
+      state = absl::EndsWith(key, kState);
+      known = state || absl::EndsWith(key, kRegion);
+      if (known) key = key.substr(0, key.size() - strlen(state ? kState : kRegion));
       uint64_t ino;
       known = known && absl::SimpleAtoi(key, &ino);
     }
@@ -86,14 +93,13 @@ std::vector<FdStore::Stored> FdStore::TakeStored() {
     for (int i = 0; i < n; ++i) free(names[i]);
     free(names);
   }
-  FdStore store;
   for (auto& [key, s] : by_key) {
     if (s.state_fd < 0 || s.region_fd < 0) {
       SF_LOG(kWarning, "session %s: the service manager passed only its %s; dropped", key,
              s.state_fd >= 0 ? "state" : "region");
       if (s.state_fd >= 0) close(s.state_fd);
       if (s.region_fd >= 0) close(s.region_fd);
-      store.Drop(key);
+      Drop(key);
       continue;
     }
     out.push_back(s);

@@ -24,9 +24,9 @@ class FdStore {
   static bool Available();
 
   // Hands copies of the session's two memfds to the service manager.
-  void Keep(const std::string& key, int state_fd, int region_fd);
+  static void Keep(const std::string& key, int state_fd, int region_fd);
   // Tells it to close them (the session is closed for good).
-  void Drop(const std::string& key);
+  static void Drop(const std::string& key);
 
   struct Stored {
     std::string key;

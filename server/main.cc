@@ -276,14 +276,7 @@ int Run(int argc, char** argv) {
   SessionManager sessions(opts, &arena);
   // The service manager's fd store: each session's memfds while it lives; the ones a daemon
   // before this one kept there, finished and held for their processes.
-  FdStore fd_store;
-  if (FdStore::Available()) {
-    sessions.SetFdStore(
-        [&fd_store](const std::string& key, int state_fd, int region_fd) {
-          fd_store.Keep(key, state_fd, region_fd);
-        },
-        [&fd_store](const std::string& key) { fd_store.Drop(key); });
-  }
+  if (FdStore::Available()) sessions.SetFdStore(&FdStore::Keep, &FdStore::Drop);
   for (const FdStore::Stored& stored : FdStore::TakeStored())
     sessions.HoldStored(stored.key, stored.region_fd, stored.state_fd,
                         std::chrono::seconds(static_cast<int64_t>(f.fd_store_hold_s)))

@@ -20,6 +20,13 @@ namespace stallfree {
 namespace {
 
 using Clock = OffloadSession::Clock;
+
+// The first of `cells` (landing cells, in element order) at element `at` or after.
+template <class Cells>
+typename Cells::const_iterator CellsFrom(const Cells& cells, uint64_t at) {
+  return std::lower_bound(cells.begin(), cells.end(), at,
+                          [](const auto& x, uint64_t a) { return x.at < a; });
+}
 constexpr uint64_t kPage = 4096;
 constexpr int64_t kChunk = int64_t{1} << 16;
 
@@ -782,8 +789,7 @@ uint64_t OffloadSession::UpdateArrays(const UpdatePlan& plan) {
                                                       : WorkJournal::Saving::kCopyFirst;
   const uint64_t unit = layout_->journal.unit;
   auto lands_in = [&](uint64_t u) {
-    auto it = std::lower_bound(cells.begin(), cells.end(), u * unit,
-                               [](const LandingCell& x, uint64_t at) { return x.at < at; });
+    auto it = CellsFrom(cells, u * unit);
     return it != cells.end() && it->at < (u + 1) * unit;
   };
   if (!plan.column_steps) {
@@ -1069,8 +1075,7 @@ std::vector<OffloadSession::LandingCell> OffloadSession::TakeLandings(
 
 void OffloadSession::LandCells(const std::vector<LandingCell>& cells, uint64_t b, uint64_t e,
                                uint16_t* out16, float* out32) {
-  auto it = std::lower_bound(cells.begin(), cells.end(), b,
-                             [](const LandingCell& x, uint64_t at) { return x.at < at; });
+  auto it = CellsFrom(cells, b);
   for (; it != cells.end() && it->at < e; ++it) {
     master_[it->at] = it->master;
     m_[it->at] = it->m;

@@ -163,6 +163,15 @@ uint64_t WorkJournal::done_units() const {
   return n;
 }
 
+void WorkJournal::MarkDone(uint64_t first, uint64_t n) {
+  for (uint64_t u = first; u < first + n;) {  // a word of the bitmap at a time
+    const uint64_t bits = std::min<uint64_t>(first + n - u, 64 - u % 64);
+    const uint64_t mask = (bits == 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1) << (u % 64);
+    __atomic_fetch_or(&DoneBits()[u / 64], mask, __ATOMIC_RELEASE);
+    u += bits;
+  }
+}
+
 void WorkJournal::Save(const std::vector<float*>& arrays, uint64_t b, uint64_t e,
                        float* saved) const {
   const uint64_t n = e - b;
@@ -180,26 +189,25 @@ void WorkJournal::Run(uint64_t elems, const std::vector<float*>& arrays,
   // that names it (RollBackTorn): another worker must not take that slot first.
   std::vector<std::pair<uint64_t, uint64_t>> resume(g_.slots, {units, 0});  // unit, from
   std::vector<bool> resuming(units, false);
+  bool any_resume = false;
   for (const auto& [slot, at] : resume_)
     if (at.first < units && !done(at.first) && !(skip && skip(at.first))) {
       resume[slot] = at;
-      resuming[at.first] = true;
+      resuming[at.first] = any_resume = true;
     }
   resume_.clear();
   std::vector<uint64_t> todo;
   todo.reserve(units);
   for (uint64_t u = 0; u < units; ++u)
     if (!done(u) && !resuming[u] && !(skip && skip(u))) todo.push_back(u);
-  const bool any_resume =
-      std::find(resuming.begin(), resuming.end(), true) != resuming.end();
   if (todo.empty() && !any_resume) return;
   std::atomic<uint64_t> next{0};
   const int64_t delay_us = unit_delay_us.load(std::memory_order_relaxed);
   auto by_kernels = [&](uint64_t u) { return in_kernels && !(copy_first && copy_first(u)); };
   // Units [u, u + n) from element `from` of the first: in the kernels' pass, consecutive units
-  // go as one span (one kernel call per piece of the work instead of one per unit and piece: a
-  // call costs about 70 ns, a tenth of a unit's update), the header naming the span's first
-  // unit and the mark counting from the span's start.
+  // go as one span (one kernel call per piece of the work instead of one per unit and piece;
+  // session_journal.h says what a call costs), the header naming the span's first unit and the
+  // mark counting from the span's start.
   auto run_span = [&](uint32_t slot, uint64_t u, uint64_t n, uint64_t from) {
     float* saved = SlotData(slot);
     const uint64_t b = u * g_.unit, e = std::min(elems, (u + n) * g_.unit);
@@ -231,12 +239,7 @@ void WorkJournal::Run(uint64_t elems, const std::vector<float*>& arrays,
       work(b + from, e);
     }
     keep.reset();
-    for (uint64_t x = u; x < u + n;) {  // the done bits, a word at a time
-      const uint64_t bits = std::min<uint64_t>(u + n - x, 64 - x % 64);
-      const uint64_t mask = (bits == 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1) << (x % 64);
-      __atomic_fetch_or(&DoneBits()[x / 64], mask, __ATOMIC_RELEASE);
-      x += bits;
-    }
+    MarkDone(u, n);
   };
   // Units are taken a batch at a time, so that each worker's streams through the arrays run on
   // across its units (the hardware prefetchers keep up) and the shared counter is touched once
@@ -294,8 +297,7 @@ absl::Status WorkJournal::RollBackTorn(uint64_t elems, const std::vector<float*>
           "the work journal's slot ", s, " names elements beyond the session (unit ", u0,
           ", done ", kernels::UndoMarkDone(h), ", window ", window, ")"));
     const uint64_t u = at / g_.unit;
-    for (uint64_t x = u0; x < u; ++x)
-      __atomic_fetch_or(&DoneBits()[x / 64], uint64_t{1} << (x % 64), __ATOMIC_RELEASE);
+    MarkDone(u0, u - u0);
     if (done(u)) continue;  // finished since (the header is an old one)
     const float* saved = SlotData(s);
     for (size_t a = 0; a < 3; ++a)

@@ -14,12 +14,12 @@
 // - in the kernels' pass (an Update): the header names the unit, and the CPU AdamW kernels
 //   copy each vector's old values to a small ring in the slot and advance a mark in the header
 //   (done so far, and the vector in flight) before they change it (kernels/undo_log.h). A copy
-//   of the whole unit, made in the pass or before it, cost a fifth of the update's throughput
-//   (bench/optimizer_bench, session_update_journaled_vs_without 0.71-0.83): its 12 KiB fell out
-//   of L1 between units. The ring stays there. Consecutive units a worker takes run as one span
-//   (up to 32): the header names the span's first unit and the mark counts from its start, so
-//   the work's kernel calls are as long as without the journal (a call costs about 70 ns, a
-//   tenth of a unit's update with per-column steps).
+//   of the whole unit cost a fifth of the update's throughput (bench/optimizer_bench,
+//   session_update_journaled_vs_without 0.76-0.78 at commit f6e1297): its 12 KiB fell out of L1
+//   between units. The ring stays there. Consecutive units a worker takes run as one span (up
+//   to 32): the header names the span's first unit and the mark counts from its start, so the
+//   work's kernel calls are as long as without the journal (a call on 64 elements costs a sixth
+//   of one on a 1024-element unit: optimizer_bench, adamw_columns_call_64_fraction_of_1024).
 //
 // After a crash at any instant, every unit is in one of three states: done (its bit is set: the
 // arrays hold its result), in flight (named by a slot header, bit not set), or untouched. A unit
@@ -48,8 +48,8 @@
 //   window's length in the next 5, 31: copied whole when it went on from `done`; done + 1 in
 //   the top 16, counted from the span's first unit; 0 there: copied first) |
 //   u64 done[ceil(units / 64)]
-//   64-aligned: float slot_data[slots][3 * unit] (in the kernels' pass, each array's first
-//   kernels::kUndoRing floats are its ring)
+//   64-aligned: float slot_data[slots][3 * unit] (in the kernels' pass, its first
+//   3 * kernels::kUndoRing floats are the ring: param's, m's, v's)
 #pragma once
 
 #include <cstdint>
@@ -149,6 +149,8 @@ class WorkJournal {
   uint64_t* DoneBits() const;
   float* SlotData(uint32_t slot) const;
   uint64_t OpBytes() const;
+  // Sets the done bits of units [first, first + n) (release).
+  void MarkDone(uint64_t first, uint64_t n);
   // Copies elements [b, e) of `arrays` to a slot's `saved` data.
   void Save(const std::vector<float*>& arrays, uint64_t b, uint64_t e, float* saved) const;
 

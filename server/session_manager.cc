@@ -663,7 +663,7 @@ absl::StatusOr<AdoptResult> SessionManager::AdoptImpl(const std::string* token,
   absl::StatusOr<SessionIdentity> id =
       ReadIdentityFromFd(state_fd, static_cast<uint64_t>(st.st_size));
   if (!id.ok()) return refuse(id.status());
-  const std::string key = absl::StrCat(st.st_ino);  // as FdKey
+  const std::string key = FdKey(state_fd);
   if (from_store) {
     peer_uid = id->uid;
     generation = id->generation;

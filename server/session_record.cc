@@ -15,7 +15,7 @@ namespace stallfree {
 namespace {
 
 constexpr char kMagic[8] = {'S', 'F', 'S', 'E', 'S', 'S', '0', '1'};
-constexpr uint32_t kFormat = 1;
+constexpr uint32_t kFormat = 2;  // 2: commits count the handovers
 constexpr uint32_t kMaxParams = 1 << 20;
 
 uint64_t Align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }
@@ -114,8 +114,8 @@ uint64_t RecordBytes(const std::vector<RecordParam>& params) {
   id.name.assign(kRecordMaxName, ' ');
   int64_t cols = 0;
   for (const RecordParam& p : params) cols += Columns(p.shape);
-  const uint64_t commit = 64 + 8 * static_cast<uint64_t>(cols) + 8;
-  return Align8(EncodeIdentity(id).size()) + 2 * commit;
+  return Align8(EncodeIdentity(id).size()) +
+         2 * SessionRecord::CommitBytes(static_cast<uint64_t>(cols));
 }
 
 absl::Status SessionRecord::WriteIdentity(const SessionIdentity& id) {

@@ -139,11 +139,13 @@ class SessionRecord {
   // The newest whole commit: DataLoss if neither slot checks out, NotFound if none was written.
   absl::StatusOr<SessionCommit> NewestCommit() const;
 
+  // A commit slot's bytes for parameters of `total_cols` columns in all (the layout above).
+  static uint64_t CommitBytes(uint64_t total_cols) { return 64 + 8 * total_cols + 8; }
+
  private:
   // The identity's size and its parameters' columns: what WriteIdentity wrote, else read from
   // the bytes (ReadIdentity checks them).
   absl::Status Locate(uint64_t* identity_bytes, std::vector<int64_t>* cols) const;
-  uint64_t CommitBytes(uint64_t total_cols) const { return 64 + 8 * total_cols + 8; }
 
   uint8_t* data_;
   uint64_t size_;

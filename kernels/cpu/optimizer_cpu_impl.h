@@ -123,8 +123,9 @@ inline void ForEachVector(int64_t n, int w, TailArray (&arrays)[kArrays], Body b
 
 // Keeps an undo log (kernels/undo_log.h) inside a kernel call: Before(p, m, v, count) runs
 // before the kernel writes the `count` (at most one vector's) elements at p, m and v (real
-// memory: the tail's padded copy is not). kOn false: nothing, compiled away. It holds four
-// values, so that the kernel's loop keeps its own in registers.
+// memory: the tail's padded copy is not). kOn false: nothing, compiled away. The log's fields
+// it needs are copied in: the compiler barrier after each mark would otherwise make the loop
+// load them from the log again for every vector.
 template <class V, bool kOn>
 class UndoKeeper {
  public:
@@ -135,7 +136,7 @@ class UndoKeeper {
     base_ = log->base[0];
     ring_ = log->ring;
     mark_ = log->mark;
-    mark0_ = UndoMark(log->tag, 0, 0);
+    tag_ = log->tag;
   }
 
   void Before(const float* p, const float* m, const float* v, int64_t count) {
@@ -151,8 +152,7 @@ class UndoKeeper {
         r[i] = p[i], r[kUndoRing + i] = m[i], r[2 * kUndoRing + i] = v[i];
     }
     // The copy before the mark (release), the mark before the arrays' stores (the barrier).
-    __atomic_store_n(mark_, mark0_ + (static_cast<uint64_t>(count) << 43) + (o << 48),
-                     __ATOMIC_RELEASE);
+    __atomic_store_n(mark_, UndoMark(tag_, o, static_cast<uint64_t>(count)), __ATOMIC_RELEASE);
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
   }
 
@@ -160,7 +160,7 @@ class UndoKeeper {
   const float* base_ = nullptr;
   float* ring_ = nullptr;
   uint64_t* mark_ = nullptr;
-  uint64_t mark0_ = 0;  // the mark of done 0, window 0
+  uint64_t tag_ = 0;
 };
 
 // Runs run(std::true_type) with a log, run(std::false_type) without: the kernels' bodies are
