@@ -9,8 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "engine/blob.h"
 #include "engine/partition.h"
+#include "common/state_format.h"
 #include "common/status.h"
-#include "server/checkpoint.h"
 
 namespace stallfree {
 namespace {
@@ -74,7 +74,7 @@ class RowSource {
 
 // A daemon checkpoint's header and its four arrays per parameter.
 struct DaemonState {
-  v1::CheckpointHeader header;
+  StateHeader header;
   std::vector<std::vector<float>> master, m, v, acc;
 };
 
@@ -86,14 +86,13 @@ absl::StatusOr<DaemonState> ParseDaemon(const std::string& bytes, int rank) {
   CheckpointImport import(bytes.size(), absl::StrCat("rank ", rank, "'s daemon checkpoint"));
   absl::StatusOr<bool> done = import.Take(
       bytes.data(), bytes.size(),
-      [&d](const v1::CheckpointHeader& header)
-          -> absl::StatusOr<std::vector<CheckpointArrays>> {
+      [&d](const StateHeader& header) -> absl::StatusOr<std::vector<CheckpointArrays>> {
         d.header = header;
-        const int n = header.params_size();
+        const size_t n = header.params.size();
         for (auto* a : {&d.master, &d.m, &d.v, &d.acc}) a->resize(n);
         std::vector<CheckpointArrays> arrays;
-        for (int i = 0; i < n; ++i) {
-          const int64_t numel = CheckpointParamNumel(header.params(i)).value_or(0);
+        for (size_t i = 0; i < n; ++i) {
+          const int64_t numel = CheckpointParamNumel(header.params[i].spec).value_or(0);
           for (auto* a : {&d.master, &d.m, &d.v, &d.acc}) (*a)[i].resize(numel);
           arrays.push_back(
               {d.master[i].data(), d.m[i].data(), d.v[i].data(), d.acc[i].data(), numel});
@@ -223,7 +222,7 @@ absl::StatusOr<PartitionedState> StateWriter::Write() {
   DaemonState out_d;
   if (d0 != nullptr) {
     out_d.header = d0->header;
-    out_d.header.clear_params();
+    out_d.header.params.clear();
   }
   int daemon_index = 0;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -287,24 +286,18 @@ absl::Status StateWriter::DaemonParamOf(size_t i, int h, DaemonState* out) {
   const RowShape rc = RowsOf(params[i].shape);
   const RowBlock nb = target[i].block;
   const EngineParam& p0 = first.params[i];
-  if (h >= d0->header.params_size())
+  if (static_cast<size_t>(h) >= d0->header.params.size())
     return absl::DataLossError("the daemon checkpoint has fewer parameters than the engine offloads");
   // (a daemon checkpoint exists only once the engine has loaded the daemon, at its first step,
   // which selects the column sets)
   const int64_t width = p0.kind == kBlobSplit ? static_cast<int64_t>(p0.cold_idx.size()) : rc.cols;
-  v1::CheckpointHeader::Param* hp = out->header.add_params();
-  *hp = d0->header.params(h);
-  hp->mutable_spec()->clear_shape();
-  if (p0.kind == kBlobSplit) {
-    hp->mutable_spec()->add_shape(nb.rows());
-    hp->mutable_spec()->add_shape(width);
-  } else {
-    for (int64_t x : target[i].shape) hp->mutable_spec()->add_shape(x);
-  }
+  StateHeader::Param& hp = out->header.params.emplace_back(d0->header.params[h]);
+  if (p0.kind == kBlobSplit)
+    hp.spec.shape = {nb.rows(), width};
+  else
+    hp.spec.shape = target[i].shape;
   if (StepsByRow(p0, params[i])) {
-    ASSIGN_OR_RETURN(std::vector<int64_t> steps, rows.DaemonSteps(i, h));
-    hp->clear_col_steps();
-    for (int64_t x : steps) hp->add_col_steps(x);
+    ASSIGN_OR_RETURN(hp.col_steps, rows.DaemonSteps(i, h));
   }
   const std::pair<RowField::Name, std::vector<std::vector<float>> DaemonState::*> arrays[] = {
       {RowField::kDaemonMaster, &DaemonState::master}, {RowField::kDaemonM, &DaemonState::m},
@@ -338,7 +331,7 @@ class OldRanksRows : public RowsFrom {
   absl::StatusOr<std::vector<int64_t>> DaemonSteps(size_t i, int h) override {
     std::map<int, std::vector<int64_t>> steps;
     for (const auto& [j, d] : dmn_)
-      steps[j].assign(d.header.params(h).col_steps().begin(), d.header.params(h).col_steps().end());
+      steps[j] = d.header.params[h].col_steps;
     auto of = [&steps](int j) -> const std::vector<int64_t>* {
       auto it = steps.find(j);
       return it == steps.end() ? nullptr : &it->second;
@@ -446,16 +439,13 @@ absl::Status Repartitioner::CheckDaemonParam(size_t i, int h) const {
   const DaemonState& d0 = dmn_.begin()->second;
   const bool steps_by_row = StepsByRow(p0, params_[i]);
   for (const auto& [j, d] : dmn_) {
-    if (h >= d.header.params_size())
+    if (static_cast<size_t>(h) >= d.header.params.size())
       return absl::DataLossError(
           "the daemon checkpoint has fewer parameters than the engine offloads");
-    if (d.header.params_size() != d0.header.params_size() ||
-        d.header.params(h).spec().name() != params_[i].name ||
-        (!steps_by_row &&
-         (d.header.params(h).col_steps().size() != d0.header.params(h).col_steps().size() ||
-          !std::equal(d.header.params(h).col_steps().begin(), d.header.params(h).col_steps().end(),
-                      d0.header.params(h).col_steps().begin()))) ||
-        d.header.version() != d0.header.version() || d.header.last_step() != d0.header.last_step())
+    if (d.header.params.size() != d0.header.params.size() ||
+        d.header.params[h].spec.name != params_[i].name ||
+        (!steps_by_row && d.header.params[h].col_steps != d0.header.params[h].col_steps) ||
+        d.header.version != d0.header.version || d.header.last_step != d0.header.last_step)
       return Disagree(absl::StrCat("the daemon's parameter '", params_[i].name, "'"));
   }
   return absl::OkStatus();
@@ -626,7 +616,7 @@ absl::StatusOr<SplitState> SplitRows(const std::vector<WholeParam>& params,
           p.k, ", rank ", rank, " of ", world, "'s ", rows, " rows of ", sh.whole.cols,
           " columns have ", rows * sh.whole.cols));
     const bool offloaded = p.kind != kBlobDevice && dmn.has_value();
-    if (offloaded && h >= dmn->header.params_size())
+    if (offloaded && static_cast<size_t>(h) >= dmn->header.params.size())
       return absl::DataLossError("the daemon checkpoint has fewer parameters than the engine offloads");
     for (const auto& [name, width] : FieldsOf(p, params[i], eng.magic)) {
       RowField f;
@@ -637,8 +627,7 @@ absl::StatusOr<SplitState> SplitRows(const std::vector<WholeParam>& params,
       std::vector<float>* held = ArrayOf(p, offloaded ? &*dmn : nullptr, h, name);
       if (name == RowField::kDaemonSteps) {
         if (offloaded)
-          f.i64.assign(dmn->header.params(h).col_steps().begin(),
-                       dmn->header.params(h).col_steps().end());
+          f.i64 = dmn->header.params[h].col_steps;
         f.i64.resize(n);
       } else if (name == RowField::kFlags) {
         f.i64.assign(n, (master[i] ? 1 : 0) | (shown[i] ? 2 : 0));

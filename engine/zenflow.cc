@@ -20,10 +20,10 @@
 #include "absl/strings/str_format.h"
 #include "common/bf16.h"
 #include "common/log.h"
+#include "common/state_format.h"
 #include "common/status.h"
 #include "engine/blob.h"
 #include "engine/schedule.h"
-#include "server/checkpoint.h"
 
 namespace stallfree {
 namespace {
@@ -1789,15 +1789,13 @@ absl::Status ZenFlowEngine::CheckState(const std::string& engine,
         "state came with it");
   // Its parameters must be the ones this engine registers (Setup), judged by the daemon's own
   // rule before the checksum, as the daemon's import judges them.
-  std::vector<v1::ParamSpec> specs;
+  std::vector<StateParam> specs;
   for (const PState& ps : im.params) {
     if (ps.kind == PState::kDevice) continue;
-    v1::ParamSpec& spec = specs.emplace_back();
-    spec.set_name(ps.p.name);
-    for (int64_t d : ps.offload_shape()) spec.add_shape(d);
-    spec.set_grad_dtype(im.cfg.grad_dtype == DType::kBf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP32);
+    specs.push_back({ps.p.name, ps.offload_shape(),
+                     im.cfg.grad_dtype == DType::kBf16 ? kStateBf16 : kStateFp32});
   }
-  auto judge = [&specs](const v1::CheckpointHeader& header) {
+  auto judge = [&specs](const StateHeader& header) {
     return MatchCheckpointParams(header, specs, "state: the daemon's state");
   };
   return VerifyCheckpointBytes(daemon.data(), daemon.size(), "the daemon's state", judge)

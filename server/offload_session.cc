@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "kernels/undo_log.h"
+#include "server/requests.h"
 
 namespace stallfree {
 namespace {
@@ -46,20 +47,10 @@ void ParallelChunks(int64_t n, Fn fn) {
                     [&](const tbb::blocked_range<int64_t>& r) { fn(r.begin(), r.end()); });
 }
 
-v1::ParamSpec SpecOf(const ParamLayout& p) {
-  v1::ParamSpec spec;
-  spec.set_name(p.name);
-  for (int64_t d : p.shape) spec.add_shape(d);
-  spec.set_grad_dtype(p.grad_dtype);
-  return spec;
-}
-
 // A layout's parameters against a checkpoint header's (MatchCheckpointParams).
-absl::Status MatchHeader(const SessionLayout& layout, const v1::CheckpointHeader& header,
+absl::Status MatchHeader(const SessionLayout& layout, const StateHeader& header,
                          const std::string& what) {
-  std::vector<v1::ParamSpec> specs;
-  for (const ParamLayout& p : layout.params) specs.push_back(SpecOf(p));
-  return MatchCheckpointParams(header, specs, what);
+  return MatchCheckpointParams(header, RecordParamsOf(layout), what);
 }
 
 }  // namespace
@@ -1085,36 +1076,33 @@ void OffloadSession::LandCells(const std::vector<LandingCell>& cells, uint64_t b
   }
 }
 
-absl::StatusOr<v1::CheckpointHeader> OffloadSession::SnapshotHeader(std::optional<uid_t> owner) {
+absl::StatusOr<StateHeader> OffloadSession::SnapshotHeader(std::optional<uid_t> owner) {
   if (landing_pending_)
       return absl::FailedPreconditionError(absl::StrCat(
           "session ", id_, " handed columns over in the middle of a round; checkpoint after the "
           "round's Update"));
-  v1::CheckpointHeader header;
-  header.set_session_name(name_);
-  header.set_rank(rank_);
-  if (owner) header.set_owner_uid(*owner);
+  StateHeader header;
+  header.session_name = name_;
+  header.rank = rank_;
+  if (owner) header.owner_uid = *owner;
   {
     MutexLock lock(&mu_);
     if (state_lost_)
       return absl::FailedPreconditionError(absl::StrCat(
           "session ", id_, ": an ImportState failed half way and left its state incomplete; "
           "there is nothing whole to checkpoint until an import or a Restore succeeds"));
-    header.set_last_step(last_step_);
-    header.set_version(version_);
+    header.last_step = last_step_;
+    header.version = version_;
   }
   PrepareAccumulator(AccumulatorUse::kSnapshot);
-  for (size_t i = 0; i < layout_->params.size(); ++i) {
-    v1::CheckpointHeader::Param* hp = header.add_params();
-    *hp->mutable_spec() = SpecOf(layout_->params[i]);
-    for (int64_t t : col_steps_[i]) hp->add_col_steps(t);
-  }
+  const std::vector<StateParam> specs = RecordParamsOf(*layout_);
+  for (size_t i = 0; i < specs.size(); ++i) header.params.push_back({specs[i], col_steps_[i]});
   return header;
 }
 
 absl::StatusOr<CheckpointWritten> OffloadSession::Snapshot(const std::string& path, uid_t owner,
                                                            int64_t* version) {
-  ASSIGN_OR_RETURN(v1::CheckpointHeader header, SnapshotHeader(owner));
+  ASSIGN_OR_RETURN(StateHeader header, SnapshotHeader(owner));
   const auto t0 = Clock::now();
   absl::StatusOr<CheckpointWritten> out = WriteCheckpoint(path, header, StateArrays());
   if (!out.ok()) return out.status();
@@ -1123,19 +1111,18 @@ absl::StatusOr<CheckpointWritten> OffloadSession::Snapshot(const std::string& pa
   env_.counters->checkpoint_bytes.Observe(static_cast<double>(out->bytes));
   SF_LOG(kInfo, "session %d: checkpoint %s, %d bytes in %.3f s", id_, out->path, out->bytes,
          took);
-  *version = header.version();
+  *version = header.version;
   return out;
 }
 
-absl::StatusOr<v1::CheckpointHeader> OffloadSession::Restore(const std::string& path,
-                                                             uid_t owner, const std::string& tag,
-                                                             v1::DType out,
-                                                             uint64_t* file_bytes) {
-  absl::StatusOr<v1::CheckpointHeader> header = ReadCheckpointHeader(path, file_bytes);
+absl::StatusOr<StateHeader> OffloadSession::Restore(const std::string& path, uid_t owner,
+                                                    const std::string& tag, v1::DType out,
+                                                    uint64_t* file_bytes) {
+  absl::StatusOr<StateHeader> header = ReadCheckpointHeader(path, file_bytes);
   absl::Status st = header.status();
-  if (st.ok() && header->has_owner_uid() && header->owner_uid() != owner)
+  if (st.ok() && header->owner_uid.has_value() && *header->owner_uid != owner)
     st = absl::PermissionDeniedError(
-        absl::StrCat("tag: checkpoint '", tag, "' belongs to uid ", header->owner_uid()));
+        absl::StrCat("tag: checkpoint '", tag, "' belongs to uid ", *header->owner_uid));
   if (st.ok()) st = MatchHeader(*layout_, *header, absl::StrCat("tag: checkpoint '", tag, "'"));
   if (st.ok()) {
     // The reads verify the whole file before the first byte goes into the state.
@@ -1149,19 +1136,18 @@ absl::StatusOr<v1::CheckpointHeader> OffloadSession::Restore(const std::string& 
     update_running_ = false;
   }
   if (!st.ok()) return st;
-  SF_LOG(kInfo, "session %d: restored %s (version %d)", id_, path, header->version());
+  SF_LOG(kInfo, "session %d: restored %s (version %d)", id_, path, header->version);
   return header;
 }
 
-void OffloadSession::Restored(const v1::CheckpointHeader& header, v1::DType out) {
+void OffloadSession::Restored(const StateHeader& header, v1::DType out) {
   ++epoch_;
   has_state_ = true;
   PrepareAccumulator(AccumulatorUse::kRestored);
   uint8_t* dst = ParamSlot(0);
   for (size_t i = 0; i < layout_->params.size(); ++i) {
     const ParamLayout& p = layout_->params[i];
-    const auto& steps = header.params(static_cast<int>(i)).col_steps();
-    col_steps_[i].assign(steps.begin(), steps.end());
+    col_steps_[i] = header.params[i].col_steps;
     const float* src = master_ + p.elem_offset;
     if (out == v1::DTYPE_BF16)
       kernels::DefaultCpuKernel().FloatToBf16(
@@ -1171,8 +1157,8 @@ void OffloadSession::Restored(const v1::CheckpointHeader& header, v1::DType out)
   }
   landing_pending_ = false;
   MutexLock lock(&mu_);
-  last_step_ = committed_step_ = header.last_step();
-  version_ = header.version();
+  last_step_ = committed_step_ = header.last_step;
+  version_ = header.version;
   updated_once_ = true;
   ready_slot_ = 0;
   ready_dtype_ = out;
@@ -1185,10 +1171,10 @@ absl::StatusOr<uint64_t> OffloadSession::ExportChunk(uint64_t offset, std::optio
                                                      uint64_t* total, int64_t* version) {
   if (offset == 0) {
     export_.reset();
-    ASSIGN_OR_RETURN(v1::CheckpointHeader header, SnapshotHeader(owner));
+    ASSIGN_OR_RETURN(StateHeader header, SnapshotHeader(owner));
     export_ = std::make_unique<CheckpointExport>(header, StateArrays());
     export_epoch_ = epoch_;
-    export_version_ = header.version();
+    export_version_ = header.version;
     export_start_ = Clock::now();
   } else if (export_ == nullptr || offset != export_->done()) {
     const std::string was = export_ == nullptr
@@ -1281,7 +1267,7 @@ absl::StatusOr<OffloadSession::Imported> OffloadSession::ImportChunk(uint64_t of
   }
   absl::StatusOr<bool> complete = import_->Take(
       Staging(), length,
-      [this](const v1::CheckpointHeader& header)
+      [this](const StateHeader& header)
           -> absl::StatusOr<std::vector<CheckpointArrays>> {
         RETURN_IF_ERROR(MatchHeader(*layout_, header, "state: the imported state"));
         return StateArrays();
@@ -1289,7 +1275,7 @@ absl::StatusOr<OffloadSession::Imported> OffloadSession::ImportChunk(uint64_t of
   if (!complete.ok()) return AbandonImport(complete.status());
   Imported got;
   if (!*complete) return got;
-  const v1::CheckpointHeader header = import_->header();
+  const StateHeader header = import_->header();
   const double took = Seconds(Clock::now() - import_start_);
   import_.reset();
   Restored(header, out);
@@ -1300,10 +1286,10 @@ absl::StatusOr<OffloadSession::Imported> OffloadSession::ImportChunk(uint64_t of
   env_.counters->checkpoint_seconds.Observe(took);
   env_.counters->checkpoint_bytes.Observe(static_cast<double>(total));
   SF_LOG(kInfo, "session %d: imported a state (version %d), %d bytes in %.3f s", id_,
-         header.version(), total, took);
+         header.version, total, took);
   got.complete = true;
-  got.version = header.version();
-  got.last_step = header.last_step();
+  got.version = header.version;
+  got.last_step = header.last_step;
   return got;
 }
 

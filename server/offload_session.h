@@ -365,9 +365,9 @@ class OffloadSession {
   // `owner` owns it and its parameters are the session's, and writes the parameters to
   // parameter slot 0 as `out` (a dtype the slots hold: OutputDType in requests.h). Returns its
   // header; *file_bytes: the file's size. Nothing changes unless it succeeds.
-  absl::StatusOr<v1::CheckpointHeader> Restore(const std::string& path, uid_t owner,
-                                               const std::string& tag, v1::DType out,
-                                               uint64_t* file_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<StateHeader> Restore(const std::string& path, uid_t owner,
+                                      const std::string& tag, v1::DType out,
+                                      uint64_t* file_bytes) ABSL_LOCKS_EXCLUDED(mu_);
   // On the strand. ExportState: bytes [offset, offset + n) of the state as a checkpoint of it
   // (owned by `owner`, where known) into the staging area, n = min(staging bytes, *total - offset); returns
   // n. Offset 0 starts an export (*version: the version it holds); a later chunk must follow
@@ -415,11 +415,11 @@ class OffloadSession {
   // The header of a checkpoint of the state as it is now (the accumulator's logical value,
   // PrepareAccumulator(kSnapshot) first): FailedPrecondition between a handover and the next
   // Update, or after an import failed half way. On the strand.
-  absl::StatusOr<v1::CheckpointHeader> SnapshotHeader(std::optional<uid_t> owner) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<StateHeader> SnapshotHeader(std::optional<uid_t> owner) ABSL_LOCKS_EXCLUDED(mu_);
   // After a Restore or an import has read a checkpoint of `header` into the state: its step
   // counts, the parameters to slot 0 as `out`, the version; the session has state. On the
   // strand.
-  void Restored(const v1::CheckpointHeader& header, v1::DType out) ABSL_LOCKS_EXCLUDED(mu_);
+  void Restored(const StateHeader& header, v1::DType out) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the import in progress after `why`: what it wrote is undone on a session that held no
   // state yet (zeros, as registered), else the state is lost until an import or a Restore
   // succeeds. Returns why. On the strand.

@@ -430,10 +430,10 @@ void SessionManager::Restore(const v1::RestoreRequest& req, v1::RestoreResponse*
   PostOrFail(*o.session, [this, s = o.session, uid = o.uid, path = o.path, tag = req.tag(), out,
                           resp, done] {
     uint64_t file_bytes = 0;
-    absl::StatusOr<v1::CheckpointHeader> header = s->Restore(path, uid, tag, out, &file_bytes);
+    absl::StatusOr<StateHeader> header = s->Restore(path, uid, tag, out, &file_bytes);
     if (!header.ok()) return Fail(header.status(), done);
-    resp->set_version(header->version());
-    resp->set_last_step(header->last_step());
+    resp->set_version(header->version);
+    resp->set_last_step(header->last_step);
     resp->set_bytes(file_bytes);
     done(absl::OkStatus());
   }, done);

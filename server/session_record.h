@@ -44,15 +44,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/state_format.h"
 
 namespace stallfree {
 
-// One registered parameter, as RegisterParams named it.
-struct RecordParam {
-  std::string name;
-  std::vector<int64_t> shape;
-  uint32_t grad_dtype = 0;  // v1::DType
-};
+// One registered parameter, as RegisterParams named it: the state format's parameter, which a
+// checkpoint's header holds too.
+using RecordParam = StateParam;
 
 struct SessionIdentity {
   uid_t uid = static_cast<uid_t>(-1);  // -1 until the session's process attached

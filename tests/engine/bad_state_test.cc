@@ -44,6 +44,7 @@
 #include "client/client.h"
 #include "client/session_target.h"
 #include "common/checksum.h"
+#include "common/state_format.h"
 #include "engine/blob.h"
 #include "engine/repartition.h"
 #include "engine/zenflow.h"
@@ -321,7 +322,7 @@ class Mutator {
 // ---- The daemon's checkpoint files, taken apart and put together ----
 
 struct CkptParts {
-  v1::CheckpointHeader header;
+  StateHeader header;
   std::string body;  // the arrays
 };
 
@@ -330,7 +331,9 @@ bool Split(const std::string& file, CkptParts* out) {
   uint64_t hb;
   memcpy(&hb, &file[8], 8);
   if (hb > file.size() - 24) return false;
-  if (!out->header.ParseFromArray(file.data() + 16, static_cast<int>(hb))) return false;
+  absl::StatusOr<StateHeader> header = DecodeStateHeader(file.data() + 16, hb);
+  if (!header.ok()) return false;
+  out->header = *std::move(header);
   out->body = file.substr(16 + hb, file.size() - 24 - hb);
   return true;
 }
@@ -345,9 +348,8 @@ std::string Reseal(std::string file) {
   return file;
 }
 
-std::string Join(const v1::CheckpointHeader& header, const std::string& body) {
-  std::string text;
-  header.SerializeToString(&text);
+std::string Join(const StateHeader& header, const std::string& body) {
+  const std::string text = EncodeStateHeader(header);
   std::string f("SFCKPT1\n", 8);
   const uint64_t hb = text.size();
   f.append(reinterpret_cast<const char*>(&hb), 8);
@@ -370,50 +372,46 @@ std::string MutateCheckpoint(const std::string& file, Mutator* mu, std::string* 
     }
     return s;
   }
-  v1::CheckpointHeader& h = parts.header;
-  const int p = static_cast<int>(mu->Pick(static_cast<size_t>(h.params_size())));
-  auto* shape = h.mutable_params(p)->mutable_spec()->mutable_shape();
+  StateHeader& h = parts.header;
+  const size_t p = mu->Pick(h.params.size());
+  std::vector<int64_t>* shape = &h.params[p].spec.shape;
   const std::vector<int64_t> ext = Extremes(file.size());
   switch (mu->Pick(7)) {
     case 0: {  // one dimension set to an extreme value
-      const int d = static_cast<int>(mu->Pick(static_cast<size_t>(shape->size())));
+      const size_t d = mu->Pick(shape->size());
       const int64_t x = ext[mu->Pick(ext.size())];
-      shape->Set(d, x);
+      (*shape)[d] = x;
       *what = absl::StrCat("param ", p, " dim ", d, " = ", x);
       break;
     }
     case 1: {  // dimensions whose product overflows int64
-      shape->Clear();
-      for (int k = 0; k < 2 + static_cast<int>(mu->Pick(3)); ++k) shape->Add(int64_t{1} << 40);
+      shape->clear();
+      for (int k = 0; k < 2 + static_cast<int>(mu->Pick(3)); ++k) shape->push_back(int64_t{1} << 40);
       *what = absl::StrCat("param ", p, " shape of 2^40s");
       break;
     }
     case 2: {  // x (2^60 + 1) = (2^20 + 1)(2^40 - 2^20 + 1): 16 x numel wraps to the truth
-      shape->Add((int64_t{1} << 20) + 1);
-      shape->Add((int64_t{1} << 40) - (int64_t{1} << 20) + 1);
+      shape->push_back((int64_t{1} << 20) + 1);
+      shape->push_back((int64_t{1} << 40) - (int64_t{1} << 20) + 1);
       *what = absl::StrCat("param ", p, " shape x (2^60 + 1)");
       break;
     }
     case 3: {  // a huge (in range) dimension on a truncated body
-      shape->Clear();
-      shape->Add(int64_t{1} << 40);
+      shape->clear();
+      shape->push_back(int64_t{1} << 40);
       *what = absl::StrCat("param ", p, " shape [2^40]");
       break;
     }
     case 4: {  // no dimensions, or nine
-      shape->Clear();
-      if (mu->Pick(2) == 0)
-        for (int k = 0; k < 9; ++k) shape->Add(1);
+      shape->clear();
+      if (mu->Pick(2) == 0) shape->assign(9, 1);
       *what = absl::StrCat("param ", p, " with ", shape->size(), " dimensions");
       break;
     }
     case 5: {  // many parameters, each claiming a large array
-      for (int k = 0; k < 64; ++k) {
-        auto* q = h.add_params();
-        *q = h.params(p);
-        q->mutable_spec()->clear_shape();
-        q->mutable_spec()->add_shape(int64_t{1} << 30);
-      }
+      StateHeader::Param q = h.params[p];
+      q.spec.shape = {int64_t{1} << 30};
+      h.params.insert(h.params.end(), 64, q);
       *what = "64 parameters of 2^30 elements added";
       break;
     }
@@ -621,13 +619,13 @@ TEST_F(BadStateTest, CorruptStatesGiveClearErrors) {
     const std::string name = absl::StrCat("checkpoint ", s.name, " #", i, " (", what, ")");
     if (!RunCase(name + " read", bad.size(), &tally, [&]() -> absl::Status {
           uint64_t bytes = 0;
-          absl::StatusOr<v1::CheckpointHeader> h = ReadCheckpointHeader(path, &bytes);
+          absl::StatusOr<StateHeader> h = ReadCheckpointHeader(path, &bytes);
           if (!h.ok()) return h.status();
           // What a reader sizes by the header it was given.
-          std::vector<std::vector<float>> a(4 * static_cast<size_t>(h->params_size()));
+          std::vector<std::vector<float>> a(4 * h->params.size());
           std::vector<CheckpointArrays> arrays;
-          for (int p = 0; p < h->params_size(); ++p) {
-            absl::StatusOr<int64_t> numel = CheckpointParamNumel(h->params(p));
+          for (size_t p = 0; p < h->params.size(); ++p) {
+            absl::StatusOr<int64_t> numel = CheckpointParamNumel(h->params[p].spec);
             if (!numel.ok()) return numel.status();
             for (int q = 0; q < 4; ++q) a[4 * p + q].resize(static_cast<size_t>(*numel));
             arrays.push_back({a[4 * p].data(), a[4 * p + 1].data(), a[4 * p + 2].data(),

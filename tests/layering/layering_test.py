@@ -22,7 +22,7 @@ LAYERS = {
     "kernels": set(),
     # The engine uses a backend's memory and optimizer kernels, never the math ops (BLAS).
     "engine": {"kernels/memory.h", "kernels/optimizer.h", "//kernels:memory",
-               "//kernels:optimizer", "server/checkpoint.h", "//server:checkpoint"},
+               "//kernels:optimizer"},
     "client": {"proto", "engine/offload_target.h", "//engine:offload_target"},
     "server": {"proto", "kernels"},
     "parallel": {"kernels"},

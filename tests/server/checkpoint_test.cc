@@ -20,7 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "client/client.h"
-#include "server/checkpoint.h"
+#include "common/state_format.h"
 #include "testing/daemon_process.h"
 #include "testing/hyper.h"
 
@@ -503,10 +503,10 @@ TEST_F(CheckpointTest, StateMovesThroughTheStagingAreaWithNoFile) {
   ASSERT_GT(bytes->size(), 3 * a->layout().staging_bytes());
   auto header = VerifyCheckpointBytes(bytes->data(), bytes->size(), "the export");
   ASSERT_TRUE(header.ok()) << header.status();
-  EXPECT_EQ(header->version(), 2);
-  EXPECT_EQ(header->owner_uid(), getuid());
-  ASSERT_EQ(header->params_size(), 1);
-  EXPECT_EQ(header->params(0).spec().name(), "w");
+  EXPECT_EQ(header->version, 2);
+  EXPECT_EQ(header->owner_uid, getuid());
+  ASSERT_EQ(header->params.size(), 1u);
+  EXPECT_EQ(header->params[0].spec.name, "w");
   std::vector<std::vector<float>> expected;
   for (int64_t t = 3; t <= 4; ++t) expected.push_back(TrainBig(a.get(), t));
 
