@@ -650,7 +650,7 @@ SlotRuns MeasureSlot(Bench* b) {
   r.no_slot = run(anon->get(), stride, false, false);
   r.copy_after = run(anon->get(), stride, true, true);
   {
-    const JournalGeometry g = JournalGeometryFor(static_cast<uint64_t>(n), 1);
+    const JournalGeometry g = JournalGeometryFor(static_cast<uint64_t>(n), 1, 2048);
     auto jmem = MappedRegion::CreateMemfd("bench journal", g.bytes, PinPolicy::kOff);
     if (jmem.ok()) {
       WorkJournal journal((*jmem)->data(), g);

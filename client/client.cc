@@ -492,6 +492,7 @@ absl::StatusOr<Session::Adopted> Session::Reattach(double wait_s) {
         if (conn_ >= 0) dead_conns_.push_back(conn_);
         const uint64_t old_id = session_id_.exchange(id);
         generation_ = generation;
+        handovers_ = got.handovers;
         adopt_nonce_ = 0;
         conn_ = *conn;
         // The gRPC channel may still hold the dead daemon's connection (its first call would
@@ -584,7 +585,9 @@ absl::Status Session::RegisterParams(const std::vector<ParamSpec>& params,
         ", staging at ", staging_end, "): a stallfreed of another version? Run the "
         "stallfreed that comes with this client"));
   for (const v1::ParamLayout& p : layout_.params()) params_[p.name()] = p;
-  return Attach();
+  RETURN_IF_ERROR(Attach());
+  handovers_ = 0;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<const v1::ParamLayout*> Session::Param(const std::string& name) const {
@@ -727,11 +730,12 @@ absl::Status Session::Update(v1::UpdateRequest req) {
 }
 
 absl::StatusOr<v1::MigrateColumnsResponse> Session::HandOverColumns(
-    const std::vector<ColumnMove>& moves) {
+    const std::vector<ColumnMove>& moves, std::optional<int64_t> handovers_before) {
   if (moves.empty()) return absl::InvalidArgumentError("HandOverColumns: no moves");
   v1::MigrateColumnsRequest req;
   *req.mutable_session() = ref();
   req.set_handover(true);
+  if (handovers_before) req.set_handovers_before(*handovers_before);
   req.set_param(moves[0].param);
   for (int64_t c : moves[0].columns) req.add_columns(c);
   for (int64_t t : moves[0].steps) req.add_steps(t);
@@ -748,6 +752,11 @@ absl::StatusOr<v1::MigrateColumnsResponse> Session::HandOverColumns(
   if (resp.more_size() != static_cast<int>(moves.size()) - 1)
     return absl::InternalError(absl::StrCat("HandOverColumns: ", resp.more_size() + 1,
                                             " answers for ", moves.size(), " parameters"));
+  if (handovers_before) {
+    handovers_ = *handovers_before + 1;
+  } else if (handovers_.load() >= 0) {
+    ++handovers_;
+  }
   return resp;
 }
 

@@ -65,6 +65,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -242,9 +243,13 @@ class Session {
   // first at its start; all must fit); the outgoing columns' state and accumulated gradient come
   // back in the four blocks. The response has their step counts (moves[0]'s in steps, the
   // others' in more) and whether the gradient blocks are zero (pushes == 0). moves must not be
-  // empty.
+  // empty. handovers_before: the handovers the session finished before this one, when the caller
+  // knows (MigrateColumnsRequest.handovers_before: then sending it again after a lost answer
+  // gets the answer again instead of a second exchange).
   using ColumnMove = OffloadTarget::ColumnMove;
-  absl::StatusOr<v1::MigrateColumnsResponse> HandOverColumns(const std::vector<ColumnMove>& moves);
+  absl::StatusOr<v1::MigrateColumnsResponse> HandOverColumns(
+      const std::vector<ColumnMove>& moves,
+      std::optional<int64_t> handovers_before = std::nullopt);
   // Waits until version min_version (or newer) is ready. timeout_ms: how long the daemon waits
   // (the call's bound is that plus rpc_timeout); 0: rpc_timeout less a margin, the call's bound
   // rpc_timeout (Deadlines above). The daemon's DEADLINE_EXCEEDED ("not ready after ...") may
@@ -297,6 +302,10 @@ class Session {
   absl::StatusOr<Adopted> Reattach(double wait_s);
   // The generation the session's record had at the attach or the last Reattach.
   uint64_t generation() const { return generation_.load(); }
+  // The handovers the session has finished, as this process knows them: 0 after RegisterParams,
+  // the record's count after a Reattach, one more after each HandOverColumns; -1 when not known
+  // (a session registered elsewhere, not re-attached yet).
+  int64_t handovers() const { return handovers_.load(); }
 
   // The session's id (a Reattach changes it) and token.
   v1::SessionRef ref() const {
@@ -338,6 +347,7 @@ class Session {
   int state_fd_ = -1;
   uint64_t state_bytes_ = 0;
   std::atomic<uint64_t> generation_{0};
+  std::atomic<int64_t> handovers_{-1};
   // The nonce of the adoption Reattach attempts until one succeeds (0: none yet).
   uint64_t adopt_nonce_ = 0;
 };

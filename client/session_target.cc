@@ -17,10 +17,7 @@ absl::Status SessionTarget::Register(const std::vector<Param>& params, DType par
   std::vector<ParamSpec> specs;
   specs.reserve(params.size());
   for (const Param& p : params) specs.push_back({p.name, p.shape, ToProto(p.grad_dtype)});
-  RETURN_IF_ERROR(s_->RegisterParams(specs, ToProto(param_dtype), param_slots));
-  MutexLock lock(&mu_);
-  handovers_ = 0;
-  return absl::OkStatus();
+  return s_->RegisterParams(specs, ToProto(param_dtype), param_slots);
 }
 
 absl::StatusOr<int64_t> SessionTarget::ParamNumel(const std::string& name) const {
@@ -184,33 +181,27 @@ absl::Status SessionTarget::WaitUpdate(int64_t min_version) {
 
 absl::StatusOr<OffloadTarget::HandOver> SessionTarget::HandOverColumns(
     const std::vector<ColumnMove>& moves) {
-  // A handover that the daemon that died was in the middle of leaves the record busy (not
-  // taken back). One it finished before its answer reached this process is counted by the
-  // record: its answer (the outgoing step counts) is lost, and sending it again would exchange
-  // the columns back; so the call fails as a lost daemon's, whose recovery is a checkpoint's.
-  int64_t before;
-  {
-    MutexLock lock(&mu_);
-    before = handovers_;
-  }
+  // Sent with the handovers the session finished before it: a handover the daemon that died
+  // was in the middle of is finished by the one that takes the session back, and one done
+  // before its answer reached this process is answered again (the session's journal keeps the
+  // answer), so the call sent again after a re-attach exchanges nothing twice. A session this
+  // target did not register has no count known: a lost daemon then fails the call if the
+  // re-attach shows a handover done (sending it again would exchange the columns back).
+  const int64_t before = s_->handovers();
   bool answer_lost = false;
   absl::StatusOr<v1::MigrateColumnsResponse> got;
   RETURN_IF_ERROR(Resilient(
       [&] {
-        got = s_->HandOverColumns(moves);
+        got = s_->HandOverColumns(moves, before >= 0 ? std::optional<int64_t>(before)
+                                                     : std::nullopt);
         return got.status();
       },
-      [&](const Adopted& a) { return answer_lost = before < 0 || a.handovers > before; }));
+      [&](const Adopted& a) { return answer_lost = before < 0 && a.handovers > 0; }));
   if (answer_lost)
     return absl::UnavailableError(absl::StrCat(
         "stallfreed went away as it answered a handover of columns of session ",
-        s_->ref().session_id(), before < 0 ? " (or may have: this process did not register it)"
-                                           : "",
-        "; the handover's answer is lost: restore a checkpoint"));
-  {
-    MutexLock lock(&mu_);
-    if (handovers_ >= 0) ++handovers_;
-  }
+        s_->ref().session_id(), " (or may have: this process did not register it, so it cannot "
+        "ask for the answer again); the handover's answer is lost: restore a checkpoint"));
   HandOver out;
   out.pushes = got->pushes();
   out.steps.emplace_back(got->steps().begin(), got->steps().end());

@@ -10,9 +10,11 @@
 // unless the record says that it happened (a push the record counts, an Update it has). The
 // engine sees nothing but a slow call. One thread re-attaches, with every other call held back
 // until the Update is sent again; another that finds the daemon gone meanwhile uses what it
-// found. A state the record says is torn (the daemon died inside
-// an Update, a push or a handover) is not taken back: the call fails with the daemon's
-// FAILED_PRECONDITION, and the caller restores a checkpoint.
+// found. A handover goes with the session's handover count, so that one the daemon that died
+// finished (or was in the middle of: the next daemon finishes it) is answered again, not done
+// twice. A state the record says is torn (the daemon died inside work that has no journal entry:
+// a LoadParams, a Restore, a push of a request's own bytes) is not taken back: the call fails
+// with the daemon's FAILED_PRECONDITION, and the caller restores a checkpoint.
 #pragma once
 
 #include <atomic>
@@ -139,9 +141,6 @@ class SessionTarget : public OffloadTarget {
   UpdateSeen seen_ ABSL_GUARDED_BY(mu_);
   int64_t started_ ABSL_GUARDED_BY(mu_) = 0;  // the newest Update's version UpdateWithPush began
   int64_t pushes_ ABSL_GUARDED_BY(mu_) = 0;   // pushes done since the newest Update began
-  // HandOver calls the session finished, as the daemon counts them (-1: not known: a session
-  // this target did not register).
-  int64_t handovers_ ABSL_GUARDED_BY(mu_) = -1;
   SentUpdate sent_ ABSL_GUARDED_BY(mu_);      // the newest Update sent
   int64_t pushes_before_sent_ ABSL_GUARDED_BY(mu_) = 0;  // the pushes of its round before it
   Adopted adopted_ ABSL_GUARDED_BY(mu_);

@@ -75,6 +75,8 @@ int PrintStats(stallfree::Client* client, const std::string& output) {
   printf("%-22s %ld running, %ld resumed\n", "updates now", (long)st.updates_running(),
          (long)st.updates_resumed());
   printf("%-22s %ld\n", "pushes resumed", (long)st.pushes_resumed());
+  printf("%-22s %ld resumed, %ld answered again\n", "handovers",
+         (long)st.handovers_resumed(), (long)st.handovers_answered_again());
   printf("%-22s %ld\n", "held states", (long)st.held_states());
   return 0;
 }

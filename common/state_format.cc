@@ -132,7 +132,8 @@ struct WireReader {
     field = static_cast<uint32_t>(key >> 3);
     *type = static_cast<uint32_t>(key & 7);
     if (*type == kGroupStart || *type == kGroupEnd)
-      return Fault(at, absl::StrCat("a group (wire type ", *type, "), which the schema has none of"));
+      return Fault(at,
+                   absl::StrCat("a group (wire type ", *type, "), which the schema has none of"));
     if (*type > kFixed32) return Fault(at, absl::StrCat("wire type ", *type, ", which is none"));
     return absl::OkStatus();
   }
@@ -649,7 +650,8 @@ absl::Status CheckpointImport::TakePrefix(const Accept& accept) {
   for (size_t i = 0; i < header_.params.size(); ++i) {
     const CheckpointArrays& a = arrays[i];
     if (a.numel != CheckpointParamNumel(header_.params[i].spec).value_or(-1))
-      return absl::InternalError(absl::StrCat(what_, ": parameter ", i, "'s arrays are not its size"));
+      return absl::InternalError(
+          absl::StrCat(what_, ": parameter ", i, "'s arrays are not its size"));
     for (float* x : {a.master, a.m, a.v, a.acc})
       pieces_.emplace_back(reinterpret_cast<char*>(x), a.numel * sizeof(float));
   }

@@ -50,6 +50,8 @@ class ConnectionImpl : public Connection {
             {"updates_resumed", static_cast<double>(s.updates_resumed())},
             {"pushes_resumed", static_cast<double>(s.pushes_resumed())},
             {"held_states", static_cast<double>(s.held_states())},
+            {"handovers_resumed", static_cast<double>(s.handovers_resumed())},
+            {"handovers_answered_again", static_cast<double>(s.handovers_answered_again())},
             {"bytes_in", static_cast<double>(s.bytes_in())},
             {"bytes_out", static_cast<double>(s.bytes_out())},
             {"migrated_columns", static_cast<double>(s.migrated_columns())},

@@ -132,6 +132,12 @@ std::string RenderMetrics(SessionManager* sessions) {
   One(&out, "stallfree_held_states", "gauge",
       "Session states the fd store passed at start, waiting for their processes.",
       st.held_states());
+  One(&out, "stallfree_handovers_resumed_total", "counter",
+      "Handovers of columns that a daemon before this one died in, finished here.",
+      st.handovers_resumed());
+  One(&out, "stallfree_handovers_answered_again_total", "counter",
+      "Handovers done before their answer was lost, answered again.",
+      st.handovers_answered_again());
 
   Family(&out, "stallfree_rejected_requests_total", "counter",
          "Requests answered with an error, by RPC method and gRPC code.");

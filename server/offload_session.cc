@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -623,6 +625,72 @@ absl::StatusOr<PushPlan> DecodePushPlan(const std::string& bytes, const SessionL
   return plan;
 }
 
+// A handover's journal plan: the request's plans and the answer (outgoing step counts, the
+// pushes in the handed-over accumulator), so that the daemon that finishes a cut-short exchange
+// needs nothing else, and the answer can be given again (OffloadSession::HandOverAgain).
+//   u32 plans i64 pushes | per plan: u32 param u64 n, then n x (i64 column i64 step_in
+//   i64 step_out)
+std::string EncodeHandoverPlan(const std::vector<MigratePlan>& plans,
+                               const std::vector<MigrateResult>& results) {
+  LeWriter w;
+  w.Put<uint32_t>(static_cast<uint32_t>(plans.size()));
+  w.Put<int64_t>(results.empty() ? 0 : results[0].pushes);
+  for (size_t i = 0; i < plans.size(); ++i) {
+    w.Put<uint32_t>(static_cast<uint32_t>(plans[i].param));
+    w.Put<uint64_t>(plans[i].columns.size());
+    for (size_t j = 0; j < plans[i].columns.size(); ++j) {
+      w.Put<int64_t>(plans[i].columns[j]);
+      w.Put<int64_t>(plans[i].steps[j]);
+      w.Put<int64_t>(results[i].steps[j]);
+    }
+  }
+  return std::string(w.out.begin(), w.out.end());
+}
+
+// The journal's bytes are the session process's to write: the plans are checked as a request's
+// (PlanMigrate), the answer's counts as the record's.
+absl::Status DecodeHandoverPlan(const std::string& bytes, const SessionLayout& layout,
+                                std::vector<MigratePlan>* plans,
+                                std::vector<MigrateResult>* results) {
+  LeReader r(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  const uint32_t n_plans = r.Get<uint32_t>();
+  const int64_t pushes = r.Get<int64_t>();
+  bool ok = r.ok() && n_plans >= 1 && n_plans <= layout.params.size() && pushes >= 0;
+  v1::MigrateColumnsRequest req;
+  req.set_handover(true);
+  results->assign(ok ? n_plans : 0, MigrateResult{});
+  for (uint32_t i = 0; ok && i < n_plans; ++i) {
+    const uint32_t param = r.Get<uint32_t>();
+    const uint64_t n = r.Get<uint64_t>();
+    ok = r.ok() && param < layout.params.size() && n <= bytes.size() / 24;
+    if (!ok) break;
+    v1::ColumnHandover h;
+    h.set_param(layout.params[param].name);
+    for (uint64_t j = 0; ok && j < n; ++j) {
+      h.add_columns(r.Get<int64_t>());
+      h.add_steps(r.Get<int64_t>());
+      (*results)[i].steps.push_back(r.Get<int64_t>());
+      ok = r.ok() && (*results)[i].steps.back() >= 0;
+    }
+    (*results)[i].pushes = pushes;
+    if (i == 0) {
+      req.set_param(h.param());
+      *req.mutable_columns() = h.columns();
+      *req.mutable_steps() = h.steps();
+    } else {
+      *req.add_more() = std::move(h);
+    }
+  }
+  if (!ok || r.at() != bytes.size())
+    return absl::DataLossError("the work journal's handover plan does not fit the session");
+  absl::StatusOr<std::vector<MigratePlan>> planned = PlanMigrate(req, layout);
+  if (!planned.ok())
+    return absl::DataLossError(absl::StrCat("the work journal's handover plan does not fit the "
+                                            "session: ", planned.status().message()));
+  *plans = *std::move(planned);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 uint64_t OffloadSession::BeginWork(RecordBusy busy, int64_t busy_step, JournalOp op,
@@ -915,6 +983,19 @@ absl::Status OffloadSession::Resume(const SessionCommit& commit) {
     CommitRecord();
     return absl::OkStatus();
   }
+  if (commit.busy == RecordBusy::kHandover) {
+    std::vector<MigratePlan> plans;
+    std::vector<MigrateResult> results;
+    if (entry->kind != JournalOp::kHandover)
+      return absl::DataLossError("the work journal's entry is not the handover its commit names");
+    RETURN_IF_ERROR(DecodeHandoverPlan(entry->plan, *layout_, &plans, &results));
+    const uint64_t done = journal_->done_units();
+    RETURN_IF_ERROR(ExchangeColumns(plans, /*finish_torn=*/true));
+    env_.counters->handovers_resumed.fetch_add(1);
+    SF_LOG(kWarning, "session %d: a handover of columns cut short by the daemon before (%d "
+           "pieces done) finished", id_, done);
+    return absl::OkStatus();
+  }
   const bool update = commit.busy == RecordBusy::kUpdate;
   if (entry->kind != (update ? JournalOp::kUpdate : JournalOp::kPush))
     return absl::DataLossError(absl::StrCat("the work journal's entry is not the ",
@@ -958,77 +1039,110 @@ AdoptResult OffloadSession::Standing() const {
 }
 
 namespace {
-// Rows [r0, r1) of item `item`: column-strided work split so that both cores share a big
-// parameter's rows.
-struct RowSpan {
-  size_t item;
-  int64_t r0, r1;
-};
-void AddRowSpans(size_t item, int64_t rows, int64_t n, std::vector<RowSpan>* spans) {
-  const int64_t chunk = std::max<int64_t>(64, 65536 / std::max<int64_t>(1, n));
-  for (int64_t r = 0; r < rows; r += chunk) spans->push_back({item, r, std::min(rows, r + chunk)});
-}
-template <typename Fn>
-void ForEachSpan(const std::vector<RowSpan>& spans, Fn fn) {
-  stallfree::ParallelFor(tbb::blocked_range<size_t>(0, spans.size(), 1),
-                         [&](const tbb::blocked_range<size_t>& r) {
-                           for (size_t i = r.begin(); i < r.end(); ++i) fn(spans[i]);
-                         });
-}
+std::atomic<int64_t> answer_delay_us{0};
 }  // namespace
+
+void SetHandoverAnswerDelayForTesting(int64_t microseconds) { answer_delay_us.store(microseconds); }
 
 std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePlan>& plans) {
   ++epoch_;
-  // Cut short, the exchange below leaves the staging area and the arrays torn: a daemon that
-  // adopts the session refuses it (no journal entry).
-  CommitRecord(RecordBusy::kHandover);
-  const auto t0 = Clock::now();
   // Each column's state and its share of the round (the accumulator as it is logically) go out
   // to the four staging blocks; the incoming state lands in the arrays at once, and its column
   // is marked with its incoming step count (LandingMark), so that the round's Update writes it
   // back in place of what it computes there. The arrays and the marks are all a restarted
-  // daemon needs: nothing waits in this process's memory.
+  // daemon needs: nothing waits in this process's memory. The exchange is journaled with its
+  // answer (ExchangeColumns): a daemon that adopts the session after a kill inside it finishes
+  // it, and a client whose answer was lost gets it again (HandOverAgain).
   std::vector<MigrateResult> results(plans.size());
-  std::vector<RowSpan> spans;
   int64_t pushes = 0;
   if (!acc_stale_) {
     MutexLock lock(&mu_);
     pushes = std::max<int64_t>(1, pushes_since_update_);
   }
-  int64_t moved = 0;
   for (size_t i = 0; i < plans.size(); ++i) {
-    const MigratePlan& plan = plans[i];
-    const ParamLayout& p = layout_->params[plan.param];
-    const int64_t n = static_cast<int64_t>(plan.columns.size());
-    for (int64_t c : plan.columns) results[i].steps.push_back(StepOf(col_steps_[plan.param][c]));
+    for (int64_t c : plans[i].columns)
+      results[i].steps.push_back(StepOf(col_steps_[plans[i].param][c]));
     results[i].pushes = pushes;
-    AddRowSpans(i, p.rows, n, &spans);
-    moved += n;
   }
-  ForEachSpan(spans, [&](const RowSpan& sp) {
-    const MigratePlan& plan = plans[sp.item];
-    const ParamLayout& p = layout_->params[plan.param];
-    const int64_t n = static_cast<int64_t>(plan.columns.size());
-    const int64_t* cols = plan.columns.data();
-    float* staging = Staging() + plan.staging_at;
-    float* state[4] = {master_ + p.elem_offset, m_ + p.elem_offset, v_ + p.elem_offset,
-                       acc_ + p.elem_offset};
-    for (int a = 0; a < 4; ++a) {
-      float* block = staging + a * p.rows * n;
-      for (int64_t r = sp.r0; r < sp.r1; ++r) {
-        float* row = state[a] + r * p.cols;
-        float* io = block + r * n;
-        if (a == 3) {
-          for (int64_t j = 0; j < n; ++j) io[j] = acc_stale_ ? 0.0f : row[cols[j]];
-          continue;
-        }
-        for (int64_t j = 0; j < n; ++j) std::swap(io[j], row[cols[j]]);
-      }
+  BeginWork(RecordBusy::kHandover, 0, JournalOp::kHandover, EncodeHandoverPlan(plans, results));
+  ExchangeColumns(plans, /*finish_torn=*/false).IgnoreError();  // (a fresh journal: no pieces torn)
+  const int64_t delay_us = answer_delay_us.load(std::memory_order_relaxed);
+  if (delay_us > 0) {
+    // Testing: the answer waits, done and committed, as a crash can find it.
+    std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+  }
+  return results;
+}
+
+absl::Status OffloadSession::ExchangeColumns(const std::vector<MigratePlan>& plans,
+                                             bool finish_torn) {
+  const auto t0 = Clock::now();
+  // The cells of the exchange: plan after plan, each [rows, n] row-major (its staging blocks'
+  // order), cut into pieces of a journal unit. A piece keeps its incoming values (the staging
+  // blocks' first three) in its slot, writes the outgoing state to the staging blocks (first
+  // phase: the arrays unchanged), then the kept incoming values to the arrays (second phase).
+  std::vector<uint64_t> first_cell(plans.size() + 1, 0);
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const uint64_t rows = static_cast<uint64_t>(layout_->params[plans[i].param].rows);
+    first_cell[i + 1] = first_cell[i] + rows * plans[i].columns.size();
+  }
+  const uint64_t unit = layout_->journal.unit;
+  const uint64_t pieces = (first_cell.back() + unit - 1) / unit;
+  // Calls fn(plan, b, e, o) for the plan's cells [b, e) within the piece, o: where the first of
+  // them is in the piece.
+  auto segments = [&](uint64_t piece, auto fn) {
+    const uint64_t lo = piece * unit, hi = std::min(first_cell.back(), lo + unit);
+    for (size_t i = 0; i < plans.size(); ++i) {
+      const uint64_t b = std::max(lo, first_cell[i]), e = std::min(hi, first_cell[i + 1]);
+      if (b < e) fn(i, b - first_cell[i], e - first_cell[i], b - lo);
     }
-  });
-  for (const MigratePlan& plan : plans)
+  };
+  auto block = [&](size_t i, int a) {
+    const int64_t rows = layout_->params[plans[i].param].rows;
+    return Staging() + plans[i].staging_at + a * rows * plans[i].columns.size();
+  };
+  // The cell's element in the arrays.
+  auto element = [&](size_t i, uint64_t c) {
+    const ParamLayout& p = layout_->params[plans[i].param];
+    const uint64_t n = plans[i].columns.size();
+    return p.elem_offset + (c / n) * static_cast<uint64_t>(p.cols) +
+           static_cast<uint64_t>(plans[i].columns[c % n]);
+  };
+  float* state[4] = {master_, m_, v_, acc_};
+  const bool acc_stale = acc_stale_;
+  WorkJournal::PhasedWork work;
+  work.save = [&](uint64_t piece, float* slot) {
+    segments(piece, [&](size_t i, uint64_t b, uint64_t e, uint64_t o) {
+      for (int a = 0; a < 3; ++a)
+        memcpy(slot + a * unit + o, block(i, a) + b, (e - b) * sizeof(float));
+    });
+  };
+  work.first = [&](uint64_t piece, const float*) {
+    segments(piece, [&](size_t i, uint64_t b, uint64_t e, uint64_t) {
+      float* out[4] = {block(i, 0), block(i, 1), block(i, 2), block(i, 3)};
+      for (uint64_t c = b; c < e; ++c) {
+        const uint64_t at = element(i, c);
+        for (int a = 0; a < 3; ++a) out[a][c] = state[a][at];
+        out[3][c] = acc_stale ? 0.0f : state[3][at];
+      }
+    });
+  };
+  work.second = [&](uint64_t piece, const float* slot) {
+    segments(piece, [&](size_t i, uint64_t b, uint64_t e, uint64_t o) {
+      for (uint64_t c = b; c < e; ++c) {
+        const uint64_t at = element(i, c);
+        for (int a = 0; a < 3; ++a) state[a][at] = slot[a * unit + o + (c - b)];
+      }
+    });
+  };
+  if (finish_torn) RETURN_IF_ERROR(journal_->FinishTornPieces(pieces, work));
+  journal_->RunPieces(pieces, work);
+  int64_t moved = 0;
+  for (const MigratePlan& plan : plans) {
     for (size_t j = 0; j < plan.columns.size(); ++j)
       col_steps_[plan.param][plan.columns[j]] = LandingMark(plan.steps[j]);
+    moved += static_cast<int64_t>(plan.columns.size());
+  }
   landing_pending_ = landing_pending_ || moved > 0;
   env_.counters->migrated_columns.fetch_add(2 * moved);
   env_.counters->migrate_seconds.Observe(Seconds(Clock::now() - t0));
@@ -1037,6 +1151,40 @@ std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePla
     ++handovers_;
   }
   CommitRecord();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<MigrateResult>> OffloadSession::HandOverAgain(
+    const std::vector<MigratePlan>& plans, int64_t handovers_before) {
+  int64_t count;
+  {
+    MutexLock lock(&mu_);
+    count = handovers_;
+  }
+  if (count == handovers_before) return HandOver(plans);
+  if (count - 1 != handovers_before)  // (count >= 0: no overflow)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "handovers_before: session ", id_, " has finished ", count, " handovers, not ",
+        handovers_before, " or ", handovers_before + 1, ": this handover does not follow the "
+        "session's last one; restore a checkpoint"));
+  // Done already (by the daemon that died before answering, or finished by this one when it
+  // took the session back): the answer again from the journal, if it is this handover's.
+  absl::StatusOr<JournalEntry> entry = journal_->Entry();
+  std::vector<MigratePlan> last;
+  std::vector<MigrateResult> results;
+  bool same = entry.ok() && entry->kind == JournalOp::kHandover &&
+              DecodeHandoverPlan(entry->plan, *layout_, &last, &results).ok() &&
+              last.size() == plans.size();
+  for (size_t i = 0; same && i < plans.size(); ++i)
+    same = last[i].param == plans[i].param && last[i].columns == plans[i].columns &&
+           last[i].steps == plans[i].steps;
+  if (!same)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "handovers_before: session ", id_, "'s handover number ", count, " was done, but its "
+        "answer is no longer kept or it moved other columns; restore a checkpoint"));
+  env_.counters->handovers_answered_again.fetch_add(1);
+  SF_LOG(kWarning, "session %d: handover %d was done before its answer was lost; answered again",
+         id_, count);
   return results;
 }
 

@@ -84,6 +84,9 @@ struct DaemonCounters {
   // Updates and pushes cut short by the daemon before, finished when a session was taken back.
   std::atomic<int64_t> updates_resumed{0};
   std::atomic<int64_t> pushes_resumed{0};
+  // Handovers finished so (Resume), and answered again (HandOverAgain).
+  std::atomic<int64_t> handovers_resumed{0};
+  std::atomic<int64_t> handovers_answered_again{0};
   // Latencies and sizes, for the Prometheus endpoint (server/metrics.h).
   Histogram push_seconds{Histogram::Exponential(1e-5, 4, 12)};       // 10 us .. 42 s
   Histogram push_bytes{Histogram::Exponential(1024, 4, 14)};         // 1 KiB .. 64 GiB
@@ -236,6 +239,11 @@ struct LoadJob {
 
 // What a handover returns: the outgoing step counts, and how many pushes the handed-over
 // accumulator block holds (0: it is zero).
+// Testing only: each handover's answer waits this long once the handover is done and committed
+// (0: none, the default), so that a test can stop the daemon between the two
+// (stallfreed's --test_answer_delay_us).
+void SetHandoverAnswerDelayForTesting(int64_t microseconds);
+
 struct MigrateResult {
   std::vector<int64_t> steps;
   int64_t pushes = 0;
@@ -322,9 +330,10 @@ class OffloadSession {
   int RegionFd() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t generation() const ABSL_LOCKS_EXCLUDED(mu_);
   // After Adopt, before any work is posted: finishes the operation that the adopted commit says
-  // was running when the daemon before died (an Update or a push with its work journal entry,
-  // session_journal.h): the units in flight are rolled back and the units not done run, so the
-  // state is the uninterrupted operation's, bit for bit. An operation whose entry never
+  // was running when the daemon before died (an Update, a push or a handover with its work
+  // journal entry, session_journal.h): the units in flight are rolled back (a handover's pieces
+  // in flight finished) and the units not done run, so the state is the uninterrupted
+  // operation's, bit for bit. An operation whose entry never
   // completed did not start: the state is the commit's. DataLoss for a journal that does not
   // check out. On the daemon's arena.
   absl::Status Resume(const SessionCommit& commit) ABSL_LOCKS_EXCLUDED(mu_);
@@ -356,7 +365,16 @@ class OffloadSession {
   // parameters): each column's state and accumulated gradient go to the four staging blocks
   // at its plan's staging_at, and the three incoming blocks take their place in the arrays,
   // for the next Update to write back in place of what it computes for those columns.
+  // Journaled with its answer (JournalOp::kHandover): a daemon that adopts the session after a
+  // kill inside the exchange finishes it (Resume).
   std::vector<MigrateResult> HandOver(const std::vector<MigratePlan>& plans);
+  // On the strand. A handover that the client counts as the session's handovers_before + 1
+  // (MigrateColumnsRequest.handovers_before): done as HandOver if the session has finished
+  // handovers_before; answered again, nothing exchanged, if it has finished this one already
+  // (its answer was lost with a daemon: the journal keeps it until the next journaled work);
+  // FailedPrecondition otherwise, or when the journal's last handover moved other columns.
+  absl::StatusOr<std::vector<MigrateResult>> HandOverAgain(const std::vector<MigratePlan>& plans,
+                                                           int64_t handovers_before);
   // On the strand. Writes the checkpoint file `path` of the state (the accumulator as it is
   // logically), owned by `owner`. *version: the version it holds.
   absl::StatusOr<CheckpointWritten> Snapshot(const std::string& path, uid_t owner,
@@ -448,6 +466,11 @@ class OffloadSession {
   int64_t FinishPush() ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t UpdateArrays(const UpdatePlan& plan);
   void FinishUpdate(const UpdatePlan& plan, double secs, uint64_t fused_bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A handover's exchange over the journal's pieces (WorkJournal::RunPieces), the pieces a kill
+  // cut short finished first when finish_torn (Resume); then the columns' landing marks, the
+  // handover counted and committed. DataLoss from FinishTornPieces. On the strand.
+  absl::Status ExchangeColumns(const std::vector<MigratePlan>& plans, bool finish_torn)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Writes identity_ to the record.
   void WriteIdentity() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

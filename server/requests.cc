@@ -129,7 +129,9 @@ absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req)
   out.state_stride = StateStride(elems);
   AlignUp(RecordBytes(RecordParamsOf(out)), kPage, &out.arrays_offset);
   AlignUp(out.arrays_offset + 4 * out.state_stride * 4, kPage, &out.journal_offset);
-  out.journal = JournalGeometryFor(elems, out.params.size());
+  uint64_t columns = 0;
+  for (const ParamLayout& p : out.params) columns += static_cast<uint64_t>(p.cols);
+  out.journal = JournalGeometryFor(elems, out.params.size(), columns);
   out.state_bytes = out.journal_offset + out.journal.bytes;
   out.requested_param_dtype = req.param_dtype();
   out.requested_param_slots = req.param_slots();

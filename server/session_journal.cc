@@ -42,7 +42,7 @@ inline void OrderStores() { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
 
 void SetUnitDelayForTesting(int64_t microseconds) { unit_delay_us.store(microseconds); }
 
-JournalGeometry JournalGeometryFor(uint64_t total_elems, size_t params) {
+JournalGeometry JournalGeometryFor(uint64_t total_elems, size_t params, uint64_t columns) {
   JournalGeometry g;
   // A slot per worker, up to one per Mi elements: a large session runs on up to 32 workers at
   // once, and a small one's journal stays small (2 slots, and units of about 1/128 of its
@@ -52,7 +52,12 @@ JournalGeometry JournalGeometryFor(uint64_t total_elems, size_t params) {
   g.units = (total_elems + g.unit - 1) / g.unit;
   // An Update's plan: its fixed fields and a byte per parameter; a push's: 32 bytes per job, a
   // whole-slot push has one job per parameter.
-  g.plan_capacity = Align(256 + 32 * (2 * static_cast<uint64_t>(params) + 64), 8);
+  // A handover's: 16 bytes per parameter and 24 per column moved (at most a quarter of each
+  // parameter's columns: requests.cc, PlanMigrate).
+  g.plan_capacity = Align(std::max<uint64_t>(256 + 32 * (2 * static_cast<uint64_t>(params) + 64),
+                                             64 + 16 * static_cast<uint64_t>(params) +
+                                                 24 * (columns / 4 + params)),
+                          8);
   const uint64_t before_data = kHeaderBytes + kOpHeaderBytes + g.plan_capacity + 8 +
                                8 * static_cast<uint64_t>(g.slots) + 8 * ((g.units + 63) / 64);
   g.bytes = Align(before_data, 64) + static_cast<uint64_t>(g.slots) * kMaxArrays * g.unit * 4;
@@ -134,7 +139,7 @@ absl::StatusOr<JournalEntry> WorkJournal::Entry() const {
   memcpy(&e.commit_sequence, op, 8);
   memcpy(&k, op + 8, 4);
   memcpy(&n, op + 12, 4);
-  if (n > g_.plan_capacity || k > static_cast<uint32_t>(JournalOp::kPush))
+  if (n > g_.plan_capacity || k > static_cast<uint32_t>(JournalOp::kHandover))
     return absl::DataLossError("the work journal's entry is cut short");
   Checksum64 c;
   c.Update(op, kOpHeaderBytes + n);
@@ -261,17 +266,84 @@ void WorkJournal::Run(uint64_t elems, const std::vector<float*>& arrays,
       }
     }
   };
-  const uint32_t tasks =
-      any_resume ? g_.slots : static_cast<uint32_t>(std::min<uint64_t>(g_.slots, todo.size()));
+  OnSlots(any_resume ? g_.slots
+                     : static_cast<uint32_t>(std::min<uint64_t>(g_.slots, todo.size())),
+          worker);
+}
+
+void WorkJournal::OnSlots(uint32_t tasks, const std::function<void(uint32_t)>& worker) {
   if (tasks == 1) {
     worker(0);
     return;
   }
-  // One task per slot, each taking units from the shared counter until none are left.
+  // One task per slot, each taking work from the caller's shared counter until none is left.
   ParallelFor(tbb::blocked_range<uint32_t>(0, tasks, 1),
               [&](const tbb::blocked_range<uint32_t>& r) {
                 for (uint32_t s = r.begin(); s < r.end(); ++s) worker(s);
               });
+}
+
+namespace {
+// A handover piece's slot header: the piece + 1 and its phase (session_journal.h, the layout).
+constexpr uint64_t kPieceBits = 48;
+uint64_t PieceHeader(uint64_t piece, uint64_t phase) { return (piece + 1) | (phase << kPieceBits); }
+}  // namespace
+
+void WorkJournal::RunPieces(uint64_t pieces, const PhasedWork& work) {
+  std::vector<uint64_t> todo;
+  for (uint64_t p = 0; p < pieces; ++p)
+    if (!done(p)) todo.push_back(p);
+  if (todo.empty()) return;
+  const int64_t delay_us = unit_delay_us.load(std::memory_order_relaxed);
+  std::atomic<uint64_t> next{0};
+  auto worker = [&](uint32_t slot) {
+    float* saved = SlotData(slot);
+    uint64_t* header = &SlotHeaders()[slot];
+    for (uint64_t i = next.fetch_add(1); i < todo.size(); i = next.fetch_add(1)) {
+      const uint64_t p = todo[i];
+      work.save(p, saved);
+      OrderStores();
+      __atomic_store_n(header, PieceHeader(p, 1), __ATOMIC_RELEASE);
+      OrderStores();
+      work.first(p, saved);
+      OrderStores();
+      __atomic_store_n(header, PieceHeader(p, 2), __ATOMIC_RELEASE);
+      OrderStores();
+      // Testing: the piece half exchanged while it waits, as a crash can leave it.
+      if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+      work.second(p, saved);
+      OrderStores();
+      MarkDone(p, 1);
+    }
+  };
+  OnSlots(static_cast<uint32_t>(std::min<uint64_t>(g_.slots, todo.size())), worker);
+}
+
+absl::Status WorkJournal::FinishTornPieces(uint64_t pieces, const PhasedWork& work) {
+  resume_.clear();
+  for (uint32_t s = 0; s < g_.slots; ++s) {
+    uint64_t* header = &SlotHeaders()[s];
+    const uint64_t h = __atomic_load_n(header, __ATOMIC_ACQUIRE);
+    const uint64_t tag = h & ((uint64_t{1} << kPieceBits) - 1), phase = h >> kPieceBits;
+    if (tag == 0) continue;
+    if (tag > pieces || phase < 1 || phase > 2)
+      return absl::DataLossError(absl::StrCat("the work journal's slot ", s, " names piece ",
+                                              tag - 1, " in phase ", phase, " of a handover of ",
+                                              pieces));
+    const uint64_t p = tag - 1;
+    if (done(p)) continue;
+    const float* saved = SlotData(s);
+    if (phase == 1) {
+      work.first(p, saved);
+      OrderStores();
+      __atomic_store_n(header, PieceHeader(p, 2), __ATOMIC_RELEASE);
+      OrderStores();
+    }
+    work.second(p, saved);
+    OrderStores();
+    MarkDone(p, 1);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status WorkJournal::RollBackTorn(uint64_t elems, const std::vector<float*>& arrays) {

@@ -1,5 +1,6 @@
-// The work journal: what lets a restarted daemon finish an Update or a push that the daemon
-// before it died in the middle of (SessionManager::Adopt), instead of refusing a torn state.
+// The work journal: what lets a restarted daemon finish an Update, a push or a handover of
+// columns that the daemon before it died in the middle of (SessionManager::Adopt), instead of
+// refusing a torn state.
 // It lives in the session's state memfd after the four fp32 arrays, so it outlives the daemon
 // with them (session_record.h says why the memfd does).
 //
@@ -41,6 +42,15 @@
 // An operation whose journal entry does not check out, or names another commit, never started
 // its units: the arrays are as the commit before it left them.
 //
+// A handover swaps cells of the arrays with the staging area's: a swap keeps neither side's old
+// values, so it runs as pieces of two phases instead (RunPieces): the piece's incoming cells
+// saved in the slot, the header naming the piece (phase 1), the outgoing cells written to the
+// staging area, the header's phase 2, the saved incoming cells written to the arrays, the done
+// bit. A piece cut short is finished, not rolled back: in phase 1 the arrays are unchanged and
+// the saved cells whole, in phase 2 the staging area is done. Its plan holds the answer too
+// (the outgoing step counts), which stays there until the next journaled operation, so that a
+// client whose answer died with a daemon gets it again (OffloadSession::HandOverAgain).
+//
 // Layout at the journal's offset, little-endian, JournalBytes long:
 //   "SFJRNL01" u32 slots u32 unit | u64 units u64 plan_capacity
 //   op:    u64 commit_sequence u32 kind u32 plan_bytes | plan[plan_capacity] | u64 checksum
@@ -48,6 +58,7 @@
 //   window's length in the next 5, 31: copied whole when it went on from `done`; done + 1 in
 //   the top 16, counted from the span's first unit; 0 there: copied first) |
 //   u64 done[ceil(units / 64)]
+//   (a handover's pieces: piece + 1 in the low 48 bits, its phase, 1 or 2, in the next 2) |
 //   64-aligned: float slot_data[slots][3 * unit] (in the kernels' pass, its first
 //   3 * kernels::kUndoRing floats are the ring: param's, m's, v's)
 #pragma once
@@ -78,15 +89,17 @@ struct JournalGeometry {
   uint64_t plan_capacity = 0;  // bytes of an operation's plan
   uint64_t bytes = 0;          // the whole journal, a multiple of 64
 };
-JournalGeometry JournalGeometryFor(uint64_t total_elems, size_t params);
+// `columns`: the parameters' columns in all (a handover's plan names up to a quarter of them).
+JournalGeometry JournalGeometryFor(uint64_t total_elems, size_t params, uint64_t columns);
 
 // Testing only: every unit of an operation waits this long half way through its work (0: none,
 // the default), so that a test can stop the daemon inside an operation, with a unit half
 // changed, at a point it chooses (stallfreed's --test_unit_delay_us).
+// A handover's pieces wait it between their phases.
 void SetUnitDelayForTesting(int64_t microseconds);
 
 // The operation a journal entry describes.
-enum class JournalOp : uint32_t { kNone = 0, kUpdate = 1, kPush = 2 };
+enum class JournalOp : uint32_t { kNone = 0, kUpdate = 1, kPush = 2, kHandover = 3 };
 
 struct JournalEntry {
   uint64_t commit_sequence = 0;  // the record commit that announced it (busy)
@@ -136,6 +149,27 @@ class WorkJournal {
            const std::function<bool(uint64_t)>& skip = nullptr,
            Saving saving = Saving::kCopyFirst,
            const std::function<bool(uint64_t)>& copy_first = nullptr);
+  // Two-phase work over pieces 0..pieces-1 (a handover's exchange of columns between the arrays
+  // and the staging area, whose swap keeps neither side's old values: OffloadSession::HandOver).
+  // Per piece, in its worker's slot: save(piece, slot data) keeps what the piece will overwrite
+  // on one side (at most 3 * unit floats); then the slot's header names the piece in its first
+  // phase, first(piece, slot data) runs, the header names its second phase, second(piece, slot
+  // data) runs, and the piece is marked done. first() must leave what save() kept and what
+  // first() reads unchanged (it may run again), second() must give the same result run again.
+  // A piece cut short is finished from where the header says (FinishTornPieces), never rolled
+  // back: after its first phase the other side's old values exist only where first() put them.
+  // pieces <= units.
+  struct PhasedWork {
+    std::function<void(uint64_t, float*)> save;
+    std::function<void(uint64_t, const float*)> first;
+    std::function<void(uint64_t, const float*)> second;
+  };
+  void RunPieces(uint64_t pieces, const PhasedWork& work);
+  // Finishes the pieces a kill cut short (named by a slot's header, not done): from their first
+  // phase or their second, as the header says; each then marked done. The next RunPieces does the
+  // rest. DataLoss if a slot names a piece beyond `pieces`.
+  absl::Status FinishTornPieces(uint64_t pieces, const PhasedWork& work);
+
   // Puts back the saved elements of the units in flight (named by a slot, not done): a unit
   // copied first whole, a unit cut short in the kernels' pass its window (and the next Run
   // goes on from there). DataLoss if a slot names a unit or elements beyond the journal.
@@ -151,6 +185,9 @@ class WorkJournal {
   uint64_t OpBytes() const;
   // Sets the done bits of units [first, first + n) (release).
   void MarkDone(uint64_t first, uint64_t n);
+  // Runs worker(slot) for slots [0, tasks) in parallel on the current task arena (on this
+  // thread alone when tasks is 1).
+  void OnSlots(uint32_t tasks, const std::function<void(uint32_t)>& worker);
   // Copies elements [b, e) of `arrays` to a slot's `saved` data.
   void Save(const std::vector<float*>& arrays, uint64_t b, uint64_t e, float* saved) const;
 

@@ -370,8 +370,19 @@ void SessionManager::MigrateColumns(const v1::MigrateColumnsRequest& req,
   // A handover needs no quiescent session: the strand orders it after the earlier work.
   absl::StatusOr<std::vector<MigratePlan>> plans = PlanMigrate(req, *s->layout());
   if (!plans.ok()) return Fail(plans.status(), done);
-  PostOrFail(*s, [s, plans = *std::move(plans), resp, done] {
-    const std::vector<MigrateResult> results = s->HandOver(plans);
+  std::optional<int64_t> before;
+  if (req.has_handovers_before()) {
+    if (req.handovers_before() < 0)
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+                      "handovers_before: ", req.handovers_before(), " is negative")),
+                  done);
+    before = req.handovers_before();
+  }
+  PostOrFail(*s, [this, s, plans = *std::move(plans), before, resp, done] {
+    absl::StatusOr<std::vector<MigrateResult>> got =
+        before ? s->HandOverAgain(plans, *before) : s->HandOver(plans);
+    if (!got.ok()) return Fail(got.status(), done);
+    const std::vector<MigrateResult>& results = *got;
     for (size_t i = 0; i < results.size(); ++i) {
       auto* steps = i == 0 ? resp->mutable_steps() : resp->add_more()->mutable_steps();
       for (int64_t t : results[i].steps) steps->Add(t);
@@ -737,10 +748,11 @@ absl::StatusOr<AdoptResult> SessionManager::AdoptImpl(const std::string* token,
     for (int64_t t : steps) sane = sane && t >= -(int64_t{1} << 62);
   if (!sane)
     return unreserve(absl::DataLossError("the session record's commit holds values out of range"));
-  // An Update or a push with its work journal entry is finished by this daemon (Resume); any
-  // other work cut short may have torn the state.
+  // An Update, a push or a handover with its work journal entry is finished by this daemon
+  // (Resume); any other work cut short may have torn the state.
   const bool resumable =
-      (commit->busy == RecordBusy::kUpdate || commit->busy == RecordBusy::kPush) &&
+      (commit->busy == RecordBusy::kUpdate || commit->busy == RecordBusy::kPush ||
+       commit->busy == RecordBusy::kHandover) &&
       commit->journaled;
   if (commit->busy != RecordBusy::kNone && !resumable)
     return unreserve(absl::FailedPreconditionError(absl::StrCat(
@@ -913,6 +925,8 @@ v1::Stats SessionManager::GetStats() {
     st.set_held_states(static_cast<int64_t>(held_.size()));
   }
   st.set_pushes_resumed(counters_.pushes_resumed.load());
+  st.set_handovers_resumed(counters_.handovers_resumed.load());
+  st.set_handovers_answered_again(counters_.handovers_answered_again.load());
   st.set_accumulate_seconds(counters_.accumulate_ns.load() * 1e-9);
   st.set_update_seconds(counters_.update_ns.load() * 1e-9);
   st.set_bytes_in(counters_.bytes_in.load());

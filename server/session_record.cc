@@ -15,7 +15,7 @@ namespace stallfree {
 namespace {
 
 constexpr char kMagic[8] = {'S', 'F', 'S', 'E', 'S', 'S', '0', '1'};
-constexpr uint32_t kFormat = 2;  // 2: commits count the handovers
+constexpr uint32_t kFormat = 3;  // 2: commits count the handovers; 3: the journal keeps handovers
 constexpr uint32_t kMaxParams = 1 << 20;
 
 uint64_t Align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }

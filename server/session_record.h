@@ -19,9 +19,9 @@
 //    slot and dtype of the newest version, the accumulator's state, the per-column step counts,
 //    and `busy`: the work method that was changing the arrays when the commit was written (set
 //    before it starts, cleared by the commit after it). A session whose newest commit is busy
-//    died in the middle of changing its state: a journaled Update or push (the commit says so)
-//    is finished from the work journal by the daemon that adopts it; any other busy state may
-//    be torn, and it is not adopted.
+//    died in the middle of changing its state: a journaled Update, push or handover (the commit
+//    says so) is finished from the work journal by the daemon that adopts it; any other busy
+//    state may be torn, and it is not adopted.
 //
 // Layout, little-endian, at byte `RecordOffset` of the state memfd, RecordBytes long:
 //   identity:  "SFSESS01" u32 format u32 bytes | u32 uid u32 rank u64 generation u64 adopt_nonce

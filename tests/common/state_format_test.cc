@@ -422,7 +422,8 @@ TEST(StateFormatTest, MalformedBytesAreDataLoss) {
     ExpectDataLoss(bad, absl::StrCat("wire type ", type), "an invalid wire type");
   }
   ExpectDataLoss(std::string("\x00\x01", 2), "field number 0", "field 0");
-  ExpectDataLoss(std::string("\x80\x80\x80\x80\x80\x01\x00", 7), "field number", "a key past 32 bits");
+  ExpectDataLoss(std::string("\x80\x80\x80\x80\x80\x01\x00", 7), "field number",
+                 "a key past 32 bits");
   // Varints: 11 bytes (as a value, a key, a length, a packed element), and 10 past 64 bits.
   const std::string eleven = std::string(10, '\xff') + '\x01';
   ExpectDataLoss("\x18" + eleven, "longer than 10 bytes", "an 11-byte value");

@@ -483,12 +483,13 @@ TEST(Adopt, AnUpdateAcceptedAndNeverRunIsSentAgainAfterTheReattach) {
   EXPECT_TRUE(got == want) << "the parameters differ from the uninterrupted calls'";
 }
 
-// A daemon SIGKILLed at any instant of a push or an Update, or between a handover and the Update
-// that lands its columns, loses nothing: the daemon that takes the session back finishes the
-// operation from its work journal (server/session_journal.h) and the handed-over columns from
-// the arrays, where they wait marked, and
-// the run equals the same calls on a daemon never killed, bit for bit, with no Update sent again
-// and no step recomputed. The kills are aimed through the held descriptor: a watcher thread reads
+// A daemon SIGKILLed at any instant of a push, an Update or a handover's exchange, after a
+// handover and before its answer, or between a handover and the Update that lands its columns,
+// loses nothing: the daemon that takes the session back finishes the operation from its work
+// journal (server/session_journal.h), answers the handover sent again from it without a second
+// exchange, and lands the handed-over columns from the arrays, where they wait marked; the run
+// equals the same calls on a daemon never killed, bit for bit (the handed-back columns and their
+// step counts too), with no Update sent again and no step recomputed. The kills are aimed through the held descriptor: a watcher thread reads
 // the record's newest commit and the journal's done units, and kills once the running
 // operation's units reach a chosen share (1 worker thread, 4096 units of 1024 elements, each
 // slowed by 20 us through the daemon's testing flag --test_unit_delay_us); it
@@ -503,11 +504,25 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
   const OffloadTarget::AdamW& hyper = data.hyper;
   struct Kill {
     RecordBusy what;  // kNone: after the round's handover, before its Update
-    int64_t step;  // the Update's step, or the step of the round the push belongs to
-    double share;  // of the units done when the kill is sent
+    int64_t step;  // the Update's step, or the step of the round the push or handover belongs to
+    double share;  // of the units (a handover's pieces) done when the kill is sent
+    bool unanswered = false;  // kHandover: after its exchange, before its answer arrived
+  };
+  // Rounds 2 and 3 each hand 32 columns over (32 journal pieces of 1024 cells).
+  const int64_t moved = 32;
+  auto moves = [&](int64_t step) {
+    OffloadTarget::ColumnMove m{"w", {}, {}};
+    for (int64_t j = 0; j < moved; ++j) {
+      m.columns.push_back(step * 7 + j * 113);  // distinct, below cols
+      m.steps.push_back(step + j % 3);
+    }
+    return std::vector<OffloadTarget::ColumnMove>{m};
   };
   struct Outcome {
     std::vector<float> slot, outgoing;
+    std::vector<std::vector<int64_t>> outgoing_steps;
+    // Per handover, the daemon's handovers_resumed and handovers_answered_again after it.
+    std::vector<std::pair<int64_t, int64_t>> handover_stats;
     std::vector<std::vector<float>> after_push, after_update;  // the accumulator, the slot
     Arrays state;
     int landed = 0;
@@ -517,7 +532,8 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
     Outcome o;
     // Units slowed (testing only) where kills are aimed, so that each lands inside its operation.
     std::vector<std::string> flags = {"--threads", "1"};
-    if (!kills.empty()) flags.insert(flags.end(), {"--test_unit_delay_us", "20"});
+    if (!kills.empty())
+      flags.insert(flags.end(), {"--test_unit_delay_us", "20", "--test_answer_delay_us", "20000"});
     Daemon d(flags);
     EXPECT_TRUE(d.started()) << d.error();
     Target opened = OpenTarget(d.socket(), "journaled", rows, cols, w);
@@ -530,21 +546,27 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
     const SessionRecord& record = view.record;
     const WorkJournal& journal = view.journal;
     std::atomic<bool> stop{false};
-    // The handover's answer has arrived (a kill before it would leave the client without it: the
-    // call then fails, by design, instead of handing the columns over twice).
-    std::atomic<bool> answered{false};
+    // The step of the round whose handover's answer has arrived last.
+    std::atomic<int64_t> answered{0};
+    const uint64_t pieces = (rows * moved + layout.journal.unit - 1) / layout.journal.unit;
     std::thread watcher([&] {
       for (const Kill& k : kills) {
-        const uint64_t target = static_cast<uint64_t>(k.share * layout.journal.units);
+        const uint64_t all = k.what == RecordBusy::kHandover ? pieces : layout.journal.units;
+        const uint64_t target = static_cast<uint64_t>(k.share * all);
         auto running = [&] {
           absl::StatusOr<SessionCommit> c = record.NewestCommit();
-          if (!c.ok() || c->busy != k.what) return false;
+          if (!c.ok()) return false;
+          if (k.unanswered)  // the round's handover counted, its answer not arrived
+            return c->busy == RecordBusy::kNone && c->handovers == k.step - 1 &&
+                   answered.load() < k.step;
+          if (c->busy != k.what) return false;
           if (k.what == RecordBusy::kUpdate) return c->busy_step == k.step;
-          if (k.what == RecordBusy::kPush) return c->version == k.step - 1;
+          if (k.what == RecordBusy::kPush || k.what == RecordBusy::kHandover)
+            return c->version == k.step - 1;
           // Handed-over columns are marked with negative step counts until the Update lands them.
           bool marked = false;
           for (int64_t t : c->col_steps[0]) marked = marked || t < 0;
-          return marked && c->version == k.step - 1 && answered.load();
+          return marked && c->version == k.step - 1 && answered.load() == k.step;
         };
         while (!stop.load() && !(running() && journal.done_units() >= target)) {
         }
@@ -555,8 +577,8 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
         }
         d.Kill();
         const uint64_t done = journal.done_units();
-        if (k.what == RecordBusy::kNone ? running()
-                                        : running() && done > 0 && done < layout.journal.units)
+        if (k.what == RecordBusy::kNone || k.unanswered ? running()
+                                                        : running() && done > 0 && done < all)
           ++o.landed;
         d.Restart();
       }
@@ -566,16 +588,26 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
       absl::Status pushed = t.Push(step, 0, 1.0f);
       EXPECT_TRUE(pushed.ok()) << pushed << "\n" << d.Log();
       o.after_push.push_back(ReadAccumulator(s.state_fd(), rows, cols));
-      if (step == 2) {
-        // Columns 3 and 17 handed over to the daemon (their state as a device would send it),
-        // and the daemon's handed back; then a pause in which a kill finds them not landed yet.
+      if (step >= 2) {
+        // Columns handed over to the daemon (their state as a device would send it), and the
+        // daemon's handed back; then a pause in which a kill finds them not landed yet.
         float* staging = s.Staging();
-        for (int64_t i = 0; i < 4 * rows * 2; ++i)
-          staging[i] = 0.001f * static_cast<float>(i % 997);
-        absl::StatusOr<OffloadTarget::HandOver> got = t.HandOverColumns({{"w", {3, 17}, {4, 9}}});
+        for (int64_t i = 0; i < 4 * rows * moved; ++i)
+          staging[i] = 0.001f * static_cast<float>((i + step) % 997);
+        absl::StatusOr<OffloadTarget::HandOver> got = t.HandOverColumns(moves(step));
         EXPECT_TRUE(got.ok()) << got.status() << "\n" << d.Log();
-        if (got.ok()) o.outgoing.assign(staging, staging + 4 * rows * 2);
-        answered.store(true);
+        if (got.ok()) {
+          o.outgoing.insert(o.outgoing.end(), staging, staging + 4 * rows * moved);
+          o.outgoing_steps.push_back(got->steps[0]);
+          o.outgoing_steps.push_back({got->pushes});
+        }
+        // The daemon that answered (the watcher's next kill waits for `answered`).
+        auto c = Client::Connect(d.socket(), 3000);
+        absl::StatusOr<v1::Stats> st = c.ok() ? (*c)->GetStats() : c.status();
+        EXPECT_TRUE(st.ok()) << st.status();
+        if (st.ok())
+          o.handover_stats.push_back({st->handovers_resumed(), st->handovers_answered_again()});
+        answered.store(step);
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
       memcpy(s.GradSlot(1, "w"), grads[2 * step - 1].data(), n * 4);
@@ -597,9 +629,11 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
   };
   const std::vector<Kill> kills = {{RecordBusy::kPush, 1, 0.5},
                                    {RecordBusy::kUpdate, 1, 0.3},
+                                   {RecordBusy::kHandover, 2, 0.25},
                                    {RecordBusy::kNone, 2, 0},
                                    {RecordBusy::kUpdate, 2, 0.8},
                                    {RecordBusy::kPush, 3, 0.1},
+                                   {RecordBusy::kHandover, 3, 0, /*unanswered=*/true},
                                    {RecordBusy::kUpdate, 3, 0.05}};
   const Outcome got = run(kills);
   const Outcome want = run({});
@@ -613,6 +647,13 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
   }
   EXPECT_TRUE(got.slot == want.slot) << "the parameters differ from the uninterrupted run's";
   EXPECT_TRUE(got.outgoing == want.outgoing) << "the handed-back columns differ";
+  EXPECT_EQ(got.outgoing.size(), static_cast<size_t>(2 * 4 * rows * moved));
+  EXPECT_EQ(got.outgoing_steps, want.outgoing_steps) << "the handed-back step counts differ";
+  // The kill inside round 2's exchange: finished by the next daemon, then answered again; the
+  // kill before round 3's answer: answered again, nothing exchanged twice.
+  using Stats = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(got.handover_stats, (Stats{{1, 1}, {0, 1}}));
+  EXPECT_EQ(want.handover_stats, (Stats{{0, 0}, {0, 0}}));
   EXPECT_TRUE(got.state.master == want.state.master);
   EXPECT_TRUE(got.state.m == want.state.m);
   EXPECT_TRUE(got.state.v == want.state.v);

@@ -137,6 +137,7 @@ class Fuzzer {
           if (Pick(4)) r.add_steps(I64());
         }
         r.set_handover(Pick(2) == 0);
+        if (Pick(2) == 0) r.set_handovers_before(I64());
         for (int m = Pick(3); m > 0; --m) {
           v1::ColumnHandover* h = r.add_more();
           h->set_param(Name());

@@ -56,11 +56,13 @@ constexpr uint64_t kStride = kColdElems + 272;
 // column (3 x 922 columns) and the identity, 11 pages.
 constexpr uint64_t kRecordPages = 11 * 4096;
 // The work journal (server/session_journal.h) from the page after the arrays: its header (32
-// bytes), its entry (16 + a plan room of 256 + 32 x (2 x 3 + 64) = 2496, + an 8-byte checksum),
-// 2 slot headers and the done bitmap of 2766 units of 1024 elements (44 words), to 64 bytes:
-// 2944; then 2 slots of 3 x 1024 floats (24 KiB).
+// bytes), its entry (16 + a plan room, the larger of an Update's or a push's, 256 + 32 x (2 x 3 +
+// 64) = 2496, and a handover's, 64 + 16 x 3 + 24 x (2766 / 4 + 3) = 16768 (24 bytes for each
+// column it can move, a quarter of each parameter's), + an 8-byte checksum), 2 slot headers and
+// the done bitmap of 2766 units of 1024 elements (44 words), to 64 bytes: 17216; then 2 slots of
+// 3 x 1024 floats (24 KiB).
 constexpr uint64_t kJournalAt = (kRecordPages + 16 * kStride + 4095) / 4096 * 4096;
-constexpr uint64_t kJournalBytes = 2944 + 2 * 3 * 1024 * 4;
+constexpr uint64_t kJournalBytes = 17216 + 2 * 3 * 1024 * 4;
 
 // bf16 in and out, one parameter slot (what ZenFlowAdamW's default registers): 2 x 2 bytes of
 // gradient slots, 2 bytes of parameter slot, 4/32 of staging and 16 of fp32 state per element.
@@ -86,8 +88,9 @@ TEST(LayOutParams, Bf16TransfersOneSlotTakeAbout22BytesPerElement) {
   EXPECT_EQ(l->pinned_bytes(), 2 * Pages(2 * kColdElems) + Pages(2 * kColdElems) +
                                    Pages(kColdElems / 8) + kJournalAt + kJournalBytes);
   const double per_elem = static_cast<double>(l->pinned_bytes()) / kColdElems;
-  // The padding and the record: 0.018 an element; the journal from its page on: 0.011.
-  EXPECT_LE(per_elem, 22.125 + 0.03);
+  // The padding and the record: 0.019 an element; the journal from its page on: 0.015 (0.005 of
+  // it the room of a handover's plan).
+  EXPECT_LE(per_elem, 22.125 + 0.035);
   EXPECT_GE(per_elem, 22.125);
   // Per model parameter (3 x (1024 x 1024 + 1024), the rest on the device): at most 20.
   EXPECT_LE(static_cast<double>(l->pinned_bytes()) / (3 * (1024 * 1024 + 1024)), 20.0);
@@ -109,7 +112,7 @@ TEST(LayOutParams, Fp32TransfersOneSlotTakeAbout28BytesPerElement) {
   EXPECT_EQ(r.region_bytes(), 3 * Pages(4 * kColdElems) + Pages(kColdElems / 8));
   const double per_elem = static_cast<double>(l->pinned_bytes()) / kColdElems;
   EXPECT_GE(per_elem, 28.125);
-  EXPECT_LE(per_elem, 28.125 + 0.03);
+  EXPECT_LE(per_elem, 28.125 + 0.035);
 }
 
 // A request without the new fields (an older client): two fp32 parameter slots and a staging

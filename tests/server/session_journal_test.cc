@@ -5,6 +5,7 @@
 #include "server/session_journal.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <random>
 #include <stdexcept>
@@ -21,7 +22,7 @@ namespace {
 constexpr uint64_t kElems = 100000;  // not a multiple of the unit: a short last unit
 
 struct Fixture {
-  JournalGeometry g = JournalGeometryFor(kElems, 3);
+  JournalGeometry g = JournalGeometryFor(kElems, 3, 3 * 64);
   std::vector<uint64_t> memory = std::vector<uint64_t>(g.bytes / 8 + 8);
   WorkJournal journal{reinterpret_cast<uint8_t*>(memory.data()), g};
   std::vector<std::vector<float>> arrays = std::vector<std::vector<float>>(3);
@@ -235,6 +236,87 @@ TEST(WorkJournal, ASpanCutShortInAVectorAcrossTwoUnitsIsFinishedExactly) {
   ExpectArrays(f, want);
 }
 
+// A handover's exchange (OffloadSession::ExchangeColumns) in the journal's pieces: staging cell
+// c of three blocks swaps with element 13 c mod kElems of the three arrays. Killed again and
+// again (an exception after a random number of cells: in a piece's save, its first phase or its
+// second, on two workers, and inside the finishing of the pieces torn before), each time taken
+// on by a new WorkJournal over the same memory (a new daemon) that finishes the torn pieces and
+// runs the rest: the result is the swap, exactly. Rolling a torn piece back instead cannot give
+// it: after its first phase the arrays' old values are only in the staging blocks.
+TEST(WorkJournal, AnExchangeCutShortInEitherPhaseIsFinishedFromWhereItStopped) {
+  Fixture f;
+  const uint64_t cells = 20000, unit = f.g.unit, pieces = (cells + unit - 1) / unit;
+  ASSERT_LE(pieces, f.g.units);
+  std::vector<std::vector<float>> staging(3, std::vector<float>(cells));
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  for (auto& b : staging)
+    for (float& x : b) x = normal(rng);
+  auto at = [](uint64_t c) { return c * 13 % kElems; };  // distinct: 13 is prime to 10^5
+  std::vector<std::vector<float>> want_arrays = f.arrays, want_staging = staging;
+  for (int a = 0; a < 3; ++a)
+    for (uint64_t c = 0; c < cells; ++c) std::swap(want_staging[a][c], want_arrays[a][at(c)]);
+
+  std::atomic<int64_t> budget{-1};  // cells until the kill; < 0: none
+  std::atomic<bool> killed{false};  // then every worker stops at its next cell
+  std::atomic<int> phase_killed[3] = {0, 0, 0};
+  auto tick = [&](int phase) {
+    if (killed.load()) throw std::runtime_error("killed");
+    if (budget.load() >= 0 && budget.fetch_sub(1) <= 0) {
+      killed = true;
+      phase_killed[phase].fetch_add(1);
+      throw std::runtime_error("killed");
+    }
+  };
+  WorkJournal::PhasedWork work;
+  work.save = [&](uint64_t p, float* slot) {
+    for (uint64_t c = p * unit; c < std::min(cells, p * unit + unit); ++c) {
+      tick(0);
+      for (int a = 0; a < 3; ++a) slot[a * unit + c - p * unit] = staging[a][c];
+    }
+  };
+  work.first = [&](uint64_t p, const float*) {
+    for (uint64_t c = p * unit; c < std::min(cells, p * unit + unit); ++c) {
+      tick(1);
+      for (int a = 0; a < 3; ++a) staging[a][c] = f.arrays[a][at(c)];
+    }
+  };
+  work.second = [&](uint64_t p, const float* slot) {
+    for (uint64_t c = p * unit; c < std::min(cells, p * unit + unit); ++c) {
+      tick(2);
+      for (int a = 0; a < 3; ++a) f.arrays[a][at(c)] = slot[a * unit + c - p * unit];
+    }
+  };
+  ASSERT_TRUE(f.journal.Begin(9, JournalOp::kHandover, "plan").ok());
+  int kills = 0, kills_finishing = 0;
+  for (int run = 0;; ++run) {
+    WorkJournal daemon(reinterpret_cast<uint8_t*>(f.memory.data()), f.g);
+    // Every third kill soon after the start: inside the finishing of a torn piece, if any.
+    const uint64_t within = kills % 3 == 2 ? unit / 2 : 3 * unit * 3;
+    budget = kills < 16 ? static_cast<int64_t>(rng() % within) : -1;
+    killed = false;
+    bool finishing = run > 0;
+    try {
+      if (finishing) {
+        ASSERT_TRUE(daemon.FinishTornPieces(pieces, work).ok());
+      }
+      finishing = false;
+      daemon.RunPieces(pieces, work);
+      if (budget.load() < 0 || daemon.done_units() == pieces) break;
+    } catch (const std::runtime_error&) {
+      ++kills;
+      if (finishing) ++kills_finishing;
+    }
+  }
+  EXPECT_EQ(kills, 16);
+  EXPECT_GE(phase_killed[0].load(), 1) << "no kill in a save";
+  EXPECT_GE(phase_killed[1].load(), 1) << "no kill in a first phase";
+  EXPECT_GE(phase_killed[2].load(), 1) << "no kill in a second phase";
+  EXPECT_GE(kills_finishing, 1) << "no kill while torn pieces were finished";
+  EXPECT_TRUE(f.arrays == want_arrays) << "the arrays are not the exchange's";
+  EXPECT_TRUE(staging == want_staging) << "the staging blocks are not the exchange's";
+}
+
 TEST(WorkJournal, EntriesThatDoNotCheckOutAreRefused) {
   Fixture f;
   EXPECT_TRUE(f.journal.CheckHeader().ok());
@@ -250,7 +332,8 @@ TEST(WorkJournal, EntriesThatDoNotCheckOutAreRefused) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(f.journal.Entry().ok());
   // Another geometry's header.
-  WorkJournal other(reinterpret_cast<uint8_t*>(f.memory.data()), JournalGeometryFor(kElems / 2, 3));
+  WorkJournal other(reinterpret_cast<uint8_t*>(f.memory.data()),
+                    JournalGeometryFor(kElems / 2, 3, 3 * 64));
   EXPECT_EQ(other.CheckHeader().code(), absl::StatusCode::kDataLoss);
 }
 
