@@ -32,7 +32,8 @@ CUDA_TARGETS := //kernels:optimizer_cuda //kernels:ops_cuda //tests/kernels:opti
   //tests/trainer:trainer_cuda_test
 
 # What runs under the sanitizers: the daemon, the client library and the ZenFlow engine.
-SANITIZED_TESTS := //tests/server/... //tests/client/... //tests/engine/...
+SANITIZED_TESTS := //tests/server/... //tests/client/... //tests/engine/... \
+  //tests/common:state_format_test
 ASAN_FLAGS := --config=asan \
   --test_env=LSAN_OPTIONS=suppressions=$(CURDIR)/tests/sanitizers/lsan.supp
 TSAN_FLAGS := --config=tsan \

@@ -5,6 +5,8 @@
 // the hot set and the engine migrates their state through the daemon. On the CPU backend every
 // kernel is bit-identical to the scalar oracle, so the expectations are exact (zero tolerance).
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -290,6 +292,100 @@ TEST_F(ZenFlowTest, RoundsWithReselectionEqualThePerColumnAlgorithm) {
   }
   EXPECT_GT(migrated, 0);
  }
+}
+
+// The engine over a session that re-attaches (SessionTarget with reattach_s), its daemon
+// SIGKILLed at random instants of a 40-step run that hands columns over at every round (top-k
+// reselection every 2 steps, S = 2, Updates not awaited), each kill followed by a daemon started
+// again on the same socket: the daemon's units and a handover's pieces wait 10 ms each (its
+// testing flag), so the kills land inside pushes, Updates and handovers as well as between
+// them. The parameters after every step equal those of the same run on a daemon never killed,
+// bit for bit: what a dead daemon left half done the next one finished, a handover it had
+// done was answered again, and an Update it had not begun was sent again. (Under
+// AddressSanitizer too: make test runs tests/engine so.)
+TEST(ZenFlowSurvival, ADaemonKilledAtRandomInstantsCostsTheEngineNothing) {
+  const int64_t kSteps = 40;
+  const int kKills = 10;
+  struct Outcome {
+    std::vector<std::vector<float>> values;  // per step, every parameter's, concatenated
+    int64_t reattached = 0, migrated = 0;
+    int64_t finished = 0;  // work of a killed daemon that the next one finished or answered
+    int kills = 0;
+  };
+  // With kills, the run goes on past kSteps until the last kill was noticed (at most 400 steps);
+  // without, it runs `steps`.
+  auto run = [&](bool kill, int64_t steps) {
+    Outcome o;
+    std::vector<std::string> flags = {"--threads", "2"};
+    if (kill) flags.insert(flags.end(), {"--test_unit_delay_us", "10000"});
+    testing::Daemon d(flags, "info");
+    EXPECT_TRUE(d.started()) << d.error();
+    auto client = Client::Connect(d.socket(), 3000, 60);
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return o;
+    auto s = (*client)->OpenSession("survival", 0);
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) return o;
+    SessionTarget target(std::move(*s), 60);
+    const int seed = 9;
+    std::vector<Tensor> model = MakeModel(seed);
+    auto engine = ZenFlowEngine::Create(Config(OffloadMode::kZenFlow, 2, 2, false),
+                                        Params(&model), kernels::DefaultCpuKernel(),
+                                        kernels::CpuOps(), &target);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    if (!engine.ok()) return o;
+    std::atomic<bool> stop{false}, killed_all{!kill};
+    std::thread killer([&] {
+      std::mt19937 rng(5);
+      for (; kill && o.kills < kKills && !stop.load(); ++o.kills) {
+        const auto until = std::chrono::steady_clock::now() +
+                           std::chrono::milliseconds(30 + rng() % 120);
+        while (!stop.load() && std::chrono::steady_clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        if (stop.load()) break;
+        // What the daemon about to be killed finished of its predecessor's work.
+        auto c = Client::Connect(d.socket(), 3000);
+        absl::StatusOr<v1::Stats> st = c.ok() ? (*c)->GetStats() : c.status();
+        if (st.ok())
+          o.finished += st->updates_resumed() + st->pushes_resumed() + st->handovers_resumed() +
+                        st->handovers_answered_again();
+        d.Kill();
+        d.Restart();
+        // The next kill once the engine has noticed this one (re-attached).
+        while (!stop.load() && target.reattached() <= o.kills)
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      killed_all.store(true);
+    });
+    for (int64_t t = 1; kill ? (t <= kSteps || !killed_all.load()) && t <= 400 : t <= steps;
+         ++t) {
+      FillGrads(&model, t, seed);
+      absl::Status st = (*engine)->Step(Lr(t));
+      EXPECT_TRUE(st.ok()) << "step " << t << ": " << st << "\n" << d.Log();
+      if (!st.ok()) break;
+      o.migrated += (*engine)->last_timings().migrated_columns;
+      std::vector<float> all;
+      for (const Tensor& x : model) all.insert(all.end(), x.value.begin(), x.value.end());
+      o.values.push_back(std::move(all));
+    }
+    absl::Status drained = (*engine)->Flush();
+    EXPECT_TRUE(drained.ok()) << drained;
+    stop.store(true);
+    killer.join();
+    o.reattached = target.reattached();
+    return o;
+  };
+  const Outcome got = run(true, 0);
+  const Outcome want = run(false, static_cast<int64_t>(got.values.size()));
+  EXPECT_EQ(got.kills, kKills) << "the run ended before its kills";
+  EXPECT_EQ(got.reattached, got.kills);
+  EXPECT_GT(got.finished, 0) << "no kill landed inside the daemon's work";
+  EXPECT_GT(want.migrated, 0) << "no column was handed over";
+  EXPECT_EQ(got.migrated, want.migrated);
+  ASSERT_GE(got.values.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(want.values.size(), got.values.size());
+  for (size_t t = 0; t < got.values.size(); ++t)
+    ASSERT_TRUE(got.values[t] == want.values[t]) << "the parameters differ after step " << t + 1;
 }
 
 // update_interval auto (W = 2, so it chooses at steps 2, 18, ...): a daemon whose Update takes
