@@ -64,6 +64,7 @@ struct Flags {
   double update_wait_s = 60;
   int64_t test_unit_delay_us = 0;
   int64_t test_answer_delay_us = 0;
+  int64_t test_piece_delay_us = 0;
   double fd_store_hold_s = 300;
 };
 
@@ -107,8 +108,11 @@ int ParseFlags(int argc, char** argv, Flags* f) {
                   "store (its process, while alive, still holds it)");
   flags.AddInt("test_unit_delay_us", &f->test_unit_delay_us,
                "testing only: each unit (up to 1024 elements) of a push or an Update waits this long half way, "
-               "so that a crash test can stop the daemon inside one (0: never); each piece of a "
-               "column handover's exchange waits it between its two phases");
+               "so that a crash test can stop the daemon inside one (0: never)");
+  flags.AddInt("test_piece_delay_us", &f->test_piece_delay_us,
+               "testing only: each piece (up to 1024 cells) of a column handover's exchange waits "
+               "this long between its two phases, so that a crash test can stop the daemon "
+               "inside one (0: never)");
   flags.AddInt("test_answer_delay_us", &f->test_answer_delay_us,
                "testing only: a column handover's answer waits this long once the handover is "
                "done, so that a crash test can stop the daemon before the answer (0: never)");
@@ -143,10 +147,11 @@ bool Configure(Flags* f, stallfree::DaemonOptions* opts) {
   }
   if (f->test_unit_delay_us > 0) SetUnitDelayForTesting(f->test_unit_delay_us);
   if (f->test_answer_delay_us > 0) SetHandoverAnswerDelayForTesting(f->test_answer_delay_us);
+  if (f->test_piece_delay_us > 0) SetPieceDelayForTesting(f->test_piece_delay_us);
   if (f->threads < 0 || f->pinned_mib < 0 || f->test_unit_delay_us < 0 ||
-      f->test_answer_delay_us < 0) {
-    fprintf(stderr, "stallfreed: --threads, --pinned_mib, --test_unit_delay_us and "
-            "--test_answer_delay_us must be >= 0\n");
+      f->test_answer_delay_us < 0 || f->test_piece_delay_us < 0) {
+    fprintf(stderr, "stallfreed: --threads, --pinned_mib and the --test_*_delay_us flags must be "
+            ">= 0\n");
     return false;
   }
   // At least 1 ms, at most what WaitUpdateRequest.timeout_ms can name (about 49 days).

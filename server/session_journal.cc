@@ -27,6 +27,7 @@ constexpr uint32_t kMaxArrays = 3;
 uint64_t Align(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
 
 std::atomic<int64_t> unit_delay_us{0};
+std::atomic<int64_t> piece_delay_us{0};
 
 // The window of a slot header (kernels::UndoMark) for a unit copied whole when it went on from
 // its `done` (a unit cut short in the kernels' pass, finished by a backend that keeps no undo
@@ -41,6 +42,7 @@ inline void OrderStores() { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
 }  // namespace
 
 void SetUnitDelayForTesting(int64_t microseconds) { unit_delay_us.store(microseconds); }
+void SetPieceDelayForTesting(int64_t microseconds) { piece_delay_us.store(microseconds); }
 
 JournalGeometry JournalGeometryFor(uint64_t total_elems, size_t params, uint64_t columns) {
   JournalGeometry g;
@@ -294,7 +296,7 @@ void WorkJournal::RunPieces(uint64_t pieces, const PhasedWork& work) {
   for (uint64_t p = 0; p < pieces; ++p)
     if (!done(p)) todo.push_back(p);
   if (todo.empty()) return;
-  const int64_t delay_us = unit_delay_us.load(std::memory_order_relaxed);
+  const int64_t delay_us = piece_delay_us.load(std::memory_order_relaxed);
   std::atomic<uint64_t> next{0};
   auto worker = [&](uint32_t slot) {
     float* saved = SlotData(slot);

@@ -95,8 +95,10 @@ JournalGeometry JournalGeometryFor(uint64_t total_elems, size_t params, uint64_t
 // Testing only: every unit of an operation waits this long half way through its work (0: none,
 // the default), so that a test can stop the daemon inside an operation, with a unit half
 // changed, at a point it chooses (stallfreed's --test_unit_delay_us).
-// A handover's pieces wait it between their phases.
 void SetUnitDelayForTesting(int64_t microseconds);
+// Testing only: each piece of a handover's exchange (RunPieces) waits this long between its two
+// phases (stallfreed's --test_piece_delay_us).
+void SetPieceDelayForTesting(int64_t microseconds);
 
 // The operation a journal entry describes.
 enum class JournalOp : uint32_t { kNone = 0, kUpdate = 1, kPush = 2, kHandover = 3 };

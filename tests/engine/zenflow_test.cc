@@ -298,7 +298,7 @@ TEST_F(ZenFlowTest, RoundsWithReselectionEqualThePerColumnAlgorithm) {
 // SIGKILLed at random instants of a 40-step run that hands columns over at every round (top-k
 // reselection every 2 steps, S = 2, Updates not awaited), each kill followed by a daemon started
 // again on the same socket: the daemon's units and a handover's pieces wait 10 ms each (its
-// testing flag), so the kills land inside pushes, Updates and handovers as well as between
+// testing flags), so the kills land inside pushes, Updates and handovers as well as between
 // them. The parameters after every step equal those of the same run on a daemon never killed,
 // bit for bit: what a dead daemon left half done the next one finished, a handover it had
 // done was answered again, and an Update it had not begun was sent again. (Under
@@ -317,7 +317,10 @@ TEST(ZenFlowSurvival, ADaemonKilledAtRandomInstantsCostsTheEngineNothing) {
   auto run = [&](bool kill, int64_t steps) {
     Outcome o;
     std::vector<std::string> flags = {"--threads", "2"};
-    if (kill) flags.insert(flags.end(), {"--test_unit_delay_us", "10000"});
+    if (kill) {
+      flags.insert(flags.end(),
+                   {"--test_unit_delay_us", "10000", "--test_piece_delay_us", "10000"});
+    }
     testing::Daemon d(flags, "info");
     EXPECT_TRUE(d.started()) << d.error();
     auto client = Client::Connect(d.socket(), 3000, 60);

@@ -489,11 +489,12 @@ TEST(Adopt, AnUpdateAcceptedAndNeverRunIsSentAgainAfterTheReattach) {
 // journal (server/session_journal.h), answers the handover sent again from it without a second
 // exchange, and lands the handed-over columns from the arrays, where they wait marked; the run
 // equals the same calls on a daemon never killed, bit for bit (the handed-back columns and their
-// step counts too), with no Update sent again and no step recomputed. The kills are aimed through the held descriptor: a watcher thread reads
-// the record's newest commit and the journal's done units, and kills once the running
-// operation's units reach a chosen share (1 worker thread, 4096 units of 1024 elements, each
-// slowed by 20 us through the daemon's testing flag --test_unit_delay_us); it
-// then starts a daemon on the same socket, and the SessionTarget's call that the kill broke
+// step counts too), with no Update sent again and no step recomputed. The kills are aimed
+// through the held descriptor: a watcher thread reads the record's newest commit and the
+// journal's done units, and kills once the running operation's units reach a chosen share (1
+// worker thread, 4096 units of 1024 elements, each slowed by 20 us through the daemon's testing
+// flag --test_unit_delay_us; a handover's 32 pieces by 2 ms, --test_piece_delay_us; its answer
+// held 20 ms, --test_answer_delay_us); it then starts a daemon on the same socket, and the SessionTarget's call that the kill broke
 // re-attaches and returns as if nothing happened. Each kill must land inside its operation:
 // some units done, not all.
 TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
@@ -533,7 +534,8 @@ TEST(Adopt, ADaemonKilledInsideAPushOrAnUpdateIsFinishedByTheNextBitForBit) {
     // Units slowed (testing only) where kills are aimed, so that each lands inside its operation.
     std::vector<std::string> flags = {"--threads", "1"};
     if (!kills.empty())
-      flags.insert(flags.end(), {"--test_unit_delay_us", "20", "--test_answer_delay_us", "20000"});
+      flags.insert(flags.end(), {"--test_unit_delay_us", "20", "--test_piece_delay_us", "2000",
+                                 "--test_answer_delay_us", "20000"});
     Daemon d(flags);
     EXPECT_TRUE(d.started()) << d.error();
     Target opened = OpenTarget(d.socket(), "journaled", rows, cols, w);
