@@ -471,6 +471,7 @@ absl::Status OffloadSession::Allocate(SessionLayout layout) {
   region_ = std::move(*region);
   state_ = std::move(*state);
   record_ = std::make_unique<SessionRecord>(state_->data(), layout.arrays_offset);
+  identity_.format = layout.record_format;
   identity_.rank = rank_;
   identity_.name = name_;
   identity_.token_sha256 = TokenDigest(token_);

@@ -152,6 +152,9 @@ struct SessionLayout {
   uint64_t journal_offset = 0;
   JournalGeometry journal;
   uint64_t state_bytes = 0;
+  // The session record's format this layout is for (kRecordFormat; an adopted state of format 2
+  // keeps its journal, with no room for a handover's plan).
+  uint32_t record_format = kRecordFormat;
   v1::RegionLayout region;
   // The request's own param_dtype and param_slots (0: the layout of before), for the record.
   v1::DType requested_param_dtype = v1::DTYPE_UNSPECIFIED;

@@ -35,7 +35,8 @@ std::vector<RecordParam> RecordParamsOf(const SessionLayout& layout) {
 
 uint64_t StateStride(uint64_t elems) { return elems + (1024 + 272 - elems % 1024) % 1024; }
 
-absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req) {
+absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req,
+                                           uint32_t record_format) {
   if (req.params_size() == 0) return absl::InvalidArgumentError("params: empty");
   if (req.param_dtype() != v1::DTYPE_UNSPECIFIED && req.param_dtype() != v1::DTYPE_FP32 &&
       req.param_dtype() != v1::DTYPE_BF16)
@@ -129,9 +130,11 @@ absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& req)
   out.state_stride = StateStride(elems);
   AlignUp(RecordBytes(RecordParamsOf(out)), kPage, &out.arrays_offset);
   AlignUp(out.arrays_offset + 4 * out.state_stride * 4, kPage, &out.journal_offset);
-  uint64_t columns = 0;
-  for (const ParamLayout& p : out.params) columns += static_cast<uint64_t>(p.cols);
+  uint64_t columns = 0;  // (none for a journal of before handovers were kept)
+  if (record_format >= kRecordFormat)
+    for (const ParamLayout& p : out.params) columns += static_cast<uint64_t>(p.cols);
   out.journal = JournalGeometryFor(elems, out.params.size(), columns);
+  out.record_format = record_format;
   out.state_bytes = out.journal_offset + out.journal.bytes;
   out.requested_param_dtype = req.param_dtype();
   out.requested_param_slots = req.param_slots();

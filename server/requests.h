@@ -27,8 +27,11 @@ namespace stallfree {
 // elements, alternated runs: 1.04 Gelem/s packed, 1.64 staggered.
 uint64_t StateStride(uint64_t elems);
 
-// The parameters of a RegisterParams request, laid out (offload_session.h, SessionLayout).
-absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& request);
+// The parameters of a RegisterParams request, laid out (offload_session.h, SessionLayout), for a
+// session record of `record_format` (session_record.h: a state of format 2, adopted, keeps the
+// work journal it was laid out with, whose plan has no room for a handover's).
+absl::StatusOr<SessionLayout> LayOutParams(const v1::RegisterParamsRequest& request,
+                                           uint32_t record_format = kRecordFormat);
 // A layout's parameters as its session record names them.
 std::vector<RecordParam> RecordParamsOf(const SessionLayout& layout);
 

@@ -704,7 +704,7 @@ absl::StatusOr<AdoptResult> SessionManager::AdoptImpl(const std::string* token,
     for (int64_t d : p.shape) spec->add_shape(d);
     spec->set_grad_dtype(static_cast<v1::DType>(p.grad_dtype));
   }
-  absl::StatusOr<SessionLayout> layout = LayOutParams(reg);
+  absl::StatusOr<SessionLayout> layout = LayOutParams(reg, id->format);
   if (!layout.ok()) return refuse(absl::DataLossError(absl::StrCat(
       "the adopted state's registration does not lay out: ", layout.status().message())));
   if (layout->total_elems != id->total_elems || layout->state_stride != id->state_stride ||

@@ -15,7 +15,9 @@ namespace stallfree {
 namespace {
 
 constexpr char kMagic[8] = {'S', 'F', 'S', 'E', 'S', 'S', '0', '1'};
-constexpr uint32_t kFormat = 3;  // 2: commits count the handovers; 3: the journal keeps handovers
+// 2: commits count the handovers; 3: the work journal keeps handovers (its plan's room grew:
+// SessionIdentity::format says which journal a state has).
+static_assert(kRecordFormat == 3, "the formats this daemon reads: 2 and kRecordFormat");
 constexpr uint32_t kMaxParams = 1 << 20;
 
 uint64_t Align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }
@@ -29,7 +31,7 @@ uint64_t Digest(const uint8_t* p, uint64_t n) {
 std::vector<uint8_t> EncodeIdentity(const SessionIdentity& id) {
   LeWriter w;
   w.Bytes(kMagic, sizeof kMagic);
-  w.Put<uint32_t>(kFormat);
+  w.Put<uint32_t>(id.format);
   w.Put<uint32_t>(0);  // the identity's bytes, set below
   w.Put<uint32_t>(static_cast<uint32_t>(id.uid));
   w.Put<int32_t>(id.rank);
@@ -142,8 +144,9 @@ absl::StatusOr<SessionIdentity> SessionRecord::ReadIdentity() const {
   LeReader r(data_ + 8, size_ - 8);
   const uint32_t format = r.Get<uint32_t>();
   const uint32_t bytes = r.Get<uint32_t>();
-  if (format != kFormat)
-    return loss(absl::StrCat("has format ", format, "; this stallfreed reads format ", kFormat));
+  if (format != kRecordFormat && format != kRecordFormatNoHandovers)
+    return loss(absl::StrCat("has format ", format, "; this stallfreed reads formats ",
+                             kRecordFormatNoHandovers, " and ", kRecordFormat));
   if (bytes < 24 || bytes > size_ || bytes % 8 != 0)
     return loss(absl::StrCat("claims ", bytes, " bytes of ", size_));
   uint64_t sum;
@@ -151,6 +154,7 @@ absl::StatusOr<SessionIdentity> SessionRecord::ReadIdentity() const {
   if (sum != Digest(data_, bytes - 8)) return loss("fails its checksum");
   r = LeReader(data_ + 16, bytes - 24);
   SessionIdentity id;
+  id.format = format;
   id.uid = static_cast<uid_t>(r.Get<uint32_t>());
   id.rank = r.Get<int32_t>();
   id.generation = r.Get<uint64_t>();

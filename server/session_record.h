@@ -52,7 +52,15 @@ namespace stallfree {
 // checkpoint's header holds too.
 using RecordParam = StateParam;
 
+// The record's format: 3 since the work journal keeps handovers (its plan's room holds a
+// handover's plan: JournalGeometryFor); a daemon reads format 2 as well, a state of the daemon
+// before that, and keeps its journal as it was laid out (its handovers then run unjournaled).
+inline constexpr uint32_t kRecordFormat = 3;
+inline constexpr uint32_t kRecordFormatNoHandovers = 2;
+
 struct SessionIdentity {
+  // The record's format (kRecordFormat for a new session; an adopted one keeps its own).
+  uint32_t format = kRecordFormat;
   uid_t uid = static_cast<uid_t>(-1);  // -1 until the session's process attached
   int32_t rank = 0;
   uint64_t generation = 0;

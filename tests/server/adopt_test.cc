@@ -3,6 +3,7 @@
 // back (Session::Reattach, the fd socket's ADOPT) from the record at the start of the state
 // (server/session_record.h). The run goes on bit for bit, with no step recomputed; and only the
 // session's own process, with its token and its current generation, can take it back.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -771,6 +772,156 @@ TEST(Adopt, UnderSystemdTheFdStoreHandsTheStateToTheNextDaemonAtStart) {
 
 // A session its daemon closed (here an operator's close) is not taken back, by that daemon or
 // a later one: its record says so (generation 0).
+// A state of the record format before handovers were journaled (2: its work journal's plan has
+// no room for a handover's, and so its state is smaller), as the daemon of commit 0e18780 left
+// it, is taken back by this daemon with the journal it has: the run goes on bit for bit, the
+// state keeps its format (the next daemon lays it out the same), and its handovers run without
+// a journal entry (one sent again is refused, not done twice). The old state is made from a live
+// one: its bytes up to the journal, the identity's format and size set back, the old journal.
+TEST(Adopt, AStateOfTheFormatBeforeJournaledHandoversIsTakenBack) {
+  const int64_t rows = 16, cols = 4096, n = rows * cols;
+  v1::RegisterParamsRequest reg;
+  reg.set_param_dtype(v1::DTYPE_FP32);
+  reg.set_param_slots(1);
+  v1::ParamSpec* spec = reg.add_params();
+  spec->set_name("w");
+  spec->add_shape(rows);
+  spec->add_shape(cols);
+  spec->set_grad_dtype(v1::DTYPE_FP32);
+  const absl::StatusOr<SessionLayout> now = LayOutParams(reg);
+  const absl::StatusOr<SessionLayout> before = LayOutParams(reg, kRecordFormatNoHandovers);
+  ASSERT_TRUE(now.ok() && before.ok());
+  ASSERT_LT(before->state_bytes, now->state_bytes) << "the formats' layouts do not differ here";
+  ASSERT_EQ(before->journal_offset, now->journal_offset);
+  const Rounds data = MakeRounds(n, 13);
+  const v1::AdamWHyper h = testing::TestHyper(0.05);
+  auto run = [&](bool old_format) {
+    std::vector<float> master;
+    Daemon d;
+    EXPECT_TRUE(d.started()) << d.error();
+    auto client = Client::Connect(d.socket(), 3000, 20);
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return master;
+    auto opened = (*client)->OpenSession("old-format", 0);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    if (!opened.ok()) return master;
+    Session& s = **opened;
+    EXPECT_TRUE(s.RegisterParams({{"w", {rows, cols}, v1::DTYPE_FP32}}, v1::DTYPE_FP32, 1).ok());
+    EXPECT_TRUE(s.LoadValues({{"w", data.w.data()}}).ok());
+    memcpy(s.GradSlot(0, "w"), data.grads[0].data(), n * 4);
+    EXPECT_TRUE(s.Push(1, 0).ok());
+    EXPECT_TRUE(Update(s, h, 1).ok());
+    v1::SessionRef ref = s.ref();
+    int state_fd = s.state_fd();
+    int old_fd = -1, adopter = -1;
+    uint8_t* old = nullptr;
+    if (old_format) {
+      const std::string fd_socket = FdSocket(**client);
+      d.Kill();
+      d.Restart();
+      old_fd = memfd_create("old-format state", MFD_ALLOW_SEALING);
+      EXPECT_GE(old_fd, 0) << strerror(errno);
+      EXPECT_EQ(ftruncate(old_fd, static_cast<off_t>(before->state_bytes)), 0);
+      old = static_cast<uint8_t*>(mmap(nullptr, before->state_bytes, PROT_READ | PROT_WRITE,
+                                       MAP_SHARED, old_fd, 0));
+      EXPECT_NE(old, MAP_FAILED) << strerror(errno);
+      if (old == MAP_FAILED) return master;
+      EXPECT_EQ(pread(state_fd, old, before->journal_offset, 0),
+                static_cast<ssize_t>(before->journal_offset));
+      WorkJournal(old + before->journal_offset, before->journal).Format();
+      SessionRecord record(old, before->arrays_offset);
+      absl::StatusOr<SessionIdentity> id = record.ReadIdentity();
+      EXPECT_TRUE(id.ok()) << id.status();
+      if (!id.ok()) return master;
+      EXPECT_EQ(id->format, kRecordFormat);
+      id->format = kRecordFormatNoHandovers;
+      id->state_bytes = before->state_bytes;
+      EXPECT_TRUE(record.WriteIdentity(*id).ok());
+      EXPECT_EQ(fcntl(old_fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0) << strerror(errno);
+      // The adopting connection stays open: the daemon holds a session while its process is
+      // connected.
+      absl::StatusOr<int> conn = ConnectUnix(fd_socket);
+      EXPECT_TRUE(conn.ok()) << conn.status();
+      if (!conn.ok()) return master;
+      adopter = *conn;
+      std::string reply;
+      std::vector<int> got_fds;
+      absl::Status sent = SendWithFds(
+          adopter, absl::StrCat("ADOPT ", ref.token(), " ", s.generation(), "\n"),
+          {s.region_fd(), old_fd});
+      if (sent.ok()) sent = RecvWithFds(adopter, 512, &reply, &got_fds, 0);
+      EXPECT_TRUE(sent.ok()) << sent;
+      EXPECT_EQ(reply.rfind("OK ", 0), 0u) << reply << "\n" << d.Log();
+      uint64_t new_id = 0;
+      std::istringstream(reply.substr(3)) >> new_id;
+      ref.set_session_id(new_id);
+      state_fd = old_fd;
+      // The client's channel may still hold the dead daemon's connection.
+      for (int i = 0; i < 100 && !(*client)->Health().ok(); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    auto call = [&](auto rpc, auto req, auto* resp) {
+      *req.mutable_session() = ref;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+      return FromGrpc(((*client)->stub()->*rpc)(&ctx, req, resp));
+    };
+    memcpy(s.GradSlot(0, "w"), data.grads[1].data(), n * 4);
+    v1::PushGradientsRequest push;
+    push.set_step(2);
+    v1::PushGradientsResponse pushed;
+    absl::Status st = call(&v1::Offload::Stub::PushGradients, push, &pushed);
+    EXPECT_TRUE(st.ok()) << st;
+    // A handover of 200 columns (its plan, 4824 bytes, does not fit the old journal's room of
+    // 2368), then the Update that lands it.
+    std::fill(s.Staging(), s.Staging() + 4 * rows * 200, 0.125f);
+    v1::MigrateColumnsRequest hand;
+    hand.set_handover(true);
+    hand.set_param("w");
+    for (int64_t j = 0; j < 200; ++j) {
+      hand.add_columns(5 + 20 * j);
+      hand.add_steps(1);
+    }
+    hand.set_handovers_before(0);
+    v1::MigrateColumnsResponse handed;
+    st = call(&v1::Offload::Stub::MigrateColumns, hand, &handed);
+    EXPECT_TRUE(st.ok()) << st;
+    if (old_format) {  // no journal entry to answer it again from: refused, nothing moved
+      EXPECT_EQ(before->journal.plan_capacity, 2368u);
+      v1::MigrateColumnsResponse again;
+      EXPECT_EQ(call(&v1::Offload::Stub::MigrateColumns, hand, &again).code(),
+                Code::kFailedPrecondition);
+    }
+    v1::UpdateRequest update;
+    update.set_step(2);
+    *update.mutable_hyper() = h;
+    v1::UpdateResponse updated;
+    EXPECT_TRUE(call(&v1::Offload::Stub::Update, update, &updated).ok());
+    v1::WaitUpdateRequest wait;
+    wait.set_min_version(2);
+    v1::WaitUpdateResponse waited;
+    EXPECT_TRUE(call(&v1::Offload::Stub::WaitUpdate, wait, &waited).ok());
+    const SessionLayout& layout = old_format ? *before : *now;
+    std::vector<uint8_t> bytes(layout.arrays_offset + 4 * n);
+    EXPECT_EQ(pread(state_fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+    const float* m = reinterpret_cast<const float*>(bytes.data() + layout.arrays_offset);
+    master.assign(m, m + n);
+    if (old_format) {
+      absl::StatusOr<SessionIdentity> id =
+          SessionRecord(old, before->arrays_offset).ReadIdentity();
+      EXPECT_TRUE(id.ok()) << id.status();
+      if (id.ok()) EXPECT_EQ(id->format, kRecordFormatNoHandovers) << "the format changed";
+      munmap(old, before->state_bytes);
+      close(old_fd);
+      close(adopter);
+    }
+    return master;
+  };
+  const std::vector<float> got = run(true), want = run(false);
+  ASSERT_EQ(got.size(), static_cast<size_t>(n));
+  EXPECT_TRUE(got == want) << "the parameters differ from the run of the current format";
+}
+
 TEST(Adopt, ASessionItsDaemonClosedIsNotTakenBack) {
   Daemon d;
   ASSERT_TRUE(d.started()) << d.error();

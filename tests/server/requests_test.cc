@@ -87,6 +87,15 @@ TEST(LayOutParams, Bf16TransfersOneSlotTakeAbout22BytesPerElement) {
   EXPECT_EQ(l->state_bytes, kJournalAt + kJournalBytes);
   EXPECT_EQ(l->pinned_bytes(), 2 * Pages(2 * kColdElems) + Pages(2 * kColdElems) +
                                    Pages(kColdElems / 8) + kJournalAt + kJournalBytes);
+  // A state of the record format before (2), adopted, keeps the journal it was laid out with:
+  // the plan room of an Update's or a push's alone, 2944 bytes of header, entry and bitmap.
+  absl::StatusOr<SessionLayout> before = LayOutParams(
+      Request(ColdModel(v1::DTYPE_BF16), v1::DTYPE_BF16, 1), kRecordFormatNoHandovers);
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_EQ(before->journal.bytes, 2944u + 2 * 3 * 1024 * 4);
+  EXPECT_EQ(before->state_bytes, kJournalAt + 2944 + 2 * 3 * 1024 * 4);
+  EXPECT_EQ(before->record_format, kRecordFormatNoHandovers);
+  EXPECT_EQ(l->record_format, kRecordFormat);
   const double per_elem = static_cast<double>(l->pinned_bytes()) / kColdElems;
   // The padding and the record: 0.019 an element; the journal from its page on: 0.015 (0.005 of
   // it the room of a handover's plan).

@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+
 namespace stallfree {
 namespace {
 
@@ -65,6 +67,26 @@ TEST(SessionRecord, IdentityRoundTripsAndChecksItsChecksum) {
     EXPECT_EQ(r.ReadIdentity().status().code(), absl::StatusCode::kDataLoss) << at;
     mem[at] ^= 0x10;
   }
+  EXPECT_EQ(got->format, kRecordFormat);
+  // The format before journaled handovers (2) is read and kept; others are refused by name.
+  SessionIdentity two = id;
+  two.format = kRecordFormatNoHandovers;
+  ASSERT_TRUE(r.WriteIdentity(two).ok());
+  got = r.ReadIdentity();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->format, kRecordFormatNoHandovers);
+  for (uint32_t other : {1u, 4u}) {
+    SessionIdentity bad = id;
+    bad.format = other;
+    ASSERT_TRUE(r.WriteIdentity(bad).ok());
+    got = r.ReadIdentity();
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss) << other;
+    EXPECT_NE(got.status().message().find(absl::StrCat("has format ", other, "; this stallfreed "
+                                                       "reads formats 2 and 3")),
+              std::string::npos)
+        << got.status();
+  }
+  ASSERT_TRUE(r.WriteIdentity(id).ok());
   // A name longer than the record has room for is refused, not written past the end.
   SessionIdentity long_name = id;
   long_name.name.assign(kRecordMaxName + 1, 'x');
