@@ -205,7 +205,7 @@ def test_load_state_dict_holds_one_copy_of_pinned_memory(daemon):
     one_copy = pinned(daemon.socket)
     assert one_copy > 0
     src.close()
-    assert pinned(daemon.socket) == 0
+    assert pinned_settled(daemon.socket, 0) == 0
 
     model = models.make_model(7)
     opt = ZenFlowAdamW(models.param_groups(model), socket=daemon.socket, **ZENFLOW)
@@ -216,7 +216,7 @@ def test_load_state_dict_holds_one_copy_of_pinned_memory(daemon):
             opt.load_state_dict(sd)
         assert fresh.samples > 0
         assert fresh.peak <= 1.1 * one_copy, ("fresh", fresh.peak, one_copy, fresh.samples)
-        assert pinned(daemon.socket) == one_copy
+        assert pinned_settled(daemon.socket, one_copy) == one_copy
         # Two more steps (the second is round 2's boundary: its Update runs in the daemon while
         # the state is loaded again).
         models.plain_steps(model, opt, 2, seed=3)
@@ -224,7 +224,7 @@ def test_load_state_dict_holds_one_copy_of_pinned_memory(daemon):
         with PinnedWatch(daemon.socket) as stepped:
             opt.load_state_dict(sd)
         assert stepped.peak <= 1.1 * one_copy, ("stepped", stepped.peak, one_copy)
-        assert pinned(daemon.socket) == one_copy
+        assert pinned_settled(daemon.socket, one_copy) == one_copy
         # And it goes on exactly as an optimizer that loaded the state once.
         twin_model = models.make_model(7)
         twin = ZenFlowAdamW(models.param_groups(twin_model), socket=daemon.socket, **ZENFLOW)
