@@ -19,6 +19,47 @@ namespace {
 
 constexpr char kMagic[8] = {'S', 'F', 'C', 'K', 'P', 'T', '1', '\n'};
 constexpr size_t kIoChunk = size_t{8} << 20;
+// Bytes checksummed and copied together in memory: the second pass over them finds them in L2
+// (a run of a whole staging chunk would read every byte from memory twice).
+constexpr uint64_t kCacheRun = uint64_t{256} << 10;
+
+// DataLoss unless a checkpoint's stored trailer is the checksum of what came before it.
+absl::Status CheckDigest(uint64_t stored, uint64_t computed, const std::string& what) {
+  if (stored == computed) return absl::OkStatus();
+  return absl::DataLossError(absl::StrFormat("%s is corrupt: checksum %016x, it says %016x", what,
+                                             computed, stored));
+}
+
+// Whether bytes are UTF-8 as proto3 requires of a string field (protobuf refuses to parse a
+// message whose string is not): no overlong forms, no surrogates, nothing past U+10FFFF.
+bool ValidUtf8(const uint8_t* p, size_t n) {
+  for (size_t i = 0; i < n;) {
+    const uint8_t c = p[i];
+    size_t len;
+    uint32_t cp;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      len = 2, cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3, cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (n - i < len) return false;
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xC0) != 0x80) return false;
+      cp = cp << 6 | (p[i + k] & 0x3F);
+    }
+    static constexpr uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += len;
+  }
+  return true;
+}
 
 // ---- The header: offload.proto's CheckpointHeader in protobuf's wire format ----
 //
@@ -173,6 +214,8 @@ struct WireReader {
   absl::Status String(std::string* out) {
     WireReader s{};
     RETURN_IF_ERROR(Length(message, &s));
+    if (!ValidUtf8(s.p, static_cast<size_t>(s.end - s.p)))
+      return Fault(s.p, "a string that is not UTF-8 (proto3 refuses it)");
     out->assign(reinterpret_cast<const char*>(s.p), static_cast<size_t>(s.end - s.p));
     return absl::OkStatus();
   }
@@ -344,10 +387,7 @@ absl::StatusOr<StateHeader> VerifyFd(int fd, const std::string& path, uint64_t s
   }
   uint64_t stored = 0;
   RETURN_IF_ERROR(ReadAt(fd, &stored, 8, size - 8, path));
-  if (stored != sum.Digest())
-    return absl::DataLossError(absl::StrFormat(
-        "checkpoint %s is corrupt: checksum %016x, the file says %016x", path, sum.Digest(),
-        stored));
+  RETURN_IF_ERROR(CheckDigest(stored, sum.Digest(), absl::StrCat("checkpoint ", path)));
   return header;
 }
 
@@ -560,10 +600,14 @@ absl::Status MatchCheckpointParams(const StateHeader& header, const std::vector<
   for (size_t i = 0; i < specs.size(); ++i) {
     const StateHeader::Param& hp = header.params[i];
     const int64_t cols = specs[i].shape.empty() ? 1 : specs[i].shape.back();
-    if (hp.spec != specs[i] || static_cast<int64_t>(hp.col_steps.size()) != cols)
+    if (hp.spec != specs[i])
       return absl::FailedPreconditionError(absl::StrCat(
           field, ": parameter ", i, " of ", name, " is '", hp.spec.name,
           "' with another name, shape or dtype than the session's '", specs[i].name, "'"));
+    if (static_cast<int64_t>(hp.col_steps.size()) != cols)
+      return absl::FailedPreconditionError(absl::StrCat(
+          field, ": parameter ", i, " of ", name, " ('", hp.spec.name, "') has ",
+          hp.col_steps.size(), " column step counts for ", cols, " columns"));
   }
   return absl::OkStatus();
 }
@@ -582,9 +626,7 @@ absl::StatusOr<StateHeader> VerifyCheckpointBytes(
   sum.Update(p, size - 8);
   uint64_t stored = 0;
   memcpy(&stored, p + size - 8, 8);
-  if (stored != sum.Digest())
-    return absl::DataLossError(absl::StrFormat("%s is corrupt: checksum %016x, it says %016x",
-                                               what, sum.Digest(), stored));
+  RETURN_IF_ERROR(CheckDigest(stored, sum.Digest(), what));
   return header;
 }
 
@@ -626,7 +668,7 @@ uint64_t CheckpointExport::Next(void* dst, uint64_t capacity) {
   char* out = static_cast<char*>(dst);
   uint64_t n = 0;
   for (;;) {
-    const auto [at, k] = NextRun(capacity - n);
+    const auto [at, k] = NextRun(std::min(capacity - n, kCacheRun));
     if (k == 0) return n;
     memcpy(out + n, at, k);
     n += k;
@@ -681,7 +723,7 @@ absl::StatusOr<bool> CheckpointImport::Take(const void* src, uint64_t n, const A
       if (prefix_.size() == want) RETURN_IF_ERROR(TakePrefix(accept));
     } else if (piece_ < pieces_.size()) {
       auto& [data, bytes] = pieces_[piece_];
-      k = std::min(n, bytes - in_piece_);
+      k = std::min({n, bytes - in_piece_, kCacheRun});
       if (k > 0) memcpy(data + in_piece_, in, k);  // (an array of no rows has no data)
       writing_ = true;
       sum_.Update(in, k);
@@ -703,9 +745,7 @@ absl::StatusOr<bool> CheckpointImport::Take(const void* src, uint64_t n, const A
   if (done_ < total_) return false;
   uint64_t stored = 0;
   memcpy(&stored, trailer_, 8);
-  if (stored != sum_.Digest())
-    return absl::DataLossError(absl::StrFormat("%s is corrupt: checksum %016x, it says %016x",
-                                               what_, sum_.Digest(), stored));
+  RETURN_IF_ERROR(CheckDigest(stored, sum_.Digest(), what_));
   return true;
 }
 

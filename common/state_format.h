@@ -81,7 +81,8 @@ std::string EncodeStateHeader(const StateHeader& header);
 // a length past the end, a group or an invalid wire type, field number 0.
 absl::StatusOr<StateHeader> DecodeStateHeader(const void* data, size_t size);
 
-// A parameter's elements (the product of its shape, 1 to 8 dimensions each in [1, 2^40]), and
+// A parameter's elements (the product of its shape, 1 to 8 dimensions each in [1, 2^40], the
+// leading one in [0, 2^40]: a rank's share of no rows), and
 // the bytes of the arrays a header describes (4 x numel fp32 per parameter), in overflow-safe
 // arithmetic: DataLoss naming the parameter when a shape is out of range or a product or sum
 // overflows (numel * 16 <= INT64_MAX otherwise).

@@ -268,10 +268,6 @@ absl::Status DeleteCheckpointFile(const std::string& path) {
   return FsyncDirectory(DirOf(path));
 }
 
-}  // namespace stallfree
-
-namespace stallfree {
-
 absl::StatusOr<std::vector<std::string>> SweepStateDir(const std::string& state_dir) {
   std::vector<std::string> dirs = {state_dir};
   ASSIGN_OR_RETURN(auto owners, UidDirs(state_dir));

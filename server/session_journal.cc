@@ -307,15 +307,7 @@ void WorkJournal::RunPieces(uint64_t pieces, const PhasedWork& work) {
       OrderStores();
       __atomic_store_n(header, PieceHeader(p, 1), __ATOMIC_RELEASE);
       OrderStores();
-      work.first(p, saved);
-      OrderStores();
-      __atomic_store_n(header, PieceHeader(p, 2), __ATOMIC_RELEASE);
-      OrderStores();
-      // Testing: the piece half exchanged while it waits, as a crash can leave it.
-      if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-      work.second(p, saved);
-      OrderStores();
-      MarkDone(p, 1);
+      PieceFrom(header, p, 1, saved, work, delay_us);
     }
   };
   OnSlots(static_cast<uint32_t>(std::min<uint64_t>(g_.slots, todo.size())), worker);
@@ -334,18 +326,24 @@ absl::Status WorkJournal::FinishTornPieces(uint64_t pieces, const PhasedWork& wo
                                               pieces));
     const uint64_t p = tag - 1;
     if (done(p)) continue;
-    const float* saved = SlotData(s);
-    if (phase == 1) {
-      work.first(p, saved);
-      OrderStores();
-      __atomic_store_n(header, PieceHeader(p, 2), __ATOMIC_RELEASE);
-      OrderStores();
-    }
-    work.second(p, saved);
-    OrderStores();
-    MarkDone(p, 1);
+    PieceFrom(header, p, phase, SlotData(s), work, 0);
   }
   return absl::OkStatus();
+}
+
+void WorkJournal::PieceFrom(uint64_t* header, uint64_t piece, uint64_t phase, const float* saved,
+                            const PhasedWork& work, int64_t delay_us) {
+  if (phase == 1) {
+    work.first(piece, saved);
+    OrderStores();
+    __atomic_store_n(header, PieceHeader(piece, 2), __ATOMIC_RELEASE);
+    OrderStores();
+  }
+  // Testing: the piece half exchanged while it waits, as a crash can leave it.
+  if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+  work.second(piece, saved);
+  OrderStores();
+  MarkDone(piece, 1);
 }
 
 absl::Status WorkJournal::RollBackTorn(uint64_t elems, const std::vector<float*>& arrays) {

@@ -187,6 +187,10 @@ class WorkJournal {
   uint64_t OpBytes() const;
   // Sets the done bits of units [first, first + n) (release).
   void MarkDone(uint64_t first, uint64_t n);
+  // A piece whose slot header names it in `phase` (its incoming cells in `saved`): from there
+  // to done (the header's phase 2 after the first phase; the testing delay before the second).
+  void PieceFrom(uint64_t* header, uint64_t piece, uint64_t phase, const float* saved,
+                 const PhasedWork& work, int64_t delay_us);
   // Runs worker(slot) for slots [0, tasks) in parallel on the current task arena (on this
   // thread alone when tasks is 1).
   void OnSlots(uint32_t tasks, const std::function<void(uint32_t)>& worker);

@@ -467,6 +467,47 @@ std::string ReadAll(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
+// Strings are proto3's: protobuf refuses a header whose name is not UTF-8, and so does the
+// library (before it, such a file was a corrupt header; a name taken as it came would reach the
+// listing's CheckpointInfo, which protobuf readers then refuse). Valid multi-byte names read.
+TEST(StateFormatTest, NamesThatAreNotUtf8AreRefusedAsProtobufRefusesThem) {
+  struct Case {
+    std::string name;
+    bool valid;
+  };
+  const std::vector<Case> cases = {
+      {"caf\xc3\xa9", true},             // U+00E9
+      {"\xe2\x82\xac-\xf0\x9f\x98\x80", true},  // U+20AC, U+1F600
+      {"\xc0\x80", false},               // an overlong NUL
+      {"\xed\xa0\x80", false},           // a surrogate
+      {"\xf4\x90\x80\x80", false},       // past U+10FFFF
+      {"ab\xc3", false},                  // cut short
+      {"\x80", false},                    // a continuation byte alone
+  };
+  for (const Case& c : cases) {
+    for (bool in_spec : {false, true}) {  // the session's name, and a parameter's
+      // Field 1 (session_name), or field 5 (params) holding field 1 (spec) holding field 1.
+      std::string bytes;
+      if (!in_spec) {
+        bytes = std::string("\x0a") + static_cast<char>(c.name.size()) + c.name;
+      } else {
+        const std::string spec = std::string("\x0a") + static_cast<char>(c.name.size()) + c.name;
+        const std::string param = std::string("\x0a") + static_cast<char>(spec.size()) + spec;
+        bytes = std::string("\x2a") + static_cast<char>(param.size()) + param;
+      }
+      v1::CheckpointHeader proto;
+      EXPECT_EQ(proto.ParseFromString(bytes), c.valid) << Hex(bytes);
+      if (c.valid) {
+        absl::StatusOr<StateHeader> got = DecodeStateHeader(bytes.data(), bytes.size());
+        ASSERT_TRUE(got.ok()) << got.status();
+        EXPECT_EQ(in_spec ? got->params.at(0).spec.name : got->session_name, c.name);
+      } else {
+        ExpectDataLoss(bytes, "not UTF-8", Hex(bytes));
+      }
+    }
+  }
+}
+
 TEST(StateFormatTest, WrittenFileReadsBackBitForBit) {
   const char* tmp = getenv("TEST_TMPDIR");
   const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/state.sfckpt";

@@ -81,9 +81,9 @@ absl::Status Update(Session& s, const v1::AdamWHyper& h, int64_t step) {
   return s.WaitUpdate(step).status();
 }
 
-// Where a session of one fp32 [rows, cols] parameter with one fp32 parameter slot keeps its
-// state in its memfd: the daemon's own layout rules (requests.h).
-SessionLayout StateLayout(int64_t rows, int64_t cols) {
+// The registration of a session of one fp32 [rows, cols] parameter "w" with one fp32 parameter
+// slot.
+v1::RegisterParamsRequest Registration(int64_t rows, int64_t cols) {
   v1::RegisterParamsRequest reg;
   reg.set_param_dtype(v1::DTYPE_FP32);
   reg.set_param_slots(1);
@@ -92,7 +92,13 @@ SessionLayout StateLayout(int64_t rows, int64_t cols) {
   p->add_shape(rows);
   p->add_shape(cols);
   p->set_grad_dtype(v1::DTYPE_FP32);
-  absl::StatusOr<SessionLayout> layout = LayOutParams(reg);
+  return reg;
+}
+
+// Where such a session keeps its state in its memfd: the daemon's own layout rules
+// (requests.h).
+SessionLayout StateLayout(int64_t rows, int64_t cols) {
+  absl::StatusOr<SessionLayout> layout = LayOutParams(Registration(rows, cols));
   EXPECT_TRUE(layout.ok()) << layout.status();
   return layout.ok() ? *std::move(layout) : SessionLayout();
 }
@@ -780,14 +786,7 @@ TEST(Adopt, UnderSystemdTheFdStoreHandsTheStateToTheNextDaemonAtStart) {
 // one: its bytes up to the journal, the identity's format and size set back, the old journal.
 TEST(Adopt, AStateOfTheFormatBeforeJournaledHandoversIsTakenBack) {
   const int64_t rows = 16, cols = 4096, n = rows * cols;
-  v1::RegisterParamsRequest reg;
-  reg.set_param_dtype(v1::DTYPE_FP32);
-  reg.set_param_slots(1);
-  v1::ParamSpec* spec = reg.add_params();
-  spec->set_name("w");
-  spec->add_shape(rows);
-  spec->add_shape(cols);
-  spec->set_grad_dtype(v1::DTYPE_FP32);
+  const v1::RegisterParamsRequest reg = Registration(rows, cols);
   const absl::StatusOr<SessionLayout> now = LayOutParams(reg);
   const absl::StatusOr<SessionLayout> before = LayOutParams(reg, kRecordFormatNoHandovers);
   ASSERT_TRUE(now.ok() && before.ok());
