@@ -31,9 +31,16 @@ CUDA_TARGETS := //kernels:optimizer_cuda //kernels:ops_cuda //tests/kernels:opti
   //tests/parallel:tsp_nccl_test //tests/parallel:tpsp_nccl_test //tests/parallel:model_nccl_test \
   //tests/trainer:trainer_cuda_test
 
-# What runs under the sanitizers: the daemon, the client library and the ZenFlow engine.
-SANITIZED_TESTS := //tests/server/... //tests/client/... //tests/engine/... \
+# What runs under the sanitizers: the daemon, the client library, the ZenFlow engine, and the
+# kill tests of the trainer and of ZenFlowAdamW (the Python suite's survival tests, the
+# extension and daemons built with the sanitizers, their runtimes preloaded: run_pytest.sh).
+# `make test` runs these under ASan + UBSan only, not again in the plain configuration (the same
+# assertions, and the sanitizers' checks besides): the plain run takes the rest of //... .
+# `make test-tsan` runs the first four under ThreadSanitizer.
+TSAN_TESTS := //tests/server/... //tests/client/... //tests/engine/... \
   //tests/common:state_format_test
+SANITIZED_TESTS := $(TSAN_TESTS) //tests/trainer:trainer_survival_test //tests/python:survival_test
+PLAIN_TESTS := //... $(addprefix -,$(SANITIZED_TESTS))
 ASAN_FLAGS := --config=asan \
   --test_env=LSAN_OPTIONS=suppressions=$(CURDIR)/tests/sanitizers/lsan.supp
 TSAN_FLAGS := --config=tsan \
@@ -94,8 +101,9 @@ wheel: apt-deps
 # The sanitizer run comes first: bazel-bin points at the last configuration built, and users
 # expect the plain one there after make test.
 test: deps
-	$(BAZEL) test $(ASAN_FLAGS) $(SANITIZED_TESTS)
-	$(BAZEL) test $(PY_TEST_ENV) //...
+	$(BAZEL) test $(ASAN_FLAGS) $(PY_TEST_ENV) $(SANITIZED_TESTS)
+	$(BAZEL) build //...
+	$(BAZEL) test $(PY_TEST_ENV) -- $(PLAIN_TESTS)
 	@if [ -x $(NVCC) ]; then \
 	  echo "nvcc found: building and linking the --config=cuda configuration"; \
 	  $(BAZEL) build --config=cuda //... $(CUDA_TARGETS) && \
@@ -113,7 +121,7 @@ test-torch-min: venv-min
 	$(BAZEL) test $(call py_test_env,$(VENV_MIN),$(REQUIREMENTS_MIN)) //tests/python:all
 
 test-tsan: deps
-	$(BAZEL) test $(TSAN_FLAGS) $(SANITIZED_TESTS)
+	$(BAZEL) test $(TSAN_FLAGS) $(TSAN_TESTS)
 	$(BAZEL) build //...  # bazel-bin back to the plain configuration
 
 # The demo: a GPT in the three modes on the same data, the modeled GPU step times, one plot.

@@ -589,6 +589,7 @@ struct SlotRuns {
   double commits = 0;  // the session record's two commits of an Update (server/session_record.h)
   double journaled = 0;  // the memfd update through the work journal (server/session_journal.h)
   double cols_plain = 0, cols_journaled = 0;  // the column-step fused update, without and with
+  double cols_plain_1thread = 0, cols_journaled_1thread = 0;  // the same on one thread
 };
 
 SlotRuns MeasureSlot(Bench* b) {
@@ -706,13 +707,21 @@ SlotRuns MeasureSlot(Bench* b) {
           });
         });
       };
-      double cplain = 1e30, cwith = 1e30;
+      double cplain = 1e30, cwith = 1e30, cplain1 = 1e30, cwith1 = 1e30;
       for (int round = 0; round < 2; ++round) {
         cwith = std::min(cwith, cols_run(true));
         cplain = std::min(cplain, cols_run(false));
       }
+      // The same on one thread: there the core, not the memory, is the limit, and what the
+      // kernels' undo log adds shows whole (three 64-byte ring stores and a mark a vector).
+      for (int round = 0; round < 2; ++round) {
+        b->one.execute([&] { cwith1 = std::min(cwith1, cols_run(true)); });
+        b->one.execute([&] { cplain1 = std::min(cplain1, cols_run(false)); });
+      }
       r.cols_plain = cplain;
       r.cols_journaled = cwith;
+      r.cols_plain_1thread = cplain1;
+      r.cols_journaled_1thread = cwith1;
     }
   }
   // What crash safety adds to each Update: the session record's two commits (busy before, done
@@ -736,7 +745,9 @@ SlotRuns MeasureSlot(Bench* b) {
            "without %.3f\n", n / r.journaled / 1e9, n / r.memfd / 1e9);
   if (r.cols_journaled > 0)
     printf("the same with per-column steps and the push fused (ZenFlow's Update): %.3f Gelem/s, "
-           "without the journal %.3f\n", n / r.cols_journaled / 1e9, n / r.cols_plain / 1e9);
+           "without the journal %.3f; on one thread %.3f and %.3f\n", n / r.cols_journaled / 1e9,
+           n / r.cols_plain / 1e9, n / r.cols_journaled_1thread / 1e9,
+           n / r.cols_plain_1thread / 1e9);
   printf("\nsession state placement (%lld elements; fp32 update + slot): arrays n apart %.3f "
          "Gelem/s, StateStride apart %.3f, the state in a memfd %.3f; without the slot %.3f; "
          "the slot by a second pass %.3f\n",
@@ -744,6 +755,8 @@ SlotRuns MeasureSlot(Bench* b) {
          n / r.no_slot / 1e9, n / r.copy_after / 1e9);
   return r;
 }
+
+void PrintSlotFigures(int64_t n, const SlotRuns& slot);
 
 // The FIGURE lines.
 void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, const BlockRuns& w,
@@ -779,6 +792,10 @@ void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, co
          w.call_64 * 1e9);
   printf("FIGURE adamw_columns_call_64_fraction_of_1024 %.3f ratio (a journal unit's call)\n",
          w.call_64 / w.call_1024);
+  PrintSlotFigures(n, slot);
+}
+
+void PrintSlotFigures(int64_t n, const SlotRuns& slot) {
   if (slot.strided > 0) {
     printf("FIGURE session_update_fp32_slot_gelem_per_s %.3f Gelem/s\n", n / slot.strided / 1e9);
     printf("FIGURE session_update_state_stride_vs_packed %.3f x\n", slot.packed / slot.strided);
@@ -794,6 +811,10 @@ void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, co
       printf("FIGURE session_update_columns_journaled_vs_without %.3f x (throughput; the "
              "column-step fused Update, target >= 0.95)\n",
              slot.cols_plain / slot.cols_journaled);
+    if (slot.cols_journaled_1thread > 0)
+      printf("FIGURE session_update_columns_journaled_vs_without_1thread %.3f x (one core: the "
+             "undo log's stores in full)\n",
+             slot.cols_plain_1thread / slot.cols_journaled_1thread);
   }
 }
 
@@ -807,6 +828,9 @@ int Main(int argc, char** argv) {
   flags.AddBool("quick", &quick, "64M elements, 3 repetitions (finishes within 40 s)");
   flags.AddInt("elements", &elements, "elements per array for the AdamW figures");
   flags.AddInt("reps", &reps, "repetitions per figure (the best is reported)");
+  bool session_only = false;
+  flags.AddBool("session_only", &session_only,
+                "only the session update's figures (the state placement, the work journal)");
   if (int code = flags.ParseCommandLine(argc, argv); code >= 0) return code;
   if (quick) {
     elements = int64_t{64} << 20;
@@ -818,6 +842,11 @@ int Main(int argc, char** argv) {
          static_cast<long long>(b.n), b.n * 4.0 / (1 << 20), b.threads, b.fast.name(),
          static_cast<long long>(reps));
   b.Init();
+  if (session_only) {
+    const SlotRuns slot = MeasureSlot(&b);
+    PrintSlotFigures(b.n, slot);
+    return 0;
+  }
   const StreamLimits l = MeasureLimits(&b);
   KernelRuns k;
   MeasureAdamW(&b, l, &k);

@@ -12,6 +12,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -53,8 +55,17 @@ class Daemon {
     args_ = args;
     Spawn();
   }
+  // A sanitizer's report in the log of the daemon (or of one it was restarted as) ends the
+  // test process, the report shown: a test that kills and restarts its daemon would otherwise
+  // take a daemon the sanitizer stopped for one it killed.
   ~Daemon() {
     Kill();
+    const std::string report = SanitizerReport();
+    if (!report.empty()) {
+      fprintf(stderr, "stallfreed (log %s) stopped on a sanitizer's report:\n%s\n", log_.c_str(),
+              report.c_str());
+      abort();
+    }
     std::string cmd = "rm -rf " + dir_;
     if (system(cmd.c_str()) != 0) perror("rm");
   }
@@ -120,14 +131,25 @@ class Daemon {
     return status;
   }
   std::string Log() const {
-    std::string cmd = "cat " + log_;
-    std::string out;
-    FILE* f = popen(cmd.c_str(), "r");
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, n);
-    pclose(f);
-    return out;
+    std::ifstream f(log_, std::ios::binary);
+    std::ostringstream out;
+    out << f.rdbuf();
+    return out.str();
+  }
+  // The first sanitizer report in the log (AddressSanitizer, LeakSanitizer, ThreadSanitizer,
+  // UBSan's "runtime error"), up to 8,000 characters of it; empty when there is none.
+  std::string SanitizerReport() const {
+    if (log_.empty()) return "";
+    const std::string log = Log();
+    size_t at = std::string::npos;
+    for (const char* mark : {"ERROR: AddressSanitizer", "ERROR: LeakSanitizer",
+                             "WARNING: ThreadSanitizer", ": runtime error: "}) {
+      const size_t found = log.find(mark);
+      if (found < at) at = found;
+    }
+    if (at == std::string::npos) return "";
+    at = log.rfind('\n', at);
+    return log.substr(at == std::string::npos ? 0 : at + 1, 8000);
   }
   // False when no stallfreed binary was found (error() says where it looked).
   bool started() const { return pid_ > 0; }

@@ -46,6 +46,59 @@ PKG_PATH = os.path.dirname(os.path.dirname(os.path.abspath(stallfree.__file__)))
 PYTHON = sys.executable
 
 
+# Under the sanitizers (run_pytest.sh sets STALLFREE_SANITIZED when the package is built with
+# them): every daemon this process starts is checked for a sanitizer's report in its log when it
+# is closed (before its directory goes), and the run fails on one, the report shown. A test that
+# kills daemons and starts new ones would otherwise take a daemon the sanitizer stopped for one
+# it killed.
+SANITIZER_MARKS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "WARNING: ThreadSanitizer",
+                   ": runtime error: ")
+sanitizer_reports = []
+
+
+def sanitizer_report(text):
+    """The first sanitizer report in `text` (up to 8,000 characters), or ""."""
+    at = min((i for i in (text.find(m) for m in SANITIZER_MARKS) if i >= 0), default=-1)
+    if at < 0:
+        return ""
+    return text[text.rfind("\n", 0, at) + 1:][:8000]
+
+
+if os.environ.get("STALLFREE_SANITIZED") == "1":
+    _daemon_cleanup = stallfree.Daemon._cleanup
+
+    def _checked_cleanup(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                report = sanitizer_report(f.read().decode("utf-8", "replace"))
+        except OSError:
+            report = ""
+        if report:
+            sanitizer_reports.append("stallfreed on %s (pid %s):\n%s" % (self.socket, self.pid,
+                                                                         report))
+        _daemon_cleanup(self)
+
+    stallfree.Daemon._cleanup = _checked_cleanup
+
+
+@pytest.fixture(autouse=True)
+def no_sanitizer_report():
+    """Fails the test during which a closed daemon's log held a sanitizer's report."""
+    seen = len(sanitizer_reports)
+    yield
+    if len(sanitizer_reports) > seen:
+        pytest.fail("a daemon stopped on a sanitizer's report:\n" +
+                    "\n".join(sanitizer_reports[seen:]), pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Daemons closed after the last test (module fixtures, exit) are checked here."""
+    if sanitizer_reports and session.exitstatus == 0:
+        print("\n".join(["a daemon stopped on a sanitizer's report:"] + sanitizer_reports),
+              file=sys.stderr)
+        session.exitstatus = 1
+
+
 def child_env(**extra):
     """The environment for a child Python: the package and this directory on PYTHONPATH."""
     env = dict(os.environ)
