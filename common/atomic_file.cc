@@ -42,13 +42,6 @@ absl::StatusCode FileErrorCode(int err) {
   }
 }
 
-// The directory of `path` ("." for a bare name).
-std::string DirOf(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
 // <dir>/.<name>.tmp.<pid>.<n>: hidden, and unique to this process and writer.
 std::string TempSibling(const std::string& path) {
   static std::atomic<uint64_t> counter{0};
@@ -63,6 +56,29 @@ std::string TempSibling(const std::string& path) {
 absl::Status FileError(const std::string& call, const std::string& path, int err) {
   const absl::Status logged = ErrnoStatus(call, path, err);  // logs the call, path and errno
   return absl::Status(FileErrorCode(err), logged.message());
+}
+
+std::string DirOf(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+ScopedFd::~ScopedFd() {
+  if (fd >= 0) close(fd);
+}
+
+absl::Status WriteFully(int fd, const void* data, size_t n, const std::string& path) {
+  constexpr size_t kChunk = size_t{8} << 20;  // one write() call at most
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = write(fd, p, std::min(n, kChunk));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return FileError("write", path, errno);
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status MakeDirs(const std::string& path, mode_t mode) {
@@ -124,16 +140,8 @@ absl::Status AtomicFileWriter::Discard(absl::Status st) {
 
 absl::Status AtomicFileWriter::Append(const void* data, size_t n) {
   if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(temp_, " is not open"));
-  constexpr size_t kChunk = size_t{8} << 20;  // one write() call at most
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = write(fd_, p, std::min(n, kChunk));
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return Discard(FileError("write", temp_, errno));
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return absl::OkStatus();
+  absl::Status st = WriteFully(fd_, data, n, temp_);
+  return st.ok() ? st : Discard(std::move(st));
 }
 
 absl::Status AtomicFileWriter::Commit() {

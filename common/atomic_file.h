@@ -47,6 +47,23 @@ namespace stallfree {
 // The status of a failed file-system call `call` on `path` (errno `err`), coded as above; logs it.
 absl::Status FileError(const std::string& call, const std::string& path, int err);
 
+// The directory of `path` ("." for a bare name, "/" for a name in the root).
+std::string DirOf(const std::string& path);
+
+// An open file descriptor, closed when this goes out of scope (-1: none).
+struct ScopedFd {
+  int fd = -1;
+  ScopedFd() = default;
+  explicit ScopedFd(int f) : fd(f) {}
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  ~ScopedFd();
+};
+
+// write(2) until all n bytes of data went to fd (at its offset), in calls of at most 8 MiB,
+// again after EINTR; an error coded as above, naming `path`.
+absl::Status WriteFully(int fd, const void* data, size_t n, const std::string& path);
+
 // mkdir -p: creates `path` and each missing directory above it with `mode` (before the umask).
 // OK if it exists as a directory; FailedPrecondition if it (or a component) is not a directory.
 absl::Status MakeDirs(const std::string& path, mode_t mode = 0755);

@@ -283,15 +283,51 @@ uint64_t BodyBytes(const StateHeader& header) {
   return body.ok() ? *body : 0;
 }
 
-// ---- Files ----
+// ---- The prefix, in a file or in memory ----
 
-// Closes an fd on scope exit.
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) close(fd);
-  }
-};
+// The header length in the first 16 bytes of a checkpoint of `total` bytes (total >= 16 +
+// after), after its magic; the header must leave `after` bytes behind it (the checksum's 8, or 0
+// where only the header is judged).
+absl::StatusOr<uint64_t> HeaderLength(const char* first16, uint64_t total, uint64_t after,
+                                      const std::string& what) {
+  if (memcmp(first16, kMagic, 8) != 0)
+    return absl::DataLossError(absl::StrCat(what, " is not a stallfree checkpoint (bad magic)"));
+  uint64_t header_bytes = 0;
+  memcpy(&header_bytes, first16 + 8, 8);
+  if (header_bytes > total - 16 - after)
+    return absl::DataLossError(absl::StrCat(what, " is truncated: its header needs ",
+                                            header_bytes, " bytes, it has ", total));
+  return header_bytes;
+}
+
+// The header of `header_bytes` bytes at text, decoded and its shapes' products in range
+// (CheckpointBodyBytes); *body the bytes of the arrays it describes. DataLoss naming `what`.
+absl::StatusOr<StateHeader> DecodeHeaderText(const char* text, uint64_t header_bytes,
+                                             const std::string& what, uint64_t* body) {
+  absl::StatusOr<StateHeader> header = DecodeStateHeader(text, static_cast<size_t>(header_bytes));
+  absl::StatusOr<uint64_t> bytes =
+      header.ok() ? CheckpointBodyBytes(*header) : absl::StatusOr<uint64_t>(header.status());
+  if (!bytes.ok())
+    return absl::DataLossError(
+        absl::StrCat(what, " has a corrupt header: ", bytes.status().message()));
+  *body = *bytes;
+  return header;
+}
+
+// Internal unless `arrays` are one per parameter of `header`, each of its size.
+absl::Status CheckArrays(const StateHeader& header, const std::vector<CheckpointArrays>& arrays,
+                        const std::string& what) {
+  if (arrays.size() != header.params.size())
+    return absl::InternalError(absl::StrCat(what, ": ", arrays.size(), " arrays for ",
+                                            header.params.size(), " parameters"));
+  for (size_t i = 0; i < arrays.size(); ++i)
+    if (arrays[i].numel != CheckpointParamNumel(header.params[i].spec).value_or(-1))
+      return absl::InternalError(
+          absl::StrCat(what, ": parameter ", i, "'s arrays are not its size"));
+  return absl::OkStatus();
+}
+
+// ---- Files ----
 
 absl::Status ReadAt(int fd, void* data, size_t n, uint64_t offset, const std::string& path) {
   char* p = static_cast<char*>(data);
@@ -312,40 +348,28 @@ absl::Status ReadAt(int fd, void* data, size_t n, uint64_t offset, const std::st
 // listing: a bad body is found by a full read).
 absl::StatusOr<StateHeader> ReadHeaderFd(int fd, const std::string& path, uint64_t file_bytes,
                                          uint64_t* header_end, bool sized = true) {
-  char magic[8];
-  uint64_t header_bytes = 0;
+  const std::string what = absl::StrCat("checkpoint ", path);
   if (file_bytes < 16)
-    return absl::DataLossError(absl::StrCat("checkpoint ", path, " is truncated: ", file_bytes,
-                                            " bytes, not even a header"));
-  RETURN_IF_ERROR(ReadAt(fd, magic, 8, 0, path));
-  if (memcmp(magic, kMagic, 8) != 0)
-    return absl::DataLossError(absl::StrCat(path, " is not a stallfree checkpoint (bad magic)"));
-  RETURN_IF_ERROR(ReadAt(fd, &header_bytes, 8, 8, path));
-  if (header_bytes > file_bytes - 16)
-    return absl::DataLossError(absl::StrCat("checkpoint ", path, " is truncated: its header needs ",
-                                            header_bytes, " bytes, the file has ", file_bytes));
+    return absl::DataLossError(
+        absl::StrCat(what, " is truncated: ", file_bytes, " bytes, not even a header"));
+  char first16[16];
+  RETURN_IF_ERROR(ReadAt(fd, first16, 16, 0, path));
+  ASSIGN_OR_RETURN(uint64_t header_bytes, HeaderLength(first16, file_bytes, 0, what));
   std::string text(header_bytes, '\0');
   RETURN_IF_ERROR(ReadAt(fd, text.data(), header_bytes, 16, path));
-  absl::StatusOr<StateHeader> header = DecodeStateHeader(text.data(), text.size());
-  if (!header.ok())
-    return absl::DataLossError(
-        absl::StrCat("checkpoint ", path, " has a corrupt header: ", header.status().message()));
-  // Its shapes' products in range; `sized`: the arrays they describe in the file, before
-  // anyone sizes anything by them.
-  absl::StatusOr<uint64_t> body = CheckpointBodyBytes(*header);
-  if (!body.ok())
-    return absl::DataLossError(
-        absl::StrCat("checkpoint ", path, " has a corrupt header: ", body.status().message()));
+  uint64_t body = 0;
+  ASSIGN_OR_RETURN(StateHeader header, DecodeHeaderText(text.data(), header_bytes, what, &body));
+  // `sized`: the arrays its shapes describe in the file, before anyone sizes anything by them.
   const uint64_t room = file_bytes - 16 - header_bytes;  // for the arrays and the checksum
-  if (sized && (room < 8 || *body > room - 8))
+  if (sized && (room < 8 || body > room - 8))
     return absl::DataLossError(absl::StrCat(
-        "checkpoint ", path, " is truncated: ", file_bytes, " bytes, its header describes ",
-        *body, " bytes of arrays after its ", 16 + header_bytes, " and an 8-byte checksum"));
+        what, " is truncated: ", file_bytes, " bytes, its header describes ", body,
+        " bytes of arrays after its ", 16 + header_bytes, " and an 8-byte checksum"));
   *header_end = 16 + header_bytes;
   return header;
 }
 
-absl::StatusOr<uint64_t> OpenForRead(const std::string& path, Fd* fd) {
+absl::StatusOr<uint64_t> OpenForRead(const std::string& path, ScopedFd* fd) {
   fd->fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd->fd < 0) {
     if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no checkpoint ", path));
@@ -359,7 +383,7 @@ absl::StatusOr<uint64_t> OpenForRead(const std::string& path, Fd* fd) {
 // The header of the file at path (ReadHeaderFd); *file_bytes its size.
 absl::StatusOr<StateHeader> ReadHeaderAt(const std::string& path, uint64_t* file_bytes,
                                          bool sized) {
-  Fd fd;
+  ScopedFd fd;
   ASSIGN_OR_RETURN(uint64_t size, OpenForRead(path, &fd));
   *file_bytes = size;
   uint64_t header_end = 0;
@@ -393,34 +417,14 @@ absl::StatusOr<StateHeader> VerifyFd(int fd, const std::string& path, uint64_t s
 
 // ---- Bytes in memory ----
 
-// The header length in the first 16 bytes of a checkpoint of `total` bytes (total >= 24),
-// after its magic; the header must leave room for the 8-byte checksum.
-absl::StatusOr<uint64_t> HeaderLength(const char* first16, uint64_t total,
-                                      const std::string& what) {
-  if (memcmp(first16, kMagic, 8) != 0)
-    return absl::DataLossError(absl::StrCat(what, " is not a stallfree checkpoint (bad magic)"));
-  uint64_t header_bytes = 0;
-  memcpy(&header_bytes, first16 + 8, 8);
-  if (header_bytes > total - 24)
-    return absl::DataLossError(absl::StrCat(what, " is truncated: its header needs ",
-                                            header_bytes, " bytes, it has ", total));
-  return header_bytes;
-}
-
 // The header in `text`, of a checkpoint of `total` bytes, whose size must be the one the
 // header describes (16 + header + arrays + 8).
 absl::StatusOr<StateHeader> HeaderOfText(const char* text, uint64_t header_bytes,
                                          uint64_t total, const std::string& what) {
-  absl::StatusOr<StateHeader> header = DecodeStateHeader(text, static_cast<size_t>(header_bytes));
-  if (!header.ok())
-    return absl::DataLossError(
-        absl::StrCat(what, " has a corrupt header: ", header.status().message()));
-  absl::StatusOr<uint64_t> body = CheckpointBodyBytes(*header);
-  if (!body.ok())
-    return absl::DataLossError(
-        absl::StrCat(what, " has a corrupt header: ", body.status().message()));
+  uint64_t body = 0;
+  ASSIGN_OR_RETURN(StateHeader header, DecodeHeaderText(text, header_bytes, what, &body));
   uint64_t want = 24 + header_bytes;  // no overflow: header_bytes <= total - 24
-  const bool over = __builtin_add_overflow(want, *body, &want);
+  const bool over = __builtin_add_overflow(want, body, &want);
   if (over || total != want)
     return absl::DataLossError(absl::StrCat(
         what, " is ", over || total < want ? "truncated" : "too long", ": ", total,
@@ -527,6 +531,7 @@ absl::StatusOr<uint64_t> CheckpointBodyBytes(const StateHeader& header) {
 absl::StatusOr<CheckpointWritten> WriteCheckpoint(const std::string& path,
                                                   const StateHeader& header,
                                                   const std::vector<CheckpointArrays>& arrays) {
+  RETURN_IF_ERROR(CheckArrays(header, arrays, absl::StrCat("checkpoint ", path)));
   ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> file, AtomicFileWriter::Open(path, 0600));
   // The format's one statement is CheckpointExport's: its runs go to the file as they lie.
   CheckpointExport bytes(header, arrays);
@@ -553,13 +558,14 @@ absl::StatusOr<StateHeader> PeekCheckpointHeader(const std::string& path, uint64
 
 absl::Status ReadCheckpointArrays(const std::string& path, const StateHeader& expected,
                                   const std::vector<CheckpointArrays>& arrays) {
-  Fd fd;
+  ScopedFd fd;
   ASSIGN_OR_RETURN(uint64_t size, OpenForRead(path, &fd));
   uint64_t header_end = 0;
   // Pass 1: the size and the checksum.
   ASSIGN_OR_RETURN(StateHeader header, VerifyFd(fd.fd, path, size, &header_end));
   if (header != expected)
     return absl::AbortedError(absl::StrCat("checkpoint ", path, " changed while it was read"));
+  RETURN_IF_ERROR(CheckArrays(header, arrays, absl::StrCat("checkpoint ", path)));
   // Pass 2: the arrays (same open file, so the same bytes).
   uint64_t off = header_end;
   for (const CheckpointArrays& a : arrays) {
@@ -578,7 +584,7 @@ absl::StatusOr<StateHeader> VerifyCheckpointFd(int fd, const std::string& path, 
 
 absl::StatusOr<uint64_t> ReadCheckpointBytes(const std::string& path, uint64_t offset, void* dst,
                                              uint64_t capacity, uint64_t* file_bytes) {
-  Fd fd;
+  ScopedFd fd;
   ASSIGN_OR_RETURN(uint64_t size, OpenForRead(path, &fd));
   *file_bytes = size;
   if (offset > size)
@@ -619,7 +625,7 @@ absl::StatusOr<StateHeader> VerifyCheckpointBytes(
   if (size < 24)
     return absl::DataLossError(
         absl::StrCat(what, " is truncated: ", size, " bytes, not even a header"));
-  ASSIGN_OR_RETURN(uint64_t header_bytes, HeaderLength(p, size, what));
+  ASSIGN_OR_RETURN(uint64_t header_bytes, HeaderLength(p, size, 8, what));
   ASSIGN_OR_RETURN(StateHeader header, HeaderOfText(p + 16, header_bytes, size, what));
   if (judge) RETURN_IF_ERROR(judge(header));
   Checksum64 sum;
@@ -680,23 +686,16 @@ CheckpointImport::CheckpointImport(uint64_t total, std::string what)
 
 absl::Status CheckpointImport::TakePrefix(const Accept& accept) {
   if (prefix_.size() == 16) {
-    ASSIGN_OR_RETURN(header_bytes_, HeaderLength(prefix_.data(), total_, what_));
+    ASSIGN_OR_RETURN(header_bytes_, HeaderLength(prefix_.data(), total_, 8, what_));
     if (header_bytes_ > 0) return absl::OkStatus();  // the header's bytes come next
   }
   if (prefix_.size() < 16 + header_bytes_) return absl::OkStatus();
   ASSIGN_OR_RETURN(header_, HeaderOfText(prefix_.data() + 16, header_bytes_, total_, what_));
   ASSIGN_OR_RETURN(std::vector<CheckpointArrays> arrays, accept(header_));
-  if (arrays.size() != header_.params.size())
-    return absl::InternalError(absl::StrCat(what_, ": ", arrays.size(), " arrays for ",
-                                            header_.params.size(), " parameters"));
-  for (size_t i = 0; i < header_.params.size(); ++i) {
-    const CheckpointArrays& a = arrays[i];
-    if (a.numel != CheckpointParamNumel(header_.params[i].spec).value_or(-1))
-      return absl::InternalError(
-          absl::StrCat(what_, ": parameter ", i, "'s arrays are not its size"));
+  RETURN_IF_ERROR(CheckArrays(header_, arrays, what_));
+  for (const CheckpointArrays& a : arrays)
     for (float* x : {a.master, a.m, a.v, a.acc})
       pieces_.emplace_back(reinterpret_cast<char*>(x), a.numel * sizeof(float));
-  }
   have_header_ = true;
   std::string().swap(prefix_);
   return absl::OkStatus();
@@ -724,8 +723,10 @@ absl::StatusOr<bool> CheckpointImport::Take(const void* src, uint64_t n, const A
     } else if (piece_ < pieces_.size()) {
       auto& [data, bytes] = pieces_[piece_];
       k = std::min({n, bytes - in_piece_, kCacheRun});
-      if (k > 0) memcpy(data + in_piece_, in, k);  // (an array of no rows has no data)
-      writing_ = true;
+      if (k > 0) {  // (an array of no rows has no data)
+        memcpy(data + in_piece_, in, k);
+        writing_ = true;
+      }
       sum_.Update(in, k);
       done_ += k;
       in_piece_ += k;

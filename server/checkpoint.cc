@@ -17,7 +17,6 @@
 namespace stallfree {
 namespace {
 
-constexpr size_t kIoChunk = size_t{8} << 20;
 constexpr char kExt[] = ".sfckpt";
 
 // The daemon's own state directory is gone (ENOENT under it, already logged with its errno): a
@@ -27,28 +26,6 @@ absl::Status StateDirMissing(const std::string& state_dir, const absl::Status& c
       "stallfreed's state directory ", state_dir, " is missing (", cause.message(),
       "); create it (mode 0700, owned by stallfreed's user) or restart stallfreed, which does"));
 }
-
-// Closes an fd on scope exit.
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) close(fd);
-  }
-};
-
-absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    ssize_t w = write(fd, p, std::min(n, kIoChunk));
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return ErrnoStatus("write", path);
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return absl::OkStatus();
-}
-
-std::string DirOf(const std::string& path) { return path.substr(0, path.rfind('/')); }
 
 // A hidden file next to `path` ('.' never starts a tag, so it is never a checkpoint):
 // <dir>/.<name><suffix>, for uploads.
@@ -228,7 +205,7 @@ absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offs
                                           const void* src, uint64_t length, uint64_t total,
                                           uid_t owner) {
   const std::string upload = HiddenSibling(path, ".upload");
-  Fd fd;
+  ScopedFd fd;
   fd.fd = open(upload.c_str(), O_RDWR | O_CLOEXEC | (offset == 0 ? O_CREAT | O_TRUNC : 0), 0600);
   if (fd.fd < 0 && errno == ENOENT)
     return absl::FailedPreconditionError(absl::StrCat(
@@ -245,7 +222,7 @@ absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offs
     unlink(upload.c_str());
     return s;
   };
-  absl::Status w = WriteAll(fd.fd, src, length, upload);
+  absl::Status w = WriteFully(fd.fd, src, length, upload);
   if (!w.ok()) return discard(w);
   if (offset + length < total) return false;
   if (fsync(fd.fd) != 0) return discard(ErrnoStatus("fsync", upload));

@@ -597,5 +597,61 @@ TEST(StateFormatTest, WrittenFileReadsBackBitForBit) {
       << differ;
 }
 
+// The arrays a caller gives must be the header's, one per parameter and each of its size:
+// otherwise nothing is written or read (a daemon's bug, not a bad file: Internal).
+TEST(StateFormatTest, ArraysThatAreNotTheHeadersAreRefusedBeforeAnyByteMoves) {
+  const char* tmp = getenv("TEST_TMPDIR");
+  const std::string dir = std::string(tmp != nullptr ? tmp : "/tmp");
+  StateHeader h;
+  h.session_name = "fit";
+  h.params.push_back({{"w", {2, 3}, kStateFp32}, {1, 1, 1}});
+  h.params.push_back({{"s", {4}, kStateFp32}, {1, 1, 1, 1}});
+  std::vector<std::vector<float>> arrays(8);
+  for (int k = 0; k < 8; ++k) arrays[k].assign(k < 4 ? 6 : 4, 1.5f + k);
+  auto views = [&](int64_t numel0) {
+    return std::vector<CheckpointArrays>{
+        {arrays[0].data(), arrays[1].data(), arrays[2].data(), arrays[3].data(), numel0},
+        {arrays[4].data(), arrays[5].data(), arrays[6].data(), arrays[7].data(), 4}};
+  };
+  const std::string bad = dir + "/bad.sfckpt";
+  absl::StatusOr<CheckpointWritten> one = WriteCheckpoint(bad, h, {views(6)[0]});
+  EXPECT_EQ(one.status().code(), Code::kInternal) << one.status();
+  EXPECT_NE(one.status().message().find("1 arrays for 2 parameters"), std::string::npos);
+  absl::StatusOr<CheckpointWritten> small = WriteCheckpoint(bad, h, views(5));
+  EXPECT_EQ(small.status().code(), Code::kInternal) << small.status();
+  EXPECT_NE(small.status().message().find("parameter 0's arrays are not its size"),
+            std::string::npos);
+  EXPECT_NE(access(bad.c_str(), F_OK), 0) << "no file for a refused write";
+
+  const std::string good = dir + "/fit.sfckpt";
+  ASSERT_TRUE(WriteCheckpoint(good, h, views(6)).ok());
+  for (auto& a : arrays) std::fill(a.begin(), a.end(), -2.0f);
+  absl::Status read = ReadCheckpointArrays(good, h, views(7));
+  EXPECT_EQ(read.code(), Code::kInternal) << read;
+  for (const auto& a : arrays)
+    for (float x : a) ASSERT_EQ(x, -2.0f) << "an array changed by a refused read";
+  EXPECT_TRUE(ReadCheckpointArrays(good, h, views(6)).ok());
+  EXPECT_EQ(arrays[0][0], 1.5f);
+}
+
+// A state whose arrays are all empty (shares of no rows) puts nothing into the caller's arrays:
+// an import of it that fails at the checksum says so (writing() false).
+TEST(StateFormatTest, AnImportOfEmptyArraysThatFailsHasWrittenNothing) {
+  StateHeader h;
+  h.session_name = "empty";
+  h.params.push_back({{"w", {0, 4}, kStateFp32}, {1, 1, 1, 1}});
+  std::vector<CheckpointArrays> none = {{nullptr, nullptr, nullptr, nullptr, 0}};
+  CheckpointExport exported(h, none);
+  std::string bytes(exported.total(), '\0');
+  ASSERT_EQ(exported.Next(bytes.data(), bytes.size()), bytes.size());
+  bytes.back() ^= 1;  // the checksum
+  CheckpointImport import(bytes.size(), "the import");
+  absl::StatusOr<bool> done = import.Take(
+      bytes.data(), bytes.size(),
+      [&](const StateHeader&) -> absl::StatusOr<std::vector<CheckpointArrays>> { return none; });
+  EXPECT_EQ(done.status().code(), Code::kDataLoss) << done.status();
+  EXPECT_FALSE(import.writing());
+}
+
 }  // namespace
 }  // namespace stallfree

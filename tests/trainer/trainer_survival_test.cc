@@ -24,13 +24,7 @@
 namespace stallfree {
 namespace {
 
-class TrainerSurvivalTest : public testing::TrainerFixture {
- protected:
-  // Common flags: the tiny preset, quiet, on the test's daemon.
-  std::vector<std::string> Base(const std::string& name, int64_t steps) const {
-    return TinyRun(name, steps);
-  }
-};
+using TrainerSurvivalTest = testing::TrainerFixture;
 
 // "exec trainer/trainer ARGS" with the --socket of args replaced by `socket`.
 std::string OnSocket(std::vector<std::string> args, const std::string& socket) {
@@ -67,12 +61,12 @@ TEST_F(TrainerSurvivalTest, TwentyDaemonKillsInA200StepRunCostNoStep) {
   const int64_t steps = 200;
   const std::vector<std::string> flags = {"--nproc", "2", "--engine_warmup", "4", "--stop_at",
                                           "200"};
-  TrainerRun ref = Trainer(Cat(Base("ref", steps), flags));
+  TrainerRun ref = Trainer(Cat(TinyRun("ref", steps), flags));
   ASSERT_EQ(ref.code, 0) << ref.output;
   testing::Daemon own({"--threads", "2", "--test_unit_delay_us", "1000"}, "info");
   ASSERT_TRUE(own.started()) << own.error();
   const pid_t trainer = testing::Spawn(
-      OnSocket(Cat(Base("kills", steps), flags), own.socket()) + " --reconnect_s 60 > " + out_ +
+      OnSocket(Cat(TinyRun("kills", steps), flags), own.socket()) + " --reconnect_s 60 > " + out_ +
       "/kills.log 2>&1");
   ASSERT_TRUE(WaitForSteps(Csv("kills"), 6)) << "the run did not reach step 6";
   std::mt19937 rng(20);
@@ -140,9 +134,9 @@ TEST_F(TrainerSurvivalTest, TwentyDaemonKillsInA200StepRunCostNoStep) {
 // losses equal an uninterrupted run's, every one of them.
 TEST_F(TrainerSurvivalTest, ASessionClosedUnderARunIsRecoveredLikeALostDaemon) {
   const std::vector<std::string> flags = {"--checkpoint_every", "5", "--engine_warmup", "4"};
-  TrainerRun ref = Trainer(Cat(Base("ref", 120), flags));
+  TrainerRun ref = Trainer(Cat(TinyRun("ref", 120), flags));
   ASSERT_EQ(ref.code, 0) << ref.output;
-  const pid_t trainer = testing::Spawn(OnSocket(Cat(Base("closed", 120), flags),
+  const pid_t trainer = testing::Spawn(OnSocket(Cat(TinyRun("closed", 120), flags),
                                                 daemon_->socket()) +
                                        " --reconnect_s 30 > " + out_ + "/closed.log 2>&1");
   ASSERT_TRUE(WaitForSteps(Csv("closed"), 12)) << "the run did not reach step 12";
@@ -175,7 +169,7 @@ TEST_F(TrainerSurvivalTest, ADaemonThatStaysAwayEndsTheRunWithTheResumeCommand) 
   ASSERT_TRUE(own.started()) << own.error();
   testing::RunShell("mkdir -p " + out_);
   const pid_t trainer = testing::Spawn(
-      OnSocket(Cat(Base("gone", 400), {"--checkpoint_every", "5"}), own.socket()) +
+      OnSocket(Cat(TinyRun("gone", 400), {"--checkpoint_every", "5"}), own.socket()) +
       " --reconnect_s 1 > " + out_ + "/gone.log 2>&1");
   ASSERT_TRUE(WaitForSteps(Csv("gone"), 12));
   own.Kill();
