@@ -36,7 +36,11 @@ CUDA_TARGETS := //kernels:optimizer_cuda //kernels:ops_cuda //tests/kernels:opti
 # extension and daemons built with the sanitizers, their runtimes preloaded: run_pytest.sh).
 # `make test` runs these under ASan + UBSan only, not again in the plain configuration (the same
 # assertions, and the sanitizers' checks besides): the plain run takes the rest of //... .
-# `make test-tsan` runs the first four under ThreadSanitizer.
+# `make test-tsan` runs the first four under ThreadSanitizer. Not the survival tests: under it,
+# the trainer's daemons report a race of the wait node of TBB's parallel_for, inlined into
+# WorkJournal::OnSlots' frame, with a worker's atomic write at the same stack address; most
+# likely an order that oneTBB's wait (libtbb, not built with TSan) gives and TSan cannot see.
+# Not resolved yet.
 TSAN_TESTS := //tests/server/... //tests/client/... //tests/engine/... \
   //tests/common:state_format_test
 SANITIZED_TESTS := $(TSAN_TESTS) //tests/trainer:trainer_survival_test //tests/python:survival_test

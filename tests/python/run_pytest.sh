@@ -11,8 +11,9 @@ if [[ -x trainer/trainer ]]; then export STALLFREE_TRAINER="$PWD/trainer/trainer
 # Under --config=asan (make test's sanitized run) the extension is built with AddressSanitizer
 # and UBSan, and so is the stallfreed it starts: their runtimes go first into every Python
 # process (LD_PRELOAD, inherited by the ranks and daemons it starts), leak checking off (the
-# interpreter's objects live until exit by design; the daemon's leaks are checked by the C++
-# tests). conftest.py then fails the run on a sanitizer's report in any daemon's log.
+# interpreter's objects live until exit by design; a daemon's leaks are checked where the C++
+# tests stop one by SIGTERM). conftest.py then fails the run on a sanitizer's report in any
+# daemon's log.
 sanitizer_libs=$(ldd python/stallfree/_stallfree.so 2>/dev/null |
   awk '$1 ~ /^lib(asan|ubsan)\.so/ { print $3 }' | tr '\n' ' ')
 if [[ -n "${sanitizer_libs// /}" ]]; then
