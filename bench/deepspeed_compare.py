@@ -37,7 +37,9 @@ before each step), and each figure is a median:
 
 FIGURE daemon_adamw_vs_deepspeed_cpu_adam = the daemon's AdamW elements/s (its own update time)
 / DeepSpeedCPUAdam's elements/s; _best_of_3 and _median_of_3 the same over the timed rounds cut
-into three consecutive runs of alternated rounds; the other FIGUREs are named for what they divide (a ratio of
+into three consecutive runs of alternated rounds; _fastest the ratio of the two fastest steps,
+and deepspeed_cpu_adam_fastest_gb_per_s, daemon_adamw_fastest_gb_per_s those steps as the bytes
+each moves an element (28 and 32) per second: both near the memory's limit; the other FIGUREs are named for what they divide (a ratio of
 elements/s, > 1 when stallfree's side is faster), and FIGURE deepspeed_cpu_adam_op_build_s
 appears only in a run that built the op. After the
 timed steps every full-AdamW optimizer's parameters are compared with torch.optim.AdamW(foreach=
@@ -546,6 +548,16 @@ def part3(args, sf, socket, figure, make_params):
               % (n3, ", ".join("%.3f" % x for x in thirds)), flush=True)
         figure("daemon_adamw_vs_deepspeed_cpu_adam_best_of_3", max(thirds), "x")
         figure("daemon_adamw_vs_deepspeed_cpu_adam_median_of_3", statistics.median(thirds), "x")
+    # The memory's limit: each side's fastest step as the bytes it moves an element (DeepSpeed:
+    # the parameter, m and v read and written and the gradient read, 28; the daemon's update
+    # of an fp32 session: the same and the parameter slot streamed, 32). Both near the same
+    # GB/s means the ratio is set by the bytes, not by the kernels (optimizer_bench prints the
+    # streaming limit of the pattern, stream_limit_4r3w).
+    if times.get("ds_cpu_adam") and extra.get("daemon_adamw"):
+        fastest_ds, fastest_daemon = min(times["ds_cpu_adam"]), min(extra["daemon_adamw"])
+        figure("deepspeed_cpu_adam_fastest_gb_per_s", numel * 28 / fastest_ds / 1e9, "GB/s")
+        figure("daemon_adamw_fastest_gb_per_s", numel * 32 / fastest_daemon / 1e9, "GB/s")
+        figure("daemon_adamw_vs_deepspeed_cpu_adam_fastest", fastest_ds / fastest_daemon, "x")
     ratio("torch_sync_offload_fp32_step_vs_deepspeed_cpu_adam", sync, ds)
     ratio("daemon_adamw_vs_deepspeed_zenflow_cpu_adam", daemon, rate("ds_zenflow_cpu_adam"))
     ratio("daemon_adamw_vs_deepspeed_zenflow_process", daemon, rate("ds_zenflow_process"))
