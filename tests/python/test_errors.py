@@ -359,3 +359,17 @@ def test_fsdp1_parameters_are_refused(daemon, use_orig_params):
             ZenFlowAdamW(model.parameters(), socket=daemon.socket)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_sanitizer_report_check_finds_each_form():
+    """conftest's check of a daemon's log under the sanitizers (make test's ASan run of the
+    survival tests): each sanitizer's report is found from its line on; a log without one
+    passes."""
+    from conftest import sanitizer_report
+    for report in ("==42==ERROR: AddressSanitizer: heap-buffer-overflow on address 0x60200",
+                   "==42==ERROR: LeakSanitizer: detected memory leaks",
+                   "WARNING: ThreadSanitizer: data race (pid=42)",
+                   "server/requests.cc:36:10: runtime error: signed integer overflow"):
+        found = sanitizer_report("a line of the log\n" + report + "\n    #0 0x1 in Frame\n")
+        assert found.startswith(report + "\n    #0 0x1 in Frame"), found
+    assert sanitizer_report("I1205 session 3: an update ran out of time\n") == ""
