@@ -35,7 +35,8 @@ CUDA_TARGETS := //kernels:optimizer_cuda //kernels:ops_cuda //tests/kernels:opti
 # kill tests of the trainer and of ZenFlowAdamW (the Python suite's survival tests, the
 # extension and daemons built with the sanitizers, their runtimes preloaded: run_pytest.sh).
 # `make test` runs these under ASan + UBSan only, not again in the plain configuration (the same
-# assertions, and the sanitizers' checks besides): the plain run takes the rest of //... .
+# assertions, and the sanitizers' checks besides): the plain run takes the rest of //... (the
+# sanitized tests' own binaries are then built in the ASan configuration only).
 # `make test-tsan` runs the first four under ThreadSanitizer. Not the survival tests: under it,
 # the trainer's daemons report a race of the wait node of TBB's parallel_for, inlined into
 # WorkJournal::OnSlots' frame, with a worker's atomic write at the same stack address; most
@@ -106,7 +107,6 @@ wheel: apt-deps
 # expect the plain one there after make test.
 test: deps
 	$(BAZEL) test $(ASAN_FLAGS) $(PY_TEST_ENV) $(SANITIZED_TESTS)
-	$(BAZEL) build //...
 	$(BAZEL) test $(PY_TEST_ENV) -- $(PLAIN_TESTS)
 	@if [ -x $(NVCC) ]; then \
 	  echo "nvcc found: building and linking the --config=cuda configuration"; \
