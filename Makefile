@@ -37,14 +37,10 @@ CUDA_TARGETS := //kernels:optimizer_cuda //kernels:ops_cuda //tests/kernels:opti
 # `make test` runs these under ASan + UBSan only, not again in the plain configuration (the same
 # assertions, and the sanitizers' checks besides): the plain run takes the rest of //... (the
 # sanitized tests' own binaries are then built in the ASan configuration only).
-# `make test-tsan` runs the first four under ThreadSanitizer. Not the survival tests: under it,
-# the trainer's daemons report a race of the wait node of TBB's parallel_for, inlined into
-# WorkJournal::OnSlots' frame, with a worker's atomic write at the same stack address; most
-# likely an order that oneTBB's wait (libtbb, not built with TSan) gives and TSan cannot see.
-# Not resolved yet.
+# `make test-tsan` runs all but the Python suite's under ThreadSanitizer.
 TSAN_TESTS := //tests/server/... //tests/client/... //tests/engine/... \
-  //tests/common:state_format_test
-SANITIZED_TESTS := $(TSAN_TESTS) //tests/trainer:trainer_survival_test //tests/python:survival_test
+  //tests/common:state_format_test //tests/trainer:trainer_survival_test
+SANITIZED_TESTS := $(TSAN_TESTS) //tests/python:survival_test
 PLAIN_TESTS := //... $(addprefix -,$(SANITIZED_TESTS))
 ASAN_FLAGS := --config=asan \
   --test_env=LSAN_OPTIONS=suppressions=$(CURDIR)/tests/sanitizers/lsan.supp

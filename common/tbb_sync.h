@@ -5,11 +5,15 @@
 // annotations (no-ops in other builds):
 //   TsanRelease(p) before handing work to TBB, TsanAcquire(p) where it starts;
 //   ParallelFor(range, body): tbb::parallel_for with both edges marked;
-//   ArenaExecute(arena, f): task_arena::execute with both edges marked (f may run on a worker).
+//   ArenaExecute(arena, f): task_arena::execute with both edges marked (f may run on a worker);
+//   both then order TBB's own atomic writes to their wait's stack before this thread's next
+//   use of it (TsanAcquireStackBelow).
 #pragma once
 
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
+
+#include <cstdint>
 
 #if defined(__SANITIZE_THREAD__)
 #include <sanitizer/tsan_interface.h>
@@ -63,22 +67,51 @@ class TsanHandOff {
   char start_ = 0, done_ = 0;
 };
 
+// After a parallel_for (or an arena's execute) returned: its wait node, on this thread's stack,
+// had its reference count decremented by the workers with atomics in TBB's inline code (compiled
+// here, so TSan sees them), after the bodies ended; the order from those decrements to this
+// thread's return is given by the wait in libtbb, which TSan does not see. The next frame at
+// that address would then be reported as racing with a worker's decrement (found in a daemon
+// under trainer_survival_test: the next parallel_for's wait node, initialized in the same frame
+// of WorkJournal::OnSlots). So this thread acquires, as TSan counts it, every 4-byte word from 4
+// KiB below this call up to `top`, the frame that ran the parallel_for: TSan orders each atomic
+// write to a word before an acquire of it, and an acquire of a word no one released costs a
+// lookup. (TSan's AnnotateNewMemory, which would forget those writes, does not reset anything in
+// GCC's runtime.)
+#if defined(__SANITIZE_THREAD__)
+__attribute__((noinline)) inline void TsanAcquireStackBelow(const void* top) {
+  volatile char here = 0;
+  const uintptr_t low = (reinterpret_cast<uintptr_t>(&here) - 4096) & ~uintptr_t{3};
+  for (uintptr_t a = low; a < reinterpret_cast<uintptr_t>(top); a += 4)
+    __tsan_acquire(reinterpret_cast<void*>(a));
+}
+#define STALLFREE_TSAN_ACQUIRE_STACK() TsanAcquireStackBelow(__builtin_frame_address(0))
+#else
+#define STALLFREE_TSAN_ACQUIRE_STACK() ((void)0)
+#endif
+
 template <typename Range, typename Body>
 void ParallelFor(const Range& range, const Body& body) {
-  const TsanHandOff hand_off;
-  tbb::parallel_for(range, [&](const Range& sub) {
-    const TsanHandOff::Piece piece = hand_off.Enter();
-    body(sub);
-  });
+  {
+    const TsanHandOff hand_off;
+    tbb::parallel_for(range, [&](const Range& sub) {
+      const TsanHandOff::Piece piece = hand_off.Enter();
+      body(sub);
+    });
+  }
+  STALLFREE_TSAN_ACQUIRE_STACK();
 }
 
 template <typename F>
 void ArenaExecute(tbb::task_arena& arena, const F& f) {
-  const TsanHandOff hand_off;
-  arena.execute([&] {
-    const TsanHandOff::Piece piece = hand_off.Enter();
-    f();
-  });
+  {
+    const TsanHandOff hand_off;
+    arena.execute([&] {
+      const TsanHandOff::Piece piece = hand_off.Enter();
+      f();
+    });
+  }
+  STALLFREE_TSAN_ACQUIRE_STACK();
 }
 
 }  // namespace stallfree
