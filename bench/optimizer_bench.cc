@@ -756,7 +756,29 @@ SlotRuns MeasureSlot(Bench* b) {
   return r;
 }
 
-void PrintSlotFigures(int64_t n, const SlotRuns& slot);
+// The session update's FIGURE lines.
+void PrintSlotFigures(int64_t n, const SlotRuns& slot) {
+  if (slot.strided > 0) {
+    printf("FIGURE session_update_fp32_slot_gelem_per_s %.3f Gelem/s\n", n / slot.strided / 1e9);
+    printf("FIGURE session_update_state_stride_vs_packed %.3f x\n", slot.packed / slot.strided);
+    printf("FIGURE session_update_fp32_slot_vs_second_pass %.3f x\n",
+           slot.copy_after / slot.strided);
+    printf("FIGURE session_update_state_memfd_vs_anonymous %.3f x\n", slot.strided / slot.memfd);
+    printf("FIGURE session_update_record_commits_fraction %.5f ratio (of the update's time)\n",
+           slot.commits / slot.strided);
+    if (slot.journaled > 0)
+      printf("FIGURE session_update_journaled_vs_without %.3f x (throughput; crash safety's "
+             "target >= 0.95)\n", slot.memfd / slot.journaled);
+    if (slot.cols_journaled > 0)
+      printf("FIGURE session_update_columns_journaled_vs_without %.3f x (throughput; the "
+             "column-step fused Update, target >= 0.95)\n",
+             slot.cols_plain / slot.cols_journaled);
+    if (slot.cols_journaled_1thread > 0)
+      printf("FIGURE session_update_columns_journaled_vs_without_1thread %.3f x (one core: the "
+             "undo log's stores in full)\n",
+             slot.cols_plain_1thread / slot.cols_journaled_1thread);
+  }
+}
 
 // The FIGURE lines.
 void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, const BlockRuns& w,
@@ -795,28 +817,6 @@ void PrintFigures(const Bench& b, const StreamLimits& l, const KernelRuns& k, co
   PrintSlotFigures(n, slot);
 }
 
-void PrintSlotFigures(int64_t n, const SlotRuns& slot) {
-  if (slot.strided > 0) {
-    printf("FIGURE session_update_fp32_slot_gelem_per_s %.3f Gelem/s\n", n / slot.strided / 1e9);
-    printf("FIGURE session_update_state_stride_vs_packed %.3f x\n", slot.packed / slot.strided);
-    printf("FIGURE session_update_fp32_slot_vs_second_pass %.3f x\n",
-           slot.copy_after / slot.strided);
-    printf("FIGURE session_update_state_memfd_vs_anonymous %.3f x\n", slot.strided / slot.memfd);
-    printf("FIGURE session_update_record_commits_fraction %.5f ratio (of the update's time)\n",
-           slot.commits / slot.strided);
-    if (slot.journaled > 0)
-      printf("FIGURE session_update_journaled_vs_without %.3f x (throughput; crash safety's "
-             "target >= 0.95)\n", slot.memfd / slot.journaled);
-    if (slot.cols_journaled > 0)
-      printf("FIGURE session_update_columns_journaled_vs_without %.3f x (throughput; the "
-             "column-step fused Update, target >= 0.95)\n",
-             slot.cols_plain / slot.cols_journaled);
-    if (slot.cols_journaled_1thread > 0)
-      printf("FIGURE session_update_columns_journaled_vs_without_1thread %.3f x (one core: the "
-             "undo log's stores in full)\n",
-             slot.cols_plain_1thread / slot.cols_journaled_1thread);
-  }
-}
 
 int Main(int argc, char** argv) {
   bool quick = false;

@@ -45,10 +45,7 @@ absl::StatusCode FileErrorCode(int err) {
 // <dir>/.<name>.tmp.<pid>.<n>: hidden, and unique to this process and writer.
 std::string TempSibling(const std::string& path) {
   static std::atomic<uint64_t> counter{0};
-  const size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "" : path.substr(0, slash + 1);
-  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
-  return absl::StrCat(dir, ".", name, ".tmp.", getpid(), ".", counter.fetch_add(1));
+  return HiddenSibling(path, absl::StrCat(".tmp.", getpid(), ".", counter.fetch_add(1)));
 }
 
 }  // namespace
@@ -62,6 +59,12 @@ std::string DirOf(const std::string& path) {
   const size_t slash = path.rfind('/');
   if (slash == std::string::npos) return ".";
   return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+std::string HiddenSibling(const std::string& path, const std::string& suffix) {
+  const size_t slash = path.rfind('/');
+  const size_t name = slash == std::string::npos ? 0 : slash + 1;
+  return absl::StrCat(path.substr(0, name), ".", path.substr(name), suffix);
 }
 
 ScopedFd::~ScopedFd() {

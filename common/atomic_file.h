@@ -50,6 +50,9 @@ absl::Status FileError(const std::string& call, const std::string& path, int err
 // The directory of `path` ("." for a bare name, "/" for a name in the root).
 std::string DirOf(const std::string& path);
 
+// A hidden file next to `path`: <dir>/.<name><suffix> (.<name><suffix> for a bare name).
+std::string HiddenSibling(const std::string& path, const std::string& suffix);
+
 // An open file descriptor, closed when this goes out of scope (-1: none).
 struct ScopedFd {
   int fd = -1;

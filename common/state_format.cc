@@ -276,12 +276,7 @@ absl::Status DecodeParam(WireReader r, StateHeader::Param* p) {
   return absl::OkStatus();
 }
 
-// The bytes of the arrays of a header that CheckpointBodyBytes accepted (WriteCheckpoint's
-// headers are the daemon's own).
-uint64_t BodyBytes(const StateHeader& header) {
-  absl::StatusOr<uint64_t> body = CheckpointBodyBytes(header);
-  return body.ok() ? *body : 0;
-}
+absl::StatusOr<uint64_t> CheckpointBodyBytes(const StateHeader& header);  // (below)
 
 // ---- The prefix, in a file or in memory ----
 
@@ -334,7 +329,7 @@ absl::Status ReadAt(int fd, void* data, size_t n, uint64_t offset, const std::st
   while (n > 0) {
     ssize_t r = pread(fd, p, std::min(n, kIoChunk), static_cast<off_t>(offset));
     if (r < 0 && errno == EINTR) continue;
-    if (r < 0) return ErrnoStatus("pread", path);
+    if (r < 0) return FileError("pread", path, errno);
     if (r == 0) return absl::DataLossError(absl::StrCat("checkpoint ", path, " is truncated"));
     p += r;
     n -= static_cast<size_t>(r);
@@ -347,7 +342,8 @@ absl::Status ReadAt(int fd, void* data, size_t n, uint64_t offset, const std::st
 // file too (so that its shapes may size buffers); without, only the header is judged (the
 // listing: a bad body is found by a full read).
 absl::StatusOr<StateHeader> ReadHeaderFd(int fd, const std::string& path, uint64_t file_bytes,
-                                         uint64_t* header_end, bool sized = true) {
+                                         uint64_t* header_end, uint64_t* body,
+                                         bool sized = true) {
   const std::string what = absl::StrCat("checkpoint ", path);
   if (file_bytes < 16)
     return absl::DataLossError(
@@ -357,13 +353,12 @@ absl::StatusOr<StateHeader> ReadHeaderFd(int fd, const std::string& path, uint64
   ASSIGN_OR_RETURN(uint64_t header_bytes, HeaderLength(first16, file_bytes, 0, what));
   std::string text(header_bytes, '\0');
   RETURN_IF_ERROR(ReadAt(fd, text.data(), header_bytes, 16, path));
-  uint64_t body = 0;
-  ASSIGN_OR_RETURN(StateHeader header, DecodeHeaderText(text.data(), header_bytes, what, &body));
+  ASSIGN_OR_RETURN(StateHeader header, DecodeHeaderText(text.data(), header_bytes, what, body));
   // `sized`: the arrays its shapes describe in the file, before anyone sizes anything by them.
   const uint64_t room = file_bytes - 16 - header_bytes;  // for the arrays and the checksum
-  if (sized && (room < 8 || body > room - 8))
+  if (sized && (room < 8 || *body > room - 8))
     return absl::DataLossError(absl::StrCat(
-        what, " is truncated: ", file_bytes, " bytes, its header describes ", body,
+        what, " is truncated: ", file_bytes, " bytes, its header describes ", *body,
         " bytes of arrays after its ", 16 + header_bytes, " and an 8-byte checksum"));
   *header_end = 16 + header_bytes;
   return header;
@@ -373,10 +368,10 @@ absl::StatusOr<uint64_t> OpenForRead(const std::string& path, ScopedFd* fd) {
   fd->fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd->fd < 0) {
     if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no checkpoint ", path));
-    return ErrnoStatus("open", path);
+    return FileError("open", path, errno);
   }
   struct stat st;
-  if (fstat(fd->fd, &st) != 0) return ErrnoStatus("fstat", path);
+  if (fstat(fd->fd, &st) != 0) return FileError("fstat", path, errno);
   return static_cast<uint64_t>(st.st_size);
 }
 
@@ -387,15 +382,17 @@ absl::StatusOr<StateHeader> ReadHeaderAt(const std::string& path, uint64_t* file
   ASSIGN_OR_RETURN(uint64_t size, OpenForRead(path, &fd));
   *file_bytes = size;
   uint64_t header_end = 0;
-  return ReadHeaderFd(fd.fd, path, size, &header_end, sized);
+  uint64_t body = 0;
+  return ReadHeaderFd(fd.fd, path, size, &header_end, &body, sized);
 }
 
 // Verifies an open checkpoint file: its header, that its size is what the header describes, and
 // the checksum of everything before the trailer. *header_end: where the arrays start.
 absl::StatusOr<StateHeader> VerifyFd(int fd, const std::string& path, uint64_t size,
                                      uint64_t* header_end) {
-  ASSIGN_OR_RETURN(StateHeader header, ReadHeaderFd(fd, path, size, header_end));
-  const uint64_t want = *header_end + BodyBytes(header) + 8;
+  uint64_t body = 0;
+  ASSIGN_OR_RETURN(StateHeader header, ReadHeaderFd(fd, path, size, header_end, &body));
+  const uint64_t want = *header_end + body + 8;
   if (size != want)
     return absl::DataLossError(absl::StrCat("checkpoint ", path, " is ",
                                             size < want ? "truncated" : "too long", ": ", size,
@@ -516,6 +513,10 @@ absl::StatusOr<int64_t> CheckpointParamNumel(const StateParam& p) {
   return numel;
 }
 
+namespace {
+
+// The bytes of the arrays a header describes (4 x numel fp32 a parameter): DataLoss naming the
+// parameter when a shape is out of range or the sum overflows.
 absl::StatusOr<uint64_t> CheckpointBodyBytes(const StateHeader& header) {
   uint64_t body = 0;
   for (const StateHeader::Param& p : header.params) {
@@ -528,13 +529,15 @@ absl::StatusOr<uint64_t> CheckpointBodyBytes(const StateHeader& header) {
   return body;
 }
 
+}  // namespace
+
 absl::StatusOr<CheckpointWritten> WriteCheckpoint(const std::string& path,
                                                   const StateHeader& header,
                                                   const std::vector<CheckpointArrays>& arrays) {
-  RETURN_IF_ERROR(CheckArrays(header, arrays, absl::StrCat("checkpoint ", path)));
-  ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> file, AtomicFileWriter::Open(path, 0600));
   // The format's one statement is CheckpointExport's: its runs go to the file as they lie.
   CheckpointExport bytes(header, arrays);
+  RETURN_IF_ERROR(bytes.status());
+  ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> file, AtomicFileWriter::Open(path, 0600));
   for (;;) {
     const auto [at, n] = bytes.NextRun(UINT64_MAX);
     if (n == 0) break;
@@ -638,6 +641,8 @@ absl::StatusOr<StateHeader> VerifyCheckpointBytes(
 
 CheckpointExport::CheckpointExport(const StateHeader& header,
                                    std::vector<CheckpointArrays> arrays) {
+  status_ = CheckArrays(header, arrays, "the state's export");
+  if (!status_.ok()) return;
   const std::string text = EncodeStateHeader(header);
   const uint64_t header_bytes = text.size();
   prefix_.assign(kMagic, 8);
@@ -662,7 +667,8 @@ std::pair<const char*, uint64_t> CheckpointExport::NextRun(uint64_t max) {
   const Piece& p = pieces_[piece_];
   const bool trailer = piece_ + 1 == pieces_.size();
   if (trailer && in_piece_ == 0) digest_ = sum_.Digest();  // everything before it is out
-  const uint64_t k = std::min(max, p.bytes - in_piece_);
+  // At most kCacheRun: whoever reads the run after it was checksummed finds it in L2.
+  const uint64_t k = std::min({max, p.bytes - in_piece_, kCacheRun});
   const char* at = p.data + in_piece_;
   if (!trailer) sum_.Update(at, k);
   in_piece_ += k;
@@ -674,7 +680,7 @@ uint64_t CheckpointExport::Next(void* dst, uint64_t capacity) {
   char* out = static_cast<char*>(dst);
   uint64_t n = 0;
   for (;;) {
-    const auto [at, k] = NextRun(std::min(capacity - n, kCacheRun));
+    const auto [at, k] = NextRun(capacity - n);
     if (k == 0) return n;
     memcpy(out + n, at, k);
     n += k;

@@ -82,12 +82,10 @@ std::string EncodeStateHeader(const StateHeader& header);
 absl::StatusOr<StateHeader> DecodeStateHeader(const void* data, size_t size);
 
 // A parameter's elements (the product of its shape, 1 to 8 dimensions each in [1, 2^40], the
-// leading one in [0, 2^40]: a rank's share of no rows), and
-// the bytes of the arrays a header describes (4 x numel fp32 per parameter), in overflow-safe
-// arithmetic: DataLoss naming the parameter when a shape is out of range or a product or sum
-// overflows (numel * 16 <= INT64_MAX otherwise).
+// leading one in [0, 2^40]: a rank's share of no rows), in overflow-safe arithmetic: DataLoss
+// naming the parameter when a shape is out of range or the product overflows (numel * 16 <=
+// INT64_MAX otherwise).
 absl::StatusOr<int64_t> CheckpointParamNumel(const StateParam& p);
-absl::StatusOr<uint64_t> CheckpointBodyBytes(const StateHeader& header);
 
 // One parameter's four fp32 state arrays of numel elements.
 struct CheckpointArrays {
@@ -110,7 +108,7 @@ absl::StatusOr<CheckpointWritten> WriteCheckpoint(const std::string& path,
                                                   const std::vector<CheckpointArrays>& arrays);
 
 // Reads and verifies the header of path (NotFound, DataLoss for a bad magic / truncation: a
-// header whose arrays, by CheckpointBodyBytes, are not all in the file is refused, so its
+// header whose arrays (4 x numel fp32 a parameter) are not all in the file is refused, so its
 // shapes may size buffers). *file_bytes is the file's size. Does not verify the checksum.
 absl::StatusOr<StateHeader> ReadCheckpointHeader(const std::string& path, uint64_t* file_bytes);
 
@@ -160,6 +158,9 @@ class CheckpointExport {
   CheckpointExport(const StateHeader& header, std::vector<CheckpointArrays> arrays);
   CheckpointExport(const CheckpointExport&) = delete;
   CheckpointExport& operator=(const CheckpointExport&) = delete;
+  // Internal unless the arrays are the header's, one per parameter, each of its size; such an
+  // export hands out nothing (total() 0).
+  const absl::Status& status() const { return status_; }
   uint64_t total() const { return total_; }
   uint64_t done() const { return done_; }  // bytes handed out so far
   // The next contiguous run of at most max bytes, where it lies (an array's memory, the
@@ -172,6 +173,7 @@ class CheckpointExport {
   uint64_t digest() const { return digest_; }
 
  private:
+  absl::Status status_;
   struct Piece {
     const char* data;
     uint64_t bytes;

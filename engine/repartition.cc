@@ -111,13 +111,14 @@ absl::Status Disagree(const std::string& what) {
 }
 
 // A daemon checkpoint's file bytes.
-std::string WriteDaemon(const DaemonState& d) {
+absl::StatusOr<std::string> WriteDaemon(const DaemonState& d) {
   std::vector<CheckpointArrays> arrays;
   for (size_t h = 0; h < d.master.size(); ++h)  // read only: the export does not write them
     arrays.push_back({const_cast<float*>(d.master[h].data()), const_cast<float*>(d.m[h].data()),
                       const_cast<float*>(d.v[h].data()), const_cast<float*>(d.acc[h].data()),
                       static_cast<int64_t>(d.master[h].size())});
   CheckpointExport out(d.header, std::move(arrays));
+  RETURN_IF_ERROR(out.status());
   std::string bytes(out.total(), '\0');
   out.Next(bytes.data(), bytes.size());
   return bytes;
@@ -238,7 +239,9 @@ absl::StatusOr<PartitionedState> StateWriter::Write() {
   }
   PartitionedState out;
   out.engine = std::move(w.out);
-  if (d0 != nullptr) out.daemon = WriteDaemon(out_d);
+  if (d0 != nullptr) {
+    ASSIGN_OR_RETURN(out.daemon, WriteDaemon(out_d));
+  }
   return out;
 }
 
@@ -329,12 +332,9 @@ class OldRanksRows : public RowsFrom {
     return Source(i).Take(target_[i].block.begin, target_[i].block.end, width, of);
   }
   absl::StatusOr<std::vector<int64_t>> DaemonSteps(size_t i, int h) override {
-    std::map<int, std::vector<int64_t>> steps;
-    for (const auto& [j, d] : dmn_)
-      steps[j] = d.header.params[h].col_steps;
-    auto of = [&steps](int j) -> const std::vector<int64_t>* {
-      auto it = steps.find(j);
-      return it == steps.end() ? nullptr : &it->second;
+    auto of = [this, h](int j) -> const std::vector<int64_t>* {
+      auto it = dmn_.find(j);
+      return it == dmn_.end() ? nullptr : &it->second.header.params[h].col_steps;
     };
     return Source(i).Take<decltype(of), int64_t>(target_[i].block.begin, target_[i].block.end, 1,
                                                  of);

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
+#include "common/state_format.h"
 #include "common/log.h"
 #include "common/status.h"
 
@@ -27,11 +28,6 @@ absl::Status StateDirMissing(const std::string& state_dir, const absl::Status& c
       "); create it (mode 0700, owned by stallfreed's user) or restart stallfreed, which does"));
 }
 
-// A hidden file next to `path` ('.' never starts a tag, so it is never a checkpoint):
-// <dir>/.<name><suffix>, for uploads.
-std::string HiddenSibling(const std::string& path, const std::string& suffix) {
-  return absl::StrCat(DirOf(path), "/.", path.substr(path.rfind('/') + 1), suffix);
-}
 
 // A transient checkpoint of clients before ExportState: bytes-<pid>-<n>-<hex>.sfckpt.
 bool TransientName(const std::string& name) {
@@ -204,20 +200,21 @@ absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointFiles(const std::s
 absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offset,
                                           const void* src, uint64_t length, uint64_t total,
                                           uid_t owner) {
+  // Hidden: '.' never starts a tag, so an upload is never taken for a checkpoint.
   const std::string upload = HiddenSibling(path, ".upload");
-  ScopedFd fd;
-  fd.fd = open(upload.c_str(), O_RDWR | O_CLOEXEC | (offset == 0 ? O_CREAT | O_TRUNC : 0), 0600);
+  ScopedFd fd(
+      open(upload.c_str(), O_RDWR | O_CLOEXEC | (offset == 0 ? O_CREAT | O_TRUNC : 0), 0600));
   if (fd.fd < 0 && errno == ENOENT)
     return absl::FailedPreconditionError(absl::StrCat(
         "offset: ", offset, " but no upload of ", path, " is in progress; start at offset 0"));
-  if (fd.fd < 0) return ErrnoStatus("open", upload);
+  if (fd.fd < 0) return FileError("open", upload, errno);
   struct stat st;
-  if (fstat(fd.fd, &st) != 0) return ErrnoStatus("fstat", upload);
+  if (fstat(fd.fd, &st) != 0) return FileError("fstat", upload, errno);
   if (static_cast<uint64_t>(st.st_size) != offset)
     return absl::FailedPreconditionError(absl::StrCat(
         "offset: ", offset, " but the upload of ", path, " holds ", st.st_size,
         " bytes; start again at offset 0"));
-  if (lseek(fd.fd, static_cast<off_t>(offset), SEEK_SET) < 0) return ErrnoStatus("lseek", upload);
+  if (lseek(fd.fd, static_cast<off_t>(offset), SEEK_SET) < 0) return FileError("lseek", upload, errno);
   auto discard = [&](absl::Status s) {
     unlink(upload.c_str());
     return s;
@@ -225,7 +222,7 @@ absl::StatusOr<bool> WriteCheckpointChunk(const std::string& path, uint64_t offs
   absl::Status w = WriteFully(fd.fd, src, length, upload);
   if (!w.ok()) return discard(w);
   if (offset + length < total) return false;
-  if (fsync(fd.fd) != 0) return discard(ErrnoStatus("fsync", upload));
+  if (fsync(fd.fd) != 0) return discard(FileError("fsync", upload, errno));
   absl::StatusOr<StateHeader> header = VerifyCheckpointFd(fd.fd, upload, total);
   if (!header.ok()) return discard(header.status());
   if (header->owner_uid.has_value() && *header->owner_uid != owner)

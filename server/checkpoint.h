@@ -12,7 +12,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/state_format.h"
 #include "stallfree/v1/offload.pb.h"
 
 namespace stallfree {

@@ -984,23 +984,26 @@ absl::Status OffloadSession::Resume(const SessionCommit& commit) {
     CommitRecord();
     return absl::OkStatus();
   }
-  if (commit.busy == RecordBusy::kHandover) {
+  const JournalOp op = commit.busy == RecordBusy::kHandover ? JournalOp::kHandover
+                       : commit.busy == RecordBusy::kUpdate   ? JournalOp::kUpdate
+                       : commit.busy == RecordBusy::kPush     ? JournalOp::kPush
+                                                              : JournalOp::kNone;
+  if (op == JournalOp::kNone || entry->kind != op)
+    return absl::DataLossError(absl::StrCat("the work journal's entry is not ",
+                                            RecordBusyName(commit.busy),
+                                            ", which its commit names"));
+  if (op == JournalOp::kHandover) {
     std::vector<MigratePlan> plans;
-    std::vector<MigrateResult> results;
-    if (entry->kind != JournalOp::kHandover)
-      return absl::DataLossError("the work journal's entry is not the handover its commit names");
+    std::vector<MigrateResult> results;  // (the answer: decoded, and so checked, here unused)
     RETURN_IF_ERROR(DecodeHandoverPlan(entry->plan, *layout_, &plans, &results));
     const uint64_t done = journal_->done_units();
-    RETURN_IF_ERROR(ExchangeColumns(plans, /*finish_torn=*/true));
+    RETURN_IF_ERROR(ExchangeColumns(plans));
     env_.counters->handovers_resumed.fetch_add(1);
     SF_LOG(kWarning, "session %d: a handover of columns cut short by the daemon before (%d "
            "pieces done) finished", id_, done);
     return absl::OkStatus();
   }
-  const bool update = commit.busy == RecordBusy::kUpdate;
-  if (entry->kind != (update ? JournalOp::kUpdate : JournalOp::kPush))
-    return absl::DataLossError(absl::StrCat("the work journal's entry is not the ",
-                                            RecordBusyName(commit.busy), " its commit names"));
+  const bool update = op == JournalOp::kUpdate;
   const auto t0 = Clock::now();
   const uint64_t total = layout_->total_elems;
   if (update) {
@@ -1066,7 +1069,7 @@ std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePla
     results[i].pushes = pushes;
   }
   BeginWork(RecordBusy::kHandover, 0, JournalOp::kHandover, EncodeHandoverPlan(plans, results));
-  ExchangeColumns(plans, /*finish_torn=*/false).IgnoreError();  // (a fresh journal: no pieces torn)
+  ExchangeColumns(plans).IgnoreError();  // (a fresh journal: no torn piece to refuse)
   const int64_t delay_us = answer_delay_us.load(std::memory_order_relaxed);
   if (delay_us > 0) {
     // Testing: the answer waits, done and committed, as a crash can find it.
@@ -1075,8 +1078,7 @@ std::vector<MigrateResult> OffloadSession::HandOver(const std::vector<MigratePla
   return results;
 }
 
-absl::Status OffloadSession::ExchangeColumns(const std::vector<MigratePlan>& plans,
-                                             bool finish_torn) {
+absl::Status OffloadSession::ExchangeColumns(const std::vector<MigratePlan>& plans) {
   const auto t0 = Clock::now();
   // The cells of the exchange: plan after plan, each [rows, n] row-major (its staging blocks'
   // order), cut into pieces of a journal unit. A piece keeps its incoming values (the staging
@@ -1102,12 +1104,20 @@ absl::Status OffloadSession::ExchangeColumns(const std::vector<MigratePlan>& pla
     const int64_t rows = layout_->params[plans[i].param].rows;
     return Staging() + plans[i].staging_at + a * rows * plans[i].columns.size();
   };
-  // The cell's element in the arrays.
-  auto element = [&](size_t i, uint64_t c) {
+  // Calls fn(c, at) for the plan's cells [b, e), at: the cell's element in the arrays (row c / n,
+  // the plan's column c % n), stepping along the rows (no division per cell).
+  auto cells = [&](size_t i, uint64_t b, uint64_t e, auto fn) {
     const ParamLayout& p = layout_->params[plans[i].param];
-    const uint64_t n = plans[i].columns.size();
-    return p.elem_offset + (c / n) * static_cast<uint64_t>(p.cols) +
-           static_cast<uint64_t>(plans[i].columns[c % n]);
+    const std::vector<int64_t>& columns = plans[i].columns;
+    const uint64_t n = columns.size(), cols = static_cast<uint64_t>(p.cols);
+    uint64_t row = p.elem_offset + b / n * cols, j = b % n;
+    for (uint64_t c = b; c < e; ++c) {
+      fn(c, row + static_cast<uint64_t>(columns[j]));
+      if (++j == n) {
+        j = 0;
+        row += cols;
+      }
+    }
   };
   float* state[4] = {master_, m_, v_, acc_};
   const bool acc_stale = acc_stale_;
@@ -1121,22 +1131,21 @@ absl::Status OffloadSession::ExchangeColumns(const std::vector<MigratePlan>& pla
   work.first = [&](uint64_t piece, const float*) {
     segments(piece, [&](size_t i, uint64_t b, uint64_t e, uint64_t) {
       float* out[4] = {block(i, 0), block(i, 1), block(i, 2), block(i, 3)};
-      for (uint64_t c = b; c < e; ++c) {
-        const uint64_t at = element(i, c);
+      cells(i, b, e, [&](uint64_t c, uint64_t at) {
         for (int a = 0; a < 3; ++a) out[a][c] = state[a][at];
         out[3][c] = acc_stale ? 0.0f : state[3][at];
-      }
+      });
     });
   };
   work.second = [&](uint64_t piece, const float* slot) {
     segments(piece, [&](size_t i, uint64_t b, uint64_t e, uint64_t o) {
-      for (uint64_t c = b; c < e; ++c) {
-        const uint64_t at = element(i, c);
+      cells(i, b, e, [&](uint64_t c, uint64_t at) {
         for (int a = 0; a < 3; ++a) state[a][at] = slot[a * unit + o + (c - b)];
-      }
+      });
     });
   };
-  if (finish_torn) RETURN_IF_ERROR(journal_->FinishTornPieces(pieces, work));
+  // Pieces a kill cut short (none on a journal Begin cleared) are finished first.
+  RETURN_IF_ERROR(journal_->FinishTornPieces(pieces, work));
   journal_->RunPieces(pieces, work);
   int64_t moved = 0;
   for (const MigratePlan& plan : plans) {
@@ -1322,6 +1331,11 @@ absl::StatusOr<uint64_t> OffloadSession::ExportChunk(uint64_t offset, std::optio
     export_.reset();
     ASSIGN_OR_RETURN(StateHeader header, SnapshotHeader(owner));
     export_ = std::make_unique<CheckpointExport>(header, StateArrays());
+    if (!export_->status().ok()) {
+      const absl::Status st = export_->status();
+      export_.reset();
+      return st;
+    }
     export_epoch_ = epoch_;
     export_version_ = header.version;
     export_start_ = Clock::now();

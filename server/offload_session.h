@@ -240,13 +240,13 @@ struct LoadJob {
   uint64_t staging_at = 0;
 };
 
-// What a handover returns: the outgoing step counts, and how many pushes the handed-over
-// accumulator block holds (0: it is zero).
 // Testing only: each handover's answer waits this long once the handover is done and committed
 // (0: none, the default), so that a test can stop the daemon between the two
 // (stallfreed's --test_answer_delay_us).
 void SetHandoverAnswerDelayForTesting(int64_t microseconds);
 
+// What a handover returns: the outgoing step counts, and how many pushes the handed-over
+// accumulator block holds (0: it is zero).
 struct MigrateResult {
   std::vector<int64_t> steps;
   int64_t pushes = 0;
@@ -471,10 +471,9 @@ class OffloadSession {
   void FinishUpdate(const UpdatePlan& plan, double secs, uint64_t fused_bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
   // A handover's exchange over the journal's pieces (WorkJournal::RunPieces), the pieces a kill
-  // cut short finished first when finish_torn (Resume); then the columns' landing marks, the
-  // handover counted and committed. DataLoss from FinishTornPieces. On the strand.
-  absl::Status ExchangeColumns(const std::vector<MigratePlan>& plans, bool finish_torn)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // cut short finished first (Resume's; none after a Begin); then the columns' landing marks,
+  // the handover counted and committed. DataLoss from FinishTornPieces. On the strand.
+  absl::Status ExchangeColumns(const std::vector<MigratePlan>& plans) ABSL_LOCKS_EXCLUDED(mu_);
   // Writes identity_ to the record.
   void WriteIdentity() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

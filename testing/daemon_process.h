@@ -139,7 +139,6 @@ class Daemon {
   // The first sanitizer report in the log (AddressSanitizer, LeakSanitizer, ThreadSanitizer,
   // UBSan's "runtime error"), up to 8,000 characters of it; empty when there is none.
   std::string SanitizerReport() const {
-    if (log_.empty()) return "";
     const std::string log = Log();
     size_t at = std::string::npos;
     for (const char* mark : {"ERROR: AddressSanitizer", "ERROR: LeakSanitizer",

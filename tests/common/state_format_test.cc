@@ -27,6 +27,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/checksum.h"
 #include "stallfree/v1/offload.pb.h"
 
 namespace stallfree {
@@ -368,7 +369,7 @@ TEST(StateFormatTest, EveryTruncationReadsAsProtobufReadsIt) {
       if (p.spec.name.size() > 100) p.spec.name = "p";
     const std::string full = EncodeStateHeader(h);
     for (size_t n = 0; n < full.size(); ++n) {
-      const std::unique_ptr<char[]> prefix(new char[n + 1]);
+      const std::unique_ptr<char[]> prefix(new char[n]);  // (exactly n: a byte past it is ASan's)
       memcpy(prefix.get(), full.data(), n);
       absl::StatusOr<StateHeader> got = DecodeStateHeader(prefix.get(), n);
       got.ok() ? ++read : ++refused;
@@ -546,6 +547,22 @@ TEST(StateFormatTest, WrittenFileReadsBackBitForBit) {
   uint64_t header_bytes = 0;
   memcpy(&header_bytes, file.data() + 8, 8);
   EXPECT_EQ(Hex(file.substr(16, header_bytes)), Hex(ToProto(h).SerializeAsString()));
+  // The rest of the layout, read here by hand: the magic, each parameter's master, m, v and
+  // accumulator after the header in order, and the trailer, the checksum of all before it.
+  EXPECT_EQ(file.substr(0, 8), std::string("SFCKPT1\n", 8));
+  size_t at = 16 + header_bytes;
+  for (const auto& a : arrays) {
+    std::vector<float> stored(a.size());
+    if (!a.empty()) memcpy(stored.data(), file.data() + at, a.size() * sizeof(float));
+    EXPECT_TRUE(SameBits(stored, a)) << "the array at byte " << at;
+    at += a.size() * sizeof(float);
+  }
+  ASSERT_EQ(at + 8, file.size());
+  Checksum64 sum;
+  sum.Update(file.data(), at);
+  uint64_t trailer = 0;
+  memcpy(&trailer, file.data() + at, 8);
+  EXPECT_EQ(trailer, sum.Digest());
 
   uint64_t size = 0;
   absl::StatusOr<StateHeader> header = ReadCheckpointHeader(path, &size);
@@ -595,6 +612,29 @@ TEST(StateFormatTest, WrittenFileReadsBackBitForBit) {
   EXPECT_EQ(differ.code(), Code::kFailedPrecondition);
   EXPECT_NE(differ.message().find("parameter 1 of checkpoint 'f' is 'b'"), std::string::npos)
       << differ;
+  specs[1].grad_dtype = h.params[1].spec.grad_dtype;
+  StateHeader fewer_steps = h;
+  fewer_steps.params[2].col_steps.pop_back();
+  absl::Status steps = MatchCheckpointParams(fewer_steps, specs, "tag: checkpoint 'f'");
+  EXPECT_EQ(steps.code(), Code::kFailedPrecondition);
+  EXPECT_NE(steps.message().find("6 column step counts for 7 columns"), std::string::npos)
+      << steps;
+
+  // Headers that differ in any one field are not equal (what every round trip above relies on).
+  std::vector<StateHeader> one_off(9, h);
+  one_off[0].session_name += "x";
+  one_off[1].rank += 1;
+  one_off[2].last_step += 1;
+  one_off[3].version += 1;
+  one_off[4].owner_uid = std::nullopt;
+  one_off[5].params[0].spec.name = "v";
+  one_off[6].params[0].spec.shape[1] += 1;
+  one_off[7].params[1].spec.grad_dtype = kStateFp32;
+  one_off[8].params[2].col_steps[0] += 1;
+  for (size_t i = 0; i < one_off.size(); ++i) EXPECT_FALSE(one_off[i] == h) << "field " << i;
+  StateHeader fewer_params = h;
+  fewer_params.params.pop_back();
+  EXPECT_FALSE(fewer_params == h);
 }
 
 // The arrays a caller gives must be the header's, one per parameter and each of its size:

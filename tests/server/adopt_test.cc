@@ -776,8 +776,6 @@ TEST(Adopt, UnderSystemdTheFdStoreHandsTheStateToTheNextDaemonAtStart) {
   EXPECT_TRUE(got == want) << "the parameters differ from the uninterrupted run's";
 }
 
-// A session its daemon closed (here an operator's close) is not taken back, by that daemon or
-// a later one: its record says so (generation 0).
 // A state of the record format before handovers were journaled (2: its work journal's plan has
 // no room for a handover's, and so its state is smaller), as the daemon of commit 0e18780 left
 // it, is taken back by this daemon with the journal it has: the run goes on bit for bit, the
@@ -921,6 +919,8 @@ TEST(Adopt, AStateOfTheFormatBeforeJournaledHandoversIsTakenBack) {
   EXPECT_TRUE(got == want) << "the parameters differ from the run of the current format";
 }
 
+// A session its daemon closed (here an operator's close) is not taken back, by that daemon or
+// a later one: its record says so (generation 0).
 TEST(Adopt, ASessionItsDaemonClosedIsNotTakenBack) {
   Daemon d;
   ASSERT_TRUE(d.started()) << d.error();
